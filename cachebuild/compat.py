@@ -1,0 +1,41 @@
+"""Every difference between the torch versions cachebuild supports (2.11 through 2.13).
+
+Code elsewhere never tests ``torch.__version__``; it asks this module.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+
+
+def torch_git_version() -> str:
+    return getattr(torch.version, "git_version", "unknown") or "unknown"
+
+
+def cuda_factors(device: torch.device) -> dict[str, Any]:
+    """CUDA runtime, driver and the device's compute capability, for keys."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    driver = None
+    try:
+        driver = torch._C._cuda_getDriverVersion()  # type: ignore[attr-defined]
+    except Exception:
+        pass
+    return {
+        "cuda": torch.version.cuda,
+        "cuda_driver": driver,
+        "gpu": props.name,
+        "capability": f"{props.major}.{props.minor}",
+    }
+
+
+def standalone_compile_accepts_fake_mode() -> bool:
+    """torch 2.13 lets standalone_compile take the FakeTensorMode of the inputs."""
+    from torch._inductor import standalone_compile
+
+    return "fake_mode" in inspect.signature(standalone_compile).parameters

@@ -1,0 +1,115 @@
+"""Cache keys and manifests.
+
+A key is the hash of a dict of named *factors*: everything that decides a compiled
+output. The dict is rendered as canonical JSON (sorted keys, no whitespace, floats in
+their shortest round-trip form, tuples as lists) and hashed with xxh3-128. The same dict
+is kept beside the artifact as its *manifest*, so any miss can be explained by diffing
+the manifest we wanted against the nearest one we have (``diff_manifests``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import xxhash
+
+KEY_HEX_CHARS = 32
+
+
+def canonical_json(factors: Any) -> str:
+    """Render ``factors`` as canonical JSON: equal values give equal strings.
+
+    Accepts dicts with string keys, lists, tuples, str, int, float, bool and None.
+    Non-finite floats and other types are refused rather than rendered ambiguously.
+    """
+    return json.dumps(_canonical(factors), sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=False, allow_nan=False)
+
+
+def _canonical(value: Any) -> Any:
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"factor names must be strings, got {k!r}")
+            out[k] = _canonical(v)
+        return out
+    if isinstance(value, (list, tuple)):
+        return [_canonical(v) for v in value]
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise ValueError(f"non-finite float {value!r} cannot be part of a key")
+        # repr() is the shortest string that round-trips; keep integral floats distinct
+        # from ints so 1.0 and 1 never collide.
+        return {"__float__": repr(value)}
+    raise TypeError(f"cannot put {type(value).__name__} {value!r} into a key")
+
+
+def make_key(factors: dict[str, Any]) -> str:
+    """The key of a dict of factors: xxh3-128 of its canonical JSON, 32 lowercase hex."""
+    return xxhash.xxh3_128_hexdigest(canonical_json(factors).encode())
+
+
+def is_key(text: str) -> bool:
+    """True if ``text`` looks like a key made by ``make_key``."""
+    return len(text) == KEY_HEX_CHARS and all(c in "0123456789abcdef" for c in text)
+
+
+@dataclass(frozen=True)
+class Difference:
+    """One factor that differs between two manifests.
+
+    ``path`` is the dotted path of the factor (``env.torch_version``); ``old`` is the
+    value in the stored manifest, ``new`` the value wanted now (``MISSING`` if absent).
+    """
+
+    path: str
+    old: Any
+    new: Any
+
+    def describe(self) -> str:
+        """The difference in words, e.g. ``env.torch_version: 2.11.0 → 2.13.0``."""
+        if self.old is MISSING:
+            return f"{self.path} added ({_short(self.new)})"
+        if self.new is MISSING:
+            return f"{self.path} removed (was {_short(self.old)})"
+        return f"{self.path}: {_short(self.old)} → {_short(self.new)}"
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "MISSING"
+
+
+MISSING: Any = _Missing()
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = value if isinstance(value, str) else canonical_json(value)
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def diff_manifests(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[Difference]:
+    """The factors that differ between two manifests, recursing into nested dicts.
+
+    Lists are compared whole: a changed graph is one difference, not hundreds.
+    """
+    diffs: list[Difference] = []
+    for name in sorted(set(old) | set(new)):
+        path = f"{prefix}{name}"
+        a, b = old.get(name, MISSING), new.get(name, MISSING)
+        if isinstance(a, dict) and isinstance(b, dict):
+            diffs.extend(diff_manifests(a, b, prefix=path + "."))
+        elif a is MISSING or b is MISSING or canonical_json(a) != canonical_json(b):
+            diffs.append(Difference(path, a, b))
+    return diffs
+
+
+def distance(old: dict[str, Any], new: dict[str, Any]) -> int:
+    """How many factors differ: used to pick the nearest stored manifest."""
+    return len(diff_manifests(old, new))

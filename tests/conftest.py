@@ -1,0 +1,42 @@
+"""Shared test set-up.
+
+One Inductor cache directory serves the whole session (Inductor on CPU is slow to
+start: it probes the CPU and builds C++), and it is exported through the environment so
+that child processes the tests start share it too.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+
+_SESSION_TMP = tempfile.mkdtemp(prefix="cachebuild-tests-")
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_SESSION_TMP, "inductor"))
+os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_SESSION_TMP, "triton"))
+os.environ.setdefault("CACHEBUILD_PROBE_DIR", os.path.join(_SESSION_TMP, "probe"))
+
+
+def _has_cuda() -> bool:
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config, items):
+    if _has_cuda():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture
+def store_dir(tmp_path):
+    """A fresh store directory (created 0700 by the store itself)."""
+    return tmp_path / "store"
