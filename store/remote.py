@@ -1,0 +1,542 @@
+"""The remote tier: framed blobs and their index records in a Redis server.
+
+A fleet shares one warm cache through Redis. This module only moves bytes: it stores the
+framed blob exactly as the local store frames it (header, payload, optional HMAC) and the
+index record beside it, and never interprets either. Verifying a blob (checksum and
+signature) is the tiered store's job, because only it knows the signing policy.
+
+Layout in Redis (one blob ``K`` cut into ``n`` chunks)::
+
+    cachebuild:v1:blob:K:0 … cachebuild:v1:blob:K:<n-1>   raw chunks of the framed blob
+    cachebuild:v1:rec:K      JSON: the index record, chunk count, length, xxh3-128 of the blob
+    cachebuild:v1:upload:K   short-lived claim held while one writer uploads K's chunks
+    cachebuild:v1:lock:K     cross-machine build lock (token, expiry)
+
+Chunks are written first and the record last, so a record that exists names a blob whose
+chunks were all written. A reader still checks the chunk count, length and digest, so a
+blob that Redis half evicted (LRU) reads as a miss, never as damaged bytes.
+
+Health: the first Redis error marks the remote down for the life of this object. That
+emits one ``RemoteDownWarning``, and every later call is a fast miss or no-op. Nothing
+here raises because Redis is slow, unreachable or dead; every socket has a timeout.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+import re
+import secrets
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Literal, TypeVar
+from urllib.parse import urlsplit, urlunsplit
+
+import redis
+import xxhash
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from cachebuild.errors import LockTimeout, UsageError
+
+log = logging.getLogger(__name__)
+
+PREFIX = "cachebuild:v1:"
+DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
+RECORD_FORMAT = 1
+Mode = Literal["rw", "ro"]
+T = TypeVar("T")
+
+# Keys are content hashes; anything outside this alphabet would let a key collide with
+# another key's chunk names or act as a SCAN glob.
+_KEY_RE = re.compile(r"[A-Za-z0-9_.\-]+")
+
+# Errors that mean "the remote is not usable": connection refused or reset, timeouts,
+# protocol errors, and plain socket errors that slip past redis-py's wrapping.
+_REMOTE_ERRORS: tuple[type[BaseException], ...] = (redis.RedisError, OSError)
+
+# Compare-and-delete / compare-and-extend: only the owner's token may release or renew a
+# lock, so a holder that stalled past its expiry cannot remove a lock another machine took.
+_RELEASE_LUA = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+    return redis.call('del', KEYS[1])
+end
+return 0
+"""
+_RENEW_LUA = """
+if redis.call('get', KEYS[1]) == ARGV[1] then
+    return redis.call('pexpire', KEYS[1], ARGV[2])
+end
+return 0
+"""
+
+
+class RemoteDownWarning(RuntimeWarning):
+    """The remote tier stopped answering; the store carries on with local data only."""
+
+
+def record_key(key: str) -> str:
+    """Redis key of ``key``'s index record."""
+    return f"{PREFIX}rec:{key}"
+
+
+def chunk_key(key: str, index: int) -> str:
+    """Redis key of chunk ``index`` of ``key``'s framed blob."""
+    return f"{PREFIX}blob:{key}:{index}"
+
+
+def lock_key(key: str) -> str:
+    """Redis key of ``key``'s cross-machine build lock."""
+    return f"{PREFIX}lock:{key}"
+
+
+def upload_key(key: str) -> str:
+    """Redis key of the claim a writer holds while it uploads ``key``'s chunks."""
+    return f"{PREFIX}upload:{key}"
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``, safe to print and log."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<unparsable remote URL>"
+    if parts.password is None:
+        return url
+    user = parts.username or ""
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+
+
+def _check_key(key: str) -> None:
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        raise ValueError(f"invalid store key {key!r}: expected letters, digits, '_', '.', '-'")
+
+
+@dataclass(frozen=True)
+class RemoteBlobMeta:
+    """What the record key holds besides the index record: how to reassemble the blob."""
+
+    chunks: int
+    length: int
+    digest: str
+
+    @classmethod
+    def parse(cls, raw: bytes) -> tuple[dict[str, Any], RemoteBlobMeta]:
+        """Decode a stored record; raises ``ValueError`` if it is not one we wrote."""
+        doc = json.loads(raw)
+        if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
+            raise ValueError("unknown remote record format")
+        record = doc["record"]
+        meta = cls(
+            chunks=int(doc["chunks"]), length=int(doc["length"]), digest=str(doc["xxh3_128"])
+        )
+        if not isinstance(record, dict) or meta.chunks < 1 or meta.length < 0:
+            raise ValueError("malformed remote record")
+        return record, meta
+
+
+class RedisRemote:
+    """A Redis server used as the shared L2 tier.
+
+    ``mode="ro"`` makes this object write nothing at all to Redis: no blobs, no records,
+    no locks, no clean-up of broken entries. Timeouts bound every call: connecting takes
+    at most ``connect_timeout`` seconds, any single socket read or write ``op_timeout``.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        mode: Mode = "rw",
+        connect_timeout: float = 1.0,
+        op_timeout: float = 5.0,
+        chunk_size: int = DEFAULT_CHUNK_SIZE,
+    ) -> None:
+        if mode not in ("rw", "ro"):
+            raise UsageError(f"remote mode must be 'rw' or 'ro', not {mode!r}")
+        if chunk_size < 1:
+            raise UsageError(f"chunk size must be positive, not {chunk_size}")
+        self.url = url
+        self.display_url = redact_url(url)
+        self.mode: Mode = mode
+        self.chunk_size = chunk_size
+        self.op_timeout = op_timeout
+        try:
+            self._client = redis.Redis.from_url(
+                url,
+                socket_connect_timeout=connect_timeout,
+                socket_timeout=op_timeout,
+                # One immediate retry on a dropped connection (an idle socket the server
+                # closed) and none on timeouts, so a dead server costs one timeout, not many.
+                retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+            )
+        except ValueError as exc:
+            raise UsageError(f"bad remote URL {self.display_url}: {exc}") from exc
+        self._release_script = self._client.register_script(_RELEASE_LUA)
+        self._renew_script = self._client.register_script(_RENEW_LUA)
+        self._state = threading.Lock()
+        self._down = False
+        self._writes_refused = False
+        self.errors = 0
+        self.incomplete = 0
+
+    def __repr__(self) -> str:
+        return f"RedisRemote({self.display_url!r}, mode={self.mode!r})"
+
+    # -- health -----------------------------------------------------------------------
+
+    @property
+    def available(self) -> bool:
+        """False once any Redis error has marked the remote down."""
+        return not self._down
+
+    @property
+    def writable(self) -> bool:
+        """True while puts and locks reach Redis: read-write mode, up, writes accepted."""
+        return self.mode == "rw" and not self._down and not self._writes_refused
+
+    def _fail(self, op: str, exc: BaseException) -> None:
+        """Mark the remote down; warn once for this object."""
+        with self._state:
+            self.errors += 1
+            first = not self._down
+            self._down = True
+        log.debug("remote %s failed during %s", self.display_url, op, exc_info=exc)
+        if first:
+            warnings.warn(
+                f"cachebuild remote {self.display_url} is unavailable ({op}: {exc}); "
+                "continuing with the local store only",
+                RemoteDownWarning,
+                stacklevel=4,
+            )
+
+    def _refuse_writes(self, op: str, exc: BaseException) -> None:
+        """Redis answered but refused a write (OOM, replica, ACL): keep reading, stop writing."""
+        with self._state:
+            self.errors += 1
+            first = not self._writes_refused
+            self._writes_refused = True
+        if first:
+            warnings.warn(
+                f"cachebuild remote {self.display_url} refused a write ({op}: {exc}); "
+                "reading from it continues, nothing more is written to it",
+                RemoteDownWarning,
+                stacklevel=4,
+            )
+
+    def _guard(self, op: str, fn: Callable[[], T], default: T) -> T:
+        """Run ``fn`` against Redis; on any remote error mark it down and return ``default``."""
+        if self._down:
+            return default
+        try:
+            return fn()
+        except _REMOTE_ERRORS as exc:
+            self._fail(op, exc)
+            return default
+
+    def ping(self) -> bool:
+        """True if Redis answers now; a failure marks the remote down like any other."""
+        return self._guard("ping", lambda: bool(self._client.ping()), False)
+
+    def close(self) -> None:
+        """Drop pooled connections; the object stays usable (it reconnects on demand)."""
+        try:
+            self._client.close()
+        except _REMOTE_ERRORS:
+            pass
+
+    # -- reads ------------------------------------------------------------------------
+
+    def contains(self, key: str) -> bool:
+        """True if a complete record for ``key`` is stored (chunks are checked on ``get``)."""
+        _check_key(key)
+        return self._guard("contains", lambda: bool(self._client.exists(record_key(key))), False)
+
+    def get_record(self, key: str) -> dict[str, Any] | None:
+        """The index record stored with ``key``'s blob, or None."""
+        _check_key(key)
+
+        def read() -> dict[str, Any] | None:
+            raw = self._client.get(record_key(key))
+            if raw is None:
+                return None
+            try:
+                record, _ = RemoteBlobMeta.parse(raw)
+            except (ValueError, KeyError, TypeError):
+                return None
+            return record
+
+        return self._guard("get_record", read, None)
+
+    def get(self, key: str) -> tuple[dict[str, Any], bytes] | None:
+        """``(record, framed_blob)`` for ``key``, or None if absent, incomplete or unreachable.
+
+        The bytes are exactly what was put (length and xxh3-128 checked); whether they are
+        a valid, correctly signed blob is for the caller to decide.
+        """
+        _check_key(key)
+        return self._guard("get", lambda: self._read(key), None)
+
+    def _read(self, key: str) -> tuple[dict[str, Any], bytes] | None:
+        raw = self._client.get(record_key(key))
+        if raw is None:
+            return None
+        try:
+            record, meta = RemoteBlobMeta.parse(raw)
+        except (ValueError, KeyError, TypeError) as exc:
+            self._incomplete(key, f"unreadable record ({exc})")
+            return None
+        parts: list[bytes] = []
+        # Fetch in batches so a huge blob does not ask Redis for one giant reply.
+        batch = 16
+        for start in range(0, meta.chunks, batch):
+            pipe = self._client.pipeline(transaction=False)
+            for i in range(start, min(start + batch, meta.chunks)):
+                pipe.get(chunk_key(key, i))
+            for offset, part in enumerate(pipe.execute()):
+                if part is None:
+                    self._incomplete(key, f"chunk {start + offset} of {meta.chunks} missing")
+                    return None
+                parts.append(part)
+        blob = b"".join(parts)
+        if len(blob) != meta.length or xxhash.xxh3_128_hexdigest(blob) != meta.digest:
+            self._incomplete(key, "chunks do not match the record's length and digest")
+            return None
+        return record, blob
+
+    def _incomplete(self, key: str, why: str) -> None:
+        """A record whose chunks are gone (evicted) or wrong: a miss, cleaned up when allowed.
+
+        Dropping only the record lets the next writer upload the blob again; leftover
+        chunks are overwritten by that upload or evicted by Redis.
+        """
+        with self._state:
+            self.incomplete += 1
+        log.info("remote blob %s is incomplete (%s); treating it as a miss", key, why)
+        if self.writable:
+            try:
+                self._client.delete(record_key(key))
+            except _REMOTE_ERRORS as exc:
+                self._fail("delete incomplete record", exc)
+
+    def keys(self) -> Iterator[str]:
+        """Every key with a record in Redis (SCAN: no server stall, may repeat under churn)."""
+        prefix = record_key("")
+        if self._down:
+            return
+        try:
+            for raw in self._client.scan_iter(match=prefix + "*", count=1000):
+                name = raw.decode() if isinstance(raw, bytes) else raw
+                yield name[len(prefix) :]
+        except _REMOTE_ERRORS as exc:
+            self._fail("scan", exc)
+
+    def records(self) -> Iterator[dict[str, Any]]:
+        """Every stored index record (for ``push --all`` and ``explain`` on remote entries)."""
+        batch: list[str] = []
+        for key in self.keys():
+            batch.append(key)
+            if len(batch) >= 500:
+                yield from self._records_of(batch)
+                batch = []
+        if batch:
+            yield from self._records_of(batch)
+
+    def _records_of(self, keys: list[str]) -> list[dict[str, Any]]:
+        raws = self._guard(
+            "mget records", lambda: self._client.mget([record_key(k) for k in keys]), []
+        )
+        out = []
+        for raw in raws:
+            if raw is None:
+                continue
+            try:
+                record, _ = RemoteBlobMeta.parse(raw)
+            except (ValueError, KeyError, TypeError):
+                continue
+            out.append(record)
+        return out
+
+    # -- writes -----------------------------------------------------------------------
+
+    def put(self, key: str, record: dict[str, Any], blob: bytes) -> bool:
+        """Store ``blob`` and its ``record`` under ``key``; True if this call uploaded it.
+
+        Immutable like the local store: an existing key is left alone. Read-only mode, a
+        down remote or a refused write make this a no-op that returns False. Concurrent
+        writers of one key are serialised by a short-lived upload claim, so chunks of two
+        uploads never interleave; a writer that dies mid-upload leaves no record, and its
+        claim expires.
+        """
+        _check_key(key)
+        if not self.writable:
+            return False
+        try:
+            return self._write(key, record, blob)
+        except (redis.ResponseError, redis.DataError) as exc:
+            self._refuse_writes("put", exc)
+        except _REMOTE_ERRORS as exc:
+            self._fail("put", exc)
+        return False
+
+    def _write(self, key: str, record: dict[str, Any], blob: bytes) -> bool:
+        client = self._client
+        if client.exists(record_key(key)):
+            return False
+        n = max(1, math.ceil(len(blob) / self.chunk_size))
+        token = secrets.token_hex(16)
+        # Long enough for a slow link to move every chunk; a dead writer's claim still ends.
+        claim_ms = int(1000 * (30 + n * self.op_timeout))
+        if not client.set(upload_key(key), token, nx=True, px=claim_ms):
+            return False  # another writer is uploading this key right now
+        try:
+            # The previous claimant may have finished between our check and our claim;
+            # rewriting its chunks now would break its completed record.
+            if client.exists(record_key(key)):
+                return False
+            view = memoryview(blob)
+            batch = 8
+            for start in range(0, n, batch):
+                pipe = client.pipeline(transaction=False)
+                for i in range(start, min(start + batch, n)):
+                    lo = i * self.chunk_size
+                    pipe.set(chunk_key(key, i), view[lo : lo + self.chunk_size].tobytes())
+                pipe.execute()
+            doc = {
+                "format": RECORD_FORMAT,
+                "record": record,
+                "chunks": n,
+                "length": len(blob),
+                "xxh3_128": xxhash.xxh3_128_hexdigest(blob),
+            }
+            written = client.set(record_key(key), json.dumps(doc, sort_keys=True), nx=True)
+        finally:
+            self._release_script(keys=[upload_key(key)], args=[token])
+        return bool(written)
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``'s record and chunks; True if a record was removed. No-op unless writable."""
+        _check_key(key)
+        if not self.writable:
+            return False
+
+        def drop() -> bool:
+            removed = self._client.delete(record_key(key))
+            chunks = list(self._client.scan_iter(match=chunk_key(key, 0)[:-1] + "*", count=1000))
+            if chunks:
+                self._client.delete(*chunks)
+            return bool(removed)
+
+        return self._guard("delete", drop, False)
+
+    # -- cross-machine lock -------------------------------------------------------------
+
+    @contextmanager
+    def lock(self, key: str, ttl: float = 60.0, timeout: float | None = 600.0) -> Iterator[bool]:
+        """Hold ``key``'s build lock across machines; yields True if Redis holds it for us.
+
+        Yields False (no lock taken, nothing written) when read-only or when the remote is
+        down: the caller's local lock still gives single-flight on this machine. While held,
+        a background thread extends the expiry every ``ttl/3`` seconds; if this process dies
+        the lock expires ``ttl`` seconds later and another machine takes over. Raises
+        ``LockTimeout`` if another holder keeps it for more than ``timeout`` seconds.
+        """
+        _check_key(key)
+        held = RemoteLock(self, key, ttl)
+        acquired = held.acquire(timeout)
+        try:
+            yield acquired
+        finally:
+            if acquired:
+                held.release()
+
+
+class RemoteLock:
+    """One acquisition of a build lock: SET NX PX with a random token, renewed while held."""
+
+    def __init__(self, remote: RedisRemote, key: str, ttl: float) -> None:
+        if ttl <= 0:
+            raise ValueError(f"lock ttl must be positive, not {ttl}")
+        self.remote = remote
+        self.name = lock_key(key)
+        self.key = key
+        self.ttl_ms = max(1, int(ttl * 1000))
+        self.token = secrets.token_hex(16)
+        self._stop = threading.Event()
+        self._renewer: threading.Thread | None = None
+        self.lost = False
+
+    def acquire(self, timeout: float | None) -> bool:
+        """True once held; False if the remote cannot hold locks; LockTimeout after ``timeout``."""
+        remote = self.remote
+        deadline = None if timeout is None else time.monotonic() + timeout
+        delay = 0.02
+        while True:
+            if not remote.writable:
+                return False
+            try:
+                if remote._client.set(self.name, self.token, nx=True, px=self.ttl_ms):
+                    break
+            except (redis.ResponseError, redis.DataError) as exc:
+                remote._refuse_writes("lock", exc)
+                return False
+            except _REMOTE_ERRORS as exc:
+                remote._fail("lock", exc)
+                return False
+            now = time.monotonic()
+            if deadline is not None and now >= deadline:
+                raise LockTimeout(
+                    f"build lock for {self.key} is held on another machine "
+                    f"({remote.display_url}) for more than {timeout:g}s"
+                )
+            # Exponential backoff with jitter so waiters on many machines do not poll in step.
+            pause = delay * (0.5 + random.random())
+            if deadline is not None:
+                pause = min(pause, max(0.0, deadline - now))
+            time.sleep(pause)
+            delay = min(delay * 2, 0.5)
+        self._renewer = threading.Thread(
+            target=self._renew, name=f"cachebuild-lock-{self.key[:8]}", daemon=True
+        )
+        self._renewer.start()
+        return True
+
+    def _renew(self) -> None:
+        """Extend the expiry every third of the ttl until released, lost, or the remote dies."""
+        remote = self.remote
+        interval = self.ttl_ms / 3000.0
+        while not self._stop.wait(interval):
+            if not remote.available:
+                return
+            try:
+                ok = remote._renew_script(keys=[self.name], args=[self.token, self.ttl_ms])
+            except _REMOTE_ERRORS as exc:
+                remote._fail("lock renewal", exc)
+                return
+            if not ok:
+                # We stalled past the expiry and someone else may hold it now. The build
+                # carries on (puts are idempotent); at worst the target is built twice.
+                self.lost = True
+                log.warning("remote build lock for %s expired while held", self.key)
+                return
+
+    def release(self) -> None:
+        """Stop renewing and delete the lock if it is still ours."""
+        self._stop.set()
+        if self._renewer is not None:
+            self._renewer.join()
+        if not self.remote.available or self.lost:
+            return
+        try:
+            self.remote._release_script(keys=[self.name], args=[self.token])
+        except _REMOTE_ERRORS as exc:
+            self.remote._fail("lock release", exc)
