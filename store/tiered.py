@@ -1,0 +1,402 @@
+"""Two tiers behind the local store's API: L1 on local disk, L2 in a shared Redis.
+
+Lookup goes L1 → L2 → miss. A blob read from L2 is verified (framing, checksum and, when
+a signing key is configured, its HMAC) before anything uses it, then copied into L1 so the
+next lookup is local. A put writes L1 first, then L2. Everything the remote does wrong
+(down, slow, half evicted, tampered) turns into a miss here, never an exception.
+
+Signing: artifacts contain code that runs on load, so with a remote configured a signing
+key is required; running without one takes an explicit ``allow_unsigned=True`` and warns.
+With a key, a remote blob that is unsigned or signed with another key is never loaded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import threading
+import time
+import warnings
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from cachebuild.store.blob import CorruptBlob, decode_blob, encode_blob
+from cachebuild.store.local import LocalStore, Record
+from cachebuild.store.remote import RedisRemote
+
+from cachebuild.errors import StoreError, UsageError
+
+log = logging.getLogger(__name__)
+
+MODES = ("rw", "ro", "off")
+
+# Index fields that describe the artifact and travel with it; last_used, hits and pinned
+# describe one machine's use of it and stay local.
+_SHARED_FIELDS = ("key", "kind", "size", "checksum", "created", "manifest", "refs")
+
+
+class UnsignedRemoteWarning(UserWarning):
+    """A remote tier is used without a signing key (explicitly allowed)."""
+
+
+@dataclass
+class TierCounters:
+    """Lookups of this process, by where they were answered."""
+
+    l1_hits: int = 0
+    l2_hits: int = 0
+    misses: int = 0
+    remote_rejected: int = 0
+
+
+@dataclass
+class TransferCounts:
+    """What a ``push`` or ``pull`` did, key by key."""
+
+    transferred: int = 0  # copied to the other tier by this call
+    present: int = 0  # already in the destination tier
+    missing: int = 0  # not in the source tier (or incomplete there)
+    rejected: int = 0  # pull only: failed verification, not loaded
+    failed: int = 0  # remote down, refused, or another writer was uploading it
+    bytes: int = 0  # payload bytes transferred
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+def shared_record(record: Record) -> dict[str, Any]:
+    """The part of a local index record that is stored beside the blob in Redis."""
+    full = dataclasses.asdict(record)
+    out = {name: full[name] for name in _SHARED_FIELDS if name in full}
+    out["refs"] = list(out.get("refs") or ())
+    return out
+
+
+class TieredStore:
+    """L1 ``LocalStore`` plus an optional L2 ``RedisRemote``, used wherever a store is.
+
+    Reads fall through to L2, writes go to both, and everything else (pins, GC, verify,
+    entries, locks' local half) is the local store's. Anything not defined here is looked
+    up on the local store, so ``tiered.gc(...)`` and ``tiered.verify()`` work as on L1.
+    """
+
+    def __init__(
+        self,
+        local: LocalStore,
+        remote: RedisRemote | None,
+        *,
+        signing_key: bytes | None = None,
+        allow_unsigned: bool = False,
+        lock_ttl: float = 60.0,
+    ) -> None:
+        self.local = local
+        self.remote = remote
+        if signing_key is None:
+            signing_key = getattr(local, "signing_key", None)
+        self.signing_key: bytes | None = signing_key
+        self.lock_ttl = lock_ttl
+        self.counters = TierCounters()
+        self._count_lock = threading.Lock()
+        if remote is not None and signing_key is None:
+            if not allow_unsigned:
+                raise UsageError(
+                    f"remote {remote.display_url} needs a signing key (CACHEBUILD_SIGNING_KEY): "
+                    "artifacts contain code that runs on load; pass --allow-unsigned to use "
+                    "it without one"
+                )
+            warnings.warn(
+                f"using remote {remote.display_url} without a signing key: anyone who can "
+                "write to it can run code in every process that loads from it",
+                UnsignedRemoteWarning,
+                stacklevel=2,
+            )
+
+    def __repr__(self) -> str:
+        return f"TieredStore({self.local!r}, {self.remote!r})"
+
+    def __getattr__(self, name: str) -> Any:
+        # Only called for names not found on this object: the rest of LocalStore's API.
+        if name == "local":
+            raise AttributeError(name)
+        return getattr(self.local, name)
+
+    def _count(self, field: str) -> None:
+        with self._count_lock:
+            setattr(self.counters, field, getattr(self.counters, field) + 1)
+
+    # -- reads ------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes | None:
+        """The verified payload for ``key`` from L1, else from L2 (copied into L1), else None."""
+        data = self.local.get(key)
+        if data is not None:
+            self._count("l1_hits")
+            return data
+        payload, _ = self._fetch(key)
+        self._count("l2_hits" if payload is not None else "misses")
+        return payload
+
+    def _fetch(self, key: str) -> tuple[bytes | None, str]:
+        """Pull ``key`` from L2 into L1: (payload, "pulled" | "missing" | "rejected")."""
+        if self.remote is None:
+            return None, "missing"
+        fetched = self.remote.get(key)
+        if fetched is None:
+            return None, "missing"
+        record, framed = fetched
+        try:
+            kind, payload = decode_blob(
+                framed,
+                expected_key=key,
+                signing_key=self.signing_key,
+                require_signature=self.signing_key is not None,
+            )
+            if record.get("kind") not in (None, kind):
+                raise CorruptBlob(f"record says kind {record.get('kind')!r}, blob says {kind!r}")
+        except CorruptBlob as exc:
+            self._count("remote_rejected")
+            log.warning("rejected remote blob %s from %s: %s", key, self.remote.display_url, exc)
+            return None, "rejected"
+        try:
+            self.local.put(
+                key,
+                payload,
+                kind=kind,
+                manifest=record.get("manifest"),
+                refs=tuple(record.get("refs") or ()),
+            )
+        except StoreError as exc:
+            # The payload is verified and usable; only the local copy failed (disk full).
+            log.warning("could not copy remote blob %s into the local store: %s", key, exc)
+        return payload, "pulled"
+
+    def contains(self, key: str) -> bool:
+        """True if ``key`` is in L1, or has a complete record in L2."""
+        if self.local.contains(key):
+            return True
+        return self.remote is not None and self.remote.contains(key)
+
+    def get_record(self, key: str) -> Record | None:
+        """L1's index record for ``key``, else the one stored with its L2 blob, else None."""
+        record = self.local.get_record(key)
+        if record is not None or self.remote is None:
+            return record
+        shared = self.remote.get_record(key)
+        if shared is None:
+            return None
+        return _record_from_shared(key, shared)
+
+    def remote_records(self) -> Iterator[Record]:
+        """Every index record in L2 (empty without a remote), e.g. for ``explain``."""
+        if self.remote is None:
+            return
+        for shared in self.remote.records():
+            key = shared.get("key")
+            if isinstance(key, str):
+                yield _record_from_shared(key, shared)
+
+    def materialize(self, key: str, suffix: str) -> Path | None:
+        """A verified file holding ``key``'s payload, pulling it from L2 first if needed."""
+        if not self.local.contains(key) and self.get(key) is None:
+            return None
+        return self.local.materialize(key, suffix)
+
+    # -- writes -----------------------------------------------------------------------
+
+    def put(
+        self,
+        key: str,
+        data: bytes,
+        *,
+        kind: str,
+        manifest: dict | None = None,
+        refs: Iterable[str] = (),
+    ) -> Record:
+        """Store ``data`` in L1, then in L2 when the remote is writable; L1's record."""
+        record = self.local.put(key, data, kind=kind, manifest=manifest, refs=refs)
+        self._push_one(key, data, record)
+        return record
+
+    def _push_one(self, key: str, payload: bytes, record: Record) -> bool:
+        if self.remote is None or not self.remote.writable:
+            return False
+        framed = encode_blob(key, record.kind, payload, self.signing_key)
+        return self.remote.put(key, shared_record(record), framed)
+
+    # -- locks --------------------------------------------------------------------------
+
+    @contextmanager
+    def lock(self, key: str, timeout: float | None = None) -> Iterator[None]:
+        """Single-flight for ``key`` on this machine (file lock) and across machines (Redis).
+
+        The local lock is taken first so a machine sends one waiter to Redis, not one per
+        process. ``timeout`` bounds the wait for both together; LockTimeout if exceeded.
+        Without a writable remote this is just the local lock.
+        """
+        start = time.monotonic()
+        with self.local.lock(key, timeout=timeout):
+            if self.remote is None:
+                yield
+                return
+            limit = timeout if timeout is not None else getattr(self.local, "lock_timeout", 600.0)
+            remaining = max(0.0, limit - (time.monotonic() - start))
+            with self.remote.lock(key, ttl=self.lock_ttl, timeout=remaining):
+                yield
+
+    # -- local-only operations ------------------------------------------------------------
+
+    def delete(self, key: str) -> bool:
+        """Delete ``key`` from L1 only; the shared tier is not this machine's to prune."""
+        return self.local.delete(key)
+
+    def pin(self, key: str) -> Any:
+        return self.local.pin(key)
+
+    def unpin(self, key: str) -> Any:
+        return self.local.unpin(key)
+
+    def entries(self) -> Any:
+        """L1's entries (see ``remote_records`` for L2's)."""
+        return self.local.entries()
+
+    def stats(self) -> dict[str, Any]:
+        """L1's stats plus a ``tiers`` section: this process's hits by tier and remote health."""
+        out = dict(self.local.stats())
+        with self._count_lock:
+            tiers: dict[str, Any] = dataclasses.asdict(self.counters)
+        remote = self.remote
+        tiers["remote_errors"] = remote.errors if remote is not None else 0
+        tiers["remote_incomplete"] = remote.incomplete if remote is not None else 0
+        tiers["remote"] = remote.display_url if remote is not None else None
+        tiers["remote_mode"] = remote.mode if remote is not None else "off"
+        tiers["remote_available"] = remote.available if remote is not None else False
+        tiers["signed"] = self.signing_key is not None
+        out["tiers"] = tiers
+        return out
+
+
+def _record_from_shared(key: str, shared: dict[str, Any]) -> Record:
+    """A ``Record`` for an L2 entry: never used or pinned on this machine."""
+    created = float(shared.get("created") or 0.0)
+    return Record(
+        key=key,
+        kind=str(shared.get("kind", "")),
+        size=int(shared.get("size") or 0),
+        checksum=str(shared.get("checksum", "")),
+        created=created,
+        last_used=created,
+        hits=0,
+        pinned=False,
+        manifest=shared.get("manifest"),
+        refs=tuple(shared.get("refs") or ()),
+    )
+
+
+def _entry_keys(entries: Iterable[Any]) -> list[str]:
+    return [e if isinstance(e, str) else e.key for e in entries]
+
+
+def push(tiered: TieredStore, keys: Iterable[str] | None = None) -> TransferCounts:
+    """Copy ``keys`` (default: every L1 entry) from L1 to L2; what happened, counted.
+
+    Raises UsageError without a remote or with a read-only one. A remote that goes down
+    part-way makes the remaining keys count as ``failed``; nothing raises.
+    """
+    remote = tiered.remote
+    if remote is None:
+        raise UsageError("push needs a remote (--remote or CACHEBUILD_REMOTE)")
+    if remote.mode != "rw":
+        raise UsageError(f"remote {remote.display_url} is read-only; push needs mode rw")
+    counts = TransferCounts()
+    wanted = _entry_keys(tiered.local.entries()) if keys is None else list(keys)
+    for key in wanted:
+        if remote.contains(key):
+            counts.present += 1
+            continue
+        record = tiered.local.get_record(key)
+        data = tiered.local.get(key) if record is not None else None
+        if record is None or data is None:
+            counts.missing += 1
+            continue
+        if tiered._push_one(key, data, record):
+            counts.transferred += 1
+            counts.bytes += len(data)
+        elif remote.contains(key):
+            counts.present += 1  # another machine uploaded it meanwhile
+        else:
+            counts.failed += 1
+    return counts
+
+
+def pull(tiered: TieredStore, keys: Iterable[str] | None = None) -> TransferCounts:
+    """Copy ``keys`` (default: every L2 entry) from L2 into L1, verifying each one.
+
+    A key already in L1 is not fetched. A blob that fails verification is counted as
+    ``rejected`` and never written to L1. Raises UsageError without a remote.
+    """
+    remote = tiered.remote
+    if remote is None:
+        raise UsageError("pull needs a remote (--remote or CACHEBUILD_REMOTE)")
+    counts = TransferCounts()
+    wanted = list(remote.keys()) if keys is None else list(keys)
+    for key in wanted:
+        if tiered.local.contains(key):
+            counts.present += 1
+            continue
+        if not remote.available:
+            counts.failed += 1
+            continue
+        payload, outcome = tiered._fetch(key)
+        if payload is not None:
+            counts.transferred += 1
+            counts.bytes += len(payload)
+        elif outcome == "rejected":
+            counts.rejected += 1
+        elif remote.available:
+            counts.missing += 1
+        else:
+            counts.failed += 1
+    return counts
+
+
+def _env(name: str) -> str | None:
+    value = os.environ.get(name)
+    return value if value else None
+
+
+def open_store(
+    cache_dir: str | os.PathLike[str] | None = None,
+    remote: str | None = None,
+    *,
+    signing_key: bytes | str | None = None,
+    allow_unsigned: bool = False,
+    mode: str | None = None,
+    lock_ttl: float = 60.0,
+) -> TieredStore:
+    """The store a process should use, from arguments or, where they are None, the environment.
+
+    ``CACHEBUILD_DIR`` (L1 directory), ``CACHEBUILD_REMOTE`` (``redis://host:port/db``),
+    ``CACHEBUILD_SIGNING_KEY`` (text, used as UTF-8 bytes) and ``CACHEBUILD_REMOTE_MODE``
+    (``rw`` default, ``ro``, or ``off`` to ignore a configured remote). Raises UsageError
+    for an unknown mode, a bad URL, or a remote without a key unless ``allow_unsigned``.
+    """
+    cache_dir = cache_dir if cache_dir is not None else _env("CACHEBUILD_DIR")
+    remote = remote if remote is not None else _env("CACHEBUILD_REMOTE")
+    if signing_key is None:
+        signing_key = _env("CACHEBUILD_SIGNING_KEY")
+    if isinstance(signing_key, str):
+        signing_key = signing_key.encode("utf-8")
+    mode = mode if mode is not None else (_env("CACHEBUILD_REMOTE_MODE") or "rw")
+    if mode not in MODES:
+        raise UsageError(f"remote mode must be one of {', '.join(MODES)}, not {mode!r}")
+    l2 = None
+    if remote and mode != "off":
+        l2 = RedisRemote(remote, mode=mode)  # type: ignore[arg-type]
+    local = LocalStore(cache_dir, signing_key=signing_key)
+    return TieredStore(
+        local, l2, signing_key=signing_key, allow_unsigned=allow_unsigned, lock_ttl=lock_ttl
+    )
