@@ -1,0 +1,190 @@
+"""The pass framework: pass flags, the ``FusionPass`` base and the ``PassManager``.
+
+A pass rewrites a ``torch.fx.Graph`` in place. Its ``uuid()`` is a hash of its own source
+and of the source of the modules whose ops and kernels it emits, so editing either changes
+every key the pass enters and nothing else. The manager runs the enabled passes in order
+on a plain graph (the ``eager_fusion`` backend) and wraps itself as an Inductor
+``CustomGraphPass`` on request; Inductor is imported only then, so a process that merely
+loads artifacts never pays for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import inspect
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch.fx
+
+from cachebuild.keys import make_key
+
+
+@dataclass(frozen=True)
+class PassConfig:
+    """Which built-in passes run. Every fusion is off by default; clean-up is on."""
+
+    rms_quant: bool = False
+    add_rms_quant: bool = False
+    act_quant: bool = False
+    qk_norm_rope: bool = False
+    cleanup: bool = True
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not isinstance(value, bool):
+                raise TypeError(f"PassConfig.{field.name} must be a bool, got {value!r}")
+
+    @classmethod
+    def all_fusions(cls) -> PassConfig:
+        """A config with every fusion and the clean-up enabled."""
+        return cls(rms_quant=True, add_rms_quant=True, act_quant=True, qk_norm_rope=True)
+
+    def factors(self) -> dict[str, bool]:
+        """The flags by name: what enters a key."""
+        return dataclasses.asdict(self)
+
+    def enabled(self) -> list[str]:
+        """Names of the enabled flags, in declaration order."""
+        return [name for name, on in self.factors().items() if on]
+
+
+class FusionPass:
+    """Base of every graph pass.
+
+    Subclasses set ``name`` (short and stable: it names the pass in keys and counts),
+    list in ``source_modules`` the importable modules whose source decides what the pass
+    emits (its ops and kernels, shared matching helpers), and implement ``__call__``.
+    """
+
+    name: ClassVar[str] = ""
+    source_modules: ClassVar[tuple[str, ...]] = ()
+
+    def __call__(self, graph: torch.fx.Graph) -> int:
+        """Rewrite ``graph`` in place and return the number of matches replaced."""
+        raise NotImplementedError(f"{type(self).__qualname__} does not implement __call__")
+
+    def uuid(self) -> str:
+        """Hash of this pass's class source (and its bases up to ``FusionPass``) and of
+        the source of every module in ``source_modules``."""
+        return pass_uuid(type(self))
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+_UUIDS: dict[type, str] = {}
+
+
+def pass_uuid(cls: type[FusionPass]) -> str:
+    """The uuid of a pass class, computed once per class object.
+
+    Caching per class is right: a class object's behaviour is fixed once it is defined,
+    and an edited module that is reloaded defines a new class object.
+    """
+    cached = _UUIDS.get(cls)
+    if cached is not None:
+        return cached
+    if not cls.name:
+        raise TypeError(f"{cls.__qualname__} has no name")
+    classes = [c for c in cls.__mro__ if issubclass(c, FusionPass) and c is not FusionPass]
+    factors = {
+        "name": cls.name,
+        "classes": [{"qualname": c.__qualname__, "source": _class_source(c)} for c in classes],
+        "modules": {m: module_source(m) for m in cls.source_modules},
+    }
+    uuid = _UUIDS[cls] = make_key(factors)
+    return uuid
+
+
+def _class_source(cls: type) -> str:
+    try:
+        return inspect.getsource(cls)
+    except (OSError, TypeError) as exc:
+        raise TypeError(
+            f"cannot read the source of pass {cls.__qualname__}: a pass must be defined in "
+            f"a file so that its uuid can follow edits ({exc})"
+        ) from exc
+
+
+def module_source(module_name: str) -> str:
+    """The source text of an importable module, read from its file without importing it
+    (so hashing the kernels module does not import Triton)."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or spec.origin is None or not spec.has_location:
+        raise ModuleNotFoundError(f"no source file for module {module_name!r}")
+    with open(spec.origin, encoding="utf-8") as f:
+        return f.read()
+
+
+class PassManager:
+    """Runs passes in order on an FX graph.
+
+    Usable directly on a plain graph (``manager(graph)``), and as Inductor's
+    ``post_grad_custom_post_pass`` through ``as_inductor_pass()``. Match counts of the
+    latest run are in ``last_counts``; ``total_counts`` sums every run of this manager
+    (one per compiled graph when used by Inductor).
+    """
+
+    def __init__(self, passes: Sequence[FusionPass] = (), config: PassConfig | None = None):
+        self.passes: list[FusionPass] = list(passes)
+        self.config = config if config is not None else PassConfig()
+        names = [p.name for p in self.passes]
+        duplicated = sorted(n for n, c in Counter(names).items() if c > 1)
+        if duplicated:
+            raise ValueError(f"passes with the same name: {duplicated}")
+        self.last_counts: dict[str, int] = {}
+        self.total_counts: Counter[str] = Counter()
+
+    @classmethod
+    def from_config(cls, config: PassConfig) -> PassManager:
+        """A manager with the built-in passes ``config`` enables, clean-up last."""
+        from cachebuild.passes.builtin import passes_for_config
+
+        return cls(passes_for_config(config), config=config)
+
+    def __call__(self, graph: torch.fx.Graph | torch.fx.GraphModule) -> dict[str, int]:
+        """Run every pass on ``graph`` in place; return the matches per pass name.
+
+        A ``GraphModule`` is accepted too: its graph is rewritten and its code regenerated.
+        """
+        module = graph if isinstance(graph, torch.fx.GraphModule) else None
+        fx_graph = module.graph if module is not None else graph
+        counts: dict[str, int] = {}
+        for p in self.passes:
+            counts[p.name] = int(p(fx_graph))
+        if any(counts.values()):
+            fx_graph.lint()
+        if module is not None:
+            module.recompile()
+        self.last_counts = counts
+        self.total_counts.update(counts)
+        return counts
+
+    def uuid(self) -> str:
+        """Hash of ``factors()``: changes with the config or any pass's source."""
+        return make_key(self.factors())
+
+    def factors(self) -> dict[str, Any]:
+        """What the passes contribute to a key: the config and each pass's name and uuid."""
+        return {
+            "config": self.config.factors(),
+            "passes": [{"name": p.name, "uuid": p.uuid()} for p in self.passes],
+        }
+
+    def as_inductor_pass(self) -> Any:
+        """This manager as an Inductor ``CustomGraphPass`` (imports Inductor's base class).
+
+        The result's ``uuid()`` is this manager's, so Inductor's own caches are keyed by
+        the passes too.
+        """
+        from cachebuild.passes.inductor_pass import InductorPassAdapter
+
+        return InductorPassAdapter(self)
+
+    def __repr__(self) -> str:
+        return f"PassManager({[p.name for p in self.passes]!r}, config={self.config!r})"

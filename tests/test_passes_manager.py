@@ -1,0 +1,246 @@
+"""The pass framework: PassConfig, FusionPass.uuid, PassManager on plain graphs and as
+Inductor's post-grad custom pass."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+from typing import ClassVar
+
+import pytest
+import torch
+import torch.fx
+from cachebuild.passes import FusionPass, PassConfig, PassManager
+from cachebuild.passes.cleanup import Cleanup
+from cachebuild.passes.matching import call_args, erase_if_dead, is_call, only_user
+from torch.fx.experimental.proxy_tensor import make_fx
+
+# Two ops and their fusion, defined for these tests only.
+
+
+@torch.library.custom_op("cachebuild_manager_test::double", mutates_args=())
+def double(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+@double.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("cachebuild_manager_test::add_one", mutates_args=())
+def add_one(x: torch.Tensor) -> torch.Tensor:
+    return x + 1
+
+
+@add_one.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("cachebuild_manager_test::double_add_one", mutates_args=())
+def double_add_one(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+@double_add_one.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
+OPS = torch.ops.cachebuild_manager_test
+
+
+class FuseDoubleAddOne(FusionPass):
+    """add_one(double(x)) -> double_add_one(x) where double's result has no other use."""
+
+    name: ClassVar[str] = "double_add_one"
+    source_modules: ClassVar[tuple[str, ...]] = ("cachebuild.passes.matching",)
+
+    def __call__(self, graph: torch.fx.Graph) -> int:
+        matches = 0
+        for node in list(graph.nodes):
+            if not is_call(node, OPS.add_one.default):
+                continue
+            inner = call_args(node, OPS.add_one.default)["x"]
+            if not is_call(inner, OPS.double.default) or only_user(inner) is not node:
+                continue
+            with graph.inserting_before(node):
+                fused = graph.call_function(OPS.double_add_one.default, (inner.args[0],))
+            node.replace_all_uses_with(fused)
+            erase_if_dead(graph, [node, inner])
+            matches += 1
+        return matches
+
+
+def model(x: torch.Tensor) -> torch.Tensor:
+    a = OPS.add_one(OPS.double(x))
+    b = OPS.double(torch.sin(a))
+    return OPS.add_one(b) + OPS.double(a)
+
+
+def count_calls(graph: torch.fx.Graph, op) -> int:
+    return sum(is_call(n, op) for n in graph.nodes)
+
+
+@pytest.mark.parametrize("level", ["torch", "aten"])
+def test_manager_fuses_on_plain_graph(level):
+    x = torch.randn(5, 3)
+    gm = torch.fx.symbolic_trace(model) if level == "torch" else make_fx(model)(x)
+    manager = PassManager([FuseDoubleAddOne(), Cleanup()])
+    counts = manager(gm)
+    assert counts["double_add_one"] == 2
+    assert count_calls(gm.graph, OPS.double_add_one.default) == 2
+    assert count_calls(gm.graph, OPS.add_one.default) == 0
+    torch.testing.assert_close(gm(x), model(x))
+    assert manager.total_counts["double_add_one"] == 2
+
+
+def test_manager_accepts_graph_and_counts_zero_when_nothing_matches():
+    gm = torch.fx.symbolic_trace(lambda x: torch.cos(x) + 1)
+    manager = PassManager([FuseDoubleAddOne()])
+    assert manager(gm.graph) == {"double_add_one": 0}
+
+
+def _write_pass_module(path, body: str, kernels_module: str) -> None:
+    path.write_text(textwrap.dedent(f"""
+        from typing import ClassVar
+        from cachebuild.passes import FusionPass
+
+        class EditedPass(FusionPass):
+            name: ClassVar[str] = "edited"
+            source_modules: ClassVar[tuple[str, ...]] = ({kernels_module!r},)
+
+            def __call__(self, graph):
+                {body}
+    """))
+
+
+def _load(path, module_name: str):
+    spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # inspect finds a class's file through its module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_uuid_follows_pass_source_and_kernel_source(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for version in range(1, 5):
+        monkeypatch.delitem(sys.modules, f"edited_pass_v{version}", raising=False)
+    kernels = tmp_path / "edited_pass_kernels.py"
+    kernels.write_text("def kernel():\n    return 1\n")
+    pass_file = tmp_path / "edited_pass.py"
+
+    _write_pass_module(pass_file, "return 0", "edited_pass_kernels")
+    first = _load(pass_file, "edited_pass_v1").EditedPass().uuid()
+    same = _load(pass_file, "edited_pass_v2").EditedPass().uuid()
+    assert first == same, "same source must give the same uuid"
+
+    _write_pass_module(pass_file, "return len(graph.nodes) * 0", "edited_pass_kernels")
+    edited_pass = _load(pass_file, "edited_pass_v3").EditedPass().uuid()
+    assert edited_pass != first
+
+    kernels.write_text("def kernel():\n    return 2\n")
+    edited_kernel = _load(pass_file, "edited_pass_v4").EditedPass().uuid()
+    assert edited_kernel not in (first, edited_pass)
+
+
+def test_uuid_differs_between_pass_bodies():
+    class A(FusionPass):
+        name = "a"
+
+        def __call__(self, graph):
+            return 0
+
+    class B(FusionPass):
+        name = "a"
+
+        def __call__(self, graph):
+            return 1
+
+    assert A().uuid() != B().uuid()
+    assert A().uuid() == A().uuid()
+
+
+def test_manager_factors_and_uuid():
+    config = PassConfig()
+    manager = PassManager([FuseDoubleAddOne(), Cleanup()], config=config)
+    factors = manager.factors()
+    assert factors["config"] == config.factors()
+    assert [p["name"] for p in factors["passes"]] == ["double_add_one", "cleanup"]
+    assert factors["passes"][0]["uuid"] == FuseDoubleAddOne().uuid()
+    other = PassManager([FuseDoubleAddOne(), Cleanup()], config=PassConfig(cleanup=False))
+    assert other.uuid() != manager.uuid()
+    assert PassManager([Cleanup()], config=config).uuid() != manager.uuid()
+
+
+def test_pass_config():
+    config = PassConfig()
+    assert config.factors() == {
+        "rms_quant": False, "add_rms_quant": False, "act_quant": False,
+        "qk_norm_rope": False, "cleanup": True,
+    }
+    assert config.enabled() == ["cleanup"]
+    assert PassConfig.all_fusions().enabled() == [
+        "rms_quant", "add_rms_quant", "act_quant", "qk_norm_rope", "cleanup"]
+    assert hash(config) == hash(PassConfig())
+    with pytest.raises(TypeError):
+        PassConfig(rms_quant=1)
+
+
+def test_from_config_builds_enabled_passes_cleanup_last():
+    assert [p.name for p in PassManager.from_config(PassConfig()).passes] == ["cleanup"]
+    assert PassManager.from_config(PassConfig(cleanup=False)).passes == []
+
+
+def test_duplicate_pass_names_refused():
+    with pytest.raises(ValueError, match="same name"):
+        PassManager([Cleanup(), Cleanup()])
+
+
+def test_cleanup_removes_noop_reshapes_and_dead_code():
+    def f(x):
+        y = x.view(4, 6).view(24).reshape(4, 6)  # two reshapes collapse, then a no-op
+        torch.cos(x)  # dead
+        return y + 1
+
+    x = torch.randn(4, 6)
+    gm = make_fx(f)(x)
+    before = len(gm.graph.nodes)
+    removed = PassManager([Cleanup()])(gm)["cleanup"]
+    assert removed >= 3
+    assert len(gm.graph.nodes) == before - removed
+    targets = [n.target for n in gm.graph.nodes if n.op == "call_function"]
+    assert targets == [torch.ops.aten.add.Tensor]
+    torch.testing.assert_close(gm(x), f(x))
+
+
+def test_manager_as_inductor_post_grad_pass():
+    manager = PassManager([FuseDoubleAddOne(), Cleanup()])
+    inductor_pass = manager.as_inductor_pass()
+    from torch._inductor.custom_graph_pass import CustomGraphPass
+
+    assert isinstance(inductor_pass, CustomGraphPass)
+    assert inductor_pass.uuid() == manager.uuid()
+    torch._dynamo.reset()
+    compiled = torch.compile(
+        model, backend="inductor", fullgraph=True,
+        options={"post_grad_custom_post_pass": inductor_pass},
+    )
+    x = torch.randn(7, 5)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert manager.total_counts["double_add_one"] == 2
+
+
+def test_loading_the_framework_imports_no_compiler():
+    code = (
+        "import sys\n"
+        "from cachebuild.passes import PassConfig, PassManager\n"
+        "PassManager.from_config(PassConfig()).uuid()\n"
+        "bad = [m for m in ('torch._inductor', 'torch._dynamo', 'triton') if m in sys.modules]\n"
+        "assert not bad, bad\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
