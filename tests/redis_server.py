@@ -1,7 +1,7 @@
 """A throw-away redis-server for tests: free loopback port, temporary directory, no disk.
 
 ``RedisServer`` starts a real ``redis-server`` bound to 127.0.0.1 with persistence off,
-waits until it answers, and stops it (SIGTERM, then SIGKILL) on exit. The ``redis_server``
+waits until it answers, and stops it (SIGTERM, then SIGKILL) on exit. The ``server``
 fixture skips the test with a clear reason when no ``redis-server`` binary is installed.
 """
 
@@ -134,9 +134,12 @@ def require_redis_server() -> None:
         )
 
 
-@pytest.fixture
-def redis_server() -> Iterator[RedisServer]:
-    """A fresh, empty redis-server for one test, stopped afterwards."""
+@pytest.fixture(name="server")
+def redis_server_fixture() -> Iterator[RedisServer]:
+    """``server``: a fresh, empty redis-server for one test, stopped afterwards.
+
+    Use it by importing ``redis_server_fixture`` into a test module and asking for ``server``.
+    """
     require_redis_server()
     server = RedisServer()
     server.start()

@@ -1,0 +1,282 @@
+"""RedisRemote against a real redis-server: chunking, read-only, eviction, health, locks."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import threading
+import time
+import warnings
+
+import pytest
+from cachebuild.store.remote import (
+    PREFIX,
+    RedisRemote,
+    RemoteDownWarning,
+    chunk_key,
+    lock_key,
+    record_key,
+    redact_url,
+)
+from redis_server import (  # noqa: F401  (redis_server_fixture provides `server`)
+    RedisServer,
+    free_port,
+    redis_server_fixture,
+    require_redis_server,
+)
+
+from cachebuild.errors import LockTimeout, UsageError
+
+pytestmark = pytest.mark.redis
+
+MiB = 1024 * 1024
+
+
+def new_key() -> str:
+    return secrets.token_hex(16)
+
+
+def record_for(key: str, size: int) -> dict:
+    return {
+        "key": key,
+        "kind": "test",
+        "size": size,
+        "checksum": "0" * 32,
+        "created": time.time(),
+        "manifest": {"graph": "g", "bucket": {"size": 4}},
+        "refs": [],
+    }
+
+
+def down_warnings(caught: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:
+    return [w for w in caught if issubclass(w.category, RemoteDownWarning)]
+
+
+def test_large_blob_is_chunked_and_round_trips(server):
+    remote = RedisRemote(server.url)
+    key = new_key()
+    blob = os.urandom(10 * MiB + 123)
+    assert remote.put(key, record_for(key, len(blob)), blob) is True
+
+    client = server.client()
+    chunks = sorted(k.decode() for k in client.keys(f"{PREFIX}blob:{key}:*"))
+    assert chunks == sorted(chunk_key(key, i) for i in range(3))  # 4 MiB chunks
+    doc = json.loads(client.get(record_key(key)))
+    assert doc["chunks"] == 3 and doc["length"] == len(blob)
+    assert doc["record"]["manifest"] == {"graph": "g", "bucket": {"size": 4}}
+
+    record, data = remote.get(key)
+    assert data == blob
+    assert record["key"] == key and record["manifest"]["bucket"] == {"size": 4}
+    assert remote.get_record(key) == record
+    assert remote.contains(key) and list(remote.keys()) == [key]
+    assert [r["key"] for r in remote.records()] == [key]
+
+
+def test_put_is_immutable(server):
+    remote = RedisRemote(server.url, chunk_size=1000)
+    key = new_key()
+    assert remote.put(key, record_for(key, 5), b"first")
+    assert remote.put(key, record_for(key, 6), b"second") is False
+    assert remote.get(key)[1] == b"first"
+
+
+def test_missing_key_is_a_miss(server):
+    remote = RedisRemote(server.url)
+    assert remote.get(new_key()) is None
+    assert remote.get_record(new_key()) is None
+    assert not remote.contains(new_key())
+    assert remote.available
+
+
+def test_read_only_writes_nothing(server):
+    client = server.client()
+    rw = RedisRemote(server.url, chunk_size=100)
+    present = new_key()
+    rw.put(present, record_for(present, 1000), os.urandom(1000))
+    # A record whose chunk is gone: read-write would drop it; read-only must not.
+    broken = new_key()
+    rw.put(broken, record_for(broken, 1000), os.urandom(1000))
+    client.delete(chunk_key(broken, 3))
+    before = sorted(client.keys("*"))
+
+    ro = RedisRemote(server.url, mode="ro", chunk_size=100)
+    fresh = new_key()
+    assert ro.put(fresh, record_for(fresh, 10), b"0123456789") is False
+    assert ro.delete(present) is False
+    with ro.lock(fresh, ttl=5) as held:
+        assert held is False
+        assert client.dbsize() == len(before)
+    assert ro.get(broken) is None
+    assert ro.get(present) is not None
+
+    assert sorted(client.keys("*")) == before
+    assert ro.available
+
+
+def test_half_evicted_blob_is_a_miss_and_is_dropped(server):
+    client = server.client()
+    remote = RedisRemote(server.url, chunk_size=1000)
+    key = new_key()
+    blob = os.urandom(5000)
+    remote.put(key, record_for(key, len(blob)), blob)
+    client.delete(chunk_key(key, 2))
+
+    assert remote.get(key) is None
+    assert remote.incomplete == 1
+    assert not client.exists(record_key(key))  # dropped, so the next put can repair it
+    assert remote.put(key, record_for(key, len(blob)), blob)
+    assert remote.get(key)[1] == blob
+
+
+def test_chunk_of_wrong_length_is_a_miss(server):
+    client = server.client()
+    remote = RedisRemote(server.url, chunk_size=1000)
+    key = new_key()
+    remote.put(key, record_for(key, 3000), os.urandom(3000))
+    client.set(chunk_key(key, 1), b"short")
+    assert remote.get(key) is None
+
+
+def test_eviction_under_memory_pressure_never_returns_wrong_bytes():
+    """With allkeys-lru and more data than fits, every get is the exact blob or a miss."""
+    require_redis_server()
+    with RedisServer(maxmemory="6mb", policy="allkeys-lru") as server:
+        remote = RedisRemote(server.url, chunk_size=64 * 1024)
+        blobs = {new_key(): os.urandom(512 * 1024) for _ in range(40)}  # 20 MiB into 6 MiB
+        for key, blob in blobs.items():
+            remote.put(key, record_for(key, len(blob)), blob)
+        hits = 0
+        for key, blob in blobs.items():
+            got = remote.get(key)
+            if got is not None:
+                assert got[1] == blob
+                hits += 1
+        assert 0 < hits < len(blobs)
+        assert remote.available
+
+
+def test_down_at_start_is_one_warning_and_fast():
+    url = f"redis://127.0.0.1:{free_port()}/0"
+    remote = RedisRemote(url)
+    key = new_key()
+    start = time.monotonic()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert remote.get(key) is None
+        assert remote.put(key, record_for(key, 3), b"abc") is False
+        assert not remote.contains(key)
+        assert list(remote.keys()) == []
+        with remote.lock(key) as held:
+            assert held is False
+        for _ in range(100):
+            remote.get(key)
+    assert time.monotonic() - start < 5
+    assert len(down_warnings(caught)) == 1
+    assert not remote.available
+
+
+def test_unresponsive_server_is_bounded_by_the_op_timeout():
+    """A server that accepts connections but never answers costs one op timeout, once."""
+    require_redis_server()
+    with RedisServer() as server:
+        remote = RedisRemote(server.url, op_timeout=0.5)
+        key = new_key()
+        remote.put(key, record_for(key, 3), b"abc")
+        os.kill(server.proc.pid, 19)  # SIGSTOP: the socket stays open, nothing answers
+        try:
+            start = time.monotonic()
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for _ in range(20):
+                    assert remote.get(key) is None
+            assert time.monotonic() - start < 3
+            assert len(down_warnings(caught)) == 1
+        finally:
+            os.kill(server.proc.pid, 18)  # SIGCONT, so it can be stopped cleanly
+
+
+def test_bad_url_and_mode_are_usage_errors():
+    with pytest.raises(UsageError):
+        RedisRemote("http://127.0.0.1:6379")
+    with pytest.raises(UsageError):
+        RedisRemote("redis://127.0.0.1:6379", mode="wo")  # type: ignore[arg-type]
+
+
+def test_password_is_redacted():
+    assert redact_url("redis://user:s3cret@10.0.0.1:6379/2") == "redis://user:***@10.0.0.1:6379/2"
+    assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
+    assert "s3cret" not in repr(RedisRemote("redis://:s3cret@127.0.0.1:1/0"))
+
+
+# -- lock ---------------------------------------------------------------------------------
+
+
+def test_lock_is_released_only_by_its_owner(server):
+    client = server.client()
+    remote = RedisRemote(server.url)
+    key = new_key()
+    with remote.lock(key, ttl=10) as held:
+        assert held is True
+        token = client.get(lock_key(key))
+        assert token and 0 < client.pttl(lock_key(key)) <= 10_000
+        # Someone else's lock now sits under the name (ours expired and was retaken).
+        client.set(lock_key(key), b"someone-else", px=10_000)
+    assert client.get(lock_key(key)) == b"someone-else"
+    client.delete(lock_key(key))
+    with remote.lock(key, ttl=10):
+        pass
+    assert not client.exists(lock_key(key))
+
+
+def test_lock_is_renewed_while_held(server):
+    client = server.client()
+    remote = RedisRemote(server.url)
+    key = new_key()
+    with remote.lock(key, ttl=0.6) as held:
+        assert held
+        time.sleep(1.5)  # well past the ttl: only renewal keeps it
+        assert client.exists(lock_key(key))
+        other = RedisRemote(server.url)
+        with pytest.raises(LockTimeout):
+            with other.lock(key, ttl=0.6, timeout=0.5):
+                pass
+    assert not client.exists(lock_key(key))
+
+
+def test_lock_waits_for_the_holder(server):
+    first = RedisRemote(server.url)
+    second = RedisRemote(server.url)
+    key = new_key()
+    order: list[str] = []
+    entered = threading.Event()
+
+    def hold() -> None:
+        with first.lock(key, ttl=5):
+            order.append("first in")
+            entered.set()
+            time.sleep(0.5)
+            order.append("first out")
+
+    t = threading.Thread(target=hold)
+    t.start()
+    entered.wait(5)
+    with second.lock(key, ttl=5, timeout=10) as held:
+        assert held
+        order.append("second in")
+    t.join()
+    assert order == ["first in", "first out", "second in"]
+
+
+def test_abandoned_lock_expires_and_is_taken_over(server):
+    client = server.client()
+    key = new_key()
+    # A holder that died without releasing: its token stays until the expiry.
+    client.set(lock_key(key), b"dead-owner", px=800)
+    remote = RedisRemote(server.url)
+    start = time.monotonic()
+    with remote.lock(key, ttl=5, timeout=10) as held:
+        assert held
+        waited = time.monotonic() - start
+    assert 0.5 < waited < 3
