@@ -25,7 +25,8 @@ from pathlib import Path
 from typing import Any
 
 from cachebuild.store.blob import CorruptBlob, decode_blob, encode_blob
-from cachebuild.store.local import LocalStore, Record
+from cachebuild.store.local import LocalStore
+from cachebuild.store.record import Record
 from cachebuild.store.remote import RedisRemote
 
 from cachebuild.errors import StoreError, UsageError
@@ -70,10 +71,8 @@ class TransferCounts:
 
 def shared_record(record: Record) -> dict[str, Any]:
     """The part of a local index record that is stored beside the blob in Redis."""
-    full = dataclasses.asdict(record)
-    out = {name: full[name] for name in _SHARED_FIELDS if name in full}
-    out["refs"] = list(out.get("refs") or ())
-    return out
+    full = record.to_json()
+    return {name: full[name] for name in _SHARED_FIELDS if name in full}
 
 
 class TieredStore:
@@ -161,14 +160,14 @@ class TieredStore:
             self._count("remote_rejected")
             log.warning("rejected remote blob %s from %s: %s", key, self.remote.display_url, exc)
             return None, "rejected"
+        manifest = record.get("manifest")
+        refs = tuple(record.get("refs") or ())
         try:
-            self.local.put(
-                key,
-                payload,
-                kind=kind,
-                manifest=record.get("manifest"),
-                refs=tuple(record.get("refs") or ()),
-            )
+            if self._same_key_as_local:
+                # Keep the verified blob byte for byte (L1 re-checks it with the same key).
+                self.local.write_blob(key, framed, manifest=manifest, refs=refs)
+            else:
+                self.local.put(key, payload, kind=kind, manifest=manifest, refs=refs)
         except StoreError as exc:
             # The payload is verified and usable; only the local copy failed (disk full).
             log.warning("could not copy remote blob %s into the local store: %s", key, exc)
@@ -226,6 +225,34 @@ class TieredStore:
             return False
         framed = encode_blob(key, record.kind, payload, self.signing_key)
         return self.remote.put(key, shared_record(record), framed)
+
+    def _push_stored(self, key: str) -> str:
+        """Upload L1's ``key`` to L2: "pushed", "present", "missing" or "failed"."""
+        remote = self.remote
+        assert remote is not None
+        if remote.contains(key):
+            return "present"
+        record = self.local.get_record(key)
+        if record is None:
+            return "missing"
+        if self._same_key_as_local:
+            framed = self.local.read_blob(key)  # verified; already signed with our key
+        else:
+            payload = self.local.get(key)
+            framed = (
+                None
+                if payload is None
+                else encode_blob(key, record.kind, payload, self.signing_key)
+            )
+        if framed is None:
+            return "missing"
+        if remote.put(key, shared_record(record), framed):
+            return "pushed"
+        return "present" if remote.contains(key) else "failed"
+
+    @property
+    def _same_key_as_local(self) -> bool:
+        return getattr(self.local, "signing_key", None) == self.signing_key
 
     # -- locks --------------------------------------------------------------------------
 
@@ -314,19 +341,15 @@ def push(tiered: TieredStore, keys: Iterable[str] | None = None) -> TransferCoun
     counts = TransferCounts()
     wanted = _entry_keys(tiered.local.entries()) if keys is None else list(keys)
     for key in wanted:
-        if remote.contains(key):
-            counts.present += 1
-            continue
-        record = tiered.local.get_record(key)
-        data = tiered.local.get(key) if record is not None else None
-        if record is None or data is None:
-            counts.missing += 1
-            continue
-        if tiered._push_one(key, data, record):
+        outcome = tiered._push_stored(key)
+        if outcome == "pushed":
             counts.transferred += 1
-            counts.bytes += len(data)
-        elif remote.contains(key):
-            counts.present += 1  # another machine uploaded it meanwhile
+            record = tiered.local.get_record(key)
+            counts.bytes += record.size if record is not None else 0
+        elif outcome == "present":
+            counts.present += 1
+        elif outcome == "missing":
+            counts.missing += 1
         else:
             counts.failed += 1
     return counts
