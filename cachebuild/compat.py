@@ -39,3 +39,17 @@ def standalone_compile_accepts_fake_mode() -> bool:
     from torch._inductor import standalone_compile
 
     return "fake_mode" in inspect.signature(standalone_compile).parameters
+
+
+def aoti_single_file_options(device: str) -> dict[str, Any]:
+    """AOTInductor options that give one self-contained shared library.
+
+    Kernel binaries are embedded in the library where this torch can do it, so the one
+    file in the store is all a loading process needs.
+    """
+    from torch._inductor import config
+
+    options: dict[str, Any] = {"aot_inductor.package": False}
+    if device.startswith("cuda") and hasattr(config.aot_inductor, "embed_kernel_binary"):
+        options["aot_inductor.embed_kernel_binary"] = True
+    return options

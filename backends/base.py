@@ -1,0 +1,138 @@
+"""The backend protocol and what a build request carries.
+
+A backend has a ``name``, ``factors(config)`` (what enters every target key besides the
+graph), ``compile(request) -> Artifact`` and ``load(kind, key, store) -> callable``. The
+callable takes the piece's inputs positionally and returns a sequence of tensors.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from cachebuild.trace import InputMeta
+
+if TYPE_CHECKING:
+    import torch.fx as fx
+
+    from cachebuild.config import CompileConfig
+
+
+@dataclass
+class Artifact:
+    """A compiled piece: ``kind`` says how ``payload`` loads (``aoti-cpu``, ``standalone``...)."""
+
+    kind: str
+    payload: bytes
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class BuildRequest:
+    """Everything a backend needs to compile one target."""
+
+    gm: fx.GraphModule
+    input_metas: list[InputMeta]
+    bucket: dict[str, Any]
+    config: CompileConfig
+    key: str
+    passes: Any  # cachebuild.passes.PassManager
+
+
+class Backend(Protocol):
+    name: str
+
+    def factors(self, config: CompileConfig) -> dict[str, Any]: ...
+
+    def compile(self, request: BuildRequest) -> Artifact: ...
+
+    def load(self, kind: str, key: str, store: Any) -> Any: ...
+
+
+def bucket_bounds(bucket: dict[str, Any]) -> tuple[int, int] | None:
+    """(lo, hi) of a range bucket with more than one size, else None (static)."""
+    if "range" in bucket:
+        lo, hi = bucket["range"]
+        if lo < hi:
+            return lo, hi
+    return None
+
+
+def size_hint(bucket: dict[str, Any]) -> int | None:
+    """The size example inputs get for a bucket: the exact size, or a size in the range
+    that torch does not specialise (never 0 or 1)."""
+    if "size" in bucket:
+        return bucket["size"]
+    if "range" in bucket:
+        lo, hi = bucket["range"]
+        return lo if lo == hi else max(2, min(hi, max(lo, 16)))
+    return None
+
+
+def _eval_dim(dim: int | str, size: int | None) -> int:
+    if isinstance(dim, int):
+        return dim
+    import sympy
+
+    expr = sympy.sympify(dim)
+    return int(expr.subs({s: size for s in expr.free_symbols}))
+
+
+def example_inputs(metas: list[InputMeta], bucket: dict[str, Any]) -> list[Any]:
+    """Real random inputs matching ``metas`` with the dynamic dim at the bucket's hint."""
+    size = size_hint(bucket)
+    out: list[Any] = []
+    for m in metas:
+        if m.kind != "tensor":
+            out.append(_eval_dim(m.shape[0], size))
+            continue
+        shape = [_eval_dim(d, size) for d in m.shape]
+        stride = [_eval_dim(s, size) for s in m.stride]
+        dtype = getattr(torch, m.dtype)
+        t = torch.empty_strided(shape, stride, dtype=dtype, device=m.device)
+        if dtype.is_floating_point:
+            t.copy_(torch.randn(shape, dtype=torch.float32).to(dtype))
+        elif dtype == torch.bool:
+            t.copy_(torch.zeros(shape, dtype=torch.bool))
+        else:
+            t.copy_(torch.randint(0, 2, shape, dtype=dtype))
+        out.append(t)
+    return out
+
+
+def dynamic_dims_of(metas: list[InputMeta]) -> list[dict[int, str]]:
+    """Per input, the dims whose size is a plain symbol (dim → symbol)."""
+    return [
+        {d: s for d, s in enumerate(m.shape) if isinstance(s, str) and s.isidentifier()}
+        if m.kind == "tensor" else {}
+        for m in metas
+    ]
+
+
+def symbolic_fake_inputs(metas: list[InputMeta], bucket: dict[str, Any]) -> tuple[Any, list[Any]]:
+    """Fake inputs whose dynamic dims are symbols (static for an exact-size bucket).
+
+    Returns ``(fake_mode, inputs)``; dims that share a symbol in ``metas`` share one here.
+    """
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.symbolic_shapes import (
+        DimDynamic,
+        ShapeEnv,
+        StatelessSymbolicContext,
+    )
+
+    real = example_inputs(metas, bucket)
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    dynamic = bucket_bounds(bucket) is not None
+    out: list[Any] = []
+    for m, r, dyn in zip(metas, real, dynamic_dims_of(metas), strict=True):
+        if m.kind != "tensor":
+            out.append(r)
+            continue
+        sizes = [DimDynamic.DYNAMIC if (dynamic and d in dyn) else DimDynamic.STATIC
+                 for d in range(r.dim())]
+        ctx = StatelessSymbolicContext(dynamic_sizes=sizes)
+        out.append(fake_mode.from_tensor(r, symbolic_context=ctx))
+    return fake_mode, out

@@ -1,0 +1,48 @@
+"""The eager_fusion backend: fusion passes without code generation.
+
+For hardware with no Inductor codegen. The piece is functionalised and lowered to aten
+ops (AOT-autograd's ``make_fx`` + functionalization, with the dynamic dim symbolic so
+one graph serves the whole bucket), the fusion passes rewrite it, and the rewritten
+graph is the artifact, stored as data (``fxjson``). Loading it compiles nothing.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import torch
+
+from cachebuild.backends.base import Artifact, BuildRequest, symbolic_fake_inputs
+from cachebuild.fxjson import data_to_module, graph_to_data
+
+VERSION = "1"
+
+
+class EagerFusionBackend:
+    name = "eager_fusion"
+
+    def factors(self, config: Any) -> dict[str, Any]:
+        return {"name": self.name, "version": VERSION}
+
+    def compile(self, request: BuildRequest) -> Artifact:
+        from torch.fx.experimental.proxy_tensor import make_fx
+
+        fake_mode, fake_args = symbolic_fake_inputs(request.input_metas, request.bucket)
+        fn = torch.func.functionalize(request.gm, remove="mutations_and_views")
+        with fake_mode, torch.no_grad():
+            lowered = make_fx(fn, tracing_mode="symbolic")(*fake_args)
+        matches = request.passes(lowered.graph) if request.passes is not None else {}
+        lowered.graph.eliminate_dead_code()
+        lowered.recompile()
+        payload = json.dumps({"nodes": graph_to_data(lowered.graph)}).encode()
+        return Artifact("fx-graph", payload, {"matches": matches})
+
+    def load(self, kind: str, key: str, store: Any) -> Any:
+        if kind != "fx-graph":
+            raise ValueError(f"eager_fusion cannot load artifacts of kind {kind!r}")
+        data = store.get(key)
+        if data is None:
+            return None
+        gm = data_to_module(json.loads(data)["nodes"])
+        return gm

@@ -1,0 +1,135 @@
+"""The Builder: the only way an artifact is produced or loaded.
+
+``resolve(job)``: a target loaded earlier in this process is reused; a stored one is
+loaded; a missing one is built under the key's lock (looking again once the lock is
+held, since another process may have finished it), stored, then loaded. A piece that
+fails to compile raises BuildError naming the piece, bucket and key; nothing partial is
+stored, because the store's put is atomic and happens only after a successful compile.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from cachebuild.backends import BuildRequest, get_backend
+from cachebuild.config import CompileConfig
+from cachebuild.errors import BuildError
+from cachebuild.fxjson import data_to_module
+from cachebuild.stats import COUNTERS
+from cachebuild.targets import Target, bucket_label
+from cachebuild.trace import InputMeta
+
+log = logging.getLogger("cachebuild.build")
+
+#: Targets loaded in this process, by key: every layer with the same key shares one.
+LOADED: dict[str, Any] = {}
+
+
+@dataclass
+class BuildJob:
+    """A target plus what is needed to compile it anywhere (picklable, no live graph)."""
+
+    target: Target
+    nodes: list[dict[str, Any]]
+    input_metas: list[dict[str, Any]]
+    config: CompileConfig
+    model_path: str | None = None
+
+
+def pass_manager(config: CompileConfig) -> Any:
+    from cachebuild.passes import PassManager
+
+    return PassManager.from_config(config.passes)
+
+
+def import_model_file(path: str) -> None:
+    """Import a model file so the custom ops it registers exist in this process."""
+    name = f"cachebuild_model_{abs(hash(path))}"
+    if name in sys.modules:
+        return
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise BuildError(f"cannot import model file {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+
+
+class Builder:
+    """Resolves targets against one store with one config's backend and passes."""
+
+    def __init__(self, store: Any, config: CompileConfig) -> None:
+        self.store = store
+        self.config = config
+        self.backend = get_backend(config.backend)
+        self._passes: Any = None
+
+    @property
+    def passes(self) -> Any:
+        if self._passes is None:
+            self._passes = pass_manager(self.config)
+        return self._passes
+
+    def load(self, key: str) -> Any | None:
+        """The loaded target ``key`` if the store has it (None on a miss)."""
+        if key in LOADED:
+            return LOADED[key]
+        record = self.store.get_record(key)
+        if record is None:
+            return None
+        start = time.perf_counter()
+        fn = self.backend.load(record.kind, key, self.store)
+        if fn is None:  # vanished or failed verification (quarantined): a miss
+            return None
+        COUNTERS.loaded += 1
+        COUNTERS.add_time("load", time.perf_counter() - start)
+        LOADED[key] = fn
+        return fn
+
+    def build(self, job: BuildJob) -> bool:
+        """Make sure ``job``'s target is stored; True if this call compiled it."""
+        key = job.target.key
+        if self.store.contains(key):
+            return False
+        with self.store.lock(key):
+            if self.store.contains(key):
+                return False
+            start = time.perf_counter()
+            try:
+                artifact = self.backend.compile(BuildRequest(
+                    gm=data_to_module(job.nodes),
+                    input_metas=[InputMeta.from_data(m) for m in job.input_metas],
+                    bucket=job.target.bucket,
+                    config=self.config,
+                    key=key,
+                    passes=self.passes,
+                ))
+            except Exception as e:
+                COUNTERS.failed += 1
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise BuildError(
+                    f"piece {job.target.piece} ({bucket_label(job.target.bucket)}, key "
+                    f"{key}) failed to compile: {type(e).__name__}: {first}"
+                ) from e
+            seconds = time.perf_counter() - start
+            self.store.put(key, artifact.payload, kind=artifact.kind, manifest=job.target.manifest)
+            COUNTERS.built += 1
+            COUNTERS.add_time("build", seconds)
+            log.info("built piece %d %s as %s in %.1f s (%s, %d bytes)", job.target.piece,
+                     bucket_label(job.target.bucket), artifact.kind, seconds, key[:12],
+                     len(artifact.payload))
+            return True
+
+    def resolve(self, job: BuildJob) -> Any:
+        """The callable for ``job``'s target: loaded, or built then loaded."""
+        for _ in range(3):
+            fn = self.load(job.target.key)
+            if fn is not None:
+                return fn
+            self.build(job)
+        raise BuildError(f"target {job.target.key} was built but cannot be loaded back")

@@ -1,0 +1,146 @@
+"""CompileConfig: what the user decides about compilation, validated once.
+
+Every field is named and documented here; ``factors()`` is what enters the entry key,
+and the subset that decides a compiled piece enters every target key (``targets.py``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from cachebuild.errors import ConfigError
+
+#: Splitting ops are named like torch's operator registry does: ``namespace::name`` with
+#: an optional ``.overload`` (``mylib::attention``, ``aten::scaled_dot_product_attention``).
+OP_NAME = re.compile(r"^[A-Za-z_]\w*::[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
+
+BACKENDS_BUILTIN = ("inductor", "eager_fusion")
+FLAVOURS = ("auto", "aoti", "standalone")
+CUDAGRAPH_MODES = ("none", "piecewise", "full")
+OUT_OF_RANGE = ("error", "eager")
+
+
+def default_capture_sizes() -> tuple[int, ...]:
+    """1, 2, 4, then 8…248 by 8, then 256…512 by 16: 51 sizes."""
+    return (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
+
+
+def _default_passes() -> Any:
+    from cachebuild.passes import PassConfig
+
+    return PassConfig()
+
+
+@dataclass(frozen=True)
+class CompileConfig:
+    """How a model is compiled.
+
+    - ``splitting_ops``: ops the graph is cut at; they run eagerly between pieces.
+    - ``compile_ranges``: inclusive ``(lo, hi)`` ranges of the dynamic dim; each range
+      gets one target per piece, valid for every size in it.
+    - ``compile_sizes``: exact sizes that get their own specialised target; each must
+      lie inside a range.
+    - ``backend``: ``"inductor"``, ``"eager_fusion"``, or a registered plug-in backend.
+    - ``flavour``: the inductor artifact kind: ``"auto"`` (AOTInductor where it loads
+      here, else standalone), ``"aoti"`` or ``"standalone"``.
+    - ``passes``: a ``cachebuild.passes.PassConfig`` of fusion-pass flags.
+    - ``inductor_options``: Inductor config patches, e.g. ``{"max_autotune": True}``.
+    - ``cudagraph_mode``: ``"none"``, ``"piecewise"`` or ``"full"``.
+    - ``capture_sizes``: sizes captured as CUDA graphs (default: 51 sizes up to 512).
+    - ``out_of_range``: a call whose size is outside every range raises (``"error"``)
+      or runs the model eagerly with a one-time warning (``"eager"``).
+    """
+
+    splitting_ops: tuple[str, ...] = ()
+    compile_ranges: tuple[tuple[int, int], ...] = ((1, 8192),)
+    compile_sizes: tuple[int, ...] = ()
+    backend: str = "inductor"
+    flavour: str = "auto"
+    passes: Any = field(default_factory=_default_passes)
+    inductor_options: tuple[tuple[str, Any], ...] = ()
+    cudagraph_mode: str = "none"
+    capture_sizes: tuple[int, ...] = field(default_factory=default_capture_sizes)
+    out_of_range: str = "error"
+
+    def __post_init__(self) -> None:
+        # Normalise containers so equal configs hash equal and are immutable.
+        set_ = object.__setattr__
+        set_(self, "splitting_ops", tuple(self.splitting_ops))
+        set_(self, "compile_ranges", tuple((int(lo), int(hi)) for lo, hi in self.compile_ranges))
+        set_(self, "compile_sizes", tuple(sorted({int(s) for s in self.compile_sizes})))
+        set_(self, "capture_sizes", tuple(sorted({int(s) for s in self.capture_sizes})))
+        opts = self.inductor_options
+        if isinstance(opts, dict):
+            opts = opts.items()
+        set_(self, "inductor_options", tuple(sorted((str(k), v) for k, v in opts)))
+        self._validate()
+
+    def _validate(self) -> None:
+        for op in self.splitting_ops:
+            if not isinstance(op, str) or not OP_NAME.match(op):
+                raise ConfigError(
+                    f"splitting op {op!r} does not parse: write it as 'namespace::name' "
+                    "or 'namespace::name.overload', e.g. 'aten::scaled_dot_product_attention'"
+                )
+        if not self.compile_ranges:
+            raise ConfigError("compile_ranges is empty: give at least one (lo, hi) range")
+        ranges = sorted(self.compile_ranges)
+        for lo, hi in ranges:
+            if lo < 1 or hi < lo:
+                raise ConfigError(f"compile range ({lo}, {hi}) is empty or starts below 1")
+        for (_, hi1), (lo2, hi2) in zip(ranges, ranges[1:], strict=False):
+            if lo2 <= hi1:
+                raise ConfigError(f"compile ranges overlap: ({lo2}, {hi2}) starts at or before {hi1}")
+        for size in self.compile_sizes:
+            if not any(lo <= size <= hi for lo, hi in ranges):
+                raise ConfigError(f"compile size {size} lies outside every compile range {ranges}")
+        from cachebuild.backends import registered_backends
+
+        if self.backend not in registered_backends():
+            raise ConfigError(
+                f"unknown backend {self.backend!r}: choose one of {sorted(registered_backends())}"
+            )
+        if self.flavour not in FLAVOURS:
+            raise ConfigError(f"unknown flavour {self.flavour!r}: choose one of {FLAVOURS}")
+        if self.cudagraph_mode not in CUDAGRAPH_MODES:
+            raise ConfigError(
+                f"unknown cudagraph_mode {self.cudagraph_mode!r}: choose one of {CUDAGRAPH_MODES}"
+            )
+        if self.out_of_range not in OUT_OF_RANGE:
+            raise ConfigError(f"out_of_range must be one of {OUT_OF_RANGE}")
+        if any(s < 1 for s in self.capture_sizes):
+            raise ConfigError("capture sizes must be positive")
+
+    def inductor_options_dict(self) -> dict[str, Any]:
+        return dict(self.inductor_options)
+
+    def buckets(self) -> list[dict[str, Any]]:
+        """Every shape bucket: exact sizes first, then ranges (the dispatch order)."""
+        return [{"size": s} for s in self.compile_sizes] + [
+            {"range": [lo, hi]} for lo, hi in sorted(self.compile_ranges)
+        ]
+
+    def factors(self) -> dict[str, Any]:
+        """The whole config as key factors (used by the entry key)."""
+        out: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name == "passes":
+                value = value.factors()
+            elif f.name == "inductor_options":
+                value = {k: _plain(v) for k, v in value}
+            out[f.name] = value
+        return out
+
+
+def _plain(value: Any) -> Any:
+    """Option values as JSON-able factors (repr for anything exotic)."""
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    return repr(value)

@@ -1,0 +1,140 @@
+"""Model-level entries: everything a warm process needs instead of Dynamo.
+
+An entry (store kind ``entry``, refs = its target keys) records the stitching graph, each
+piece (compiled pieces by graph and target keys, splitting-op pieces by graph), how each
+graph input is bound to the live model and call, the output structure, and the source
+files Dynamo traced with the hash of their syntax trees. Its key covers the model class,
+the CompileConfig, the backend and pass factors, parameter and buffer metadata (never
+values), the call's input metadata with the dynamic dims, and the environment.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from cachebuild.config import CompileConfig
+from cachebuild.env import SCHEMA_VERSION, env_factors
+from cachebuild.fxjson import graph_to_data
+from cachebuild.keys import make_key
+from cachebuild.split import SplitPlan
+from cachebuild.targets import Target, piece_data
+from cachebuild.trace import TracedGraph, ast_hash, meta_of
+
+
+@dataclass
+class PieceRecord:
+    name: str
+    compiled: bool
+    nodes: list[dict[str, Any]]
+    input_metas: list[dict[str, Any]]
+    single_output: bool
+    size_input: list[int] | None
+    targets: list[dict[str, Any]]  # [{"bucket": ..., "key": ...}] in dispatch order
+
+
+@dataclass
+class Entry:
+    key: str
+    factors: dict[str, Any]
+    bindings: list[dict[str, Any]]
+    input_metas: list[dict[str, Any]]
+    stitch: list[dict[str, Any]]
+    pieces: list[PieceRecord]
+    out_spec: str
+    num_outputs: int
+    source_files: dict[str, str]
+    manifests: dict[str, dict[str, Any]]  # target key → its manifest, once per unique key
+
+    def target_keys(self) -> list[str]:
+        keys: list[str] = []
+        for p in self.pieces:
+            keys += [t["key"] for t in p.targets if t["key"] not in keys]
+        return keys
+
+    def targets(self) -> list[Target]:
+        return [Target(t["key"], i, t["bucket"], self.manifests[t["key"]])
+                for i, p in enumerate(self.pieces) for t in p.targets]
+
+    def stale_files(self) -> list[str]:
+        """Traced files whose code changed (or vanished) since the entry was recorded."""
+        return [path for path, digest in self.source_files.items() if ast_hash(path) != digest]
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(asdict(self), separators=(",", ":")).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> Entry:
+        raw = json.loads(data)
+        raw["pieces"] = [PieceRecord(**p) for p in raw["pieces"]]
+        return cls(**raw)
+
+
+def device_of(model: torch.nn.Module, args: tuple[Any, ...]) -> str:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return str(a.device)
+    for p in model.parameters():
+        return str(p.device)
+    return "cpu"
+
+
+def _tensor_table(items: Any) -> list[list[Any]]:
+    return [[name, list(t.shape), str(t.dtype).removeprefix("torch."), t.device.type]
+            for name, t in items]
+
+
+def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: dict[int, int],
+                  config: CompileConfig, target_factors: dict[str, Any]) -> dict[str, Any]:
+    """The factors of a model's entry key (no tracing needed to compute them)."""
+    inputs = []
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            m = meta_of(a)
+            shape = ["dyn" if dynamic_dims.get(i) == d else s for d, s in enumerate(m.shape)]
+            inputs.append({"dtype": m.dtype, "shape": shape, "device": m.device_type})
+        else:
+            inputs.append({"value": repr(a)})
+    cls = type(model)
+    return {
+        "schema": SCHEMA_VERSION,
+        "model": f"{cls.__module__}.{cls.__qualname__}",
+        "config": config.factors(),
+        "targets": target_factors,
+        "params": _tensor_table(model.named_parameters(remove_duplicate=False)),
+        "buffers": _tensor_table(model.named_buffers(remove_duplicate=False)),
+        "inputs": inputs,
+        "dynamic_dims": sorted([i, d] for i, d in dynamic_dims.items()),
+        "env": env_factors(device_of(model, args)),
+    }
+
+
+def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,
+               targets: dict[int, list[Target]]) -> Entry:
+    pieces = [
+        PieceRecord(
+            name=p.name,
+            compiled=p.compiled,
+            nodes=piece_data(p),
+            input_metas=[m.to_data() for m in p.input_metas],
+            single_output=p.single_output,
+            size_input=list(p.size_input) if p.size_input else None,
+            targets=[{"bucket": t.bucket, "key": t.key} for t in targets.get(p.index, [])],
+        )
+        for p in plan.pieces
+    ]
+    return Entry(
+        key=make_key(factors),
+        factors=factors,
+        bindings=[b.to_data() for b in traced.bindings],
+        input_metas=[m.to_data() for m in traced.input_metas],
+        stitch=graph_to_data(plan.stitch.graph),
+        pieces=pieces,
+        out_spec=traced.out_spec,
+        num_outputs=traced.num_outputs,
+        source_files=traced.source_files,
+        manifests={t.key: t.manifest for ts in targets.values() for t in ts},
+    )

@@ -1,0 +1,178 @@
+"""The stitched forward: compiled pieces dispatched by size, splitting ops run eagerly.
+
+Built from an Entry alone (no Dynamo): the stitching graph becomes a GraphModule whose
+submodules are ``PieceRunner``s (compiled pieces) or small eager graphs (splitting ops).
+A PieceRunner picks its target by the runtime size of the dynamic dim: an exact compile
+size first, else the range that holds it.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.utils._pytree as pytree
+
+from cachebuild.build import BuildJob, Builder
+from cachebuild.config import CompileConfig
+from cachebuild.entry import Entry
+from cachebuild.errors import UsageError
+from cachebuild.fxjson import data_to_module
+from cachebuild.trace import Binding, InputMeta
+
+#: At most this many artifacts load at once (loading is mostly I/O and dlopen).
+LOAD_THREADS = 8
+
+
+class PieceRunner:
+    """One compiled piece over all its buckets."""
+
+    def __init__(self, name: str, size_input: tuple[int, int] | None, single_output: bool,
+                 table: list[tuple[dict[str, Any], Callable[..., Any]]]) -> None:
+        self.name = name
+        self.size_input = size_input
+        self.single_output = single_output
+        self.exact = {b["size"]: fn for b, fn in table if "size" in b}
+        self.ranges = [(b["range"][0], b["range"][1], fn) for b, fn in table if "range" in b]
+        self.static = next((fn for b, fn in table if "static" in b), None)
+
+    def select(self, size: int | None) -> Callable[..., Any]:
+        if size is None:
+            assert self.static is not None
+            return self.static
+        fn = self.exact.get(size)
+        if fn is not None:
+            return fn
+        for lo, hi, fn in self.ranges:
+            if lo <= size <= hi:
+                return fn
+        raise UsageError(f"size {size} lies outside every compile range of {self.name}")
+
+    def __call__(self, *args: Any) -> Any:
+        size = None
+        if self.size_input is not None:
+            i, d = self.size_input
+            size = args[i].shape[d]
+        out = self.select(size)(*args)
+        return out[0] if self.single_output else tuple(out)
+
+
+def jobs_of(entry: Entry, config: CompileConfig, model_path: str | None = None) -> dict[str, BuildJob]:
+    """One BuildJob per unique target key of an entry."""
+    jobs: dict[str, BuildJob] = {}
+    for target in entry.targets():
+        if target.key not in jobs:
+            piece = entry.pieces[target.piece]
+            jobs[target.key] = BuildJob(target, piece.nodes, piece.input_metas, config, model_path)
+    return jobs
+
+
+def resolve_all(entry: Entry, builder: Builder, model_path: str | None = None) -> dict[str, Any]:
+    """Every unique target of ``entry``, loaded (in parallel) or built (one at a time)."""
+    jobs = jobs_of(entry, builder.config, model_path)
+    with ThreadPoolExecutor(max_workers=min(LOAD_THREADS, max(1, len(jobs)))) as pool:
+        loaded = dict(zip(jobs, pool.map(builder.load, jobs), strict=True))
+    for key, fn in loaded.items():
+        if fn is None:
+            loaded[key] = builder.resolve(jobs[key])
+    return loaded
+
+
+def stitch(entry: Entry, loaded: dict[str, Any]) -> torch.fx.GraphModule:
+    """The stitched forward of ``entry`` over loaded targets; takes the graph's inputs."""
+    modules: dict[str, Any] = {}
+    for piece in entry.pieces:
+        if piece.compiled:
+            table = [(t["bucket"], loaded[t["key"]]) for t in piece.targets]
+            size_input = tuple(piece.size_input) if piece.size_input else None
+            modules[piece.name] = PieceRunner(piece.name, size_input, piece.single_output, table)
+        else:
+            modules[piece.name] = data_to_module(piece.nodes)
+    return data_to_module(entry.stitch, modules)
+
+
+class ModelRuntime:
+    """A stitched forward bound to a live model: ``runtime(*args)`` is ``model(*args)``."""
+
+    def __init__(self, entry: Entry, stitched: torch.fx.GraphModule, model: torch.nn.Module,
+                 config: CompileConfig, dynamic_dims: dict[int, int]) -> None:
+        self.entry = entry
+        self.stitched = stitched
+        self.model = model
+        self.config = config
+        self.dynamic_dims = dict(dynamic_dims)
+        self.bindings = [Binding.from_data(b) for b in entry.bindings]
+        self.metas = [InputMeta.from_data(m) for m in entry.input_metas]
+        self.spec = pytree.treespec_loads(entry.out_spec)
+        self._warned_eager = False
+        self.rebind()
+
+    def rebind(self) -> None:
+        """Look up the model's parameters and buffers again (after they were replaced)."""
+        self.bound: list[Any] = []
+        for b in self.bindings:
+            if b.kind == "param":
+                self.bound.append(self.model.get_parameter(b.path))
+            elif b.kind == "buffer":
+                self.bound.append(self.model.get_buffer(b.path))
+            else:
+                self.bound.append(None)
+
+    def _check(self, args: tuple[Any, ...]) -> int | None:
+        for b, m in zip(self.bindings, self.metas, strict=True):
+            if b.kind != "arg":
+                continue
+            if b.arg >= len(args):
+                raise UsageError(f"expected at least {b.arg + 1} arguments, got {len(args)}")
+            a = args[b.arg]
+            if not isinstance(a, torch.Tensor):
+                raise UsageError(f"argument {b.arg} must be a tensor, got {type(a).__name__}")
+            dtype = str(a.dtype).removeprefix("torch.")
+            if dtype != m.dtype or a.dim() != len(m.shape):
+                raise UsageError(
+                    f"argument {b.arg} is {dtype} with {a.dim()} dims; the compiled model takes "
+                    f"{m.dtype} with {len(m.shape)} dims"
+                )
+            for d, want in enumerate(m.shape):
+                if isinstance(want, int) and a.shape[d] != want:
+                    raise UsageError(
+                        f"argument {b.arg} has size {a.shape[d]} in dim {d}, which was "
+                        f"compiled static at {want}"
+                    )
+        if not self.dynamic_dims:
+            return None
+        i, d = min(self.dynamic_dims.items())
+        return args[i].shape[d]
+
+    def in_buckets(self, size: int) -> bool:
+        return size in self.config.compile_sizes or any(
+            lo <= size <= hi for lo, hi in self.config.compile_ranges)
+
+    def __call__(self, *args: Any) -> Any:
+        size = self._check(args)
+        if size is not None and not self.in_buckets(size):
+            if self.config.out_of_range == "eager":
+                if not self._warned_eager:
+                    warnings.warn(f"size {size} is outside every compile range; running eagerly",
+                                  stacklevel=2)
+                    self._warned_eager = True
+                return self.model(*args)
+            raise UsageError(
+                f"size {size} of the dynamic dim is outside every compile range "
+                f"{list(self.config.compile_ranges)}; add a range or set out_of_range='eager'"
+            )
+        flat = []
+        for b, bound in zip(self.bindings, self.bound, strict=True):
+            if b.kind == "arg":
+                flat.append(args[b.arg])
+            elif b.kind == "size":
+                flat.append(args[b.arg].shape[b.dim])
+            elif b.kind == "const":
+                flat.append(b.dim)
+            else:
+                flat.append(bound)
+        out = self.stitched(*flat)
+        return pytree.tree_unflatten(list(out), self.spec)

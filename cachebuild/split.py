@@ -1,0 +1,201 @@
+"""Cutting a traced graph at splitting ops into pieces.
+
+Every call of a splitting op becomes a piece of its own that runs eagerly; the runs of
+nodes between them become compiled pieces. Compiled pieces are normalised so that equal
+layers look equal: SymInt inputs are recomputed from a tensor input's size inside the
+piece (pieces take tensors only, which AOTInductor needs too), and every piece returns
+a tuple.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.split_module import split_module
+
+from cachebuild.errors import UsageError
+from cachebuild.trace import InputMeta, TracedGraph, meta_of
+
+
+@dataclass
+class Piece:
+    """One piece of the split graph.
+
+    ``compiled`` pieces become targets; the others are splitting-op calls run eagerly.
+    ``single_output`` records that the stitching graph expects a bare value, not a tuple.
+    ``size_input`` is ``(input index, dim)`` of an input whose dim is the dynamic dim:
+    where the runtime reads the size to pick a bucket (None if the piece is static).
+    """
+
+    index: int
+    name: str
+    gm: fx.GraphModule
+    compiled: bool
+    input_metas: list[InputMeta]
+    single_output: bool
+    size_input: tuple[int, int] | None
+
+
+@dataclass
+class SplitPlan:
+    stitch: fx.GraphModule
+    pieces: list[Piece]
+
+    @property
+    def compiled_pieces(self) -> list[Piece]:
+        return [p for p in self.pieces if p.compiled]
+
+
+def op_names(target: Any) -> set[str]:
+    """The names a user may give for a graph target (``ns::op``, ``ns::op.overload``)."""
+    if isinstance(target, torch._ops.OpOverload):
+        packet = target.name().split(".")[0]
+        return {target.name(), packet}
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        qual = target._qualified_op_name
+        return {qual} | {f"{qual}.{o}" for o in target.overloads()}
+    name = getattr(target, "__name__", None)
+    # torch-level functions in a Dynamo graph (torch._C._nn.scaled_dot_product_attention)
+    # answer to the aten op of the same name.
+    if callable(target) and name and hasattr(torch.ops.aten, name):
+        packet = getattr(torch.ops.aten, name)
+        return {f"aten::{name}"} | {f"aten::{name}.{o}" for o in packet.overloads()}
+    return set()
+
+
+def is_splitting(node: fx.Node, splitting_ops: set[str]) -> bool:
+    return node.op == "call_function" and bool(op_names(node.target) & splitting_ops)
+
+
+def graph_op_names(graph: fx.Graph) -> list[str]:
+    """Custom and aten op names a graph contains (for the unknown-op error)."""
+    found = set()
+    for node in graph.nodes:
+        if node.op == "call_function":
+            names = op_names(node.target)
+            found |= {n for n in names if "." not in n.split("::")[1]}
+    return sorted(found)
+
+
+def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPlan:
+    """Split ``traced`` at every call of a splitting op."""
+    wanted = set(splitting_ops)
+    graph = traced.gm.graph
+    seen: set[str] = set()
+    for node in graph.nodes:
+        if node.op == "call_function":
+            seen |= op_names(node.target) & wanted
+    unknown = wanted - seen
+    if unknown:
+        raise UsageError(
+            f"splitting op(s) {sorted(unknown)} not found in the traced graph; it contains: "
+            + ", ".join(graph_op_names(graph))
+        )
+
+    part: dict[fx.Node, int] = {}
+    current = 0
+    for node in graph.nodes:
+        if node.op in ("placeholder", "output"):
+            continue
+        if is_splitting(node, wanted):
+            current += 1
+            part[node] = current
+            current += 1
+        else:
+            part[node] = current
+    split_ops_parts = {part[n] for n in part if is_splitting(n, wanted)}
+
+    stitch = split_module(traced.gm, None, lambda n: part[n], keep_original_order=True)
+    _propagate_fake(stitch, traced.fake_inputs)
+
+    pieces = []
+    for node in stitch.graph.nodes:
+        if node.op != "call_module":
+            continue
+        sub: fx.GraphModule = getattr(stitch, node.target)
+        index = int(node.target.removeprefix("submod_"))
+        compiled = index not in split_ops_parts
+        fake_args = [a.meta["example_value"] if isinstance(a, fx.Node) else a for a in node.args]
+        kept = _normalise(sub, fake_args) if compiled else list(range(len(node.args)))
+        node.args = tuple(node.args[i] for i in kept)
+        fake_args = [fake_args[i] for i in kept]
+        metas = [meta_of(a) for a in fake_args]
+        pieces.append(Piece(
+            index=len(pieces),
+            name=node.target,
+            gm=sub,
+            compiled=compiled,
+            input_metas=metas,
+            single_output=not isinstance(node.meta["example_value"], (tuple, list)),
+            size_input=_size_input(metas),
+        ))
+    stitch.recompile()
+    return SplitPlan(stitch=stitch, pieces=pieces)
+
+
+def _propagate_fake(stitch: fx.GraphModule, fake_inputs: list[Any]) -> None:
+    """Record each stitching node's fake value (what each piece receives and returns)."""
+    fake_mode = next((t.fake_mode for t in fake_inputs if hasattr(t, "fake_mode")), None)
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            result = super().run_node(n)
+            n.meta["example_value"] = result
+            return result
+
+    with fake_mode or _null():
+        Recorder(stitch).run(*fake_inputs)
+
+
+class _null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: Any) -> None:
+        return None
+
+
+def _normalise(gm: fx.GraphModule, fake_args: list[Any]) -> list[int]:
+    """Make a compiled piece take tensors only and return a tuple; return kept inputs.
+
+    A SymInt input is replaced by ``x.size(d)`` of a tensor input ``x`` whose dim ``d``
+    is that symbol. One that no tensor input carries stays an input.
+    """
+    graph = gm.graph
+    placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+    sources: dict[str, tuple[fx.Node, int]] = {}
+    for ph, fake in zip(placeholders, fake_args, strict=True):
+        if isinstance(fake, torch.Tensor):
+            for d, size in enumerate(fake.shape):
+                if isinstance(size, torch.SymInt):
+                    sources.setdefault(str(size.node.expr), (ph, d))
+    kept = []
+    first_body = next(n for n in graph.nodes if n.op != "placeholder")
+    for i, (ph, fake) in enumerate(zip(placeholders, fake_args, strict=True)):
+        src = sources.get(str(fake.node.expr)) if isinstance(fake, torch.SymInt) else None
+        if src is None:
+            kept.append(i)
+            continue
+        with graph.inserting_before(first_body):
+            size = graph.call_method("size", (src[0], src[1]))
+        ph.replace_all_uses_with(size)
+        graph.erase_node(ph)
+    out = next(n for n in graph.nodes if n.op == "output")
+    if not isinstance(out.args[0], (tuple, list)):
+        out.args = ((out.args[0],),)
+    graph.eliminate_dead_code()
+    graph.lint()
+    gm.recompile()
+    return kept
+
+
+def _size_input(metas: list[InputMeta]) -> tuple[int, int] | None:
+    for i, m in enumerate(metas):
+        if m.kind == "tensor":
+            for d, size in enumerate(m.shape):
+                if isinstance(size, str) and size.isidentifier():
+                    return (i, d)
+    return None

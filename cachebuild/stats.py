@@ -1,0 +1,51 @@
+"""This process's counters: what was planned, loaded, built, and where the time went.
+
+``COUNTERS`` is the one explicit registry; ``cachebuild.stats()`` returns a copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class Counters:
+    planned: int = 0  # targets planned (pieces × buckets, before dedup)
+    unique: int = 0   # distinct target keys among them
+    loaded: int = 0   # targets loaded from the store
+    built: int = 0    # targets compiled (cache misses)
+    failed: int = 0   # targets that failed to compile
+    traced: int = 0   # models traced with Dynamo
+    entries_loaded: int = 0  # model entries loaded (warm starts)
+    seconds: dict[str, float] = field(default_factory=dict)  # per phase
+
+    def add_time(self, phase: str, seconds: float) -> None:
+        self.seconds[phase] = self.seconds.get(phase, 0.0) + seconds
+
+
+COUNTERS = Counters()
+
+
+@contextmanager
+def phase(name: str) -> Iterator[None]:
+    """Time a block into ``COUNTERS.seconds[name]``."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        COUNTERS.add_time(name, time.perf_counter() - start)
+
+
+def snapshot() -> dict:
+    """The counters of this process as a plain dict."""
+    data = asdict(COUNTERS)
+    data["seconds"] = dict(COUNTERS.seconds)
+    return data
+
+
+def reset() -> None:
+    global COUNTERS
+    COUNTERS.__init__()  # type: ignore[misc]
