@@ -99,7 +99,10 @@ class InductorBackend:
     def _compile_standalone(self, request: BuildRequest) -> Artifact:
         from torch._inductor import standalone_compile
 
+        from cachebuild.split import record_example_values
+
         fake_mode, fake_args = symbolic_fake_inputs(request.input_metas, request.bucket)
+        record_example_values(request.gm, fake_args)
         options = {"config_patches": _inductor_options(request)}
         with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
             art = standalone_compile(request.gm, fake_args, dynamic_shapes="from_tracing_context",

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+from rich import box
 from rich.console import Console
 from rich.logging import RichHandler
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -95,7 +95,12 @@ class DurationParam(click.ParamType):
 
 
 def _stdout() -> Console:
-    return Console(soft_wrap=False)
+    # Piped output is read by people and scripts alike: never squeeze or cut keys.
+    return Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+
+
+def _entries(n: int) -> str:
+    return "1 entry" if n == 1 else f"{n} entries"
 
 
 def _stderr() -> Console:
@@ -225,7 +230,8 @@ def ls_command(ctx: click.Context, as_json: bool, kind: str | None) -> None:
         click.echo(json.dumps([r.to_json() for r in records], indent=2))
         return
     now = time.time()
-    table = Table(title=f"{len(records)} entries in {store.root}", title_justify="left")
+    table = Table(title=f"{_entries(len(records))} in {store.root}", title_justify="left",
+                  box=box.SIMPLE_HEAD)
     table.add_column("key", no_wrap=True, min_width=32)
     table.add_column("kind")
     table.add_column("size", justify="right")
@@ -250,11 +256,12 @@ def stats_command(ctx: click.Context, as_json: bool) -> None:
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
-    table = Table(title=f"store {stats['path']}", title_justify="left", show_header=False)
+    table = Table(show_header=False, box=box.SIMPLE)
     table.add_column("what")
-    table.add_column("value", justify="right")
+    table.add_column("value")
     rate = "–" if stats["hit_rate"] is None else f"{stats['hit_rate']:.1%}"
-    rows = [("entries", str(stats["entries"])),
+    rows = [("store", stats["path"]),
+            ("entries", str(stats["entries"])),
             ("payload", format_size(stats["bytes"])),
             ("on disk", format_size(stats["disk_bytes"])),
             ("pinned", str(stats["pinned"])),
@@ -284,7 +291,7 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
     out = _stdout()
     verb = "would remove" if dry_run else "removed"
     if dry_run and report.removed:
-        table = Table(title="would remove", title_justify="left")
+        table = Table(title="would remove", title_justify="left", box=box.SIMPLE_HEAD)
         for col in ("key", "kind", "size", "last used"):
             table.add_column(col, no_wrap=col == "key", min_width=32 if col == "key" else None)
         now = time.time()
@@ -293,9 +300,9 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
             if r is not None:
                 table.add_row(key, r.kind, format_size(r.size), _ago(r.last_used, now))
         out.print(table)
-    out.print(f"{verb} {len(report.removed)} entries ({format_size(report.freed_bytes)}); "
+    out.print(f"{verb} {_entries(len(report.removed))} ({format_size(report.freed_bytes)}); "
               f"store {'would be' if dry_run else 'is now'} {format_size(report.bytes_after)} "
-              f"in {report.entries_after} entries, {report.kept_pinned} kept by pins")
+              f"in {_entries(report.entries_after)}, {report.kept_pinned} kept by pins")
     if report.tmp_removed or report.orphans_removed:
         out.print(f"cleaned {report.tmp_removed} abandoned temp files and "
                   f"{report.orphans_removed} unrecorded blobs")
@@ -360,7 +367,7 @@ def export_command(ctx: click.Context, file: Path, model: str | None,
     keys = [_resolve_target(ctx, model)] if model else None
     with _progress("exporting") as progress:
         report = export_bundle(store, file, keys=keys, kinds=kinds or None, progress=progress)
-    click.echo(f"exported {len(report.exported)} entries ({format_size(report.bytes)}) "
+    click.echo(f"exported {_entries(len(report.exported))} ({format_size(report.bytes)}) "
                f"to {file}")
     for key, reason in report.skipped:
         click.echo(f"skipped {key}: {reason}", err=True)
@@ -378,7 +385,7 @@ def import_command(ctx: click.Context, file: Path) -> None:
     store = open_store(ctx)
     with _progress("importing") as progress:
         report = import_bundle(store, file, progress=progress)
-    click.echo(f"imported {len(report.imported)} entries from {file}"
+    click.echo(f"imported {_entries(len(report.imported))} from {file}"
                + (f", {len(report.existing)} already present" if report.existing else ""))
     for name, reason in report.refused:
         click.echo(f"refused {name}: {reason}", err=True)
@@ -393,5 +400,4 @@ def import_command(ctx: click.Context, file: Path) -> None:
 # ``register(command)``; ``main`` stays the entry point.
 
 if __name__ == "__main__":
-    main(prog_name="cachebuild", auto_envvar_prefix=None)
-    os._exit(0)  # pragma: no cover (click exits above)
+    main(prog_name="cachebuild")

@@ -9,6 +9,7 @@ a tuple.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,7 +110,7 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
     split_ops_parts = {part[n] for n in part if is_splitting(n, wanted)}
 
     stitch = split_module(traced.gm, None, lambda n: part[n], keep_original_order=True)
-    _propagate_fake(stitch, traced.fake_inputs)
+    record_example_values(stitch, traced.fake_inputs)
 
     pieces = []
     for node in stitch.graph.nodes:
@@ -136,8 +137,12 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
     return SplitPlan(stitch=stitch, pieces=pieces)
 
 
-def _propagate_fake(stitch: fx.GraphModule, fake_inputs: list[Any]) -> None:
-    """Record each stitching node's fake value (what each piece receives and returns)."""
+def record_example_values(gm: fx.GraphModule, fake_inputs: list[Any]) -> None:
+    """Run ``gm`` on fake inputs and keep each node's fake value in ``meta["example_value"]``.
+
+    Splitting needs what each piece receives; Inductor's caches need the values to
+    accept a graph (its AOT-autograd cache refuses nodes without them).
+    """
     fake_mode = next((t.fake_mode for t in fake_inputs if hasattr(t, "fake_mode")), None)
 
     class Recorder(fx.Interpreter):
@@ -146,16 +151,8 @@ def _propagate_fake(stitch: fx.GraphModule, fake_inputs: list[Any]) -> None:
             n.meta["example_value"] = result
             return result
 
-    with fake_mode or _null():
-        Recorder(stitch).run(*fake_inputs)
-
-
-class _null:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: Any) -> None:
-        return None
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        Recorder(gm).run(*fake_inputs)
 
 
 def _normalise(gm: fx.GraphModule, fake_args: list[Any]) -> list[int]:
