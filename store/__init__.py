@@ -1,0 +1,42 @@
+"""The artifact store: a locked, content-addressed store of compiled artifacts.
+
+``LocalStore`` keeps blobs on local disk with a diskcache index, per-key build locks,
+verification on every read, GC and bundles. The blob format (``encode_blob`` /
+``decode_blob``) is shared with other tiers, which ship blobs as framed bytes
+(``LocalStore.read_blob`` / ``write_blob``) and re-verify them on arrival.
+"""
+
+from cachebuild.errors import LockTimeout, StoreError
+
+from .blob import CorruptBlob, decode_blob, encode_blob
+from .bundle import ExportReport, ImportReport, export_bundle, import_bundle
+from .layout import InvalidKey
+from .local import LocalStore, UnknownKey
+from .record import GCReport, Record, VerifyReport
+
+__all__ = [
+    "CorruptBlob",
+    "ExportReport",
+    "GCReport",
+    "ImportReport",
+    "InvalidKey",
+    "LocalStore",
+    "LockTimeout",
+    "Record",
+    "StoreError",
+    "UnknownKey",
+    "VerifyReport",
+    "decode_blob",
+    "encode_blob",
+    "export_bundle",
+    "import_bundle",
+]
+
+
+def __getattr__(name: str):
+    # The tiered store pulls in the Redis client; load it only when someone asks for it.
+    if name in ("open_store", "TieredStore"):
+        from . import tiered
+
+        return getattr(tiered, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,230 @@
+"""Bundles: a store's entries in one file, to move a warmed cache into an image or onto
+another machine.
+
+A bundle is a tar archive (gzip-compressed when the file name ends in ``.gz``/``.tgz``)::
+
+    cachebuild-bundle.json     {"format": "cachebuild-bundle", "version": 1, "entries": [...]}
+    records/<key>.json         the entry's index record (kind, manifest, refs, pinned, ...)
+    objects/<key>              the entry's blob exactly as stored (header, payload, HMAC)
+    ...                        (a record, then its blob, for every entry)
+
+Blobs keep their own header and checksum (and signature), so an importer re-verifies
+each one independently of the archive: nothing damaged is ever imported, and a damaged
+entry does not stop the others.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import re
+import tarfile
+import time
+import zlib
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from cachebuild.errors import StoreError, UsageError
+
+from .blob import CorruptBlob, parse_header
+from .layout import check_key
+from .local import LocalStore
+from .maintenance import reachable
+from .record import Record
+
+BUNDLE_FORMAT = "cachebuild-bundle"
+BUNDLE_VERSION = 1
+HEADER_NAME = "cachebuild-bundle.json"
+_RECORD_RE = re.compile(r"records/([0-9a-f]{16,128})\.json")
+_OBJECT_RE = re.compile(r"objects/([0-9a-f]{16,128})")
+_ARCHIVE_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error)
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass
+class ExportReport:
+    """Entries written to a bundle, their payload bytes, and entries left out with why."""
+
+    exported: list[str] = field(default_factory=list)
+    bytes: int = 0
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+
+
+@dataclass
+class ImportReport:
+    """Entries imported, entries already present, and entries refused with the reason."""
+
+    imported: list[str] = field(default_factory=list)
+    existing: list[str] = field(default_factory=list)
+    refused: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.refused
+
+
+def _select(store: LocalStore, keys: Iterable[str] | None, kinds: Iterable[str] | None,
+            with_refs: bool) -> list[Record]:
+    records = {r.key: r for r in store.entries()}
+    if keys is None:
+        chosen = list(records)
+    else:
+        wanted = [check_key(k) for k in keys]
+        missing = [k for k in wanted if k not in records]
+        if missing:
+            raise UsageError(f"not in the store: {', '.join(missing)}")
+        chosen = sorted(reachable(records, wanted)) if with_refs else wanted
+    kind_set = set(kinds) if kinds else None
+    return [records[k] for k in chosen if kind_set is None or records[k].kind in kind_set]
+
+
+def _add(tar: tarfile.TarFile, name: str, data: bytes, mtime: float) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    info.mode = 0o600
+    info.mtime = int(mtime)
+    tar.addfile(info, io.BytesIO(data))
+
+
+def export_bundle(store: LocalStore, path: str | os.PathLike[str], *,
+                  keys: Iterable[str] | None = None, kinds: Iterable[str] | None = None,
+                  with_refs: bool = True, progress: Progress | None = None) -> ExportReport:
+    """Write the selected entries of ``store`` to a bundle at ``path``.
+
+    Selects every entry, or ``keys`` (plus everything their refs reach, unless
+    ``with_refs`` is False), optionally only of ``kinds``. Each blob is verified as it is
+    read; one that fails is left out and listed in ``skipped``. The bundle is written to
+    a temporary name and renamed, so a failed export leaves no partial file.
+    """
+    target = Path(path)
+    selected = _select(store, keys, kinds, with_refs)
+    report = ExportReport()
+    mode = "w:gz" if target.suffix in (".gz", ".tgz") else "w"
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.partial")
+    now = time.time()
+    try:
+        with tarfile.open(tmp, mode) as tar:
+            header = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "created": now,
+                      "entries": [r.key for r in selected]}
+            _add(tar, HEADER_NAME, json.dumps(header).encode(), now)
+            for done, record in enumerate(selected, 1):
+                blob = store.read_blob(record.key)
+                if blob is None:
+                    report.skipped.append((record.key, "missing or damaged in the store"))
+                else:
+                    _add(tar, f"records/{record.key}.json",
+                         json.dumps(record.to_json()).encode(), record.created)
+                    _add(tar, f"objects/{record.key}", blob, record.created)
+                    report.exported.append(record.key)
+                    report.bytes += record.size
+                if progress is not None:
+                    progress(done, len(selected))
+        os.replace(tmp, target)
+    except OSError as e:
+        raise StoreError(f"cannot write bundle {target}: {e.strerror or e}") from None
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+    return report
+
+
+def _read_header(tar: tarfile.TarFile, path: Path) -> dict[str, Any]:
+    not_bundle = f"{path} is not a cachebuild bundle"
+    try:
+        first = tar.next()
+        if first is None or first.name != HEADER_NAME or not first.isfile():
+            raise UsageError(f"{not_bundle} (no {HEADER_NAME} at its start)")
+        f = tar.extractfile(first)
+        assert f is not None
+        header = json.loads(f.read())
+    except _ARCHIVE_ERRORS + (ValueError,) as e:
+        raise UsageError(f"{not_bundle}: {e}") from None
+    if header.get("format") != BUNDLE_FORMAT or not isinstance(header.get("entries"), list):
+        raise UsageError(f"{not_bundle} (bad {HEADER_NAME})")
+    if header.get("version") != BUNDLE_VERSION:
+        raise UsageError(f"{path}: unsupported bundle version {header.get('version')!r}")
+    return header
+
+
+def _import_entry(store: LocalStore, key: str, record: dict[str, Any], blob: bytes,
+                  report: ImportReport) -> None:
+    try:
+        header = parse_header(blob, expected_key=key)
+        if (header.kind, header.length, header.checksum) != (
+                record.get("kind"), record.get("size"), record.get("checksum")):
+            raise CorruptBlob("blob does not match its index record", key)
+        if store.contains(key):
+            report.existing.append(key)
+            return
+        store.write_blob(key, blob, manifest=record.get("manifest"),
+                         refs=tuple(record.get("refs", ())),
+                         pinned=bool(record.get("pinned", False)))
+    except CorruptBlob as e:
+        report.refused.append((key, e.reason))
+    except ValueError as e:  # bad refs in the record
+        report.refused.append((key, f"bad index record: {e}"))
+    else:
+        report.imported.append(key)
+
+
+def import_bundle(store: LocalStore, path: str | os.PathLike[str], *,
+                  progress: Progress | None = None) -> ImportReport:
+    """Import every entry of the bundle at ``path`` into ``store``, re-verifying each blob.
+
+    An entry is refused (and listed with the reason) if its blob fails verification with
+    this store's signing settings, disagrees with its record, or lacks its record or
+    blob; the rest are imported. A truncated bundle imports what came before the damage.
+    Entries already in the store are left as they are. Raises UsageError if ``path``
+    is not a bundle at all.
+    """
+    src = Path(path)
+    try:
+        tar = tarfile.open(src, "r|*")
+    except FileNotFoundError:
+        raise UsageError(f"no such bundle: {src}") from None
+    except _ARCHIVE_ERRORS as e:
+        raise UsageError(f"{src} is not a cachebuild bundle: {e}") from None
+    report = ImportReport()
+    with tar:
+        expected = _read_header(tar, src)["entries"]
+        records: dict[str, dict[str, Any]] = {}
+        seen: set[str] = set()
+        try:
+            for member in tar:
+                name = member.name
+                if m := _RECORD_RE.fullmatch(name):
+                    key = m.group(1)
+                    f = tar.extractfile(member) if member.isfile() else None
+                    try:
+                        records[key] = json.loads(f.read()) if f else {}
+                    except ValueError:
+                        records[key] = {}
+                elif m := _OBJECT_RE.fullmatch(name):
+                    key = m.group(1)
+                    seen.add(key)
+                    f = tar.extractfile(member) if member.isfile() else None
+                    record = records.pop(key, None)
+                    if f is None:
+                        report.refused.append((key, "blob is not a regular file"))
+                    elif not record:
+                        report.refused.append((key, "blob without a readable index record"))
+                    else:
+                        _import_entry(store, key, record, f.read(), report)
+                    if progress is not None:
+                        progress(len(seen), max(len(expected), len(seen)))
+                else:
+                    report.refused.append((name, "unexpected member in bundle"))
+        except _ARCHIVE_ERRORS as e:
+            report.refused.append(("(rest of bundle)", f"bundle is damaged or truncated: {e}"))
+        for key in records:
+            seen.add(key)
+            report.refused.append((key, "index record without a blob"))
+        for key in expected:
+            if isinstance(key, str) and key not in seen:
+                report.refused.append((key, "listed in the bundle but missing from it"))
+    return report

@@ -1,0 +1,144 @@
+"""Where things live in a store directory, and the check that it is safe to use.
+
+::
+
+    <path>/v1/
+      index/        diskcache database: key -> record
+      objects/ab/   blobs (objects/ab/<key>) and files materialised from them
+                    (objects/ab/<key>.so)
+      locks/ab/     one build lock per key (locks/ab/<key>.lock), plus a few striped
+                    internal locks (locks/entry/<xx>.lock) that order puts and deletes
+      quarantine/   blobs that failed verification, kept for inspection
+      tmp/          blobs being written; renamed into objects/ when complete
+
+``ab`` is the first two hex digits of the key, so no directory grows past a few
+thousand files.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import stat
+from pathlib import Path
+
+from cachebuild.errors import StoreError
+
+FORMAT_DIR = "v1"
+SUBDIRS = ("index", "objects", "locks", "quarantine", "tmp")
+DEFAULT_DIR = Path("~/.cache/cachebuild")
+_KEY_RE = re.compile(r"[0-9a-f]{16,128}")
+_SUFFIX_RE = re.compile(r"\.[A-Za-z0-9_.-]{1,32}")
+
+
+class InvalidKey(StoreError, ValueError):
+    """A string that is not a store key was given where a key was expected."""
+
+    exit_code = 2
+
+
+def check_key(key: str) -> str:
+    """Return ``key`` if it is a valid store key (16-128 lowercase hex digits), else raise.
+
+    Keys become file names, so anything else (``..``, ``/``) is refused before it gets
+    near the file system.
+    """
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        raise InvalidKey(f"not a store key: {key!r} (expected lowercase hex, e.g. 32 chars "
+                         "from cachebuild.keys.make_key)")
+    return key
+
+
+def check_suffix(suffix: str) -> str:
+    """Return ``suffix`` if it is a safe file suffix such as ``.so``, else raise ValueError."""
+    if not _SUFFIX_RE.fullmatch(suffix):
+        raise ValueError(f"bad materialisation suffix {suffix!r}: expected e.g. '.so'")
+    return suffix
+
+
+def default_path() -> Path:
+    """The store path used when none is given: ``$CACHEBUILD_DIR`` or ``~/.cache/cachebuild``."""
+    env = os.environ.get("CACHEBUILD_DIR")
+    return Path(env).expanduser() if env else DEFAULT_DIR.expanduser()
+
+
+class Layout:
+    """Paths inside one store root (``<path>/v1``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.index = root / "index"
+        self.objects = root / "objects"
+        self.locks = root / "locks"
+        self.quarantine = root / "quarantine"
+        self.tmp = root / "tmp"
+        self._objects_str = str(self.objects)
+
+    def blob(self, key: str) -> Path:
+        return self.objects / key[:2] / key
+
+    def blob_str(self, key: str) -> str:
+        """``blob(key)`` as a string, built without pathlib: it is on every read's path."""
+        return f"{self._objects_str}/{key[:2]}/{key}"
+
+    def materialized(self, key: str, suffix: str) -> Path:
+        return self.objects / key[:2] / (key + suffix)
+
+    def build_lock(self, key: str) -> Path:
+        return self.locks / key[:2] / f"{key}.lock"
+
+    def entry_lock(self, key: str) -> Path:
+        return self.locks / "entry" / f"{key[:2]}.lock"
+
+
+def check_private_dir(path: Path) -> None:
+    """Refuse ``path`` unless it is a directory owned by us that only we can write.
+
+    Artifacts in a store are code that runs when loaded; a directory someone else can
+    write to would let them run code in every process that loads from it.
+    """
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise StoreError(f"store directory {path} does not exist") from None
+    except PermissionError as e:
+        raise StoreError(f"cannot access store directory {path}: {e.strerror}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise StoreError(f"store path {path} is not a directory")
+    euid = os.geteuid()
+    if st.st_uid != euid:
+        raise StoreError(
+            f"refusing store directory {path}: it is owned by uid {st.st_uid}, not by you "
+            f"(uid {euid}); stored artifacts contain code that runs when loaded, so a store "
+            "must belong to the user who loads from it. Use a directory you own "
+            "(--cache-dir or CACHEBUILD_DIR).")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        who = " and ".join(w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH))
+                           if st.st_mode & bit)
+        raise StoreError(
+            f"refusing store directory {path}: it is writable by {who} "
+            f"(mode {stat.S_IMODE(st.st_mode):o}); stored artifacts contain code that runs "
+            f"when loaded, so only you may write there. Fix with: chmod 700 {path}")
+
+
+def make_private_dir(path: Path) -> None:
+    """Create ``path`` (and missing parents) with mode 0700 if absent, then check it."""
+    if not path.exists():
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise StoreError(f"cannot create store directory {path}: {e.strerror}") from None
+    check_private_dir(path)
+
+
+def prepare(path: Path) -> Layout:
+    """Create (0700) and check the store directory tree under ``path``; return its Layout."""
+    path = path.expanduser().absolute()
+    make_private_dir(path)
+    layout = Layout(path / FORMAT_DIR)
+    make_private_dir(layout.root)
+    for name in SUBDIRS:
+        make_private_dir(layout.root / name)
+    make_private_dir(layout.entry_lock("00").parent)
+    return layout

@@ -1,0 +1,670 @@
+"""LocalStore: the content-addressed artifact store on local disk.
+
+Guarantees, and how they are kept:
+
+- **No torn or partial entry is ever returned.** A blob is written to ``tmp/``, fsync'd,
+  renamed into ``objects/`` (atomic) and only then recorded in the index. Every read
+  verifies the blob's header, length and checksum (and HMAC when signing); a blob that
+  fails is quarantined, counted, and reported as a miss.
+- **Readers never block on writers.** ``get`` takes no lock. A blob removed under a
+  reader (GC, delete) is a miss; one already open stays readable until closed.
+- **Puts are idempotent.** Keys name immutable content: putting an existing key returns
+  the existing record. The rename and the index write happen under a short striped lock,
+  so concurrent puts and deletes of a key never leave a record and a blob that disagree.
+- **Crashes leave only litter.** A writer killed at any point leaves at most a temp file
+  (recognised as abandoned because nobody holds its flock) or a blob without a record;
+  ``gc`` and ``verify`` remove both.
+
+Hits and last-used times are buffered in memory and written to the index at most about
+once a second (and on ``flush``/``close``/exit), so a hit costs one index read and one
+file read. A process that is killed loses at most its last second of usage statistics.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import logging
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from cachebuild.errors import StoreError
+from cachebuild.units import format_size
+
+from . import maintenance
+from .blob import BlobHeader, CorruptBlob, check_blob, encode_parts, read_blob_fd
+from .index import INDEX_ERRORS, Index
+from .layout import Layout, check_key, check_suffix, default_path, prepare
+from .locking import build_lock, flocked, open_temp
+from .record import GCReport, Record, VerifyReport
+
+log = logging.getLogger("cachebuild.store")
+
+#: Progress callback: (done, total).
+Progress = Callable[[int, int], None]
+
+
+class UnknownKey(StoreError, KeyError):
+    """The key is not in the store (bad input from a user's point of view: exit code 2)."""
+
+    exit_code = 2
+
+    def __init__(self, key: str) -> None:
+        super().__init__(f"no entry with key {key} in the store")
+        self.key = key
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class _Usage:
+    """Hits, last-used times and counters waiting to be written to the index."""
+
+    FLUSH_INTERVAL = 1.0
+    MAX_PENDING = 1024
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.uses: dict[str, list[float]] = {}
+        self.counts: dict[str, int] = {}
+        self.pid = os.getpid()
+        self.last_flush = time.monotonic()
+        self.warned = False
+
+    def _fork_check(self) -> None:
+        # A forked child must not write its parent's pending usage a second time.
+        if self.pid != os.getpid():
+            self.uses, self.counts, self.pid = {}, {}, os.getpid()
+
+    def note(self, key: str | None, counter: str) -> bool:
+        """Record one event; True when it is time to flush."""
+        with self.lock:
+            self._fork_check()
+            if key is not None:
+                use = self.uses.get(key)
+                if use is None:
+                    self.uses[key] = [time.time(), 1]
+                else:
+                    use[0] = time.time()
+                    use[1] += 1
+            self.counts[counter] = self.counts.get(counter, 0) + 1
+            return (time.monotonic() - self.last_flush > self.FLUSH_INTERVAL
+                    or len(self.uses) > self.MAX_PENDING)
+
+    def pending(self, key: str) -> tuple[float, int] | None:
+        with self.lock:
+            use = self.uses.get(key)
+            return None if use is None else (use[0], int(use[1]))
+
+    def flush(self, index: Index) -> None:
+        """Write pending usage to the index. Failures (read-only or full disk) only warn."""
+        with self.lock:
+            self._fork_check()
+            uses, counts = self.uses, self.counts
+            self.uses, self.counts = {}, {}
+            self.last_flush = time.monotonic()
+        if not uses and not counts:
+            return
+        try:
+            with index.transact():
+                for key, (when, hits) in uses.items():
+                    small = index.get_small(key)
+                    if small is None:
+                        continue
+                    small["last_used"] = max(small["last_used"], when)
+                    small["hits"] += int(hits)
+                    index.set_small(key, small)
+                for name, n in counts.items():
+                    index.incr(name, n)
+        except INDEX_ERRORS as e:
+            if not self.warned:
+                log.warning("could not record store usage statistics: %s", e)
+                self.warned = True
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _read_all(fd: int) -> bytes:
+    size = os.fstat(fd).st_size
+    data = os.pread(fd, size, 0)
+    while len(data) < size:  # only for reads over 2 GiB
+        chunk = os.pread(fd, size - len(data), len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+
+
+class LocalStore:
+    """A locked, content-addressed artifact store under ``path/v1`` (see the module doc).
+
+    ``path`` defaults to ``$CACHEBUILD_DIR`` or ``~/.cache/cachebuild``; it is created
+    0700 and refused (StoreError) if another user owns it or group/others can write it.
+    With ``signing_key`` every blob written is signed (HMAC-SHA256) and signed blobs are
+    checked on read; ``require_signature`` also rejects unsigned ones. ``lock_timeout``
+    is the default wait of ``lock`` in seconds.
+    """
+
+    def __init__(self, path: str | os.PathLike[str] | None = None, *,
+                 signing_key: bytes | None = None, require_signature: bool = False,
+                 lock_timeout: float = 600.0) -> None:
+        if require_signature and not signing_key:
+            raise StoreError("require_signature needs a signing key "
+                             "(set CACHEBUILD_SIGNING_KEY)")
+        if signing_key is not None and not isinstance(signing_key, bytes | bytearray):
+            raise TypeError("signing_key must be bytes")
+        self.path = Path(path).expanduser() if path is not None else default_path()
+        self._layout = prepare(self.path)
+        self.root: Path = self._layout.root
+        self._index = Index(self._layout.index)
+        self._signing_key = bytes(signing_key) if signing_key else None
+        self.require_signature = require_signature
+        self.lock_timeout = lock_timeout
+        self._usage = _Usage()
+        self._finalizer = weakref.finalize(self, self._usage.flush, self._index)
+
+    @classmethod
+    def from_env(cls, path: str | os.PathLike[str] | None = None, **kwargs: Any) -> LocalStore:
+        """A store configured from the environment.
+
+        ``CACHEBUILD_DIR`` (when ``path`` is None), ``CACHEBUILD_SIGNING_KEY`` (its UTF-8
+        bytes are the HMAC key) and ``CACHEBUILD_REQUIRE_SIGNATURE`` (1/true/yes).
+        """
+        key = os.environ.get("CACHEBUILD_SIGNING_KEY")
+        if key and "signing_key" not in kwargs:
+            kwargs["signing_key"] = key.encode()
+        if "require_signature" not in kwargs:
+            flag = os.environ.get("CACHEBUILD_REQUIRE_SIGNATURE", "").strip().lower()
+            kwargs["require_signature"] = flag in ("1", "true", "yes", "on")
+        return cls(path, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"LocalStore({str(self.path)!r})"
+
+    def __enter__(self) -> LocalStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Write pending usage statistics and close the index."""
+        self.flush()
+        self._index.close()
+
+    def flush(self) -> None:
+        """Write this process's pending hits and last-used times to the index."""
+        self._usage.flush(self._index)
+
+    @property
+    def layout(self) -> Layout:
+        return self._layout
+
+    @property
+    def signing_key(self) -> bytes | None:
+        return self._signing_key
+
+    # -- writing ------------------------------------------------------------------------
+
+    def put(self, key: str, data: bytes | bytearray | memoryview, *, kind: str,
+            manifest: dict[str, Any] | None = None, refs: Sequence[str] = ()) -> Record:
+        """Store ``data`` under ``key`` and return its record.
+
+        Keys name immutable content, so putting a key that is already stored is a no-op
+        that returns the existing record. When this returns, the blob is durable (fsync)
+        and visible to every process. Raises StoreError with the cause when the disk is
+        full or read-only; the store is left as it was.
+        """
+        check_key(key)
+        refs = tuple(check_key(r) for r in refs)
+        if isinstance(data, memoryview):
+            data = data.cast("B")
+        existing = self._existing(key)
+        if existing is not None:
+            return existing
+        header, trailer, checksum = encode_parts(key, kind, data, self._signing_key)
+        now = time.time()
+        record = Record(key=key, kind=kind, size=len(data),
+                        checksum=checksum, created=now, last_used=now, manifest=manifest,
+                        refs=refs)
+        return self._install(record, (header, data, trailer))
+
+    def write_blob(self, key: str, blob: bytes | bytearray | memoryview, *,
+                   manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
+                   pinned: bool = False) -> Record:
+        """Store a complete framed blob (as ``read_blob`` returns) under ``key``.
+
+        The blob is verified first with this store's signing settings (CorruptBlob if it
+        fails) and stored byte for byte, so a signature made elsewhere is kept. Like
+        ``put``, a key already stored is a no-op returning the existing record.
+        """
+        check_key(key)
+        refs = tuple(check_key(r) for r in refs)
+        header = check_blob(blob, expected_key=key, signing_key=self._signing_key,
+                            require_signature=self.require_signature)
+        existing = self._existing(key)
+        if existing is not None:
+            return existing
+        now = time.time()
+        record = Record(key=key, kind=header.kind, size=header.length,
+                        checksum=header.checksum, created=now, last_used=now,
+                        pinned=pinned, manifest=manifest, refs=refs)
+        return self._install(record, (blob,))
+
+    def _existing(self, key: str) -> Record | None:
+        record = self._index.get(key)
+        if record is not None and self._layout.blob(key).exists():
+            return record
+        return None
+
+    def _install(self, record: Record, parts: Sequence[bytes | bytearray | memoryview]) -> Record:
+        key = record.key
+        blob_path = self._layout.blob(key)
+        renamed = False
+        try:
+            fd, tmp_path = open_temp(self._layout.tmp, key)
+        except OSError as e:
+            raise self._write_error(e, record) from None
+        try:
+            _write_all(fd, parts)
+            os.fsync(fd)
+            with flocked(self._layout.entry_lock(key)):
+                current = self._index.get(key)
+                if current is not None and blob_path.exists():
+                    return current  # another process stored it first
+                blob_path.parent.mkdir(mode=0o700, exist_ok=True)
+                os.replace(tmp_path, blob_path)
+                renamed = True
+                _fsync_dir(blob_path.parent)
+                if current is not None:  # the record outlived its blob: keep its history
+                    record = replace(record, created=current.created, hits=current.hits,
+                                     pinned=current.pinned or record.pinned)
+                try:
+                    with self._index.transact():
+                        self._index.put(record)
+                        self._index.incr("puts", 1)
+                except INDEX_ERRORS as e:
+                    # No record may point at nothing, and no blob may outlive a failed put.
+                    with contextlib.suppress(OSError):
+                        os.unlink(blob_path)
+                    raise self._index_write_error(e, record) from None
+            return record
+        except OSError as e:
+            if renamed:
+                with contextlib.suppress(OSError):
+                    os.unlink(blob_path)
+            raise self._write_error(e, record) from None
+        finally:
+            os.close(fd)
+            if not renamed:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp_path)
+
+    def _write_error(self, e: OSError, record: Record) -> StoreError:
+        what = f"{record.key} ({record.kind}, {format_size(record.size)})"
+        if e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return StoreError(f"no space left on the device to store {what} in {self.root}: "
+                              "free disk space or shrink the store "
+                              "(cachebuild gc --max-size SIZE); nothing was stored")
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            return StoreError(f"cannot write {what} to the store at {self.root}: "
+                              f"{e.strerror.lower() if e.strerror else e}; use a writable "
+                              "store directory (--cache-dir); nothing was stored")
+        return StoreError(f"could not store {what} in {self.root}: {e.strerror or e}")
+
+    def _index_write_error(self, e: Exception, record: Record) -> StoreError:
+        text = str(e)
+        if "full" in text:
+            return self._write_error(OSError(errno.ENOSPC, "disk full"), record)
+        if "readonly" in text or "read-only" in text:
+            return self._write_error(OSError(errno.EROFS, "read-only index"), record)
+        return StoreError(f"could not record {record.key} in the store index: {text}; "
+                          "nothing was stored")
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key``'s record, blob and materialised files; True if anything was there."""
+        check_key(key)
+        with flocked(self._layout.entry_lock(key)):
+            had_record = self._index.delete(key)
+            had_blob = self._remove_files(key)
+        return had_record or had_blob
+
+    def _remove_files(self, key: str) -> bool:
+        """Unlink the blob of ``key`` and files materialised from it (hold the entry lock)."""
+        removed = False
+        blob_path = self._layout.blob(key)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(blob_path)
+            removed = True
+        with contextlib.suppress(FileNotFoundError):
+            for entry in os.scandir(blob_path.parent):
+                if entry.name.startswith(key + "."):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(entry.path)
+        return removed
+
+    # -- reading ------------------------------------------------------------------------
+
+    def get(self, key: str) -> bytes | None:
+        """The verified payload stored under ``key``, or None on a miss.
+
+        A blob that fails verification is quarantined, counted, and reported as a miss,
+        so the caller rebuilds it; a blob removed while reading is a miss as well.
+        """
+        check_key(key)
+        small = self._index.get_small(key)
+        payload = None if small is None else self._read_payload(key, small)
+        if payload is None:
+            due = self._usage.note(None, "misses")
+        else:
+            due = self._usage.note(key, "hits")
+        if due:
+            self.flush()
+        return payload
+
+    def _open_blob(self, key: str) -> int | None:
+        try:
+            return os.open(self._layout.blob_str(key), os.O_RDONLY | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return None
+
+    def _read_payload(self, key: str, small: dict[str, Any]) -> bytes | None:
+        fd = self._open_blob(key)
+        if fd is None:
+            return None
+        try:
+            try:
+                header, payload = read_blob_fd(fd, expected_key=key,
+                                               signing_key=self._signing_key,
+                                               require_signature=self.require_signature)
+                if header.checksum != small["checksum"] and not self._record_matches(key, header):
+                    raise CorruptBlob("checksum differs from the index record", key)
+            except CorruptBlob as e:
+                self._quarantine(key, os.fstat(fd).st_ino, e.reason)
+                return None
+        finally:
+            os.close(fd)
+        return payload
+
+    def _record_matches(self, key: str, header: BlobHeader) -> bool:
+        # The record may have been replaced (delete + put) between our index read and our
+        # file open; only a record that still disagrees with the blob means damage.
+        fresh = self._index.get_small(key)
+        return fresh is None or fresh["checksum"] == header.checksum
+
+    def read_blob(self, key: str) -> bytes | None:
+        """The complete framed blob of ``key`` (header + payload + signature), verified.
+
+        For shipping a blob elsewhere (a remote tier, a bundle) where the receiver
+        re-verifies it with ``decode_blob``/``write_blob``. None on a miss; a blob that
+        fails verification is quarantined and is a miss. Does not count as a hit.
+        """
+        check_key(key)
+        small = self._index.get_small(key)
+        if small is None:
+            return None
+        fd = self._open_blob(key)
+        if fd is None:
+            return None
+        try:
+            data = _read_all(fd)
+            try:
+                header = check_blob(data, expected_key=key, signing_key=self._signing_key,
+                                    require_signature=self.require_signature)
+                if header.checksum != small["checksum"] and not self._record_matches(key, header):
+                    raise CorruptBlob("checksum differs from the index record", key)
+            except CorruptBlob as e:
+                self._quarantine(key, os.fstat(fd).st_ino, e.reason)
+                return None
+        finally:
+            os.close(fd)
+        return data
+
+    def get_record(self, key: str) -> Record | None:
+        """The index record of ``key`` (no blob is read), including this process's
+        not yet flushed hits; None if absent."""
+        check_key(key)
+        record = self._index.get(key)
+        if record is None:
+            return None
+        pending = self._usage.pending(key)
+        if pending is not None:
+            record = replace(record, last_used=max(record.last_used, pending[0]),
+                             hits=record.hits + pending[1])
+        return record
+
+    def contains(self, key: str) -> bool:
+        """True if ``key`` has a record and a blob (the blob is not verified)."""
+        check_key(key)
+        return key in self._index and self._layout.blob(key).exists()
+
+    __contains__ = contains
+
+    def entries(self, *, kind: str | None = None, manifests: bool = True) -> Iterator[Record]:
+        """Every record (optionally of one ``kind``; ``manifests=False`` skips loading them)."""
+        self.flush()
+        for record in self._index.records(manifest=manifests):
+            if kind is None or record.kind == kind:
+                yield record
+
+    def materialize(self, key: str, suffix: str) -> Path | None:
+        """A plain file holding ``key``'s verified payload, e.g. a ``.so`` to dlopen.
+
+        Created once beside the blob (``objects/ab/<key><suffix>``, mode 0500) and reused
+        by later calls and processes after checking its size and checksum against the
+        record; a file that fails the check is replaced. None on a miss.
+        """
+        check_key(key)
+        check_suffix(suffix)
+        small = self._index.get_small(key)
+        if small is None:
+            self._usage.note(None, "misses")
+            return None
+        path = self._layout.materialized(key, suffix)
+        if self._file_matches(path, small):
+            if self._usage.note(key, "hits"):
+                self.flush()
+            return path
+        payload = self.get(key)
+        if payload is None:
+            return None
+        try:
+            fd, tmp_path = open_temp(self._layout.tmp, key + suffix)
+        except OSError as e:
+            raise StoreError(f"cannot materialise {key}: {e.strerror or e}") from None
+        try:
+            _write_all(fd, (payload,))
+            os.fsync(fd)
+            os.fchmod(fd, 0o500)
+            with flocked(self._layout.entry_lock(key)):
+                if key not in self._index:  # deleted meanwhile: leave nothing behind
+                    return None
+                os.replace(tmp_path, path)
+            return path
+        except OSError as e:
+            raise StoreError(f"cannot materialise {key}: {e.strerror or e}") from None
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_path)
+
+    @staticmethod
+    def _file_matches(path: Path, small: dict[str, Any]) -> bool:
+        try:
+            f = open(path, "rb")  # noqa: SIM115 (closed below)
+        except FileNotFoundError:
+            return False
+        with f:
+            if os.fstat(f.fileno()).st_size != small["size"]:
+                return False
+            h = xxhash.xxh3_128() if len(small["checksum"]) == 32 else xxhash.xxh3_64()
+            buf = bytearray(1 << 20)
+            view = memoryview(buf)
+            while n := f.readinto(buf):
+                h.update(view[:n])
+            return h.hexdigest() == small["checksum"]
+
+    # -- pins ---------------------------------------------------------------------------
+
+    def pin(self, key: str) -> None:
+        """Keep ``key`` (and everything its refs reach) from GC. UnknownKey if absent."""
+        self._set_pinned(key, True)
+
+    def unpin(self, key: str) -> None:
+        """Let GC remove ``key`` again. UnknownKey if absent."""
+        self._set_pinned(key, False)
+
+    def _set_pinned(self, key: str, value: bool) -> None:
+        check_key(key)
+        with self._index.transact():
+            small = self._index.get_small(key)
+            if small is None:
+                raise UnknownKey(key)
+            small["pinned"] = value
+            self._index.set_small(key, small)
+
+    # -- locks --------------------------------------------------------------------------
+
+    def lock(self, key: str, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:
+        """The build lock of ``key``: one holder at a time across processes.
+
+        Use it for single-flight builds: take the lock, look again (another process may
+        have just stored the key), build and put only on a miss. Waits at most
+        ``timeout`` seconds (default: the store's ``lock_timeout``; negative waits
+        forever) and then raises LockTimeout naming the key and the lock file.
+        """
+        check_key(key)
+        wait = self.lock_timeout if timeout is None else timeout
+        return build_lock(self._layout.build_lock(key), key, wait)
+
+    # -- maintenance --------------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Counts and sizes: entries, bytes (payload), disk_bytes, pinned, hits, misses,
+        hit_rate, quarantined, puts, by_kind {kind: {entries, bytes}}, tmp_files, path."""
+        self.flush()
+        entries = payload = pinned = 0
+        by_kind: dict[str, dict[str, int]] = {}
+        for record in self._index.records(manifest=False):
+            entries += 1
+            payload += record.size
+            pinned += record.pinned
+            kind = by_kind.setdefault(record.kind, {"entries": 0, "bytes": 0})
+            kind["entries"] += 1
+            kind["bytes"] += record.size
+        counters = self._index.counters()
+        lookups = counters["hits"] + counters["misses"]
+        return {
+            "path": str(self.root),
+            "entries": entries,
+            "bytes": payload,
+            "disk_bytes": sum(maintenance.disk_usage(self._layout).values()),
+            "pinned": pinned,
+            "hits": counters["hits"],
+            "misses": counters["misses"],
+            "hit_rate": counters["hits"] / lookups if lookups else None,
+            "quarantined": counters["quarantined"],
+            "puts": counters["puts"],
+            "by_kind": dict(sorted(by_kind.items())),
+            "tmp_files": maintenance.count_files(self._layout.tmp),
+            "quarantine_files": maintenance.count_files(self._layout.quarantine),
+        }
+
+    def gc(self, max_size: int | None = None, older_than: float | None = None,
+           dry_run: bool = False) -> GCReport:
+        """Evict least-recently-used entries until the store is at most ``max_size``
+        bytes on disk, and every entry unused for ``older_than`` seconds.
+
+        Pinned entries and everything reachable from them through refs survive. Also
+        removes leftovers of interrupted writes. With ``dry_run`` nothing is removed and
+        the report says what would be.
+        """
+        return maintenance.collect(self, max_size=max_size, older_than=older_than,
+                                   dry_run=dry_run)
+
+    def verify(self, repair: bool = False, progress: Progress | None = None) -> VerifyReport:
+        """Read and check every blob; report the damaged ones (and missing blobs).
+
+        With ``repair`` damaged blobs are quarantined and their records dropped, so the
+        next lookup misses and rebuilds. Always removes leftovers of interrupted writes.
+        """
+        return maintenance.verify(self, repair=repair, progress=progress)
+
+    # -- internals shared with maintenance ----------------------------------------------
+
+    @property
+    def index(self) -> Index:
+        return self._index
+
+    def _check_blob_file(self, key: str, small: dict[str, Any]) -> tuple[str | None, int | None]:
+        """``(reason, inode)``: reason None if the blob of ``key`` verifies against ``small``."""
+        fd = self._open_blob(key)
+        if fd is None:
+            return "blob file is missing", None
+        try:
+            ino = os.fstat(fd).st_ino
+            try:
+                header, _ = read_blob_fd(fd, expected_key=key, signing_key=self._signing_key,
+                                         require_signature=self.require_signature)
+            except CorruptBlob as e:
+                return e.reason, ino
+            if header.checksum != small["checksum"] and not self._record_matches(key, header):
+                return "checksum differs from the index record", ino
+            if header.kind != small["kind"]:
+                return f"kind {header.kind!r} differs from the index record", ino
+        finally:
+            os.close(fd)
+        return None, ino
+
+    def _quarantine(self, key: str, inode: int | None, reason: str) -> None:
+        """Move the damaged blob of ``key`` to quarantine/ and drop its record.
+
+        Only the blob that was found damaged (same inode) is moved, so a good blob that
+        replaced it meanwhile is left alone. Failures (read-only disk) only warn: the
+        caller treats the entry as a miss either way.
+        """
+        log.warning("blob %s failed verification (%s); quarantined, it will be rebuilt",
+                    key, reason)
+        blob_path = self._layout.blob(key)
+        try:
+            with flocked(self._layout.entry_lock(key)):
+                if inode is None:  # nothing to move: the blob is missing
+                    self._index.delete(key)
+                    return
+                try:
+                    current = os.stat(blob_path).st_ino
+                except FileNotFoundError:
+                    current = None
+                if current != inode:
+                    return
+                slug = "".join(c if c.isalnum() else "-" for c in reason)[:48].strip("-")
+                dest = self._layout.quarantine / f"{key}.{int(time.time())}.{slug}"
+                os.replace(blob_path, dest)
+                self._remove_files(key)
+                with self._index.transact():
+                    self._index.delete(key)
+                    self._index.incr("quarantined", 1)
+        except (OSError, *INDEX_ERRORS) as e:
+            log.warning("could not quarantine blob %s: %s", key, e)

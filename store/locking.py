@@ -1,0 +1,109 @@
+"""File locks: the per-key build lock, short internal locks, and in-progress temp files.
+
+Every lock here is an ``flock`` on an open file, so the kernel drops it when the holder
+dies, however it dies: a writer killed with SIGKILL never leaves a lock behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import os
+import secrets
+from collections.abc import Iterator
+from pathlib import Path
+
+import filelock
+
+from cachebuild.errors import LockTimeout
+
+
+@contextlib.contextmanager
+def build_lock(path: Path, key: str, timeout: float) -> Iterator[None]:
+    """Hold the build lock at ``path`` for ``key``; LockTimeout after ``timeout`` seconds.
+
+    A negative timeout waits forever.
+    """
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    lock = filelock.FileLock(str(path), timeout=timeout)
+    try:
+        lock.acquire()
+    except filelock.Timeout:
+        raise LockTimeout(
+            f"timed out after {timeout:g}s waiting for the build lock of {key}: another "
+            f"process holds it, most likely while building the same target (lock file "
+            f"{path}). Wait for it to finish, or raise the lock timeout.") from None
+    try:
+        yield
+    finally:
+        lock.release()
+
+
+@contextlib.contextmanager
+def flocked(path: Path) -> Iterator[None]:
+    """Hold an exclusive flock on ``path`` (created if needed) for a short critical section."""
+    # Read-only is enough for flock, and still works on a read-only file system.
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the last descriptor releases the flock
+
+
+def try_flock(fd: int) -> bool:
+    """Take an exclusive flock on ``fd`` without waiting; False if someone else holds it."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            return False
+        raise
+    return True
+
+
+def open_temp(tmp_dir: Path, stem: str) -> tuple[int, Path]:
+    """Create a fresh temp file in ``tmp_dir`` and hold an flock on it while it is written.
+
+    The flock is how cleaners tell abandoned temp files from ones still being written
+    (see ``remove_if_abandoned``). Returns ``(fd, path)``; the caller writes, fsyncs and
+    renames the file, then closes ``fd``.
+    """
+    while True:
+        path = tmp_dir / f"{stem}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        # A cleaner may have removed the file between open and flock (it saw no lock);
+        # then our descriptor points at an unlinked inode, so start again.
+        try:
+            if os.stat(path).st_ino == os.fstat(fd).st_ino:
+                return fd, path
+        except FileNotFoundError:
+            pass
+        os.close(fd)
+
+
+def remove_if_abandoned(path: Path) -> bool:
+    """Remove temp file ``path`` if no live process holds its flock; True if removed.
+
+    A writer holds the flock from creation until after the rename, so a temp file whose
+    lock can be taken belongs to a writer that died (or one that is between create and
+    flock, which ``open_temp`` detects and retries).
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        if not try_flock(fd):
+            return False
+        try:
+            if os.stat(path).st_ino != os.fstat(fd).st_ino:
+                return False
+            os.unlink(path)
+        except FileNotFoundError:
+            return False
+        return True
+    finally:
+        os.close(fd)

@@ -1,0 +1,217 @@
+"""Store maintenance: garbage collection, verification and clean-up of leftovers.
+
+Everything here works on a live store: other processes may read, write and build while
+it runs. Removals go through the same striped entry lock as puts and deletes, and a
+reader whose blob disappears simply misses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .layout import Layout, check_key
+from .locking import flocked, remove_if_abandoned, try_flock
+from .record import GCReport, Record, VerifyReport
+
+if TYPE_CHECKING:
+    from .local import LocalStore
+
+#: Quarantined blobs are kept this long for inspection, then GC removes them.
+QUARANTINE_KEEP_S = 7 * 86400
+#: Build lock files of keys no longer stored are removed after this long unused.
+LOCK_FILE_KEEP_S = 86400
+
+
+def _is_key(name: str) -> bool:
+    try:
+        check_key(name)
+    except ValueError:
+        return False
+    return True
+
+
+def _object_files(layout: Layout) -> Iterable[os.DirEntry[str]]:
+    try:
+        shards = list(os.scandir(layout.objects))
+    except FileNotFoundError:
+        return
+    for shard in shards:
+        if not shard.is_dir(follow_symlinks=False):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            yield from os.scandir(shard.path)
+
+
+def disk_usage(layout: Layout) -> dict[str, int]:
+    """Bytes on disk per key: its blob plus any files materialised from it."""
+    usage: dict[str, int] = {}
+    for entry in _object_files(layout):
+        key = entry.name.split(".", 1)[0]
+        if not _is_key(key):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            usage[key] = usage.get(key, 0) + entry.stat(follow_symlinks=False).st_size
+    return usage
+
+
+def count_files(directory: Path) -> int:
+    """How many entries ``directory`` holds (0 if it is missing)."""
+    try:
+        return sum(1 for _ in os.scandir(directory))
+    except FileNotFoundError:
+        return 0
+
+
+def clean_leftovers(store: LocalStore) -> tuple[int, int]:
+    """Remove abandoned temp files and blobs that no record points to.
+
+    A temp file is abandoned when no process holds its flock (its writer died); a blob
+    without a record is what a writer killed between rename and index write leaves. Both
+    are checked under the lock their writer would hold, so nothing in progress is
+    touched. Returns ``(temp files removed, orphans removed)``.
+    """
+    layout = store.layout
+    tmp_removed = 0
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(layout.tmp):
+            if entry.name.endswith(".tmp") and remove_if_abandoned(Path(entry.path)):
+                tmp_removed += 1
+    orphans = 0
+    known = set(store.index.keys())
+    for entry in list(_object_files(layout)):
+        key = entry.name.split(".", 1)[0]
+        if key in known or not _is_key(key):
+            continue
+        with flocked(layout.entry_lock(key)):
+            if key in store.index:  # stored meanwhile
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(entry.path)
+                orphans += 1
+    return tmp_removed, orphans
+
+
+def _clean_old_files(layout: Layout, now: float) -> int:
+    """Remove quarantined blobs past their keeping time; return how many."""
+    removed = 0
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(layout.quarantine):
+            with contextlib.suppress(FileNotFoundError):
+                if entry.stat().st_mtime < now - QUARANTINE_KEEP_S:
+                    os.unlink(entry.path)
+                    removed += 1
+    return removed
+
+
+def _clean_lock_files(store: LocalStore, now: float) -> None:
+    """Remove long-unused build lock files of keys that are no longer stored.
+
+    Only files nobody holds are removed. A process that opened the file in the instant
+    before removal could end up holding a lock on an unlinked file alongside a newcomer;
+    the worst outcome is one duplicate build (puts are idempotent), and the age limit
+    makes it rare.
+    """
+    with contextlib.suppress(FileNotFoundError):
+        shards = [s for s in os.scandir(store.layout.locks) if len(s.name) == 2]
+        for shard in shards:
+            for entry in os.scandir(shard.path):
+                key = entry.name.removesuffix(".lock")
+                if not _is_key(key) or key in store.index:
+                    continue
+                with contextlib.suppress(FileNotFoundError):
+                    if entry.stat().st_mtime > now - LOCK_FILE_KEEP_S:
+                        continue
+                    fd = os.open(entry.path, os.O_RDONLY | os.O_CLOEXEC)
+                    try:
+                        if try_flock(fd):
+                            os.unlink(entry.path)
+                    finally:
+                        os.close(fd)
+
+
+def reachable(records: dict[str, Record], roots: Iterable[str]) -> set[str]:
+    """Every key reachable from ``roots`` through refs (roots included)."""
+    seen: set[str] = set()
+    stack = [k for k in roots if k in records]
+    while stack:
+        key = stack.pop()
+        if key in seen:
+            continue
+        seen.add(key)
+        stack.extend(r for r in records[key].refs if r in records and r not in seen)
+    return seen
+
+
+def collect(store: LocalStore, *, max_size: int | None, older_than: float | None,
+            dry_run: bool) -> GCReport:
+    """The work of ``LocalStore.gc`` (see there)."""
+    if max_size is not None and max_size < 0:
+        raise ValueError("max_size must be >= 0")
+    if older_than is not None and older_than < 0:
+        raise ValueError("older_than must be >= 0")
+    store.flush()
+    now = time.time()
+    report = GCReport(dry_run=dry_run)
+    if not dry_run:
+        report.tmp_removed, report.orphans_removed = clean_leftovers(store)
+        report.quarantine_removed = _clean_old_files(store.layout, now)
+        _clean_lock_files(store, now)
+    records = {r.key: r for r in store.index.records(manifest=False)}
+    usage = disk_usage(store.layout)
+    protected = reachable(records, [k for k, r in records.items() if r.pinned])
+    total = sum(usage.get(k, 0) for k in records)
+    report.bytes_before, report.entries_before = total, len(records)
+    report.kept_pinned = len(protected)
+    # Least recently used first; ties broken by age, then key, so runs are repeatable.
+    candidates = sorted((r for k, r in records.items() if k not in protected),
+                        key=lambda r: (r.last_used, r.created, r.key))
+    victims: dict[str, Record] = {}
+    if older_than is not None:
+        cutoff = now - older_than
+        victims.update((r.key, r) for r in candidates if r.last_used < cutoff)
+    remaining = total - sum(usage.get(k, 0) for k in victims)
+    if max_size is not None:
+        for r in candidates:
+            if remaining <= max_size:
+                break
+            if r.key not in victims:
+                victims[r.key] = r
+                remaining -= usage.get(r.key, 0)
+        report.over_cap = remaining > max_size
+    for key in victims:
+        if not dry_run:
+            store.delete(key)
+        report.removed.append(key)
+        report.freed_bytes += usage.get(key, 0)
+    report.bytes_after = total - report.freed_bytes
+    report.entries_after = len(records) - len(victims)
+    return report
+
+
+def verify(store: LocalStore, *, repair: bool,
+           progress: Callable[[int, int], None] | None) -> VerifyReport:
+    """The work of ``LocalStore.verify`` (see there)."""
+    store.flush()
+    report = VerifyReport()
+    keys = list(store.index.keys())
+    for done, key in enumerate(keys, 1):
+        small = store.index.get_small(key)
+        if small is not None:  # else deleted since we listed it
+            report.checked += 1
+            reason, inode = store._check_blob_file(key, small)
+            if reason is None:
+                report.ok += 1
+            else:
+                report.damaged.append((key, reason))
+                if repair:
+                    store._quarantine(key, inode, reason)
+        if progress is not None:
+            progress(done, len(keys))
+    report.repaired = repair and bool(report.damaged)
+    report.tmp_removed, report.orphans_removed = clean_leftovers(store)
+    return report
