@@ -430,10 +430,18 @@ class RedisRemote:
             return False
 
         def drop() -> bool:
+            raw = self._client.get(record_key(key))
+            if raw is None:
+                return False
+            try:
+                chunks = RemoteBlobMeta.parse(raw)[1].chunks
+            except (ValueError, KeyError, TypeError):
+                chunks = 0
+            # Record first: from then on readers see a miss, never a record without chunks.
             removed = self._client.delete(record_key(key))
-            chunks = list(self._client.scan_iter(match=chunk_key(key, 0)[:-1] + "*", count=1000))
-            if chunks:
-                self._client.delete(*chunks)
+            names = [chunk_key(key, i) for i in range(chunks)]
+            for start in range(0, len(names), 512):
+                self._client.delete(*names[start : start + 512])
             return bool(removed)
 
         return self._guard("delete", drop, False)

@@ -78,8 +78,8 @@ def shared_record(record: Record) -> dict[str, Any]:
 class TieredStore:
     """L1 ``LocalStore`` plus an optional L2 ``RedisRemote``, used wherever a store is.
 
-    Reads fall through to L2, writes go to both, and everything else (pins, GC, verify,
-    entries, locks' local half) is the local store's. Anything not defined here is looked
+    Reads fall through to L2, writes and deletes go to both, and everything else (pins,
+    GC, verify, entries, locks' local half) is the local store's. Anything not defined here is looked
     up on the local store, so ``tiered.gc(...)`` and ``tiered.verify()`` work as on L1.
     """
 
@@ -274,11 +274,19 @@ class TieredStore:
             with self.remote.lock(key, ttl=self.lock_ttl, timeout=remaining):
                 yield
 
-    # -- local-only operations ------------------------------------------------------------
+    # -- deletes and local-only operations ------------------------------------------------
 
     def delete(self, key: str) -> bool:
-        """Delete ``key`` from L1 only; the shared tier is not this machine's to prune."""
-        return self.local.delete(key)
+        """Delete ``key`` from L1 and, when writable, from L2; True if L1 had it.
+
+        Deleting is how a stale entry is replaced (delete, then put), so the shared copy
+        goes too; otherwise the next put would leave the stale one in L2. A read-only
+        remote is left alone. (GC only ever prunes L1.)
+        """
+        removed = self.local.delete(key)
+        if self.remote is not None:
+            self.remote.delete(key)
+        return removed
 
     def pin(self, key: str) -> Any:
         return self.local.pin(key)

@@ -90,6 +90,18 @@ def test_missing_key_is_a_miss(server):
     assert remote.available
 
 
+def test_delete_removes_record_and_chunks(server):
+    remote = RedisRemote(server.url, chunk_size=1000)
+    key, other = new_key(), new_key()
+    remote.put(key, record_for(key, 5000), os.urandom(5000))
+    remote.put(other, record_for(other, 10), os.urandom(10))
+    assert remote.delete(key) is True
+    assert remote.get(key) is None and remote.delete(key) is False
+    assert [k.decode() for k in server.client().keys("*")] != []
+    assert server.client().keys(f"{PREFIX}*{key}*") == []
+    assert remote.get(other) is not None
+
+
 def test_read_only_writes_nothing(server):
     client = server.client()
     rw = RedisRemote(server.url, chunk_size=100)

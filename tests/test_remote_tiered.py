@@ -127,6 +127,24 @@ def test_miss_everywhere(tmp_path, server):
     assert store.stats()["tiers"]["misses"] == 1
 
 
+def test_delete_then_put_replaces_the_shared_copy(tmp_path, server):
+    """How a stale entry is replaced: under the lock, delete then put, in both tiers."""
+    first = tiered(tmp_path / "a", server.url)
+    key = new_key()
+    first.put(key, b"stale entry", kind="entry")
+    with first.lock(key):
+        assert first.contains(key)
+        first.delete(key)
+        first.put(key, b"fresh entry", kind="entry")
+    assert tiered(tmp_path / "b", server.url).get(key) == b"fresh entry"
+
+    ro = tiered(tmp_path / "c", server.url, mode="ro")
+    assert ro.get(key) == b"fresh entry"
+    ro.delete(key)
+    assert not ro.local.contains(key)
+    assert ro.remote.contains(key)  # read-only never deletes from Redis
+
+
 # -- signing ------------------------------------------------------------------------------
 
 
