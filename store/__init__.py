@@ -35,8 +35,12 @@ __all__ = [
 
 def __getattr__(name: str):
     # The tiered store pulls in the Redis client; load it only when someone asks for it.
-    if name in ("open_store", "TieredStore"):
+    if name in ("open_store", "TieredStore", "push", "pull"):
         from . import tiered
 
         return getattr(tiered, name)
+    if name in ("RedisRemote", "RemoteDownWarning"):
+        from . import remote
+
+        return getattr(remote, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
