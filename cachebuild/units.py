@@ -33,15 +33,19 @@ def parse_size(text: str) -> int:
 def parse_duration(text: str) -> float:
     """Seconds in a duration such as ``7d``, ``12h``, ``1h30m``, ``90s``, ``2w`` or ``300``.
 
-    A bare number is seconds; parts add up. Raises ValueError for anything else.
+    A bare number (alone) is seconds; parts add up. Raises ValueError for anything else.
     """
     pos, total, stripped = 0, 0.0, text.strip()
     if not stripped:
         raise ValueError("empty duration (expected e.g. 7d, 12h, 30m, 90s)")
+    parts = 0
     for m in _DURATION_PART.finditer(stripped):
         if m.start() != pos:
             break
         number, unit = m.groups()
+        parts += 1
+        if unit is None and (parts > 1 or m.end() != len(stripped)):
+            break  # "1h30" is ambiguous: a bare number must be the whole duration
         total += float(number) * _DURATION_UNITS[(unit or "s").lower()]
         pos = m.end()
         while pos < len(stripped) and stripped[pos] == " ":

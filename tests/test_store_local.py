@@ -1,0 +1,478 @@
+"""LocalStore in one process: API, integrity, GC, permissions, full and read-only disks."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import stat
+import subprocess
+import time
+
+import pytest
+from cachebuild.store import (
+    CorruptBlob,
+    InvalidKey,
+    LocalStore,
+    Record,
+    StoreError,
+    UnknownKey,
+    encode_blob,
+)
+
+from cachebuild.keys import make_key
+
+
+def key(i: int | str) -> str:
+    return make_key({"test": i})
+
+
+def blob_path(store: LocalStore, k: str):
+    return store.root / "objects" / k[:2] / k
+
+
+# -- basic API ------------------------------------------------------------------------
+
+
+def test_layout_and_permissions(store_dir):
+    store = LocalStore(store_dir)
+    assert store.root == store_dir / "v1"
+    for name in ("index", "objects", "locks", "quarantine", "tmp"):
+        assert (store.root / name).is_dir()
+    for path in (store_dir, store.root, store.root / "objects"):
+        assert stat.S_IMODE(path.stat().st_mode) == 0o700
+
+
+def test_default_path_from_env(tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHEBUILD_DIR", str(tmp_path / "from-env"))
+    assert LocalStore().root == tmp_path / "from-env" / "v1"
+
+
+def test_put_get_record(store_dir):
+    store = LocalStore(store_dir)
+    k, ref = key(1), key(2)
+    before = time.time()
+    record = store.put(k, b"payload", kind="target", manifest={"graph": [1, 2]}, refs=[ref])
+    assert isinstance(record, Record)
+    assert (record.key, record.kind, record.size, record.pinned, record.refs) == (
+        k, "target", 7, False, (ref,))
+    assert record.manifest == {"graph": [1, 2]}
+    assert before <= record.created == record.last_used <= time.time()
+    assert store.get(k) == b"payload"
+    assert store.contains(k) and k in store
+    got = store.get_record(k)
+    assert got.hits == 1 and got.last_used >= record.last_used
+    assert got.manifest == {"graph": [1, 2]}
+    assert store.get(key(3)) is None and not store.contains(key(3))
+    assert store.get_record(key(3)) is None
+
+
+def test_put_is_immutable(store_dir):
+    store = LocalStore(store_dir)
+    first = store.put(key(1), b"first", kind="target")
+    again = store.put(key(1), b"something else", kind="other")
+    assert again.checksum == first.checksum and again.kind == "target"
+    assert store.get(key(1)) == b"first"
+
+
+def test_put_accepts_memoryview_and_bytearray(store_dir):
+    store = LocalStore(store_dir)
+    store.put(key(1), memoryview(b"abcdef")[1:4], kind="k")
+    store.put(key(2), bytearray(b"xyz"), kind="k")
+    assert store.get(key(1)) == b"bcd" and store.get(key(2)) == b"xyz"
+
+
+def test_bad_keys_are_refused(store_dir):
+    store = LocalStore(store_dir)
+    for bad in ("../../etc/passwd", "ABCDEF0123456789ABCDEF0123456789", "abc", ""):
+        with pytest.raises(InvalidKey):
+            store.put(bad, b"x", kind="k")
+        with pytest.raises(InvalidKey):
+            store.get(bad)
+    with pytest.raises(InvalidKey):
+        store.put(key(1), b"x", kind="k", refs=["not a key"])
+
+
+def test_delete(store_dir):
+    store = LocalStore(store_dir)
+    store.put(key(1), b"x", kind="k")
+    store.materialize(key(1), ".so")
+    assert store.delete(key(1)) is True
+    assert store.get(key(1)) is None and not store.contains(key(1))
+    assert list((store.root / "objects" / key(1)[:2]).iterdir()) == []
+    assert store.delete(key(1)) is False
+
+
+def test_pin_unpin(store_dir):
+    store = LocalStore(store_dir)
+    store.put(key(1), b"x", kind="k")
+    store.pin(key(1))
+    assert store.get_record(key(1)).pinned
+    store.unpin(key(1))
+    assert not store.get_record(key(1)).pinned
+    with pytest.raises(UnknownKey, match=f"no entry with key {key(9)}") as info:
+        store.pin(key(9))
+    assert isinstance(info.value, KeyError) and isinstance(info.value, StoreError)
+    with pytest.raises(UnknownKey):
+        store.unpin(key(9))
+
+
+def test_entries_and_stats(store_dir):
+    store = LocalStore(store_dir)
+    store.put(key(1), b"a" * 100, kind="target", manifest={"m": 1})
+    store.put(key(2), b"b" * 50, kind="entry", refs=[key(1)])
+    store.pin(key(2))
+    store.get(key(1))
+    store.get(key(1))
+    store.get(key(3))
+    assert {r.key for r in store.entries()} == {key(1), key(2)}
+    assert [r.key for r in store.entries(kind="entry")] == [key(2)]
+    assert next(store.entries(kind="target")).manifest == {"m": 1}
+    stats = store.stats()
+    assert stats["entries"] == 2 and stats["bytes"] == 150 and stats["pinned"] == 1
+    assert stats["hits"] == 2 and stats["misses"] == 1 and stats["hit_rate"] == pytest.approx(2 / 3)
+    assert stats["by_kind"] == {"entry": {"entries": 1, "bytes": 50},
+                                "target": {"entries": 1, "bytes": 100}}
+    assert stats["disk_bytes"] > 150 and stats["puts"] == 2 and stats["quarantined"] == 0
+
+
+def test_usage_is_shared_with_other_store_objects(store_dir):
+    a = LocalStore(store_dir)
+    a.put(key(1), b"x", kind="k")
+    for _ in range(3):
+        a.get(key(1))
+    a.close()
+    assert LocalStore(store_dir).get_record(key(1)).hits == 3
+
+
+def test_materialize(store_dir):
+    store = LocalStore(store_dir)
+    payload = os.urandom(3 << 20)
+    store.put(key(1), payload, kind="aoti")
+    path = store.materialize(key(1), ".so")
+    assert path == blob_path(store, key(1)).with_name(key(1) + ".so")
+    assert path.read_bytes() == payload
+    assert stat.S_IMODE(path.stat().st_mode) == 0o500
+    inode = path.stat().st_ino
+    # reused by a later store object (another process would do the same)
+    assert LocalStore(store_dir).materialize(key(1), ".so").stat().st_ino == inode
+    # a damaged file is replaced, never returned
+    os.chmod(path, 0o700)
+    with open(path, "r+b") as f:
+        f.seek(100)
+        f.write(b"\0\0\0\0")
+    again = store.materialize(key(1), ".so")
+    assert again.read_bytes() == payload and again.stat().st_ino != inode
+    assert store.materialize(key(2), ".so") is None
+    with pytest.raises(ValueError):
+        store.materialize(key(1), "/../x")
+
+
+def test_read_and_write_blob(store_dir, tmp_path):
+    src = LocalStore(store_dir, signing_key=b"k")
+    src.put(key(1), b"payload", kind="target", manifest={"a": 1})
+    framed = src.read_blob(key(1))
+    dst = LocalStore(tmp_path / "other", signing_key=b"k", require_signature=True)
+    record = dst.write_blob(key(1), framed, manifest={"a": 1}, refs=[key(2)])
+    assert (record.kind, record.size, record.refs) == ("target", 7, (key(2),))
+    assert dst.get(key(1)) == b"payload"
+    assert dst.read_blob(key(1)) == framed  # stored byte for byte
+    with pytest.raises(CorruptBlob):
+        dst.write_blob(key(3), framed)  # blob of another key
+    with pytest.raises(CorruptBlob, match="unsigned"):
+        dst.write_blob(key(4), encode_blob(key(4), "k", b"x"))
+    assert src.read_blob(key(9)) is None
+
+
+# -- integrity ------------------------------------------------------------------------
+
+
+def _flip_byte(path, offset=-5):
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _truncate(path, keep=-100):
+    data = path.read_bytes()
+    path.write_bytes(data[:keep])
+
+
+def _damaged_store(store_dir) -> tuple[LocalStore, str, str, str]:
+    store = LocalStore(store_dir)
+    good, flipped, truncated = key("good"), key("flipped"), key("truncated")
+    for k in (good, flipped, truncated):
+        store.put(k, os.urandom(300_000), kind="target")
+    _flip_byte(blob_path(store, flipped))
+    _truncate(blob_path(store, truncated))
+    return store, good, flipped, truncated
+
+
+def test_get_detects_and_quarantines_damage(store_dir):
+    store, good, flipped, truncated = _damaged_store(store_dir)
+    assert store.get(good) is not None
+    assert store.get(flipped) is None
+    assert store.get(truncated) is None
+    # gone from the index and moved to quarantine; never returned again
+    assert store.get_record(flipped) is None and store.get_record(truncated) is None
+    assert store.get(flipped) is None
+    names = sorted(p.name for p in (store.root / "quarantine").iterdir())
+    assert len(names) == 2
+    assert any(n.startswith(flipped) and "checksum" in n for n in names)
+    assert any(n.startswith(truncated) and "truncated" in n for n in names)
+    stats = store.stats()
+    assert stats["quarantined"] == 2 and stats["entries"] == 1
+    # the key can be built and stored again
+    store.put(flipped, b"rebuilt", kind="target")
+    assert store.get(flipped) == b"rebuilt"
+
+
+def test_verify_detects_and_repairs_damage(store_dir):
+    store, good, flipped, truncated = _damaged_store(store_dir)
+    report = store.verify()
+    assert report.checked == 3 and report.ok == 1 and not report.clean
+    reasons = dict(report.damaged)
+    assert reasons[flipped] == "payload checksum mismatch"
+    assert reasons[truncated].startswith("truncated")
+    assert not report.repaired
+    assert store.contains(flipped)  # verify alone changes nothing
+    report = store.verify(repair=True)
+    assert report.repaired and len(report.damaged) == 2
+    assert store.get(flipped) is None and store.get(truncated) is None
+    assert len(list((store.root / "quarantine").iterdir())) == 2
+    assert store.verify().clean
+    assert store.get(good) is not None
+
+
+def test_missing_blob_is_a_miss_and_damage(store_dir):
+    store = LocalStore(store_dir)
+    store.put(key(1), b"x", kind="k")
+    os.unlink(blob_path(store, key(1)))
+    assert store.get(key(1)) is None
+    assert not store.contains(key(1))
+    report = store.verify(repair=True)
+    assert report.damaged == [(key(1), "blob file is missing")]
+    assert store.get_record(key(1)) is None
+
+
+def test_blob_swapped_for_another_valid_blob_is_caught(store_dir):
+    store = LocalStore(store_dir)
+    store.put(key(1), b"original", kind="k")
+    blob_path(store, key(1)).write_bytes(encode_blob(key(1), "k", b"substitute"))
+    assert store.get(key(1)) is None
+    assert store.stats()["quarantined"] == 1
+
+
+def test_signed_store_rejects_unsigned_and_tampered_blobs(store_dir):
+    LocalStore(store_dir).put(key(1), b"unsigned", kind="k")
+    signed = LocalStore(store_dir, signing_key=b"secret", require_signature=True)
+    signed.put(key(2), b"signed", kind="k")
+    assert signed.get(key(2)) == b"signed"
+    assert signed.get(key(1)) is None  # unsigned: quarantined
+    # rewritten with valid checksums by someone who does not know the signing key
+    blob_path(signed, key(2)).write_bytes(encode_blob(key(2), "k", b"evil", b"guess"))
+    assert signed.get(key(2)) is None
+    assert signed.stats()["quarantined"] == 2
+    with pytest.raises(StoreError, match="signing key"):
+        LocalStore(store_dir, require_signature=True)
+
+
+# -- GC -------------------------------------------------------------------------------
+
+
+def _lru_store(store_dir) -> tuple[LocalStore, list[str], int]:
+    """Ten 10 kB entries used in order 0..9 (0 least recently used)."""
+    store = LocalStore(store_dir)
+    keys = [key(f"lru{i}") for i in range(10)]
+    for k in keys:
+        store.put(k, os.urandom(10_000), kind="target")
+    for k in keys:
+        time.sleep(0.002)
+        assert store.get(k) is not None
+    return store, keys, os.path.getsize(blob_path(store, keys[0]))
+
+
+def test_gc_max_size_evicts_least_recently_used_first(store_dir):
+    store, keys, per_entry = _lru_store(store_dir)
+    report = store.gc(max_size=4 * per_entry + 10)
+    assert set(report.removed) == set(keys[:6])
+    assert report.removed == keys[:6]  # in LRU order
+    assert report.bytes_after <= 4 * per_entry + 10
+    assert store.stats()["disk_bytes"] <= 4 * per_entry + 10
+    assert {r.key for r in store.entries()} == set(keys[6:])
+
+
+def test_gc_keeps_pins_and_what_they_refer_to(store_dir):
+    store, keys, per_entry = _lru_store(store_dir)
+    # an entry (least recently used of all) that refers to two old targets, pinned
+    root = key("model-entry")
+    store.put(root, b"entry", kind="entry", refs=[keys[0], keys[1]])
+    store.put(key("leaf"), b"leaf", kind="target")
+    with store._index.transact():  # make the entry the oldest without waiting
+        small = store._index.get_small(root)
+        small["last_used"] = 0.0
+        store._index.set_small(root, small)
+    store.pin(root)
+    store.pin(keys[2])
+    report = store.gc(max_size=0)
+    survivors = {r.key for r in store.entries()}
+    assert survivors == {root, keys[0], keys[1], keys[2]}
+    assert report.kept_pinned == 4 and report.over_cap
+    store.unpin(root)
+    store.gc(max_size=0)
+    assert {r.key for r in store.entries()} == {keys[2]}
+
+
+def test_gc_refs_are_followed_transitively(store_dir):
+    store = LocalStore(store_dir)
+    a, b, c, d = key("a"), key("b"), key("c"), key("d")
+    store.put(c, b"c", kind="target")
+    store.put(b, b"b", kind="entry", refs=[c])
+    store.put(a, b"a", kind="entry", refs=[b, key("absent")])
+    store.put(d, b"d", kind="target")
+    store.pin(a)
+    store.gc(max_size=0)
+    assert {r.key for r in store.entries()} == {a, b, c}
+
+
+def test_gc_older_than_and_dry_run(store_dir):
+    store = LocalStore(store_dir)
+    store.put(key("old"), b"x" * 100, kind="k")
+    time.sleep(0.3)
+    store.put(key("new"), b"y" * 100, kind="k")
+    dry = store.gc(older_than=0.2, dry_run=True)
+    assert dry.dry_run and dry.removed == [key("old")] and dry.freed_bytes > 100
+    assert store.contains(key("old"))
+    report = store.gc(older_than=0.2)
+    assert report.removed == [key("old")]
+    assert not store.contains(key("old")) and store.contains(key("new"))
+    with pytest.raises(ValueError):
+        store.gc(max_size=-1)
+
+
+def test_gc_and_verify_clean_leftovers(store_dir):
+    store = LocalStore(store_dir)
+    store.put(key(1), b"kept", kind="k")
+    tmp = store.root / "tmp"
+    abandoned = tmp / f"{key(2)}.99999.dead.tmp"
+    abandoned.write_bytes(b"partial")
+    in_progress = tmp / f"{key(3)}.{os.getpid()}.live.tmp"
+    in_progress.write_bytes(b"being written")
+    fd = os.open(in_progress, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # what a live writer holds
+    orphan = blob_path(store, key(4))
+    orphan.parent.mkdir(exist_ok=True)
+    orphan.write_bytes(encode_blob(key(4), "k", b"renamed, never recorded"))
+    try:
+        report = store.gc()
+        assert (report.tmp_removed, report.orphans_removed) == (1, 1)
+        assert not abandoned.exists() and not orphan.exists()
+        assert in_progress.exists()
+    finally:
+        os.close(fd)
+    report = store.verify()
+    assert report.clean and report.tmp_removed == 1
+    assert list(tmp.iterdir()) == []
+    assert store.get(key(1)) == b"kept"
+
+
+# -- permissions ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode, who", [(0o777, "group and others"), (0o720, "group"),
+                                       (0o702, "others")])
+def test_writable_by_others_is_refused(tmp_path, mode, who):
+    d = tmp_path / "shared"
+    d.mkdir()
+    os.chmod(d, mode)
+    with pytest.raises(StoreError) as info:
+        LocalStore(d)
+    msg = str(info.value)
+    assert f"writable by {who}" in msg and "code that runs" in msg and f"chmod 700 {d}" in msg
+
+
+def test_subdirectory_made_writable_is_refused(store_dir):
+    LocalStore(store_dir)
+    os.chmod(store_dir / "v1" / "objects", 0o777)
+    with pytest.raises(StoreError, match="objects: it is writable"):
+        LocalStore(store_dir)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")
+def test_directory_of_another_user_is_refused(tmp_path):
+    d = tmp_path / "theirs"
+    d.mkdir(mode=0o700)
+    os.chown(d, 65534, 65534)
+    with pytest.raises(StoreError, match="owned by uid 65534, not by you"):
+        LocalStore(d)
+
+
+# -- full and read-only disks -----------------------------------------------------------
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A 1 MiB tmpfs (root only; skipped where mounting is not permitted)."""
+    mnt = tmp_path / "mnt"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_full_disk_put_fails_cleanly(tiny_fs):
+    store = LocalStore(tiny_fs / "store")
+    small = {key(i): os.urandom(20_000) for i in range(5)}
+    for k, v in small.items():
+        store.put(k, v, kind="target")
+    with pytest.raises(StoreError, match="no space left on the device.*nothing was stored"):
+        store.put(key("big"), os.urandom(2 << 20), kind="target")
+    assert not store.contains(key("big")) and store.get(key("big")) is None
+    assert list((store.root / "tmp").iterdir()) == []
+    for k, v in small.items():
+        assert store.get(k) == v
+    assert store.verify().clean
+    store.put(key("fits"), b"small again", kind="target")
+    assert store.get(key("fits")) == b"small again"
+
+
+def test_read_only_directory_put_fails_cleanly(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    store.put(key(1), b"earlier", kind="target")
+    dirs = [store.root / "tmp", store.root / "objects"]
+    if os.geteuid() != 0:
+        for d in dirs:
+            os.chmod(d, 0o500)
+        try:
+            _check_read_only_put(store)
+        finally:
+            for d in dirs:
+                os.chmod(d, 0o700)
+        return
+    # Root writes through permission bits: only a read-only mount stops it. Bind each
+    # directory onto itself and make that mount read-only.
+    mounted = []
+    try:
+        for d in dirs:
+            done = subprocess.run(["mount", "--bind", str(d), str(d)],
+                                  capture_output=True, text=True)
+            if done.returncode != 0:
+                pytest.skip(f"cannot bind-mount here: {done.stderr.strip()}")
+            mounted.append(d)
+            subprocess.run(["mount", "-o", "remount,bind,ro", str(d)], check=True)
+        _check_read_only_put(store)
+    finally:
+        for d in reversed(mounted):
+            subprocess.run(["umount", "-l", str(d)], check=False)
+
+
+def _check_read_only_put(store: LocalStore) -> None:
+    with pytest.raises(StoreError, match="cannot write .* read-only|permission denied"):
+        store.put(key(2), b"new", kind="target")
+    assert store.get(key(1)) == b"earlier"
+    assert store.get(key(2)) is None
+    assert store.verify().clean
