@@ -19,6 +19,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -367,34 +368,38 @@ def push(tiered: TieredStore, keys: Iterable[str] | None = None) -> TransferCoun
     return counts
 
 
-def pull(tiered: TieredStore, keys: Iterable[str] | None = None) -> TransferCounts:
+def pull(
+    tiered: TieredStore, keys: Iterable[str] | None = None, *, workers: int = 4
+) -> TransferCounts:
     """Copy ``keys`` (default: every L2 entry) from L2 into L1, verifying each one.
 
     A key already in L1 is not fetched. A blob that fails verification is counted as
-    ``rejected`` and never written to L1. Raises UsageError without a remote.
+    ``rejected`` and never written to L1. ``workers`` threads fetch, verify and write in
+    parallel (socket reads, hashing and file writes all release the GIL). Raises
+    UsageError without a remote.
     """
     remote = tiered.remote
     if remote is None:
         raise UsageError("pull needs a remote (--remote or CACHEBUILD_REMOTE)")
     counts = TransferCounts()
     wanted = list(remote.keys()) if keys is None else list(keys)
-    for key in wanted:
+
+    def one(key: str) -> tuple[str, int]:
         if tiered.local.contains(key):
-            counts.present += 1
-            continue
+            return "present", 0
         if not remote.available:
-            counts.failed += 1
-            continue
+            return "failed", 0
         payload, outcome = tiered._fetch(key)
         if payload is not None:
-            counts.transferred += 1
-            counts.bytes += len(payload)
-        elif outcome == "rejected":
-            counts.rejected += 1
-        elif remote.available:
-            counts.missing += 1
-        else:
-            counts.failed += 1
+            return "transferred", len(payload)
+        if outcome == "rejected":
+            return "rejected", 0
+        return ("missing" if remote.available else "failed"), 0
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for outcome, size in pool.map(one, wanted):
+            setattr(counts, outcome, getattr(counts, outcome) + 1)
+            counts.bytes += size
     return counts
 
 

@@ -7,6 +7,8 @@ import multiprocessing as mp
 import os
 import secrets
 import signal
+import subprocess
+import sys
 import time
 import warnings
 from pathlib import Path
@@ -414,3 +416,17 @@ def test_open_store_reads_the_environment(tmp_path, server, monkeypatch):
         open_store()
     with pytest.raises(UsageError):
         open_store(mode="sideways")
+
+
+def test_a_store_without_remote_does_not_import_redis(tmp_path):
+    """`import redis` costs start-up time; only a process with a remote pays it."""
+    code = (
+        "import sys\n"
+        "from cachebuild.store import open_store\n"
+        f"store = open_store({str(tmp_path / 'l1')!r}, remote='', signing_key=b'k')\n"
+        "store.put('ab' * 16, b'x', kind='target')\n"
+        "assert store.get('ab' * 16) == b'x'\n"
+        "assert 'redis' not in sys.modules, 'redis imported'\n"
+    )
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEBUILD_")}
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=120)
