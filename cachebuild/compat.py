@@ -53,3 +53,11 @@ def aoti_single_file_options(device: str) -> dict[str, Any]:
     if device.startswith("cuda") and hasattr(config.aot_inductor, "embed_kernel_binary"):
         options["aot_inductor.embed_kernel_binary"] = True
     return options
+
+
+def fp8_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
+                  scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``(a * scale_a) @ (b * scale_b)`` for e4m3 ``a`` (row-major) and ``b`` (column-major)
+    with per-tensor float32 scales, on CUDA, through ``torch._scaled_mm`` (a private op
+    whose signature is the same on torch 2.11 through 2.13)."""
+    return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
