@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch.fx
 from cachebuild.passes.manager import FusionPass
-from cachebuild.passes.matching import is_reshape, same_shape, shape_of
+from cachebuild.passes.matching import is_full_slice, is_reshape, same_shape, shape_of
 
 
 class Cleanup(FusionPass):
@@ -17,6 +17,7 @@ class Cleanup(FusionPass):
     - a reshape whose input is a reshape of the same kind with no other user reshapes the
       inner input directly (reshape order is logical row-major, so the outer shape alone
       decides the result);
+    - a slice that keeps every element is replaced by its input;
     - nodes without users and without side effects are erased.
 
     Returns the number of nodes removed.
@@ -28,7 +29,12 @@ class Cleanup(FusionPass):
     def __call__(self, graph: torch.fx.Graph) -> int:
         removed = 0
         for node in list(graph.nodes):
-            if node.graph is not graph or not is_reshape(node):
+            if is_full_slice(node) and isinstance(node.args[0], torch.fx.Node):
+                node.replace_all_uses_with(node.args[0])
+                graph.erase_node(node)
+                removed += 1
+                continue
+            if not is_reshape(node):
                 continue
             source = node.args[0]
             if not isinstance(source, torch.fx.Node):

@@ -59,6 +59,8 @@ class FusionPass:
     Subclasses set ``name`` (short and stable: it names the pass in keys and counts),
     list in ``source_modules`` the importable modules whose source decides what the pass
     emits (its ops and kernels, shared matching helpers), and implement ``__call__``.
+    Everything a pass runs must be in its class (or a base class) or in one of those
+    modules: module-level helpers elsewhere would escape the uuid.
     """
 
     name: ClassVar[str] = ""

@@ -21,8 +21,10 @@ aten = torch.ops.aten
 
 # Ops that only reinterpret the logical row-major order of a tensor's elements: a chain
 # of them between two ops changes nothing an elementwise-per-row kernel would see.
+# The ``_copy`` variants appear after functionalization with views removed.
 RESHAPE_TARGETS: frozenset[Any] = frozenset({
     aten.view.default,
+    aten.view_copy.default,
     aten.reshape.default,
     aten._unsafe_view.default,
     torch.reshape,
@@ -164,3 +166,113 @@ def copy_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
     for key in ("val", "example_value", "tensor_meta", "stack_trace", "nn_module_stack"):
         if key in old.meta:
             new.meta[key] = old.meta[key]
+
+
+def ready_before(value: Any, anchor: torch.fx.Node) -> bool:
+    """Make sure ``value`` is defined before ``anchor``: constants and earlier nodes are;
+    a later ``get_attr`` (no inputs) is moved up; anything else is not."""
+    if not isinstance(value, torch.fx.Node):
+        return True
+    for node in anchor.graph.nodes:
+        if node is value:
+            return True
+        if node is anchor:
+            break
+    if value.op == "get_attr":
+        anchor.prepend(value)
+        return True
+    return False
+
+
+def insert_getitems(graph: torch.fx.Graph, node: torch.fx.Node, count: int,
+                    vals: list[Any] | None) -> list[torch.fx.Node]:
+    """``getitem(node, i)`` for ``i < count``, inserted right after ``node``."""
+    items = []
+    with graph.inserting_after(node):
+        for i in reversed(range(count)):
+            item = graph.call_function(operator.getitem, (node, i))
+            if vals is not None and vals[i] is not None:
+                item.meta["val"] = vals[i]
+            items.append(item)
+    return list(reversed(items))
+
+
+def set_tuple_val(node: torch.fx.Node, vals: list[Any]) -> None:
+    """Record a tuple-returning node's value when every element's value is known."""
+    if all(v is not None for v in vals):
+        node.meta["val"] = tuple(vals)
+
+
+SPLIT_OPS = (aten.split_with_sizes.default, aten.split_with_sizes_copy.default)
+SLICE_OPS = (aten.slice.Tensor, aten.slice_copy.Tensor)
+# torch-level spellings of a split (Dynamo records the function or the method).
+SPLIT_FUNCTIONS = (torch.split, torch.functional.split, torch.Tensor.split)
+
+
+def last_dim_slice(node: Any) -> tuple[torch.fx.Node, int, int] | None:
+    """If ``node`` is a slice of a 2-D tensor along its last dim, ``(tensor, start,
+    length)``; recognises ``split_with_sizes``/``split`` + ``getitem`` and ``slice`` (and their
+    ``_copy`` forms)."""
+    if not isinstance(node, torch.fx.Node):
+        return None
+    if node.op == "call_function" and node.target is operator.getitem:
+        split, index = node.args
+        if not isinstance(split, torch.fx.Node) or not isinstance(index, int):
+            return None
+        split_op = next((o for o in SPLIT_OPS if is_call(split, o)), None)
+        if split_op is not None:
+            a = call_args(split, split_op)
+            source, sizes, dim = a["self"], a["split_sizes"], a["dim"]
+        elif (split.op == "call_method" and split.target == "split") or (
+                split.op == "call_function" and split.target in SPLIT_FUNCTIONS):
+            source = split.args[0]
+            sizes = split.args[1] if len(split.args) > 1 else split.kwargs.get("split_size")
+            dim = split.args[2] if len(split.args) > 2 else split.kwargs.get("dim", 0)
+        else:
+            return None
+        if not isinstance(sizes, (list, tuple)) or not all(isinstance(s, int) for s in sizes):
+            return None
+        if not is_last_dim_of_2d(source, dim) or index >= len(sizes):
+            return None
+        return full_slice_source(source), sum(sizes[:index]), sizes[index]
+    slice_op = next((o for o in SLICE_OPS if is_call(node, o)), None)
+    if slice_op is not None:
+        a = call_args(node, slice_op)
+        source, start = a["self"], a["start"]
+        out_shape = shape_of(node)
+        if a["step"] != 1 or not is_last_dim_of_2d(source, a["dim"]) or out_shape is None:
+            return None
+        # The slice's own width says how many elements it keeps (clamping included).
+        start, length = 0 if start is None else start, out_shape[-1]
+        if not (isinstance(start, int) and isinstance(length, int)) or start < 0 or length < 1:
+            return None
+        return full_slice_source(source), start, length
+    return None
+
+
+# ``x[:, a:b]`` traces as a slice of every dim up to the last; a slice end at or past this
+# is "to the end" (torch writes sys.maxsize).
+SLICE_TO_END = 2 ** 62
+
+
+def is_full_slice(node: Any) -> bool:
+    """True for ``slice(x, dim, 0, end-or-more, 1)``: a slice that keeps all of ``x``."""
+    slice_op = next((o for o in SLICE_OPS if is_call(node, o)), None)
+    if slice_op is None:
+        return False
+    a = call_args(node, slice_op)
+    return (a["step"] == 1 and a["start"] in (None, 0)
+            and (a["end"] is None or (isinstance(a["end"], int) and a["end"] >= SLICE_TO_END)))
+
+
+def full_slice_source(node: torch.fx.Node) -> torch.fx.Node:
+    """Follow slices that keep everything upwards to the tensor they slice."""
+    while is_full_slice(node) and isinstance(node.args[0], torch.fx.Node):
+        node = node.args[0]
+    return node
+
+
+def is_last_dim_of_2d(source: Any, dim: Any) -> bool:
+    """True if ``source`` is known to be 2-D and ``dim`` names its last dim."""
+    shape = shape_of(source)
+    return shape is not None and len(shape) == 2 and dim in (-1, 1)
