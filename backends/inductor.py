@@ -16,7 +16,6 @@ import tempfile
 from typing import Any
 
 import torch
-
 from cachebuild.backends.base import (
     Artifact,
     BuildRequest,

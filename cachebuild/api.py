@@ -159,7 +159,7 @@ class CompiledModule(torch.nn.Module):
         planner = Planner(self.model, self.config, self.dynamic_dims, store)
         entry, why = planner.stored_entry(args)
         if entry is not None:
-            if any(p.targets and _is_standalone_config(self.config) for p in entry.pieces):
+            if _needs_inductor(entry, store):
                 preload()
             COUNTERS.entries_loaded += 1
             log.info("warm start from entry %s", entry.key[:12])
@@ -181,8 +181,13 @@ class CompiledModule(torch.nn.Module):
         return self._runtime(*args)
 
 
-def _is_standalone_config(config: CompileConfig) -> bool:
-    return config.backend == "inductor" and config.flavour != "aoti"
+def _needs_inductor(entry: Entry, store: Any) -> bool:
+    """True if loading the entry's targets initialises Inductor (standalone artifacts)."""
+    for key in entry.target_keys():
+        record = store.get_record(key)
+        if record is not None and record.kind == "standalone":
+            return True
+    return False
 
 
 def compile(model: torch.nn.Module, config: CompileConfig | None = None,

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 import torch.utils._pytree as pytree
 
-from cachebuild.build import BuildJob, Builder
+from cachebuild.build import Builder, BuildJob
 from cachebuild.config import CompileConfig
 from cachebuild.entry import Entry
 from cachebuild.errors import UsageError

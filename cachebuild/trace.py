@@ -126,7 +126,8 @@ def ast_hash(path: str) -> str | None:
             tree = ast.parse(f.read(), filename=path)
     except (OSError, SyntaxError, ValueError):
         return None
-    return xxhash.xxh3_128_hexdigest(ast.dump(tree, annotate_fields=False, include_attributes=False))
+    return xxhash.xxh3_128_hexdigest(
+        ast.dump(tree, annotate_fields=False, include_attributes=False).encode())
 
 
 @functools.cache
