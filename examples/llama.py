@@ -25,7 +25,6 @@ import torch.nn.functional as F
 
 import cachebuild
 
-
 # Defined through torch.library.Library rather than @custom_op: the latter's wrapper
 # imports torch._dynamo on first call, seconds a warm server need not spend.
 _LIB = torch.library.Library("cachebuild_examples", "DEF")
