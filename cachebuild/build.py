@@ -9,9 +9,7 @@ stored, because the store's put is atomic and happens only after a successful co
 
 from __future__ import annotations
 
-import importlib.util
 import logging
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,19 +43,6 @@ def pass_manager(config: CompileConfig) -> Any:
     from cachebuild.passes import PassManager
 
     return PassManager.from_config(config.passes)
-
-
-def import_model_file(path: str) -> None:
-    """Import a model file so the custom ops it registers exist in this process."""
-    name = f"cachebuild_model_{abs(hash(path))}"
-    if name in sys.modules:
-        return
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise BuildError(f"cannot import model file {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
 
 
 class Builder:

@@ -167,13 +167,15 @@ def register(command: click.Command) -> click.Command:
     return command
 
 
-def resolve_model_entry_key(path: str, ctx: click.Context) -> str:
-    """The entry key of the model defined in ``path`` (a MODEL.py file).
-
-    The model commands provide this by rebinding ``cachebuild.cli.resolve_model_entry_key``;
-    ``pin`` and ``export`` look it up at call time.
-    """
+def no_model_commands(path: str, ctx: click.Context) -> str:
+    """The default ``resolve_model_entry_key``: refuses, naming what is missing."""
     raise UsageError(f"{path}: pinning a model file needs the model commands")
+
+
+#: ``resolve_model_entry_key(path, ctx) -> key``: the entry key of the model defined in
+#: ``path`` (a MODEL.py file). The model commands provide it by rebinding this name;
+#: ``pin``, ``unpin`` and ``export`` look it up at call time.
+resolve_model_entry_key: Callable[[str, click.Context], str] = no_model_commands
 
 
 def _resolve_target(ctx: click.Context, target: str) -> str:
@@ -399,5 +401,11 @@ def import_command(ctx: click.Context, file: Path) -> None:
 # Command modules elsewhere in cachebuild import this module and add their commands with
 # ``register(command)``; ``main`` stays the entry point.
 
+from cachebuild import cli_model  # noqa: E402,F401  (model commands: warm, plan, explain)
+
 if __name__ == "__main__":
-    main(prog_name="cachebuild")
+    # Under ``python -m`` this file runs as __main__, a second copy of the module;
+    # command modules registered with the importable one, so run that one's group.
+    from cachebuild.cli import main as _main
+
+    _main(prog_name="cachebuild")

@@ -10,6 +10,7 @@ values), the call's input metadata with the dynamic dims, and the environment.
 
 from __future__ import annotations
 
+import inspect
 import json
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -87,6 +88,20 @@ def _tensor_table(items: Any) -> list[list[Any]]:
             for name, t in items]
 
 
+def model_factor(model: torch.nn.Module) -> dict[str, Any]:
+    """The model class by name and by the syntax tree of the file defining it.
+
+    Not by module name: the same file is ``__main__`` in a server and something else when
+    ``cachebuild warm`` imports it, and both must find one entry.
+    """
+    cls = type(model)
+    try:
+        source = inspect.getsourcefile(cls)
+    except TypeError:
+        source = None
+    return {"class": cls.__qualname__, "source": ast_hash(source) if source else None}
+
+
 def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: dict[int, int],
                   config: CompileConfig, target_factors: dict[str, Any]) -> dict[str, Any]:
     """The factors of a model's entry key (no tracing needed to compute them)."""
@@ -98,10 +113,9 @@ def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: d
             inputs.append({"dtype": m.dtype, "shape": shape, "device": m.device_type})
         else:
             inputs.append({"value": repr(a)})
-    cls = type(model)
     return {
         "schema": SCHEMA_VERSION,
-        "model": f"{cls.__module__}.{cls.__qualname__}",
+        "model": model_factor(model),
         "config": config.factors(),
         "targets": target_factors,
         "params": _tensor_table(model.named_parameters(remove_duplicate=False)),

@@ -1,0 +1,252 @@
+"""Model commands: ``warm``, ``plan``, ``explain`` (and MODEL.py for ``pin``/``export``).
+
+``warm`` traces a MODEL.py once, plans its targets, builds every missing one in parallel
+worker processes (each under the key's lock, so a concurrent ``warm`` or server never
+builds the same target twice), and records the model's entry. ``plan`` and ``explain``
+change nothing in the store.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.table import Table
+
+from cachebuild import cli
+from cachebuild.api import ModelSpec, Planner
+from cachebuild.build import Builder, BuildJob
+from cachebuild.entry import Entry
+from cachebuild.errors import UsageError
+from cachebuild.explain import explain, label
+from cachebuild.modelfile import import_model, load_spec
+from cachebuild.runtime import jobs_of
+from cachebuild.targets import bucket_label
+
+
+def _console() -> Console:
+    return Console(stderr=True)
+
+
+def _spec_on(spec: ModelSpec, device: str | None) -> ModelSpec:
+    if not device:
+        return spec
+    import torch
+
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in spec.example_inputs)
+    return ModelSpec(spec.model.to(device), args, spec.dynamic_dims, spec.config)
+
+
+@dataclass
+class Planned:
+    spec: ModelSpec
+    planner: Planner
+    entry: Entry
+    why: str  # "fresh" when the stored entry was used, else why the model was traced
+
+
+def plan_model(ctx: click.Context, path: str, device: str | None = None) -> Planned:
+    """Load MODEL.py and find its entry: the stored one if fresh, else a new trace."""
+    spec = _spec_on(load_spec(path), device)
+    store = cli.open_store(ctx)
+    planner = Planner(spec.model, spec.config, spec.dynamic_dims, store)
+    entry, why = planner.stored_entry(spec.example_inputs)
+    if entry is None:
+        _console().print(f"tracing {Path(path).name} ({why})")
+        entry = planner.trace(spec.example_inputs)
+    return Planned(spec, planner, entry, why)
+
+
+# -- building in worker processes ------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+
+def _worker_init(model_path: str, cache_dir: str | None) -> None:
+    from cachebuild.store import LocalStore
+
+    import_model(model_path)  # registers the model file's custom ops
+    _WORKER["store"] = LocalStore.from_env(Path(cache_dir) if cache_dir else None)
+
+
+def _worker_build(job: BuildJob) -> tuple[str, bool, float, str | None]:
+    start = time.perf_counter()
+    try:
+        built = Builder(_WORKER["store"], job.config).build(job)
+        return job.target.key, built, time.perf_counter() - start, None
+    except Exception as e:  # reported per target; the other targets go on
+        return job.target.key, False, time.perf_counter() - start, str(e)
+
+
+def build_jobs(jobs: list[BuildJob], workers: int, model_path: str, cache_dir: str | None,
+               on_done: Any) -> None:
+    """Build ``jobs`` in ``workers`` processes, calling ``on_done(job, built, s, error)``."""
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_init,
+                             initargs=(model_path, cache_dir)) as pool:
+        futures = {pool.submit(_worker_build, job): job for job in jobs}
+        for future in as_completed(futures):
+            _, built, seconds, error = future.result()
+            on_done(futures[future], built, seconds, error)
+
+
+@click.command("warm")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
+              help="Worker processes building targets (default: the CPU count).")
+@click.option("--device", metavar="D", help="Move the model and inputs to D (e.g. cuda:0).")
+@click.option("--dry-run", is_flag=True, help="Show what would be built; build nothing.")
+@click.pass_context
+def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str | None,
+                 dry_run: bool) -> None:
+    """Build every missing target of MODEL.py ahead of deploy and record its entry.
+
+    MODEL.py defines build() -> cachebuild.ModelSpec. A target that fails is reported with
+    its piece, bucket, key and the compiler's message; the others still build (exit 1).
+    """
+    start = time.perf_counter()
+    planned = plan_model(ctx, model, device)
+    store = planned.planner.store
+    all_jobs = jobs_of(planned.entry, planned.spec.config, str(Path(model).resolve()))
+    missing = [j for key, j in all_jobs.items() if not store.contains(key)]
+    console = _console()
+    if dry_run:
+        _targets_table(planned, store, console)
+        console.print(f"dry run: {len(missing)} of {len(all_jobs)} targets would be built")
+        return
+    failures: list[tuple[BuildJob, str]] = []
+    built = 0
+    if missing:
+        workers = min(jobs or os.cpu_count() or 1, len(missing))
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
+        with Progress(*columns, console=console, transient=False) as progress:
+            task = progress.add_task("building", total=len(missing))
+
+            def done(job: BuildJob, was_built: bool, seconds: float, error: str | None) -> None:
+                nonlocal built
+                built += was_built
+                if error:
+                    failures.append((job, error))
+                progress.update(task, advance=1,
+                                description=f"{label(job.target)} {seconds:.1f} s")
+
+            state = cli.state_of(ctx)
+            build_jobs(missing, workers, str(Path(model).resolve()),
+                       str(state.cache_dir) if state.cache_dir else None, done)
+    if planned.why != "fresh":
+        planned.planner.record(planned.entry)
+    for job, error in failures:
+        console.print(f"[red]failed[/red] {label(job.target)} key {job.target.key}: {error}")
+    console.print(
+        f"{len(all_jobs)} targets: {len(all_jobs) - len(missing)} already stored, {built} built, "
+        f"{len(failures)} failed, in {time.perf_counter() - start:.1f} s; entry {planned.entry.key}"
+    )
+    if failures:
+        ctx.exit(1)
+
+
+def _target_state(store: Any, key: str, previous: dict[tuple[int, str], str], piece: int,
+                  bucket: dict[str, Any]) -> str:
+    if store.contains(key):
+        return "stored"
+    old = previous.get((piece, bucket_label(bucket)))
+    return "stale" if old and old != key and store.contains(old) else "missing"
+
+
+def _previous_targets(store: Any, entry: Entry) -> dict[tuple[int, str], str]:
+    """Target keys of the newest other stored entry of the same model class."""
+    best = None
+    for record in store.entries():
+        if record.kind != "entry" or record.key == entry.key:
+            continue
+        if (record.manifest or {}).get("model", {}).get("class") != entry.factors["model"]["class"]:
+            continue
+        if best is None or record.created > best.created:
+            best = record
+    if best is None:
+        return {}
+    data = store.get(best.key)
+    if data is None:
+        return {}
+    old = Entry.from_bytes(data)
+    return {(t.piece, bucket_label(t.bucket)): t.key for t in old.targets()}
+
+
+def _targets_table(planned: Planned, store: Any, console: Console) -> None:
+    previous = _previous_targets(store, planned.entry)
+    table = Table(title=f"entry {planned.entry.key} ({'stored' if planned.why == 'fresh' else planned.why})")
+    for column in ("piece", "bucket", "key", "state"):
+        table.add_column(column)
+    seen: set[str] = set()
+    for t in planned.entry.targets():
+        state = _target_state(store, t.key, previous, t.piece, t.bucket)
+        dup = " (shared)" if t.key in seen else ""
+        seen.add(t.key)
+        table.add_row(str(t.piece), bucket_label(t.bucket), t.key[:16] + dup, state)
+    console.print(table)
+
+
+@click.command("plan")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--device", metavar="D", help="Move the model and inputs to D first.")
+@click.pass_context
+def plan_command(ctx: click.Context, model: str, device: str | None) -> None:
+    """Show MODEL.py's targets and their state (stored / missing / stale); build nothing."""
+    planned = plan_model(ctx, model, device)
+    _targets_table(planned, planned.planner.store, Console())
+
+
+@click.command("explain")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--device", metavar="D", help="Move the model and inputs to D first.")
+@click.pass_context
+def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
+    """For every missing target of MODEL.py, the nearest stored one and what differs."""
+    planned = plan_model(ctx, model, device)
+    store = planned.planner.store
+    stored = [(r.key, r.manifest) for r in store.entries()
+              if r.kind != "entry" and r.manifest]
+    console = Console()
+    missing = 0
+    seen: set[str] = set()
+    for t in planned.entry.targets():
+        if t.key in seen or store.contains(t.key):
+            continue
+        seen.add(t.key)
+        missing += 1
+        why = explain(t.manifest, stored)
+        nearest = f"nearest {why.nearest[:16]}" if why.nearest else "no stored target"
+        console.print(f"{label(t)} ({t.key[:16]}) missing; {nearest}: " + "; ".join(why.reasons))
+    if not missing:
+        console.print("every target is stored")
+
+
+def resolve_model_entry_key(path: str, ctx: click.Context) -> str:
+    """The entry key of MODEL.py (computed from its spec, no tracing)."""
+    spec = load_spec(path)
+    planner = Planner(spec.model, spec.config, spec.dynamic_dims, cli.open_store(ctx))
+    key, _ = planner.entry_key(spec.example_inputs)
+    if not planner.store.contains(key):
+        raise UsageError(f"{path}: the model has no stored entry yet; run `cachebuild warm {path}`")
+    return key
+
+
+for _command in (warm_command, plan_command, explain_command):
+    cli.register(_command)
+cli.resolve_model_entry_key = resolve_model_entry_key

@@ -1,0 +1,72 @@
+"""Loading a MODEL.py: a file that defines ``build() -> cachebuild.ModelSpec``.
+
+Every way a model file can be wrong (missing, failing to import, no ``build``, ``build``
+raising or returning something else) becomes one UsageError naming the file, the line
+and what to do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import sys
+import traceback
+from pathlib import Path
+from types import ModuleType
+
+from cachebuild.api import ModelSpec
+from cachebuild.errors import UsageError
+
+
+def module_name(path: Path) -> str:
+    """A module name for a model file, the same in every process (workers import it too)."""
+    return "cachebuild_model_" + hashlib.sha1(str(path).encode()).hexdigest()[:16]
+
+
+def _where(path: Path, error: BaseException) -> str:
+    """``file:line`` of the deepest frame of ``error`` inside ``path`` (or the file alone)."""
+    line = getattr(error, "lineno", None) if isinstance(error, SyntaxError) else None
+    for frame in traceback.extract_tb(error.__traceback__):
+        if Path(frame.filename).resolve() == path:
+            line = frame.lineno
+    return f"{path}:{line}" if line else str(path)
+
+
+def import_model(path: str | Path) -> ModuleType:
+    """Import a model file as a module (its custom ops get registered)."""
+    path = Path(path).resolve()
+    if not path.is_file():
+        raise UsageError(f"{path}: no such model file")
+    name = module_name(path)
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise UsageError(f"{path}: not a Python file")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[name]
+        raise UsageError(f"{_where(path, e)}: the model file failed to import: "
+                         f"{type(e).__name__}: {e}") from e
+    return module
+
+
+def load_spec(path: str | Path) -> ModelSpec:
+    """Import ``path`` and call its ``build()``; the ModelSpec it returns."""
+    module = import_model(path)
+    resolved = Path(path).resolve()
+    build = getattr(module, "build", None)
+    if not callable(build):
+        raise UsageError(f"{resolved}: defines no build() function; add "
+                         "`def build() -> cachebuild.ModelSpec`")
+    try:
+        spec = build()
+    except Exception as e:
+        raise UsageError(f"{_where(resolved, e)}: build() raised {type(e).__name__}: {e}") from e
+    if not isinstance(spec, ModelSpec):
+        raise UsageError(f"{resolved}: build() returned {type(spec).__name__}, "
+                         "not a cachebuild.ModelSpec")
+    return spec
