@@ -133,7 +133,7 @@ def export_bundle(store: LocalStore, path: str | os.PathLike[str], *,
     return report
 
 
-def _read_header(tar: tarfile.TarFile, path: Path) -> dict[str, Any]:
+def _read_header(tar: tarfile.TarFile, path: Path) -> tuple[tarfile.TarInfo, dict[str, Any]]:
     not_bundle = f"{path} is not a cachebuild bundle"
     try:
         first = tar.next()
@@ -148,7 +148,7 @@ def _read_header(tar: tarfile.TarFile, path: Path) -> dict[str, Any]:
         raise UsageError(f"{not_bundle} (bad {HEADER_NAME})")
     if header.get("version") != BUNDLE_VERSION:
         raise UsageError(f"{path}: unsupported bundle version {header.get('version')!r}")
-    return header
+    return first, header
 
 
 def _import_entry(store: LocalStore, key: str, record: dict[str, Any], blob: bytes,
@@ -191,12 +191,16 @@ def import_bundle(store: LocalStore, path: str | os.PathLike[str], *,
         raise UsageError(f"{src} is not a cachebuild bundle: {e}") from None
     report = ImportReport()
     with tar:
-        expected = _read_header(tar, src)["entries"]
+        first, header = _read_header(tar, src)
+        expected = header["entries"]
         records: dict[str, dict[str, Any]] = {}
         seen: set[str] = set()
+        current: str | None = None  # the blob being read, named if the archive breaks
         try:
-            for member in tar:
+            for member in tar:  # (iteration starts again with the header member)
                 name = member.name
+                if member is first:
+                    continue
                 if m := _RECORD_RE.fullmatch(name):
                     key = m.group(1)
                     f = tar.extractfile(member) if member.isfile() else None
@@ -205,7 +209,7 @@ def import_bundle(store: LocalStore, path: str | os.PathLike[str], *,
                     except ValueError:
                         records[key] = {}
                 elif m := _OBJECT_RE.fullmatch(name):
-                    key = m.group(1)
+                    key = current = m.group(1)
                     seen.add(key)
                     f = tar.extractfile(member) if member.isfile() else None
                     record = records.pop(key, None)
@@ -215,12 +219,14 @@ def import_bundle(store: LocalStore, path: str | os.PathLike[str], *,
                         report.refused.append((key, "blob without a readable index record"))
                     else:
                         _import_entry(store, key, record, f.read(), report)
+                    current = None
                     if progress is not None:
                         progress(len(seen), max(len(expected), len(seen)))
                 else:
                     report.refused.append((name, "unexpected member in bundle"))
         except _ARCHIVE_ERRORS as e:
-            report.refused.append(("(rest of bundle)", f"bundle is damaged or truncated: {e}"))
+            report.refused.append((current or "(rest of bundle)",
+                                   f"bundle is damaged or truncated: {e}"))
         for key in records:
             seen.add(key)
             report.refused.append((key, "index record without a blob"))

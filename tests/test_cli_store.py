@@ -1,0 +1,299 @@
+"""The store commands of the ``cachebuild`` CLI: output, exit codes 0/1/2, bundles."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from cachebuild import cli
+from cachebuild.keys import make_key
+from cachebuild.store import LocalStore
+
+
+def key(name: str) -> str:
+    return make_key({"cli": name})
+
+
+@pytest.fixture
+def filled(store_dir):
+    """A store with a pinned model entry referring to two targets, and a loose target."""
+    store = LocalStore(store_dir)
+    store.put(key("t1"), b"a" * 3000, kind="target", manifest={"graph": "g1"})
+    store.put(key("t2"), b"b" * 2000, kind="target", manifest={"graph": "g2"})
+    store.put(key("entry"), b"entry", kind="entry", refs=[key("t1"), key("t2")])
+    store.put(key("loose"), b"c" * 5000, kind="target")
+    store.pin(key("entry"))
+    store.close()
+    return store_dir
+
+
+def run(store_dir, *args, **kw):
+    result = CliRunner().invoke(cli.main, ["--cache-dir", str(store_dir), *args], **kw)
+    return result
+
+
+def test_stats_json_and_table(filled):
+    result = run(filled, "stats", "--json")
+    assert result.exit_code == 0, result.output
+    stats = json.loads(result.stdout)
+    assert stats["entries"] == 4 and stats["pinned"] == 1
+    assert stats["by_kind"]["target"]["entries"] == 3
+    table = run(filled, "stats")
+    assert table.exit_code == 0 and "entries" in table.stdout and "hit rate" in table.stdout
+
+
+def test_cache_dir_from_env(filled, monkeypatch):
+    monkeypatch.setenv("CACHEBUILD_DIR", str(filled))
+    result = CliRunner().invoke(cli.main, ["stats", "--json"])
+    assert result.exit_code == 0 and json.loads(result.stdout)["entries"] == 4
+
+
+def test_ls(filled):
+    result = run(filled, "ls", "--json")
+    assert result.exit_code == 0
+    records = json.loads(result.stdout)
+    assert {r["key"] for r in records} == {key("t1"), key("t2"), key("entry"), key("loose")}
+    entry = next(r for r in records if r["kind"] == "entry")
+    assert entry["pinned"] and entry["refs"] == [key("t1"), key("t2")]
+    assert next(r for r in records if r["key"] == key("t1"))["manifest"] == {"graph": "g1"}
+    only = json.loads(run(filled, "ls", "--json", "--kind", "entry").stdout)
+    assert [r["key"] for r in only] == [key("entry")]
+    table = run(filled, "ls")
+    assert table.exit_code == 0
+    for k in (key("t1"), key("entry")):
+        assert k in table.stdout  # full keys, never cut, so they can be pasted into pin
+
+
+def test_gc(filled):
+    dry = run(filled, "gc", "--max-size", "4K", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    assert key("loose") in dry.stdout and "would remove" in dry.stdout
+    assert LocalStore(filled).contains(key("loose"))
+    done = run(filled, "gc", "--max-size", "4K")
+    assert done.exit_code == 0 and "removed 1 entry" in done.stdout
+    assert "pinned entries alone" in done.stderr  # the pinned closure is over the cap
+    left = {r.key for r in LocalStore(filled).entries()}
+    assert left == {key("t1"), key("t2"), key("entry")}
+    assert run(filled, "gc", "--older-than", "7d").exit_code == 0
+    assert len(list(LocalStore(filled).entries())) == 3
+
+
+@pytest.mark.parametrize("args", [["gc", "--max-size", "20X"], ["gc", "--older-than", "soon"],
+                                  ["ls", "--bogus"], ["nosuchcommand"]])
+def test_bad_usage_exits_2(filled, args):
+    result = run(filled, *args)
+    assert result.exit_code == 2
+    assert "Traceback" not in result.output
+
+
+def test_pin_and_unpin(filled):
+    assert run(filled, "pin", key("loose")).exit_code == 0
+    assert LocalStore(filled).get_record(key("loose")).pinned
+    result = run(filled, "unpin", key("loose"))
+    assert result.exit_code == 0 and f"unpinned {key('loose')}" in result.stdout
+    assert not LocalStore(filled).get_record(key("loose")).pinned
+
+
+@pytest.mark.parametrize("target, message", [
+    (key("absent"), f"error: no entry with key {key('absent')} in the store"),
+    ("not-a-key", "error: 'not-a-key' is neither a store key"),
+    ("nosuch/model.py", "error: "),
+])
+def test_pin_bad_input_is_one_line_exit_2(filled, target, message):
+    result = run(filled, "pin", target)
+    assert result.exit_code == 2
+    assert result.stderr.startswith(message)
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.output
+
+
+def test_model_file_without_model_commands(filled, monkeypatch):
+    monkeypatch.setattr(cli, "resolve_model_entry_key", cli.no_model_commands)
+    result = run(filled, "pin", "model.py")
+    assert result.exit_code == 2
+    assert result.stderr == "error: model.py: pinning a model file needs the model commands\n"
+
+
+def test_model_resolver_can_be_plugged_in(filled, monkeypatch):
+    seen = []
+
+    def resolve(path, ctx):
+        seen.append(path)
+        return key("entry")
+
+    monkeypatch.setattr(cli, "resolve_model_entry_key", resolve)
+    assert run(filled, "unpin", "model.py").exit_code == 0
+    assert seen == ["model.py"]
+    assert not LocalStore(filled).get_record(key("entry")).pinned
+
+
+def test_register_adds_a_command(filled):
+    @click.command("hello-store")
+    @click.pass_context
+    def hello(ctx):
+        click.echo(f"{len(list(cli.open_store(ctx).entries()))} entries")
+
+    try:
+        assert cli.register(hello) is hello
+        result = run(filled, "hello-store")
+        assert result.exit_code == 0 and result.stdout.strip() == "4 entries"
+    finally:
+        cli.main.commands.pop("hello-store", None)
+
+
+def _blob(store_dir, k):
+    return LocalStore(store_dir).root / "objects" / k[:2] / k
+
+
+def test_verify_exit_codes(filled):
+    assert run(filled, "verify").exit_code == 0
+    path = _blob(filled, key("t1"))
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    result = run(filled, "verify")
+    assert result.exit_code == 1
+    assert f"damaged {key('t1')}: payload checksum mismatch" in result.stderr
+    assert "1 damaged" in result.stdout
+    repaired = run(filled, "verify", "--repair")
+    assert repaired.exit_code == 0 and "(quarantined)" in repaired.stderr
+    assert run(filled, "verify").exit_code == 0
+    assert not LocalStore(filled).contains(key("t1"))
+
+
+def test_unsafe_store_directory_exits_1(tmp_path):
+    d = tmp_path / "open"
+    d.mkdir()
+    os.chmod(d, 0o777)
+    result = run(d, "stats")
+    assert result.exit_code == 1
+    assert result.stderr.startswith("error: refusing store directory")
+    assert "chmod 700" in result.stderr and result.stderr.count("\n") == 1
+
+
+# -- export / import ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["cache.tar", "cache.tar.gz"])
+def test_export_import_round_trip(filled, tmp_path, name):
+    bundle = tmp_path / name
+    result = run(filled, "export", str(bundle))
+    assert result.exit_code == 0 and "exported 4 entries" in result.stdout
+    target = tmp_path / "elsewhere"
+    result = run(target, "import", str(bundle))
+    assert result.exit_code == 0, result.output
+    assert "imported 4 entries" in result.stdout
+    src, dst = LocalStore(filled), LocalStore(target)
+    for record in src.entries():
+        copy = dst.get_record(record.key)
+        assert (copy.kind, copy.size, copy.checksum, copy.pinned, copy.refs, copy.manifest) == (
+            record.kind, record.size, record.checksum, record.pinned, record.refs,
+            record.manifest)
+        assert dst.get(record.key) == src.get(record.key)
+    again = run(target, "import", str(bundle))
+    assert again.exit_code == 0 and "4 already present" in again.stdout
+
+
+def test_export_selection(filled, tmp_path):
+    bundle = tmp_path / "entry.tar"
+    assert run(filled, "export", str(bundle), key("entry")).exit_code == 0
+    with tarfile.open(bundle) as tar:
+        objects = {m.name.split("/")[1] for m in tar if m.name.startswith("objects/")}
+    assert objects == {key("entry"), key("t1"), key("t2")}  # the entry and its refs
+    kinds = tmp_path / "targets.tar"
+    assert run(filled, "export", str(kinds), "--kind", "target").exit_code == 0
+    with tarfile.open(kinds) as tar:
+        assert sum(m.name.startswith("objects/") for m in tar) == 3
+
+
+def _damage_member(bundle, k):
+    with tarfile.open(bundle) as tar:
+        member = tar.getmember(f"objects/{k}")
+        offset = member.offset_data + member.size - 10
+    with open(bundle, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+def test_import_refuses_damaged_entries_and_names_them(filled, tmp_path):
+    bundle = tmp_path / "cache.tar"
+    assert run(filled, "export", str(bundle)).exit_code == 0
+    _damage_member(bundle, key("t2"))
+    target = tmp_path / "elsewhere"
+    result = run(target, "import", str(bundle))
+    assert result.exit_code == 1
+    assert f"refused {key('t2')}: payload checksum mismatch" in result.stderr
+    assert "imported 3 entries" in result.stdout
+    dst = LocalStore(target)
+    assert not dst.contains(key("t2"))
+    assert {r.key for r in dst.entries()} == {key("t1"), key("entry"), key("loose")}
+    assert dst.verify().clean
+
+
+def test_import_truncated_bundle(filled, tmp_path):
+    bundle = tmp_path / "cache.tar"
+    assert run(filled, "export", str(bundle)).exit_code == 0
+    data = bundle.read_bytes()
+    with tarfile.open(bundle) as tar:
+        third = [m for m in tar if m.name.startswith("objects/")][2]
+    bundle.write_bytes(data[:third.offset_data + 100])
+    target = tmp_path / "elsewhere"
+    result = run(target, "import", str(bundle))
+    assert result.exit_code == 1
+    assert "bundle is damaged or truncated" in result.stderr
+    dst = LocalStore(target)
+    assert len(list(dst.entries())) == 2 and dst.verify().clean
+    missing = third.name.split("/")[1]
+    assert missing in result.stderr and not dst.contains(missing)
+
+
+def test_import_not_a_bundle_exits_2(filled, tmp_path):
+    junk = tmp_path / "junk.tar"
+    junk.write_bytes(b"this is not a tar file at all" * 100)
+    result = run(filled, "import", str(junk))
+    assert result.exit_code == 2 and result.stderr.startswith("error: ")
+    result = run(filled, "import", str(tmp_path / "absent.tar"))
+    assert result.exit_code == 2 and "no such bundle" in result.stderr
+
+
+# -- a real process ---------------------------------------------------------------------------
+
+
+def test_real_process_exit_codes(filled, tmp_path):
+    damaged_dir = tmp_path / "damaged"
+    shutil.copytree(filled, damaged_dir)
+    path = _blob(damaged_dir, key("loose"))
+    path.write_bytes(path.read_bytes()[:-7])
+    module = [sys.executable, "-m", "cachebuild.cli"]
+    script = shutil.which("cachebuild")  # the console script, where it is installed
+    runs = {
+        "ok": ([*module, "--cache-dir", str(filled), "stats", "--json"]),
+        "damaged": ([*module, "--cache-dir", str(damaged_dir), "verify"]),
+        "usage": ([*([script] if script else module), "--cache-dir", str(filled), "pin",
+                   "nonsense"]),
+    }
+    # Each process imports torch (through the cachebuild package): run them side by side.
+    procs = {name: subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True) for name, cmd in runs.items()}
+    out = {}
+    for name, p in procs.items():
+        stdout, stderr = p.communicate(timeout=120)
+        out[name] = (p.returncode, stdout, stderr)
+    code, stdout, stderr = out["ok"]
+    assert code == 0, stderr
+    assert json.loads(stdout)["entries"] == 4
+    code, stdout, stderr = out["damaged"]
+    assert code == 1 and f"damaged {key('loose')}: truncated" in stderr
+    code, stdout, stderr = out["usage"]
+    assert code == 2
+    assert stderr.startswith("error: ") and stderr.count("\n") == 1
+    assert "Traceback" not in stderr
