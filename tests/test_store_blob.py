@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 
 import pytest
+
+from cachebuild.keys import make_key
 from cachebuild.store import CorruptBlob, decode_blob, encode_blob
 from cachebuild.store.blob import (
     ALGO_XXH3_64,
@@ -13,8 +15,6 @@ from cachebuild.store.blob import (
     parse_header,
     read_blob_fd,
 )
-
-from cachebuild.keys import make_key
 
 KEY = make_key({"blob": 1})
 OTHER = make_key({"blob": 2})

@@ -16,9 +16,9 @@ import traceback
 from multiprocessing import forkserver
 
 import pytest
-from cachebuild.store import LocalStore, LockTimeout
 
 from cachebuild.keys import make_key
+from cachebuild.store import LocalStore, LockTimeout
 
 
 def _ctx():

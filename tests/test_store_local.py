@@ -9,6 +9,8 @@ import subprocess
 import time
 
 import pytest
+
+from cachebuild.keys import make_key
 from cachebuild.store import (
     CorruptBlob,
     InvalidKey,
@@ -18,8 +20,6 @@ from cachebuild.store import (
     UnknownKey,
     encode_blob,
 )
-
-from cachebuild.keys import make_key
 
 
 def key(i: int | str) -> str:
