@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import ClassVar
 
 import torch.fx
+
 from cachebuild.passes.manager import FusionPass
 from cachebuild.passes.matching import is_full_slice, is_reshape, same_shape, shape_of
 

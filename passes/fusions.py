@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import torch
 import torch.fx
+
 from cachebuild.passes.manager import FusionPass
 from cachebuild.passes.matching import (
     call_args,

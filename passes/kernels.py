@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from cachebuild.passes.reference import FP8_DTYPE, FP8_MAX, MIN_TOKEN_SCALE
 
 # ---------------------------------------------------------------------------- kernels

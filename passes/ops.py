@@ -34,6 +34,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
 from cachebuild.passes import reference
 from cachebuild.passes.reference import FP8_DTYPE
 

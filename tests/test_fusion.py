@@ -22,6 +22,13 @@ FLAGS = ["rms_quant", "add_rms_quant", "act_quant", "qk_norm_rope"]
 LAYERS = 2
 
 
+# An AOTInductor library that calls custom ops needs torch's proxy executor and the json
+# file AOTInductor writes beside the library; the aoti flavour loads the bare library, so a
+# piece calling torch.ops.cachebuild.* fails when it runs. Strict: passing means fixed.
+AOTI_CUSTOM_OPS = pytest.mark.xfail(
+    strict=True, reason="aoti flavour cannot yet run pieces that call custom ops")
+
+
 def _load_example():
     name = "cachebuild_example_qwen3_fp8"
     if name not in sys.modules:
@@ -180,13 +187,15 @@ def test_inductor_post_grad_pass_on_example(model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend", ["eager_fusion", "inductor"])
-def test_cachebuild_backends_on_example(model, backend, tmp_path):
+@pytest.mark.parametrize(("backend", "flavour"), [("eager_fusion", "auto"),
+                                                   ("inductor", "standalone"),
+                                                   pytest.param("inductor", "auto", marks=AOTI_CUSTOM_OPS)])
+def test_cachebuild_backends_on_example(model, backend, flavour, tmp_path):
     import cachebuild
     from cachebuild.store import open_store
 
     args = inputs(model, tokens=9)
-    on = qwen3.config(backend=backend)
+    on = dataclasses.replace(qwen3.config(backend=backend), flavour=flavour)
     off = dataclasses.replace(on, passes=PassConfig())
     outputs = {}
     with torch.no_grad():

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+
 from cachebuild.passes import kernels, reference  # noqa: E402
 from cachebuild.passes.ops import op  # noqa: E402
 

@@ -12,10 +12,11 @@ from typing import ClassVar
 import pytest
 import torch
 import torch.fx
+from torch.fx.experimental.proxy_tensor import make_fx
+
 from cachebuild.passes import FusionPass, PassConfig, PassManager
 from cachebuild.passes.cleanup import Cleanup
 from cachebuild.passes.matching import call_args, erase_if_dead, is_call, only_user
-from torch.fx.experimental.proxy_tensor import make_fx
 
 # Two ops and their fusion, defined for these tests only.
 
