@@ -12,8 +12,8 @@ import json
 from typing import Any
 
 import torch
-from cachebuild.backends.base import Artifact, BuildRequest, symbolic_fake_inputs
 
+from cachebuild.backends.base import Artifact, BuildRequest, symbolic_fake_inputs
 from cachebuild.fxjson import data_to_module, graph_to_data
 
 VERSION = "1"

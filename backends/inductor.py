@@ -16,6 +16,7 @@ import tempfile
 from typing import Any
 
 import torch
+
 from cachebuild.backends.base import (
     Artifact,
     BuildRequest,
