@@ -25,11 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from cachebuild.errors import StoreError, UsageError
 from cachebuild.store.blob import CorruptBlob, decode_blob, encode_blob
 from cachebuild.store.local import LocalStore
 from cachebuild.store.record import Record
-
-from cachebuild.errors import StoreError, UsageError
 
 if TYPE_CHECKING:
     # Imported when a remote is opened: `import redis` costs a process that has no
@@ -266,7 +265,8 @@ class TieredStore:
         """Single-flight for ``key`` on this machine (file lock) and across machines (Redis).
 
         The local lock is taken first so a machine sends one waiter to Redis, not one per
-        process. ``timeout`` bounds the wait for both together; LockTimeout if exceeded.
+        process. ``timeout`` bounds the wait for both together (default: the local store's
+        lock timeout; negative waits forever); LockTimeout if exceeded.
         Without a writable remote this is just the local lock.
         """
         start = time.monotonic()
@@ -275,7 +275,8 @@ class TieredStore:
                 yield
                 return
             limit = timeout if timeout is not None else getattr(self.local, "lock_timeout", 600.0)
-            remaining = max(0.0, limit - (time.monotonic() - start))
+            # A negative timeout means wait forever, as for the local lock.
+            remaining = None if limit < 0 else max(0.0, limit - (time.monotonic() - start))
             with self.remote.lock(key, ttl=self.lock_ttl, timeout=remaining):
                 yield
 

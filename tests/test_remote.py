@@ -10,6 +10,14 @@ import time
 import warnings
 
 import pytest
+from redis_server import (  # noqa: F401  (redis_server_fixture provides `server`)
+    RedisServer,
+    free_port,
+    redis_server_fixture,
+    require_redis_server,
+)
+
+from cachebuild.errors import LockTimeout, UsageError
 from cachebuild.store.remote import (
     PREFIX,
     RedisRemote,
@@ -19,14 +27,6 @@ from cachebuild.store.remote import (
     record_key,
     redact_url,
 )
-from redis_server import (  # noqa: F401  (redis_server_fixture provides `server`)
-    RedisServer,
-    free_port,
-    redis_server_fixture,
-    require_redis_server,
-)
-
-from cachebuild.errors import LockTimeout, UsageError
 
 pytestmark = pytest.mark.redis
 

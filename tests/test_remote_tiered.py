@@ -15,6 +15,14 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from redis_server import (  # noqa: F401  (redis_server_fixture provides `server`)
+    RedisServer,
+    free_port,
+    redis_server_fixture,
+    require_redis_server,
+)
+
+from cachebuild.errors import LockTimeout, UsageError
 from cachebuild.store.blob import encode_blob
 from cachebuild.store.local import LocalStore
 from cachebuild.store.remote import RedisRemote, RemoteDownWarning, chunk_key, record_key
@@ -25,14 +33,6 @@ from cachebuild.store.tiered import (
     pull,
     push,
 )
-from redis_server import (  # noqa: F401  (redis_server_fixture provides `server`)
-    RedisServer,
-    free_port,
-    redis_server_fixture,
-    require_redis_server,
-)
-
-from cachebuild.errors import LockTimeout, UsageError
 
 pytestmark = pytest.mark.redis
 

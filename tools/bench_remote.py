@@ -11,14 +11,21 @@ synthetic signed blobs of realistic artifact sizes through a TieredStore, then m
   where the time goes.
 
 Each measurement runs ``--repeat`` times on fresh objects; the median and the best are
-reported. Usage::
+reported.
+
+With ``--model MODEL.py`` it also measures a model's warm start, each run in a fresh
+process: one process builds the model into an empty L1 and Redis; then the time from
+``cachebuild.compile`` to the first output is measured for a process with an empty L1
+pulling from Redis, and for a process with a warm L1 and no remote. Usage::
 
     python tools/bench_remote.py [--blobs 10] [--total-mb 30] [--repeat 5] [--json]
+    python tools/bench_remote.py --model examples/llama.py [--model-repeat 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import platform
@@ -27,12 +34,14 @@ import shutil
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import redis
+
 from cachebuild.store.local import LocalStore
 from cachebuild.store.remote import RedisRemote
 from cachebuild.store.tiered import TieredStore, pull
@@ -109,12 +118,95 @@ def machine() -> dict[str, str]:
     }
 
 
+def model_child(model_path: str, cache_dir: str, url: str) -> None:
+    """Run in a fresh process: compile-and-first-call ``model_path``; print a JSON line."""
+    import torch
+
+    import cachebuild
+    from cachebuild.store import open_store
+
+    spec_loader = importlib.util.spec_from_file_location("bench_model", model_path)
+    assert spec_loader is not None and spec_loader.loader is not None
+    module = importlib.util.module_from_spec(spec_loader)
+    sys.modules["bench_model"] = module
+    spec_loader.loader.exec_module(module)
+    spec = module.build()
+    store = open_store(cache_dir, url, signing_key=SIGNING_KEY, mode="rw" if url else "off")
+    imported = time.perf_counter()
+    compiled = cachebuild.compile(spec.model, spec.config, spec.dynamic_dims, store=store)
+    with torch.no_grad():
+        out = compiled(*spec.example_inputs)
+        if isinstance(out, torch.Tensor) and out.is_cuda:
+            torch.cuda.synchronize()
+    done = time.perf_counter()
+    stats = cachebuild.stats()
+    print(json.dumps({
+        "first_output_s": done - imported,
+        "built": stats.get("built"),
+        "loaded": stats.get("loaded"),
+        "tiers": store.stats()["tiers"],
+    }))  # fmt: skip
+
+
+def run_child(model_path: str, cache_dir: Path, url: str) -> dict:
+    """One fresh process of ``model_child``; its JSON report plus ``wall_s``, the whole
+    process from exec to exit (interpreter, imports, model construction included)."""
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, __file__, "--child", model_path, str(cache_dir), url],
+        capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    if proc.returncode != 0:
+        raise SystemExit(f"model process failed:\n{proc.stderr[-4000:]}")
+    report = json.loads(proc.stdout.strip().splitlines()[-1])
+    report["wall_s"] = time.perf_counter() - start
+    return report
+
+
+def bench_model(model_path: str, url: str, work: Path, repeat: int) -> dict:
+    """Warm start of a model: empty L1 pulling from Redis vs warm L1, fresh processes."""
+    builder = run_child(model_path, work / "model-builder", url)
+    cold: list[dict] = []
+    warm: list[dict] = []
+    # Alternate the two cases so that load from other work on the machine hits both alike.
+    # The warm L1 is the one the first cold process filled from Redis.
+    for i in range(repeat):
+        cold.append(run_child(model_path, work / f"model-cold-{i}", url))
+        warm.append(run_child(model_path, work / "model-cold-0", ""))
+    if any(r["built"] for r in cold + warm):
+        raise SystemExit(f"a warm start built targets: cold {cold}, warm {warm}")
+
+    def summary(runs: list[dict]) -> dict:
+        return {
+            "first_output_s": round(statistics.median(r["first_output_s"] for r in runs), 3),
+            "process_s": round(statistics.median(r["wall_s"] for r in runs), 3),
+            "l2_hits": runs[0]["tiers"]["l2_hits"],
+        }
+
+    result = {
+        "model": model_path,
+        "repeat": repeat,
+        "build": {"first_output_s": round(builder["first_output_s"], 2), "built": builder["built"]},
+        "cold L1 <- Redis": summary(cold),
+        "warm L1": summary(warm),
+    }
+    result["cold_over_warm"] = round(
+        result["cold L1 <- Redis"]["first_output_s"] / result["warm L1"]["first_output_s"], 2
+    )
+    return result
+
+
 def main() -> None:
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+        model_child(*sys.argv[2:])
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--blobs", type=int, default=10)
     parser.add_argument("--total-mb", type=float, default=30.0)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--workers", type=int, default=4, help="threads for pull()")
+    parser.add_argument("--model", help="also time a MODEL.py's warm start (fresh processes)")
+    parser.add_argument("--model-repeat", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args()
 
@@ -160,6 +252,7 @@ def main() -> None:
             f"pull, {args.workers} threads": timed(args.repeat, cold_store, pull_all),
             "Redis fetch only": timed(args.repeat, lambda: RedisRemote(url), fetch_only),
         }
+        model = bench_model(args.model, url, work, args.model_repeat) if args.model else None
     finally:
         proc.terminate()
         proc.wait(10)
@@ -184,6 +277,7 @@ def main() -> None:
         "repeat": args.repeat,
         "results": rows,
         "cold_over_warm": round(cold / warm, 2),
+        "model": model,
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -195,6 +289,17 @@ def main() -> None:
     for r in rows:
         print(f"{r['case']:<22}{r['median_s']:>10.3f}{r['best_s']:>10.3f}{r['MB_per_s']:>10.1f}")
     print(f"\ncold L1 from Redis / warm L1: {report['cold_over_warm']:.2f}x")
+    if model is None:
+        return
+    print(
+        f"\nmodel {model['model']}: built {model['build']['built']} targets in "
+        f"{model['build']['first_output_s']:.1f} s; median of {model['repeat']} fresh processes"
+    )
+    print(f"{'warm start':<22}{'first output s':>16}{'process s':>12}{'L2 hits':>10}")
+    for name in ("warm L1", "cold L1 <- Redis"):
+        r = model[name]
+        print(f"{name:<22}{r['first_output_s']:>16.3f}{r['process_s']:>12.3f}{r['l2_hits']:>10}")
+    print(f"\ncold L1 from Redis / warm L1 (first output): {model['cold_over_warm']:.2f}x")
 
 
 if __name__ == "__main__":
