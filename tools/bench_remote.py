@@ -144,6 +144,7 @@ def model_child(model_path: str, cache_dir: str, url: str) -> None:
         "first_output_s": done - imported,
         "built": stats.get("built"),
         "loaded": stats.get("loaded"),
+        "l1_bytes": store.local.stats()["bytes"],
         "tiers": store.stats()["tiers"],
     }))  # fmt: skip
 
@@ -181,6 +182,7 @@ def bench_model(model_path: str, url: str, work: Path, repeat: int) -> dict:
             "first_output_s": round(statistics.median(r["first_output_s"] for r in runs), 3),
             "process_s": round(statistics.median(r["wall_s"] for r in runs), 3),
             "l2_hits": runs[0]["tiers"]["l2_hits"],
+            "l1_bytes": runs[0]["l1_bytes"],
         }
 
     result = {
@@ -295,6 +297,7 @@ def main() -> None:
         f"\nmodel {model['model']}: built {model['build']['built']} targets in "
         f"{model['build']['first_output_s']:.1f} s; median of {model['repeat']} fresh processes"
     )
+    print(f"artifacts in L1 after a warm start: {model['warm L1']['l1_bytes'] / 1e6:.2f} MB")
     print(f"{'warm start':<22}{'first output s':>16}{'process s':>12}{'L2 hits':>10}")
     for name in ("warm L1", "cold L1 <- Redis"):
         r = model[name]
