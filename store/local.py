@@ -183,6 +183,7 @@ class LocalStore:
         self.require_signature = require_signature
         self.lock_timeout = lock_timeout
         self._usage = _Usage()
+        self._held = threading.local()  # build locks this thread holds, for nesting
         self._finalizer = weakref.finalize(self, self._usage.flush, self._index)
 
     @classmethod
@@ -547,17 +548,32 @@ class LocalStore:
 
     # -- locks --------------------------------------------------------------------------
 
-    def lock(self, key: str, timeout: float | None = None) -> contextlib.AbstractContextManager[None]:
-        """The build lock of ``key``: one holder at a time across processes.
+    @contextlib.contextmanager
+    def lock(self, key: str, timeout: float | None = None) -> Iterator[None]:
+        """The build lock of ``key``: one holder at a time across processes and threads.
 
         Use it for single-flight builds: take the lock, look again (another process may
         have just stored the key), build and put only on a miss. Waits at most
         ``timeout`` seconds (default: the store's ``lock_timeout``; negative waits
-        forever) and then raises LockTimeout naming the key and the lock file.
+        forever) and then raises LockTimeout naming the key and the lock file. A thread
+        that already holds the lock may take it again (nested use does not deadlock).
         """
         check_key(key)
+        held: dict[str, int] = self._held.__dict__.setdefault("keys", {})
+        if held.get(key):
+            held[key] += 1
+            try:
+                yield
+            finally:
+                held[key] -= 1
+            return
         wait = self.lock_timeout if timeout is None else timeout
-        return build_lock(self._layout.build_lock(key), key, wait)
+        with build_lock(self._layout.build_lock(key), key, wait):
+            held[key] = 1
+            try:
+                yield
+            finally:
+                del held[key]
 
     # -- maintenance --------------------------------------------------------------------
 

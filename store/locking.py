@@ -32,8 +32,8 @@ def build_lock(path: Path, key: str, timeout: float) -> Iterator[None]:
     except filelock.Timeout:
         raise LockTimeout(
             f"timed out after {timeout:g}s waiting for the build lock of {key}: another "
-            f"process holds it, most likely while building the same target (lock file "
-            f"{path}). Wait for it to finish, or raise the lock timeout.") from None
+            f"process (or thread) holds it, most likely while building the same target "
+            f"(lock file {path}). Wait for it to finish, or raise the lock timeout.") from None
     try:
         yield
     finally:

@@ -6,6 +6,7 @@ import fcntl
 import os
 import stat
 import subprocess
+import threading
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from cachebuild.store import (
     CorruptBlob,
     InvalidKey,
     LocalStore,
+    LockTimeout,
     Record,
     StoreError,
     UnknownKey,
@@ -476,3 +478,31 @@ def _check_read_only_put(store: LocalStore) -> None:
     assert store.get(key(1)) == b"earlier"
     assert store.get(key(2)) is None
     assert store.verify().clean
+
+
+# -- build lock within one process ------------------------------------------------------
+
+
+def _try_lock(store: LocalStore, k: str) -> str:
+    try:
+        with store.lock(k, timeout=0.2):
+            return "acquired"
+    except LockTimeout:
+        return "timeout"
+
+
+def test_lock_nests_in_a_thread_and_excludes_other_threads(store_dir):
+    store = LocalStore(store_dir)
+    k = key("lock")
+    result: list[str] = []
+    with store.lock(k):
+        with store.lock(k, timeout=0.1):  # nested in the same thread: no deadlock
+            pass
+        other = threading.Thread(target=lambda: result.append(_try_lock(store, k)))
+        other.start()
+        other.join()
+    other = threading.Thread(target=lambda: result.append(_try_lock(store, k)))
+    other.start()
+    other.join()
+    assert result == ["timeout", "acquired"]
+    assert (store.root / "locks" / k[:2] / f"{k}.lock").exists()
