@@ -675,12 +675,14 @@ class LocalStore:
                     current = None
                 if current != inode:
                     return
+                # Record first, then file: a crash in between leaves an unrecorded blob
+                # (litter that gc/verify remove), never a record pointing at nothing.
+                with self._index.transact():
+                    self._index.delete(key)
+                    self._index.incr("quarantined", 1)
                 slug = "".join(c if c.isalnum() else "-" for c in reason)[:48].strip("-")
                 dest = self._layout.quarantine / f"{key}.{int(time.time())}.{slug}"
                 os.replace(blob_path, dest)
                 self._remove_files(key)
-                with self._index.transact():
-                    self._index.delete(key)
-                    self._index.incr("quarantined", 1)
         except (OSError, *INDEX_ERRORS) as e:
             log.warning("could not quarantine blob %s: %s", key, e)
