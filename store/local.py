@@ -352,6 +352,16 @@ class LocalStore:
             had_blob = self._remove_files(key)
         return had_record or had_blob
 
+    def _evict(self, key: str) -> bool:
+        """Delete ``key`` for GC unless it was pinned since GC planned; True if deleted."""
+        with flocked(self._layout.entry_lock(key)):
+            small = self._index.get_small(key)
+            if small is not None and small["pinned"]:
+                return False
+            had_record = self._index.delete(key)
+            had_blob = self._remove_files(key)
+        return had_record or had_blob
+
     def _remove_files(self, key: str) -> bool:
         """Unlink the blob of ``key`` and files materialised from it (hold the entry lock)."""
         removed = False

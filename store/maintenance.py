@@ -184,12 +184,12 @@ def collect(store: LocalStore, *, max_size: int | None, older_than: float | None
                 remaining -= usage.get(r.key, 0)
         report.over_cap = remaining > max_size
     for key in victims:
-        if not dry_run:
-            store.delete(key)
+        if not dry_run and not store._evict(key):
+            continue  # pinned while we planned
         report.removed.append(key)
         report.freed_bytes += usage.get(key, 0)
     report.bytes_after = total - report.freed_bytes
-    report.entries_after = len(records) - len(victims)
+    report.entries_after = len(records) - len(report.removed)
     return report
 
 
