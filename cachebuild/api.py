@@ -75,12 +75,12 @@ class Planner:
     """Trace → split → targets → entry for one model and call signature."""
 
     def __init__(self, model: torch.nn.Module, config: CompileConfig,
-                 dynamic_dims: dict[int, int], store: Any) -> None:
+                 dynamic_dims: dict[int, int], store: Any, passes: Any = None) -> None:
         self.model = model
         self.config = config
         self.dynamic_dims = dict(dynamic_dims)
         self.store = store
-        self.builder = Builder(store, config)
+        self.builder = Builder(store, config, passes)
 
     def entry_key(self, args: tuple[Any, ...]) -> tuple[str, dict[str, Any]]:
         factors = entry_factors(self.model, args, self.dynamic_dims, self.config,
@@ -140,12 +140,13 @@ class CompiledModule(torch.nn.Module):
     """Behaves like the model; compiled through cachebuild on the first call."""
 
     def __init__(self, model: torch.nn.Module, config: CompileConfig,
-                 dynamic_dims: dict[int, int], store: Any) -> None:
+                 dynamic_dims: dict[int, int], store: Any, passes: Any = None) -> None:
         super().__init__()
         self.model = model
         self.config = config
         self.dynamic_dims = dict(dynamic_dims)
         self._store = store
+        self._passes = passes
         self._runtime: ModelRuntime | None = None
 
     @property
@@ -156,7 +157,7 @@ class CompiledModule(torch.nn.Module):
         """Load (warm) or build (cold) the compiled forward for calls shaped like ``args``."""
         start = time.perf_counter()
         store = open_default_store(self._store)
-        planner = Planner(self.model, self.config, self.dynamic_dims, store)
+        planner = Planner(self.model, self.config, self.dynamic_dims, store, self._passes)
         entry, why = planner.stored_entry(args)
         if entry is not None:
             if _needs_inductor(entry, store):
@@ -169,9 +170,13 @@ class CompiledModule(torch.nn.Module):
         loaded = resolve_all(entry, planner.builder)
         if why != "fresh":
             planner.record(entry)
-        self._runtime = ModelRuntime(entry, stitch(entry, loaded), self.model, self.config,
-                                     self.dynamic_dims)
+        self._runtime = ModelRuntime(entry, loaded, self.model, self.config, self.dynamic_dims)
         COUNTERS.add_time("prepare", time.perf_counter() - start)
+        if self.config.cudagraph_mode != "none":
+            with phase("capture"):
+                report = self._runtime.capture()
+            log.info("captured %d sizes in %.2f s (%d bytes of graph memory)",
+                     len(report.sizes), report.seconds, report.pool_bytes)
         return self._runtime
 
     def forward(self, *args: Any) -> Any:
@@ -191,17 +196,20 @@ def _needs_inductor(entry: Entry, store: Any) -> bool:
 
 
 def compile(model: torch.nn.Module, config: CompileConfig | None = None,
-            dynamic_dims: dict[int, int] | None = None, store: Any = None) -> CompiledModule:
+            dynamic_dims: dict[int, int] | None = None, store: Any = None,
+            passes: Any = None) -> CompiledModule:
     """A module that runs ``model`` through cachebuild's piecewise build graph.
 
     ``dynamic_dims`` maps a positional argument's index to its dynamic dim, e.g.
     ``{0: 0, 1: 0}`` for ``forward(input_ids, positions)`` with a token dim. The store is
     ``CACHEBUILD_DIR`` (default ``~/.cache/cachebuild``) unless ``store`` is given.
+    ``passes``: a ``cachebuild.passes.PassManager`` of custom passes, used instead of the
+    built-in passes ``config.passes`` enables.
     """
-    return CompiledModule(model, config or CompileConfig(), dynamic_dims or {}, store)
+    return CompiledModule(model, config or CompileConfig(), dynamic_dims or {}, store, passes)
 
 
-def backend(config: CompileConfig | None = None, store: Any = None) -> Any:
+def backend(config: CompileConfig | None = None, store: Any = None, passes: Any = None) -> Any:
     """A torch.compile backend: ``torch.compile(model, backend=cachebuild.backend(cfg))``."""
     config = config or CompileConfig()
 
@@ -217,7 +225,7 @@ def backend(config: CompileConfig | None = None, store: Any = None) -> Any:
             out_spec=pytree.treespec_dumps(pytree.tree_structure(list(range(n_out)))),
             num_outputs=n_out, fake_inputs=fakes,
         )
-        planner = Planner(torch.nn.Module(), config, {}, open_default_store(store))
+        planner = Planner(torch.nn.Module(), config, {}, open_default_store(store), passes)
         entry = planner.plan(traced, {"front_door": "torch.compile"})
         stitched = stitch(entry, resolve_all(entry, planner.builder))
 

@@ -49,6 +49,8 @@ class CompileConfig:
     - ``inductor_options``: Inductor config patches, e.g. ``{"max_autotune": True}``.
     - ``cudagraph_mode``: ``"none"``, ``"piecewise"`` or ``"full"``.
     - ``capture_sizes``: sizes captured as CUDA graphs (default: 51 sizes up to 512).
+    - ``pad_to_capture_size``: run a call whose size was not captured at the next captured
+      size, zero-padding the dynamic dim and slicing outputs back (token-parallel models).
     - ``out_of_range``: a call whose size is outside every range raises (``"error"``)
       or runs the model eagerly with a one-time warning (``"eager"``).
     """
@@ -62,13 +64,22 @@ class CompileConfig:
     inductor_options: tuple[tuple[str, Any], ...] = ()
     cudagraph_mode: str = "none"
     capture_sizes: tuple[int, ...] = field(default_factory=default_capture_sizes)
+    pad_to_capture_size: bool = False
     out_of_range: str = "error"
 
     def __post_init__(self) -> None:
         # Normalise containers so equal configs hash equal and are immutable.
         set_ = object.__setattr__
-        set_(self, "splitting_ops", tuple(self.splitting_ops))
-        set_(self, "compile_ranges", tuple((int(lo), int(hi)) for lo, hi in self.compile_ranges))
+        ops = self.splitting_ops
+        set_(self, "splitting_ops", (ops,) if isinstance(ops, str) else tuple(ops))
+        try:
+            ranges = tuple((int(lo), int(hi)) for lo, hi in self.compile_ranges)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(
+                f"compile_ranges must be (lo, hi) pairs of ints, e.g. ((1, 8192),); got "
+                f"{self.compile_ranges!r}"
+            ) from e
+        set_(self, "compile_ranges", ranges)
         set_(self, "compile_sizes", tuple(sorted({int(s) for s in self.compile_sizes})))
         set_(self, "capture_sizes", tuple(sorted({int(s) for s in self.capture_sizes})))
         opts = self.inductor_options
@@ -96,6 +107,12 @@ class CompileConfig:
         for size in self.compile_sizes:
             if not any(lo <= size <= hi for lo, hi in ranges):
                 raise ConfigError(f"compile size {size} lies outside every compile range {ranges}")
+        from cachebuild.passes import PassConfig
+
+        if not isinstance(self.passes, PassConfig):
+            raise ConfigError(
+                f"passes must be a cachebuild.passes.PassConfig, got {type(self.passes).__name__}"
+            )
         from cachebuild.backends import registered_backends
 
         if self.backend not in registered_backends():

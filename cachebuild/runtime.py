@@ -8,9 +8,11 @@ size first, else the range that holds it.
 
 from __future__ import annotations
 
+import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +23,16 @@ from cachebuild.config import CompileConfig
 from cachebuild.entry import Entry
 from cachebuild.errors import UsageError
 from cachebuild.fxjson import data_to_module
+from cachebuild.graphs import (
+    CudaGraphCapture,
+    GraphCapture,
+    GraphedCallable,
+    capture_for,
+    next_capture_size,
+    pad_args,
+    stable_piece_inputs,
+    unpad_outputs,
+)
 from cachebuild.trace import Binding, InputMeta
 
 #: At most this many artifacts load at once (loading is mostly I/O and dlopen).
@@ -81,26 +93,67 @@ def resolve_all(entry: Entry, builder: Builder, model_path: str | None = None) -
     return loaded
 
 
-def stitch(entry: Entry, loaded: dict[str, Any]) -> torch.fx.GraphModule:
-    """The stitched forward of ``entry`` over loaded targets; takes the graph's inputs."""
+def _size_reader(size_input: tuple[int, int] | None) -> Callable[[tuple[Any, ...]], int | None]:
+    if size_input is None:
+        return lambda args: None
+    i, d = size_input
+    return lambda args: args[i].shape[d]
+
+
+def stitch(entry: Entry, loaded: dict[str, Any],
+           capture: GraphCapture | None = None) -> torch.fx.GraphModule:
+    """The stitched forward of ``entry`` over loaded targets; takes the graph's inputs.
+
+    With ``capture`` (piecewise graph mode) every compiled piece is a GraphedCallable.
+    """
     modules: dict[str, Any] = {}
+    stable = stable_piece_inputs(entry) if capture is not None else {}
     for piece in entry.pieces:
         if piece.compiled:
             table = [(t["bucket"], loaded[t["key"]]) for t in piece.targets]
             size_input = tuple(piece.size_input) if piece.size_input else None
-            modules[piece.name] = PieceRunner(piece.name, size_input, piece.single_output, table)
+            runner: Any = PieceRunner(piece.name, size_input, piece.single_output, table)
+            if capture is not None:
+                runner = GraphedCallable(runner, _size_reader(size_input), stable[piece.name],
+                                         capture)
+            modules[piece.name] = runner
         else:
             modules[piece.name] = data_to_module(piece.nodes)
     return data_to_module(entry.stitch, modules)
 
 
-class ModelRuntime:
-    """A stitched forward bound to a live model: ``runtime(*args)`` is ``model(*args)``."""
+@dataclass
+class CaptureReport:
+    sizes: list[int]
+    seconds: float
+    pool_bytes: int  # device memory held by the captured graphs (0 where not measurable)
 
-    def __init__(self, entry: Entry, stitched: torch.fx.GraphModule, model: torch.nn.Module,
+
+class ModelRuntime:
+    """A stitched forward bound to a live model: ``runtime(*args)`` is ``model(*args)``.
+
+    With a graph mode, ``capture()`` records graphs for the capture sizes; the outputs of
+    a call are then valid until the next call.
+    """
+
+    def __init__(self, entry: Entry, loaded: dict[str, Any], model: torch.nn.Module,
                  config: CompileConfig, dynamic_dims: dict[int, int]) -> None:
         self.entry = entry
-        self.stitched = stitched
+        mode = config.cudagraph_mode
+        self.capture_api = capture_for(device_of_entry(entry)) if mode != "none" else None
+        self.stitched = stitch(entry, loaded, self.capture_api if mode == "piecewise" else None)
+        # data_to_module wraps each runner in a module; the GraphedCallables sit inside.
+        self.graphed: list[GraphedCallable] = [
+            m.fn for m in self.stitched.children() if isinstance(getattr(m, "fn", None), GraphedCallable)
+        ]
+        self.full: GraphedCallable | None = None
+        if mode == "full" and self.capture_api is not None:
+            n_args = 1 + max((b["arg"] for b in entry.bindings if b["kind"] in ("arg", "size")),
+                             default=-1)
+            self.full = GraphedCallable(self._forward, self._dynamic_size, [False] * n_args,
+                                        self.capture_api)
+            self.graphed.append(self.full)
+        self.captured_sizes: list[int] = []
         self.model = model
         self.config = config
         self.dynamic_dims = dict(dynamic_dims)
@@ -147,6 +200,51 @@ class ModelRuntime:
         i, d = min(self.dynamic_dims.items())
         return args[i].shape[d]
 
+    def _dynamic_size(self, args: tuple[Any, ...]) -> int | None:
+        if not self.dynamic_dims:
+            return None
+        i, d = min(self.dynamic_dims.items())
+        return args[i].shape[d]
+
+    def dummy_args(self, size: int) -> tuple[Any, ...]:
+        """Call arguments of dynamic size ``size`` (zeros), from the entry's input metadata."""
+        by_arg = {b.arg: m for b, m in zip(self.bindings, self.metas, strict=True)
+                  if b.kind == "arg"}
+        n_args = 1 + max(by_arg, default=-1)
+        if set(by_arg) != set(range(n_args)):
+            raise UsageError("some call arguments are not graph inputs; pass make_args= to capture()")
+        args = []
+        for i in range(n_args):
+            m = by_arg[i]
+            shape = [size if isinstance(s, str) else s for s in m.shape]
+            args.append(torch.zeros(shape, dtype=getattr(torch, m.dtype), device=m.device))
+        return tuple(args)
+
+    def capture(self, sizes: Sequence[int] | None = None,
+                make_args: Callable[[int], tuple[Any, ...]] | None = None) -> CaptureReport:
+        """Capture graphs for ``sizes`` (default: the config's), largest first."""
+        if self.capture_api is None:
+            raise UsageError("cudagraph_mode is 'none': nothing to capture")
+        wanted = sorted({s for s in (sizes or self.config.capture_sizes) if self.in_buckets(s)},
+                        reverse=True)
+        cuda = isinstance(self.capture_api, CudaGraphCapture)
+        before = torch.cuda.memory_allocated() if cuda else 0
+        start = time.perf_counter()
+        for g in self.graphed:
+            g.capturing = True
+        try:
+            with torch.no_grad():
+                for size in wanted:
+                    self._call(*(make_args or self.dummy_args)(size))
+        finally:
+            for g in self.graphed:
+                g.capturing = False
+        if cuda:
+            torch.cuda.synchronize()
+        self.captured_sizes = sorted(set(self.captured_sizes) | set(wanted))
+        pool = (torch.cuda.memory_allocated() - before) if cuda else 0
+        return CaptureReport(wanted, time.perf_counter() - start, pool)
+
     def in_buckets(self, size: int) -> bool:
         return size in self.config.compile_sizes or any(
             lo <= size <= hi for lo, hi in self.config.compile_ranges)
@@ -164,6 +262,20 @@ class ModelRuntime:
                 f"size {size} of the dynamic dim is outside every compile range "
                 f"{list(self.config.compile_ranges)}; add a range or set out_of_range='eager'"
             )
+        if (size is not None and self.config.pad_to_capture_size and self.captured_sizes
+                and size not in self.captured_sizes):
+            padded = next_capture_size(size, self.captured_sizes)
+            if padded is not None:
+                out = self._call(*pad_args(args, self.dynamic_dims, padded))
+                return unpad_outputs(out, padded, size)
+        return self._call(*args)
+
+    def _call(self, *args: Any) -> Any:
+        if self.full is not None:
+            return self.full(*args)
+        return self._forward(*args)
+
+    def _forward(self, *args: Any) -> Any:
         flat = []
         for b, bound in zip(self.bindings, self.bound, strict=True):
             if b.kind == "arg":
@@ -176,3 +288,10 @@ class ModelRuntime:
                 flat.append(bound)
         out = self.stitched(*flat)
         return pytree.tree_unflatten(list(out), self.spec)
+
+
+def device_of_entry(entry: Entry) -> str:
+    for m in entry.input_metas:
+        if m["kind"] == "tensor":
+            return m["device"]
+    return "cpu"

@@ -1,0 +1,178 @@
+"""Graph capture after load: ``none``, ``piecewise`` or ``full``.
+
+``piecewise``: every compiled piece is captured once per capture size, and splitting
+ops run eagerly between the replays. ``full``: the whole forward is captured per size.
+Sizes are captured largest first into one shared memory pool. Each captured callable
+keeps static input buffers: at replay, inputs that are not the model's own weights are
+copied into them, so callers may pass any tensors. Outputs of a replay are the graph's
+static tensors: **valid until the next call** of the compiled model. Sizes that were not
+captured run the compiled pieces without graphs, or, with ``pad_to_capture_size``, are
+padded up to the next captured size (for token-parallel models, where padding rows is
+safe) and the outputs sliced back.
+
+The device graph API sits behind ``GraphCapture``: ``CudaGraphCapture`` for CUDA, and
+``ReplayCapture`` for devices without one (it keeps the static-buffer discipline but
+calls the function at replay), so another device's graph API plugs in beside them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+
+class GraphCapture(Protocol):
+    """A device's graph API: capture ``fn(*inputs)`` once, replay it later."""
+
+    def capture(self, fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, Any]:
+        """Warm ``fn`` up, capture it on ``inputs``; returns (graph, static outputs)."""
+        ...
+
+    def replay(self, graph: Any) -> None: ...
+
+
+class CudaGraphCapture:
+    """CUDA graphs in one memory pool shared by every capture of a model."""
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def capture(self, fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, Any]:
+        # One run on a side stream first: lazy initialisation (cuBLAS workspaces, kernel
+        # loading) must not happen inside the capture.
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            fn(*inputs)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            outputs = fn(*inputs)
+        return graph, outputs
+
+    def replay(self, graph: Any) -> None:
+        graph.replay()
+
+
+class ReplayCapture:
+    """For devices without a graph API: "replay" calls the function on the static inputs.
+
+    Outputs follow the same contract (valid until the next call); used on CPU.
+    """
+
+    def capture(self, fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, Any]:
+        return (fn, list(inputs)), fn(*inputs)
+
+    def replay(self, graph: Any) -> Any:
+        fn, inputs = graph
+        return fn(*inputs)
+
+
+def capture_for(device: str) -> GraphCapture:
+    """The graph API for a device type."""
+    if device.startswith("cuda"):
+        return CudaGraphCapture(device)
+    return ReplayCapture()
+
+
+@dataclass
+class _Captured:
+    graph: Any
+    static_inputs: list[torch.Tensor | None]  # None where the input is a stable weight
+    outputs: Any
+
+
+@dataclass
+class GraphedCallable:
+    """``fn`` captured per size; sizes seen while ``capturing`` are captured.
+
+    ``size_of(args)`` reads the dynamic size of a call; ``stable[i]`` marks inputs that
+    are the same tensor at every call (weights), which need no copy.
+    """
+
+    fn: Callable[..., Any]
+    size_of: Callable[[tuple[Any, ...]], int | None]
+    stable: list[bool]
+    backend: GraphCapture
+    capturing: bool = False
+    graphs: dict[int, _Captured] = field(default_factory=dict)
+    replays: int = 0
+
+    def _capture(self, size: int, args: tuple[Any, ...]) -> _Captured:
+        static: list[torch.Tensor | None] = []
+        inputs: list[Any] = []
+        for a, keep in zip(args, self.stable, strict=True):
+            if keep or not isinstance(a, torch.Tensor):
+                static.append(None)
+                inputs.append(a)
+            else:
+                buf = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
+                buf.copy_(a)
+                static.append(buf)
+                inputs.append(buf)
+        graph, outputs = self.backend.capture(self.fn, inputs)
+        captured = _Captured(graph, static, outputs)
+        self.graphs[size] = captured
+        return captured
+
+    def __call__(self, *args: Any) -> Any:
+        size = self.size_of(args)
+        captured = self.graphs.get(size) if size is not None else None
+        if captured is None:
+            if self.capturing and size is not None:
+                return self._capture(size, args).outputs
+            return self.fn(*args)
+        for a, buf in zip(args, captured.static_inputs, strict=True):
+            if buf is not None:
+                buf.copy_(a)
+        self.replays += 1
+        result = self.backend.replay(captured.graph)
+        return captured.outputs if result is None else result
+
+
+def stable_piece_inputs(entry: Any) -> dict[str, list[bool]]:
+    """Per piece name: which inputs are model weights (graph inputs bound to params/buffers)."""
+    placeholders = [n["name"] for n in entry.stitch if n["op"] == "placeholder"]
+    weight = {name for name, b in zip(placeholders, entry.bindings, strict=True)
+              if b["kind"] in ("param", "buffer")}
+    out: dict[str, list[bool]] = {}
+    for node in entry.stitch:
+        if node["op"] == "call_module":
+            args = node["args"]["t"] if isinstance(node["args"], dict) else node["args"]
+            out[node["target"]] = [isinstance(a, dict) and a.get("n") in weight for a in args]
+    return out
+
+
+def next_capture_size(size: int, sizes: Sequence[int]) -> int | None:
+    """The smallest capture size ≥ ``size`` (None if there is none)."""
+    bigger = [s for s in sizes if s >= size]
+    return min(bigger) if bigger else None
+
+
+def pad_args(args: tuple[Any, ...], dynamic_dims: dict[int, int], size: int) -> tuple[Any, ...]:
+    """``args`` with every dynamic dim zero-padded to ``size``."""
+    out = list(args)
+    for i, d in dynamic_dims.items():
+        a = args[i]
+        extra = size - a.shape[d]
+        if extra > 0:
+            pad_shape = list(a.shape)
+            pad_shape[d] = extra
+            out[i] = torch.cat([a, a.new_zeros(pad_shape)], dim=d)
+    return tuple(out)
+
+
+def unpad_outputs(outputs: Any, padded: int, size: int) -> Any:
+    """Slice every output tensor whose first dim is ``padded`` back to ``size`` rows."""
+    import torch.utils._pytree as pytree
+
+    def cut(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == padded:
+            return t[:size]
+        return t
+
+    return pytree.tree_map(cut, outputs)
