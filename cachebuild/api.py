@@ -148,6 +148,7 @@ class CompiledModule(torch.nn.Module):
         self._store = store
         self._passes = passes
         self._runtime: ModelRuntime | None = None
+        self.capture_report: Any = None  # CaptureReport of the latest capture, if any
 
     @property
     def runtime(self) -> ModelRuntime | None:
@@ -174,9 +175,10 @@ class CompiledModule(torch.nn.Module):
         COUNTERS.add_time("prepare", time.perf_counter() - start)
         if self.config.cudagraph_mode != "none":
             with phase("capture"):
-                report = self._runtime.capture()
+                self.capture_report = self._runtime.capture()
             log.info("captured %d sizes in %.2f s (%d bytes of graph memory)",
-                     len(report.sizes), report.seconds, report.pool_bytes)
+                     len(self.capture_report.sizes), self.capture_report.seconds,
+                     self.capture_report.pool_bytes)
         return self._runtime
 
     def forward(self, *args: Any) -> Any:

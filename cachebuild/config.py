@@ -20,6 +20,8 @@ BACKENDS_BUILTIN = ("inductor", "eager_fusion")
 FLAVOURS = ("auto", "aoti", "standalone")
 CUDAGRAPH_MODES = ("none", "piecewise", "full")
 OUT_OF_RANGE = ("error", "eager")
+#: Fields that decide how a loaded model runs, not what is built or stored.
+RUNTIME_ONLY = ("cudagraph_mode", "capture_sizes", "pad_to_capture_size", "out_of_range")
 
 
 def default_capture_sizes() -> tuple[int, ...]:
@@ -140,9 +142,15 @@ class CompileConfig:
         ]
 
     def factors(self) -> dict[str, Any]:
-        """The whole config as key factors (used by the entry key)."""
+        """The config as key factors (used by the entry key).
+
+        Run-time policies (graph mode, capture sizes, padding, out-of-range handling) are
+        left out: they change nothing that is stored, so one warmed entry serves them all.
+        """
         out: dict[str, Any] = {}
         for f in fields(self):
+            if f.name in RUNTIME_ONLY:
+                continue
             value = getattr(self, f.name)
             if f.name == "passes":
                 value = value.factors()

@@ -58,3 +58,63 @@ def test_cold_then_warm_on_gpu(tmp_path):
     assert warm["kinds"] == cold["kinds"]
     print("artifact kinds:", cold["kinds"], "cold:", cold["stats"]["seconds"],
           "warm:", warm["stats"]["seconds"])
+
+
+CAPTURE_CHILD = r"""
+import json, sys, time, torch
+sys.path.insert(0, sys.argv[1])
+import llama
+import cachebuild
+from cachebuild.store import LocalStore
+torch.manual_seed(0)
+model = llama.make_model()
+base = llama.config()
+cfg = cachebuild.CompileConfig(splitting_ops=base.splitting_ops, compile_ranges=base.compile_ranges,
+                               cudagraph_mode=sys.argv[3])
+compiled = cachebuild.compile(model, cfg, {0: 0, 1: 0}, store=LocalStore(sys.argv[2]))
+ids, pos = llama.example_inputs(model, 8)
+with torch.no_grad():
+    compiled(ids, pos)  # load (or build) and capture every default size
+    rt = compiled.runtime
+    sizes = list(rt.captured_sizes)
+    worst = 0.0
+    for tokens in sizes + [3, 100, 300]:  # captured sizes, then three that are not
+        ids, pos = llama.example_inputs(model, tokens)
+        out = compiled(ids, pos).clone()
+        ref = model(ids, pos)
+        torch.testing.assert_close(out, ref, rtol=3e-2, atol=5e-2)
+        worst = max(worst, (out.float() - ref.float()).abs().max().item())
+compiles = {}
+if "torch._dynamo" in sys.modules:
+    from torch._dynamo.utils import counters
+    compiles = {"dynamo_unique_graphs": counters["stats"]["unique_graphs"],
+                "inductor_cache_misses": counters["inductor"]["fxgraph_cache_miss"]}
+s = cachebuild.stats()
+print(json.dumps({"built": s["built"], "traced": s["traced"], "sizes": sizes,
+                  "replays": [g.replays for g in rt.graphed], "worst": worst,
+                  "capture_s": s["seconds"].get("capture"), "compiles": compiles,
+                  "pool_bytes": getattr(compiled, "capture_report", None) and compiled.capture_report.pool_bytes}))
+"""
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_capture_after_warm_load(tmp_path, mode):
+    env = {**os.environ, "LLAMA_DEVICE": "cuda", "LLAMA_LAYERS": "2"}
+
+    def run() -> dict:
+        proc = subprocess.run([sys.executable, "-c", CAPTURE_CHILD, str(ROOT / "examples"),
+                               str(tmp_path / "store"), mode], capture_output=True, text=True,
+                              env=env, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    run()  # cold: builds, records the entry, captures
+    warm = run()
+    assert warm["built"] == 0 and warm["traced"] == 0
+    assert len(warm["sizes"]) == 51
+    # capture after a warm load compiles nothing of any kind
+    assert all(v == 0 for v in warm["compiles"].values()), warm["compiles"]
+    # every captured size replayed once; the three others ran without graphs (or padded)
+    assert all(r >= 51 for r in warm["replays"]), warm["replays"]
+    print(f"{mode}: capture of 51 sizes {warm['capture_s']:.2f} s, graph pool "
+          f"{warm['pool_bytes']} bytes, worst |out-eager| {warm['worst']:.3g}")
