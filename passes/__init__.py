@@ -7,6 +7,12 @@ a kernel runs or a pass is handed to Inductor.
 """
 
 from cachebuild.passes import ops
-from cachebuild.passes.manager import FusionPass, PassConfig, PassManager, pass_uuid
+from cachebuild.passes.manager import (
+    FusionPass,
+    PassConfig,
+    PassManager,
+    changed_passes,
+    pass_uuid,
+)
 
-__all__ = ["FusionPass", "PassConfig", "PassManager", "ops", "pass_uuid"]
+__all__ = ["FusionPass", "PassConfig", "PassManager", "changed_passes", "ops", "pass_uuid"]

@@ -123,6 +123,16 @@ def module_source(module_name: str) -> str:
         return f.read()
 
 
+def changed_passes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """Names of the passes that differ between two ``PassManager.factors()`` dicts: edited
+    (uuid changed), added or removed, in the new order then the removed ones. Lets a
+    manifest diff say which pass invalidated a target."""
+    before = {p["name"]: p["uuid"] for p in old.get("passes", [])}
+    after = {p["name"]: p["uuid"] for p in new.get("passes", [])}
+    changed = [name for name, uuid in after.items() if before.get(name) != uuid]
+    return changed + [name for name in before if name not in after]
+
+
 class PassManager:
     """Runs passes in order on an FX graph.
 

@@ -14,7 +14,7 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
-from cachebuild.passes import FusionPass, PassConfig, PassManager
+from cachebuild.passes import FusionPass, PassConfig, PassManager, changed_passes
 from cachebuild.passes.cleanup import Cleanup
 from cachebuild.passes.matching import call_args, erase_if_dead, is_call, only_user
 
@@ -176,6 +176,17 @@ def test_manager_factors_and_uuid():
     other = PassManager([FuseDoubleAddOne(), Cleanup()], config=PassConfig(cleanup=False))
     assert other.uuid() != manager.uuid()
     assert PassManager([Cleanup()], config=config).uuid() != manager.uuid()
+
+
+def test_changed_passes_names_the_edited_pass():
+    class Edited(FuseDoubleAddOne):
+        def __call__(self, graph):
+            return super().__call__(graph)
+
+    old = PassManager([FuseDoubleAddOne(), Cleanup()]).factors()
+    assert changed_passes(old, old) == []
+    assert changed_passes(old, PassManager([Edited(), Cleanup()]).factors()) == ["double_add_one"]
+    assert changed_passes(old, PassManager([Cleanup()]).factors()) == ["double_add_one"]
 
 
 def test_pass_config():
