@@ -183,8 +183,9 @@ def goals(results: list[Result]) -> list[tuple[str, bool, str]]:
 
 def markdown(results: list[Result], info: dict[str, str], command: str) -> str:
     lines = [f"Measured {info['date']} on {info['nproc']} × {info['cpu']} ({info['arch']}), "
-             f"torch {info['torch']}, Python {info['python']}, load average at start "
-             f"{info['load']}.", "", f"Command: `{command}`", "",
+             f"torch {info['torch']}, Python {info['python']}, stores in "
+             f"{info['filesystem']}, load average at start {info['load']}.", "",
+             f"Command: `{command}`", "",
              "| " + " | ".join(HEADERS) + " |",
              "| " + " | ".join("---" for _ in HEADERS) + " |"]
     lines += ["| " + " | ".join(row) + " |" for row in _rows(results)]
@@ -203,6 +204,8 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [parse_size(s) for s in args.sizes.split(",")]
     info = machine()
     base = Path(tempfile.mkdtemp(prefix="bench-store-", dir=args.dir))
+    fs = subprocess.run(["stat", "-f", "-c", "%T", str(base)], capture_output=True, text=True)
+    info["filesystem"] = f"{base.parent} ({fs.stdout.strip() or 'unknown'})"
     try:
         results = [r for size in sizes for r in bench_size(size, base / "s")]
     finally:
