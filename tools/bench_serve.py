@@ -1,0 +1,217 @@
+"""The whole warm start of a server on a GPU, side by side (the GPU headline benchmark).
+
+Each mode runs in a fresh process that does what a server does: import, build the model
+(examples/llama.py, TinyLlama-shaped by default: hidden 2048, 22 layers, 32 heads, 4 KV
+heads, MLP 5632, bf16), compile, capture CUDA graphs for the 51 default sizes, serve.
+
+- ``eager``: no compile; the eager forward captured as full CUDA graphs;
+- ``torch_cold`` / ``torch_warm``: ``torch.compile(model, fullgraph=True)`` with the
+  token dim dynamic, an empty / a warm Inductor cache; graphs captured the same way;
+- ``aot_load``: torch's AOT precompile (``aot_compile`` + ``save_compiled_function``,
+  made in a preparation process), loaded by ``torch.compiler.load_compiled_function``;
+- ``cb_cold``: ``cachebuild warm`` then the server with the store it filled (both timed);
+- ``cb_warm``: the server again, with ``cachebuild.preload()`` before the model is built.
+
+Per mode the timeline (seconds from process start): import done, model built, first
+output (and "compile call → first output"), capture of 51 sizes, ready to serve; and
+replay latency (median of CUDA events) at 1 and 512 tokens. Every output is checked
+against eager at bf16 tolerance.
+
+    python tools/bench_serve.py [--layers 22] [--graph-mode piecewise] [--markdown]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES_NOTE = "51 default capture sizes (1, 2, 4, 8..248 by 8, 256..512 by 16)"
+
+
+def child(mode: str, work: Path, graph_mode: str, started: float) -> dict[str, Any]:
+    """One server start in this process; returns its timeline."""
+    t: dict[str, Any] = {}
+    import torch
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    import llama
+
+    import cachebuild
+    from cachebuild.config import default_capture_sizes
+    from cachebuild.graphs import CudaGraphCapture, GraphedCallable
+
+    if mode == "cb_warm":
+        cachebuild.preload()
+    t["import"] = time.time() - started
+    torch.manual_seed(0)
+    model = llama.make_model()
+    torch.cuda.synchronize()
+    t["model_built"] = time.time() - started
+    ids, pos = llama.example_inputs(model, 8)
+    dyn = {0: 0, 1: 0}
+    call_start = time.time()
+    with torch.no_grad():
+        if mode == "eager":
+            fn = model
+        elif mode in ("torch_cold", "torch_warm"):
+            torch._dynamo.mark_dynamic(ids, 0)
+            torch._dynamo.mark_dynamic(pos, 0)
+            fn = torch.compile(model, fullgraph=True)
+        elif mode == "aot_load":
+            with open(work / "aot.bin", "rb") as f:
+                loaded = torch.compiler.load_compiled_function(f)
+
+            def fn(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+                return loaded(model, a, b)
+        else:
+            cfg = llama.config()
+            cfg = cachebuild.CompileConfig(splitting_ops=cfg.splitting_ops,
+                                           compile_ranges=cfg.compile_ranges,
+                                           cudagraph_mode="none")
+            fn = cachebuild.compile(model, cfg, dyn)
+        out = fn(ids, pos)
+        torch.cuda.synchronize()
+        t["first_output"] = time.time() - started
+        t["compile_to_first_output"] = time.time() - call_start
+        torch.testing.assert_close(out, model(ids, pos), rtol=3e-2, atol=5e-2)
+
+        # Capture: full graphs of whatever the mode serves with, largest size first.
+        cap_start = time.time()
+        capture = CudaGraphCapture("cuda")
+        sizes = sorted(default_capture_sizes(), reverse=True)
+        if mode.startswith("cb") and graph_mode == "piecewise":
+            cfg = cachebuild.CompileConfig(splitting_ops=llama.config().splitting_ops,
+                                           compile_ranges=llama.config().compile_ranges,
+                                           cudagraph_mode="piecewise")
+            served = cachebuild.compile(model, cfg, dyn)
+            served(ids, pos)  # loads from the entry already in memory's store, captures
+            t["capture_included_load"] = True
+        else:
+            served = GraphedCallable(fn, lambda a: a[0].shape[0], [False, False], capture,
+                                     capturing=True)
+            for n in sizes:
+                served(*llama.example_inputs(model, n))
+            served.capturing = False
+        torch.cuda.synchronize()
+        t["capture"] = time.time() - cap_start
+        t["ready"] = time.time() - started
+        worst = 0.0
+        for n in (1, 7, 512):
+            a, b = llama.example_inputs(model, n)
+            o = served(a, b).clone()
+            r = model(a, b)
+            torch.testing.assert_close(o, r, rtol=3e-2, atol=5e-2)
+            worst = max(worst, (o.float() - r.float()).abs().max().item())
+        t["worst_abs_err"] = worst
+        for n in (1, 512):
+            a, b = llama.example_inputs(model, n)
+            times = []
+            for _ in range(20):
+                served(a, b)
+            torch.cuda.synchronize()
+            for _ in range(100):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                served(a, b)
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e))
+            t[f"replay_ms_{n}"] = sorted(times)[len(times) // 2]
+    t["stats"] = cachebuild.stats() if mode.startswith("cb") else None
+    return t
+
+
+def prepare_aot(work: Path) -> str | None:
+    """Make the AOT precompile artifact in its own process; None or why it failed."""
+    code = (
+        "import sys, torch; sys.path.insert(0, {!r}); import llama\n"
+        "torch.manual_seed(0); m = llama.make_model(); ids, pos = llama.example_inputs(m, 8)\n"
+        "torch._dynamo.mark_dynamic(ids, 0); torch._dynamo.mark_dynamic(pos, 0)\n"
+        "c = torch.compile(m.forward, fullgraph=True, dynamic=True)\n"
+        "with torch.no_grad(): f = c.aot_compile(((ids, pos), {{}}))\n"
+        "f.save_compiled_function({!r})\n"
+    ).format(str(ROOT / "examples"), str(work / "aot.bin"))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if proc.returncode != 0:
+        return (proc.stderr.strip().splitlines() or ["failed"])[-1][:200]
+    return None
+
+
+def run_mode(mode: str, work: Path, env: dict[str, str], graph_mode: str) -> dict[str, Any]:
+    started = time.time()
+    proc = subprocess.run([sys.executable, __file__, "--child", mode, "--work", str(work),
+                           "--graph-mode", graph_mode, "--started", repr(started)],
+                          capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:300]}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--layers", type=int, default=22)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--graph-mode", choices=["piecewise", "full"], default="piecewise",
+                   help="how cachebuild captures graphs (default: piecewise)")
+    p.add_argument("--modes", default="eager,torch_cold,torch_warm,aot_load,cb_cold,cb_warm")
+    p.add_argument("--json-out", type=Path, help="write all results here as JSON")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--work", type=Path, help=argparse.SUPPRESS)
+    p.add_argument("--started", type=float, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args.child, args.work, args.graph_mode, args.started)))
+        return
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    env = {**os.environ, "LLAMA_DEVICE": "cuda", "LLAMA_LAYERS": str(args.layers),
+           "LLAMA_HIDDEN": str(args.hidden), "LLAMA_HEADS": "32", "LLAMA_KV_HEADS": "4",
+           "LLAMA_MLP": str(args.hidden * 11 // 4), "LLAMA_VOCAB": "32000",
+           "CACHEBUILD_DIR": str(work / "store"), "PYTHONUNBUFFERED": "1"}
+    results: dict[str, Any] = {}
+    for mode in args.modes.split(","):
+        if mode in ("torch_cold", "aot_load"):
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(work / f"inductor-{mode}")
+        if mode == "torch_warm":
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor-torch_cold")
+        if mode in ("cb_cold", "cb_warm"):
+            env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor-cb")
+        if mode == "aot_load":
+            why = prepare_aot(work)
+            if why:
+                results[mode] = {"error": f"AOT precompile failed: {why}"}
+                print(mode, results[mode], flush=True)
+                continue
+        if mode == "cb_cold":
+            start = time.time()
+            proc = subprocess.run([sys.executable, "-m", "cachebuild.cli", "warm",
+                                   str(ROOT / "examples" / "llama.py")],
+                                  capture_output=True, text=True, env=env)
+            warm_s = time.time() - start
+            if proc.returncode != 0:
+                results[mode] = {"error": proc.stderr.strip().splitlines()[-1][:300]}
+                continue
+        results[mode] = run_mode(mode, work, env, args.graph_mode)
+        if mode == "cb_cold" and "error" not in results[mode]:
+            results[mode]["cachebuild_warm_s"] = warm_s
+        print(mode, json.dumps(results[mode]), flush=True)
+        if args.json_out:  # after every mode: a run cut short keeps what it measured
+            args.json_out.write_text(json.dumps(results, indent=1))
+    keys = ["import", "model_built", "compile_to_first_output", "capture", "ready",
+            "replay_ms_1", "replay_ms_512"]
+    print("| mode | " + " | ".join(keys) + " |")
+    print("|---" * (len(keys) + 1) + "|")
+    for mode, r in results.items():
+        cells = [f"{r[k]:.3f}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys]
+        print(f"| {mode} | " + " | ".join(cells) + " |")
+
+
+if __name__ == "__main__":
+    main()
