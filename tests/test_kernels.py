@@ -74,7 +74,12 @@ def assert_same(actual, expected, fp8_scale=None) -> None:
         assert_fp8_close(actual, expected, fp8_scale)
     else:
         assert actual.dtype == expected.dtype and actual.shape == expected.shape
-        torch.testing.assert_close(actual.cpu(), expected.cpu())
+        if expected.dtype == torch.bfloat16:
+            # A GPU's fma and the reference's separate multiply-add can land one bf16 step
+            # apart where rotary terms cancel near zero: allow one step at magnitude 1.
+            torch.testing.assert_close(actual.cpu(), expected.cpu(), rtol=1.6e-2, atol=2.0 ** -7)
+        else:
+            torch.testing.assert_close(actual.cpu(), expected.cpu())
 
 
 TOKENS = [1, 33]
