@@ -48,11 +48,13 @@ def pass_manager(config: CompileConfig) -> Any:
 class Builder:
     """Resolves targets against one store with one config's backend and passes."""
 
-    def __init__(self, store: Any, config: CompileConfig) -> None:
+    def __init__(self, store: Any, config: CompileConfig, passes: Any = None) -> None:
+        """``passes``: a ``PassManager`` to use instead of the one ``config.passes`` makes
+        (custom passes); its factors enter every target key all the same."""
         self.store = store
         self.config = config
         self.backend = get_backend(config.backend)
-        self._passes: Any = None
+        self._passes: Any = passes
 
     @property
     def passes(self) -> Any:
@@ -62,7 +64,10 @@ class Builder:
 
     def load(self, key: str) -> Any | None:
         """The loaded target ``key`` if the store has it (None on a miss)."""
-        if key in LOADED:
+        if key in LOADED and self.store.contains(key):
+            # Loaded earlier in this process (from this store or another one): the same
+            # key is the same artifact. A store that lacks it is a miss, so it is built
+            # into this store too.
             return LOADED[key]
         record = self.store.get_record(key)
         if record is None:

@@ -40,6 +40,9 @@ class CudaGraphCapture:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.pool = torch.cuda.graph_pool_handle()
+        # Addresses of every captured graph's outputs: a later piece that reads one of them
+        # reads the same address at every replay, so it needs no copy.
+        self.static_ptrs: set[int] = set()
 
     def capture(self, fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, Any]:
         # One run on a side stream first: lazy initialisation (cuBLAS workspaces, kernel
@@ -52,6 +55,8 @@ class CudaGraphCapture:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
             outputs = fn(*inputs)
+        flat = outputs if isinstance(outputs, (tuple, list)) else [outputs]
+        self.static_ptrs.update(t.data_ptr() for t in flat if isinstance(t, torch.Tensor))
         return graph, outputs
 
     def replay(self, graph: Any) -> None:
@@ -82,7 +87,8 @@ def capture_for(device: str) -> GraphCapture:
 @dataclass
 class _Captured:
     graph: Any
-    static_inputs: list[torch.Tensor | None]  # None where the input is a stable weight
+    static_inputs: list[torch.Tensor | None]  # copied into at replay; None: used in place
+    pinned: list[tuple[int, int]]  # (input index, address) of inputs read in place
     outputs: Any
 
 
@@ -104,9 +110,16 @@ class GraphedCallable:
 
     def _capture(self, size: int, args: tuple[Any, ...]) -> _Captured:
         static: list[torch.Tensor | None] = []
+        pinned: list[tuple[int, int]] = []
         inputs: list[Any] = []
-        for a, keep in zip(args, self.stable, strict=True):
+        in_place = getattr(self.backend, "static_ptrs", set())
+        for i, (a, keep) in enumerate(zip(args, self.stable, strict=True)):
             if keep or not isinstance(a, torch.Tensor):
+                static.append(None)
+                inputs.append(a)
+            elif a.data_ptr() in in_place:
+                # Another graph's output: same address at every replay. Checked at replay.
+                pinned.append((i, a.data_ptr()))
                 static.append(None)
                 inputs.append(a)
             else:
@@ -115,7 +128,7 @@ class GraphedCallable:
                 static.append(buf)
                 inputs.append(buf)
         graph, outputs = self.backend.capture(self.fn, inputs)
-        captured = _Captured(graph, static, outputs)
+        captured = _Captured(graph, static, pinned, outputs)
         self.graphs[size] = captured
         return captured
 
@@ -126,6 +139,9 @@ class GraphedCallable:
             if self.capturing and size is not None:
                 return self._capture(size, args).outputs
             return self.fn(*args)
+        for i, address in captured.pinned:
+            if args[i].data_ptr() != address:  # not fed by the graph it was captured with
+                return self.fn(*args)
         for a, buf in zip(args, captured.static_inputs, strict=True):
             if buf is not None:
                 buf.copy_(a)

@@ -165,24 +165,33 @@ class ModelRuntime:
 
     def rebind(self) -> None:
         """Look up the model's parameters and buffers again (after they were replaced)."""
-        self.bound: list[Any] = []
+        self._template: list[Any] = []
         for b in self.bindings:
             if b.kind == "param":
-                self.bound.append(self.model.get_parameter(b.path))
+                self._template.append(self.model.get_parameter(b.path))
             elif b.kind == "buffer":
-                self.bound.append(self.model.get_buffer(b.path))
+                self._template.append(self.model.get_buffer(b.path))
+            elif b.kind == "const":
+                self._template.append(b.dim)
             else:
-                self.bound.append(None)
+                self._template.append(None)
+        self._from_call = [(i, b) for i, b in enumerate(self.bindings) if b.kind in ("arg", "size")]
+        self._arg_metas = [(b, m) for b, m in zip(self.bindings, self.metas, strict=True)
+                           if b.kind == "arg"]
+        self._dtypes = {b.arg: getattr(torch, m.dtype) for b, m in self._arg_metas}
+        self._static_dims = {b.arg: [(d, s) for d, s in enumerate(m.shape) if isinstance(s, int)]
+                             for b, m in self._arg_metas}
 
     def _check(self, args: tuple[Any, ...]) -> int | None:
-        for b, m in zip(self.bindings, self.metas, strict=True):
-            if b.kind != "arg":
-                continue
+        for b, m in self._arg_metas:
             if b.arg >= len(args):
                 raise UsageError(f"expected at least {b.arg + 1} arguments, got {len(args)}")
             a = args[b.arg]
             if not isinstance(a, torch.Tensor):
                 raise UsageError(f"argument {b.arg} must be a tensor, got {type(a).__name__}")
+            if a.dtype == self._dtypes[b.arg] and a.dim() == len(m.shape) and all(
+                    a.shape[d] == want for d, want in self._static_dims[b.arg]):
+                continue  # the common case, checked cheaply on every call
             dtype = str(a.dtype).removeprefix("torch.")
             if dtype != m.dtype or a.dim() != len(m.shape):
                 raise UsageError(
@@ -276,16 +285,9 @@ class ModelRuntime:
         return self._forward(*args)
 
     def _forward(self, *args: Any) -> Any:
-        flat = []
-        for b, bound in zip(self.bindings, self.bound, strict=True):
-            if b.kind == "arg":
-                flat.append(args[b.arg])
-            elif b.kind == "size":
-                flat.append(args[b.arg].shape[b.dim])
-            elif b.kind == "const":
-                flat.append(b.dim)
-            else:
-                flat.append(bound)
+        flat = list(self._template)  # weights and constants in place; fill in the call
+        for position, b in self._from_call:
+            flat[position] = args[b.arg] if b.kind == "arg" else args[b.arg].shape[b.dim]
         out = self.stitched(*flat)
         return pytree.tree_unflatten(list(out), self.spec)
 

@@ -45,6 +45,8 @@ class Target:
 def bucket_label(bucket: dict[str, Any]) -> str:
     if "size" in bucket:
         return f"size {bucket['size']}"
+    if "range" not in bucket:
+        return "static shapes"
     lo, hi = bucket["range"]
     return f"range {lo}-{hi}"
 

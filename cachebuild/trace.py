@@ -196,8 +196,8 @@ def check_dynamic_dims(args: list[Any], dynamic_dims: dict[int, int]) -> None:
         sizes.add(args[i].shape[d])
     if len(sizes) > 1:
         raise UsageError(f"dynamic dims must have one size (the token count); got sizes {sorted(sizes)}")
-    if sizes and min(sizes) < 2:
-        raise UsageError("trace with a dynamic dim of at least 2 (torch specialises sizes 0 and 1)")
+    if sizes and min(sizes) < 1:
+        raise UsageError("a dynamic dim of size 0 cannot be traced: call with at least one token")
 
 
 def trace_model(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
@@ -213,6 +213,10 @@ def trace_model(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     check_dynamic_dims(args, dynamic_dims)
     for i, d in dynamic_dims.items():
+        if args[i].shape[d] == 1:
+            # Torch specialises a size of 1; the graph is the same for every size, so a
+            # first call with one token is traced with it repeated.
+            args[i] = torch.cat([args[i], args[i]], dim=d)
         torch._dynamo.mark_dynamic(args[i], d)
 
     captured: dict[str, Any] = {}

@@ -300,9 +300,9 @@ class TieredStore:
     def unpin(self, key: str) -> Any:
         return self.local.unpin(key)
 
-    def entries(self) -> Any:
-        """L1's entries (see ``remote_records`` for L2's)."""
-        return self.local.entries()
+    def entries(self, **kwargs: Any) -> Any:
+        """L1's entries (see ``remote_records`` for L2's); arguments as LocalStore.entries."""
+        return self.local.entries(**kwargs)
 
     def stats(self) -> dict[str, Any]:
         """L1's stats plus a ``tiers`` section: this process's hits by tier and remote health."""
