@@ -10,8 +10,10 @@ fallback where AOTI packages cannot load (``probe.py``) or a piece AOTInductor r
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
+import shutil
 import tempfile
 from typing import Any
 
@@ -93,6 +95,13 @@ class InductorBackend:
                 so_path = torch._inductor.aot_compile(ep.module(), tuple(args), options=options)
                 with open(so_path, "rb") as f:
                     payload = f.read()
+                # Custom ops run through a proxy executor described by a JSON file that the
+                # runner looks for beside the library: then both travel as one artifact.
+                proxy = [p for p in glob.glob(os.path.join(os.path.dirname(so_path), "*.json"))
+                         if not p.endswith("_metadata.json")]
+                if proxy:
+                    with open(proxy[0], "rb") as f:
+                        payload = pack_library(payload, f.read())
         kind = "aoti-cuda" if device.startswith("cuda") else "aoti-cpu"
         return Artifact(kind, payload, {"flavour": "aoti"})
 
@@ -124,15 +133,52 @@ class InductorBackend:
         raise ValueError(f"inductor backend cannot load artifacts of kind {kind!r}")
 
 
-def load_aoti(kind: str, key: str, store: Any) -> Any:
-    """Load an AOTI shared library through torch's C++ runner (no Inductor import)."""
+PACK_MAGIC = b"CBAOTI\x01"
+
+
+def pack_library(library: bytes, proxy_json: bytes) -> bytes:
+    """One payload holding an AOTI library and its custom-op JSON."""
+    return PACK_MAGIC + len(library).to_bytes(8, "little") + library + proxy_json
+
+
+def _library_file(key: str, store: Any) -> tuple[str, str | None] | None:
+    """A path to the artifact's library, with its JSON beside it where it has one, and
+    the private folder to remove once the library is loaded (None for the store's file)."""
     path = store.materialize(key, ".so")
     if path is None:
         return None
-    if kind == "aoti-cpu":
-        runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
-    else:
-        runner = torch._C._aoti.AOTIModelContainerRunnerCuda(str(path), 1)
+    with open(path, "rb") as f:
+        head = f.read(len(PACK_MAGIC) + 8)
+    if not head.startswith(PACK_MAGIC):
+        return str(path), None
+    # A packed artifact is unpacked into a directory private to this process, from the
+    # verified materialised file, so what is loaded is exactly what the store verified.
+    n = int.from_bytes(head[len(PACK_MAGIC):], "little")
+    with open(path, "rb") as f:
+        data = f.read()
+    folder = tempfile.mkdtemp(prefix="cachebuild-aoti-")
+    lib = os.path.join(folder, f"{key}.so")
+    with open(lib, "wb") as f:
+        f.write(data[len(head): len(head) + n])
+    with open(os.path.join(folder, f"{key}.json"), "wb") as f:
+        f.write(data[len(head) + n:])
+    return lib, folder
+
+
+def load_aoti(kind: str, key: str, store: Any) -> Any:
+    """Load an AOTI shared library through torch's C++ runner (no Inductor import)."""
+    found = _library_file(key, store)
+    if found is None:
+        return None
+    path, private = found
+    try:
+        if kind == "aoti-cpu":
+            runner = torch._C._aoti.AOTIModelContainerRunnerCpu(path, 1)
+        else:
+            runner = torch._C._aoti.AOTIModelContainerRunnerCuda(path, 1)
+    finally:
+        if private is not None:  # loaded (the JSON is read at load): the files can go
+            shutil.rmtree(private, ignore_errors=True)
 
     def run(*args: torch.Tensor) -> list[torch.Tensor]:
         return runner.run(list(args))

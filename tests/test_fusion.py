@@ -22,13 +22,6 @@ FLAGS = ["rms_quant", "add_rms_quant", "act_quant", "qk_norm_rope"]
 LAYERS = 2
 
 
-# An AOTInductor library that calls custom ops needs torch's proxy executor and the json
-# file AOTInductor writes beside the library; the aoti flavour loads the bare library, so a
-# piece calling torch.ops.cachebuild.* fails when it runs. Strict: passing means fixed.
-AOTI_CUSTOM_OPS = pytest.mark.xfail(
-    strict=True, reason="aoti flavour cannot yet run pieces that call custom ops")
-
-
 def _load_example():
     name = "cachebuild_example_qwen3_fp8"
     if name not in sys.modules:
@@ -189,7 +182,7 @@ def test_inductor_post_grad_pass_on_example(model):
 @pytest.mark.slow
 @pytest.mark.parametrize(("backend", "flavour"), [("eager_fusion", "auto"),
                                                    ("inductor", "standalone"),
-                                                   pytest.param("inductor", "auto", marks=AOTI_CUSTOM_OPS)])
+                                                   ("inductor", "auto")])
 def test_cachebuild_backends_on_example(model, backend, flavour, tmp_path):
     import cachebuild
     from cachebuild.store import open_store
