@@ -1,7 +1,29 @@
-"""cachebuild: a compile-artifact cache and build system for piecewise torch.compile."""
+"""cachebuild: a compile-artifact cache and build system for piecewise torch.compile.
 
-from cachebuild.api import ModelSpec, backend, compile, preload, stats
-from cachebuild.config import CompileConfig
+The front doors are imported on first use, so that ``import cachebuild.store`` (and the
+store commands of the CLI) never import torch.
+"""
+
+from typing import Any
 
 __all__ = ["CompileConfig", "ModelSpec", "backend", "compile", "preload", "stats"]
 __version__ = "0.1.0"
+
+_LAZY = {
+    "CompileConfig": "cachebuild.config",
+    "ModelSpec": "cachebuild.api",
+    "backend": "cachebuild.api",
+    "compile": "cachebuild.api",
+    "preload": "cachebuild.api",
+    "stats": "cachebuild.api",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'cachebuild' has no attribute {name!r}")

@@ -164,6 +164,8 @@ class CompiledModule(torch.nn.Module):
             if _needs_inductor(entry, store):
                 preload(store)
             COUNTERS.entries_loaded += 1
+            COUNTERS.planned += len(entry.targets())
+            COUNTERS.unique += len(entry.target_keys())
             log.info("warm start from entry %s", entry.key[:12])
         else:
             log.info("tracing %s (%s)", type(self.model).__name__, why)

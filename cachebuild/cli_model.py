@@ -14,7 +14,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich.console import Console
@@ -29,14 +29,15 @@ from rich.progress import (
 from rich.table import Table
 
 from cachebuild import cli
-from cachebuild.api import ModelSpec, Planner
-from cachebuild.build import Builder, BuildJob
-from cachebuild.entry import Entry
 from cachebuild.errors import UsageError
-from cachebuild.explain import explain, label
-from cachebuild.modelfile import import_model, load_spec
-from cachebuild.runtime import jobs_of
-from cachebuild.targets import bucket_label
+
+if TYPE_CHECKING:
+    from cachebuild.api import ModelSpec, Planner
+    from cachebuild.build import BuildJob
+    from cachebuild.entry import Entry
+
+# torch and the build graph are imported inside the commands: `cachebuild ls` and
+# `--help` should not pay for them.
 
 
 def _console() -> Console:
@@ -47,6 +48,8 @@ def _spec_on(spec: ModelSpec, device: str | None) -> ModelSpec:
     if not device:
         return spec
     import torch
+
+    from cachebuild.api import ModelSpec
 
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in spec.example_inputs)
     return ModelSpec(spec.model.to(device), args, spec.dynamic_dims, spec.config)
@@ -62,6 +65,9 @@ class Planned:
 
 def plan_model(ctx: click.Context, path: str, device: str | None = None) -> Planned:
     """Load MODEL.py and find its entry: the stored one if fresh, else a new trace."""
+    from cachebuild.api import Planner
+    from cachebuild.modelfile import load_spec
+
     spec = _spec_on(load_spec(path), device)
     store = cli.open_store(ctx)
     planner = Planner(spec.model, spec.config, spec.dynamic_dims, store)
@@ -78,6 +84,7 @@ _WORKER: dict[str, Any] = {}
 
 
 def _worker_init(model_path: str, cache_dir: str | None) -> None:
+    from cachebuild.modelfile import import_model
     from cachebuild.store import LocalStore
 
     import_model(model_path)  # registers the model file's custom ops
@@ -85,6 +92,8 @@ def _worker_init(model_path: str, cache_dir: str | None) -> None:
 
 
 def _worker_build(job: BuildJob) -> tuple[str, bool, float, str | None]:
+    from cachebuild.build import Builder
+
     start = time.perf_counter()
     try:
         built = Builder(_WORKER["store"], job.config).build(job)
@@ -119,6 +128,9 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
     MODEL.py defines build() -> cachebuild.ModelSpec. A target that fails is reported with
     its piece, bucket, key and the compiler's message; the others still build (exit 1).
     """
+    from cachebuild.explain import label
+    from cachebuild.runtime import jobs_of
+
     start = time.perf_counter()
     planned = plan_model(ctx, model, device)
     store = planned.planner.store
@@ -163,6 +175,8 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
 
 def _target_state(store: Any, key: str, previous: dict[tuple[int, str], str], piece: int,
                   bucket: dict[str, Any]) -> str:
+    from cachebuild.targets import bucket_label
+
     if store.contains(key):
         return "stored"
     old = previous.get((piece, bucket_label(bucket)))
@@ -171,6 +185,9 @@ def _target_state(store: Any, key: str, previous: dict[tuple[int, str], str], pi
 
 def _previous_targets(store: Any, entry: Entry) -> dict[tuple[int, str], str]:
     """Target keys of the newest other stored entry of the same model class."""
+    from cachebuild.entry import Entry
+    from cachebuild.targets import bucket_label
+
     best = None
     for record in store.entries():
         if record.kind != "entry" or record.key == entry.key:
@@ -189,6 +206,8 @@ def _previous_targets(store: Any, entry: Entry) -> dict[tuple[int, str], str]:
 
 
 def _targets_table(planned: Planned, store: Any, console: Console) -> None:
+    from cachebuild.targets import bucket_label
+
     previous = _previous_targets(store, planned.entry)
     table = Table(title=f"entry {planned.entry.key} ({'stored' if planned.why == 'fresh' else planned.why})")
     for column in ("piece", "bucket", "key", "state"):
@@ -218,6 +237,8 @@ def plan_command(ctx: click.Context, model: str, device: str | None) -> None:
 @click.pass_context
 def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
     """For every missing target of MODEL.py, the nearest stored one and what differs."""
+    from cachebuild.explain import explain, label
+
     planned = plan_model(ctx, model, device)
     store = planned.planner.store
     stored = [(r.key, r.manifest) for r in store.entries()
@@ -239,6 +260,9 @@ def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
 
 def resolve_model_entry_key(path: str, ctx: click.Context) -> str:
     """The entry key of MODEL.py (computed from its spec, no tracing)."""
+    from cachebuild.api import Planner
+    from cachebuild.modelfile import load_spec
+
     spec = load_spec(path)
     planner = Planner(spec.model, spec.config, spec.dynamic_dims, cli.open_store(ctx))
     key, _ = planner.entry_key(spec.example_inputs)
