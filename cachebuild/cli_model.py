@@ -192,7 +192,8 @@ def _previous_targets(store: Any, entry: Entry) -> dict[tuple[int, str], str]:
     for record in store.entries():
         if record.kind != "entry" or record.key == entry.key:
             continue
-        if (record.manifest or {}).get("model", {}).get("class") != entry.factors["model"]["class"]:
+        model = (record.manifest or {}).get("model")
+        if not isinstance(model, dict) or model.get("class") != entry.factors["model"]["class"]:
             continue
         if best is None or record.created > best.created:
             best = record
