@@ -6,7 +6,8 @@ the graph is cut there, and every layer's "rest" compiles to one shared target.
 Size knobs (environment variables, small defaults so a CPU warms it in about a minute):
 ``LLAMA_LAYERS`` (2), ``LLAMA_HIDDEN`` (256), ``LLAMA_HEADS`` (8), ``LLAMA_KV_HEADS`` (2),
 ``LLAMA_MLP`` (688), ``LLAMA_VOCAB`` (1024), ``LLAMA_DEVICE`` (cpu), ``LLAMA_DTYPE``
-(float32 on CPU, bfloat16 on CUDA), ``LLAMA_MAX_TOKENS`` (512: the compile range).
+(float32 on CPU, bfloat16 on CUDA), ``LLAMA_MAX_TOKENS`` (512: the compile range),
+``LLAMA_COMPILE_SIZES`` (none: comma-separated exact sizes with their own targets).
 The TinyLlama shape itself: hidden 2048, 22 layers, 32 heads, 4 KV heads, MLP 5632.
 
     cachebuild warm examples/llama.py      # build every target ahead of time
@@ -127,9 +128,11 @@ def example_inputs(model: Llama, tokens: int = 16) -> tuple[torch.Tensor, torch.
 
 
 def config() -> cachebuild.CompileConfig:
+    sizes = os.environ.get("LLAMA_COMPILE_SIZES", "")
     return cachebuild.CompileConfig(
         splitting_ops=("cachebuild_examples::attention",),
         compile_ranges=((1, _env("LLAMA_MAX_TOKENS", 512)),),
+        compile_sizes=tuple(int(s) for s in sizes.split(",") if s.strip()),
     )
 
 
