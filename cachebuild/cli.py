@@ -1,9 +1,14 @@
 """The ``cachebuild`` command line.
 
-``cachebuild [--cache-dir DIR] [--remote URL] [-v] COMMAND``. This module holds the
-group, the options every command shares, the store commands (``ls``, ``stats``, ``gc``,
-``verify``, ``pin``, ``unpin``, ``export``, ``import``) and ``open_store`` for command
-modules elsewhere, which add their commands with ``register``.
+``cachebuild [--cache-dir DIR] [--remote URL] [--remote-mode rw|ro|off]
+[--allow-unsigned] [-v] COMMAND``. This module holds the group, the options every command
+shares, the store commands (``ls``, ``stats``, ``gc``, ``verify``, ``pin``, ``unpin``,
+``export``, ``import``) and ``open_store`` for command modules elsewhere, which add their
+commands with ``register``.
+
+With a remote configured, a remote that is down or stops answering costs one warning
+(``warning: ...`` on stderr, once per process) and the command carries on with the local
+store.
 
 Exit codes: 0 done; 1 the operation failed (e.g. ``verify`` found damage); 2 bad usage
 or bad input. Errors raised on purpose (``CachebuildError``) print ``error: <message>``
@@ -16,6 +21,7 @@ import json
 import logging
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -42,6 +48,8 @@ class CliState:
 
     cache_dir: Path | None = None
     remote: str | None = None
+    remote_mode: str | None = None
+    allow_unsigned: bool = False
     verbose: bool = False
     store: Any = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -112,15 +120,58 @@ def _stderr() -> Console:
               envvar="CACHEBUILD_DIR", show_envvar=True,
               help="Store directory [default: ~/.cache/cachebuild].")
 @click.option("--remote", metavar="URL", envvar="CACHEBUILD_REMOTE", show_envvar=True,
-              help="Remote store tier, e.g. redis://host:6379/0.")
+              help="Remote store tier (L2) shared by a fleet, e.g. redis://host:6379/0.")
+@click.option("--remote-mode", metavar="rw|ro|off", envvar="CACHEBUILD_REMOTE_MODE",
+              show_envvar=True,
+              help="rw: read and write the remote; ro: never write to it; off: ignore it "
+                   "[default: rw].")
+@click.option("--allow-unsigned", is_flag=True, envvar="CACHEBUILD_ALLOW_UNSIGNED",
+              show_envvar=True,
+              help="Use the remote without CACHEBUILD_SIGNING_KEY (anyone who can write to "
+                   "it can run code here).")
 @click.option("-v", "--verbose", is_flag=True, help="Say more about what happens.")
 @click.version_option(package_name="cachebuild")
 @click.pass_context
-def main(ctx: click.Context, cache_dir: Path | None, remote: str | None, verbose: bool) -> None:
+def main(ctx: click.Context, cache_dir: Path | None, remote: str | None,
+         remote_mode: str | None, allow_unsigned: bool, verbose: bool) -> None:
     """cachebuild: build torch.compile'd models once, load them from a store after."""
-    ctx.obj = CliState(cache_dir=cache_dir, remote=remote, verbose=verbose)
+    ctx.obj = CliState(cache_dir=cache_dir, remote=remote or None,
+                       remote_mode=remote_mode.strip().lower() if remote_mode else None,
+                       allow_unsigned=allow_unsigned, verbose=verbose)
+    if ctx.obj.remote_mode is not None and ctx.obj.remote_mode not in REMOTE_MODES:
+        raise UsageError(f"--remote-mode (CACHEBUILD_REMOTE_MODE) must be one of "
+                         f"{', '.join(REMOTE_MODES)}, not {remote_mode!r}")
     _setup_logging(verbose)
+    install_warning_display()
     ctx.call_on_close(lambda: _close_store(ctx.obj))
+
+
+#: Modes of the remote tier (as ``cachebuild.store.tiered.MODES``, without importing it).
+REMOTE_MODES = ("rw", "ro", "off")
+
+#: Warning classes (by name) shown once per process on one line: the remote tier's.
+_ONCE_WARNINGS = ("RemoteDownWarning", "UnsignedRemoteWarning")
+_shown_once: set[str] = set()
+_default_showwarning = warnings.showwarning
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    name = category.__name__
+    if name not in _ONCE_WARNINGS:
+        _default_showwarning(message, category, filename, lineno, file, line)
+        return
+    if name in _shown_once:
+        return
+    _shown_once.add(name)
+    click.echo(f"warning: {_one_line(message if isinstance(message, Warning) else Warning(message))}",
+               err=True)
+
+
+def install_warning_display() -> None:
+    """Print the remote tier's warnings as one ``warning: ...`` line, once per process
+    for each kind (a remote that is down is said once, however many calls notice)."""
+    warnings.showwarning = _show_warning
 
 
 def _setup_logging(verbose: bool) -> None:
@@ -145,18 +196,41 @@ def state_of(ctx: click.Context) -> CliState:
     return obj
 
 
-def open_store(ctx: click.Context) -> Any:
-    """The local store that the global options and environment select (opened once).
+def store_options(ctx: click.Context) -> dict[str, Any]:
+    """What decides the store: ``cache_dir``, ``remote``, ``mode`` and ``allow_unsigned``
+    (picklable, so that worker processes open the same store)."""
+    state = state_of(ctx)
+    return {"cache_dir": str(state.cache_dir) if state.cache_dir else None,
+            "remote": state.remote, "mode": state.remote_mode,
+            "allow_unsigned": state.allow_unsigned}
 
-    ``--cache-dir``/``CACHEBUILD_DIR`` pick the directory; ``CACHEBUILD_SIGNING_KEY`` and
-    ``CACHEBUILD_REQUIRE_SIGNATURE`` configure signing. Raises StoreError (exit 1) if the
-    directory is unsafe or unusable.
-    """
+
+def open_store_from(options: dict[str, Any]) -> Any:
+    """The store ``store_options`` describes: a ``TieredStore`` (L1 + Redis) when a remote
+    is configured, else the ``LocalStore``."""
     from cachebuild.store import LocalStore  # the store is not needed for --help
 
+    cache_dir = Path(options["cache_dir"]) if options.get("cache_dir") else None
+    if not options.get("remote"):
+        return LocalStore.from_env(cache_dir)
+    from cachebuild.store.tiered import open_store as open_tiered
+
+    return open_tiered(cache_dir, options["remote"], allow_unsigned=options["allow_unsigned"],
+                       mode=options.get("mode"))
+
+
+def open_store(ctx: click.Context) -> Any:
+    """The store that the global options and environment select (opened once).
+
+    ``--cache-dir``/``CACHEBUILD_DIR`` pick the directory; ``CACHEBUILD_SIGNING_KEY`` and
+    ``CACHEBUILD_REQUIRE_SIGNATURE`` configure signing. With ``--remote``/
+    ``CACHEBUILD_REMOTE`` it is a ``TieredStore`` (``--remote-mode``, ``--allow-unsigned``).
+    Raises StoreError (exit 1) if the directory is unsafe or unusable, UsageError (exit 2)
+    for a bad remote URL or mode, or a remote without a signing key.
+    """
     state = state_of(ctx)
     if state.store is None:
-        state.store = LocalStore.from_env(state.cache_dir)
+        state.store = open_store_from(store_options(ctx))
     return state.store
 
 
@@ -253,8 +327,12 @@ def ls_command(ctx: click.Context, as_json: bool, kind: str | None) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def stats_command(ctx: click.Context, as_json: bool) -> None:
-    """Entries, sizes, hits and misses of the store."""
-    stats = open_store(ctx).stats()
+    """Entries, sizes, hits and misses of the store; with a remote, also by tier (L1/L2)."""
+    store = open_store(ctx)
+    remote = getattr(store, "remote", None)
+    if remote is not None:
+        remote.ping()  # so that the health shown is now's (a remote that is down warns once)
+    stats = store.stats()
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
@@ -273,6 +351,17 @@ def stats_command(ctx: click.Context, as_json: bool) -> None:
             ("quarantined", str(stats["quarantined"]))]
     for kind, k in stats["by_kind"].items():
         rows.append((f"  kind {kind}", f"{k['entries']} ({format_size(k['bytes'])})"))
+    tiers = stats.get("tiers")
+    if tiers is not None and tiers.get("remote") is not None:
+        health = "up" if tiers["remote_available"] else "down"
+        rows += [("remote", f"{tiers['remote']} ({tiers['remote_mode']}, {health}, "
+                            f"{'signed' if tiers['signed'] else 'unsigned'})"),
+                 ("L1 hits", str(tiers["l1_hits"])),
+                 ("L2 hits", str(tiers["l2_hits"])),
+                 ("tier misses", str(tiers["misses"])),
+                 ("remote rejected", str(tiers["remote_rejected"])),
+                 ("remote incomplete", str(tiers["remote_incomplete"])),
+                 ("remote errors", str(tiers["remote_errors"]))]
     for what, value in rows:
         table.add_row(what, value)
     _stdout().print(table)
@@ -401,7 +490,8 @@ def import_command(ctx: click.Context, file: Path) -> None:
 # Command modules elsewhere in cachebuild import this module and add their commands with
 # ``register(command)``; ``main`` stays the entry point.
 
-from cachebuild import cli_model  # noqa: E402,F401  (model commands: warm, plan, explain)
+# Model commands (warm, plan, explain) and remote tier commands (push, pull).
+from cachebuild import cli_model, cli_remote  # noqa: E402,F401
 
 if __name__ == "__main__":
     # Under ``python -m`` this file runs as __main__, a second copy of the module;

@@ -11,6 +11,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import time
+import warnings
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,34 +84,68 @@ def plan_model(ctx: click.Context, path: str, device: str | None = None) -> Plan
 _WORKER: dict[str, Any] = {}
 
 
-def _worker_init(model_path: str, cache_dir: str | None) -> None:
+#: Warning classes (by name) a worker hands to the parent instead of printing: the parent
+#: says each once, not once per worker.
+_FORWARDED_WARNINGS = ("RemoteDownWarning", "UnsignedRemoteWarning")
+
+
+def _worker_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    file: Any = None, line: str | None = None) -> None:
+    if category.__name__ in _FORWARDED_WARNINGS:
+        _WORKER.setdefault("warnings", []).append((category.__name__, str(message)))
+    else:
+        _WORKER["showwarning"](message, category, filename, lineno, file, line)
+
+
+def _worker_init(model_path: str, store: dict[str, Any] | str | None) -> None:
     from cachebuild.modelfile import import_model
-    from cachebuild.store import LocalStore
 
     import_model(model_path)  # registers the model file's custom ops
-    _WORKER["store"] = LocalStore.from_env(Path(cache_dir) if cache_dir else None)
+    options = store if isinstance(store, dict) else {"cache_dir": store, "remote": None}
+    _WORKER["showwarning"] = warnings.showwarning
+    warnings.showwarning = _worker_warning
+    # The store the command line uses: with a remote, builds are single-flight across
+    # machines (the lock is in Redis too) and what a worker builds is uploaded.
+    _WORKER["store"] = cli.open_store_from(options)
 
 
-def _worker_build(job: BuildJob) -> tuple[str, bool, float, str | None]:
+def _worker_build(job: BuildJob) -> tuple[str, bool, float, str | None, list[tuple[str, str]]]:
     from cachebuild.build import Builder
 
     start = time.perf_counter()
     try:
         built = Builder(_WORKER["store"], job.config).build(job)
-        return job.target.key, built, time.perf_counter() - start, None
+        error = None
     except Exception as e:  # reported per target; the other targets go on
-        return job.target.key, False, time.perf_counter() - start, str(e)
+        built, error = False, str(e)
+    said = _WORKER.pop("warnings", [])
+    return job.target.key, built, time.perf_counter() - start, error, said
 
 
-def build_jobs(jobs: list[BuildJob], workers: int, model_path: str, cache_dir: str | None,
-               on_done: Any) -> None:
-    """Build ``jobs`` in ``workers`` processes, calling ``on_done(job, built, s, error)``."""
+def _warning_classes() -> dict[str, type[Warning]]:
+    from cachebuild.store.remote import RemoteDownWarning
+    from cachebuild.store.tiered import UnsignedRemoteWarning
+
+    return {"RemoteDownWarning": RemoteDownWarning,
+            "UnsignedRemoteWarning": UnsignedRemoteWarning}
+
+
+def build_jobs(jobs: list[BuildJob], workers: int, model_path: str,
+               store: dict[str, Any] | str | None, on_done: Any) -> None:
+    """Build ``jobs`` in ``workers`` processes, calling ``on_done(job, built, s, error)``.
+
+    ``store``: the options of ``cli.store_options`` (or a cache directory) that each worker
+    opens its store with. Remote-tier warnings raised in a worker are raised again here,
+    so that a remote that goes down is reported once for the run, not once per worker.
+    """
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_init,
-                             initargs=(model_path, cache_dir)) as pool:
+                             initargs=(model_path, store)) as pool:
         futures = {pool.submit(_worker_build, job): job for job in jobs}
         for future in as_completed(futures):
-            _, built, seconds, error = future.result()
+            _, built, seconds, error, said = future.result()
+            for name, message in said:
+                warnings.warn(message, _warning_classes()[name], stacklevel=1)
             on_done(futures[future], built, seconds, error)
 
 
@@ -158,9 +193,8 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
                 progress.update(task, advance=1,
                                 description=f"{label(job.target)} {seconds:.1f} s")
 
-            state = cli.state_of(ctx)
-            build_jobs(missing, workers, str(Path(model).resolve()),
-                       str(state.cache_dir) if state.cache_dir else None, done)
+            build_jobs(missing, workers, str(Path(model).resolve()), cli.store_options(ctx),
+                       done)
     if planned.why != "fresh":
         planned.planner.record(planned.entry)
     for job, error in failures:

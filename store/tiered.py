@@ -294,6 +294,12 @@ class TieredStore:
             self.remote.delete(key)
         return removed
 
+    def close(self) -> None:
+        """Close L1 (writing its pending usage statistics) and drop L2's connections."""
+        self.local.close()
+        if self.remote is not None:
+            self.remote.close()
+
     def pin(self, key: str) -> Any:
         return self.local.pin(key)
 

@@ -1,0 +1,148 @@
+"""Remote tier commands: ``push`` (L1 → L2) and ``pull`` (L2 → L1).
+
+``push MODEL.py`` uploads a model's entry and every target it refers to; ``push --all``
+uploads everything L1 holds that the remote lacks. ``pull MODEL.py`` prefetches a model's
+entry and all its targets into L1 before a server starts, verifying each blob (signature
+included) on the way, so that the server loads everything locally. The model's entry key
+is computed from its spec (class, config, parameter and input metadata, environment):
+nothing is traced and nothing is built.
+
+Both need a remote (``--remote``/``CACHEBUILD_REMOTE``); ``push`` needs it read-write.
+Exit 0 when every key asked for is in the destination tier afterwards, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import click
+
+from cachebuild import cli
+from cachebuild.errors import CachebuildError, UsageError
+from cachebuild.units import format_size
+
+# torch, the model and the Redis client are imported inside the commands: `--help` and
+# `push --all` should not pay for torch.
+
+
+def _tiered(ctx: click.Context, command: str) -> Any:
+    """The command line's store, which must have a remote tier."""
+    store = cli.open_store(ctx)
+    if getattr(store, "remote", None) is None:
+        state = cli.state_of(ctx)
+        why = ("the remote is off (--remote-mode off)" if state.remote else
+               "no remote is configured")
+        raise UsageError(f"{command} needs a remote tier, but {why}; use --remote URL "
+                         "or CACHEBUILD_REMOTE")
+    return store
+
+
+def model_entry_key(ctx: click.Context, path: str) -> str:
+    """The entry key of the model MODEL.py defines, from its spec alone (no tracing)."""
+    from cachebuild.api import Planner
+    from cachebuild.modelfile import load_spec
+
+    spec = load_spec(path)
+    planner = Planner(spec.model, spec.config, spec.dynamic_dims, cli.open_store(ctx))
+    key, _ = planner.entry_key(spec.example_inputs)
+    return key
+
+
+def _entry_targets(store: Any, key: str) -> list[str]:
+    """The target keys of the entry ``key`` held in L1."""
+    from cachebuild.entry import Entry
+
+    data = store.local.get(key)
+    if data is None:
+        raise CachebuildError(f"entry {key} vanished from the local store")
+    try:
+        return Entry.from_bytes(data).target_keys()
+    except (ValueError, KeyError, TypeError) as e:
+        raise CachebuildError(f"entry {key} cannot be read: {e}") from e
+
+
+def _summary(verb: str, counts: Any, seconds: float, *, rate: bool = False) -> str:
+    parts = [f"{verb} {counts.transferred} ({format_size(counts.bytes)})",
+             f"{counts.present} already there"]
+    for name in ("missing", "rejected", "failed"):
+        if getattr(counts, name):
+            parts.append(f"{getattr(counts, name)} {name}")
+    line = ", ".join(parts) + f" in {seconds:.2f} s"
+    if rate and counts.bytes:
+        line += f" ({counts.bytes / max(seconds, 1e-9) / 1e6:.1f} MB/s)"
+    return line
+
+
+@click.command("push")
+@click.argument("model", required=False, metavar="[MODEL.py]", type=click.Path(dir_okay=False))
+@click.option("--all", "push_all", is_flag=True, help="Push every entry of the local store.")
+@click.pass_context
+def push_command(ctx: click.Context, model: str | None, push_all: bool) -> None:
+    """Upload MODEL.py's entry and targets (or, with --all, everything in L1) to the remote.
+
+    Entries the remote already holds are left alone. Exit 1 if any could not be pushed.
+    """
+    from cachebuild.store.tiered import push
+
+    if bool(model) == push_all:
+        raise UsageError("push needs either MODEL.py or --all (not both)")
+    store = _tiered(ctx, "push")
+    start = time.perf_counter()
+    if push_all:
+        keys = None
+        what = "every local entry"
+    else:
+        assert model is not None
+        entry_key = model_entry_key(ctx, model)
+        if not store.local.contains(entry_key):
+            raise UsageError(f"{model}: the model has no entry in the local store; run "
+                             f"`cachebuild warm {model}` first")
+        keys = [entry_key, *_entry_targets(store, entry_key)]
+        what = f"entry {entry_key} and {len(keys) - 1} targets"
+    counts = push(store, keys)
+    click.echo(f"{what} → {store.remote.display_url}: "
+               + _summary("pushed", counts, time.perf_counter() - start))
+    if counts.failed or counts.missing:
+        ctx.exit(1)
+
+
+@click.command("pull")
+@click.argument("model", type=click.Path(dir_okay=False))
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=4, show_default=True,
+              help="Blobs fetched and verified at once.")
+@click.pass_context
+def pull_command(ctx: click.Context, model: str, jobs: int) -> None:
+    """Prefetch MODEL.py's entry and every target it uses from the remote into L1.
+
+    Run it before a server starts so that the server loads everything locally. Every blob
+    is verified (and its signature checked) before it is written to L1. Exit 1 if any
+    target could not be fetched (missing, rejected, or the remote is down).
+    """
+    from cachebuild.store.tiered import pull
+
+    store = _tiered(ctx, "pull")
+    entry_key = model_entry_key(ctx, model)
+    start = time.perf_counter()
+    first = pull(store, [entry_key], workers=1)
+    if not store.local.contains(entry_key):
+        if first.failed or not store.remote.available:
+            raise CachebuildError(f"could not reach remote {store.remote.display_url} to "
+                                  f"fetch the entry of {model}")
+        if first.rejected:
+            raise CachebuildError(f"the remote entry {entry_key} of {model} failed "
+                                  "verification; it was not loaded")
+        raise CachebuildError(f"{model}: the remote has no entry {entry_key}; warm the model "
+                              "into it first (`cachebuild warm` with the remote read-write)")
+    targets = pull(store, _entry_targets(store, entry_key), workers=jobs)
+    seconds = time.perf_counter() - start
+    for name in ("transferred", "present", "bytes"):
+        setattr(targets, name, getattr(targets, name) + getattr(first, name))
+    click.echo(f"entry {entry_key} and its targets ← {store.remote.display_url}: "
+               + _summary("pulled", targets, seconds, rate=True))
+    if targets.missing or targets.rejected or targets.failed:
+        ctx.exit(1)
+
+
+for _command in (push_command, pull_command):
+    cli.register(_command)
