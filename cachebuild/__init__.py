@@ -6,12 +6,6 @@ store commands of the CLI) never import torch.
 
 from typing import Any
 
-# ``cachebuild.stats`` is both a function and a submodule's name. Importing a submodule
-# sets it as an attribute of its package (once, when first loaded), which would hide
-# the function: load the submodule now (standard library only) and bind the function
-# after it.
-from cachebuild.stats import snapshot as stats
-
 __all__ = ["CompileConfig", "ModelSpec", "backend", "compile", "preload", "stats"]
 __version__ = "0.1.0"
 
@@ -21,6 +15,7 @@ _LAZY = {
     "backend": "cachebuild.api",
     "compile": "cachebuild.api",
     "preload": "cachebuild.api",
+    "stats": "cachebuild.api",
 }
 
 

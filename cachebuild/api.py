@@ -28,7 +28,7 @@ from cachebuild.errors import UsageError
 from cachebuild.keys import make_key
 from cachebuild.runtime import ModelRuntime, resolve_all, stitch
 from cachebuild.split import split_graph
-from cachebuild.stats import COUNTERS, phase, snapshot
+from cachebuild.counters import COUNTERS, phase, snapshot
 from cachebuild.targets import make_targets
 from cachebuild.trace import TracedGraph, meta_of, trace_model
 
@@ -121,9 +121,20 @@ class Planner:
         return entry
 
     def record(self, entry: Entry) -> None:
-        """Store ``entry``, replacing a stale one under the same key."""
+        """Store ``entry``, replacing a stale one under the same key.
+
+        A fresh entry stored meanwhile (by another process, or with a remote tier by another
+        machine) is kept: deleting it would also take the fleet's shared copy away.
+        """
         with self.store.lock(entry.key):
-            if self.store.contains(entry.key):
+            data = self.store.get(entry.key)
+            if data is not None:
+                try:
+                    fresh = not Entry.from_bytes(data).stale_files()
+                except (ValueError, KeyError, TypeError):
+                    fresh = False
+                if fresh:
+                    return
                 self.store.delete(entry.key)
             self.store.put(entry.key, entry.to_bytes(), kind="entry", manifest=entry.factors,
                            refs=entry.target_keys())

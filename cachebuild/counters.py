@@ -1,6 +1,7 @@
 """This process's counters: what was planned, loaded, built, and where the time went.
 
 ``COUNTERS`` is the one explicit registry; ``cachebuild.stats()`` returns a copy.
+(The module is not named ``stats``: a submodule of that name would shadow the function.)
 """
 
 from __future__ import annotations
