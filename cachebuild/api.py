@@ -22,13 +22,13 @@ import torch
 
 from cachebuild.build import Builder
 from cachebuild.config import CompileConfig
+from cachebuild.counters import COUNTERS, phase, snapshot
 from cachebuild.entry import Entry, device_of, entry_factors, make_entry
 from cachebuild.env import env_factors
 from cachebuild.errors import UsageError
 from cachebuild.keys import make_key
 from cachebuild.runtime import ModelRuntime, resolve_all, stitch
 from cachebuild.split import split_graph
-from cachebuild.counters import COUNTERS, phase, snapshot
 from cachebuild.targets import make_targets
 from cachebuild.trace import TracedGraph, meta_of, trace_model
 

@@ -16,9 +16,9 @@ from typing import Any
 
 from cachebuild.backends import BuildRequest, get_backend
 from cachebuild.config import CompileConfig
+from cachebuild.counters import COUNTERS
 from cachebuild.errors import BuildError
 from cachebuild.fxjson import data_to_module
-from cachebuild.counters import COUNTERS
 from cachebuild.targets import Target, bucket_label
 from cachebuild.trace import InputMeta
 
