@@ -420,7 +420,7 @@ def open_store(
     remote: str | None = None,
     *,
     signing_key: bytes | str | None = None,
-    allow_unsigned: bool = False,
+    allow_unsigned: bool | None = None,
     mode: str | None = None,
     lock_ttl: float = 60.0,
 ) -> TieredStore:
@@ -428,8 +428,9 @@ def open_store(
 
     ``CACHEBUILD_DIR`` (L1 directory), ``CACHEBUILD_REMOTE`` (``redis://host:port/db``),
     ``CACHEBUILD_SIGNING_KEY`` (text, used as UTF-8 bytes) and ``CACHEBUILD_REMOTE_MODE``
-    (``rw`` default, ``ro``, or ``off`` to ignore a configured remote). Raises UsageError
-    for an unknown mode, a bad URL, or a remote without a key unless ``allow_unsigned``.
+    (``rw`` default, ``ro``, or ``off`` to ignore a configured remote),
+    ``CACHEBUILD_ALLOW_UNSIGNED`` (1/true/yes/on). Raises UsageError for an unknown mode, a
+    bad URL, or a remote without a key unless ``allow_unsigned``.
     """
     cache_dir = cache_dir if cache_dir is not None else _env("CACHEBUILD_DIR")
     remote = remote if remote is not None else _env("CACHEBUILD_REMOTE")
@@ -438,6 +439,9 @@ def open_store(
     if isinstance(signing_key, str):
         signing_key = signing_key.encode("utf-8")
     mode = mode if mode is not None else (_env("CACHEBUILD_REMOTE_MODE") or "rw")
+    if allow_unsigned is None:
+        flag = (_env("CACHEBUILD_ALLOW_UNSIGNED") or "").strip().lower()
+        allow_unsigned = flag in ("1", "true", "yes", "on")
     if mode not in MODES:
         raise UsageError(f"remote mode must be one of {', '.join(MODES)}, not {mode!r}")
     l2 = None

@@ -284,3 +284,11 @@ def test_remote_down_before_start_and_usage_errors(tmp_path):
     assert unsigned.returncode == 0
     assert "without a signing key" in unsigned.stderr and "unavailable" in unsigned.stderr
     assert len(warning_lines(unsigned.stderr)) == 2  # one per kind, each said once
+    # The Python front door (what cachebuild.compile opens) reads the same variables.
+    opened = subprocess.run(
+        [sys.executable, "-c", "from cachebuild.store import open_store; "
+         "t = open_store().stats()['tiers']; print(t['remote_mode'], t['signed'])"],
+        env=env_for(tmp_path / "l1", url, CACHEBUILD_SIGNING_KEY="",
+                    CACHEBUILD_ALLOW_UNSIGNED="1", CACHEBUILD_REMOTE_MODE="ro"),
+        capture_output=True, text=True, timeout=60)
+    assert opened.returncode == 0 and opened.stdout.split() == ["ro", "False"], opened.stderr
