@@ -173,7 +173,7 @@ class CompiledModule(torch.nn.Module):
         entry, why = planner.stored_entry(args)
         if entry is not None:
             if _needs_inductor(entry, store):
-                preload(store)
+                preload()
             COUNTERS.entries_loaded += 1
             COUNTERS.planned += len(entry.targets())
             COUNTERS.unique += len(entry.target_keys())
@@ -255,39 +255,26 @@ def backend(config: CompileConfig | None = None, store: Any = None, passes: Any 
 _PRELOAD: threading.Thread | None = None
 
 
-def preload(store: Any = None) -> threading.Thread:
+def preload() -> threading.Thread:
     """Start initialising Inductor's runtime in the background (idempotent).
 
-    Loading ``standalone`` artifacts needs Inductor, whose import and first artifact load
-    take seconds; a server calls this first thing so that the work overlaps building its
-    model and loading weights. It imports Inductor, then loads the most recently used
-    standalone artifact of the store (most often one the server is about to need), which
-    pays Inductor's one-time initialisation. Loading ``aoti`` artifacts needs none of it.
+    Loading ``standalone`` artifacts needs Inductor, whose import takes seconds; a server
+    calls this first thing so that the import overlaps building its model and loading
+    weights. Loading ``aoti`` artifacts needs none of it. Only the import happens
+    here: also loading an artifact in the background, to pay Inductor's first-load set-up
+    early, made the warm start slower on an H200 (it contended with the foreground loads).
     """
     global _PRELOAD
     if _PRELOAD is None:
-        _PRELOAD = threading.Thread(target=_preload, args=(store,), name="cachebuild-preload",
-                                    daemon=True)
+        _PRELOAD = threading.Thread(target=_preload, name="cachebuild-preload", daemon=True)
         _PRELOAD.start()
     return _PRELOAD
 
 
-def _preload(store: Any) -> None:
-    from cachebuild.backends.inductor import load_standalone
-    from cachebuild.build import LOADED
-
+def _preload() -> None:
     with phase("preload"):
         import torch._inductor.codecache  # noqa: F401
-        try:
-            opened = open_default_store(store)
-            records = opened.entries(kind="standalone", manifests=False)
-            newest = max(records, key=lambda r: r.last_used, default=None)
-            if newest is not None and newest.key not in LOADED:
-                fn = load_standalone(newest.key, opened)
-                if fn is not None:
-                    LOADED[newest.key] = fn
-        except Exception as e:  # preloading is an optimisation; a failure only costs time
-            log.debug("preload could not load an artifact: %s", e)
+        from torch._inductor import CompiledArtifact  # noqa: F401
 
 
 def stats() -> dict[str, Any]:
