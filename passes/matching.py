@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 import torch.fx
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 aten = torch.ops.aten
 
@@ -106,6 +105,10 @@ def dim_equals(a: Any, b: Any) -> bool:
     """True only if two sizes are known to be equal without adding a shape guard."""
     if isinstance(a, int) and isinstance(b, int):
         return a == b
+    # Imported here: symbolic_shapes pulls in sympy (seconds), and a warm process builds
+    # the pass manager (for its uuids) without ever matching a graph.
+    from torch.fx.experimental.symbolic_shapes import statically_known_true
+
     return bool(statically_known_true(a == b))
 
 
