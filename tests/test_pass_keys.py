@@ -41,7 +41,7 @@ def test_editing_a_pass_changes_only_the_targets_that_use_it(tmp_path, monkeypat
 
     assert set(after_without) == set(before_without)  # untouched: still stored
     assert not set(after_with) & set(before_with)  # every target with the pass is new
-    for key, manifest in after_with.items():
+    for manifest in after_with.values():
         why = explain(manifest, list(before_with.items()))
         assert why.nearest in before_with
         assert why.reasons == ["pass rms_quant changed"], why.reasons
