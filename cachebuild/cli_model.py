@@ -276,8 +276,11 @@ def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
 
     planned = plan_model(ctx, model, device)
     store = planned.planner.store
-    stored = [(r.key, r.manifest) for r in store.entries()
-              if r.kind != "entry" and r.manifest]
+    records = list(store.entries())
+    if hasattr(store, "remote_records"):  # a remote tier: its manifests explain too
+        local = {r.key for r in records}
+        records += [r for r in store.remote_records() if r.key not in local]
+    stored = [(r.key, r.manifest) for r in records if r.kind != "entry" and r.manifest]
     console = Console()
     missing = 0
     seen: set[str] = set()
