@@ -1,0 +1,266 @@
+"""The build graph end to end through ``cachebuild.compile``: compiled output equals eager
+in every bucket, targets are built once per store (across processes too, even at the
+same time), weights are bound live, and a failing piece is reported and stores nothing."""
+
+from __future__ import annotations
+
+import sys
+
+import models
+import pytest
+import torch
+
+import cachebuild
+from cachebuild.backends import register_backend
+from cachebuild.backends.eager_fusion import EagerFusionBackend
+from cachebuild.errors import BuildError
+from cachebuild.keys import canonical_json, make_key
+from cachebuild.passes import PassManager
+from cachebuild.store import LocalStore
+
+DYN = {0: 0, 1: 0}
+
+#: Two ranges and two exact sizes: four buckets.
+BUCKETED = {"compile_ranges": ((1, 16), (17, 48)), "compile_sizes": (4, 24)}
+#: Sizes at both edges of every range and at every exact size.
+SIZES = (1, 4, 9, 16, 17, 24, 30, 48)
+
+
+def runner(compiled, piece_index):
+    """The PieceRunner of a compiled piece of a CompiledModule's runtime."""
+    piece = compiled.runtime.entry.pieces[piece_index]
+    return compiled.runtime.stitched.get_submodule(piece.name).fn
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_matches_eager_in_every_bucket(tmp_path, layers):
+    # Each run has a fresh store: targets this process loaded earlier from another store
+    # are built into this one all the same (counted below).
+    model = models.make(models.Decoder, layers=layers)
+    compiled = cachebuild.compile(model, models.config(**BUCKETED), DYN,
+                                  store=LocalStore(tmp_path / "store"))
+    before = cachebuild.stats()
+    for size in SIZES:
+        models.assert_matches_eager(compiled, model, models.inputs(size))
+    delta = models.counters_delta(before, cachebuild.stats())
+    # 3 unique compiled pieces (first, middle layers, last) × 4 buckets.
+    assert delta["planned"] == (layers + 1) * 4
+    assert delta["unique"] == delta["built"] == 12
+    assert delta["traced"] == 1 and delta["failed"] == 0
+    # Each size ran the target of its bucket: exact size first, else its range.
+    entry = compiled.runtime.entry
+    first = next(p for p in entry.pieces if p.compiled)
+    by_bucket = {str(t["bucket"]): t["key"] for t in first.targets}
+    run = runner(compiled, entry.pieces.index(first))
+    from cachebuild.build import LOADED
+
+    for size, bucket in [(4, {"size": 4}), (24, {"size": 24}), (1, {"range": [1, 16]}),
+                         (16, {"range": [1, 16]}), (17, {"range": [17, 48]}),
+                         (48, {"range": [17, 48]})]:
+        assert run.select(size) is LOADED[by_bucket[str(bucket)]]
+
+
+def test_compiled_module_behaves_like_the_model(tmp_path):
+    model = models.make(models.Decoder, layers=2)
+    compiled = cachebuild.compile(model, models.config(), DYN, store=LocalStore(tmp_path / "s"))
+    assert compiled.runtime is None
+    models.assert_matches_eager(compiled, model, models.inputs(7))
+    assert compiled.runtime is not None
+    # Parameters are the model's own: the compiled module exposes them, and an in-place
+    # update (loading a checkpoint) is seen by the next call without a rebuild.
+    assert {n.removeprefix("model.") for n, _ in compiled.named_parameters()} == {
+        n for n, _ in model.named_parameters()}
+    before = cachebuild.stats()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-2.0)
+        model.layers[1].down.weight.add_(0.5)
+    models.assert_matches_eager(compiled, model, models.inputs(7))
+    assert models.counters_delta(before, cachebuild.stats())["built"] == 0
+
+
+def test_other_weights_load_the_same_entry_and_are_bound_live(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    first = models.make(models.Decoder, layers=2, seed=0)
+    models.assert_matches_eager(cachebuild.compile(first, models.config(), DYN, store=store),
+                                first, models.inputs(5))
+    other = models.make(models.Decoder, layers=2, seed=1)
+    before = cachebuild.stats()
+    compiled = cachebuild.compile(other, models.config(), DYN, store=store)
+    models.assert_matches_eager(compiled, other, models.inputs(5))
+    delta = models.counters_delta(before, cachebuild.stats())
+    assert delta["entries_loaded"] == 1 and delta["traced"] == 0 and delta["built"] == 0
+    with torch.no_grad():
+        assert not torch.allclose(compiled(*models.inputs(5)), first(*models.inputs(5)))
+
+
+def test_bfloat16_model_matches_eager(tmp_path):
+    model = models.make(models.Decoder, layers=2).to(torch.bfloat16)
+    compiled = cachebuild.compile(model, models.config(compile_sizes=(4,)), DYN,
+                                  store=LocalStore(tmp_path / "store"))
+    for size in (4, 1, 19):
+        args = models.inputs(size)
+        with torch.no_grad():
+            out, ref = compiled(*args), model(*args)
+        assert out.dtype == torch.bfloat16
+        torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
+
+
+def test_entry_whose_target_vanished_rebuilds_it_without_tracing(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    model = models.make(models.Decoder, layers=2)
+    first = cachebuild.compile(model, models.config(), DYN, store=store)
+    models.assert_matches_eager(first, model, models.inputs(6))
+    gone = first.runtime.entry.target_keys()[1]
+    assert store.delete(gone)
+    before = cachebuild.stats()
+    again = cachebuild.compile(model, models.config(), DYN, store=store)
+    models.assert_matches_eager(again, model, models.inputs(6))
+    delta = models.counters_delta(before, cachebuild.stats())
+    assert delta["entries_loaded"] == 1 and delta["traced"] == 0 and delta["built"] == 1
+    assert store.contains(gone)
+
+
+def test_store_holds_entry_and_targets_with_manifests(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    model = models.make(models.Decoder, layers=2)
+    compiled = cachebuild.compile(model, models.config(compile_sizes=(4,)), DYN, store=store)
+    models.assert_matches_eager(compiled, model, models.inputs(3))
+    entry = compiled.runtime.entry
+    record = store.get_record(entry.key)
+    assert record.kind == "entry"
+    assert canonical_json(record.manifest) == canonical_json(entry.factors)
+    assert make_key(record.manifest) == entry.key
+    for key in entry.target_keys():
+        target = store.get_record(key)
+        assert target.kind == "fx-graph"
+        assert canonical_json(target.manifest) == canonical_json(entry.manifests[key])
+        assert make_key(target.manifest) == key
+    kinds = sorted(r.kind for r in store.entries())
+    assert kinds == ["entry"] + ["fx-graph"] * 6
+
+
+def test_custom_pass_runs_enters_the_keys_and_matches_eager(tmp_path, monkeypatch):
+    monkeypatch.delitem(sys.modules, "cb_build_silu_pass", raising=False)
+    fusion = models.load_silu_pass(tmp_path / "silu_pass.py", "cb_build_silu_pass")
+    manager = PassManager([fusion])
+    model = models.make(models.Decoder, layers=2)
+    compiled = cachebuild.compile(model, models.config(), DYN,
+                                  store=LocalStore(tmp_path / "store"), passes=manager)
+    models.assert_matches_eager(compiled, model, models.inputs(6))
+    # One SiLU per layer, in the two pieces that hold an MLP.
+    assert manager.total_counts["silu_to_sigmoid"] == 2
+    for manifest in compiled.runtime.entry.manifests.values():
+        assert manifest["passes"]["passes"] == [{"name": "silu_to_sigmoid",
+                                                 "uuid": fusion.uuid()}]
+
+
+class FailingBackend(EagerFusionBackend):
+    """eager_fusion, except that pieces holding an MLP do not compile."""
+
+    name = "failing_for_tests"
+
+    def compile(self, request):
+        if any(n.op == "call_function" and "silu" in str(n.target) for n in request.gm.graph.nodes):
+            raise RuntimeError("no kernel for silu on this device\nsecond line of detail")
+        return super().compile(request)
+
+
+def test_failing_piece_names_piece_bucket_and_key_and_stores_nothing_partial(tmp_path):
+    register_backend(FailingBackend.name, FailingBackend)
+    store = LocalStore(tmp_path / "store")
+    model = models.make(models.Decoder, layers=2)
+    compiled = cachebuild.compile(model, models.config(backend=FailingBackend.name), DYN,
+                                  store=store)
+    before = cachebuild.stats()
+    with pytest.raises(BuildError) as info:
+        compiled(*models.inputs(5))
+    message = str(info.value)
+    assert message.startswith("piece 2 (range 1-32, key ")
+    assert "RuntimeError: no kernel for silu on this device" in message
+    assert "second line" not in message
+    failed_key = message.split("key ")[1].split(")")[0]
+    assert failed_key not in {r.key for r in store.entries()}
+    # Piece 0 (no MLP) was built; no entry was recorded for a model that does not build.
+    assert [r.kind for r in store.entries()] == ["fx-graph"]
+    assert models.counters_delta(before, cachebuild.stats())["failed"] == 1
+
+
+def test_backend_artifact_kind_mismatch_is_refused():
+    with pytest.raises(ValueError, match="cannot load artifacts of kind 'standalone'"):
+        EagerFusionBackend().load("standalone", "0" * 32, store=None)
+
+
+# -- other processes -------------------------------------------------------------------
+
+CHILD = """
+import json, os, time
+from pathlib import Path
+
+import cachebuild
+import models
+from cachebuild.store import LocalStore
+
+barrier = os.environ.get("BARRIER")
+if barrier:
+    Path(barrier, f"ready-{os.getpid()}").touch()
+    deadline = time.monotonic() + 120  # a sibling that died must not hang this one
+    while len(list(Path(barrier).glob("ready-*"))) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+layers = int(os.environ.get("LAYERS", "2"))
+model = models.make(models.Decoder, layers=layers)
+store = LocalStore(os.environ["STORE"]) if "STORE" in os.environ else None  # else CACHEBUILD_DIR
+compiled = cachebuild.compile(model, models.config(compile_sizes=(4,)), {0: 0, 1: 0}, store=store)
+for size in (4, 11, 1, 32):
+    models.assert_matches_eager(compiled, model, models.inputs(size))
+print(json.dumps({"stats": cachebuild.stats(), "keys": compiled.runtime.entry.target_keys()}))
+"""
+
+
+def test_second_process_compiles_nothing(tmp_path):
+    path = tmp_path / "store"
+    model = models.make(models.Decoder, layers=2)
+    compiled = cachebuild.compile(model, models.config(compile_sizes=(4,)), DYN,
+                                  store=LocalStore(path))
+    models.assert_matches_eager(compiled, model, models.inputs(11))
+    child = models.run_python(CHILD, env={"CACHEBUILD_DIR": str(path)})
+    stats = child["stats"]
+    assert stats["built"] == 0 and stats["traced"] == 0 and stats["failed"] == 0
+    assert stats["entries_loaded"] == 1
+    assert stats["loaded"] == len(child["keys"]) == 6
+    assert child["keys"] == compiled.runtime.entry.target_keys()
+
+
+def test_two_processes_at_once_build_each_target_once(tmp_path):
+    path = tmp_path / "store"
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    env = {"STORE": str(path), "BARRIER": str(barrier)}
+    procs = [models.start_python(CHILD, env=env) for _ in range(2)]
+    results = [models.finish(p) for p in procs]
+    keys = results[0]["keys"]
+    assert results[1]["keys"] == keys and len(keys) == 6
+    assert sum(r["stats"]["built"] for r in results) == len(keys)
+    assert all(r["stats"]["failed"] == 0 for r in results)
+    store = LocalStore(path)
+    assert sorted(r.kind for r in store.entries()) == ["entry"] + ["fx-graph"] * 6
+
+
+# -- inductor (AOTInductor) ------------------------------------------------------------
+
+@pytest.mark.slow
+def test_aoti_matches_eager_and_loads_back():
+    """AOTInductor pieces (weights as inputs: one artifact per unique piece) match eager;
+    a second compile of the same model in this process loads the entry and builds nothing."""
+    warmed = models.aoti_store()
+    assert warmed["stats"]["built"] == warmed["stats"]["unique"] == 3
+    assert warmed["stats"]["planned"] == 3
+    assert warmed["kinds"] == ["aoti-cpu"]
+    model = models.make(models.Decoder, layers=2, seed=5)
+    compiled = cachebuild.compile(model, models.aoti_config(), DYN,
+                                  store=LocalStore(warmed["path"]))
+    before = cachebuild.stats()
+    for size in models.AOTI_SIZES + (2, 17):
+        models.assert_matches_eager(compiled, model, models.inputs(size))
+    delta = models.counters_delta(before, cachebuild.stats())
+    assert delta["built"] == 0 and delta["traced"] == 0 and delta["entries_loaded"] == 1
+    assert compiled.runtime.entry.target_keys() == warmed["target_keys"]

@@ -1,0 +1,163 @@
+"""CompileConfig: normalised, hashable, and every invalid value refused at construction
+with one clear ConfigError."""
+
+from __future__ import annotations
+
+import pytest
+
+import cachebuild
+from cachebuild.backends import register_backend
+from cachebuild.errors import ConfigError, UsageError
+from cachebuild.keys import make_key
+from cachebuild.passes import PassConfig
+from cachebuild.passes.manager import PassManager
+
+
+def test_defaults_and_normalisation():
+    a = cachebuild.CompileConfig(splitting_ops=["mylib::attention"],
+                                 compile_ranges=[[1, 64], [65, 256]], compile_sizes=[8, 4, 8],
+                                 inductor_options={"max_autotune": False, "b": 1})
+    b = cachebuild.CompileConfig(splitting_ops=("mylib::attention",),
+                                 compile_ranges=((1, 64), (65, 256)), compile_sizes=(4, 8),
+                                 inductor_options=(("b", 1), ("max_autotune", False)))
+    assert a == b and hash(a) == hash(b)
+    assert a.compile_sizes == (4, 8)
+    assert a.inductor_options_dict() == {"b": 1, "max_autotune": False}
+    assert make_key(a.factors()) == make_key(b.factors())
+    default = cachebuild.CompileConfig()
+    assert default.backend == "inductor" and default.compile_ranges == ((1, 8192),)
+    assert default.capture_sizes[:4] == (1, 2, 4, 8) and default.capture_sizes[-1] == 512
+
+
+def test_a_single_op_name_is_one_splitting_op():
+    assert cachebuild.CompileConfig(splitting_ops="mylib::attention").splitting_ops == (
+        "mylib::attention",)
+
+
+def test_buckets_in_dispatch_order():
+    cfg = cachebuild.CompileConfig(compile_ranges=((17, 48), (1, 16)), compile_sizes=(16, 4))
+    assert cfg.buckets() == [{"size": 4}, {"size": 16}, {"range": [1, 16]}, {"range": [17, 48]}]
+
+
+def test_factors_change_with_every_field():
+    base = cachebuild.CompileConfig()
+    variants = [
+        cachebuild.CompileConfig(splitting_ops=("mylib::attention",)),
+        cachebuild.CompileConfig(compile_ranges=((1, 4096),)),
+        cachebuild.CompileConfig(compile_sizes=(8,)),
+        cachebuild.CompileConfig(backend="eager_fusion"),
+        cachebuild.CompileConfig(flavour="standalone"),
+        cachebuild.CompileConfig(passes=PassConfig(cleanup=False)),
+        cachebuild.CompileConfig(inductor_options={"max_autotune": True}),
+    ]
+    keys = {make_key(c.factors()) for c in variants}
+    assert len(keys) == len(variants)
+    assert make_key(base.factors()) not in keys
+
+
+def test_run_time_policies_stay_out_of_the_factors():
+    base = cachebuild.CompileConfig()
+    for policy in (cachebuild.CompileConfig(out_of_range="eager"),
+                   cachebuild.CompileConfig(cudagraph_mode="piecewise"),
+                   cachebuild.CompileConfig(capture_sizes=(1, 2, 4))):
+        assert policy != base
+        assert make_key(policy.factors()) == make_key(base.factors())
+
+
+@pytest.mark.parametrize("ranges", [((1, 64), (64, 128)), ((1, 64), (32, 48)),
+                                    ((100, 200), (1, 150))])
+def test_overlapping_ranges(ranges):
+    with pytest.raises(ConfigError, match="compile ranges overlap"):
+        cachebuild.CompileConfig(compile_ranges=ranges)
+
+
+def test_adjacent_ranges_are_fine():
+    cfg = cachebuild.CompileConfig(compile_ranges=((1, 64), (65, 128)))
+    assert cfg.compile_ranges == ((1, 64), (65, 128))
+
+
+@pytest.mark.parametrize("ranges", [((0, 8),), ((8, 4),), ((-3, 4),)])
+def test_empty_range_or_below_one(ranges):
+    with pytest.raises(ConfigError, match="empty or starts below 1"):
+        cachebuild.CompileConfig(compile_ranges=ranges)
+
+
+@pytest.mark.parametrize("ranges", [(1, 8192), ((1, 2, 3),), ("a",), ((1, "x"),)])
+def test_ranges_that_are_not_pairs(ranges):
+    with pytest.raises(ConfigError, match=r"\(lo, hi\) pairs"):
+        cachebuild.CompileConfig(compile_ranges=ranges)
+
+
+def test_no_range():
+    with pytest.raises(ConfigError, match="compile_ranges is empty"):
+        cachebuild.CompileConfig(compile_ranges=())
+
+
+@pytest.mark.parametrize("size", [0, 65, 200])
+def test_size_outside_every_range(size):
+    with pytest.raises(ConfigError, match=f"compile size {size} lies outside every compile range"):
+        cachebuild.CompileConfig(compile_ranges=((1, 64), (100, 150)), compile_sizes=(8, size))
+
+
+def test_unknown_backend_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="unknown backend 'tvm'") as info:
+        cachebuild.CompileConfig(backend="tvm")
+    assert "eager_fusion" in str(info.value) and "inductor" in str(info.value)
+
+
+def test_registered_backend_is_accepted():
+    from cachebuild.backends.eager_fusion import EagerFusionBackend
+
+    register_backend("test_config_backend", EagerFusionBackend)
+    assert cachebuild.CompileConfig(backend="test_config_backend").backend == "test_config_backend"
+
+
+@pytest.mark.parametrize("op", ["attention", "mylib:attention", "mylib::", "::attention",
+                                "my lib::attention", "mylib::attention.default.out",
+                                "mylib::1attention", "mylib::attention()", ""])
+def test_op_name_that_does_not_parse(op):
+    with pytest.raises(ConfigError, match="does not parse: write it as 'namespace::name'"):
+        cachebuild.CompileConfig(splitting_ops=(op,))
+
+
+def test_op_name_that_is_not_a_string():
+    with pytest.raises(ConfigError, match="does not parse"):
+        cachebuild.CompileConfig(splitting_ops=(3,))
+
+
+@pytest.mark.parametrize("op", ["mylib::attention", "aten::scaled_dot_product_attention",
+                                "mylib::attention.default", "vllm::unified_attention_with_output"])
+def test_op_names_that_parse(op):
+    assert cachebuild.CompileConfig(splitting_ops=(op,)).splitting_ops == (op,)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("flavour", "tensorrt", "unknown flavour"),
+    ("cudagraph_mode", "always", "unknown cudagraph_mode"),
+    ("out_of_range", "ignore", "out_of_range must be one of"),
+    ("capture_sizes", (0, 8), "capture sizes must be positive"),
+    ("passes", {"cleanup": True}, "passes must be a cachebuild.passes.PassConfig"),
+])
+def test_other_invalid_values(field, value, message):
+    with pytest.raises(ConfigError, match=message):
+        cachebuild.CompileConfig(**{field: value})
+
+
+def test_config_error_is_a_usage_error_and_a_value_error():
+    with pytest.raises(UsageError) as info:
+        cachebuild.CompileConfig(backend="tvm")
+    assert isinstance(info.value, ValueError)
+    assert info.value.exit_code == 2
+
+
+def test_config_is_frozen():
+    cfg = cachebuild.CompileConfig()
+    with pytest.raises(AttributeError):
+        cfg.backend = "eager_fusion"  # type: ignore[misc]
+
+
+def test_pass_config_enters_the_pass_manager_factors():
+    on = PassManager.from_config(PassConfig()).factors()
+    off = PassManager.from_config(PassConfig(cleanup=False)).factors()
+    assert on["config"]["cleanup"] is True and off["config"]["cleanup"] is False
+    assert make_key(on) != make_key(off)

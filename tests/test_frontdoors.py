@@ -1,0 +1,143 @@
+"""The two front doors: ``torch.compile(model, backend=cachebuild.backend(config))`` and
+``cachebuild.compile(model, config=..., dynamic_dims=...)``. Both match eager in every
+bucket, and both plan the same targets, so either finds what the other built."""
+
+from __future__ import annotations
+
+import models
+import pytest
+import torch
+
+import cachebuild
+from cachebuild.errors import UsageError
+from cachebuild.store import LocalStore
+
+DYN = {0: 0, 1: 0}
+BUCKETED = {"compile_ranges": ((1, 16), (17, 48)), "compile_sizes": (4, 24)}
+SIZES = (9, 1, 4, 16, 17, 24, 30, 48)
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    """Each test starts with Dynamo's caches empty (models share one forward's code)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def torch_compiled(model, config, store, mark_dynamic=False):
+    compiled = torch.compile(model, backend=cachebuild.backend(config, store=store),
+                             fullgraph=True)
+    if not mark_dynamic:
+        return compiled
+
+    def call(*args):
+        for a in args:
+            torch._dynamo.mark_dynamic(a, 0)
+        return compiled(*args)
+
+    return call
+
+
+@pytest.mark.parametrize("layers", [2, 4])
+def test_torch_compile_matches_eager_in_every_bucket(tmp_path, layers):
+    """Plain torch.compile usage: the first call is traced static, later sizes dynamic."""
+    model = models.make(models.Decoder, layers=layers)
+    store = LocalStore(tmp_path / "store")
+    compiled = torch_compiled(model, models.config(**BUCKETED), store)
+    before = cachebuild.stats()
+    for size in SIZES:
+        models.assert_matches_eager(compiled, model, models.inputs(size))
+    delta = models.counters_delta(before, cachebuild.stats())
+    assert delta["traced"] == 0  # Dynamo traced, through torch.compile's own path
+    assert delta["built"] >= 12 and delta["failed"] == 0
+    # The dynamic graph dedups like cachebuild.compile: 3 unique pieces per bucket.
+    assert len([r for r in store.entries() if r.kind == "fx-graph"]) == delta["built"]
+
+
+def test_torch_compile_with_marked_dynamic_dim_plans_the_targets_cachebuild_compile_built(
+        tmp_path):
+    store = LocalStore(tmp_path / "store")
+    model = models.make(models.Decoder, layers=2)
+    direct = cachebuild.compile(model, models.config(**BUCKETED), DYN, store=store)
+    models.assert_matches_eager(direct, model, models.inputs(9))
+    keys = set(direct.runtime.entry.target_keys())
+    assert len(keys) == 12
+
+    other = models.make(models.Decoder, layers=4, seed=3)
+    compiled = torch_compiled(other, models.config(**BUCKETED), store, mark_dynamic=True)
+    before = cachebuild.stats()
+    for size in (9, 4, 16, 17, 24, 48, 2):
+        models.assert_matches_eager(compiled, other, models.inputs(size))
+    delta = models.counters_delta(before, cachebuild.stats())
+    assert delta["built"] == 0 and delta["unique"] == 12
+    assert {r.key for r in store.entries() if r.kind == "fx-graph"} == keys
+
+
+def test_torch_compile_with_graph_breaks(tmp_path):
+    """Without fullgraph, every graph Dynamo hands over goes through the build graph."""
+
+    class Broken(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = models.make(models.Decoder, layers=2)
+
+        def forward(self, ids, pos):
+            x = self.inner.embed(ids)
+            x = self.inner.layers[0](x, pos)
+            torch._dynamo.graph_break()
+            x = self.inner.layers[1](x, pos)
+            return self.inner.lm_head(self.inner.norm(x))
+
+    model = Broken().eval()
+    store = LocalStore(tmp_path / "store")
+    compiled = torch.compile(model, backend=cachebuild.backend(models.config(), store=store))
+    before = cachebuild.stats()
+    for size in (5, 12):
+        models.assert_matches_eager(compiled, model, models.inputs(size))
+    assert models.counters_delta(before, cachebuild.stats())["built"] > 0
+
+
+def test_first_call_with_one_token(tmp_path):
+    model = models.make(models.Decoder, layers=2)
+    compiled = cachebuild.compile(model, models.config(), DYN, store=LocalStore(tmp_path / "s"))
+    for size in (1, 2, 7):
+        models.assert_matches_eager(compiled, model, models.inputs(size))
+
+
+def test_default_store_is_cachebuild_dir(tmp_path, monkeypatch):
+    path = tmp_path / "from-env"
+    monkeypatch.setenv("CACHEBUILD_DIR", str(path))
+    monkeypatch.delenv("CACHEBUILD_REMOTE", raising=False)
+    model = models.make(models.Decoder, layers=1)
+    compiled = cachebuild.compile(model, models.config(), DYN)
+    models.assert_matches_eager(compiled, model, models.inputs(3))
+    kinds = sorted(r.kind for r in LocalStore(path).entries())
+    assert kinds == ["entry", "fx-graph", "fx-graph"]
+
+
+def test_model_spec_is_validated():
+    model = models.make(models.Decoder, layers=1)
+    spec = cachebuild.ModelSpec(model, list(models.inputs(4)), DYN, models.config())
+    assert isinstance(spec.example_inputs, tuple)
+    with pytest.raises(UsageError, match="torch.nn.Module"):
+        cachebuild.ModelSpec(lambda x: x, models.inputs(4), DYN, models.config())
+    with pytest.raises(UsageError, match="CompileConfig"):
+        cachebuild.ModelSpec(model, models.inputs(4), DYN, {"backend": "inductor"})
+
+
+@pytest.mark.slow
+def test_torch_compile_aoti_loads_what_cachebuild_compile_built():
+    """The torch.compile front door with AOTInductor: the pieces of Dynamo's graph have the
+    keys cachebuild.compile built (``models.aoti_store``), so nothing is compiled."""
+    warmed = models.aoti_store()
+    model = models.make(models.Decoder, layers=2, seed=9)
+    compiled = torch_compiled(model, models.aoti_config(), LocalStore(warmed["path"]),
+                              mark_dynamic=True)
+    before = cachebuild.stats()
+    for size in (5, 32, 2, 17):
+        models.assert_matches_eager(compiled, model, models.inputs(size))
+    delta = models.counters_delta(before, cachebuild.stats())
+    assert delta["built"] == 0 and delta["unique"] == 3

@@ -1,0 +1,204 @@
+"""Tracing a model into one graph and cutting it at splitting ops."""
+
+from __future__ import annotations
+
+import models
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import cachebuild
+from cachebuild.errors import UsageError
+from cachebuild.split import is_splitting, split_graph
+from cachebuild.store import LocalStore
+from cachebuild.trace import trace_model
+
+
+def flat_inputs(traced, model, args):
+    """The traced graph's inputs for a live call, from its bindings."""
+    out = []
+    for b in traced.bindings:
+        if b.kind == "param":
+            out.append(model.get_parameter(b.path))
+        elif b.kind == "buffer":
+            out.append(model.get_buffer(b.path))
+        elif b.kind == "arg":
+            out.append(args[b.arg])
+        elif b.kind == "size":
+            out.append(args[b.arg].shape[b.dim])
+        else:
+            out.append(b.dim)
+    return out
+
+
+def runnable(plan):
+    """``plan.stitch`` with each compiled piece's tuple unwrapped where the stitching graph
+    expects a bare value (what the runtime's PieceRunner does)."""
+
+    class Unwrap(nn.Module):
+        def __init__(self, gm):
+            super().__init__()
+            self.gm = gm
+
+        def forward(self, *args):
+            return self.gm(*args)[0]
+
+    for piece in plan.pieces:
+        if piece.compiled and piece.single_output:
+            setattr(plan.stitch, piece.name, Unwrap(piece.gm))
+    return plan.stitch
+
+
+def calls(gm, op_name):
+    return sum(is_splitting(n, {op_name}) for n in gm.graph.nodes)
+
+
+@pytest.fixture(scope="module")
+def decoder():
+    model = models.make(models.Decoder, layers=2)
+    return model, trace_model(model, models.inputs(8), {0: 0, 1: 0})
+
+
+def test_trace_binds_every_input(decoder):
+    model, traced = decoder
+    kinds = {b.kind for b in traced.bindings}
+    assert kinds <= {"param", "buffer", "arg", "size"}
+    params = {b.path for b in traced.bindings if b.kind == "param"}
+    assert params == {name for name, _ in model.named_parameters()}
+    assert {b.path for b in traced.bindings if b.kind == "buffer"} == {
+        "layers.0.inv_freq", "layers.1.inv_freq"}
+    assert {b.arg for b in traced.bindings if b.kind == "arg"} == {0, 1}
+    # The file defining the model is among the traced sources, torch's own files are not.
+    assert str(models.TESTS_DIR / "models.py") in traced.source_files
+    assert not any("/torch/" in path for path in traced.source_files)
+
+
+def test_pieces_alternate_compiled_and_splitting(decoder):
+    _, traced = decoder
+    plan = split_graph(traced, (models.ATTENTION,))
+    assert [p.compiled for p in plan.pieces] == [True, False, True, False, True]
+    for piece in plan.pieces:
+        if piece.compiled:
+            assert calls(piece.gm, models.ATTENTION) == 0
+            # Compiled pieces take tensors only (weights included) and read no attributes.
+            assert all(m.kind == "tensor" for m in piece.input_metas)
+            assert not any(n.op == "get_attr" for n in piece.gm.graph.nodes)
+            assert piece.size_input is not None
+        else:
+            assert calls(piece.gm, models.ATTENTION) == 1
+
+
+def test_packet_and_overload_names_split_alike(decoder):
+    _, traced = decoder
+    by_packet = split_graph(traced, (models.ATTENTION,))
+    by_overload = split_graph(traced, (models.ATTENTION + ".default",))
+    assert [p.compiled for p in by_packet.pieces] == [p.compiled for p in by_overload.pieces]
+    assert [str(p.gm.graph) for p in by_packet.pieces] == [
+        str(p.gm.graph) for p in by_overload.pieces]
+
+
+def test_no_splitting_op_gives_one_piece(decoder):
+    _, traced = decoder
+    plan = split_graph(traced, ())
+    assert [p.compiled for p in plan.pieces] == [True]
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 13])
+def test_stitched_split_computes_the_model(decoder, tokens):
+    model, traced = decoder
+    plan = split_graph(traced, (models.ATTENTION,))
+    args = models.inputs(tokens)
+    with torch.no_grad():
+        out = runnable(plan)(*flat_inputs(traced, model, args))
+        ref = model(*args)
+    torch.testing.assert_close(out[0], ref, **models.TOL)
+
+
+def test_unknown_splitting_op_lists_the_ops_the_graph_contains(decoder):
+    _, traced = decoder
+    with pytest.raises(UsageError) as info:
+        split_graph(traced, ("mylib::attn", models.ATTENTION))
+    message = str(info.value)
+    assert "['mylib::attn'] not found in the traced graph" in message
+    for op in (models.ATTENTION, "aten::linear", "aten::embedding", "aten::rms_norm"):
+        assert op in message
+
+
+def test_unknown_splitting_op_through_compile(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    model = models.make(models.Decoder, layers=1)
+    compiled = cachebuild.compile(model, models.config(splitting_ops=("mylib::attn",)),
+                                  {0: 0, 1: 0}, store=store)
+    with pytest.raises(UsageError, match=r"mylib::attn.*it contains: .*cachebuild_tests::attention"):
+        compiled(*models.inputs(8))
+    assert list(store.entries()) == []
+
+
+class SdpaModel(nn.Module):
+    """Multi-head self-attention through F.scaled_dot_product_attention, one sequence."""
+
+    def __init__(self, hidden: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.out = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q, k, v = self.qkv(x).view(t, 3, self.heads, -1).permute(1, 2, 0, 3)
+        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(a.transpose(0, 1).reshape(t, -1)).relu()
+
+
+def test_split_at_an_aten_op():
+    torch.manual_seed(0)
+    model = SdpaModel().eval()
+    traced = trace_model(model, (torch.randn(6, 16),), {0: 0})
+    plan = split_graph(traced, ("aten::scaled_dot_product_attention",))
+    assert [p.compiled for p in plan.pieces] == [True, False, True]
+    x = torch.randn(9, 16)
+    with torch.no_grad():
+        out = runnable(plan)(*flat_inputs(traced, model, (x,)))
+    torch.testing.assert_close(out[0], model(x), **models.TOL)
+
+
+class GraphBreak(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.sum() > 0:  # data-dependent control flow
+            return x + 1
+        return x - 1
+
+
+class PlainTensorAttribute(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = torch.ones(4)  # neither a parameter nor a buffer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale
+
+
+def test_forward_that_does_not_trace_as_one_graph():
+    with pytest.raises(UsageError, match="does not trace as one graph"):
+        trace_model(GraphBreak(), (torch.randn(4, 4),), {0: 0})
+
+
+def test_plain_tensor_attribute_is_refused():
+    with pytest.raises(UsageError, match="register_buffer"):
+        trace_model(PlainTensorAttribute(), (torch.randn(3, 4),), {0: 0})
+
+
+@pytest.mark.parametrize("dynamic_dims,message", [
+    ({2: 0}, "not a tensor argument"),
+    ({0: 3}, "names dim 3 of argument 0"),
+])
+def test_bad_dynamic_dims(dynamic_dims, message):
+    with pytest.raises(UsageError, match=message):
+        trace_model(models.make(models.Decoder, layers=1), models.inputs(4), dynamic_dims)
+
+
+def test_dynamic_dims_of_different_sizes():
+    ids, _ = models.inputs(4)
+    with pytest.raises(UsageError, match="must have one size"):
+        trace_model(models.make(models.Decoder, layers=1), (ids, torch.arange(5)), {0: 0, 1: 0})

@@ -1,0 +1,277 @@
+"""Warm starts: a fresh process with a warmed store runs no Dynamo frame, builds nothing,
+matches eager, and (on the AOTI path) imports neither Dynamo nor Inductor; traced source
+files decide whether an entry is still valid; calls that do not fit the entry are refused."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import textwrap
+import warnings
+
+import models
+import pytest
+import torch
+
+import cachebuild
+from cachebuild.entry import Entry
+from cachebuild.errors import UsageError
+from cachebuild.store import LocalStore
+
+DYN = {0: 0, 1: 0}
+
+#: Runs in a fresh process: compile a 2-layer Decoder against STORE, compare with eager
+#: at a few sizes, and report the counters, Dynamo's own counters and the compiler
+#: modules imported (looked at before anything imports Dynamo to read its counters).
+WARM_CHILD = """
+import json, os, sys
+
+import torch
+
+import cachebuild
+import models
+from cachebuild.store import LocalStore
+
+config = models.aoti_config() if os.environ["BACKEND"] == "aoti" else models.config()
+model = models.make(models.Decoder, layers=2, seed=11)
+compiled = cachebuild.compile(model, config, {0: 0, 1: 0}, store=LocalStore(os.environ["STORE"]))
+for size in models.AOTI_SIZES:
+    models.assert_matches_eager(compiled, model, models.inputs(size))
+compilers = sorted(m for m in sys.modules if m.split(".")[:2] in (["torch", "_dynamo"],
+                                                                  ["torch", "_inductor"]))
+from torch._dynamo.utils import counters
+
+print(json.dumps({"stats": cachebuild.stats(), "compilers": compilers,
+                  "frames": counters["frames"]["total"],
+                  "graphs": counters["stats"]["unique_graphs"]}))
+"""
+
+
+def assert_fully_warm(child, unique):
+    assert child["frames"] == 0 and child["graphs"] == 0  # Dynamo compiled no frame
+    stats = child["stats"]
+    assert stats["traced"] == 0 and stats["built"] == 0 and stats["failed"] == 0
+    assert stats["entries_loaded"] == 1 and stats["loaded"] == unique
+
+
+@pytest.mark.slow
+def test_fresh_process_after_warm_aoti_imports_no_compiler():
+    warmed = models.aoti_store()
+    child = models.run_python(WARM_CHILD, env={"STORE": str(warmed["path"]), "BACKEND": "aoti"})
+    assert_fully_warm(child, unique=3)
+    assert child["compilers"] == []
+
+
+def test_fresh_process_after_warm_eager_fusion(tmp_path):
+    path = tmp_path / "store"
+    cold = models.run_python(WARM_CHILD, env={"STORE": str(path), "BACKEND": "eager_fusion"})
+    # The cold process traced: Dynamo's counters do see it (the warm check below can fail).
+    assert cold["stats"]["traced"] == 1 and cold["graphs"] >= 1 and cold["stats"]["built"] == 3
+    warm = models.run_python(WARM_CHILD, env={"STORE": str(path), "BACKEND": "eager_fusion"})
+    assert_fully_warm(warm, unique=3)
+    assert warm["compilers"] == []
+
+
+# -- traced source files ---------------------------------------------------------------
+
+LAYERS_FILE = '''
+import torch.nn.functional as F
+
+
+def mlp(x, gate_up, down):
+    gate, up = gate_up(x).chunk(2, dim=-1)
+    return down(F.silu(gate) * up)
+'''
+
+MODEL_FILE = '''
+import torch
+import torch.nn as nn
+
+import edit_layers
+import models
+
+
+class EditModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = models.make(models.Decoder, layers=2)
+        torch.manual_seed(1)
+        self.gate_up = nn.Linear(models.HIDDEN, 2 * models.MLP, bias=False)
+        self.down = nn.Linear(models.MLP, models.HIDDEN, bias=False)
+
+    def forward(self, ids, pos):
+        x = self.inner.embed(ids)
+        for layer in self.inner.layers:
+            x = layer(x, pos)
+        x = x + edit_layers.mlp(self.inner.norm(x), self.gate_up, self.down)
+        return self.inner.lm_head(x)
+'''
+
+EDIT_CHILD = """
+import json, os
+
+import cachebuild
+import edit_model
+import models
+from cachebuild.store import LocalStore
+
+model = edit_model.EditModel().eval()
+compiled = cachebuild.compile(model, models.config(), {0: 0, 1: 0},
+                              store=LocalStore(os.environ["STORE"]))
+for size in (3, 16):
+    models.assert_matches_eager(compiled, model, models.inputs(size))
+from torch._dynamo.utils import counters
+
+print(json.dumps({"stats": cachebuild.stats(), "entry": compiled.runtime.entry.key,
+                  "files": sorted(compiled.runtime.entry.source_files),
+                  "graphs": counters["stats"]["unique_graphs"]}))
+"""
+
+
+def test_traced_files_decide_whether_the_entry_is_valid(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    layers, model_file = src / "edit_layers.py", src / "edit_model.py"
+    layers.write_text(LAYERS_FILE)
+    model_file.write_text(MODEL_FILE)
+    path = tmp_path / "store"
+
+    def run():
+        return models.run_python(EDIT_CHILD, env={"STORE": str(path)}, extra_path=[src])
+
+    cold = run()
+    assert cold["stats"]["traced"] == 1 and cold["graphs"] >= 1
+    assert {str(layers), str(model_file), str(models.TESTS_DIR / "models.py")} <= set(
+        cold["files"])
+
+    # Comments and blank lines only, in both files: the entry stays valid.
+    layers.write_text("# helpers for the edit test\n\n" + LAYERS_FILE.replace(
+        "    gate, up", "    # split the projection\n\n    gate, up") + "\n\n# end\n")
+    model_file.write_text(MODEL_FILE.replace("        x = x + edit_layers",
+                                             "        # the extra MLP\n\n        x = x + edit_layers"))
+    warm = run()
+    assert warm["stats"]["traced"] == 0 and warm["graphs"] == 0
+    assert warm["stats"]["entries_loaded"] == 1 and warm["stats"]["built"] == 0
+    assert warm["entry"] == cold["entry"]
+
+    # Code in a traced helper file: the entry is stale, traced again, re-recorded.
+    layers.write_text(LAYERS_FILE.replace("F.silu(gate)", "F.gelu(gate)"))
+    stale = run()
+    assert stale["stats"]["traced"] == 1 and stale["graphs"] >= 1
+    assert stale["stats"]["built"] >= 1  # the piece holding the edited MLP changed
+    assert stale["entry"] == cold["entry"]
+    store = LocalStore(path)
+    assert Entry.from_bytes(store.get(cold["entry"])).stale_files() == []
+
+    # Code in the file that defines the model class: traced again too.
+    model_file.write_text(MODEL_FILE.replace("x = x + edit_layers", "x = x - edit_layers"))
+    edited = run()
+    assert edited["stats"]["traced"] == 1 and edited["graphs"] >= 1
+    assert edited["stats"]["built"] >= 1
+
+
+def test_stale_entry_in_this_process(tmp_path, monkeypatch):
+    """The same check in-process: a traced file that vanished makes the entry stale."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "vanishing_helpers.py").write_text(textwrap.dedent("""
+        def double(x):
+            return x * 2
+    """))
+    spec = importlib.util.spec_from_file_location("vanishing_helpers", src / "vanishing_helpers.py")
+    helpers = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, "vanishing_helpers", helpers)
+    spec.loader.exec_module(helpers)
+
+    class UsesHelper(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = models.make(models.Decoder, layers=1)
+
+        def forward(self, ids, pos):
+            return helpers.double(self.inner(ids, pos))
+
+    store = LocalStore(tmp_path / "store")
+    model = UsesHelper().eval()
+    models.assert_matches_eager(cachebuild.compile(model, models.config(), DYN, store=store),
+                                model, models.inputs(4))
+    before = cachebuild.stats()
+    models.assert_matches_eager(cachebuild.compile(model, models.config(), DYN, store=store),
+                                model, models.inputs(4))
+    assert models.counters_delta(before, cachebuild.stats())["traced"] == 0
+    (src / "vanishing_helpers.py").unlink()
+    before = cachebuild.stats()
+    models.assert_matches_eager(cachebuild.compile(model, models.config(), DYN, store=store),
+                                model, models.inputs(4))
+    assert models.counters_delta(before, cachebuild.stats())["traced"] == 1
+
+
+# -- calls that do not fit the entry ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    """A LayerStack (hidden states [T, 32], positions [T]) compiled for T in 1..16."""
+    model = models.make(models.LayerStack, layers=2)
+    store = LocalStore(tmp_path_factory.mktemp("stack") / "store")
+    compiled = cachebuild.compile(model, models.config(compile_ranges=((1, 16),)), DYN,
+                                  store=store)
+    models.assert_matches_eager(compiled, model, models.hidden_inputs(8))
+    return model, compiled, store
+
+
+@pytest.mark.parametrize("args,message", ids=["dtype", "arg-dtype", "rank-up", "rank-down",
+                                              "static-dim", "missing-arg", "not-a-tensor"],
+                         argvalues=[
+    (lambda x, p: (x.double(), p), "argument 0 is float64 with 2 dims; the compiled model "
+                                   "takes float32 with 2 dims"),
+    (lambda x, p: (x, p.int()), "argument 1 is int32 with 1 dims"),
+    (lambda x, p: (x[None], p), "argument 0 is float32 with 3 dims"),
+    (lambda x, p: (x.flatten(), p), "argument 0 is float32 with 1 dims"),
+    (lambda x, p: (torch.cat([x, x], dim=1), p),
+     "argument 0 has size 64 in dim 1, which was compiled static at 32"),
+    (lambda x, p: (x,), "expected at least 2 arguments, got 1"),
+    (lambda x, p: (x, p.tolist()), "argument 1 must be a tensor, got list"),
+])
+def test_calls_that_do_not_fit_are_refused(stack, args, message):
+    _, compiled, _ = stack
+    with pytest.raises(UsageError, match=message.replace("(", r"\(")):
+        compiled(*args(*models.hidden_inputs(5)))
+    # ... and the module still works afterwards.
+    models.assert_matches_eager(compiled, stack[0], models.hidden_inputs(5))
+
+
+def test_calls_that_do_not_fit_a_warm_loaded_entry_are_refused(stack):
+    model, _, store = stack
+    warm = cachebuild.compile(model, models.config(compile_ranges=((1, 16),)), DYN, store=store)
+    before = cachebuild.stats()
+    models.assert_matches_eager(warm, model, models.hidden_inputs(3))
+    assert models.counters_delta(before, cachebuild.stats())["entries_loaded"] == 1
+    x, p = models.hidden_inputs(3)
+    with pytest.raises(UsageError, match="compiled static at 32"):
+        warm(torch.cat([x, x], dim=1), p)
+    with pytest.raises(UsageError, match="float16"):
+        warm(x.half(), p)
+
+
+def test_size_outside_every_range_is_an_error(stack):
+    _, compiled, _ = stack
+    with pytest.raises(UsageError, match=r"size 17 of the dynamic dim is outside every compile "
+                                         r"range \[\(1, 16\)\]; add a range or set "
+                                         r"out_of_range='eager'"):
+        compiled(*models.hidden_inputs(17))
+
+
+def test_size_outside_every_range_runs_eagerly_with_one_warning(tmp_path):
+    model = models.make(models.LayerStack, layers=2)
+    compiled = cachebuild.compile(
+        model, models.config(compile_ranges=((1, 16),), out_of_range="eager"), DYN,
+        store=LocalStore(tmp_path / "store"))
+    models.assert_matches_eager(compiled, model, models.hidden_inputs(4))
+    with pytest.warns(UserWarning, match="size 20 is outside every compile range; running "
+                                         "eagerly") as caught:
+        models.assert_matches_eager(compiled, model, models.hidden_inputs(20))
+    assert len([w for w in caught if "outside every compile range" in str(w.message)]) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a second out-of-range call warns no more
+        models.assert_matches_eager(compiled, model, models.hidden_inputs(33))
+    models.assert_matches_eager(compiled, model, models.hidden_inputs(16))
