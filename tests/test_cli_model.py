@@ -1,0 +1,162 @@
+"""The model commands through the real CLI: warm, plan, explain, pin, and bad model files."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from cachebuild.store import LocalStore
+
+ROOT = Path(__file__).resolve().parent.parent
+SMALL = {"LLAMA_LAYERS": "2", "LLAMA_HIDDEN": "64", "LLAMA_HEADS": "4", "LLAMA_KV_HEADS": "2",
+         "LLAMA_MLP": "128", "LLAMA_VOCAB": "128"}
+SUMMARY = re.compile(r"(\d+) targets: (\d+) already stored, (\d+) built, (\d+) failed")
+
+MODEL = f"""
+import dataclasses, sys
+sys.path.insert(0, {str(ROOT / "examples")!r})
+import llama
+
+def build():
+    spec = llama.build()
+    return dataclasses.replace(spec, config=dataclasses.replace(spec.config, backend="eager_fusion"))
+"""
+
+
+def cli(store: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True):
+    full_env = {**os.environ, **SMALL, **(env or {}), "CACHEBUILD_DIR": str(store),
+                "COLUMNS": "200"}
+    command = [sys.executable, "-m", "cachebuild.cli", *args]
+    if not wait:
+        return subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    return subprocess.run(command, env=full_env, capture_output=True, text=True, timeout=600)
+
+
+def summary(text: str) -> tuple[int, int, int, int]:
+    match = SUMMARY.search(" ".join(text.split()))
+    assert match, text[-2000:]
+    return tuple(int(g) for g in match.groups())  # type: ignore[return-value]
+
+
+def snapshot(store: Path) -> set:
+    """What the store holds: records (key, kind, size, pinned) and blob files."""
+    with LocalStore(store) as s:
+        records = {(r.key, r.kind, r.size, r.pinned) for r in s.entries(manifests=False)}
+    files = {str(p.relative_to(store)) for p in (store / "v1" / "objects").rglob("*") if p.is_file()}
+    return records | files
+
+
+@pytest.fixture
+def model(tmp_path) -> Path:
+    path = tmp_path / "model.py"
+    path.write_text(MODEL)
+    return path
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    (None, "no such model file"),
+    ("import nonexistent_module_xyz\n", "failed to import: ModuleNotFoundError"),
+    ("x = 1\n", "defines no build() function"),
+    ("def build():\n    raise RuntimeError('no weights here')\n", "build() raised RuntimeError"),
+    ("def build():\n    return 42\n", "not a cachebuild.ModelSpec"),
+])
+def test_bad_model_files_exit_2_with_one_line(tmp_path, source, expected):
+    path = tmp_path / "bad.py"
+    if source is not None:
+        path.write_text(source)
+    proc = cli(tmp_path / "store", "warm", str(path))
+    assert proc.returncode == 2, proc.stderr
+    lines = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), proc.stderr
+    assert expected in lines[0] and str(path) in " ".join(lines[0].split())
+    assert "Traceback" not in proc.stderr
+    if source and "raise" in source:
+        assert f"{path}:2" in lines[0]  # the line that raised
+
+
+def test_dry_run_plan_and_explain_change_nothing(tmp_path, model):
+    store = tmp_path / "store"
+    for args in (["warm", "--dry-run"], ["plan"], ["explain"]):
+        proc = cli(store, *args, str(model))
+        assert proc.returncode == 0, proc.stderr
+    assert snapshot(store) == set()  # an empty store stays empty
+    assert "would be built" in cli(store, "warm", "--dry-run", str(model)).stderr
+    assert summary(cli(store, "warm", str(model), "--jobs", "2").stderr)[2] == 3
+    before = snapshot(store)
+    for args in (["warm", "--dry-run"], ["plan"], ["explain"]):
+        proc = cli(store, *args, str(model))
+        assert proc.returncode == 0, proc.stderr
+    assert snapshot(store) == before
+    plan = cli(store, "plan", str(model)).stdout
+    assert plan.count("stored") >= 3 and "missing" not in plan
+    assert "every target is stored" in cli(store, "explain", str(model)).stdout
+
+
+def test_two_warms_at_once_build_each_target_once(tmp_path, model):
+    store = tmp_path / "store"
+    runs = [cli(store, "warm", str(model), "--jobs", "2", wait=False) for _ in range(2)]
+    results = [r.communicate(timeout=600) for r in runs]
+    assert all(r.returncode == 0 for r in runs), results
+    totals = [summary(err) for _, err in results]
+    assert {t[0] for t in totals} == {3}
+    assert sum(t[2] for t in totals) == 3  # built once in total
+    assert cli(store, "warm", str(model)).returncode == 0
+    assert summary(cli(store, "warm", str(model)).stderr)[1:3] == (3, 0)
+
+
+def test_explain_names_what_changed_and_pin_keeps_the_entry(tmp_path, model):
+    store = tmp_path / "store"
+    assert cli(store, "warm", str(model)).returncode == 0
+    proc = cli(store, "explain", str(model), env={"LLAMA_MAX_TOKENS": "256"})
+    assert proc.returncode == 0, proc.stderr
+    text = " ".join(proc.stdout.split())
+    assert text.count("missing") == 3 and "a different shape bucket" in text
+    # Same buckets, a wider MLP: the two pieces holding an MLP are stale; the first piece
+    # (embedding, norm, qkv) has no MLP and is still stored.
+    plan = cli(store, "plan", str(model), env={"LLAMA_MLP": "192"}).stdout
+    assert plan.count("stale") == 2 and plan.count("stored") == 1
+    changed = " ".join(cli(store, "explain", str(model), env={"LLAMA_MLP": "192"}).stdout.split())
+    assert changed.count("differ (model code or shapes changed)") == 2
+    assert cli(store, "pin", str(model)).returncode == 0
+    with LocalStore(store) as s:
+        entries = [r for r in s.entries() if r.kind == "entry"]
+    assert len(entries) == 1 and entries[0].pinned
+    gc = cli(store, "gc", "--max-size", "0")
+    assert gc.returncode == 0, gc.stderr
+    assert summary(cli(store, "warm", str(model)).stderr)[1:3] == (3, 0)  # survived GC
+
+
+def test_failing_target_is_reported_and_the_others_build(tmp_path):
+    path = tmp_path / "model.py"
+    path.write_text(MODEL + textwrap.dedent("""
+        from cachebuild.backends import register_backend
+        from cachebuild.backends.eager_fusion import EagerFusionBackend
+
+        class Flaky(EagerFusionBackend):
+            name = "flaky"
+            def compile(self, request):
+                if request.key.startswith(tuple("01234567")):
+                    raise RuntimeError("this compiler rejects the piece")
+                return super().compile(request)
+
+        register_backend("flaky", Flaky)
+
+        def build():
+            spec = llama.build()
+            return dataclasses.replace(spec, config=dataclasses.replace(spec.config, backend="flaky"))
+        """))
+    proc = cli(tmp_path / "store", "warm", str(path), "--jobs", "2")
+    total, stored, built, failed = summary(proc.stderr)
+    assert total == 3 and built + failed == 3
+    if failed:
+        assert proc.returncode == 1
+        assert "this compiler rejects the piece" in proc.stderr and "piece" in proc.stderr
+    else:
+        assert proc.returncode == 0
