@@ -142,8 +142,8 @@ def test_failing_target_is_reported_and_the_others_build(tmp_path):
         class Flaky(EagerFusionBackend):
             name = "flaky"
             def compile(self, request):
-                if request.key.startswith(tuple("01234567")):
-                    raise RuntimeError("this compiler rejects the piece")
+                if any("embedding" in str(n.target) for n in request.gm.graph.nodes):
+                    raise RuntimeError("this compiler rejects the piece")  # the first piece
                 return super().compile(request)
 
         register_backend("flaky", Flaky)
@@ -154,9 +154,7 @@ def test_failing_target_is_reported_and_the_others_build(tmp_path):
         """))
     proc = cli(tmp_path / "store", "warm", str(path), "--jobs", "2")
     total, stored, built, failed = summary(proc.stderr)
-    assert total == 3 and built + failed == 3
-    if failed:
-        assert proc.returncode == 1
-        assert "this compiler rejects the piece" in proc.stderr and "piece" in proc.stderr
-    else:
-        assert proc.returncode == 0
+    assert (total, built, failed) == (3, 2, 1)
+    assert proc.returncode == 1
+    text = " ".join(proc.stderr.split())
+    assert "this compiler rejects the piece" in text and "piece 0 range 1-512" in text
