@@ -402,14 +402,24 @@ class LocalStore:
             return None
 
     def _read_payload(self, key: str, small: dict[str, Any]) -> bytes | None:
+        def read(fd: int) -> tuple[BlobHeader, bytes]:
+            return read_blob_fd(fd, expected_key=key, signing_key=self._signing_key,
+                                require_signature=self.require_signature)
+
+        return self._read_verified(key, small, read)
+
+    def _read_verified(self, key: str, small: dict[str, Any],
+                       read: Callable[[int], tuple[BlobHeader, bytes]]) -> bytes | None:
+        """``read(fd)``'s bytes for the blob of ``key``, checked against its index record.
+
+        None if the blob is gone; a blob that fails verification is quarantined, and None.
+        """
         fd = self._open_blob(key)
         if fd is None:
             return None
         try:
             try:
-                header, payload = read_blob_fd(fd, expected_key=key,
-                                               signing_key=self._signing_key,
-                                               require_signature=self.require_signature)
+                header, data = read(fd)
                 if header.checksum != small["checksum"] and not self._record_matches(key, header):
                     raise CorruptBlob("checksum differs from the index record", key)
             except CorruptBlob as e:
@@ -417,7 +427,7 @@ class LocalStore:
                 return None
         finally:
             os.close(fd)
-        return payload
+        return data
 
     def _record_matches(self, key: str, header: BlobHeader) -> bool:
         # The record may have been replaced (delete + put) between our index read and our
@@ -436,22 +446,13 @@ class LocalStore:
         small = self._index.get_small(key)
         if small is None:
             return None
-        fd = self._open_blob(key)
-        if fd is None:
-            return None
-        try:
+
+        def read(fd: int) -> tuple[BlobHeader, bytes]:
             data = _read_all(fd)
-            try:
-                header = check_blob(data, expected_key=key, signing_key=self._signing_key,
-                                    require_signature=self.require_signature)
-                if header.checksum != small["checksum"] and not self._record_matches(key, header):
-                    raise CorruptBlob("checksum differs from the index record", key)
-            except CorruptBlob as e:
-                self._quarantine(key, os.fstat(fd).st_ino, e.reason)
-                return None
-        finally:
-            os.close(fd)
-        return data
+            return check_blob(data, expected_key=key, signing_key=self._signing_key,
+                              require_signature=self.require_signature), data
+
+        return self._read_verified(key, small, read)
 
     def get_record(self, key: str) -> Record | None:
         """The index record of ``key`` (no blob is read), including this process's
