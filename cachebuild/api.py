@@ -23,7 +23,7 @@ import torch
 from cachebuild.build import Builder
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase, snapshot
-from cachebuild.entry import Entry, device_of, entry_factors, make_entry
+from cachebuild.entry import Entry, entry_factors, make_entry
 from cachebuild.env import env_factors
 from cachebuild.errors import UsageError
 from cachebuild.keys import make_key
@@ -281,6 +281,3 @@ def stats() -> dict[str, Any]:
     """This process's counters: planned, unique, loaded, built, failed, seconds per phase."""
     return snapshot()
 
-
-def device_for(model: torch.nn.Module, args: tuple[Any, ...]) -> str:
-    return device_of(model, args)

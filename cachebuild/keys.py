@@ -16,8 +16,6 @@ from typing import Any
 
 import xxhash
 
-KEY_HEX_CHARS = 32
-
 
 def canonical_json(factors: Any) -> str:
     """Render ``factors`` as canonical JSON: equal values give equal strings.
@@ -53,11 +51,6 @@ def _canonical(value: Any) -> Any:
 def make_key(factors: dict[str, Any]) -> str:
     """The key of a dict of factors: xxh3-128 of its canonical JSON, 32 lowercase hex."""
     return xxhash.xxh3_128_hexdigest(canonical_json(factors).encode())
-
-
-def is_key(text: str) -> bool:
-    """True if ``text`` looks like a key made by ``make_key``."""
-    return len(text) == KEY_HEX_CHARS and all(c in "0123456789abcdef" for c in text)
 
 
 @dataclass(frozen=True)
@@ -109,7 +102,3 @@ def diff_manifests(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -
             diffs.append(Difference(path, a, b))
     return diffs
 
-
-def distance(old: dict[str, Any], new: dict[str, Any]) -> int:
-    """How many factors differ: used to pick the nearest stored manifest."""
-    return len(diff_manifests(old, new))
