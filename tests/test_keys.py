@@ -1,0 +1,49 @@
+"""Keys and manifests: canonical JSON, xxh3-128, and the diff that explain is built on."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachebuild.explain import describe, explain
+from cachebuild.keys import MISSING, canonical_json, diff_manifests, make_key
+
+
+def test_key_is_32_lowercase_hex_and_ignores_dict_order():
+    a = make_key({"graph": [1, 2], "env": {"torch": "2.13.0", "python": "3.11"}})
+    b = make_key({"env": {"python": "3.11", "torch": "2.13.0"}, "graph": [1, 2]})
+    assert a == b and len(a) == 32 and all(c in "0123456789abcdef" for c in a)
+
+
+def test_canonical_json_keeps_types_apart():
+    assert make_key({"x": 1}) != make_key({"x": 1.0}) != make_key({"x": "1"})
+    assert make_key({"x": True}) != make_key({"x": 1})
+    assert canonical_json({"t": (1, 2)}) == canonical_json({"t": [1, 2]})
+
+
+@pytest.mark.parametrize("bad", [{"x": float("nan")}, {"x": object()}, {1: "non-string key"}])
+def test_ambiguous_factors_are_refused(bad):
+    with pytest.raises((TypeError, ValueError)):
+        make_key(bad)
+
+
+def test_diff_names_each_differing_factor():
+    old = {"env": {"torch": "2.11.0", "python": "3.12"}, "bucket": {"range": [1, 512]},
+           "graph": {"nodes": [1, 2, 3]}}
+    new = {"env": {"torch": "2.13.0", "python": "3.12"}, "bucket": {"range": [1, 512]},
+           "graph": {"nodes": [1, 2, 4]}, "extra": 1}
+    diffs = {d.path: d for d in diff_manifests(old, new)}
+    assert set(diffs) == {"env.torch", "graph.nodes", "extra"}
+    assert diffs["extra"].old is MISSING
+    assert describe(diffs["env.torch"]) == ["torch 2.11.0 → 2.13.0"]
+
+
+def test_explain_picks_the_nearest_manifest_and_says_why_in_words():
+    wanted = {"env": {"torch": "2.13.0"}, "bucket": {"size": 4},
+              "passes": {"config": {}, "passes": [{"name": "rms_quant", "uuid": "b"}]}}
+    near = {"env": {"torch": "2.13.0"}, "bucket": {"size": 4},
+            "passes": {"config": {}, "passes": [{"name": "rms_quant", "uuid": "a"}]}}
+    far = {"env": {"torch": "2.11.0"}, "bucket": {"size": 8},
+           "passes": {"config": {}, "passes": []}}
+    why = explain(wanted, [("far", far), ("near", near)])
+    assert why.nearest == "near" and why.reasons == ["pass rms_quant changed"]
+    assert explain(wanted, []).nearest is None
