@@ -10,7 +10,9 @@ fallback where AOTI packages cannot load (``probe.py``) or a piece AOTInductor r
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import json
 import logging
 import os
 import shutil
@@ -30,7 +32,7 @@ from cachebuild.backends.base import (
 
 log = logging.getLogger("cachebuild.inductor")
 
-VERSION = "1"
+VERSION = "2"  # 2: packed payloads (AOTI proxy JSON, CPU kernels of standalone)
 
 
 def _inductor_options(request: BuildRequest) -> dict[str, Any]:
@@ -101,26 +103,47 @@ class InductorBackend:
                          if not p.endswith("_metadata.json")]
                 if proxy:
                     with open(proxy[0], "rb") as f:
-                        payload = pack_library(payload, f.read())
+                        payload = pack({"library": payload, "proxy.json": f.read()})
         kind = "aoti-cuda" if device.startswith("cuda") else "aoti-cpu"
         return Artifact(kind, payload, {"flavour": "aoti"})
 
     def _compile_standalone(self, request: BuildRequest) -> Artifact:
         from torch._inductor import standalone_compile
+        from torch._inductor.runtime.cache_dir_utils import cache_dir
 
+        from cachebuild import compat
         from cachebuild.split import record_example_values
 
         fake_mode, fake_args = symbolic_fake_inputs(request.input_metas, request.bucket)
         record_example_values(request.gm, fake_args)
         options = {"config_patches": _inductor_options(request)}
-        with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
-            art = standalone_compile(request.gm, fake_args, dynamic_shapes="from_tracing_context",
-                                     options=options)
-        with tempfile.TemporaryDirectory(prefix="cachebuild-sa-") as tmp:
-            path = os.path.join(tmp, "artifact.bin")
-            art.save(path=path, format="binary")
-            with open(path, "rb") as f:
-                payload = f.read()
+        cpu = all(m.device_type == "cpu" for m in request.input_metas if m.kind == "tensor")
+        # On CPU the artifact holds C++ source that a loading process would build again:
+        # compile into an empty Inductor cache, so that the built kernels found there
+        # afterwards are exactly this artifact's, and ship them with it.
+        from torch._inductor import config
+
+        # No precompiled headers either: their path enters the kernels' cache keys, and a
+        # loading process must find the kernels under the same keys (see load_standalone).
+        with compat.fresh_inductor_cache() if cpu else contextlib.nullcontext(), \
+                config.patch(cpp_cache_precompile_headers=not cpu):
+            with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
+                art = standalone_compile(request.gm, fake_args,
+                                         dynamic_shapes="from_tracing_context", options=options)
+            with tempfile.TemporaryDirectory(prefix="cachebuild-sa-") as tmp:
+                path = os.path.join(tmp, "artifact.bin")
+                art.save(path=path, format="binary")
+                with open(path, "rb") as f:
+                    payload = f.read()
+            if cpu:
+                root = cache_dir()
+                kernels = {}
+                # Libraries and their object files: Inductor rebuilds any missing one.
+                for built in glob.glob(os.path.join(root, "**", "*.[os]*"), recursive=True):
+                    if built.endswith((".so", ".o")):
+                        with open(built, "rb") as f:
+                            kernels[os.path.relpath(built, root)] = f.read()
+                payload = pack({"artifact.bin": payload, **kernels})
         return Artifact("standalone", payload, {"flavour": "standalone"})
 
     # -- load --------------------------------------------------------------------------
@@ -133,12 +156,26 @@ class InductorBackend:
         raise ValueError(f"inductor backend cannot load artifacts of kind {kind!r}")
 
 
-PACK_MAGIC = b"CBAOTI\x01"
+PACK_MAGIC = b"CBPACK\x01"
 
 
-def pack_library(library: bytes, proxy_json: bytes) -> bytes:
-    """One payload holding an AOTI library and its custom-op JSON."""
-    return PACK_MAGIC + len(library).to_bytes(8, "little") + library + proxy_json
+def pack(parts: dict[str, bytes]) -> bytes:
+    """Several named files as one payload: magic, a JSON table of names and sizes, bytes."""
+    table = json.dumps([[name, len(data)] for name, data in parts.items()]).encode()
+    return PACK_MAGIC + len(table).to_bytes(8, "little") + table + b"".join(parts.values())
+
+
+def unpack(data: bytes) -> dict[str, bytes] | None:
+    """The files ``pack`` joined, or None if ``data`` is a single plain file."""
+    if not data.startswith(PACK_MAGIC):
+        return None
+    start = len(PACK_MAGIC) + 8
+    end = start + int.from_bytes(data[len(PACK_MAGIC):start], "little")
+    parts, offset = {}, end
+    for name, size in json.loads(data[start:end]):
+        parts[name] = data[offset: offset + size]
+        offset += size
+    return parts
 
 
 def _library_file(key: str, store: Any) -> tuple[str, str | None] | None:
@@ -148,21 +185,18 @@ def _library_file(key: str, store: Any) -> tuple[str, str | None] | None:
     if path is None:
         return None
     with open(path, "rb") as f:
-        head = f.read(len(PACK_MAGIC) + 8)
-    if not head.startswith(PACK_MAGIC):
-        return str(path), None
+        if f.read(len(PACK_MAGIC)) != PACK_MAGIC:
+            return str(path), None
+        f.seek(0)
+        parts = unpack(f.read())
+    assert parts is not None
     # A packed artifact is unpacked into a directory private to this process, from the
     # verified materialised file, so what is loaded is exactly what the store verified.
-    n = int.from_bytes(head[len(PACK_MAGIC):], "little")
-    with open(path, "rb") as f:
-        data = f.read()
     folder = tempfile.mkdtemp(prefix="cachebuild-aoti-")
-    lib = os.path.join(folder, f"{key}.so")
-    with open(lib, "wb") as f:
-        f.write(data[len(head): len(head) + n])
-    with open(os.path.join(folder, f"{key}.json"), "wb") as f:
-        f.write(data[len(head) + n:])
-    return lib, folder
+    for suffix, data in (("so", parts["library"]), ("json", parts["proxy.json"])):
+        with open(os.path.join(folder, f"{key}.{suffix}"), "wb") as f:
+            f.write(data)
+    return os.path.join(folder, f"{key}.so"), folder
 
 
 def load_aoti(kind: str, key: str, store: Any) -> Any:
@@ -188,10 +222,34 @@ def load_aoti(kind: str, key: str, store: Any) -> Any:
 
 
 def load_standalone(key: str, store: Any) -> Any:
+    """Load a standalone artifact; kernels built on CPU go into Inductor's cache first."""
     from torch._inductor import CompiledArtifact
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     path = store.materialize(key, ".bin")
     if path is None:
         return None
-    art = CompiledArtifact.load(path=str(path), format="binary")
-    return art
+    with open(path, "rb") as f:
+        parts = unpack(f.read())
+    if parts is None:
+        return CompiledArtifact.load(path=str(path), format="binary")
+    root = cache_dir()
+    for name, data in parts.items():
+        target = os.path.join(root, name)
+        if name != "artifact.bin" and not os.path.exists(target):
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".tmp")
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+            os.chmod(tmp, 0o755)
+            os.replace(tmp, target)  # atomic: a concurrent loader sees all or nothing
+    # Inductor would first precompile a header for kernels it may build (it runs the C++
+    # preprocessor even when the kernel's library exists); every kernel is here already.
+    from torch._inductor import config
+
+    with tempfile.TemporaryDirectory(prefix="cachebuild-sa-") as tmp, \
+            config.patch(cpp_cache_precompile_headers=False):
+        artifact = os.path.join(tmp, "artifact.bin")
+        with open(artifact, "wb") as f:
+            f.write(parts["artifact.bin"])
+        return CompiledArtifact.load(path=artifact, format="binary")

@@ -61,3 +61,11 @@ def fp8_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
     with per-tensor float32 scales, on CUDA, through ``torch._scaled_mm`` (a private op
     whose signature is the same on torch 2.11 through 2.13)."""
     return torch._scaled_mm(a, b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def fresh_inductor_cache() -> Any:
+    """A context with an empty, temporary Inductor cache directory (renamed in torch 2.8)."""
+    from torch._inductor import utils
+
+    fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache
+    return fresh()
