@@ -56,6 +56,13 @@ def _spec_on(spec: ModelSpec, device: str | None) -> ModelSpec:
     return ModelSpec(spec.model.to(device), args, spec.dynamic_dims, spec.config)
 
 
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
 @dataclass
 class Planned:
     spec: ModelSpec
@@ -152,7 +159,7 @@ def build_jobs(jobs: list[BuildJob], workers: int, model_path: str,
 @click.command("warm")
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
-              help="Worker processes building targets (default: the CPU count).")
+              help="Worker processes building targets (default: the CPUs this process may use).")
 @click.option("--device", metavar="D", help="Move the model and inputs to D (e.g. cuda:0).")
 @click.option("--dry-run", is_flag=True, help="Show what would be built; build nothing.")
 @click.pass_context
@@ -179,7 +186,7 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
     failures: list[tuple[BuildJob, str]] = []
     built = 0
     if missing:
-        workers = min(jobs or os.cpu_count() or 1, len(missing))
+        workers = min(jobs or usable_cpus(), len(missing))
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
         with Progress(*columns, console=console, transient=False) as progress:

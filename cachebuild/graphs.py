@@ -66,10 +66,18 @@ class CudaGraphCapture:
 class ReplayCapture:
     """For devices without a graph API: "replay" calls the function on the static inputs.
 
-    Outputs follow the same contract (valid until the next call); used on CPU.
+    Outputs follow the same contract (valid until the next call); used on CPU. With
+    ``pin_into`` (a ``CudaGraphCapture``'s ``static_ptrs``) it gives a call's arguments
+    fixed addresses for the graphs captured inside it: in piecewise mode the model's inputs
+    are copied once per call rather than once per piece that reads them.
     """
 
+    def __init__(self, pin_into: set[int] | None = None) -> None:
+        self.pin_into = pin_into
+
     def capture(self, fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, Any]:
+        if self.pin_into is not None:
+            self.pin_into.update(t.data_ptr() for t in inputs if isinstance(t, torch.Tensor))
         return (fn, list(inputs)), fn(*inputs)
 
     def replay(self, graph: Any) -> Any:
@@ -87,12 +95,12 @@ def capture_for(device: str) -> GraphCapture:
 @dataclass
 class _Captured:
     graph: Any
-    static_inputs: list[torch.Tensor | None]  # copied into at replay; None: used in place
+    copies: list[tuple[int, torch.Tensor]]  # (input index, static buffer) copied into at replay
     pinned: list[tuple[int, int]]  # (input index, address) of inputs read in place
     outputs: Any
 
 
-@dataclass
+@dataclass(eq=False)  # identity, not field-wise comparison of captured tensors
 class GraphedCallable:
     """``fn`` captured per size; sizes seen while ``capturing`` are captured.
 
@@ -109,26 +117,25 @@ class GraphedCallable:
     replays: int = 0
 
     def _capture(self, size: int, args: tuple[Any, ...]) -> _Captured:
-        static: list[torch.Tensor | None] = []
+        copies: list[tuple[int, torch.Tensor]] = []
         pinned: list[tuple[int, int]] = []
         inputs: list[Any] = []
         in_place = getattr(self.backend, "static_ptrs", set())
         for i, (a, keep) in enumerate(zip(args, self.stable, strict=True)):
             if keep or not isinstance(a, torch.Tensor):
-                static.append(None)
                 inputs.append(a)
             elif a.data_ptr() in in_place:
-                # Another graph's output: same address at every replay. Checked at replay.
+                # Another graph's output, or a model input already copied to a fixed address:
+                # the same address at every replay. Checked at replay.
                 pinned.append((i, a.data_ptr()))
-                static.append(None)
                 inputs.append(a)
             else:
                 buf = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
                 buf.copy_(a)
-                static.append(buf)
+                copies.append((i, buf))
                 inputs.append(buf)
         graph, outputs = self.backend.capture(self.fn, inputs)
-        captured = _Captured(graph, static, pinned, outputs)
+        captured = _Captured(graph, copies, pinned, outputs)
         self.graphs[size] = captured
         return captured
 
@@ -142,9 +149,8 @@ class GraphedCallable:
         for i, address in captured.pinned:
             if args[i].data_ptr() != address:  # not fed by the graph it was captured with
                 return self.fn(*args)
-        for a, buf in zip(args, captured.static_inputs, strict=True):
-            if buf is not None:
-                buf.copy_(a)
+        for i, buf in captured.copies:
+            buf.copy_(args[i])
         self.replays += 1
         result = self.backend.replay(captured.graph)
         return captured.outputs if result is None else result

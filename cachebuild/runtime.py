@@ -8,6 +8,7 @@ size first, else the range that holds it.
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -27,6 +28,7 @@ from cachebuild.graphs import (
     CudaGraphCapture,
     GraphCapture,
     GraphedCallable,
+    ReplayCapture,
     capture_for,
     next_capture_size,
     pad_args,
@@ -35,8 +37,19 @@ from cachebuild.graphs import (
 )
 from cachebuild.trace import Binding, InputMeta
 
-#: At most this many artifacts load at once (loading is mostly I/O and dlopen).
+#: At most this many artifacts load at once (loading is mostly I/O and dlopen); the
+#: environment's ``CACHEBUILD_LOAD_THREADS`` overrides it (1: load in the calling thread,
+#: which is also what a profiler of the warm start needs to see).
 LOAD_THREADS = 8
+
+
+def load_threads() -> int:
+    value = os.environ.get("CACHEBUILD_LOAD_THREADS", "")
+    if not value:
+        return LOAD_THREADS
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"CACHEBUILD_LOAD_THREADS={value!r}: give a whole number of threads, 1 or more")
+    return int(value)
 
 
 class PieceRunner:
@@ -85,8 +98,12 @@ def jobs_of(entry: Entry, config: CompileConfig, model_path: str | None = None) 
 def resolve_all(entry: Entry, builder: Builder, model_path: str | None = None) -> dict[str, Any]:
     """Every unique target of ``entry``, loaded (in parallel) or built (one at a time)."""
     jobs = jobs_of(entry, builder.config, model_path)
-    with ThreadPoolExecutor(max_workers=min(LOAD_THREADS, max(1, len(jobs)))) as pool:
-        loaded = dict(zip(jobs, pool.map(builder.load, jobs), strict=True))
+    threads = min(load_threads(), len(jobs))
+    if threads <= 1:
+        loaded = {key: builder.load(key) for key in jobs}
+    else:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            loaded = dict(zip(jobs, pool.map(builder.load, jobs), strict=True))
     for key, fn in loaded.items():
         if fn is None:
             loaded[key] = builder.resolve(jobs[key])
@@ -146,13 +163,18 @@ class ModelRuntime:
         self.graphed: list[GraphedCallable] = [
             m.fn for m in self.stitched.children() if isinstance(getattr(m, "fn", None), GraphedCallable)
         ]
-        self.full: GraphedCallable | None = None
+        # full: the whole forward is one graph per size. piecewise: the call's arguments get
+        # fixed addresses per size first (copied once), which the pieces then read in place.
+        self.whole: GraphedCallable | None = None
+        n_args = 1 + max((b["arg"] for b in entry.bindings if b["kind"] in ("arg", "size")),
+                         default=-1)
         if mode == "full" and self.capture_api is not None:
-            n_args = 1 + max((b["arg"] for b in entry.bindings if b["kind"] in ("arg", "size")),
-                             default=-1)
-            self.full = GraphedCallable(self._forward, self._dynamic_size, [False] * n_args,
-                                        self.capture_api)
-            self.graphed.append(self.full)
+            self.whole = GraphedCallable(self._forward, self._dynamic_size, [False] * n_args,
+                                         self.capture_api)
+            self.graphed.append(self.whole)
+        elif mode == "piecewise" and self.capture_api is not None:
+            pin = ReplayCapture(getattr(self.capture_api, "static_ptrs", None))
+            self.whole = GraphedCallable(self._forward, self._dynamic_size, [False] * n_args, pin)
         self.captured_sizes: list[int] = []
         self.model = model
         self.config = config
@@ -239,14 +261,17 @@ class ModelRuntime:
         cuda = isinstance(self.capture_api, CudaGraphCapture)
         before = torch.cuda.memory_allocated() if cuda else 0
         start = time.perf_counter()
-        for g in self.graphed:
+        capturing = list(self.graphed)
+        if self.whole is not None and not any(g is self.whole for g in capturing):
+            capturing.append(self.whole)
+        for g in capturing:
             g.capturing = True
         try:
             with torch.no_grad():
                 for size in wanted:
                     self._call(*(make_args or self.dummy_args)(size))
         finally:
-            for g in self.graphed:
+            for g in capturing:
                 g.capturing = False
         if cuda:
             torch.cuda.synchronize()
@@ -280,8 +305,8 @@ class ModelRuntime:
         return self._call(*args)
 
     def _call(self, *args: Any) -> Any:
-        if self.full is not None:
-            return self.full(*args)
+        if self.whole is not None:
+            return self.whole(*args)
         return self._forward(*args)
 
     def _forward(self, *args: Any) -> Any:

@@ -90,7 +90,9 @@ if "torch._dynamo" in sys.modules:
     compiles = {"dynamo_unique_graphs": counters["stats"]["unique_graphs"],
                 "inductor_cache_misses": counters["inductor"]["fxgraph_cache_miss"]}
 s = cachebuild.stats()
-print(json.dumps({"built": s["built"], "traced": s["traced"], "sizes": sizes,
+# per graph and size: how many inputs a replay copies (model inputs are copied once per call)
+copies = max(len(c.copies) for g in rt.graphed for c in g.graphs.values())
+print(json.dumps({"built": s["built"], "traced": s["traced"], "sizes": sizes, "copies": copies,
                   "replays": [g.replays for g in rt.graphed], "worst": worst,
                   "capture_s": s["seconds"].get("capture"), "compiles": compiles,
                   "pool_bytes": getattr(compiled, "capture_report", None) and compiled.capture_report.pool_bytes}))
@@ -116,5 +118,11 @@ def test_capture_after_warm_load(tmp_path, mode):
     assert all(v == 0 for v in warm["compiles"].values()), warm["compiles"]
     # every captured size replayed once; the three others ran without graphs (or padded)
     assert all(r >= 51 for r in warm["replays"]), warm["replays"]
+    if mode == "piecewise":
+        # a piece copies only what an eager splitting op produced (the attention output);
+        # ids and positions have fixed addresses that every piece reads in place
+        assert warm["copies"] == 1, warm["copies"]
+    else:
+        assert warm["copies"] == 2, warm["copies"]  # full: the two call arguments
     print(f"{mode}: capture of 51 sizes {warm['capture_s']:.2f} s, graph pool "
           f"{warm['pool_bytes']} bytes, worst |out-eager| {warm['worst']:.3g}")

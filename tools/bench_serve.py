@@ -10,7 +10,10 @@ heads, MLP 5632, bf16), compile, capture CUDA graphs for the 51 default sizes, s
 - ``aot_load``: torch's AOT precompile (``aot_compile`` + ``save_compiled_function``,
   made in a preparation process), loaded by ``torch.compiler.load_compiled_function``;
 - ``cb_cold``: ``cachebuild warm`` then the server with the store it filled (both timed);
-- ``cb_warm``: the server again, with ``cachebuild.preload()`` before the model is built.
+- ``cb_warm``: the server again, with ``cachebuild.preload()`` before the model is built;
+- ``cb_profile``: ``cb_warm`` under cProfile, loading in the calling thread: where the
+  compile call → first output goes, and where the CPU time of 200 replays at 1 token goes
+  (written next to ``--json-out``; its timings are inflated by the profiler).
 
 Per mode the timeline (seconds from process start): import done, model built, first
 output (and "compile call → first output"), capture of 51 sizes, ready to serve; and
@@ -37,9 +40,39 @@ ROOT = Path(__file__).resolve().parent.parent
 SIZES_NOTE = "51 default capture sizes (1, 2, 4, 8..248 by 8, 256..512 by 16)"
 
 
-def child(mode: str, work: Path, graph_mode: str, started: float) -> dict[str, Any]:
+def _profiled(profile_to: Path | None) -> Any:
+    """A context manager: cProfile into ``profile_to`` (top 45 by cumulative and own time)."""
+    import contextlib
+
+    @contextlib.contextmanager
+    def run() -> Any:
+        if profile_to is None:
+            yield
+            return
+        import cProfile
+        import io
+        import pstats
+
+        prof = cProfile.Profile()
+        prof.enable()
+        try:
+            yield
+        finally:
+            prof.disable()
+            text = io.StringIO()
+            for order in ("cumulative", "tottime"):
+                pstats.Stats(prof, stream=text).sort_stats(order).print_stats(45)
+            profile_to.write_text(text.getvalue())
+
+    return run()
+
+
+def child(mode: str, work: Path, graph_mode: str, started: float,
+          profile: Path | None = None) -> dict[str, Any]:
     """One server start in this process; returns its timeline."""
     t: dict[str, Any] = {}
+    if mode == "cb_profile":
+        os.environ["CACHEBUILD_LOAD_THREADS"] = "1"  # loads on this thread, where cProfile looks
     import torch
 
     sys.path.insert(0, str(ROOT / "examples"))
@@ -49,7 +82,7 @@ def child(mode: str, work: Path, graph_mode: str, started: float) -> dict[str, A
     from cachebuild.config import default_capture_sizes
     from cachebuild.graphs import CudaGraphCapture, GraphedCallable
 
-    if mode == "cb_warm":
+    if mode in ("cb_warm", "cb_profile"):
         cachebuild.preload()
     t["import"] = time.time() - started
     torch.manual_seed(0)
@@ -75,7 +108,8 @@ def child(mode: str, work: Path, graph_mode: str, started: float) -> dict[str, A
         else:
             cfg = dataclasses.replace(llama.config(), cudagraph_mode="none")
             fn = cachebuild.compile(model, cfg, dyn)
-        out = fn(ids, pos)
+        with _profiled(profile and profile.with_name(profile.name + ".load.txt")):
+            out = fn(ids, pos)
         torch.cuda.synchronize()
         t["first_output"] = time.time() - started
         t["compile_to_first_output"] = time.time() - call_start
@@ -123,6 +157,12 @@ def child(mode: str, work: Path, graph_mode: str, started: float) -> dict[str, A
                 e.synchronize()
                 times.append(s.elapsed_time(e))
             t[f"replay_ms_{n}"] = sorted(times)[len(times) // 2]
+        if profile is not None:
+            a, b = llama.example_inputs(model, 1)
+            with _profiled(profile.with_name(profile.name + ".replay1.txt")):
+                for _ in range(200):
+                    served(a, b)
+                torch.cuda.synchronize()
     t["stats"] = cachebuild.stats() if mode.startswith("cb") else None
     return t
 
@@ -143,10 +183,12 @@ def prepare_aot(work: Path) -> str | None:
     return None
 
 
-def run_mode(mode: str, work: Path, env: dict[str, str], graph_mode: str) -> dict[str, Any]:
+def run_mode(mode: str, work: Path, env: dict[str, str], graph_mode: str,
+             profile: Path | None = None) -> dict[str, Any]:
     started = time.time()
+    extra = ["--profile", str(profile)] if profile is not None else []
     proc = subprocess.run([sys.executable, __file__, "--child", mode, "--work", str(work),
-                           "--graph-mode", graph_mode, "--started", repr(started)],
+                           "--graph-mode", graph_mode, "--started", repr(started), *extra],
                           capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:300]}
@@ -161,15 +203,18 @@ def main() -> None:
                    help="how cachebuild captures graphs (default: piecewise)")
     p.add_argument("--modes", default="eager,torch_cold,torch_warm,aot_load,cb_cold,cb_warm")
     p.add_argument("--json-out", type=Path, help="write all results here as JSON")
-    p.add_argument("--variants", action="store_true",
-                   help="also: cachebuild warm in the other graph mode, at twice the depth, "
-                        "and with 8 exact compile sizes besides the range")
+    p.add_argument("--variants", nargs="?", const="mode,depth,sizes", default="",
+                   help="also cachebuild warm: 'mode' in the other graph mode, 'depth' at twice "
+                        "the layers, 'sizes' with 8 exact compile sizes besides the range "
+                        "(comma-separated; alone: all three)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--work", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--started", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--profile", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.work, args.graph_mode, args.started)))
+        print(json.dumps(child(args.child, args.work, args.graph_mode, args.started,
+                               args.profile)))
         return
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     env = {**os.environ, "LLAMA_DEVICE": "cuda", "LLAMA_LAYERS": str(args.layers),
@@ -182,7 +227,7 @@ def main() -> None:
             env["TORCHINDUCTOR_CACHE_DIR"] = str(work / f"inductor-{mode}")
         if mode == "torch_warm":
             env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor-torch_cold")
-        if mode in ("cb_cold", "cb_warm"):
+        if mode.startswith("cb"):
             env["TORCHINDUCTOR_CACHE_DIR"] = str(work / "inductor-cb")
         if mode == "aot_load":
             why = prepare_aot(work)
@@ -199,7 +244,10 @@ def main() -> None:
             if proc.returncode != 0:
                 results[mode] = {"error": proc.stderr.strip().splitlines()[-1][:300]}
                 continue
-        results[mode] = run_mode(mode, work, env, args.graph_mode)
+        profile = None
+        if mode == "cb_profile":
+            profile = (args.json_out or work / "serve.json").with_name("profile")
+        results[mode] = run_mode(mode, work, env, args.graph_mode, profile)
         if mode == "cb_cold" and "error" not in results[mode]:
             results[mode]["cachebuild_warm_s"] = warm_s
         print(mode, json.dumps(results[mode]), flush=True)
@@ -207,12 +255,13 @@ def main() -> None:
             args.json_out.write_text(json.dumps(results, indent=1))
     if args.variants:
         other = "full" if args.graph_mode == "piecewise" else "piecewise"
-        variants = [(f"cb_warm_{other}", {}, other),
-                    (f"cb_warm_{2 * args.layers}_layers", {"LLAMA_LAYERS": str(2 * args.layers)},
-                     args.graph_mode),
-                    ("cb_warm_8_sizes", {"LLAMA_COMPILE_SIZES": "1,2,4,8,16,32,64,128"},
-                     args.graph_mode)]
-        for name, extra, graph_mode in variants:
+        variants = {"mode": (f"cb_warm_{other}", {}, other),
+                    "depth": (f"cb_warm_{2 * args.layers}_layers",
+                              {"LLAMA_LAYERS": str(2 * args.layers)}, args.graph_mode),
+                    "sizes": ("cb_warm_8_sizes", {"LLAMA_COMPILE_SIZES": "1,2,4,8,16,32,64,128"},
+                              args.graph_mode)}
+        chosen = [variants[v] for v in args.variants.split(",") if v]
+        for name, extra, graph_mode in chosen:
             venv = {**env, **extra}
             proc = subprocess.run([sys.executable, "-m", "cachebuild.cli", "warm",
                                    str(ROOT / "examples" / "llama.py")],
