@@ -274,6 +274,7 @@ def preload() -> threading.Thread:
 def _preload() -> None:
     with phase("preload"):
         import torch._inductor.codecache  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401  # the first load imports it otherwise
         from torch._inductor import CompiledArtifact  # noqa: F401
 
 

@@ -33,13 +33,16 @@ _LIB.define("attention(Tensor q, Tensor k, Tensor v) -> Tensor")
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """Causal attention over one sequence: q [T, H, D], k/v [T, KV, D] → [T, H, D]."""
-    groups = q.shape[1] // k.shape[1]
-    k = k.repeat_interleave(groups, dim=1)
-    v = v.repeat_interleave(groups, dim=1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                         v.transpose(0, 1), is_causal=True)
-    return out.transpose(0, 1).contiguous()
+    """Causal attention over one sequence: q [T, H, D], k/v [T, KV, D] → [T, H, D].
+
+    Batched 4-D inputs with ``enable_gqa`` let SDPA pick a fused kernel on CUDA (flash);
+    3-D inputs send it to its math path, about twenty kernel launches per call, which a
+    piecewise runtime pays on the CPU at every layer.
+    """
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                         v.transpose(0, 1)[None], is_causal=True,
+                                         enable_gqa=True)
+    return out[0].transpose(0, 1).contiguous()
 
 
 _LIB.impl("attention", attention, "CompositeExplicitAutograd")
