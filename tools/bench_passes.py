@@ -213,6 +213,10 @@ def _load_example() -> Any:
     return module
 
 
+#: Largest relative L2 difference between the outputs with passes on and off (fp8 layers).
+E2E_REL_TOLERANCE = 0.02
+
+
 def bench_e2e(args: argparse.Namespace, device: str,
               timer: Callable[[Callable[[], Any]], float]) -> list[dict[str, Any]]:
     """Replay latency of the compiled example with all passes on vs off.
@@ -268,13 +272,18 @@ def bench_e2e(args: argparse.Namespace, device: str,
                   f"{counts}  ({time.perf_counter() - started:.0f} s)", flush=True)
     rows = []
     for tokens in token_counts:
-        # Fused and unfused quantize from differently rounded intermediates, so an fp8 value
-        # may land one e4m3 step (12.5 %) apart; compare at that tolerance.
-        torch.testing.assert_close(outputs[tokens, "on"], outputs[tokens, "off"],
-                                   rtol=0.125, atol=0.125)
+        # Fused and unfused kernels quantize differently rounded intermediates, so single fp8
+        # values land one e4m3 step (12.5 %) apart and the difference carries through the
+        # layers: compare the outputs as a whole (relative L2 error), not element by element.
+        on_out, off_out = outputs[tokens, "on"].float(), outputs[tokens, "off"].float()
+        rel = ((on_out - off_out).norm() / off_out.norm()).item()
+        print(f"e2e {tokens:6d} tokens  relative L2 difference on vs off {rel:.2e}", flush=True)
+        if not rel < E2E_REL_TOLERANCE:
+            raise SystemExit(f"passes on and off disagree at {tokens} tokens: relative L2 "
+                             f"difference {rel:.3g} >= {E2E_REL_TOLERANCE}")
         on, off = times[tokens, "on"], times[tokens, "off"]
         rows.append({"tokens": tokens, "layers": cfg.layers, "engine": args.e2e_engine,
-                     "on_ms": on, "off_ms": off, "speedup": off / on})
+                     "on_ms": on, "off_ms": off, "speedup": off / on, "rel_l2": rel})
     return rows
 
 

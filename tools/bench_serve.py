@@ -252,6 +252,7 @@ def main() -> None:
            "CACHEBUILD_DIR": str(work / "store"), "PYTHONUNBUFFERED": "1",
            "PYTHONPYCACHEPREFIX": str(work / "pycache"),
            "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-prime")}
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # else the cache stays empty
     print(f"bytecode cache primed in {prime_bytecode(env):.1f} s", flush=True)
     results: dict[str, Any] = {}
     for mode in args.modes.split(","):
