@@ -213,8 +213,13 @@ def _load_example() -> Any:
     return module
 
 
-#: Largest relative L2 difference between the outputs with passes on and off (fp8 layers).
-E2E_REL_TOLERANCE = 0.02
+#: Largest relative L2 difference between the outputs with passes on and off. Fused and
+#: unfused kernels round intermediates differently; a value that lands one fp8 step apart
+#: moves the next layer's inputs, so the difference grows with depth on random weights
+#: (measured on an H200 at 512 tokens: 1 layer 1.8e-3, 2 layers 1.4e-2, 4 layers 3.6e-2,
+#: 8 layers 6.1e-2). The passes' correctness is tested layer by layer; this guards the
+#: benchmark against timing a broken model.
+E2E_REL_TOLERANCE = 0.1
 
 
 def bench_e2e(args: argparse.Namespace, device: str,
