@@ -36,6 +36,8 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from benchlib import cpu_model, render_table
+
 ROOT = Path(__file__).resolve().parent.parent
 SIZE_ENV = {"LLAMA_HIDDEN": "256", "LLAMA_HEADS": "8", "LLAMA_KV_HEADS": "2", "LLAMA_MLP": "688"}
 TOKENS = 32
@@ -117,14 +119,7 @@ def _takes_self(fn: Any) -> bool:
 def machine() -> dict[str, str]:
     import torch
 
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     return {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "nproc": str(os.cpu_count()), "arch": platform.machine(), "cpu": cpu,
             "torch": torch.__version__, "python": platform.python_version()}
@@ -225,15 +220,7 @@ def render(result: dict[str, Any], markdown: bool) -> str:
     head = ["layers", "torch.compile cold (s)", "torch.compile warm cache (s)",
             "cachebuild cold (s)", "cachebuild 2nd process (s)", "cachebuild cold / 2nd",
             "targets built cold / 2nd", "matches eager"]
-    lines = []
-    if markdown:
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "|".join("---" for _ in head) + "|")
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-    else:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-        lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines = render_table(head, rows, markdown)
     lines.append("")
     lines.append(f"Times: compile call -> first output ({TOKENS} tokens), "
                  f"min / median of {result['repeat']} fresh processes.")

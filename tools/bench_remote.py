@@ -41,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import redis
+from benchlib import cpu_model
 
 from cachebuild.store.local import LocalStore
 from cachebuild.store.remote import RedisRemote
@@ -97,14 +98,7 @@ def timed(runs: int, setup: Callable[[], object], body: Callable[[object], None]
 
 
 def machine() -> dict[str, str]:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     version = subprocess.run(
         ["redis-server", "--version"], capture_output=True, text=True, check=False
     ).stdout.split()

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import diskcache
+from benchlib import cpu_model
 
 from cachebuild.keys import make_key
 from cachebuild.store import LocalStore
@@ -133,14 +134,7 @@ def bench_size(size: int, base: Path) -> list[Result]:
 
 def machine() -> dict[str, str]:
     """Where the figures were measured."""
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     try:
         import torch
 

@@ -35,6 +35,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from benchlib import render_table
+
 _SPEC = importlib.util.spec_from_file_location(
     "bench_build", Path(__file__).resolve().parent / "bench_build.py")
 assert _SPEC is not None and _SPEC.loader is not None
@@ -99,15 +101,7 @@ def render(result: dict[str, Any], markdown: bool) -> str:
             rows.append([name, "not measured", "-", why or err or "-"])
     head = ["mode", "compile call -> first output (s)", "vs cachebuild warm",
             "matches eager"]
-    lines = []
-    if markdown:
-        lines.append("| " + " | ".join(head) + " |")
-        lines.append("|" + "|".join("---" for _ in head) + "|")
-        lines += ["| " + " | ".join(r) + " |" for r in rows]
-    else:
-        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
-        lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))
-        lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines = render_table(head, rows, markdown)
     lines.append("")
     lines.append(f"{result['layers']} layers; min / median of {result['repeat']} "
                  "fresh processes (one figure when there was one run).")

@@ -1,0 +1,31 @@
+"""What the benchmarks in tools/ share: where a figure was measured, and their tables.
+
+The scripts run as ``python tools/<script>.py``, so this folder is on ``sys.path``.
+"""
+
+from __future__ import annotations
+
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo where there is one)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def render_table(head: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool) -> list[str]:
+    """``rows`` under ``head``, as a Markdown table or as aligned plain-text columns."""
+    if markdown:
+        return (["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+                + ["| " + " | ".join(r) + " |" for r in rows])
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    return (["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
+            + ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows])
