@@ -36,7 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchlib import cpu_model, render_table
+from benchlib import add_output_options, cpu_model, render_table
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE_ENV = {"LLAMA_HIDDEN": "256", "LLAMA_HEADS": "8", "LLAMA_KV_HEADS": "2", "LLAMA_MLP": "688"}
@@ -270,10 +270,7 @@ def main() -> None:
                         help="depths to measure (default: 2 8 22)")
     parser.add_argument("--repeat", type=int, default=2,
                         help="fresh-process rounds per measurement (default: 2)")
-    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
-    parser.add_argument("--json", action="store_true", help="print the raw results as JSON")
-    parser.add_argument("--from-json", metavar="FILE",
-                        help="render a saved --json result instead of measuring")
+    add_output_options(parser)
     args = parser.parse_args()
     if args.from_json:
         show(json.loads(Path(args.from_json).read_text()), args.markdown)

@@ -35,7 +35,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchlib import render_table
+from benchlib import add_output_options, render_table
 
 _SPEC = importlib.util.spec_from_file_location(
     "bench_build", Path(__file__).resolve().parent / "bench_build.py")
@@ -140,10 +140,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=8, help="decoder depth (default: 8)")
     parser.add_argument("--repeat", type=int, default=2,
                         help="fresh-process rounds per mode (default: 2)")
-    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
-    parser.add_argument("--json", action="store_true", help="print the raw results as JSON")
-    parser.add_argument("--from-json", metavar="FILE",
-                        help="render a saved --json result instead of measuring")
+    add_output_options(parser)
     args = parser.parse_args()
     if args.from_json:
         show(json.loads(Path(args.from_json).read_text()), args.markdown)

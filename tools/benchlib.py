@@ -5,6 +5,7 @@ The scripts run as ``python tools/<script>.py``, so this folder is on ``sys.path
 
 from __future__ import annotations
 
+import argparse
 import platform
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,3 +30,11 @@ def render_table(head: Sequence[str], rows: Sequence[Sequence[str]], markdown: b
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
     return (["  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True))]
             + ["  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows])
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    """--markdown, --json and --from-json, as every benchmark here takes them."""
+    parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
+    parser.add_argument("--json", action="store_true", help="print the raw results as JSON")
+    parser.add_argument("--from-json", metavar="FILE",
+                        help="render a saved --json result instead of measuring")
