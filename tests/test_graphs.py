@@ -72,6 +72,53 @@ def test_graphed_callable_copies_inputs_into_static_buffers():
     assert g.replays == 1 and calls[-1] == x3.data_ptr()
 
 
+class _PinningReplay(ReplayCapture):
+    """ReplayCapture plus the address registry that CudaGraphCapture keeps."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.static_ptrs: set[int] = set()
+
+
+def test_inputs_with_fixed_addresses_are_read_in_place():
+    # piecewise mode: the call's arguments get a buffer per size (outer), registered in the
+    # pieces' capture; a piece (inner) then reads them in place instead of copying them
+    inner_api = _PinningReplay()
+    seen = []
+
+    def piece(x):
+        seen.append(x.data_ptr())
+        return x * 2
+
+    inner = GraphedCallable(piece, lambda args: args[0].shape[0], [False], inner_api)
+    outer = GraphedCallable(inner, lambda args: args[0].shape[0], [False],
+                            ReplayCapture(pin_into=inner_api.static_ptrs))
+    inner.capturing = outer.capturing = True
+    outer(torch.ones(3))
+    inner.capturing = outer.capturing = False
+    captured = inner.graphs[3]
+    assert captured.copies == [] and [i for i, _ in captured.pinned] == [0]
+    x = torch.arange(3.0)
+    torch.testing.assert_close(outer(x), x * 2)
+    assert inner.replays == 1 and seen[-1] == captured.pinned[0][1]
+    # called directly with a tensor elsewhere, the piece runs without its graph, correctly
+    torch.testing.assert_close(inner(x), x * 2)
+    assert inner.replays == 1 and seen[-1] == x.data_ptr()
+
+
+def test_load_threads_from_environment(monkeypatch):
+    from cachebuild.runtime import LOAD_THREADS, load_threads
+
+    monkeypatch.delenv("CACHEBUILD_LOAD_THREADS", raising=False)
+    assert load_threads() == LOAD_THREADS
+    monkeypatch.setenv("CACHEBUILD_LOAD_THREADS", "1")
+    assert load_threads() == 1
+    for bad in ("0", "two", "-3"):
+        monkeypatch.setenv("CACHEBUILD_LOAD_THREADS", bad)
+        with pytest.raises(cachebuild.errors.UsageError, match="CACHEBUILD_LOAD_THREADS"):
+            load_threads()
+
+
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
@@ -97,6 +144,8 @@ def test_modes_match_eager(model, mode, tmp_path):
     assert runtime.captured_sizes == [2, 4, 8, 16]
     # piecewise: one graphed callable per compiled piece (3 for 2 layers); full: one.
     assert len(runtime.graphed) == (3 if mode == "piecewise" else 1)
+    # both modes give the call's arguments one buffer per captured size
+    assert sorted(runtime.whole.graphs) == [2, 4, 8, 16]
     for g in runtime.graphed:
         assert sorted(g.graphs) == [2, 4, 8, 16]
         # 16 and 4 replay; 3 and 9 are padded to 4 and 16; 40 is beyond every capture size
