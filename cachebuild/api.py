@@ -27,7 +27,7 @@ from cachebuild.entry import Entry, entry_factors, make_entry
 from cachebuild.env import env_factors
 from cachebuild.errors import UsageError
 from cachebuild.keys import make_key
-from cachebuild.runtime import ModelRuntime, resolve_all, stitch
+from cachebuild.runtime import ModelRuntime, direct_forward, resolve_all, stitch
 from cachebuild.split import split_graph
 from cachebuild.targets import make_targets
 from cachebuild.trace import TracedGraph, meta_of, trace_model
@@ -242,12 +242,7 @@ def backend(config: CompileConfig | None = None, store: Any = None, passes: Any 
         )
         planner = Planner(torch.nn.Module(), config, {}, open_default_store(store), passes)
         entry = planner.plan(traced, {"front_door": "torch.compile"})
-        stitched = stitch(entry, resolve_all(entry, planner.builder))
-
-        def run(*args: Any) -> Any:
-            return stitched(*args)
-
-        return run
+        return direct_forward(stitch(entry, resolve_all(entry, planner.builder)))
 
     return compile_graph
 
