@@ -178,18 +178,24 @@ def unpack(data: bytes) -> dict[str, bytes] | None:
     return parts
 
 
+def read_packed(path: str | os.PathLike[str]) -> dict[str, bytes] | None:
+    """The files packed in ``path``, or None (without reading it whole) for a plain file."""
+    with open(path, "rb") as f:
+        if f.read(len(PACK_MAGIC)) != PACK_MAGIC:
+            return None
+        f.seek(0)
+        return unpack(f.read())
+
+
 def _library_file(key: str, store: Any) -> tuple[str, str | None] | None:
     """A path to the artifact's library, with its JSON beside it where it has one, and
     the private folder to remove once the library is loaded (None for the store's file)."""
     path = store.materialize(key, ".so")
     if path is None:
         return None
-    with open(path, "rb") as f:
-        if f.read(len(PACK_MAGIC)) != PACK_MAGIC:
-            return str(path), None
-        f.seek(0)
-        parts = unpack(f.read())
-    assert parts is not None
+    parts = read_packed(path)
+    if parts is None:
+        return str(path), None
     # A packed artifact is unpacked into a directory private to this process, from the
     # verified materialised file, so what is loaded is exactly what the store verified.
     folder = tempfile.mkdtemp(prefix="cachebuild-aoti-")
@@ -229,9 +235,8 @@ def load_standalone(key: str, store: Any) -> Any:
     path = store.materialize(key, ".bin")
     if path is None:
         return None
-    with open(path, "rb") as f:
-        parts = unpack(f.read())
-    if parts is None:
+    parts = read_packed(path)
+    if parts is None:  # a plain artifact (GPU): Inductor reads it itself
         return CompiledArtifact.load(path=str(path), format="binary")
     root = cache_dir()
     for name, data in parts.items():
