@@ -52,13 +52,21 @@ def load_threads() -> int:
     return int(value)
 
 
+def _size_reader(size_input: tuple[int, int] | None) -> Callable[[tuple[Any, ...]], int | None]:
+    """Reads a call's dynamic size from input ``i``'s dim ``d`` (None: no dynamic size)."""
+    if size_input is None:
+        return lambda args: None
+    i, d = size_input
+    return lambda args: args[i].shape[d]
+
+
 class PieceRunner:
     """One compiled piece over all its buckets."""
 
     def __init__(self, name: str, size_input: tuple[int, int] | None, single_output: bool,
                  table: list[tuple[dict[str, Any], Callable[..., Any]]]) -> None:
         self.name = name
-        self.size_input = size_input
+        self.size_of = _size_reader(size_input)
         self.single_output = single_output
         self.exact = {b["size"]: fn for b, fn in table if "size" in b}
         self.ranges = [(b["range"][0], b["range"][1], fn) for b, fn in table if "range" in b]
@@ -77,11 +85,7 @@ class PieceRunner:
         raise UsageError(f"size {size} lies outside every compile range of {self.name}")
 
     def __call__(self, *args: Any) -> Any:
-        size = None
-        if self.size_input is not None:
-            i, d = self.size_input
-            size = args[i].shape[d]
-        out = self.select(size)(*args)
+        out = self.select(self.size_of(args))(*args)
         return out[0] if self.single_output else tuple(out)
 
 
@@ -110,13 +114,6 @@ def resolve_all(entry: Entry, builder: Builder, model_path: str | None = None) -
     return loaded
 
 
-def _size_reader(size_input: tuple[int, int] | None) -> Callable[[tuple[Any, ...]], int | None]:
-    if size_input is None:
-        return lambda args: None
-    i, d = size_input
-    return lambda args: args[i].shape[d]
-
-
 def stitch(entry: Entry, loaded: dict[str, Any],
            capture: GraphCapture | None = None) -> torch.fx.GraphModule:
     """The stitched forward of ``entry`` over loaded targets; takes the graph's inputs.
@@ -131,8 +128,7 @@ def stitch(entry: Entry, loaded: dict[str, Any],
             size_input = tuple(piece.size_input) if piece.size_input else None
             runner: Any = PieceRunner(piece.name, size_input, piece.single_output, table)
             if capture is not None:
-                runner = GraphedCallable(runner, _size_reader(size_input), stable[piece.name],
-                                         capture)
+                runner = GraphedCallable(runner, runner.size_of, stable[piece.name], capture)
             modules[piece.name] = runner
         else:
             modules[piece.name] = data_to_module(piece.nodes)
@@ -249,10 +245,7 @@ class ModelRuntime:
                         f"argument {b.arg} has size {a.shape[d]} in dim {d}, which was "
                         f"compiled static at {want}"
                     )
-        if not self.dynamic_dims:
-            return None
-        i, d = min(self.dynamic_dims.items())
-        return args[i].shape[d]
+        return self._dynamic_size(args)
 
     def _dynamic_size(self, args: tuple[Any, ...]) -> int | None:
         if not self.dynamic_dims:
@@ -262,8 +255,7 @@ class ModelRuntime:
 
     def dummy_args(self, size: int) -> tuple[Any, ...]:
         """Call arguments of dynamic size ``size`` (zeros), from the entry's input metadata."""
-        by_arg = {b.arg: m for b, m in zip(self.bindings, self.metas, strict=True)
-                  if b.kind == "arg"}
+        by_arg = {b.arg: m for b, m in self._arg_metas}
         n_args = 1 + max(by_arg, default=-1)
         if set(by_arg) != set(range(n_args)):
             raise UsageError("some call arguments are not graph inputs; pass make_args= to capture()")
