@@ -36,7 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchlib import add_output_options, cpu_model, render_table
+from benchlib import add_output_options, cpu_model, present, render_table
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE_ENV = {"LLAMA_HIDDEN": "256", "LLAMA_HEADS": "8", "LLAMA_KV_HEADS": "2", "LLAMA_MLP": "688"}
@@ -123,6 +123,13 @@ def machine() -> dict[str, str]:
     return {"date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
             "nproc": str(os.cpu_count()), "arch": platform.machine(), "cpu": cpu,
             "torch": torch.__version__, "python": platform.python_version()}
+
+
+def start() -> dict[str, str]:
+    """Before measuring: where (``machine()``), and the AOTI probe's verdict, computed now."""
+    info = machine()
+    log(f"AOTI probe verdict (cpu): {'loads' if prime_probe() else 'does not load'}")
+    return info
 
 
 def prime_probe() -> bool:
@@ -272,19 +279,15 @@ def main() -> None:
                         help="fresh-process rounds per measurement (default: 2)")
     add_output_options(parser)
     args = parser.parse_args()
-    if args.from_json:
-        show(json.loads(Path(args.from_json).read_text()), args.markdown)
-        return
 
-    info = machine()
-    log(f"AOTI probe verdict (cpu): {'loads' if prime_probe() else 'does not load'}")
-    with tempfile.TemporaryDirectory(prefix="bench-build-") as tmp:
-        depths = [bench_depth(n, args.repeat, Path(tmp)) for n in args.layers]
-    result = {"machine": info, "repeat": args.repeat, "size": SIZE_ENV, "depths": depths}
-    if args.json:
-        print(json.dumps(result, indent=1))
-        return
-    show(result, args.markdown)
+    def measure() -> dict[str, Any]:
+        info = start()
+        with tempfile.TemporaryDirectory(prefix="bench-build-") as tmp:
+            depths = [bench_depth(n, args.repeat, Path(tmp)) for n in args.layers]
+        return {"machine": info, "repeat": args.repeat, "size": SIZE_ENV, "depths": depths}
+
+    present(args, measure, show)
+
 
 if __name__ == "__main__":
     main()

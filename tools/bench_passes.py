@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import importlib.util
 import json
 import os
 import pathlib
@@ -205,12 +204,9 @@ def bench_kernels(args: argparse.Namespace, device: str,
 
 
 def _load_example() -> Any:
-    spec = importlib.util.spec_from_file_location("qwen3_fp8_example",
-                                                  ROOT / "examples" / "qwen3_fp8.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    from cachebuild.modelfile import import_model
+
+    return import_model(ROOT / "examples" / "qwen3_fp8.py")
 
 
 #: Largest relative L2 difference between the outputs with passes on and off. Fused and

@@ -25,7 +25,6 @@ pulling from Redis, and for a process with a warm L1 and no remote. Usage::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import platform
@@ -117,14 +116,10 @@ def model_child(model_path: str, cache_dir: str, url: str) -> None:
     import torch
 
     import cachebuild
+    from cachebuild.modelfile import load_spec
     from cachebuild.store import open_store
 
-    spec_loader = importlib.util.spec_from_file_location("bench_model", model_path)
-    assert spec_loader is not None and spec_loader.loader is not None
-    module = importlib.util.module_from_spec(spec_loader)
-    sys.modules["bench_model"] = module
-    spec_loader.loader.exec_module(module)
-    spec = module.build()
+    spec = load_spec(model_path)
     store = open_store(cache_dir, url, signing_key=SIGNING_KEY, mode="rw" if url else "off")
     imported = time.perf_counter()
     compiled = cachebuild.compile(spec.model, spec.config, spec.dynamic_dims, store=store)

@@ -30,12 +30,11 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchlib import add_output_options, render_table
+from benchlib import add_output_options, present, render_table
 
 _SPEC = importlib.util.spec_from_file_location(
     "bench_build", Path(__file__).resolve().parent / "bench_build.py")
@@ -142,19 +141,15 @@ def main() -> None:
                         help="fresh-process rounds per mode (default: 2)")
     add_output_options(parser)
     args = parser.parse_args()
-    if args.from_json:
-        show(json.loads(Path(args.from_json).read_text()), args.markdown)
-        return
 
-    info = bb.machine()
-    bb.log(f"AOTI probe verdict (cpu): {'loads' if bb.prime_probe() else 'does not load'}")
-    with tempfile.TemporaryDirectory(prefix="bench-warm-") as tmp:
-        result = bench(args.layers, args.repeat, Path(tmp))
-    result["machine"] = info
-    if args.json:
-        print(json.dumps(result, indent=1))
-        return
-    show(result, args.markdown)
+    def measure() -> dict[str, Any]:
+        info = bb.start()
+        with tempfile.TemporaryDirectory(prefix="bench-warm-") as tmp:
+            result = bench(args.layers, args.repeat, Path(tmp))
+        return {**result, "machine": info}
+
+    present(args, measure, show)
+
 
 if __name__ == "__main__":
     main()

@@ -6,9 +6,11 @@ The scripts run as ``python tools/<script>.py``, so this folder is on ``sys.path
 from __future__ import annotations
 
 import argparse
+import json
 import platform
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 
 def cpu_model() -> str:
@@ -38,3 +40,17 @@ def add_output_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the raw results as JSON")
     parser.add_argument("--from-json", metavar="FILE",
                         help="render a saved --json result instead of measuring")
+
+
+def present(args: argparse.Namespace, measure: Callable[[], dict[str, Any]],
+           show: Callable[[dict[str, Any], bool], None]) -> None:
+    """What the output options ask for: a saved result rendered (--from-json), or a new
+    one measured and printed as JSON (--json) or as a table."""
+    if args.from_json:
+        show(json.loads(Path(args.from_json).read_text()), args.markdown)
+        return
+    result = measure()
+    if args.json:
+        print(json.dumps(result, indent=1))
+        return
+    show(result, args.markdown)
