@@ -1,8 +1,9 @@
 """The backend protocol and what a build request carries.
 
-A backend has a ``name``, ``factors(config)`` (what enters every target key besides the
-graph), ``compile(request) -> Artifact`` and ``load(kind, key, store) -> callable``. The
-callable takes the piece's inputs positionally and returns a sequence of tensors.
+A backend has a ``name``, ``factors(config)`` and ``toolchain(config, device, probe_dir)``
+(what enters every target key besides the graph), ``compile(request) -> Artifact`` and
+``load(kind, key, store, device) -> callable``. The callable takes the piece's inputs
+positionally and returns a sequence of tensors.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import torch
 from cachebuild.trace import InputMeta
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch.fx as fx
 
     from cachebuild.config import CompileConfig
@@ -22,11 +25,15 @@ if TYPE_CHECKING:
 
 @dataclass
 class Artifact:
-    """A compiled piece: ``kind`` says how ``payload`` loads (``aoti-cpu``, ``standalone``...)."""
+    """A compiled piece: ``kind`` says how ``payload`` loads (``aoti-cuda``, ``standalone``...).
+
+    ``fallback``: why the piece was built in another flavour than the one asked for
+    (logged and counted by the builder), or None.
+    """
 
     kind: str
     payload: bytes
-    info: dict[str, Any] = field(default_factory=dict)
+    fallback: str | None = None
 
 
 @dataclass
@@ -39,16 +46,25 @@ class BuildRequest:
     config: CompileConfig
     key: str
     passes: Any  # cachebuild.passes.PassManager
+    toolchain: dict[str, Any] = field(default_factory=dict)  # Backend.toolchain's answer
 
 
 class Backend(Protocol):
+    """``factors``: what enters the entry key and every target key (cheap, no probing).
+    ``toolchain``: what else enters target keys on ``device`` (may probe once per
+    environment, keeping its verdict in ``probe_dir``). ``load`` returns a callable on
+    ``device``, or None if the store no longer holds ``key``."""
+
     name: str
 
     def factors(self, config: CompileConfig) -> dict[str, Any]: ...
 
+    def toolchain(self, config: CompileConfig, device: str,
+                  probe_dir: Path | None) -> dict[str, Any]: ...
+
     def compile(self, request: BuildRequest) -> Artifact: ...
 
-    def load(self, kind: str, key: str, store: Any) -> Any: ...
+    def load(self, kind: str, key: str, store: Any, device: str) -> Any: ...
 
 
 def bucket_bounds(bucket: dict[str, Any]) -> tuple[int, int] | None:

@@ -25,6 +25,9 @@ class EagerFusionBackend:
     def factors(self, config: Any) -> dict[str, Any]:
         return {"name": self.name, "version": VERSION}
 
+    def toolchain(self, config: Any, device: str, probe_dir: Any) -> dict[str, Any]:
+        return {}  # no code generation: nothing about the machine's compilers matters
+
     def compile(self, request: BuildRequest) -> Artifact:
         from torch.fx.experimental.proxy_tensor import make_fx
 
@@ -32,13 +35,14 @@ class EagerFusionBackend:
         fn = torch.func.functionalize(request.gm, remove="mutations_and_views")
         with fake_mode, torch.no_grad():
             lowered = make_fx(fn, tracing_mode="symbolic")(*fake_args)
-        matches = request.passes(lowered.graph) if request.passes is not None else {}
+        if request.passes is not None:
+            request.passes(lowered.graph)
         lowered.graph.eliminate_dead_code()
         lowered.recompile()
         payload = json.dumps({"nodes": graph_to_data(lowered.graph)}).encode()
-        return Artifact("fx-graph", payload, {"matches": matches})
+        return Artifact("fx-graph", payload)
 
-    def load(self, kind: str, key: str, store: Any) -> Any:
+    def load(self, kind: str, key: str, store: Any, device: str) -> Any:
         if kind != "fx-graph":
             raise ValueError(f"eager_fusion cannot load artifacts of kind {kind!r}")
         data = store.get(key)

@@ -1,26 +1,33 @@
 """The Inductor backend, in two artifact flavours.
 
 ``aoti``: the piece is exported (weights are inputs, so one artifact serves every
-identical layer) and compiled by AOTInductor into a shared library; it loads through
-torch's C++ runner, so a loading process imports neither Inductor nor Dynamo and, on
-CPU, builds nothing. ``standalone``: ``torch._inductor.standalone_compile`` bytes; the
-fallback where AOTI packages cannot load (``probe.py``) or a piece AOTInductor rejects.
-``auto`` picks per piece and records the choice in the artifact's kind.
+identical layer) and compiled by AOTInductor into a package (``aoti.py``); it loads
+through torch's C++ package loader, so a loading process imports neither Inductor nor
+Dynamo and builds nothing, and on CUDA it can be captured into CUDA graphs.
+``standalone``: ``torch._inductor.standalone_compile`` bytes; the fallback for machines
+where no C++ compiler makes AOTI libraries that load (``probe.py``) and for a piece
+AOTInductor rejects. ``auto`` picks per piece and records the choice in the artifact's
+kind; a build that fails for want of disk or memory fails, it never changes the flavour.
+Every build uses the compiler the probe chose (``toolchain``), which is a key factor.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import logging
 import os
 import shutil
+import subprocess
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from cachebuild.backends import aoti
 from cachebuild.backends.base import (
     Artifact,
     BuildRequest,
@@ -29,10 +36,11 @@ from cachebuild.backends.base import (
     example_inputs,
     symbolic_fake_inputs,
 )
+from cachebuild.errors import ConfigError
 
 log = logging.getLogger("cachebuild.inductor")
 
-VERSION = "2"  # 2: packed payloads (AOTI proxy JSON, CPU kernels of standalone)
+VERSION = "3"  # 3: AOTI packages (.pt2) built with the probed compiler
 
 
 def _inductor_options(request: BuildRequest) -> dict[str, Any]:
@@ -49,33 +57,54 @@ class InductorBackend:
         return {"name": self.name, "version": VERSION, "flavour": config.flavour,
                 "options": config.factors()["inductor_options"]}
 
+    def toolchain(self, config: Any, device: str, probe_dir: Path | None) -> dict[str, Any]:
+        """The C++ compiler builds use here, and whether AOTI libraries load (``aoti``).
+
+        Probes once per environment (``probe.py``). Raises ConfigError for flavour
+        ``aoti`` where no compiler makes libraries that load.
+        """
+        from cachebuild.backends.probe import compiler_version, verdict
+
+        found = verdict(device, probe_dir)
+        if found.compiler is not None:
+            return {"aoti": True, **found.compiler.factors()}
+        if config.flavour == "aoti":
+            raise ConfigError(f"flavour 'aoti' needs a C++ compiler whose AOTInductor "
+                              f"libraries load here, and none does ({found.describe()}); "
+                              "use flavour 'auto' or 'standalone'")
+        # No compiler passes: standalone artifacts, built with Inductor's default compiler.
+        default = os.environ.get("CXX") or "g++"
+        return {"aoti": False, "cxx": shutil.which(default) or default,
+                "cxx_version": compiler_version(default)}
+
     # -- compile -----------------------------------------------------------------------
 
     def compile(self, request: BuildRequest) -> Artifact:
         flavour = request.config.flavour
         device = request.input_metas[0].device if request.input_metas else "cpu"
+        toolchain = request.toolchain
         if flavour == "auto":
-            from cachebuild.backends.probe import aoti_loads
-
-            flavour = "aoti" if aoti_loads(device) else "standalone"
+            flavour = "aoti" if toolchain.get("aoti") else "standalone"
+        compiler = toolchain.get("cxx")
         if flavour == "aoti":
             try:
-                return self._compile_aoti(request, device)
+                return self._compile_aoti(request, device, compiler)
             except Exception as e:
-                if request.config.flavour == "aoti":
+                if request.config.flavour == "aoti" or transient(e):
                     raise
-                log.info("AOTInductor rejected piece %s (%s); using standalone",
-                         request.key[:12], str(e).splitlines()[0] if str(e) else type(e).__name__)
-        return self._compile_standalone(request)
+                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                artifact = self._compile_standalone(request, compiler)
+                artifact.fallback = f"AOTInductor cannot take it: {type(e).__name__}: {reason}"
+                return artifact
+        return self._compile_standalone(request, compiler)
 
-    def _compile_aoti(self, request: BuildRequest, device: str) -> Artifact:
+    def _compile_aoti(self, request: BuildRequest, device: str, compiler: str | None) -> Artifact:
         from torch.export import Dim
-
-        from cachebuild import compat
 
         args = example_inputs(request.input_metas, request.bucket)
         if any(not isinstance(a, torch.Tensor) for a in args):
-            raise ValueError("AOTInductor pieces take tensors only")
+            raise ValueError("AOTInductor pieces take tensors only (the piece takes a "
+                             "plain integer that no tensor input's size gives)")
         bounds = bucket_bounds(request.bucket)
         dims: dict[str, Any] = {}
         shapes = []
@@ -90,25 +119,16 @@ class InductorBackend:
         with torch.no_grad():
             ep = torch.export.export(request.gm, tuple(args), dynamic_shapes=tuple(shapes),
                                      strict=False)
-            options = _inductor_options(request)
-            options.update(compat.aoti_single_file_options(device))
             with tempfile.TemporaryDirectory(prefix="cachebuild-aoti-") as tmp:
-                options["aot_inductor.output_path"] = os.path.join(tmp, "piece.so")
-                so_path = torch._inductor.aot_compile(ep.module(), tuple(args), options=options)
-                with open(so_path, "rb") as f:
+                path = aoti.build_package(ep, os.path.join(tmp, "piece.pt2"),
+                                          _inductor_options(request), compiler)
+                with open(path, "rb") as f:
                     payload = f.read()
-                # Custom ops run through a proxy executor described by a JSON file that the
-                # runner looks for beside the library: then both travel as one artifact.
-                proxy = [p for p in glob.glob(os.path.join(os.path.dirname(so_path), "*.json"))
-                         if not p.endswith("_metadata.json")]
-                if proxy:
-                    with open(proxy[0], "rb") as f:
-                        payload = pack({"library": payload, "proxy.json": f.read()})
         kind = "aoti-cuda" if device.startswith("cuda") else "aoti-cpu"
-        return Artifact(kind, payload, {"flavour": "aoti"})
+        return Artifact(kind, payload)
 
-    def _compile_standalone(self, request: BuildRequest) -> Artifact:
-        from torch._inductor import standalone_compile
+    def _compile_standalone(self, request: BuildRequest, compiler: str | None) -> Artifact:
+        from torch._inductor import config, standalone_compile
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         from cachebuild import compat
@@ -121,12 +141,13 @@ class InductorBackend:
         # On CPU the artifact holds C++ source that a loading process would build again:
         # compile into an empty Inductor cache, so that the built kernels found there
         # afterwards are exactly this artifact's, and ship them with it.
-        from torch._inductor import config
-
         # No precompiled headers either: their path enters the kernels' cache keys, and a
         # loading process must find the kernels under the same keys (see load_standalone).
+        patches: dict[str, Any] = {"cpp_cache_precompile_headers": not cpu}
+        if compiler:
+            patches["cpp.cxx"] = (None, compiler)
         with compat.fresh_inductor_cache() if cpu else contextlib.nullcontext(), \
-                config.patch(cpp_cache_precompile_headers=not cpu):
+                config.patch(patches):
             with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
                 art = standalone_compile(request.gm, fake_args,
                                          dynamic_shapes="from_tracing_context", options=options)
@@ -144,16 +165,45 @@ class InductorBackend:
                         with open(built, "rb") as f:
                             kernels[os.path.relpath(built, root)] = f.read()
                 payload = pack({"artifact.bin": payload, **kernels})
-        return Artifact("standalone", payload, {"flavour": "standalone"})
+        return Artifact("standalone", payload)
 
     # -- load --------------------------------------------------------------------------
 
-    def load(self, kind: str, key: str, store: Any) -> Any:
+    def load(self, kind: str, key: str, store: Any, device: str) -> Any:
         if kind in ("aoti-cpu", "aoti-cuda"):
-            return load_aoti(kind, key, store)
+            path = store.materialize(key, ".pt2")
+            return None if path is None else aoti.load_package(path, device)
         if kind == "standalone":
             return load_standalone(key, store)
         raise ValueError(f"inductor backend cannot load artifacts of kind {kind!r}")
+
+
+#: errno values of a machine that is short of something, not of a piece AOTI rejects.
+_TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EIO, errno.EROFS,
+                     errno.EMFILE, errno.ENFILE, errno.EAGAIN}
+_TRANSIENT_TEXT = ("No space left on device", "Disk quota exceeded", "Cannot allocate memory",
+                   "Read-only file system", "Too many open files")
+
+
+def transient(error: BaseException) -> bool:
+    """True if ``error`` (or what caused it) is the machine's, not the piece's: a full
+    disk, no memory, a killed compiler. Such a build fails; it never changes the flavour."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, (MemoryError, subprocess.TimeoutExpired)):
+            return True
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return True
+        if isinstance(e, subprocess.CalledProcessError) and e.returncode is not None \
+                and e.returncode < 0:
+            return True  # the compiler was killed (out of memory, a signal)
+        text = str(e)
+        if any(t in text for t in _TRANSIENT_TEXT):
+            return True
+        e = e.__cause__
+    return False
 
 
 PACK_MAGIC = b"CBPACK\x01"
@@ -185,46 +235,6 @@ def read_packed(path: str | os.PathLike[str]) -> dict[str, bytes] | None:
             return None
         f.seek(0)
         return unpack(f.read())
-
-
-def _library_file(key: str, store: Any) -> tuple[str, str | None] | None:
-    """A path to the artifact's library, with its JSON beside it where it has one, and
-    the private folder to remove once the library is loaded (None for the store's file)."""
-    path = store.materialize(key, ".so")
-    if path is None:
-        return None
-    parts = read_packed(path)
-    if parts is None:
-        return str(path), None
-    # A packed artifact is unpacked into a directory private to this process, from the
-    # verified materialised file, so what is loaded is exactly what the store verified.
-    folder = tempfile.mkdtemp(prefix="cachebuild-aoti-")
-    for suffix, data in (("so", parts["library"]), ("json", parts["proxy.json"])):
-        with open(os.path.join(folder, f"{key}.{suffix}"), "wb") as f:
-            f.write(data)
-    return os.path.join(folder, f"{key}.so"), folder
-
-
-def load_aoti(kind: str, key: str, store: Any) -> Any:
-    """Load an AOTI shared library through torch's C++ runner (no Inductor import)."""
-    found = _library_file(key, store)
-    if found is None:
-        return None
-    path, private = found
-    try:
-        if kind == "aoti-cpu":
-            runner = torch._C._aoti.AOTIModelContainerRunnerCpu(path, 1)
-        else:
-            runner = torch._C._aoti.AOTIModelContainerRunnerCuda(path, 1)
-    finally:
-        if private is not None:  # loaded (the JSON is read at load): the files can go
-            shutil.rmtree(private, ignore_errors=True)
-
-    def run(*args: torch.Tensor) -> list[torch.Tensor]:
-        return runner.run(list(args))
-
-    run.runner = runner  # type: ignore[attr-defined]  # keeps the library loaded
-    return run
 
 
 def load_standalone(key: str, store: Any) -> Any:

@@ -1,13 +1,24 @@
-"""Does an AOTInductor shared library load and run here?
+"""Which C++ compiler builds AOTInductor libraries that load and run here?
 
-Some builds cannot load AOTI libraries at all (torch 2.11 with CUDA 13 segfaults on any
-of them), so the ``auto`` flavour asks once per environment: a child process compiles a
-two-op library, loads it through the C++ runner and checks its output. A crash of the
-child is a verdict, not a crash of ours. The verdict is cached in a small JSON file
-keyed by the environment fingerprint (``env.py``), under ``$CACHEBUILD_PROBE_DIR``
-(default ``~/.cache/cachebuild/probe``).
+AOTInductor builds a piece's wrapper (and, on CPU, its kernels) with the C++ compiler that
+Inductor's ``cpp.cxx`` setting names, by default ``$CXX`` or else ``g++``. Some
+environments' default compiler makes libraries that crash on load: a wrapper script that
+brings its own C++ runtime, two runtimes disagreeing in one process. So the ``inductor``
+backend asks once per environment. For each candidate compiler in turn (``$CXX``, the
+``g++`` and ``c++`` found on ``PATH``, then ``/usr/bin/g++`` and ``/usr/bin/c++``) a child
+process builds a two-op AOTI package with it, loads it through the runner artifacts load
+with (``backends.aoti``), runs it and, on CUDA, captures and replays it in a CUDA graph.
+The first that passes is the **toolchain**: Inductor builds use it through Inductor's own
+setting (never by changing the process environment), and its identity enters every target
+key, since it decides what a library contains. A crash of a child is a verdict on that
+compiler, not a crash of ours. With no compiler that passes, ``auto`` builds ``standalone``
+artifacts and ``aoti`` is refused with the reasons.
 
-Run ``python -m cachebuild.backends.probe DEVICE`` to probe by hand.
+Verdicts are cached as one JSON file per environment fingerprint (the environment's key
+factors plus each candidate's path, size and modification time, so an upgraded compiler is
+probed again) in the store's ``probe/`` folder, or in ``$CACHEBUILD_PROBE_DIR``.
+
+Run ``python -m cachebuild.backends.probe DEVICE [COMPILER]`` to probe by hand.
 """
 
 from __future__ import annotations
@@ -15,85 +26,244 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
+import signal
 import subprocess
 import sys
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
-
-from filelock import FileLock
-
-from cachebuild.env import env_factors
-from cachebuild.keys import make_key
+from typing import Any
 
 log = logging.getLogger("cachebuild.probe")
 
+#: One candidate's build and load may take this long (a cold CPU build of the tiny
+#: package takes tens of seconds on two cores).
 PROBE_TIMEOUT_S = 900.0
-_VERDICTS: dict[str, bool] = {}
+#: Compilers tried after ``$CXX`` and the ones ``PATH`` finds, in this order.
+SYSTEM_COMPILERS = ("/usr/bin/g++", "/usr/bin/c++")
+_VERDICTS: dict[str, Verdict] = {}
 
 
-def probe_dir() -> Path:
-    default = Path.home() / ".cache" / "cachebuild" / "probe"
-    return Path(os.environ.get("CACHEBUILD_PROBE_DIR", default))
+@dataclass(frozen=True)
+class Compiler:
+    """A C++ compiler: the path Inductor is told to run, and what ``--version`` says."""
+
+    path: str
+    version: str
+
+    def factors(self) -> dict[str, str]:
+        """What enters a target key: the real path and the version line."""
+        return {"cxx": os.path.realpath(self.path), "cxx_version": self.version}
 
 
-def aoti_loads(device: str) -> bool:
-    """True if AOTI libraries for ``device`` load and run in this environment."""
+@dataclass
+class Verdict:
+    """The probe's answer for one device type in one environment.
+
+    ``compiler`` is the first candidate whose AOTI libraries load and run (None if none
+    does); ``refused`` holds every candidate tried before it, or all of them, with why.
+    """
+
+    device: str
+    compiler: Compiler | None
+    refused: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def aoti(self) -> bool:
+        return self.compiler is not None
+
+    def describe(self) -> str:
+        """One line: what builds AOTI libraries here, and what was refused and why."""
+        if self.compiler is not None:
+            head = f"AOTInductor ({self.device}): {self.compiler.path} ({self.compiler.version})"
+        else:
+            head = f"AOTInductor ({self.device}): no compiler works; pieces build as standalone"
+        if self.refused:
+            head += "; refused " + "; ".join(f"{path}: {why}" for path, why in self.refused)
+        return head
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Verdict:
+        compiler = data.get("compiler")
+        return cls(device=str(data["device"]),
+                   compiler=Compiler(**compiler) if compiler else None,
+                   refused=[(str(p), str(w)) for p, w in data.get("refused", [])])
+
+
+def candidate_compilers() -> list[str]:
+    """The compilers to try, best first, each once (by the file it resolves to)."""
+    names: list[str | None] = []
+    if os.environ.get("CXX"):
+        names.append(shutil.which(os.environ["CXX"]))
+    names += [shutil.which("g++"), shutil.which("c++")]
+    names += [p for p in SYSTEM_COMPILERS if os.access(p, os.X_OK)]
+    out: list[str] = []
+    seen: set[str] = set()
+    for name in names:
+        if name and os.path.realpath(name) not in seen:
+            seen.add(os.path.realpath(name))
+            out.append(name)
+    return out
+
+
+def compiler_version(path: str) -> str | None:
+    """The first line ``path --version`` prints, or None if it does not run."""
+    try:
+        proc = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = proc.stdout.strip().splitlines()
+    return lines[0].strip() if proc.returncode == 0 and lines else None
+
+
+def _fingerprint(device: str, candidates: list[str]) -> str:
+    from cachebuild.env import env_factors
+    from cachebuild.keys import make_key
+
+    files = []
+    for path in candidates:
+        try:
+            st = os.stat(path)
+            files.append([path, st.st_size, st.st_mtime_ns])
+        except OSError:
+            files.append([path, None, None])
+    return make_key({"probe": "aoti-toolchain", "env": env_factors(device), "compilers": files})
+
+
+def probe_dir(default: Path | None = None) -> Path:
+    """Where verdicts are kept: ``$CACHEBUILD_PROBE_DIR``, else ``default`` (the store's
+    ``probe/`` folder), else the default store's."""
+    if os.environ.get("CACHEBUILD_PROBE_DIR"):
+        return Path(os.environ["CACHEBUILD_PROBE_DIR"])
+    if default is not None:
+        return default
+    from cachebuild.store.layout import FORMAT_DIR, default_path
+
+    return default_path() / FORMAT_DIR / "probe"
+
+
+def verdict(device: str, folder: Path | None = None) -> Verdict:
+    """The toolchain verdict for ``device`` ("cpu", "cuda:0", ...), probing if needed.
+
+    Probing runs each candidate in a child process, once per environment; later calls
+    (in any process sharing ``folder``) read the cached verdict.
+    """
+    from filelock import FileLock
+
+    from cachebuild.store.layout import make_private_dir
+
     kind = device.split(":")[0]
-    fingerprint = make_key({"probe": "aoti", "env": env_factors(device)})
+    candidates = candidate_compilers()
+    fingerprint = _fingerprint(device, candidates)
     if fingerprint in _VERDICTS:
         return _VERDICTS[fingerprint]
-    folder = probe_dir()
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = probe_dir(folder)
+    make_private_dir(folder)
     verdict_file = folder / f"aoti-{kind}-{fingerprint}.json"
     with FileLock(str(verdict_file) + ".lock"):
-        if verdict_file.exists():
-            verdict = json.loads(verdict_file.read_text())["loads"]
-        else:
-            verdict, detail = _run_probe(device)
-            verdict_file.write_text(json.dumps({"loads": verdict, "detail": detail}))
-            log.info("AOTI probe for %s: %s (%s)", kind, "loads" if verdict else "does not load",
-                     detail)
-    _VERDICTS[fingerprint] = verdict
-    return verdict
+        found = _read(verdict_file)
+        if found is None:
+            found = _probe_all(device, candidates)
+            tmp = verdict_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(found.to_json()))
+            os.replace(tmp, verdict_file)
+            log.info("%s", found.describe())
+    _VERDICTS[fingerprint] = found
+    return found
 
 
-def _run_probe(device: str) -> tuple[bool, str]:
+def _read(path: Path) -> Verdict | None:
     try:
-        proc = subprocess.run([sys.executable, "-m", "cachebuild.backends.probe", device],
+        return Verdict.from_json(json.loads(path.read_text()))
+    except FileNotFoundError:
+        return None
+    except (ValueError, KeyError, TypeError) as e:  # a damaged file: probe again
+        log.warning("ignoring unreadable probe verdict %s (%s)", path, e)
+        return None
+
+
+def cached_verdicts(folder: Path | None = None) -> list[Verdict]:
+    """Every verdict cached in ``folder`` (for ``cachebuild stats``); reads files only."""
+    out = []
+    for path in sorted(probe_dir(folder).glob("aoti-*.json")):
+        found = _read(path)
+        if found is not None:
+            out.append(found)
+    return out
+
+
+def _probe_all(device: str, candidates: list[str]) -> Verdict:
+    kind = device.split(":")[0]
+    refused: list[tuple[str, str]] = []
+    for path in candidates:
+        version = compiler_version(path)
+        if version is None:
+            refused.append((path, "does not run (`--version` failed)"))
+            continue
+        ok, why = _probe_one(device, path)
+        if ok:
+            return Verdict(kind, Compiler(path, version), refused)
+        refused.append((path, why))
+        log.warning("AOTInductor probe: %s refused for %s: %s", path, kind, why)
+    return Verdict(kind, None, refused)
+
+
+def _probe_one(device: str, compiler: str) -> tuple[bool, str]:
+    """Build, load and run the tiny package with ``compiler`` in a child process."""
+    try:
+        proc = subprocess.run([sys.executable, "-m", "cachebuild.backends.probe", device, compiler],
                               capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        return False, "probe timed out"
+        return False, f"timed out after {PROBE_TIMEOUT_S:.0f} s"
     if proc.returncode == 0 and proc.stdout.strip().endswith("ok"):
         return True, "ok"
+    if proc.returncode < 0:
+        name = signal.Signals(-proc.returncode).name
+        stage = "on load" if "built" in proc.stdout else "while building"
+        return False, f"crashed {stage} ({name})"
     tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return False, f"exit {proc.returncode}: {tail}"
+    return False, f"exit {proc.returncode}: {tail[:200]}"
 
 
-def _probe(device: str) -> None:
+def _probe(device: str, compiler: str | None) -> None:
+    """The child: build the tiny package with ``compiler``, load it, run it, check it."""
     import tempfile
 
     import torch
 
-    from cachebuild.compat import aoti_single_file_options
+    from cachebuild.backends import aoti
 
     class Tiny(torch.nn.Module):
-        def forward(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-            return torch.relu(x @ w) + 1
+        def forward(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
+            return (torch.relu(x @ w) + 1,)
 
     x = torch.randn(8, 16, device=device)
     w = torch.randn(16, 16, device=device)
     with tempfile.TemporaryDirectory() as tmp:
         ep = torch.export.export(Tiny(), (x, w), strict=False)
-        options = aoti_single_file_options(device)
-        options["aot_inductor.output_path"] = os.path.join(tmp, "probe.so")
-        so = torch._inductor.aot_compile(ep.module(), (x, w), options=options)
-        if device.startswith("cuda"):
-            runner = torch._C._aoti.AOTIModelContainerRunnerCuda(so, 1)
-        else:
-            runner = torch._C._aoti.AOTIModelContainerRunnerCpu(so, 1)
-        (out,) = runner.run([x, w])
+        package = aoti.build_package(ep, os.path.join(tmp, "probe.pt2"), {}, compiler)
+        print("built", flush=True)
+        run = aoti.load_package(package, device)
+        (out,) = run(x, w)
         torch.testing.assert_close(out, torch.relu(x @ w) + 1)
+        if device.startswith("cuda"):  # the runner must also be capturable
+            graph = torch.cuda.CUDAGraph()
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                run(x, w)
+            torch.cuda.current_stream().wait_stream(stream)
+            with torch.cuda.graph(graph):
+                (captured,) = run(x, w)
+            x.copy_(torch.randn_like(x))
+            graph.replay()
+            torch.cuda.synchronize()
+            torch.testing.assert_close(captured, torch.relu(x @ w) + 1)
     print("ok")
 
 
 if __name__ == "__main__":
-    _probe(sys.argv[1] if len(sys.argv) > 1 else "cpu")
+    _probe(sys.argv[1] if len(sys.argv) > 1 else "cpu", sys.argv[2] if len(sys.argv) > 2 else None)

@@ -23,7 +23,7 @@ import torch
 from cachebuild.build import Builder
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase, snapshot
-from cachebuild.entry import Entry, entry_factors, make_entry
+from cachebuild.entry import Entry, device_of, entry_factors, make_entry
 from cachebuild.env import env_factors
 from cachebuild.errors import UsageError
 from cachebuild.keys import make_key
@@ -65,10 +65,17 @@ class ModelSpec:
             raise UsageError("ModelSpec.config must be a cachebuild.CompileConfig")
 
 
-def target_factors(builder: Builder) -> dict[str, Any]:
-    """Backend and pass factors, shared by every target of a config."""
-    return {"backend": builder.backend.factors(builder.config),
-            "passes": builder.passes.factors()}
+def target_factors(builder: Builder, device: str | None = None) -> dict[str, Any]:
+    """Backend and pass factors, shared by every target of a config.
+
+    With ``device``, the backend's factors include its toolchain there (the C++ compiler,
+    which may need a probe): what target keys take. Without, what the entry key takes,
+    computed without probing, so a warm start finds its entry at once.
+    """
+    backend = builder.backend.factors(builder.config)
+    if device is not None:
+        backend = {**backend, "toolchain": builder.toolchain(device)}
+    return {"backend": backend, "passes": builder.passes.factors()}
 
 
 class Planner:
@@ -111,9 +118,10 @@ class Planner:
         with phase("split"):
             split = split_graph(traced, self.config.splitting_ops)
         with phase("plan"):
-            tf = target_factors(self.builder)
+            device = _device(traced)
+            tf = target_factors(self.builder, device)
             targets = make_targets(split.pieces, self.config.buckets(), backend=tf["backend"],
-                                   passes=tf["passes"], env=env_factors(_device(traced)))
+                                   passes=tf["passes"], env=env_factors(device))
             entry = make_entry(factors, traced, split, targets)
         planned = sum(len(t) for t in targets.values())
         COUNTERS.planned += planned
@@ -170,6 +178,7 @@ class CompiledModule(torch.nn.Module):
         start = time.perf_counter()
         store = open_default_store(self._store)
         planner = Planner(self.model, self.config, self.dynamic_dims, store, self._passes)
+        planner.builder.device = device_of(self.model, args)
         entry, why = planner.stored_entry(args)
         if entry is not None:
             if _needs_inductor(entry, store):
@@ -241,6 +250,7 @@ def backend(config: CompileConfig | None = None, store: Any = None, passes: Any 
             num_outputs=n_out, fake_inputs=fakes,
         )
         planner = Planner(torch.nn.Module(), config, {}, open_default_store(store), passes)
+        planner.builder.device = _device(traced)
         entry = planner.plan(traced, {"front_door": "torch.compile"})
         return direct_forward(stitch(entry, resolve_all(entry, planner.builder)))
 

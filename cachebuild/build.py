@@ -24,8 +24,8 @@ from cachebuild.trace import InputMeta
 
 log = logging.getLogger("cachebuild.build")
 
-#: Targets loaded in this process, by key: every layer with the same key shares one.
-LOADED: dict[str, Any] = {}
+#: Targets loaded in this process, by key and device: every layer with the same key shares one.
+LOADED: dict[tuple[str, str], Any] = {}
 
 
 @dataclass
@@ -48,13 +48,21 @@ def pass_manager(config: CompileConfig) -> Any:
 class Builder:
     """Resolves targets against one store with one config's backend and passes."""
 
-    def __init__(self, store: Any, config: CompileConfig, passes: Any = None) -> None:
+    def __init__(self, store: Any, config: CompileConfig, passes: Any = None,
+                 device: str = "cpu") -> None:
         """``passes``: a ``PassManager`` to use instead of the one ``config.passes`` makes
-        (custom passes); its factors enter every target key all the same."""
+        (custom passes); its factors enter every target key all the same. ``device``: where
+        loaded targets run (the live model's device)."""
         self.store = store
         self.config = config
+        self.device = device
         self.backend = get_backend(config.backend)
         self._passes: Any = passes
+
+    def toolchain(self, device: str) -> dict[str, Any]:
+        """The backend's toolchain factors for targets built for ``device``."""
+        folder = getattr(self.store, "probe_dir", None) if self.store is not None else None
+        return self.backend.toolchain(self.config, device, folder)
 
     @property
     def passes(self) -> Any:
@@ -64,21 +72,21 @@ class Builder:
 
     def load(self, key: str) -> Any | None:
         """The loaded target ``key`` if the store has it (None on a miss)."""
-        if key in LOADED and self.store.contains(key):
+        if (key, self.device) in LOADED and self.store.contains(key):
             # Loaded earlier in this process (from this store or another one): the same
             # key is the same artifact. A store that lacks it is a miss, so it is built
             # into this store too.
-            return LOADED[key]
+            return LOADED[key, self.device]
         record = self.store.get_record(key)
         if record is None:
             return None
         start = time.perf_counter()
-        fn = self.backend.load(record.kind, key, self.store)
+        fn = self.backend.load(record.kind, key, self.store, self.device)
         if fn is None:  # vanished or failed verification (quarantined): a miss
             return None
         COUNTERS.loaded += 1
         COUNTERS.add_time("load", time.perf_counter() - start)
-        LOADED[key] = fn
+        LOADED[key, self.device] = fn
         return fn
 
     def build(self, job: BuildJob) -> bool:
@@ -98,6 +106,7 @@ class Builder:
                     config=self.config,
                     key=key,
                     passes=self.passes,
+                    toolchain=job.target.manifest["backend"].get("toolchain", {}),
                 ))
             except Exception as e:
                 COUNTERS.failed += 1
@@ -108,6 +117,10 @@ class Builder:
                 ) from e
             seconds = time.perf_counter() - start
             self.store.put(key, artifact.payload, kind=artifact.kind, manifest=job.target.manifest)
+            if artifact.fallback:
+                COUNTERS.fallbacks += 1
+                log.warning("piece %d (%s) built as %s: %s", job.target.piece,
+                            bucket_label(job.target.bucket), artifact.kind, artifact.fallback)
             COUNTERS.built += 1
             COUNTERS.add_time("build", seconds)
             log.info("built piece %d %s as %s in %.1f s (%s, %d bytes)", job.target.piece,

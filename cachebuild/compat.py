@@ -41,20 +41,6 @@ def standalone_compile_accepts_fake_mode() -> bool:
     return "fake_mode" in inspect.signature(standalone_compile).parameters
 
 
-def aoti_single_file_options(device: str) -> dict[str, Any]:
-    """AOTInductor options that give one self-contained shared library.
-
-    Kernel binaries are embedded in the library where this torch can do it, so the one
-    file in the store is all a loading process needs.
-    """
-    from torch._inductor import config
-
-    options: dict[str, Any] = {"aot_inductor.package": False}
-    if device.startswith("cuda") and hasattr(config.aot_inductor, "embed_kernel_binary"):
-        options["aot_inductor.embed_kernel_binary"] = True
-    return options
-
-
 def fp8_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                   scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``(a * scale_a) @ (b * scale_b)`` for e4m3 ``a`` (row-major) and ``b`` (column-major)

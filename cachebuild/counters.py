@@ -19,6 +19,8 @@ class Counters:
     loaded: int = 0   # targets loaded from the store
     built: int = 0    # targets compiled (cache misses)
     failed: int = 0   # targets that failed to compile
+    fallbacks: int = 0  # targets built in another flavour than asked (logged with why)
+    layout_copies: int = 0  # piece inputs copied to the strides the piece was compiled for
     traced: int = 0   # models traced with Dynamo
     entries_loaded: int = 0  # model entries loaded (warm starts)
     seconds: dict[str, float] = field(default_factory=dict)  # per phase

@@ -35,6 +35,7 @@ from cachebuild.graphs import (
     stable_piece_inputs,
     unpad_outputs,
 )
+from cachebuild.inputs import CallCheck, LayoutGuard, same_layout
 from cachebuild.trace import Binding, InputMeta
 
 #: At most this many artifacts load at once (loading is mostly I/O and dlopen); the
@@ -61,13 +62,19 @@ def _size_reader(size_input: tuple[int, int] | None) -> Callable[[tuple[Any, ...
 
 
 class PieceRunner:
-    """One compiled piece over all its buckets."""
+    """One compiled piece over all its buckets.
+
+    ``layout`` gives the inputs that come from inside the model the strides the piece was
+    compiled for before it reads them (``inputs.LayoutGuard``).
+    """
 
     def __init__(self, name: str, size_input: tuple[int, int] | None, single_output: bool,
-                 table: list[tuple[dict[str, Any], Callable[..., Any]]]) -> None:
+                 table: list[tuple[dict[str, Any], Callable[..., Any]]],
+                 layout: LayoutGuard | None = None) -> None:
         self.name = name
         self.size_of = _size_reader(size_input)
         self.single_output = single_output
+        self.layout = layout if layout is not None and layout.checked else None
         self.exact = {b["size"]: fn for b, fn in table if "size" in b}
         self.ranges = [(b["range"][0], b["range"][1], fn) for b, fn in table if "range" in b]
         self.static = next((fn for b, fn in table if "static" in b), None)
@@ -85,6 +92,8 @@ class PieceRunner:
         raise UsageError(f"size {size} lies outside every compile range of {self.name}")
 
     def __call__(self, *args: Any) -> Any:
+        if self.layout is not None:
+            args = self.layout(args)
         out = self.select(self.size_of(args))(*args)
         return out[0] if self.single_output else tuple(out)
 
@@ -122,17 +131,33 @@ def stitch(entry: Entry, loaded: dict[str, Any],
     """
     modules: dict[str, Any] = {}
     stable = stable_piece_inputs(entry) if capture is not None else {}
+    inner = inner_piece_inputs(entry)
     for piece in entry.pieces:
         if piece.compiled:
             table = [(t["bucket"], loaded[t["key"]]) for t in piece.targets]
             size_input = tuple(piece.size_input) if piece.size_input else None
-            runner: Any = PieceRunner(piece.name, size_input, piece.single_output, table)
+            layout = LayoutGuard([InputMeta.from_data(m) for m in piece.input_metas],
+                                 inner[piece.name])
+            runner: Any = PieceRunner(piece.name, size_input, piece.single_output, table, layout)
             if capture is not None:
                 runner = GraphedCallable(runner, runner.size_of, stable[piece.name], capture)
             modules[piece.name] = runner
         else:
             modules[piece.name] = data_to_module(piece.nodes)
     return data_to_module(entry.stitch, modules)
+
+
+def inner_piece_inputs(entry: Entry) -> dict[str, list[int]]:
+    """Per piece name: the inputs that come from inside the model (a splitting op's or
+    another piece's output), not from the graph's own inputs (weights, call arguments)."""
+    placeholders = {n["name"] for n in entry.stitch if n["op"] == "placeholder"}
+    out: dict[str, list[int]] = {}
+    for node in entry.stitch:
+        if node["op"] == "call_module":
+            args = node["args"]["t"] if isinstance(node["args"], dict) else node["args"]
+            out[node["target"]] = [i for i, a in enumerate(args) if isinstance(a, dict)
+                                   and "n" in a and a["n"] not in placeholders]
+    return out
 
 
 class _Direct:
@@ -174,8 +199,9 @@ class ModelRuntime:
     def __init__(self, entry: Entry, loaded: dict[str, Any], model: torch.nn.Module,
                  config: CompileConfig, dynamic_dims: dict[int, int]) -> None:
         self.entry = entry
+        self.device = live_device(model, entry)
         mode = config.cudagraph_mode
-        self.capture_api = capture_for(device_of_entry(entry)) if mode != "none" else None
+        self.capture_api = capture_for(str(self.device)) if mode != "none" else None
         self.stitched = stitch(entry, loaded, self.capture_api if mode == "piecewise" else None)
         self._run_stitched = direct_forward(self.stitched)
         # data_to_module wraps each runner in a module; the GraphedCallables sit inside.
@@ -205,13 +231,18 @@ class ModelRuntime:
         self.rebind()
 
     def rebind(self) -> None:
-        """Look up the model's parameters and buffers again (after they were replaced)."""
+        """Look up the model's parameters and buffers again (after they were replaced).
+
+        Each is checked against what the compiled pieces were built for (device, dtype,
+        shape, layout): they read it by pointer.
+        """
         self._template: list[Any] = []
-        for b in self.bindings:
-            if b.kind == "param":
-                self._template.append(self.model.get_parameter(b.path))
-            elif b.kind == "buffer":
-                self._template.append(self.model.get_buffer(b.path))
+        for b, m in zip(self.bindings, self.metas, strict=True):
+            if b.kind in ("param", "buffer"):
+                tensor = (self.model.get_parameter(b.path) if b.kind == "param"
+                          else self.model.get_buffer(b.path))
+                _check_weight(b, tensor, m, self.device)
+                self._template.append(tensor)
             elif b.kind == "const":
                 self._template.append(b.dim)
             else:
@@ -219,33 +250,11 @@ class ModelRuntime:
         self._from_call = [(i, b) for i, b in enumerate(self.bindings) if b.kind in ("arg", "size")]
         self._arg_metas = [(b, m) for b, m in zip(self.bindings, self.metas, strict=True)
                            if b.kind == "arg"]
-        self._dtypes = {b.arg: getattr(torch, m.dtype) for b, m in self._arg_metas}
-        self._static_dims = {b.arg: [(d, s) for d, s in enumerate(m.shape) if isinstance(s, int)]
-                             for b, m in self._arg_metas}
+        self.check = CallCheck([(b.arg, m) for b, m in self._arg_metas], self.device,
+                               self._dynamic_size)
 
     def _check(self, args: tuple[Any, ...]) -> int | None:
-        for b, m in self._arg_metas:
-            if b.arg >= len(args):
-                raise UsageError(f"expected at least {b.arg + 1} arguments, got {len(args)}")
-            a = args[b.arg]
-            if not isinstance(a, torch.Tensor):
-                raise UsageError(f"argument {b.arg} must be a tensor, got {type(a).__name__}")
-            if a.dtype == self._dtypes[b.arg] and a.dim() == len(m.shape) and all(
-                    a.shape[d] == want for d, want in self._static_dims[b.arg]):
-                continue  # the common case, checked cheaply on every call
-            dtype = str(a.dtype).removeprefix("torch.")
-            if dtype != m.dtype or a.dim() != len(m.shape):
-                raise UsageError(
-                    f"argument {b.arg} is {dtype} with {a.dim()} dims; the compiled model takes "
-                    f"{m.dtype} with {len(m.shape)} dims"
-                )
-            for d, want in enumerate(m.shape):
-                if isinstance(want, int) and a.shape[d] != want:
-                    raise UsageError(
-                        f"argument {b.arg} has size {a.shape[d]} in dim {d}, which was "
-                        f"compiled static at {want}"
-                    )
-        return self._dynamic_size(args)
+        return self.check(args)
 
     def _dynamic_size(self, args: tuple[Any, ...]) -> int | None:
         if not self.dynamic_dims:
@@ -330,6 +339,33 @@ class ModelRuntime:
             flat[position] = args[b.arg] if b.kind == "arg" else args[b.arg].shape[b.dim]
         out = self._run_stitched(*flat)
         return pytree.tree_unflatten(list(out), self.spec)
+
+
+def _check_weight(binding: Binding, tensor: torch.Tensor, meta: InputMeta,
+                  device: torch.device) -> None:
+    want_dtype = getattr(torch, meta.dtype) if meta.dtype else tensor.dtype
+    problem = None
+    if tensor.device != device:
+        problem = f"is on {tensor.device}, not {device}"
+    elif tensor.dtype != want_dtype:
+        problem = f"is {tensor.dtype}, not {want_dtype}"
+    elif tuple(tensor.shape) != tuple(meta.shape):
+        problem = f"has shape {tuple(tensor.shape)}, not {tuple(meta.shape)}"
+    elif not same_layout(tensor.shape, tensor.stride(), meta.stride):
+        problem = f"has strides {tuple(tensor.stride())}, not {tuple(meta.stride)}"
+    if problem is not None:
+        raise UsageError(f"{binding.kind} {binding.path} {problem}, which the compiled model "
+                         "was built for; compile the model again after changing it")
+
+
+def live_device(model: torch.nn.Module, entry: Entry) -> torch.device:
+    """Where the model runs now: its first parameter's or buffer's device, else the
+    traced one (a model without weights)."""
+    for t in model.parameters():
+        return t.device
+    for t in model.buffers():
+        return t.device
+    return torch.device(device_of_entry(entry))
 
 
 def device_of_entry(entry: Entry) -> str:

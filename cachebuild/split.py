@@ -158,8 +158,10 @@ def record_example_values(gm: fx.GraphModule, fake_inputs: list[Any]) -> None:
 def _normalise(gm: fx.GraphModule, fake_args: list[Any]) -> list[int]:
     """Make a compiled piece take tensors only and return a tuple; return kept inputs.
 
-    A SymInt input is replaced by ``x.size(d)`` of a tensor input ``x`` whose dim ``d``
-    is that symbol. One that no tensor input carries stays an input.
+    A SymInt input is recomputed inside the piece from the sizes of its tensor inputs:
+    ``x.size(d)`` for a symbol that dim ``d`` of ``x`` carries, and arithmetic over such
+    sizes for an expression (``2*s0``, the token count times top-k of a mixture of
+    experts). One whose symbols no tensor input carries stays an input.
     """
     graph = gm.graph
     placeholders = [n for n in graph.nodes if n.op == "placeholder"]
@@ -167,18 +169,30 @@ def _normalise(gm: fx.GraphModule, fake_args: list[Any]) -> list[int]:
     for ph, fake in zip(placeholders, fake_args, strict=True):
         if isinstance(fake, torch.Tensor):
             for d, size in enumerate(fake.shape):
-                if isinstance(size, torch.SymInt):
+                if isinstance(size, torch.SymInt) and getattr(size.node.expr, "is_Symbol", False):
                     sources.setdefault(str(size.node.expr), (ph, d))
     kept = []
     first_body = next(n for n in graph.nodes if n.op != "placeholder")
+    sizes: dict[str, fx.Node] = {}
+
+    def size_of(symbol: str) -> fx.Node:
+        if symbol not in sizes:
+            node, dim = sources[symbol]
+            with graph.inserting_before(first_body):
+                sizes[symbol] = graph.call_method("size", (node, dim))
+        return sizes[symbol]
+
     for i, (ph, fake) in enumerate(zip(placeholders, fake_args, strict=True)):
-        src = sources.get(str(fake.node.expr)) if isinstance(fake, torch.SymInt) else None
-        if src is None:
+        expr = fake.node.expr if isinstance(fake, torch.SymInt) else None
+        if expr is None or not {str(s) for s in expr.free_symbols} <= set(sources):
             kept.append(i)
             continue
         with graph.inserting_before(first_body):
-            size = graph.call_method("size", (src[0], src[1]))
-        ph.replace_all_uses_with(size)
+            value = _emit(graph, expr, size_of)
+        if value is None:
+            kept.append(i)
+            continue
+        ph.replace_all_uses_with(value)
         graph.erase_node(ph)
     out = next(n for n in graph.nodes if n.op == "output")
     if not isinstance(out.args[0], (tuple, list)):
@@ -187,6 +201,35 @@ def _normalise(gm: fx.GraphModule, fake_args: list[Any]) -> list[int]:
     graph.lint()
     gm.recompile()
     return kept
+
+
+def _emit(graph: fx.Graph, expr: Any, size_of: Any) -> Any:
+    """FX nodes computing the sympy integer expression ``expr`` (None if it has a form
+    not handled: then the value stays a piece input)."""
+    import operator
+
+    import sympy
+    from torch.utils._sympy.functions import FloorDiv, Mod, PythonMod
+
+    if expr.is_Symbol:
+        return size_of(str(expr))
+    if expr.is_Integer:
+        return int(expr)
+    if isinstance(expr, (sympy.Add, sympy.Mul)):
+        op = operator.add if isinstance(expr, sympy.Add) else operator.mul
+        parts = [_emit(graph, a, size_of) for a in expr.args]
+        if any(p is None for p in parts):
+            return None
+        value = parts[0]
+        for p in parts[1:]:
+            value = graph.call_function(op, (value, p))
+        return value
+    binary = {FloorDiv: operator.floordiv, Mod: operator.mod, PythonMod: operator.mod}
+    for kind, op in binary.items():
+        if isinstance(expr, kind):
+            a, b = (_emit(graph, x, size_of) for x in expr.args)
+            return None if a is None or b is None else graph.call_function(op, (a, b))
+    return None
 
 
 def _size_input(metas: list[InputMeta]) -> tuple[int, int] | None:

@@ -72,6 +72,7 @@ class Layout:
         self.locks = root / "locks"
         self.quarantine = root / "quarantine"
         self.tmp = root / "tmp"
+        self.probe = root / "probe"  # the AOTI toolchain verdicts (created when first probed)
         self._objects_str = str(self.objects)
 
     def blob(self, key: str) -> Path:

@@ -224,6 +224,11 @@ class LocalStore:
         return self._layout
 
     @property
+    def probe_dir(self) -> Path:
+        """Where backends keep their per-environment probe verdicts (0700, made on use)."""
+        return self._layout.probe
+
+    @property
     def signing_key(self) -> bytes | None:
         return self._signing_key
 

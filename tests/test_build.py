@@ -57,7 +57,7 @@ def test_matches_eager_in_every_bucket(tmp_path, layers):
     for size, bucket in [(4, {"size": 4}), (24, {"size": 24}), (1, {"range": [1, 16]}),
                          (16, {"range": [1, 16]}), (17, {"range": [17, 48]}),
                          (48, {"range": [17, 48]})]:
-        assert run.select(size) is LOADED[by_bucket[str(bucket)]]
+        assert run.select(size) is LOADED[by_bucket[str(bucket)], "cpu"]
 
 
 def test_compiled_module_behaves_like_the_model(tmp_path):
@@ -187,7 +187,7 @@ def test_failing_piece_names_piece_bucket_and_key_and_stores_nothing_partial(tmp
 
 def test_backend_artifact_kind_mismatch_is_refused():
     with pytest.raises(ValueError, match="cannot load artifacts of kind 'standalone'"):
-        EagerFusionBackend().load("standalone", "0" * 32, store=None)
+        EagerFusionBackend().load("standalone", "0" * 32, store=None, device="cpu")
 
 
 # -- other processes -------------------------------------------------------------------

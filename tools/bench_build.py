@@ -128,16 +128,16 @@ def machine() -> dict[str, str]:
 def start() -> dict[str, str]:
     """Before measuring: where (``machine()``), and the AOTI probe's verdict, computed now."""
     info = machine()
-    log(f"AOTI probe verdict (cpu): {'loads' if prime_probe() else 'does not load'}")
+    log(prime_probe())
     return info
 
 
-def prime_probe() -> bool:
-    """Compute (or read) the AOTI probe verdict now, outside every timed region."""
+def prime_probe() -> str:
+    """Compute (or read) the AOTI toolchain verdict now, outside every timed region."""
     sys.path.insert(0, str(ROOT))
-    from cachebuild.backends.probe import aoti_loads
+    from cachebuild.backends.probe import verdict
 
-    return aoti_loads("cpu")
+    return verdict("cpu").describe()
 
 
 def run_child(mode: str, layers: int, inductor_dir: Path, store_dir: Path | None = None,
