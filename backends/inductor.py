@@ -14,13 +14,11 @@ Every build uses the compiler the probe chose (``toolchain``), which is a key fa
 from __future__ import annotations
 
 import contextlib
-import errno
 import glob
 import json
 import logging
 import os
 import shutil
-import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -36,7 +34,7 @@ from cachebuild.backends.base import (
     example_inputs,
     symbolic_fake_inputs,
 )
-from cachebuild.errors import ConfigError
+from cachebuild.errors import ConfigError, transient
 
 log = logging.getLogger("cachebuild.inductor")
 
@@ -176,34 +174,6 @@ class InductorBackend:
         if kind == "standalone":
             return load_standalone(key, store)
         raise ValueError(f"inductor backend cannot load artifacts of kind {kind!r}")
-
-
-#: errno values of a machine that is short of something, not of a piece AOTI rejects.
-_TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EIO, errno.EROFS,
-                     errno.EMFILE, errno.ENFILE, errno.EAGAIN}
-_TRANSIENT_TEXT = ("No space left on device", "Disk quota exceeded", "Cannot allocate memory",
-                   "Read-only file system", "Too many open files")
-
-
-def transient(error: BaseException) -> bool:
-    """True if ``error`` (or what caused it) is the machine's, not the piece's: a full
-    disk, no memory, a killed compiler. Such a build fails; it never changes the flavour."""
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        if isinstance(e, (MemoryError, subprocess.TimeoutExpired)):
-            return True
-        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
-            return True
-        if isinstance(e, subprocess.CalledProcessError) and e.returncode is not None \
-                and e.returncode < 0:
-            return True  # the compiler was killed (out of memory, a signal)
-        text = str(e)
-        if any(t in text for t in _TRANSIENT_TEXT):
-            return True
-        e = e.__cause__
-    return False
 
 
 PACK_MAGIC = b"CBPACK\x01"

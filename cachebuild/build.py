@@ -17,7 +17,7 @@ from typing import Any
 from cachebuild.backends import BuildRequest, get_backend
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS
-from cachebuild.errors import BuildError
+from cachebuild.errors import BuildError, transient
 from cachebuild.fxjson import data_to_module
 from cachebuild.targets import Target, bucket_label
 from cachebuild.trace import InputMeta
@@ -111,9 +111,12 @@ class Builder:
             except Exception as e:
                 COUNTERS.failed += 1
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                machine = transient(e)
+                hint = (f" ({machine}: the machine ran short; free some and build again)"
+                        if machine else "")
                 raise BuildError(
                     f"piece {job.target.piece} ({bucket_label(job.target.bucket)}, key "
-                    f"{key}) failed to compile: {type(e).__name__}: {first}"
+                    f"{key}) failed to compile: {type(e).__name__}: {first}{hint}"
                 ) from e
             seconds = time.perf_counter() - start
             self.store.put(key, artifact.payload, kind=artifact.kind, manifest=job.target.manifest)

@@ -5,12 +5,9 @@ Code elsewhere never tests ``torch.__version__``; it asks this module.
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
 import torch
-
-TORCH_VERSION = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
 
 
 def torch_git_version() -> str:
@@ -34,13 +31,6 @@ def cuda_factors(device: torch.device) -> dict[str, Any]:
     }
 
 
-def standalone_compile_accepts_fake_mode() -> bool:
-    """torch 2.13 lets standalone_compile take the FakeTensorMode of the inputs."""
-    from torch._inductor import standalone_compile
-
-    return "fake_mode" in inspect.signature(standalone_compile).parameters
-
-
 def fp8_scaled_mm(a: torch.Tensor, b: torch.Tensor, scale_a: torch.Tensor,
                   scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """``(a * scale_a) @ (b * scale_b)`` for e4m3 ``a`` (row-major) and ``b`` (column-major)
@@ -55,3 +45,13 @@ def fresh_inductor_cache() -> Any:
 
     fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache
     return fresh()
+
+
+def cuda_graph_for_capture() -> tuple[Any, bool]:
+    """A ``torch.cuda.CUDAGraph`` and whether it must be instantiated by a call of its own:
+    True where this torch has ``keep_graph`` (capture and instantiation then time apart),
+    False where ``capture_end`` instantiates it."""
+    try:
+        return torch.cuda.CUDAGraph(keep_graph=True), True
+    except TypeError:
+        return torch.cuda.CUDAGraph(), False

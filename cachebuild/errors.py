@@ -7,6 +7,9 @@ or bad input, 1 for an operation that failed).
 
 from __future__ import annotations
 
+import errno
+import subprocess
+
 
 class CachebuildError(Exception):
     """Base class: an operation failed (exit code 1)."""
@@ -34,3 +37,35 @@ class LockTimeout(StoreError):
 
 class BuildError(CachebuildError):
     """A target failed to compile; the message names its piece, bucket and key."""
+
+
+#: errno values of a machine that is short of something (not of a piece that is wrong).
+_TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EIO, errno.EROFS,
+                     errno.EMFILE, errno.ENFILE, errno.EAGAIN}
+_TRANSIENT_TEXT = ("No space left on device", "Disk quota exceeded", "Cannot allocate memory",
+                   "Read-only file system", "Too many open files")
+
+
+def transient(error: BaseException) -> str | None:
+    """Why ``error`` is the machine's fault rather than the piece's (a full disk, no
+    memory, a killed compiler), looking through what caused it; None if it is not.
+
+    A build that fails this way fails: it is never a reason to build something else.
+    """
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, MemoryError):
+            return "out of memory"
+        if isinstance(e, subprocess.TimeoutExpired):
+            return "a compiler timed out"
+        if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
+            return e.strerror or errno.errorcode.get(e.errno, str(e.errno))
+        if isinstance(e, subprocess.CalledProcessError) and (e.returncode or 0) < 0:
+            return "the compiler was killed"
+        found = next((t for t in _TRANSIENT_TEXT if t in str(e)), None)
+        if found is not None:
+            return found
+        e = e.__cause__
+    return None

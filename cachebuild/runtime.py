@@ -13,7 +13,7 @@ import time
 import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -187,6 +187,10 @@ class CaptureReport:
     sizes: list[int]
     seconds: float
     pool_bytes: int  # device memory held by the captured graphs (0 where not measurable)
+    graphs: int = 0  # device graphs captured
+    #: where ``seconds`` went on a device with graphs: warm-up runs, stream capture, graph
+    #: instantiation (the rest is the eager work between pieces and Python)
+    split: dict[str, float] = field(default_factory=dict)
 
 
 class ModelRuntime:
@@ -284,6 +288,8 @@ class ModelRuntime:
                         reverse=True)
         cuda = isinstance(self.capture_api, CudaGraphCapture)
         before = torch.cuda.memory_allocated() if cuda else 0
+        split_before = dict(getattr(self.capture_api, "seconds", {}))
+        graphs_before = getattr(self.capture_api, "graphs", 0)
         start = time.perf_counter()
         capturing = list(self.graphed)
         if self.whole is not None and not any(g is self.whole for g in capturing):
@@ -301,7 +307,10 @@ class ModelRuntime:
             torch.cuda.synchronize()
         self.captured_sizes = sorted(set(self.captured_sizes) | set(wanted))
         pool = (torch.cuda.memory_allocated() - before) if cuda else 0
-        return CaptureReport(wanted, time.perf_counter() - start, pool)
+        split = {k: v - split_before.get(k, 0.0)
+                 for k, v in getattr(self.capture_api, "seconds", {}).items()}
+        return CaptureReport(wanted, time.perf_counter() - start, pool,
+                             getattr(self.capture_api, "graphs", 0) - graphs_before, split)
 
     def in_buckets(self, size: int) -> bool:
         return size in self.config.compile_sizes or any(

@@ -57,6 +57,23 @@ def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q)
 
 
+TRANSPOSED = "cachebuild_tests::transposed_mix"
+_LIB.define("transposed_mix(Tensor x) -> Tensor")
+
+
+def _transposed_mix(x: torch.Tensor) -> torch.Tensor:
+    """``2 * x``, laid out column-major: not the layout its fake output claims."""
+    return (2 * x).t().contiguous().t()
+
+
+_LIB.impl("transposed_mix", _transposed_mix, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake(TRANSPOSED, lib=_LIB)
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def rotate(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor) -> torch.Tensor:
     freqs = positions[:, None].float() * inv_freq[None, :]
     cos, sin = freqs.cos()[:, None, :], freqs.sin()[:, None, :]
@@ -166,6 +183,19 @@ class LayerStack(nn.Module):
         for layer in self.layers:
             x = layer(x, positions)
         return x
+
+
+class TransposedMix(nn.Module):
+    """forward(x [T, hidden]) -> [T, hidden], split at ``transposed_mix``."""
+
+    def __init__(self, hidden: int = HIDDEN) -> None:
+        super().__init__()
+        self.up = nn.Linear(hidden, hidden)
+        self.down = nn.Linear(hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.cachebuild_tests.transposed_mix(self.up(x))
+        return self.down(y) + y.cumsum(-1)
 
 
 def make(cls: type[nn.Module] = Decoder, seed: int = 0, **kwargs: Any) -> nn.Module:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import operator
+
 import models
 import pytest
 import torch
@@ -202,3 +204,36 @@ def test_dynamic_dims_of_different_sizes():
     ids, _ = models.inputs(4)
     with pytest.raises(UsageError, match="must have one size"):
         trace_model(models.make(models.Decoder, layers=1), (ids, torch.arange(5)), {0: 0, 1: 0})
+
+
+class TokensTimesTwo(nn.Module):
+    """A size computed before the splitting op and used after it (as a mixture of experts
+    computes tokens × top-k): the last piece would take ``2*s0`` as a plain integer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(models.HIDDEN, models.HIDDEN)
+        self.out = nn.Linear(models.HIDDEN, models.HIDDEN)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0]
+        doubled = tokens * 2
+        h = self.lin(x).view(tokens, models.HEADS, -1)
+        a = torch.ops.cachebuild_tests.attention(h, h[:, :2], h[:, :2])
+        y = a.reshape(tokens, -1).repeat(2, 1).view(doubled, models.HIDDEN)
+        return self.out(y).view(2, tokens, -1).sum(0)
+
+
+def test_size_expressions_are_recomputed_inside_the_piece(tmp_path):
+    model = models.make(TokensTimesTwo)
+    x = torch.randn(8, models.HIDDEN)
+    traced = trace_model(model, (x,), {0: 0})
+    plan = split_graph(traced, (models.ATTENTION,))
+    last = plan.compiled_pieces[-1]
+    # Before: the last piece took the symbolic integer 2*s0; now only tensors.
+    assert [m.kind for m in last.input_metas] == ["tensor"] * len(last.input_metas)
+    assert any(n.target is operator.mul for n in last.gm.graph.nodes)
+    compiled = cachebuild.compile(model, models.config(), {0: 0},
+                                  store=LocalStore(tmp_path / "store"))
+    for tokens in (3, 8, 17):
+        models.assert_matches_eager(compiled, model, (torch.randn(tokens, models.HIDDEN),))

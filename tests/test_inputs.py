@@ -1,0 +1,121 @@
+"""Inputs are checked before compiled code reads them by pointer.
+
+A call that does not fit what was traced (dynamic dims of different sizes, an expanded or
+sliced view, a meta tensor, another dtype) gets a UsageError against AOTI pieces, in a
+child process so that a crash would fail the test rather than end the run. A piece input
+that comes from inside the model with other strides than the piece was compiled for is
+copied to those strides (and counted).
+"""
+
+from __future__ import annotations
+
+import models
+import pytest
+import torch
+
+import cachebuild
+from cachebuild.errors import UsageError
+from cachebuild.inputs import LayoutGuard, eval_dim
+from cachebuild.store import LocalStore
+from cachebuild.trace import InputMeta
+
+DYN = {0: 0, 1: 0}
+
+BAD_CALLS_CHILD = """
+import json, os
+import torch
+import cachebuild, models
+from cachebuild.errors import UsageError
+from cachebuild.store import LocalStore
+
+model = models.make(models.Decoder, layers=2, seed=11)
+compiled = cachebuild.compile(model, models.aoti_config(), {0: 0, 1: 0},
+                              store=LocalStore(os.environ["STORE"]))
+ids, pos = models.inputs(8)
+models.assert_matches_eager(compiled, model, (ids, pos))  # loads the AOTI pieces
+calls = {
+    "fewer positions": (ids, pos[:4]),
+    "expanded ids": (ids[:1].expand(8), pos),
+    "strided positions": (torch.arange(16)[::2], pos),
+    "meta ids": (ids.to("meta"), pos),
+    "float ids": (ids.float(), pos),
+    "static dim": (ids[None], pos),
+}
+said = {}
+for name, args in calls.items():
+    try:
+        with torch.no_grad():
+            compiled(*args)
+        said[name] = None
+    except UsageError as e:
+        said[name] = str(e)
+models.assert_matches_eager(compiled, model, models.inputs(5))  # still serves good calls
+print(json.dumps({"said": said, "kinds": sorted({LocalStore(os.environ["STORE"]).get_record(k).kind
+                                                 for k in compiled.runtime.entry.target_keys()})}))
+"""
+
+
+@pytest.mark.slow
+def test_bad_calls_against_aoti_pieces_are_usage_errors():
+    warmed = models.aoti_store()
+    out = models.run_python(BAD_CALLS_CHILD, env={"STORE": str(warmed["path"])})
+    assert out["kinds"] == ["aoti-cpu"]
+    said = out["said"]
+    assert "every dynamic dim must have the same size" in said["fewer positions"]
+    assert "strides (0,)" in said["expanded ids"] and ".contiguous()" in said["expanded ids"]
+    assert "strides (2,)" in said["strided positions"]
+    assert "meta tensor" in said["meta ids"]
+    assert "float32" in said["float ids"] and "int64" in said["float ids"]
+    assert "2 dims" in said["static dim"]
+
+
+def test_eval_dim_reads_symbolic_sizes_without_sympy():
+    assert eval_dim(7, {}) == 7
+    assert eval_dim("s0", {"s0": 5}) == 5
+    assert eval_dim("64*s0", {"s0": 3}) == 192
+    assert eval_dim("2*s0 + s1", {"s0": 3, "s1": 4}) == 10
+    assert eval_dim("Max(1, s0)", {"s0": 0}) == 1
+    assert eval_dim("FloorDiv(s0, 2)", {"s0": 7}) == 3
+    with pytest.raises(ValueError):
+        eval_dim("__import__('os')", {})
+    with pytest.raises(ValueError):
+        eval_dim("s0.real", {"s0": 1})
+
+
+def test_layout_guard_copies_inputs_to_the_compiled_strides():
+    meta = InputMeta("tensor", "float32", ("s0", 4), (4, 1))
+    weight = InputMeta("tensor", "float32", (4, 4), (4, 1))
+    guard = LayoutGuard([meta, weight], checked=[0])
+    before = cachebuild.stats()["layout_copies"]
+    x = torch.randn(4, 6).t()  # (6, 4) with strides (1, 6): not what the piece reads
+    w = torch.randn(4, 4)
+    fixed, same_w = guard((x, w))
+    assert fixed.stride() == (4, 1) and torch.equal(fixed, x) and same_w is w
+    assert cachebuild.stats()["layout_copies"] == before + 1
+    good = torch.randn(6, 4)
+    assert guard((good, w))[0] is good  # already right: no copy
+    one = torch.randn(4, 1).t()  # (1, 4) strides (1, 1): a size-1 dim's stride never matters
+    assert guard((one, w))[0] is one
+    assert cachebuild.stats()["layout_copies"] == before + 1
+
+
+def test_splitting_op_output_with_other_strides_is_copied_before_the_next_piece(tmp_path):
+    """The splitting op's eager output is transposed in memory where its fake (traced)
+    output is contiguous: the next piece gets a contiguous copy, once per call."""
+    model = models.make(models.TransposedMix)
+    config = models.config(splitting_ops=(models.TRANSPOSED,))
+    compiled = cachebuild.compile(model, config, {0: 0}, store=LocalStore(tmp_path / "store"))
+    before = cachebuild.stats()["layout_copies"]
+    for tokens in (3, 9):
+        models.assert_matches_eager(compiled, model, (torch.randn(tokens, models.HIDDEN),))
+    assert cachebuild.stats()["layout_copies"] - before == 2
+
+
+def test_weights_are_checked_when_bound(tmp_path):
+    model = models.make(models.Decoder, layers=1)
+    compiled = cachebuild.compile(model, models.config(), DYN, store=LocalStore(tmp_path / "s"))
+    models.assert_matches_eager(compiled, model, models.inputs(4))
+    with torch.no_grad():
+        model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().t().contiguous().t())
+    with pytest.raises(UsageError, match="lm_head.weight has strides"):
+        compiled.runtime.rebind()

@@ -1,0 +1,204 @@
+"""The AOTI toolchain: the probe picks a C++ compiler whose libraries load, refusing one
+that builds libraries that crash on load; the chosen compiler is a target-key factor; an
+explicit ``aoti`` flavour with no working compiler is refused at plan time; a build that
+fails for want of disk space fails, and never changes the flavour."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import models
+import pytest
+
+from cachebuild.api import Planner
+from cachebuild.backends import probe
+from cachebuild.errors import ConfigError
+from cachebuild.keys import diff_manifests
+from cachebuild.trace import trace_model
+
+DYN = {0: 0, 1: 0}
+
+#: A constructor that kills the process with SIGSEGV as the library loads.
+BOOM_C = "#include <signal.h>\n__attribute__((constructor)) static void boom(void) { raise(SIGSEGV); }\n"
+
+#: A compiler wrapper: the system g++, plus the object above in every shared library it links
+#: (what a compiler with a C++ runtime of its own does to a library: it crashes on load).
+WRAPPER = """#!/bin/sh
+for a in "$@"; do
+  if [ "$a" = "-shared" ]; then exec {gxx} "$@" {boom}; fi
+done
+exec {gxx} "$@"
+"""
+
+
+def crashing_compiler(folder: Path) -> Path:
+    gxx = probe.candidate_compilers()[0]
+    (folder / "boom.c").write_text(BOOM_C)
+    subprocess.run(["gcc", "-c", "-fPIC", "-o", str(folder / "boom.o"), str(folder / "boom.c")],
+                   check=True)
+    wrapper = folder / "crashing-g++"
+    wrapper.write_text(WRAPPER.format(gxx=gxx, boom=folder / "boom.o"))
+    wrapper.chmod(0o755)
+    return wrapper
+
+
+@pytest.mark.slow
+def test_probe_refuses_a_compiler_whose_libraries_crash_and_picks_the_next(tmp_path, monkeypatch):
+    if not probe.candidate_compilers():
+        pytest.skip("no C++ compiler here")
+    bad = crashing_compiler(tmp_path)
+    # A fresh process with CXX set to the crashing wrapper, as an image might set it.
+    code = textwrap.dedent("""
+        import json
+        from cachebuild.backends import probe
+        v = probe.verdict("cpu")
+        print(json.dumps({"candidates": probe.candidate_compilers(), "verdict": v.to_json(),
+                          "line": v.describe()}))
+    """)
+    env = {**os.environ, "CXX": str(bad), "CACHEBUILD_PROBE_DIR": str(tmp_path / "probe")}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["candidates"][0] == str(bad)  # $CXX is tried first
+    verdict = probe.Verdict.from_json(out["verdict"])
+    assert verdict.compiler is not None and verdict.compiler.path != str(bad)
+    assert verdict.refused[0][0] == str(bad)
+    assert "crashed on load (SIGSEGV)" in verdict.refused[0][1]
+    assert "refused" in out["line"] and str(bad) in out["line"]
+    # The verdict is cached per environment: the wrapper is not built with again.
+    monkeypatch.setenv("CACHEBUILD_PROBE_DIR", str(tmp_path / "probe"))
+    cached = probe.cached_verdicts()
+    assert [v.to_json() for v in cached] == [verdict.to_json()]
+
+
+def _plant(folder: Path, compiler: probe.Compiler | None, refused=()) -> None:
+    """Write the verdict the probe would cache for this environment (no child runs)."""
+    candidates = probe.candidate_compilers()
+    fingerprint = probe._fingerprint("cpu", candidates)
+    folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    verdict = probe.Verdict("cpu", compiler, list(refused))
+    (folder / f"aoti-cpu-{fingerprint}.json").write_text(json.dumps(verdict.to_json()))
+    probe._VERDICTS.clear()
+
+
+@pytest.fixture
+def planted(tmp_path, monkeypatch):
+    """A probe folder of this test's own, and the in-process verdicts forgotten after."""
+    folder = tmp_path / "probe"
+    monkeypatch.setenv("CACHEBUILD_PROBE_DIR", str(folder))
+    yield folder
+    probe._VERDICTS.clear()
+
+
+def _plan(config):
+    model = models.make(models.Decoder, layers=1)
+    traced = trace_model(model, models.inputs(8), DYN)
+    planner = Planner(model, config, DYN, store=None)
+    _, factors = planner.entry_key(models.inputs(8))
+    return planner, planner.plan(traced, factors)
+
+
+def test_the_chosen_compiler_is_a_target_key_factor_and_not_an_entry_factor(planted):
+    config = models.config(backend="inductor", flavour="auto")
+    _plant(planted, probe.Compiler("/usr/bin/g++", "g++ (Test) 12.2.0"))
+    planner_a, a = _plan(config)
+    _plant(planted, probe.Compiler("/usr/bin/g++", "g++ (Test) 13.1.0"))
+    planner_b, b = _plan(config)
+    keys_a = [t.key for t in a.targets()]
+    keys_b = [t.key for t in b.targets()]
+    assert keys_a and all(x != y for x, y in zip(keys_a, keys_b, strict=True))
+    paths = {d.path for d in diff_manifests(a.targets()[0].manifest, b.targets()[0].manifest)}
+    assert paths == {"backend.toolchain.cxx_version"}
+    # The entry key is computed without the probe, so a warm start never waits for one.
+    assert planner_a.entry_key(models.inputs(8))[0] == planner_b.entry_key(models.inputs(8))[0]
+
+
+def test_explicit_aoti_without_a_working_compiler_is_refused_at_plan(planted):
+    _plant(planted, None, [("/opt/x/g++", "crashed on load (SIGSEGV)")])
+    with pytest.raises(ConfigError, match=r"flavour 'aoti'.*crashed on load \(SIGSEGV\)"):
+        _plan(models.config(backend="inductor", flavour="aoti"))
+    # auto plans standalone builds instead, and says so in the key.
+    _, entry = _plan(models.config(backend="inductor", flavour="auto"))
+    assert entry.targets()[0].manifest["backend"]["toolchain"]["aoti"] is False
+
+
+FULL_DISK_CHILD = """
+import json, os
+import cachebuild, models
+from cachebuild.errors import BuildError
+from cachebuild.store import LocalStore
+
+store = LocalStore(os.environ["STORE"])
+model = models.make(models.Decoder, layers=1)
+compiled = cachebuild.compile(model, models.config(backend="inductor", flavour="auto",
+                                                   compile_ranges=((1, 16),)),
+                              {0: 0, 1: 0}, store=store)
+import traceback
+try:
+    compiled(*models.inputs(4))
+    error, stages = None, []
+except BuildError as e:
+    error = str(e)
+    stages = [f.name for f in traceback.extract_tb(e.__cause__.__traceback__)]
+print(json.dumps({"error": error, "stages": stages, "stats": cachebuild.stats(),
+                  "kinds": sorted({r.kind for r in store.entries()})}))
+"""
+
+
+@pytest.mark.slow
+def test_a_full_disk_fails_the_build_and_never_changes_the_flavour(tmp_path):
+    """Inductor's cache and the temp dir on a 1 MiB tmpfs: the AOTI build runs out of
+    space. The build fails; no standalone artifact takes its place."""
+    assert probe.verdict("cpu").aoti  # probed now (on a disk with room), cached for the child
+    mnt = tmp_path / "full"
+    mnt.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        out = models.run_python(FULL_DISK_CHILD, env={
+            "STORE": str(tmp_path / "store"), "TORCHINDUCTOR_CACHE_DIR": str(mnt / "inductor"),
+            "TMPDIR": str(mnt)})
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+    assert out["error"] is not None and "failed to compile" in out["error"], out
+    assert "No space left on device: the machine ran short" in out["error"], out
+    # The AOTI build's own error: no standalone build was tried in its place.
+    assert "_compile_aoti" in out["stages"] and "_compile_standalone" not in out["stages"]
+    assert out["kinds"] == [], out
+    assert out["stats"]["fallbacks"] == 0
+
+
+def test_transient_errors_are_the_machines_not_the_pieces():
+    import errno
+    import subprocess as sp
+
+    from cachebuild.errors import transient
+
+    assert transient(OSError(errno.ENOSPC, "No space left on device"))
+    assert transient(MemoryError())
+    assert transient(RuntimeError("C++ compile error: ... No space left on device"))
+    assert transient(sp.CalledProcessError(-9, ["g++"]))  # the compiler was killed
+    try:
+        try:
+            raise OSError(errno.ENOSPC, "disk full")
+        except OSError as e:
+            raise RuntimeError("lowering failed") from e
+    except RuntimeError as wrapped:
+        assert transient(wrapped)  # caused by a full disk
+    assert not transient(ValueError("AOTInductor pieces take tensors only"))
+    assert not transient(sp.CalledProcessError(1, ["g++"]))  # the code did not compile
+    try:
+        try:
+            raise OSError(errno.ENOENT, "could not get source code")
+        except OSError:
+            raise RuntimeError("unsupported operator") from None
+    except RuntimeError as unrelated:
+        assert not transient(unrelated)  # an OSError met and handled on the way is not it
