@@ -11,8 +11,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from importlib.metadata import entry_points
+from typing import TYPE_CHECKING, Any
 
-from cachebuild.backends.base import Artifact, Backend, BuildRequest
+if TYPE_CHECKING:
+    from cachebuild.backends.base import Artifact, Backend, BuildRequest
 
 __all__ = ["Artifact", "Backend", "BuildRequest", "get_backend", "register_backend",
            "registered_backends"]
@@ -48,3 +50,13 @@ def get_backend(name: str) -> Backend:
         raise KeyError(f"unknown backend {name!r}: choose one of {sorted(registered_backends())}")
     module, _, attr = spec.partition(":")
     return getattr(importlib.import_module(module), attr)()
+
+
+def __getattr__(name: str) -> Any:
+    # The protocol and records import torch; the registry (and ``probe``) do not, so the
+    # store commands can read probe verdicts without importing torch.
+    if name in ("Artifact", "Backend", "BuildRequest"):
+        from cachebuild.backends import base
+
+        return getattr(base, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

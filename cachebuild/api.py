@@ -173,8 +173,12 @@ class CompiledModule(torch.nn.Module):
     def runtime(self) -> ModelRuntime | None:
         return self._runtime
 
-    def prepare(self, *args: Any) -> ModelRuntime:
-        """Load (warm) or build (cold) the compiled forward for calls shaped like ``args``."""
+    def prepare(self, *args: Any, capture: bool = True) -> ModelRuntime:
+        """Load (warm) or build (cold) the compiled forward for calls shaped like ``args``.
+
+        With a graph mode, graphs are captured too, unless ``capture`` is False (then
+        ``runtime.capture()`` does it later).
+        """
         start = time.perf_counter()
         store = open_default_store(self._store)
         planner = Planner(self.model, self.config, self.dynamic_dims, store, self._passes)
@@ -195,7 +199,7 @@ class CompiledModule(torch.nn.Module):
             planner.record(entry)
         self._runtime = ModelRuntime(entry, loaded, self.model, self.config, self.dynamic_dims)
         COUNTERS.add_time("prepare", time.perf_counter() - start)
-        if self.config.cudagraph_mode != "none":
+        if self.config.cudagraph_mode != "none" and capture:
             with phase("capture"):
                 self.capture_report = self._runtime.capture()
             log.info("captured %d sizes in %.2f s (%d bytes of graph memory)",

@@ -328,11 +328,15 @@ def ls_command(ctx: click.Context, as_json: bool, kind: str | None) -> None:
 @click.pass_context
 def stats_command(ctx: click.Context, as_json: bool) -> None:
     """Entries, sizes, hits and misses of the store; with a remote, also by tier (L1/L2)."""
+    from cachebuild.backends.probe import cached_verdicts
+
     store = open_store(ctx)
     remote = getattr(store, "remote", None)
     if remote is not None:
         remote.ping()  # so that the health shown is now's (a remote that is down warns once)
     stats = store.stats()
+    verdicts = cached_verdicts(getattr(store, "probe_dir", None))
+    stats["toolchains"] = [v.to_json() | {"summary": v.describe()} for v in verdicts]
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
@@ -362,6 +366,8 @@ def stats_command(ctx: click.Context, as_json: bool) -> None:
                  ("remote rejected", str(tiers["remote_rejected"])),
                  ("remote incomplete", str(tiers["remote_incomplete"])),
                  ("remote errors", str(tiers["remote_errors"]))]
+    for v in verdicts:  # which flavour and compiler this machine builds with, and why
+        rows.append((f"toolchain ({v.device})", v.describe().split(": ", 1)[1]))
     for what, value in rows:
         table.add_row(what, value)
     _stdout().print(table)

@@ -202,3 +202,21 @@ def test_transient_errors_are_the_machines_not_the_pieces():
             raise RuntimeError("unsupported operator") from None
     except RuntimeError as unrelated:
         assert not transient(unrelated)  # an OSError met and handled on the way is not it
+
+
+def test_stats_says_which_compiler_builds_here_and_why_others_were_refused(planted, tmp_path):
+    from click.testing import CliRunner
+
+    from cachebuild import cli
+
+    _plant(planted, probe.Compiler("/usr/bin/g++", "g++ (Test) 12.2.0"),
+           [("/opt/wrapped/g++", "crashed on load (SIGSEGV)")])
+    result = CliRunner().invoke(cli.main, ["--cache-dir", str(tmp_path / "store"), "stats"])
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "toolchain (cpu) /usr/bin/g++ (g++ (Test) 12.2.0); refused /opt/wrapped/g++: " \
+           "crashed on load (SIGSEGV)" in text
+    result = CliRunner().invoke(cli.main, ["--cache-dir", str(tmp_path / "store"), "stats",
+                                           "--json"])
+    (toolchain,) = json.loads(result.output)["toolchains"]
+    assert toolchain["compiler"]["path"] == "/usr/bin/g++" and toolchain["refused"]
