@@ -5,8 +5,8 @@ Inductor's ``cpp.cxx`` setting names, by default ``$CXX`` or else ``g++``. Some
 environments' default compiler makes libraries that crash on load: a wrapper script that
 brings its own C++ runtime, two runtimes disagreeing in one process. So the ``inductor``
 backend asks once per environment. For each candidate compiler in turn (``$CXX``, the
-``g++`` and ``c++`` found on ``PATH``, then ``/usr/bin/g++`` and ``/usr/bin/c++``) a child
-process builds a two-op AOTI package with it, loads it through the runner artifacts load
+``g++`` and ``c++`` found on ``PATH``, then ``/usr/bin/g++`` and ``/usr/bin/c++``; all at
+once, in order of preference) a child process builds a two-op AOTI package with it, loads it through the runner artifacts load
 with (``backends.aoti``), runs it and, on CUDA, captures and replays it in a CUDA graph.
 The first that passes is the **toolchain**: Inductor builds use it through Inductor's own
 setting (never by changing the process environment), and its identity enters every target
@@ -196,16 +196,24 @@ def cached_verdicts(folder: Path | None = None) -> list[Verdict]:
 
 
 def _probe_all(device: str, candidates: list[str]) -> Verdict:
+    """Probe every candidate at once (each in its own child); the first in order that
+    passes wins, and the ones before it are refused with why."""
+    from concurrent.futures import ThreadPoolExecutor
+
     kind = device.split(":")[0]
+    versions = {path: compiler_version(path) for path in candidates}
+    runnable = [p for p in candidates if versions[p] is not None]
+    with ThreadPoolExecutor(max_workers=max(1, len(runnable))) as pool:
+        results = dict(zip(runnable, pool.map(lambda p: _probe_one(device, p), runnable),
+                           strict=True))
     refused: list[tuple[str, str]] = []
     for path in candidates:
-        version = compiler_version(path)
-        if version is None:
+        if versions[path] is None:
             refused.append((path, "does not run (`--version` failed)"))
             continue
-        ok, why = _probe_one(device, path)
+        ok, why = results[path]
         if ok:
-            return Verdict(kind, Compiler(path, version), refused)
+            return Verdict(kind, Compiler(path, versions[path] or ""), refused)
         refused.append((path, why))
         log.warning("AOTInductor probe: %s refused for %s: %s", path, kind, why)
     return Verdict(kind, None, refused)

@@ -159,7 +159,8 @@ def child(mode: str, work: Path, graph_mode: str, started: float,
             torch.cuda.synchronize()
             t["first_output"] = time.time() - started
             t["compile_to_first_output"] = time.time() - call_start
-            report = runtime.capture()
+            with _profiled(profile and profile.with_name(profile.name + ".capture.txt")):
+                report = runtime.capture()
             t["capture"] = report.seconds
             t["capture_split"] = report.split
             t["graphs_captured"] = report.graphs
@@ -279,9 +280,10 @@ def build(work: Path, env: dict[str, str], flavour: str) -> dict[str, Any]:
                            str(ROOT / "examples" / "llama.py")],
                           capture_output=True, text=True, env=env)
     seconds = time.time() - start
+    said = (proc.stdout + proc.stderr).strip().splitlines() or ["(no output)"]
     if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1][:300], "seconds": seconds}
-    return {"seconds": seconds, "summary": proc.stdout.strip().splitlines()[-1][:300]}
+        return {"error": said[-1][:300], "seconds": seconds}
+    return {"seconds": seconds, "summary": said[-1][:300]}
 
 
 def main() -> None:
