@@ -184,8 +184,10 @@ class CompiledModule(torch.nn.Module):
         planner = Planner(self.model, self.config, self.dynamic_dims, store, self._passes)
         planner.builder.device = device_of(self.model, args)
         entry, why = planner.stored_entry(args)
+        slow_loads = False
         if entry is not None:
-            if _needs_inductor(entry, store):
+            slow_loads = _needs_inductor(entry, store)
+            if slow_loads:
                 preload()
             COUNTERS.entries_loaded += 1
             COUNTERS.planned += len(entry.targets())
@@ -194,7 +196,7 @@ class CompiledModule(torch.nn.Module):
         else:
             log.info("tracing %s (%s)", type(self.model).__name__, why)
             entry = planner.trace(args)
-        loaded = resolve_all(entry, planner.builder)
+        loaded = resolve_all(entry, planner.builder, parallel=slow_loads)
         if why != "fresh":
             planner.record(entry)
         self._runtime = ModelRuntime(entry, loaded, self.model, self.config, self.dynamic_dims)

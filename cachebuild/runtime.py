@@ -36,6 +36,8 @@ from cachebuild.graphs import (
     unpad_outputs,
 )
 from cachebuild.inputs import CallCheck, LayoutGuard, same_layout
+from cachebuild.keys import canonical_json
+from cachebuild.targets import canonical_graph
 from cachebuild.trace import Binding, InputMeta
 
 #: At most this many artifacts load at once (loading is mostly I/O and dlopen); the
@@ -108,10 +110,16 @@ def jobs_of(entry: Entry, config: CompileConfig, model_path: str | None = None) 
     return jobs
 
 
-def resolve_all(entry: Entry, builder: Builder, model_path: str | None = None) -> dict[str, Any]:
-    """Every unique target of ``entry``, loaded (in parallel) or built (one at a time)."""
+def resolve_all(entry: Entry, builder: Builder, model_path: str | None = None,
+                parallel: bool = False) -> dict[str, Any]:
+    """Every unique target of ``entry``, loaded or built (one at a time).
+
+    ``parallel``: load on up to ``load_threads()`` threads, for artifacts whose loading is
+    slow (``standalone`` ones initialise Inductor); AOTI packages load in milliseconds,
+    on the calling thread.
+    """
     jobs = jobs_of(entry, builder.config, model_path)
-    threads = min(load_threads(), len(jobs))
+    threads = min(load_threads(), len(jobs)) if parallel else 1
     if threads <= 1:
         loaded = {key: builder.load(key) for key in jobs}
     else:
@@ -132,6 +140,9 @@ def stitch(entry: Entry, loaded: dict[str, Any],
     modules: dict[str, Any] = {}
     stable = stable_piece_inputs(entry) if capture is not None else {}
     inner = inner_piece_inputs(entry)
+    # Splitting-op pieces are small stateless graphs, most of them alike (one attention
+    # call per layer): each distinct one becomes a module once, shared by its copies.
+    eager: dict[str, torch.fx.GraphModule] = {}
     for piece in entry.pieces:
         if piece.compiled:
             table = [(t["bucket"], loaded[t["key"]]) for t in piece.targets]
@@ -143,7 +154,10 @@ def stitch(entry: Entry, loaded: dict[str, Any],
                 runner = GraphedCallable(runner, runner.size_of, stable[piece.name], capture)
             modules[piece.name] = runner
         else:
-            modules[piece.name] = data_to_module(piece.nodes)
+            shape = canonical_json(canonical_graph(piece.nodes, [])["nodes"])
+            if shape not in eager:
+                eager[shape] = data_to_module(piece.nodes)
+            modules[piece.name] = eager[shape]
     return data_to_module(entry.stitch, modules)
 
 

@@ -9,7 +9,6 @@ verification on every read, GC and bundles. The blob format (``encode_blob`` /
 from cachebuild.errors import LockTimeout, StoreError
 
 from .blob import CorruptBlob, decode_blob, encode_blob
-from .bundle import ExportReport, ImportReport, export_bundle, import_bundle
 from .layout import InvalidKey
 from .local import LocalStore, UnknownKey
 from .record import GCReport, Record, VerifyReport
@@ -34,7 +33,12 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # The tiered store pulls in the Redis client; load it only when someone asks for it.
+    # Bundles (tarfile) and the tiered store (the Redis client) are loaded only when asked
+    # for: a server that loads its targets needs neither.
+    if name in ("ExportReport", "ImportReport", "export_bundle", "import_bundle"):
+        from . import bundle
+
+        return getattr(bundle, name)
     if name in ("open_store", "TieredStore", "push", "pull"):
         from . import tiered
 

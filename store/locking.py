@@ -14,8 +14,6 @@ import secrets
 from collections.abc import Iterator
 from pathlib import Path
 
-import filelock
-
 from cachebuild.errors import LockTimeout
 
 
@@ -25,6 +23,8 @@ def build_lock(path: Path, key: str, timeout: float) -> Iterator[None]:
 
     A negative timeout waits forever.
     """
+    import filelock  # here: a process that only loads takes no build lock, nor pays the import
+
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     lock = filelock.FileLock(str(path), timeout=timeout)
     try:

@@ -80,7 +80,8 @@ def _profiled(profile_to: Path | None) -> Any:
 
 
 def _replay_ms(served: Any, example_inputs: Any, model: Any) -> dict[str, float]:
-    """Median replay latency (CUDA events, 100 calls after 20) at 1 and 512 tokens."""
+    """Median replay latency (CUDA events, 100 calls after 20) at 1 and 512 tokens, and
+    this process's CPU time per call (more wall than CPU time: the CPU was shared)."""
     import torch
 
     out = {}
@@ -90,6 +91,7 @@ def _replay_ms(served: Any, example_inputs: Any, model: Any) -> dict[str, float]
         for _ in range(20):
             served(a, b)
         torch.cuda.synchronize()
+        cpu = time.process_time()
         for _ in range(100):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
@@ -98,7 +100,14 @@ def _replay_ms(served: Any, example_inputs: Any, model: Any) -> dict[str, float]
             e.synchronize()
             times.append(s.elapsed_time(e))
         out[f"replay_ms_{n}"] = sorted(times)[len(times) // 2]
+        out[f"cpu_ms_{n}"] = (time.process_time() - cpu) * 10  # per call (100 calls)
     return out
+
+
+def _replays(served: Any) -> int:
+    """Graph replays so far in a cachebuild model (a fall-back to uncaptured runs shows)."""
+    runtime = getattr(served, "runtime", None)
+    return sum(g.replays for g in runtime.graphed) if runtime is not None else 0
 
 
 def _check(served: Any, model: Any, example_inputs: Any) -> float:
@@ -118,7 +127,7 @@ def _check(served: Any, model: Any, example_inputs: Any) -> float:
 def child(mode: str, work: Path, graph_mode: str, started: float,
           profile: Path | None = None) -> dict[str, Any]:
     """One server start in this process; returns its timeline."""
-    t: dict[str, Any] = {}
+    t: dict[str, Any] = {"loadavg_at_start": os.getloadavg()}
     if mode == "cb_profile":
         os.environ["CACHEBUILD_LOAD_THREADS"] = "1"  # loads on this thread, where cProfile looks
     import threading
@@ -198,7 +207,14 @@ def child(mode: str, work: Path, graph_mode: str, started: float,
                                           if m.startswith(("torch._dynamo", "torch._inductor"))})
         t["threads"] = sorted(th.name for th in threading.enumerate())
         t["worst_abs_err"] = _check(served, model, llama.example_inputs)
+        replays = _replays(served)
         t.update(_replay_ms(served, llama.example_inputs, model))
+        t["graph_replays_in_timing"] = _replays(served) - replays
+        if "torch._dynamo" in sys.modules and mode.startswith(("cb_cold", "torch_cold")):
+            from torch._dynamo.utils import compilation_time_metrics
+
+            phases = {k: round(sum(v), 2) for k, v in compilation_time_metrics.items()}
+            t["compile_phases_s"] = dict(sorted(phases.items(), key=lambda kv: -kv[1])[:14])
         if mode.startswith("cb") and mode != "cb_profile":
             # The other graph mode, captured in this same process (not part of the timeline).
             other = "full" if graph_mode == "piecewise" else "piecewise"
@@ -206,6 +222,7 @@ def child(mode: str, work: Path, graph_mode: str, started: float,
             again(ids, pos)
             _check(again, model, llama.example_inputs)
             t[other] = _replay_ms(again, llama.example_inputs, model)
+            t["again"] = _replay_ms(served, llama.example_inputs, model)  # the first, later
         if profile is not None:
             a, b = llama.example_inputs(model, 1)
             with _profiled(profile.with_name(profile.name + ".replay1.txt")):

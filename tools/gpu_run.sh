@@ -6,7 +6,7 @@
 #   SERVE_ARGS="--modes eager,cb_build_aoti,cb_warm_aoti" bash tools/gpu_run.sh
 #
 # Time limits in seconds: TEST_S (default 300), SERVE_S (420), PASSES_S (0: skipped);
-# 0 skips a part.
+# 0 skips a part. SERVE_FIRST=1 runs the benchmark before the tests.
 set -uo pipefail
 OUT=${OUT:-/tmp/cachebuild-gpu-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -20,17 +20,20 @@ echo "CXX=${CXX:-} CC=${CC:-} g++ on PATH: $(command -v g++)" | tee -a "$OUT/env
 export CACHEBUILD_PROBE_DIR=/tmp/probe PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/tmp/pycache
 unset PYTHONDONTWRITEBYTECODE
 
-if [ "${TEST_S:-300}" != 0 ]; then
+tests() {
+    [ "${TEST_S:-300}" = 0 ] && return
     TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-tests timeout "${TEST_S:-300}" \
         python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py \
         -k "gpu or capture or aoti" >"$OUT/pytest_cuda.txt" 2>&1
     grep -E "passed|failed|error|AOTInductor|capture of|cold " "$OUT/pytest_cuda.txt" | tail -20
-fi
-if [ "${SERVE_S:-420}" != 0 ]; then
+}
+serve() {
+    [ "${SERVE_S:-420}" = 0 ] && return
     timeout "${SERVE_S:-420}" python3 tools/bench_serve.py ${SERVE_ARGS:-} --json-out "$OUT/serve.json" \
         2>&1 | grep -v -i "warn" >"$OUT/serve.txt"
     tail -25 "$OUT/serve.txt"
-fi
+}
+if [ -n "${SERVE_FIRST:-}" ]; then serve; tests; else tests; serve; fi
 if [ "${PASSES_S:-0}" != 0 ]; then
     TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-passes timeout "${PASSES_S}" \
         python3 tools/bench_passes.py --cudagraph ${PASSES_ARGS:---e2e} --json "$OUT/passes.json" \
