@@ -29,17 +29,19 @@ from cachebuild.errors import UsageError
 from cachebuild.keys import make_key
 from cachebuild.runtime import ModelRuntime, direct_forward, resolve_all, stitch
 from cachebuild.split import split_graph
+from cachebuild.store.base import Store
 from cachebuild.targets import make_targets
 from cachebuild.trace import TracedGraph, meta_of, trace_model
 
 log = logging.getLogger("cachebuild")
 
 
-def open_default_store(store: Any = None) -> Any:
-    """``store`` itself, or the store configured by the environment (CACHEBUILD_DIR...)."""
+def open_default_store(store: Store | None = None) -> Store:
+    """``store`` itself, or the store the environment configures (``StoreOptions.from_env``:
+    the same policy as the command line's, signing included)."""
     if store is not None:
         return store
-    from cachebuild.store import open_store
+    from cachebuild.store.options import open_store
 
     return open_store()
 

@@ -13,9 +13,13 @@ import sys
 import traceback
 from pathlib import Path
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from cachebuild.api import ModelSpec
 from cachebuild.errors import UsageError
+
+if TYPE_CHECKING:
+    from cachebuild.store.base import Store
 
 
 def module_name(path: Path) -> str:
@@ -70,3 +74,21 @@ def load_spec(path: str | Path) -> ModelSpec:
         raise UsageError(f"{resolved}: build() returned {type(spec).__name__}, "
                          "not a cachebuild.ModelSpec")
     return spec
+
+
+def entry_key(path: str | Path, store: Store) -> str:
+    """The entry key of the model MODEL.py defines, from its spec alone (no tracing)."""
+    from cachebuild.api import Planner
+
+    spec = load_spec(path)
+    planner = Planner(spec.model, spec.config, spec.dynamic_dims, store)
+    key, _ = planner.entry_key(spec.example_inputs)
+    return key
+
+
+def stored_entry_key(path: str | Path, store: Store) -> str:
+    """``entry_key``, which the store must hold (UsageError naming the fix otherwise)."""
+    key = entry_key(path, store)
+    if not store.contains(key):
+        raise UsageError(f"{path}: the model has no stored entry yet; run `cachebuild warm {path}`")
+    return key

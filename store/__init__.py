@@ -1,16 +1,20 @@
 """The artifact store: a locked, content-addressed store of compiled artifacts.
 
-``LocalStore`` keeps blobs on local disk with a diskcache index, per-key build locks,
-verification on every read, GC and bundles. The blob format (``encode_blob`` /
-``decode_blob``) is shared with other tiers, which ship blobs as framed bytes
-(``LocalStore.read_blob`` / ``write_blob``) and re-verify them on arrival.
+``Store`` is the protocol every store implements; ``open_store(StoreOptions.from_env())``
+opens the one a process is configured for: a ``LocalStore`` (blobs on local disk with a
+diskcache index, per-key build locks, verification on every read, GC and bundles), or a
+``TieredStore`` that adds a shared Redis tier. The blob format (``encode_blob`` /
+``decode_blob``) is shared by the tiers, which ship blobs as framed bytes and re-verify
+them on arrival.
 """
 
 from cachebuild.errors import LockTimeout, StoreError
 
+from .base import Store
 from .blob import CorruptBlob, decode_blob, encode_blob
 from .layout import InvalidKey
 from .local import LocalStore, UnknownKey
+from .options import StoreOptions, open_store
 from .record import GCReport, Record, VerifyReport
 
 __all__ = [
@@ -22,13 +26,16 @@ __all__ = [
     "LocalStore",
     "LockTimeout",
     "Record",
+    "Store",
     "StoreError",
+    "StoreOptions",
     "UnknownKey",
     "VerifyReport",
     "decode_blob",
     "encode_blob",
     "export_bundle",
     "import_bundle",
+    "open_store",
 ]
 
 
@@ -39,7 +46,7 @@ def __getattr__(name: str):
         from . import bundle
 
         return getattr(bundle, name)
-    if name in ("open_store", "TieredStore", "push", "pull"):
+    if name in ("TieredStore", "push", "pull"):
         from . import tiered
 
         return getattr(tiered, name)

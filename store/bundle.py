@@ -70,7 +70,7 @@ class ImportReport:
 
 def _select(store: LocalStore, keys: Iterable[str] | None, kinds: Iterable[str] | None,
             with_refs: bool) -> list[Record]:
-    records = {r.key: r for r in store.entries()}
+    records = {r.key: r for r in store.records()}
     if keys is None:
         chosen = list(records)
     else:

@@ -26,7 +26,6 @@ from cachebuild.errors import StoreError
 
 FORMAT_DIR = "v1"
 SUBDIRS = ("index", "objects", "locks", "quarantine", "tmp")
-DEFAULT_DIR = Path("~/.cache/cachebuild")
 _KEY_RE = re.compile(r"[0-9a-f]{16,128}")
 _SUFFIX_RE = re.compile(r"\.[A-Za-z0-9_.-]{1,32}")
 
@@ -54,12 +53,6 @@ def check_suffix(suffix: str) -> str:
     if not _SUFFIX_RE.fullmatch(suffix):
         raise ValueError(f"bad materialisation suffix {suffix!r}: expected e.g. '.so'")
     return suffix
-
-
-def default_path() -> Path:
-    """The store path used when none is given: ``$CACHEBUILD_DIR`` or ``~/.cache/cachebuild``."""
-    env = os.environ.get("CACHEBUILD_DIR")
-    return Path(env).expanduser() if env else DEFAULT_DIR.expanduser()
 
 
 class Layout:

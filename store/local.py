@@ -40,16 +40,14 @@ from cachebuild.errors import StoreError
 from cachebuild.units import format_size
 
 from . import maintenance
+from .base import Progress, Store
 from .blob import BlobHeader, CorruptBlob, check_blob, encode_parts, read_blob_fd
 from .index import INDEX_ERRORS, Index
-from .layout import Layout, check_key, check_suffix, default_path, prepare
+from .layout import Layout, check_key, check_suffix, prepare
 from .locking import build_lock, flocked, open_temp
 from .record import GCReport, Record, VerifyReport
 
 log = logging.getLogger("cachebuild.store")
-
-#: Progress callback: (done, total).
-Progress = Callable[[int, int], None]
 
 
 class UnknownKey(StoreError, KeyError):
@@ -58,7 +56,7 @@ class UnknownKey(StoreError, KeyError):
     exit_code = 2
 
     def __init__(self, key: str) -> None:
-        super().__init__(f"no entry with key {key} in the store")
+        super().__init__(f"no record with key {key} in the store")
         self.key = key
 
     def __str__(self) -> str:
@@ -157,17 +155,17 @@ def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
             view = view[written:]
 
 
-class LocalStore:
+class LocalStore(Store):
     """A locked, content-addressed artifact store under ``path/v1`` (see the module doc).
 
-    ``path`` defaults to ``$CACHEBUILD_DIR`` or ``~/.cache/cachebuild``; it is created
-    0700 and refused (StoreError) if another user owns it or group/others can write it.
+    ``path`` is created 0700 and refused (StoreError) if another user owns it or
+    group/others can write it (``store.options`` decides the path from the environment).
     With ``signing_key`` every blob written is signed (HMAC-SHA256) and signed blobs are
     checked on read; ``require_signature`` also rejects unsigned ones. ``lock_timeout``
     is the default wait of ``lock`` in seconds.
     """
 
-    def __init__(self, path: str | os.PathLike[str] | None = None, *,
+    def __init__(self, path: str | os.PathLike[str], *,
                  signing_key: bytes | None = None, require_signature: bool = False,
                  lock_timeout: float = 600.0) -> None:
         if require_signature and not signing_key:
@@ -175,7 +173,7 @@ class LocalStore:
                              "(set CACHEBUILD_SIGNING_KEY)")
         if signing_key is not None and not isinstance(signing_key, bytes | bytearray):
             raise TypeError("signing_key must be bytes")
-        self.path = Path(path).expanduser() if path is not None else default_path()
+        self.path = Path(path).expanduser()
         self._layout = prepare(self.path)
         self.root: Path = self._layout.root
         self._index = Index(self._layout.index)
@@ -185,21 +183,6 @@ class LocalStore:
         self._usage = _Usage()
         self._held = threading.local()  # build locks this thread holds, for nesting
         self._finalizer = weakref.finalize(self, self._usage.flush, self._index)
-
-    @classmethod
-    def from_env(cls, path: str | os.PathLike[str] | None = None, **kwargs: Any) -> LocalStore:
-        """A store configured from the environment.
-
-        ``CACHEBUILD_DIR`` (when ``path`` is None), ``CACHEBUILD_SIGNING_KEY`` (its UTF-8
-        bytes are the HMAC key) and ``CACHEBUILD_REQUIRE_SIGNATURE`` (1/true/yes).
-        """
-        key = os.environ.get("CACHEBUILD_SIGNING_KEY")
-        if key and "signing_key" not in kwargs:
-            kwargs["signing_key"] = key.encode()
-        if "require_signature" not in kwargs:
-            flag = os.environ.get("CACHEBUILD_REQUIRE_SIGNATURE", "").strip().lower()
-            kwargs["require_signature"] = flag in ("1", "true", "yes", "on")
-        return cls(path, **kwargs)
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.path)!r})"
@@ -479,8 +462,10 @@ class LocalStore:
 
     __contains__ = contains
 
-    def entries(self, *, kind: str | None = None, manifests: bool = True) -> Iterator[Record]:
-        """Every record (optionally of one ``kind``; ``manifests=False`` skips loading them)."""
+    def records(self, *, kind: str | None = None, manifests: bool = True,
+                shared: bool = False) -> Iterator[Record]:
+        """Every record (optionally of one ``kind``; ``manifests=False`` skips loading
+        them). There is no shared tier here, so ``shared`` changes nothing."""
         self.flush()
         for record in self._index.records(manifest=manifests):
             if kind is None or record.kind == kind:
@@ -594,23 +579,23 @@ class LocalStore:
     # -- maintenance --------------------------------------------------------------------
 
     def stats(self) -> dict[str, Any]:
-        """Counts and sizes: entries, bytes (payload), disk_bytes, pinned, hits, misses,
-        hit_rate, quarantined, puts, by_kind {kind: {entries, bytes}}, tmp_files, path."""
+        """Counts and sizes: records, bytes (payload), disk_bytes, pinned, hits, misses,
+        hit_rate, quarantined, puts, by_kind {kind: {records, bytes}}, tmp_files, path."""
         self.flush()
-        entries = payload = pinned = 0
+        records = payload = pinned = 0
         by_kind: dict[str, dict[str, int]] = {}
         for record in self._index.records(manifest=False):
-            entries += 1
+            records += 1
             payload += record.size
             pinned += record.pinned
-            kind = by_kind.setdefault(record.kind, {"entries": 0, "bytes": 0})
-            kind["entries"] += 1
+            kind = by_kind.setdefault(record.kind, {"records": 0, "bytes": 0})
+            kind["records"] += 1
             kind["bytes"] += record.size
         counters = self._index.counters()
         lookups = counters["hits"] + counters["misses"]
         return {
             "path": str(self.root),
-            "entries": entries,
+            "records": records,
             "bytes": payload,
             "disk_bytes": sum(maintenance.disk_usage(self._layout).values()),
             "pinned": pinned,
@@ -626,10 +611,10 @@ class LocalStore:
 
     def gc(self, max_size: int | None = None, older_than: float | None = None,
            dry_run: bool = False) -> GCReport:
-        """Evict least-recently-used entries until the store is at most ``max_size``
-        bytes on disk, and every entry unused for ``older_than`` seconds.
+        """Evict least-recently-used records until the store is at most ``max_size``
+        bytes on disk, and every record unused for ``older_than`` seconds.
 
-        Pinned entries and everything reachable from them through refs survive. Also
+        Pinned records and everything reachable from them through refs survive. Also
         removes leftovers of interrupted writes. With ``dry_run`` nothing is removed and
         the report says what would be.
         """

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import threading
 import time
 import warnings
@@ -26,9 +25,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cachebuild.errors import StoreError, UsageError
+from cachebuild.store.base import Progress, Store
 from cachebuild.store.blob import CorruptBlob, decode_blob, encode_blob
 from cachebuild.store.local import LocalStore
-from cachebuild.store.record import Record
+from cachebuild.store.record import GCReport, Record, VerifyReport
 
 if TYPE_CHECKING:
     # Imported when a remote is opened: `import redis` costs a process that has no
@@ -36,8 +36,6 @@ if TYPE_CHECKING:
     from cachebuild.store.remote import RedisRemote
 
 log = logging.getLogger(__name__)
-
-MODES = ("rw", "ro", "off")
 
 # Index fields that describe the artifact and travel with it; last_used, hits and pinned
 # describe one machine's use of it and stay local.
@@ -79,12 +77,12 @@ def shared_record(record: Record) -> dict[str, Any]:
     return {name: full[name] for name in _SHARED_FIELDS if name in full}
 
 
-class TieredStore:
+class TieredStore(Store):
     """L1 ``LocalStore`` plus an optional L2 ``RedisRemote``, used wherever a store is.
 
-    Reads fall through to L2, writes and deletes go to both, and everything else (pins,
-    GC, verify, entries, locks' local half) is the local store's. Anything not defined here is looked
-    up on the local store, so ``tiered.gc(...)`` and ``tiered.verify()`` work as on L1.
+    Reads fall through to L2, writes and deletes go to both; pins, GC, verify and records
+    are the local store's (GC only ever prunes L1), and ``records(shared=True)`` adds the
+    records only L2 holds.
     """
 
     def __init__(
@@ -121,11 +119,13 @@ class TieredStore:
     def __repr__(self) -> str:
         return f"TieredStore({self.local!r}, {self.remote!r})"
 
-    def __getattr__(self, name: str) -> Any:
-        # Only called for names not found on this object: the rest of LocalStore's API.
-        if name == "local":
-            raise AttributeError(name)
-        return getattr(self.local, name)
+    @property
+    def root(self) -> Path:  # type: ignore[override]
+        return self.local.root
+
+    @property
+    def probe_dir(self) -> Path:
+        return self.local.probe_dir
 
     def _count(self, field: str) -> None:
         with self._count_lock:
@@ -193,14 +193,21 @@ class TieredStore:
             return None
         return _record_from_shared(key, shared)
 
-    def remote_records(self) -> Iterator[Record]:
-        """Every index record in L2 (empty without a remote), e.g. for ``explain``."""
-        if self.remote is None:
+    def records(self, *, kind: str | None = None, manifests: bool = True,
+                shared: bool = False) -> Iterator[Record]:
+        """L1's records; with ``shared``, also every record only L2 holds."""
+        local = set()
+        for record in self.local.records(kind=kind, manifests=manifests):
+            local.add(record.key)
+            yield record
+        if not shared or self.remote is None:
             return
-        for shared in self.remote.records():
-            key = shared.get("key")
-            if isinstance(key, str):
-                yield _record_from_shared(key, shared)
+        for raw in self.remote.records():
+            key = raw.get("key")
+            if isinstance(key, str) and key not in local:
+                record = _record_from_shared(key, raw)
+                if kind is None or record.kind == kind:
+                    yield record
 
     def materialize(self, key: str, suffix: str) -> Path | None:
         """A verified file holding ``key``'s payload, pulling it from L2 first if needed."""
@@ -300,18 +307,26 @@ class TieredStore:
         if self.remote is not None:
             self.remote.close()
 
-    def pin(self, key: str) -> Any:
-        return self.local.pin(key)
+    def pin(self, key: str) -> None:
+        self.local.pin(key)
 
-    def unpin(self, key: str) -> Any:
-        return self.local.unpin(key)
+    def unpin(self, key: str) -> None:
+        self.local.unpin(key)
 
-    def entries(self, **kwargs: Any) -> Any:
-        """L1's entries (see ``remote_records`` for L2's); arguments as LocalStore.entries."""
-        return self.local.entries(**kwargs)
+    def gc(self, max_size: int | None = None, older_than: float | None = None,
+           dry_run: bool = False) -> GCReport:
+        """GC of L1 (see ``LocalStore.gc``); the shared tier is left to its own eviction."""
+        return self.local.gc(max_size=max_size, older_than=older_than, dry_run=dry_run)
+
+    def verify(self, repair: bool = False, progress: Progress | None = None) -> VerifyReport:
+        """Verify L1 (see ``LocalStore.verify``)."""
+        return self.local.verify(repair=repair, progress=progress)
 
     def stats(self) -> dict[str, Any]:
-        """L1's stats plus a ``tiers`` section: this process's hits by tier and remote health."""
+        """L1's stats plus a ``tiers`` section: this process's hits by tier and the remote's
+        health now (a remote that is down warns once)."""
+        if self.remote is not None:
+            self.remote.ping()
         out = dict(self.local.stats())
         with self._count_lock:
             tiers: dict[str, Any] = dataclasses.asdict(self.counters)
@@ -359,7 +374,7 @@ def push(tiered: TieredStore, keys: Iterable[str] | None = None) -> TransferCoun
     if remote.mode != "rw":
         raise UsageError(f"remote {remote.display_url} is read-only; push needs mode rw")
     counts = TransferCounts()
-    wanted = _entry_keys(tiered.local.entries()) if keys is None else list(keys)
+    wanted = _entry_keys(tiered.local.records(manifests=False)) if keys is None else list(keys)
     for key in wanted:
         outcome = tiered._push_stored(key)
         if outcome == "pushed":
@@ -408,48 +423,3 @@ def pull(
             setattr(counts, outcome, getattr(counts, outcome) + 1)
             counts.bytes += size
     return counts
-
-
-def _env(name: str) -> str | None:
-    value = os.environ.get(name)
-    return value if value else None
-
-
-def open_store(
-    cache_dir: str | os.PathLike[str] | None = None,
-    remote: str | None = None,
-    *,
-    signing_key: bytes | str | None = None,
-    allow_unsigned: bool | None = None,
-    mode: str | None = None,
-    lock_ttl: float = 60.0,
-) -> TieredStore:
-    """The store a process should use, from arguments or, where they are None, the environment.
-
-    ``CACHEBUILD_DIR`` (L1 directory), ``CACHEBUILD_REMOTE`` (``redis://host:port/db``),
-    ``CACHEBUILD_SIGNING_KEY`` (text, used as UTF-8 bytes) and ``CACHEBUILD_REMOTE_MODE``
-    (``rw`` default, ``ro``, or ``off`` to ignore a configured remote),
-    ``CACHEBUILD_ALLOW_UNSIGNED`` (1/true/yes/on). Raises UsageError for an unknown mode, a
-    bad URL, or a remote without a key unless ``allow_unsigned``.
-    """
-    cache_dir = cache_dir if cache_dir is not None else _env("CACHEBUILD_DIR")
-    remote = remote if remote is not None else _env("CACHEBUILD_REMOTE")
-    if signing_key is None:
-        signing_key = _env("CACHEBUILD_SIGNING_KEY")
-    if isinstance(signing_key, str):
-        signing_key = signing_key.encode("utf-8")
-    mode = mode if mode is not None else (_env("CACHEBUILD_REMOTE_MODE") or "rw")
-    if allow_unsigned is None:
-        flag = (_env("CACHEBUILD_ALLOW_UNSIGNED") or "").strip().lower()
-        allow_unsigned = flag in ("1", "true", "yes", "on")
-    if mode not in MODES:
-        raise UsageError(f"remote mode must be one of {', '.join(MODES)}, not {mode!r}")
-    l2 = None
-    if remote and mode != "off":
-        from cachebuild.store.remote import RedisRemote
-
-        l2 = RedisRemote(remote, mode=mode)  # type: ignore[arg-type]
-    local = LocalStore(cache_dir, signing_key=signing_key)
-    return TieredStore(
-        local, l2, signing_key=signing_key, allow_unsigned=allow_unsigned, lock_ttl=lock_ttl
-    )

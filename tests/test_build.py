@@ -135,7 +135,7 @@ def test_store_holds_entry_and_targets_with_manifests(tmp_path):
         assert target.kind == "fx-graph"
         assert canonical_json(target.manifest) == canonical_json(entry.manifests[key])
         assert make_key(target.manifest) == key
-    kinds = sorted(r.kind for r in store.entries())
+    kinds = sorted(r.kind for r in store.records())
     assert kinds == ["entry"] + ["fx-graph"] * 6
 
 
@@ -179,9 +179,9 @@ def test_failing_piece_names_piece_bucket_and_key_and_stores_nothing_partial(tmp
     assert "RuntimeError: no kernel for silu on this device" in message
     assert "second line" not in message
     failed_key = message.split("key ")[1].split(")")[0]
-    assert failed_key not in {r.key for r in store.entries()}
+    assert failed_key not in {r.key for r in store.records()}
     # Piece 0 (no MLP) was built; no entry was recorded for a model that does not build.
-    assert [r.kind for r in store.entries()] == ["fx-graph"]
+    assert [r.kind for r in store.records()] == ["fx-graph"]
     assert models.counters_delta(before, cachebuild.stats())["failed"] == 1
 
 
@@ -242,7 +242,7 @@ def test_two_processes_at_once_build_each_target_once(tmp_path):
     assert sum(r["stats"]["built"] for r in results) == len(keys)
     assert all(r["stats"]["failed"] == 0 for r in results)
     store = LocalStore(path)
-    assert sorted(r.kind for r in store.entries()) == ["entry"] + ["fx-graph"] * 6
+    assert sorted(r.kind for r in store.records()) == ["entry"] + ["fx-graph"] * 6
 
 
 # -- inductor (AOTInductor) ------------------------------------------------------------

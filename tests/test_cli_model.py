@@ -48,7 +48,7 @@ def summary(text: str) -> tuple[int, int, int, int]:
 def snapshot(store: Path) -> set:
     """What the store holds: records (key, kind, size, pinned) and blob files."""
     with LocalStore(store) as s:
-        records = {(r.key, r.kind, r.size, r.pinned) for r in s.entries(manifests=False)}
+        records = {(r.key, r.kind, r.size, r.pinned) for r in s.records(manifests=False)}
     files = {str(p.relative_to(store)) for p in (store / "v1" / "objects").rglob("*") if p.is_file()}
     return records | files
 
@@ -126,7 +126,7 @@ def test_explain_names_what_changed_and_pin_keeps_the_entry(tmp_path, model):
     assert changed.count("differ (model code or shapes changed)") == 2
     assert cli(store, "pin", str(model)).returncode == 0
     with LocalStore(store) as s:
-        entries = [r for r in s.entries() if r.kind == "entry"]
+        entries = [r for r in s.records() if r.kind == "entry"]
     assert len(entries) == 1 and entries[0].pinned
     gc = cli(store, "gc", "--max-size", "0")
     assert gc.returncode == 0, gc.stderr

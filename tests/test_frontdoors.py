@@ -54,7 +54,7 @@ def test_torch_compile_matches_eager_in_every_bucket(tmp_path, layers):
     assert delta["traced"] == 0  # Dynamo traced, through torch.compile's own path
     assert delta["built"] >= 12 and delta["failed"] == 0
     # The dynamic graph dedups like cachebuild.compile: 3 unique pieces per bucket.
-    assert len([r for r in store.entries() if r.kind == "fx-graph"]) == delta["built"]
+    assert len([r for r in store.records() if r.kind == "fx-graph"]) == delta["built"]
 
 
 def test_torch_compile_with_marked_dynamic_dim_plans_the_targets_cachebuild_compile_built(
@@ -73,7 +73,7 @@ def test_torch_compile_with_marked_dynamic_dim_plans_the_targets_cachebuild_comp
         models.assert_matches_eager(compiled, other, models.inputs(size))
     delta = models.counters_delta(before, cachebuild.stats())
     assert delta["built"] == 0 and delta["unique"] == 12
-    assert {r.key for r in store.entries() if r.kind == "fx-graph"} == keys
+    assert {r.key for r in store.records() if r.kind == "fx-graph"} == keys
 
 
 def test_torch_compile_with_graph_breaks(tmp_path):
@@ -114,7 +114,7 @@ def test_default_store_is_cachebuild_dir(tmp_path, monkeypatch):
     model = models.make(models.Decoder, layers=1)
     compiled = cachebuild.compile(model, models.config(), DYN)
     models.assert_matches_eager(compiled, model, models.inputs(3))
-    kinds = sorted(r.kind for r in LocalStore(path).entries())
+    kinds = sorted(r.kind for r in LocalStore(path).records())
     assert kinds == ["entry", "fx-graph", "fx-graph"]
 
 

@@ -185,7 +185,7 @@ def test_inductor_post_grad_pass_on_example(model):
                                                    ("inductor", "auto")])
 def test_cachebuild_backends_on_example(model, backend, flavour, tmp_path):
     import cachebuild
-    from cachebuild.store import open_store
+    from cachebuild.store import StoreOptions, open_store
 
     args = inputs(model, tokens=9)
     on = dataclasses.replace(qwen3.config(backend=backend), flavour=flavour)
@@ -195,7 +195,7 @@ def test_cachebuild_backends_on_example(model, backend, flavour, tmp_path):
         eager = model(*args)
         for name, config in (("on", on), ("off", off)):
             torch._dynamo.reset()
-            store = open_store(tmp_path / name)
+            store = open_store(StoreOptions(tmp_path / name))
             compiled = cachebuild.compile(model, config=config, dynamic_dims={0: 0, 1: 0},
                                           store=store)
             outputs[name] = compiled(*args)

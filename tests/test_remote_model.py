@@ -119,7 +119,7 @@ def write_model(folder: Path) -> Path:
 
 def l1_kinds(l1: Path) -> dict[str, int]:
     with LocalStore(l1) as store:
-        return {k: v["entries"] for k, v in store.stats()["by_kind"].items()}
+        return {k: v["records"] for k, v in store.stats()["by_kind"].items()}
 
 
 @pytest.fixture

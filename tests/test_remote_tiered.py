@@ -25,11 +25,11 @@ from redis_server import (  # noqa: F401  (redis_server_fixture provides `server
 from cachebuild.errors import LockTimeout, UsageError
 from cachebuild.store.blob import encode_blob
 from cachebuild.store.local import LocalStore
+from cachebuild.store.options import StoreOptions, open_store
 from cachebuild.store.remote import RedisRemote, RemoteDownWarning, chunk_key, record_key
 from cachebuild.store.tiered import (
     TieredStore,
     UnsignedRemoteWarning,
-    open_store,
     pull,
     push,
 )
@@ -393,7 +393,7 @@ def test_push_all_then_pull(tmp_path, server):
     for key, payload in items.items():
         assert puller.local.get(key) == payload
         assert puller.local.get_record(key).manifest == {"n": key[:4]}
-    assert sorted(r.key for r in puller.remote_records()) == sorted(items)
+    assert sorted(r.key for r in puller.records(shared=True)) == sorted(items)
 
 
 def test_open_store_reads_the_environment(tmp_path, server, monkeypatch):
@@ -409,13 +409,13 @@ def test_open_store_reads_the_environment(tmp_path, server, monkeypatch):
     assert server.client().dbsize() == 0
     assert (tmp_path / "env-l1").exists()
 
-    assert open_store(mode="off").remote is None
-    assert open_store(mode="rw").remote.mode == "rw"
+    assert isinstance(open_store(StoreOptions.from_env(remote_mode="off")), LocalStore)
+    assert open_store(StoreOptions.from_env(remote_mode="rw")).remote.mode == "rw"
     monkeypatch.delenv("CACHEBUILD_SIGNING_KEY")
     with pytest.raises(UsageError):
         open_store()
     with pytest.raises(UsageError):
-        open_store(mode="sideways")
+        open_store(StoreOptions.from_env(remote_mode="sideways"))
 
 
 def test_a_store_without_remote_does_not_import_redis(tmp_path):
@@ -423,7 +423,8 @@ def test_a_store_without_remote_does_not_import_redis(tmp_path):
     code = (
         "import sys\n"
         "from cachebuild.store import open_store\n"
-        f"store = open_store({str(tmp_path / 'l1')!r}, remote='', signing_key=b'k')\n"
+        "from cachebuild.store import StoreOptions\n"
+        f"store = open_store(StoreOptions({str(tmp_path / 'l1')!r}, signing_key=b'k'))\n"
         "store.put('ab' * 16, b'x', kind='target')\n"
         "assert store.get('ab' * 16) == b'x'\n"
         "assert 'redis' not in sys.modules, 'redis imported'\n"

@@ -134,7 +134,7 @@ def test_unknown_splitting_op_through_compile(tmp_path):
                                   {0: 0, 1: 0}, store=store)
     with pytest.raises(UsageError, match=r"mylib::attn.*it contains: .*cachebuild_tests::attention"):
         compiled(*models.inputs(8))
-    assert list(store.entries()) == []
+    assert list(store.records()) == []
 
 
 class SdpaModel(nn.Module):

@@ -106,7 +106,7 @@ def test_eight_processes_put_and_get_same_and_different_keys(store_dir):
     assert _join_all(procs) == [0] * 8
     store = LocalStore(store_dir)
     keys = shared + [key(f"own-{w}-{i}") for w in range(8) for i in range(15)]
-    assert {r.key for r in store.entries()} == set(keys)
+    assert {r.key for r in store.records()} == set(keys)
     for k in keys:
         assert store.get(k) == payload_for(k)
     assert store.verify().clean
@@ -197,7 +197,7 @@ def test_writers_killed_at_random_points(store_dir):
     assert report.clean, report.damaged
     assert report.tmp_removed == len(leftovers)
     assert list((store.root / "tmp").iterdir()) == []
-    stored = list(store.entries())
+    stored = list(store.records())
     assert stored, "no writer ever finished a put"
     for record in stored:
         assert store.get(record.key) == _kill_payload(record.key)

@@ -8,6 +8,7 @@ import stat
 import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -45,8 +46,12 @@ def test_layout_and_permissions(store_dir):
 
 
 def test_default_path_from_env(tmp_path, monkeypatch):
+    from cachebuild.store import StoreOptions, open_store
+
     monkeypatch.setenv("CACHEBUILD_DIR", str(tmp_path / "from-env"))
-    assert LocalStore().root == tmp_path / "from-env" / "v1"
+    assert open_store().root == tmp_path / "from-env" / "v1"
+    monkeypatch.delenv("CACHEBUILD_DIR")
+    assert StoreOptions.from_env().cache_dir == Path("~/.cache/cachebuild").expanduser()
 
 
 def test_put_get_record(store_dir):
@@ -111,7 +116,7 @@ def test_pin_unpin(store_dir):
     assert store.get_record(key(1)).pinned
     store.unpin(key(1))
     assert not store.get_record(key(1)).pinned
-    with pytest.raises(UnknownKey, match=f"no entry with key {key(9)}") as info:
+    with pytest.raises(UnknownKey, match=f"no record with key {key(9)}") as info:
         store.pin(key(9))
     assert isinstance(info.value, KeyError) and isinstance(info.value, StoreError)
     with pytest.raises(UnknownKey):
@@ -126,14 +131,14 @@ def test_entries_and_stats(store_dir):
     store.get(key(1))
     store.get(key(1))
     store.get(key(3))
-    assert {r.key for r in store.entries()} == {key(1), key(2)}
-    assert [r.key for r in store.entries(kind="entry")] == [key(2)]
-    assert next(store.entries(kind="target")).manifest == {"m": 1}
+    assert {r.key for r in store.records()} == {key(1), key(2)}
+    assert [r.key for r in store.records(kind="entry")] == [key(2)]
+    assert next(store.records(kind="target")).manifest == {"m": 1}
     stats = store.stats()
-    assert stats["entries"] == 2 and stats["bytes"] == 150 and stats["pinned"] == 1
+    assert stats["records"] == 2 and stats["bytes"] == 150 and stats["pinned"] == 1
     assert stats["hits"] == 2 and stats["misses"] == 1 and stats["hit_rate"] == pytest.approx(2 / 3)
-    assert stats["by_kind"] == {"entry": {"entries": 1, "bytes": 50},
-                                "target": {"entries": 1, "bytes": 100}}
+    assert stats["by_kind"] == {"entry": {"records": 1, "bytes": 50},
+                                "target": {"records": 1, "bytes": 100}}
     assert stats["disk_bytes"] > 150 and stats["puts"] == 2 and stats["quarantined"] == 0
 
 
@@ -222,7 +227,7 @@ def test_get_detects_and_quarantines_damage(store_dir):
     assert any(n.startswith(flipped) and "checksum" in n for n in names)
     assert any(n.startswith(truncated) and "truncated" in n for n in names)
     stats = store.stats()
-    assert stats["quarantined"] == 2 and stats["entries"] == 1
+    assert stats["quarantined"] == 2 and stats["records"] == 1
     # the key can be built and stored again
     store.put(flipped, b"rebuilt", kind="target")
     assert store.get(flipped) == b"rebuilt"
@@ -300,7 +305,7 @@ def test_gc_max_size_evicts_least_recently_used_first(store_dir):
     assert report.removed == keys[:6]  # in LRU order
     assert report.bytes_after <= 4 * per_entry + 10
     assert store.stats()["disk_bytes"] <= 4 * per_entry + 10
-    assert {r.key for r in store.entries()} == set(keys[6:])
+    assert {r.key for r in store.records()} == set(keys[6:])
 
 
 def test_gc_keeps_pins_and_what_they_refer_to(store_dir):
@@ -316,12 +321,12 @@ def test_gc_keeps_pins_and_what_they_refer_to(store_dir):
     store.pin(root)
     store.pin(keys[2])
     report = store.gc(max_size=0)
-    survivors = {r.key for r in store.entries()}
+    survivors = {r.key for r in store.records()}
     assert survivors == {root, keys[0], keys[1], keys[2]}
     assert report.kept_pinned == 4 and report.over_cap
     store.unpin(root)
     store.gc(max_size=0)
-    assert {r.key for r in store.entries()} == {keys[2]}
+    assert {r.key for r in store.records()} == {keys[2]}
 
 
 def test_gc_refs_are_followed_transitively(store_dir):
@@ -333,7 +338,7 @@ def test_gc_refs_are_followed_transitively(store_dir):
     store.put(d, b"d", kind="target")
     store.pin(a)
     store.gc(max_size=0)
-    assert {r.key for r in store.entries()} == {a, b, c}
+    assert {r.key for r in store.records()} == {a, b, c}
 
 
 def test_gc_older_than_and_dry_run(store_dir):

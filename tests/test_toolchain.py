@@ -147,7 +147,7 @@ except BuildError as e:
     error = str(e)
     stages = [f.name for f in traceback.extract_tb(e.__cause__.__traceback__)]
 print(json.dumps({"error": error, "stages": stages, "stats": cachebuild.stats(),
-                  "kinds": sorted({r.kind for r in store.entries()})}))
+                  "kinds": sorted({r.kind for r in store.records()})}))
 """
 
 
@@ -207,7 +207,7 @@ def test_transient_errors_are_the_machines_not_the_pieces():
 def test_stats_says_which_compiler_builds_here_and_why_others_were_refused(planted, tmp_path):
     from click.testing import CliRunner
 
-    from cachebuild import cli
+    from cachebuild.cli import main as cli
 
     _plant(planted, probe.Compiler("/usr/bin/g++", "g++ (Test) 12.2.0"),
            [("/opt/wrapped/g++", "crashed on load (SIGSEGV)")])

@@ -117,10 +117,11 @@ def model_child(model_path: str, cache_dir: str, url: str) -> None:
 
     import cachebuild
     from cachebuild.modelfile import load_spec
-    from cachebuild.store import open_store
+    from cachebuild.store import StoreOptions, open_store
 
     spec = load_spec(model_path)
-    store = open_store(cache_dir, url, signing_key=SIGNING_KEY, mode="rw" if url else "off")
+    store = open_store(StoreOptions(cache_dir, remote=url or None, signing_key=SIGNING_KEY,
+                                    remote_mode="rw" if url else "off"))
     imported = time.perf_counter()
     compiled = cachebuild.compile(spec.model, spec.config, spec.dynamic_dims, store=store)
     with torch.no_grad():

@@ -1,4 +1,4 @@
-"""Model commands: ``warm``, ``plan``, ``explain`` (and MODEL.py for ``pin``/``export``).
+"""Model commands: ``warm``, ``plan``, ``explain``.
 
 ``warm`` traces a MODEL.py once, plans its targets, builds every missing one in parallel
 worker processes (each under the key's lock, so a concurrent ``warm`` or server never
@@ -29,13 +29,14 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from cachebuild import cli
-from cachebuild.errors import UsageError
+from cachebuild.cli.common import open_store, state_of
 
 if TYPE_CHECKING:
     from cachebuild.api import ModelSpec, Planner
     from cachebuild.build import BuildJob
     from cachebuild.entry import Entry
+    from cachebuild.store.base import Store
+    from cachebuild.store.options import StoreOptions
 
 # torch and the build graph are imported inside the commands: `cachebuild ls` and
 # `--help` should not pay for them.
@@ -77,7 +78,7 @@ def plan_model(ctx: click.Context, path: str, device: str | None = None) -> Plan
     from cachebuild.modelfile import load_spec
 
     spec = _spec_on(load_spec(path), device)
-    store = cli.open_store(ctx)
+    store = open_store(ctx)
     planner = Planner(spec.model, spec.config, spec.dynamic_dims, store)
     entry, why = planner.stored_entry(spec.example_inputs)
     if entry is None:
@@ -104,16 +105,16 @@ def _worker_warning(message: Warning | str, category: type[Warning], filename: s
         _WORKER["showwarning"](message, category, filename, lineno, file, line)
 
 
-def _worker_init(model_path: str, store: dict[str, Any] | str | None) -> None:
+def _worker_init(model_path: str, options: StoreOptions) -> None:
     from cachebuild.modelfile import import_model
+    from cachebuild.store.options import open_store as open_configured
 
     import_model(model_path)  # registers the model file's custom ops
-    options = store if isinstance(store, dict) else {"cache_dir": store, "remote": None}
     _WORKER["showwarning"] = warnings.showwarning
     warnings.showwarning = _worker_warning
     # The store the command line uses: with a remote, builds are single-flight across
     # machines (the lock is in Redis too) and what a worker builds is uploaded.
-    _WORKER["store"] = cli.open_store_from(options)
+    _WORKER["store"] = open_configured(options)
 
 
 def _worker_build(job: BuildJob) -> tuple[str, bool, float, str | None, list[tuple[str, str]]]:
@@ -138,16 +139,15 @@ def _warning_classes() -> dict[str, type[Warning]]:
 
 
 def build_jobs(jobs: list[BuildJob], workers: int, model_path: str,
-               store: dict[str, Any] | str | None, on_done: Any) -> None:
+               options: StoreOptions, on_done: Any) -> None:
     """Build ``jobs`` in ``workers`` processes, calling ``on_done(job, built, s, error)``.
 
-    ``store``: the options of ``cli.store_options`` (or a cache directory) that each worker
-    opens its store with. Remote-tier warnings raised in a worker are raised again here,
+    ``options``: what each worker opens its store with (the command line's store). Remote-tier warnings raised in a worker are raised again here,
     so that a remote that goes down is reported once for the run, not once per worker.
     """
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_init,
-                             initargs=(model_path, store)) as pool:
+                             initargs=(model_path, options)) as pool:
         futures = {pool.submit(_worker_build, job): job for job in jobs}
         for future in as_completed(futures):
             _, built, seconds, error, said = future.result()
@@ -200,7 +200,7 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
                 progress.update(task, advance=1,
                                 description=f"{label(job.target)} {seconds:.1f} s")
 
-            build_jobs(missing, workers, str(Path(model).resolve()), cli.store_options(ctx),
+            build_jobs(missing, workers, str(Path(model).resolve()), state_of(ctx).options,
                        done)
     if planned.why != "fresh":
         planned.planner.record(planned.entry)
@@ -214,7 +214,7 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
         ctx.exit(1)
 
 
-def _target_state(store: Any, key: str, previous: dict[tuple[int, str], str], piece: int,
+def _target_state(store: Store, key: str, previous: dict[tuple[int, str], str], piece: int,
                   bucket: dict[str, Any]) -> str:
     from cachebuild.targets import bucket_label
 
@@ -224,13 +224,13 @@ def _target_state(store: Any, key: str, previous: dict[tuple[int, str], str], pi
     return "stale" if old and old != key and store.contains(old) else "missing"
 
 
-def _previous_targets(store: Any, entry: Entry) -> dict[tuple[int, str], str]:
+def _previous_targets(store: Store, entry: Entry) -> dict[tuple[int, str], str]:
     """Target keys of the newest other stored entry of the same model class."""
     from cachebuild.entry import Entry
     from cachebuild.targets import bucket_label
 
     best = None
-    for record in store.entries():
+    for record in store.records():
         if record.kind != "entry" or record.key == entry.key:
             continue
         model = (record.manifest or {}).get("model")
@@ -247,7 +247,7 @@ def _previous_targets(store: Any, entry: Entry) -> dict[tuple[int, str], str]:
     return {(t.piece, bucket_label(t.bucket)): t.key for t in old.targets()}
 
 
-def _targets_table(planned: Planned, store: Any, console: Console) -> None:
+def _targets_table(planned: Planned, store: Store, console: Console) -> None:
     from cachebuild.targets import bucket_label
 
     previous = _previous_targets(store, planned.entry)
@@ -283,11 +283,9 @@ def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
 
     planned = plan_model(ctx, model, device)
     store = planned.planner.store
-    records = list(store.entries())
-    if hasattr(store, "remote_records"):  # a remote tier: its manifests explain too
-        local = {r.key for r in records}
-        records += [r for r in store.remote_records() if r.key not in local]
-    stored = [(r.key, r.manifest) for r in records if r.kind != "entry" and r.manifest]
+    # A shared tier's manifests explain too.
+    stored = [(r.key, r.manifest) for r in store.records(shared=True)
+              if r.kind != "entry" and r.manifest]
     console = Console()
     missing = 0
     seen: set[str] = set()
@@ -303,19 +301,4 @@ def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
         console.print("every target is stored")
 
 
-def resolve_model_entry_key(path: str, ctx: click.Context) -> str:
-    """The entry key of MODEL.py (computed from its spec, no tracing)."""
-    from cachebuild.api import Planner
-    from cachebuild.modelfile import load_spec
-
-    spec = load_spec(path)
-    planner = Planner(spec.model, spec.config, spec.dynamic_dims, cli.open_store(ctx))
-    key, _ = planner.entry_key(spec.example_inputs)
-    if not planner.store.contains(key):
-        raise UsageError(f"{path}: the model has no stored entry yet; run `cachebuild warm {path}`")
-    return key
-
-
-for _command in (warm_command, plan_command, explain_command):
-    cli.register(_command)
-cli.resolve_model_entry_key = resolve_model_entry_key
+COMMANDS = (warm_command, plan_command, explain_command)

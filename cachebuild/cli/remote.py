@@ -14,42 +14,36 @@ Exit 0 when every key asked for is in the destination tier afterwards, 1 otherwi
 from __future__ import annotations
 
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from cachebuild import cli
+from cachebuild.cli.common import open_store, state_of
 from cachebuild.errors import CachebuildError, UsageError
 from cachebuild.units import format_size
+
+if TYPE_CHECKING:
+    from cachebuild.store.tiered import TieredStore
 
 # torch, the model and the Redis client are imported inside the commands: `--help` and
 # `push --all` should not pay for torch.
 
 
-def _tiered(ctx: click.Context, command: str) -> Any:
+def _tiered(ctx: click.Context, command: str) -> TieredStore:
     """The command line's store, which must have a remote tier."""
-    store = cli.open_store(ctx)
-    if getattr(store, "remote", None) is None:
-        state = cli.state_of(ctx)
-        why = ("the remote is off (--remote-mode off)" if state.remote else
+    from cachebuild.store.tiered import TieredStore
+
+    store = open_store(ctx)
+    if not isinstance(store, TieredStore) or store.remote is None:
+        options = state_of(ctx).options
+        why = ("the remote is off (--remote-mode off)" if options.remote else
                "no remote is configured")
         raise UsageError(f"{command} needs a remote tier, but {why}; use --remote URL "
                          "or CACHEBUILD_REMOTE")
     return store
 
 
-def model_entry_key(ctx: click.Context, path: str) -> str:
-    """The entry key of the model MODEL.py defines, from its spec alone (no tracing)."""
-    from cachebuild.api import Planner
-    from cachebuild.modelfile import load_spec
-
-    spec = load_spec(path)
-    planner = Planner(spec.model, spec.config, spec.dynamic_dims, cli.open_store(ctx))
-    key, _ = planner.entry_key(spec.example_inputs)
-    return key
-
-
-def _entry_targets(store: Any, key: str) -> list[str]:
+def _entry_targets(store: TieredStore, key: str) -> list[str]:
     """The target keys of the entry ``key`` held in L1."""
     from cachebuild.entry import Entry
 
@@ -83,6 +77,7 @@ def push_command(ctx: click.Context, model: str | None, push_all: bool) -> None:
 
     Entries the remote already holds are left alone. Exit 1 if any could not be pushed.
     """
+    from cachebuild.modelfile import entry_key as entry_key_of
     from cachebuild.store.tiered import push
 
     if bool(model) == push_all:
@@ -94,7 +89,7 @@ def push_command(ctx: click.Context, model: str | None, push_all: bool) -> None:
         what = "every local entry"
     else:
         assert model is not None
-        entry_key = model_entry_key(ctx, model)
+        entry_key = entry_key_of(model, store)
         if not store.local.contains(entry_key):
             raise UsageError(f"{model}: the model has no entry in the local store; run "
                              f"`cachebuild warm {model}` first")
@@ -119,10 +114,11 @@ def pull_command(ctx: click.Context, model: str, jobs: int) -> None:
     is verified (and its signature checked) before it is written to L1. Exit 1 if any
     target could not be fetched (missing, rejected, or the remote is down).
     """
+    from cachebuild.modelfile import entry_key as entry_key_of
     from cachebuild.store.tiered import pull
 
     store = _tiered(ctx, "pull")
-    entry_key = model_entry_key(ctx, model)
+    entry_key = entry_key_of(model, store)
     start = time.perf_counter()
     first = pull(store, [entry_key], workers=1)
     if not store.local.contains(entry_key):
@@ -144,5 +140,4 @@ def pull_command(ctx: click.Context, model: str, jobs: int) -> None:
         ctx.exit(1)
 
 
-for _command in (push_command, pull_command):
-    cli.register(_command)
+COMMANDS = (push_command, pull_command)

@@ -1,0 +1,178 @@
+"""What every command module shares: the command line's state and store, its output and
+its argument types. Command modules import this, never ``main``.
+
+Errors raised on purpose (``CachebuildError``) print ``error: <message>`` on one line and
+exit with the error's code (2 bad usage or input, 1 an operation that failed); the group in
+``main`` does that.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import click
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from cachebuild.errors import UsageError
+from cachebuild.store.base import Store
+from cachebuild.store.options import StoreOptions
+from cachebuild.units import format_duration, parse_duration, parse_size
+
+#: Progress bars are shown only for operations on at least this many blobs.
+PROGRESS_MIN_ITEMS = 16
+
+
+@dataclass
+class CliState:
+    """What the global options decided, shared with every command through ``ctx.obj``."""
+
+    options: StoreOptions
+    verbose: bool = False
+    store: Store | None = None
+
+    def open_store(self) -> Store:
+        """The store the options select (opened once, closed when the command ends)."""
+        if self.store is None:
+            from cachebuild.store.options import open_store
+
+            self.store = open_store(self.options)
+        return self.store
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+            self.store = None
+
+
+def state_of(ctx: click.Context) -> CliState:
+    """The CliState of the running command line."""
+    obj = ctx.find_object(CliState)
+    if obj is None:
+        raise UsageError("cachebuild commands must run under the cachebuild group")
+    return obj
+
+
+def open_store(ctx: click.Context) -> Store:
+    """The command line's store (see ``CliState.open_store``)."""
+    return state_of(ctx).open_store()
+
+
+def one_line(error: BaseException | str) -> str:
+    return " ".join(str(error).split()) or type(error).__name__
+
+
+# -- output ----------------------------------------------------------------------------
+
+def stdout() -> Console:
+    # Piped output is read by people and scripts alike: never squeeze or cut keys.
+    return Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+
+
+def stderr() -> Console:
+    return Console(stderr=True)
+
+
+def plural(n: int, word: str) -> str:
+    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+
+
+def ago(when: float, now: float) -> str:
+    return format_duration(max(0.0, now - when)) + " ago"
+
+
+@contextmanager
+def progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
+    """A progress callback ``(done, total)`` drawing a rich bar once total is large enough."""
+    bar: dict[str, Any] = {}
+
+    def update(done: int, total: int) -> None:
+        if "progress" not in bar:
+            if total < PROGRESS_MIN_ITEMS:
+                return
+            shown = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(),
+                             TimeRemainingColumn(), console=stderr(), transient=True)
+            shown.start()
+            bar["progress"], bar["task"] = shown, shown.add_task(description, total=total)
+        bar["progress"].update(bar["task"], completed=done, total=total)
+
+    try:
+        yield update
+    finally:
+        if "progress" in bar:
+            bar["progress"].stop()
+
+
+#: Warning classes (by name) shown once per process on one line: the remote tier's.
+ONCE_WARNINGS = ("RemoteDownWarning", "UnsignedRemoteWarning")
+_shown_once: set[str] = set()
+_default_showwarning = warnings.showwarning
+
+
+def _show_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                  file: Any = None, line: str | None = None) -> None:
+    name = category.__name__
+    if name not in ONCE_WARNINGS:
+        _default_showwarning(message, category, filename, lineno, file, line)
+        return
+    if name in _shown_once:
+        return
+    _shown_once.add(name)
+    click.echo(f"warning: {one_line(message)}", err=True)
+
+
+def install_warning_display() -> None:
+    """Print the remote tier's warnings as one ``warning: ...`` line, once per process
+    for each kind (a remote that is down is said once, however many calls notice)."""
+    warnings.showwarning = _show_warning
+
+
+# -- argument types ----------------------------------------------------------------------
+
+class SizeParam(click.ParamType):
+    """A size such as ``20G`` or ``512M`` (binary multiples), in bytes."""
+
+    name = "size"
+
+    def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
+        if isinstance(value, int):
+            return value
+        try:
+            return parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+class DurationParam(click.ParamType):
+    """A duration such as ``7d``, ``12h`` or ``1h30m``, in seconds."""
+
+    name = "duration"
+
+    def convert(self, value: Any, param: click.Parameter | None,
+                ctx: click.Context | None) -> float:
+        if isinstance(value, int | float):
+            return float(value)
+        try:
+            return parse_duration(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
+
+
+def resolve_key(ctx: click.Context, target: str) -> str:
+    """The store key a command argument names: a key, or MODEL.py for its entry's key."""
+    from cachebuild.store.layout import check_key
+
+    if target.endswith(".py"):
+        from cachebuild.modelfile import stored_entry_key
+
+        return stored_entry_key(target, open_store(ctx))
+    try:
+        return check_key(target)
+    except ValueError:
+        raise UsageError(f"{target!r} is neither a store key (hex, e.g. 32 chars) nor a "
+                         "MODEL.py file") from None

@@ -1,0 +1,80 @@
+"""The ``cachebuild`` command: the group, the options every command shares, and the table
+of commands. Command modules (``store``, ``model``, ``remote``) never import this one.
+
+``cachebuild [--cache-dir DIR] [--remote URL] [--remote-mode rw|ro|off]
+[--allow-unsigned] [-v] COMMAND``. The store's environment variables (``CACHEBUILD_DIR``,
+``CACHEBUILD_REMOTE``, ``CACHEBUILD_REMOTE_MODE``, ``CACHEBUILD_SIGNING_KEY``,
+``CACHEBUILD_REQUIRE_SIGNATURE``, ``CACHEBUILD_ALLOW_UNSIGNED``) are read by
+``cachebuild.store.options`` alone; an option given here wins over its variable.
+
+Exit codes: 0 done; 1 the operation failed (e.g. ``verify`` found damage); 2 bad usage
+or bad input. Errors raised on purpose print ``error: <message>`` on one line.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import click
+from rich.logging import RichHandler
+
+from cachebuild.cli import model, remote, store
+from cachebuild.cli.common import CliState, install_warning_display, one_line, stderr
+from cachebuild.errors import CachebuildError
+from cachebuild.store.options import StoreOptions
+
+#: Every command, by module: what ``cachebuild --help`` lists.
+COMMANDS = (*store.COMMANDS, *model.COMMANDS, *remote.COMMANDS)
+
+
+class _Group(click.Group):
+    """A click group that turns CachebuildError into ``error: <message>`` and its exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except CachebuildError as e:
+            state = ctx.obj if isinstance(ctx.obj, CliState) else None
+            if state is not None and state.verbose:
+                logging.getLogger("cachebuild").debug("error details", exc_info=True)
+            click.echo(f"error: {one_line(e)}", err=True)
+            ctx.exit(e.exit_code)
+
+
+def _setup_logging(verbose: bool) -> None:
+    logger = logging.getLogger("cachebuild")
+    logger.setLevel(logging.DEBUG if verbose else logging.WARNING)
+    if not any(isinstance(h, RichHandler) for h in logger.handlers):
+        logger.addHandler(RichHandler(console=stderr(), show_time=False, show_path=False))
+    logger.propagate = False
+
+
+@click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--cache-dir", metavar="DIR",
+              help="Store directory [env CACHEBUILD_DIR; default: ~/.cache/cachebuild].")
+@click.option("--remote", metavar="URL",
+              help="Remote store tier (L2) shared by a fleet, e.g. redis://host:6379/0 "
+                   "[env CACHEBUILD_REMOTE].")
+@click.option("--remote-mode", metavar="rw|ro|off",
+              help="rw: read and write the remote; ro: never write to it; off: ignore it "
+                   "[env CACHEBUILD_REMOTE_MODE; default: rw].")
+@click.option("--allow-unsigned", is_flag=True, default=None,
+              help="Use the remote without CACHEBUILD_SIGNING_KEY (anyone who can write to "
+                   "it can run code here) [env CACHEBUILD_ALLOW_UNSIGNED].")
+@click.option("-v", "--verbose", is_flag=True, help="Say more about what happens.")
+@click.version_option(package_name="cachebuild")
+@click.pass_context
+def main(ctx: click.Context, cache_dir: str | None, remote: str | None,
+         remote_mode: str | None, allow_unsigned: bool | None, verbose: bool) -> None:
+    """cachebuild: build torch.compile'd models once, load them from a store after."""
+    _setup_logging(verbose)
+    install_warning_display()
+    options = StoreOptions.from_env(cache_dir=cache_dir, remote=remote, remote_mode=remote_mode,
+                                    allow_unsigned=allow_unsigned or None)
+    ctx.obj = CliState(options=options, verbose=verbose)
+    ctx.call_on_close(ctx.obj.close)
+
+
+for _command in COMMANDS:
+    main.add_command(_command)

@@ -1,0 +1,224 @@
+"""Store commands: ``ls``, ``stats``, ``gc``, ``verify``, ``pin``, ``unpin``, ``export``,
+``import``. They import no torch (a model file given to ``pin`` or ``export`` does)."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import click
+from rich import box
+from rich.table import Table
+
+from cachebuild.cli.common import (
+    DurationParam,
+    SizeParam,
+    ago,
+    open_store,
+    plural,
+    progress_bar,
+    resolve_key,
+    stdout,
+)
+from cachebuild.units import format_size
+
+
+@click.command("ls")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON (records with manifests).")
+@click.option("--kind", metavar="KIND", help="Only records of this kind (entry, aoti-cuda, ...).")
+@click.pass_context
+def ls_command(ctx: click.Context, as_json: bool, kind: str | None) -> None:
+    """List the store's records (model entries and targets), most recently used first."""
+    store = open_store(ctx)
+    records = sorted(store.records(kind=kind, manifests=as_json),
+                     key=lambda r: r.last_used, reverse=True)
+    if as_json:
+        click.echo(json.dumps([r.to_json() for r in records], indent=2))
+        return
+    now = time.time()
+    table = Table(title=f"{plural(len(records), 'record')} in {store.root}", title_justify="left",
+                  box=box.SIMPLE_HEAD)
+    table.add_column("key", no_wrap=True, min_width=32)
+    table.add_column("kind")
+    table.add_column("size", justify="right")
+    table.add_column("created")
+    table.add_column("last used")
+    table.add_column("hits", justify="right")
+    table.add_column("pinned")
+    table.add_column("refs", justify="right")
+    for r in records:
+        table.add_row(r.key, r.kind, format_size(r.size), ago(r.created, now),
+                      ago(r.last_used, now), str(r.hits), "yes" if r.pinned else "",
+                      str(len(r.refs)) if r.refs else "")
+    stdout().print(table)
+
+
+@click.command("stats")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.pass_context
+def stats_command(ctx: click.Context, as_json: bool) -> None:
+    """Entries, sizes, hits and misses of the store; with a remote, also by tier (L1/L2)."""
+    from cachebuild.backends.probe import cached_verdicts
+
+    store = open_store(ctx)
+    stats = store.stats()
+    verdicts = cached_verdicts(store.probe_dir)
+    stats["toolchains"] = [v.to_json() | {"summary": v.describe()} for v in verdicts]
+    if as_json:
+        click.echo(json.dumps(stats, indent=2))
+        return
+    table = Table(show_header=False, box=box.SIMPLE)
+    table.add_column("what")
+    table.add_column("value")
+    rate = "–" if stats["hit_rate"] is None else f"{stats['hit_rate']:.1%}"
+    rows = [("store", stats["path"]),
+            ("records", str(stats["records"])),
+            ("payload", format_size(stats["bytes"])),
+            ("on disk", format_size(stats["disk_bytes"])),
+            ("pinned", str(stats["pinned"])),
+            ("hits", str(stats["hits"])),
+            ("misses", str(stats["misses"])),
+            ("hit rate", rate),
+            ("quarantined", str(stats["quarantined"]))]
+    for kind, k in stats["by_kind"].items():
+        rows.append((f"  kind {kind}", f"{k['records']} ({format_size(k['bytes'])})"))
+    tiers = stats.get("tiers")
+    if tiers is not None and tiers.get("remote") is not None:
+        health = "up" if tiers["remote_available"] else "down"
+        rows += [("remote", f"{tiers['remote']} ({tiers['remote_mode']}, {health}, "
+                            f"{'signed' if tiers['signed'] else 'unsigned'})"),
+                 ("L1 hits", str(tiers["l1_hits"])),
+                 ("L2 hits", str(tiers["l2_hits"])),
+                 ("tier misses", str(tiers["misses"])),
+                 ("remote rejected", str(tiers["remote_rejected"])),
+                 ("remote incomplete", str(tiers["remote_incomplete"])),
+                 ("remote errors", str(tiers["remote_errors"]))]
+    for v in verdicts:  # which flavour and compiler this machine builds with, and why
+        rows.append((f"toolchain ({v.device})", v.describe().split(": ", 1)[1]))
+    for what, value in rows:
+        table.add_row(what, value)
+    stdout().print(table)
+
+
+@click.command("gc")
+@click.option("--max-size", type=SizeParam(), metavar="SIZE",
+              help="Evict least recently used records until the store fits, e.g. 20G.")
+@click.option("--older-than", type=DurationParam(), metavar="AGE",
+              help="Evict records unused for this long, e.g. 7d.")
+@click.option("--dry-run", is_flag=True, help="Show what would go; remove nothing.")
+@click.pass_context
+def gc_command(ctx: click.Context, max_size: int | None, older_than: float | None,
+               dry_run: bool) -> None:
+    """Evict records, least recently used first; pinned records and what they refer to stay."""
+    store = open_store(ctx)
+    report = store.gc(max_size=max_size, older_than=older_than, dry_run=dry_run)
+    out = stdout()
+    verb = "would remove" if dry_run else "removed"
+    if dry_run and report.removed:
+        table = Table(title="would remove", title_justify="left", box=box.SIMPLE_HEAD)
+        for col in ("key", "kind", "size", "last used"):
+            table.add_column(col, no_wrap=col == "key", min_width=32 if col == "key" else None)
+        now = time.time()
+        for key in report.removed:
+            r = store.get_record(key)
+            if r is not None:
+                table.add_row(key, r.kind, format_size(r.size), ago(r.last_used, now))
+        out.print(table)
+    out.print(f"{verb} {plural(len(report.removed), 'record')} ({format_size(report.freed_bytes)}); "
+              f"store {'would be' if dry_run else 'is now'} {format_size(report.bytes_after)} "
+              f"in {plural(report.entries_after, 'record')}, {report.kept_pinned} kept by pins")
+    if report.tmp_removed or report.orphans_removed:
+        out.print(f"cleaned {report.tmp_removed} abandoned temp files and "
+                  f"{report.orphans_removed} unrecorded blobs")
+    if report.over_cap:
+        click.echo(f"warning: pinned records alone take {format_size(report.bytes_after)}, "
+                   f"more than --max-size {format_size(max_size or 0)}", err=True)
+
+
+@click.command("verify")
+@click.option("--repair", is_flag=True, help="Quarantine damaged blobs and drop their records.")
+@click.pass_context
+def verify_command(ctx: click.Context, repair: bool) -> None:
+    """Check every blob; exit 1 if any is damaged and was not repaired."""
+    store = open_store(ctx)
+    with progress_bar("verifying") as on_progress:
+        report = store.verify(repair=repair, progress=on_progress)
+    for key, reason in report.damaged:
+        click.echo(f"damaged {key}: {reason}" + (" (quarantined)" if repair else ""), err=True)
+    summary = f"checked {report.checked} blobs: {report.ok} ok, {len(report.damaged)} damaged"
+    if report.tmp_removed or report.orphans_removed:
+        summary += (f"; cleaned {report.tmp_removed} abandoned temp files and "
+                    f"{report.orphans_removed} unrecorded blobs")
+    click.echo(summary)
+    if report.damaged and not repair:
+        click.echo("run `cachebuild verify --repair` to quarantine them", err=True)
+        ctx.exit(1)
+
+
+@click.command("pin")
+@click.argument("target", metavar="KEY|MODEL.py")
+@click.pass_context
+def pin_command(ctx: click.Context, target: str) -> None:
+    """Keep a record (a model entry keeps everything it refers to) from GC."""
+    key = resolve_key(ctx, target)
+    open_store(ctx).pin(key)
+    click.echo(f"pinned {key}")
+
+
+@click.command("unpin")
+@click.argument("target", metavar="KEY|MODEL.py")
+@click.pass_context
+def unpin_command(ctx: click.Context, target: str) -> None:
+    """Let GC remove a record again."""
+    key = resolve_key(ctx, target)
+    open_store(ctx).unpin(key)
+    click.echo(f"unpinned {key}")
+
+
+@click.command("export")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("model", required=False, metavar="[MODEL.py|KEY]")
+@click.option("--kind", "kinds", multiple=True, metavar="KIND",
+              help="Only records of this kind (repeatable).")
+@click.pass_context
+def export_command(ctx: click.Context, file: Path, model: str | None,
+                   kinds: tuple[str, ...]) -> None:
+    """Write records to a bundle FILE (.tar, or .tar.gz to compress): all of them, or a
+    model's entry and everything it refers to."""
+    from cachebuild.store import export_bundle
+
+    store = open_store(ctx)
+    keys = [resolve_key(ctx, model)] if model else None
+    with progress_bar("exporting") as on_progress:
+        report = export_bundle(store, file, keys=keys, kinds=kinds or None, progress=on_progress)
+    click.echo(f"exported {plural(len(report.exported), 'record')} ({format_size(report.bytes)}) "
+               f"to {file}")
+    for key, reason in report.skipped:
+        click.echo(f"skipped {key}: {reason}", err=True)
+    if report.skipped:
+        ctx.exit(1)
+
+
+@click.command("import")
+@click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.pass_context
+def import_command(ctx: click.Context, file: Path) -> None:
+    """Import a bundle, re-verifying every blob; damaged records are refused (exit 1)."""
+    from cachebuild.store import import_bundle
+
+    store = open_store(ctx)
+    with progress_bar("importing") as on_progress:
+        report = import_bundle(store, file, progress=on_progress)
+    click.echo(f"imported {plural(len(report.imported), 'record')} from {file}"
+               + (f", {len(report.existing)} already present" if report.existing else ""))
+    for name, reason in report.refused:
+        click.echo(f"refused {name}: {reason}", err=True)
+    if report.refused:
+        click.echo(f"error: refused {len(report.refused)} damaged or incomplete records",
+                   err=True)
+        ctx.exit(1)
+
+
+COMMANDS = (ls_command, stats_command, gc_command, verify_command, pin_command, unpin_command,
+            export_command, import_command)

@@ -1,0 +1,124 @@
+"""Which store a process uses, decided in one place for the library and the CLI alike.
+
+``StoreOptions`` holds every setting; ``StoreOptions.from_env`` is the only reader of the
+store's environment variables, and ``open_store(options)`` the only way a configured store
+is opened. The settings, with their variables:
+
+- ``cache_dir`` (``CACHEBUILD_DIR``, default ``~/.cache/cachebuild``): the local store (L1).
+- ``remote`` (``CACHEBUILD_REMOTE``): ``redis://host:port/db`` of a shared tier (L2).
+- ``remote_mode`` (``CACHEBUILD_REMOTE_MODE``): ``rw`` (default), ``ro`` (never write to
+  the remote) or ``off`` (ignore a configured remote).
+- ``signing_key`` (``CACHEBUILD_SIGNING_KEY``, its UTF-8 bytes): blobs written are signed
+  with it (HMAC-SHA256) and signed blobs read are checked.
+- ``require_signature`` (``CACHEBUILD_REQUIRE_SIGNATURE``): also refuse unsigned blobs.
+- ``allow_unsigned`` (``CACHEBUILD_ALLOW_UNSIGNED``): use a remote without a signing key
+  (anyone who can write to it can then run code here).
+
+Options are plain values, so worker processes open the very same store from them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from cachebuild.errors import UsageError
+
+if TYPE_CHECKING:
+    from cachebuild.store.base import Store
+
+REMOTE_MODES = ("rw", "ro", "off")
+DEFAULT_DIR = Path("~/.cache/cachebuild")
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def env_flag(name: str) -> bool:
+    """An on/off environment variable: 1/true/yes/on or 0/false/no/off (or unset)."""
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise UsageError(f"{name}={os.environ[name]!r}: use 1 or 0 (or true/false, yes/no, on/off)")
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """Everything that decides the store (see the module doc for each setting)."""
+
+    cache_dir: Path | str = DEFAULT_DIR
+    remote: str | None = None
+    remote_mode: str = "rw"
+    signing_key: bytes | None = None
+    require_signature: bool = False
+    allow_unsigned: bool = False
+
+    def __post_init__(self) -> None:
+        if not str(self.cache_dir).strip():
+            raise UsageError("the cache directory is empty: give a path (--cache-dir or "
+                             "CACHEBUILD_DIR)")
+        object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
+        mode = self.remote_mode.strip().lower()
+        if mode not in REMOTE_MODES:
+            raise UsageError(f"the remote mode (--remote-mode, CACHEBUILD_REMOTE_MODE) must be "
+                             f"one of {', '.join(REMOTE_MODES)}, not {self.remote_mode!r}")
+        object.__setattr__(self, "remote_mode", mode)
+        if self.require_signature and not self.signing_key:
+            raise UsageError("CACHEBUILD_REQUIRE_SIGNATURE needs a signing key: set "
+                             "CACHEBUILD_SIGNING_KEY")
+
+    @classmethod
+    def from_env(cls, **given: Any) -> StoreOptions:
+        """Options from the environment; ``given`` values that are not None win (what a
+        command line or a caller said explicitly)."""
+        env: dict[str, Any] = {}
+        if os.environ.get("CACHEBUILD_DIR") is not None:
+            env["cache_dir"] = os.environ["CACHEBUILD_DIR"]
+        if os.environ.get("CACHEBUILD_REMOTE"):
+            env["remote"] = os.environ["CACHEBUILD_REMOTE"]
+        if os.environ.get("CACHEBUILD_REMOTE_MODE"):
+            env["remote_mode"] = os.environ["CACHEBUILD_REMOTE_MODE"]
+        if os.environ.get("CACHEBUILD_SIGNING_KEY"):
+            env["signing_key"] = os.environ["CACHEBUILD_SIGNING_KEY"].encode("utf-8")
+        env["require_signature"] = env_flag("CACHEBUILD_REQUIRE_SIGNATURE")
+        env["allow_unsigned"] = env_flag("CACHEBUILD_ALLOW_UNSIGNED")
+        env.update({k: v for k, v in given.items() if v is not None})
+        if isinstance(env.get("signing_key"), str):
+            env["signing_key"] = env["signing_key"].encode("utf-8")
+        return cls(**env)
+
+    def with_remote_off(self) -> StoreOptions:
+        return replace(self, remote_mode="off")
+
+    @property
+    def uses_remote(self) -> bool:
+        return bool(self.remote) and self.remote_mode != "off"
+
+
+def open_store(options: StoreOptions | None = None) -> Store:
+    """The store ``options`` describe (default: the environment's): a ``LocalStore``, or
+    a ``TieredStore`` (L1 + Redis) when a remote is configured and not off.
+
+    Raises StoreError (exit 1) for an unsafe or unusable directory, UsageError (exit 2)
+    for a bad remote URL, or a remote without a signing key unless ``allow_unsigned``.
+    """
+    from cachebuild.store.local import LocalStore
+
+    options = options or StoreOptions.from_env()
+    local = LocalStore(options.cache_dir, signing_key=options.signing_key,
+                       require_signature=options.require_signature)
+    if not options.uses_remote:
+        return local
+    from cachebuild.store.remote import RedisRemote
+    from cachebuild.store.tiered import TieredStore
+
+    assert options.remote is not None
+    try:
+        remote = RedisRemote(options.remote, mode=options.remote_mode)  # type: ignore[arg-type]
+    except BaseException:
+        local.close()
+        raise
+    return TieredStore(local, remote, allow_unsigned=options.allow_unsigned)
