@@ -13,6 +13,8 @@ from collections.abc import Callable
 from importlib.metadata import entry_points
 from typing import TYPE_CHECKING, Any
 
+from cachebuild.errors import ConfigError
+
 if TYPE_CHECKING:
     from cachebuild.backends.base import Artifact, Backend, BuildRequest
 
@@ -47,7 +49,7 @@ def get_backend(name: str) -> Backend:
         return _REGISTRY[name]()
     spec = _BUILTIN.get(name) or _plugins().get(name)
     if spec is None:
-        raise KeyError(f"unknown backend {name!r}: choose one of {sorted(registered_backends())}")
+        raise ConfigError(f"unknown backend {name!r}: choose one of {sorted(registered_backends())}")
     module, _, attr = spec.partition(":")
     return getattr(importlib.import_module(module), attr)()
 

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from cachebuild.trace import InputMeta
+from cachebuild.facts import InputMeta
 
 if TYPE_CHECKING:
     from pathlib import Path

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import glob
-import json
 import logging
 import os
 import shutil
@@ -34,6 +33,7 @@ from cachebuild.backends.base import (
     example_inputs,
     symbolic_fake_inputs,
 )
+from cachebuild.backends.pack import pack, read_packed
 from cachebuild.errors import ConfigError, transient
 
 log = logging.getLogger("cachebuild.inductor")
@@ -130,7 +130,7 @@ class InductorBackend:
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
         from cachebuild import compat
-        from cachebuild.split import record_example_values
+        from cachebuild.facts import record_example_values
 
         fake_mode, fake_args = symbolic_fake_inputs(request.input_metas, request.bucket)
         record_example_values(request.gm, fake_args)
@@ -174,37 +174,6 @@ class InductorBackend:
         if kind == "standalone":
             return load_standalone(key, store)
         raise ValueError(f"inductor backend cannot load artifacts of kind {kind!r}")
-
-
-PACK_MAGIC = b"CBPACK\x01"
-
-
-def pack(parts: dict[str, bytes]) -> bytes:
-    """Several named files as one payload: magic, a JSON table of names and sizes, bytes."""
-    table = json.dumps([[name, len(data)] for name, data in parts.items()]).encode()
-    return PACK_MAGIC + len(table).to_bytes(8, "little") + table + b"".join(parts.values())
-
-
-def unpack(data: bytes) -> dict[str, bytes] | None:
-    """The files ``pack`` joined, or None if ``data`` is a single plain file."""
-    if not data.startswith(PACK_MAGIC):
-        return None
-    start = len(PACK_MAGIC) + 8
-    end = start + int.from_bytes(data[len(PACK_MAGIC):start], "little")
-    parts, offset = {}, end
-    for name, size in json.loads(data[start:end]):
-        parts[name] = data[offset: offset + size]
-        offset += size
-    return parts
-
-
-def read_packed(path: str | os.PathLike[str]) -> dict[str, bytes] | None:
-    """The files packed in ``path``, or None (without reading it whole) for a plain file."""
-    with open(path, "rb") as f:
-        if f.read(len(PACK_MAGIC)) != PACK_MAGIC:
-            return None
-        f.seek(0)
-        return unpack(f.read())
 
 
 def load_standalone(key: str, store: Any) -> Any:

@@ -18,9 +18,9 @@ from cachebuild.backends import BuildRequest, get_backend
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS
 from cachebuild.errors import BuildError, transient
+from cachebuild.facts import InputMeta
 from cachebuild.fxjson import data_to_module
 from cachebuild.targets import Target, bucket_label
-from cachebuild.trace import InputMeta
 
 log = logging.getLogger("cachebuild.build")
 

@@ -1,7 +1,10 @@
-"""CompileConfig: what the user decides about compilation, validated once.
+"""CompileConfig and PassConfig: what the user decides about compilation, validated once.
 
-Every field is named and documented here; ``factors()`` is what enters the entry key,
-and the subset that decides a compiled piece enters every target key (``targets.py``).
+Both are plain values: building one imports no torch, no backend and no pass. Every field
+is named and documented here; ``factors()`` is what enters the entry key, and the subset
+that decides a compiled piece enters every target key (``targets.py``). The backend name
+is checked where the backend is resolved (``cachebuild.backends.get_backend``), the only
+place that knows every registered one.
 """
 
 from __future__ import annotations
@@ -16,7 +19,6 @@ from cachebuild.errors import ConfigError
 #: an optional ``.overload`` (``mylib::attention``, ``aten::scaled_dot_product_attention``).
 OP_NAME = re.compile(r"^[A-Za-z_]\w*::[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
 
-BACKENDS_BUILTIN = ("inductor", "eager_fusion")
 FLAVOURS = ("auto", "aoti", "standalone")
 CUDAGRAPH_MODES = ("none", "piecewise", "full")
 OUT_OF_RANGE = ("error", "eager")
@@ -29,10 +31,41 @@ def default_capture_sizes() -> tuple[int, ...]:
     return (1, 2, 4, *range(8, 256, 8), *range(256, 513, 16))
 
 
-def _default_passes() -> Any:
-    from cachebuild.passes import PassConfig
+@dataclass(frozen=True)
+class PassConfig:
+    """Which built-in fusion passes run. Every fusion is off by default; clean-up is on.
 
-    return PassConfig()
+    - ``rms_quant``: RMSNorm followed by fp8 quantisation, as one kernel.
+    - ``add_rms_quant``: residual add, RMSNorm and fp8 quantisation, as one kernel.
+    - ``act_quant``: SiLU-and-multiply followed by fp8 quantisation, as one kernel.
+    - ``qk_norm_rope``: per-head RMSNorm of q and k followed by rotary embedding.
+    - ``cleanup``: drop no-op reshapes, slices and copies the rewrites leave behind.
+    """
+
+    rms_quant: bool = False
+    add_rms_quant: bool = False
+    act_quant: bool = False
+    qk_norm_rope: bool = False
+    cleanup: bool = True
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if not isinstance(value, bool):
+                raise ConfigError(f"PassConfig.{f.name} must be a bool, got {value!r}")
+
+    @classmethod
+    def all_fusions(cls) -> PassConfig:
+        """A config with every fusion and the clean-up enabled."""
+        return cls(rms_quant=True, add_rms_quant=True, act_quant=True, qk_norm_rope=True)
+
+    def factors(self) -> dict[str, bool]:
+        """The flags by name: what enters a key."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    def enabled(self) -> list[str]:
+        """Names of the enabled flags, in declaration order."""
+        return [name for name, on in self.factors().items() if on]
 
 
 @dataclass(frozen=True)
@@ -44,10 +77,11 @@ class CompileConfig:
       gets one target per piece, valid for every size in it.
     - ``compile_sizes``: exact sizes that get their own specialised target; each must
       lie inside a range.
-    - ``backend``: ``"inductor"``, ``"eager_fusion"``, or a registered plug-in backend.
+    - ``backend``: ``"inductor"``, ``"eager_fusion"``, or a registered plug-in backend
+      (checked when the backend is resolved).
     - ``flavour``: the inductor artifact kind: ``"auto"`` (AOTInductor where it loads
       here, else standalone), ``"aoti"`` or ``"standalone"``.
-    - ``passes``: a ``cachebuild.passes.PassConfig`` of fusion-pass flags.
+    - ``passes``: a ``PassConfig`` of fusion-pass flags.
     - ``inductor_options``: Inductor config patches, e.g. ``{"max_autotune": True}``.
     - ``cudagraph_mode``: ``"none"``, ``"piecewise"`` or ``"full"``.
     - ``capture_sizes``: sizes captured as CUDA graphs (default: 51 sizes up to 512).
@@ -62,7 +96,7 @@ class CompileConfig:
     compile_sizes: tuple[int, ...] = ()
     backend: str = "inductor"
     flavour: str = "auto"
-    passes: Any = field(default_factory=_default_passes)
+    passes: PassConfig = field(default_factory=PassConfig)
     inductor_options: tuple[tuple[str, Any], ...] = ()
     cudagraph_mode: str = "none"
     capture_sizes: tuple[int, ...] = field(default_factory=default_capture_sizes)
@@ -109,18 +143,12 @@ class CompileConfig:
         for size in self.compile_sizes:
             if not any(lo <= size <= hi for lo, hi in ranges):
                 raise ConfigError(f"compile size {size} lies outside every compile range {ranges}")
-        from cachebuild.passes import PassConfig
-
         if not isinstance(self.passes, PassConfig):
             raise ConfigError(
                 f"passes must be a cachebuild.passes.PassConfig, got {type(self.passes).__name__}"
             )
-        from cachebuild.backends import registered_backends
-
-        if self.backend not in registered_backends():
-            raise ConfigError(
-                f"unknown backend {self.backend!r}: choose one of {sorted(registered_backends())}"
-            )
+        if not isinstance(self.backend, str) or not self.backend:
+            raise ConfigError(f"backend must be a backend's name, got {self.backend!r}")
         if self.flavour not in FLAVOURS:
             raise ConfigError(f"unknown flavour {self.flavour!r}: choose one of {FLAVOURS}")
         if self.cudagraph_mode not in CUDAGRAPH_MODES:

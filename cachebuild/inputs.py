@@ -28,7 +28,7 @@ import torch
 
 from cachebuild.counters import COUNTERS
 from cachebuild.errors import UsageError
-from cachebuild.trace import InputMeta
+from cachebuild.facts import InputMeta
 
 _FUNCTIONS: dict[str, Callable[..., int]] = {
     "Max": max, "Min": min, "FloorDiv": lambda a, b: a // b,

@@ -21,10 +21,7 @@ import torch.utils._pytree as pytree
 
 from cachebuild.build import Builder, BuildJob
 from cachebuild.config import CompileConfig
-from cachebuild.entry import Entry
-from cachebuild.errors import UsageError
-from cachebuild.fxjson import data_to_module
-from cachebuild.graphs import (
+from cachebuild.cudagraphs import (
     CudaGraphCapture,
     GraphCapture,
     GraphedCallable,
@@ -35,6 +32,9 @@ from cachebuild.graphs import (
     stable_piece_inputs,
     unpad_outputs,
 )
+from cachebuild.entry import Entry
+from cachebuild.errors import UsageError
+from cachebuild.fxjson import data_to_module
 from cachebuild.inputs import CallCheck, LayoutGuard, same_layout
 from cachebuild.keys import canonical_json
 from cachebuild.targets import canonical_graph

@@ -9,7 +9,6 @@ a tuple.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +17,8 @@ import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
 from cachebuild.errors import UsageError
-from cachebuild.trace import InputMeta, TracedGraph, meta_of
+from cachebuild.facts import InputMeta, meta_of, record_example_values
+from cachebuild.trace import TracedGraph
 
 
 @dataclass
@@ -135,24 +135,6 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
         ))
     stitch.recompile()
     return SplitPlan(stitch=stitch, pieces=pieces)
-
-
-def record_example_values(gm: fx.GraphModule, fake_inputs: list[Any]) -> None:
-    """Run ``gm`` on fake inputs and keep each node's fake value in ``meta["example_value"]``.
-
-    Splitting needs what each piece receives; Inductor's caches need the values to
-    accept a graph (its AOT-autograd cache refuses nodes without them).
-    """
-    fake_mode = next((t.fake_mode for t in fake_inputs if hasattr(t, "fake_mode")), None)
-
-    class Recorder(fx.Interpreter):
-        def run_node(self, n: fx.Node) -> Any:
-            result = super().run_node(n)
-            n.meta["example_value"] = result
-            return result
-
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
-        Recorder(gm).run(*fake_inputs)
 
 
 def _normalise(gm: fx.GraphModule, fake_args: list[Any]) -> list[int]:

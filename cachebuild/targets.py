@@ -17,16 +17,13 @@ Weights never enter a key: they are inputs of the piece.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from typing import Any
 
+from cachebuild.facts import SYMBOL, InputMeta
 from cachebuild.fxjson import graph_to_data
 from cachebuild.keys import make_key
 from cachebuild.split import Piece
-from cachebuild.trace import InputMeta
-
-_SYMBOL = re.compile(r"\b[su]\d+\b")
 
 
 @dataclass(frozen=True)
@@ -37,9 +34,6 @@ class Target:
     piece: int
     bucket: dict[str, Any]
     manifest: dict[str, Any]
-
-    def describe(self) -> str:
-        return f"piece {self.piece} {bucket_label(self.bucket)} ({self.key[:12]})"
 
 
 def bucket_label(bucket: dict[str, Any]) -> str:
@@ -81,7 +75,7 @@ def canonical_graph(nodes: list[dict[str, Any]], metas: list[InputMeta]) -> dict
     def canon(dim: int | str) -> int | str:
         if isinstance(dim, int):
             return dim
-        return _SYMBOL.sub(lambda m: symbols.setdefault(m.group(), f"s{len(symbols)}"), dim)
+        return SYMBOL.sub(lambda m: symbols.setdefault(m.group(), f"s{len(symbols)}"), dim)
 
     inputs_meta = [
         {"kind": m.kind, "dtype": m.dtype, "shape": [canon(d) for d in m.shape],

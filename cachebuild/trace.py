@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import functools
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,69 +20,10 @@ import torch.fx as fx
 import xxhash
 
 from cachebuild.errors import UsageError
+from cachebuild.facts import SYMBOL, InputMeta, meta_of
 
-_SYMBOL = re.compile(r"\b[su]\d+\b")
-
-
-@dataclass(frozen=True)
-class InputMeta:
-    """What a graph input must look like: enough to check a call and to fake an input.
-
-    ``shape``/``stride`` entries are ints, or strings of symbolic expressions (``"s0"``,
-    ``"64*s0"``) for dims that follow the dynamic dim.
-    """
-
-    kind: str  # "tensor" | "symint" | "int"
-    dtype: str | None = None
-    shape: tuple[int | str, ...] = ()
-    stride: tuple[int | str, ...] = ()
-    device: str = "cpu"
-    requires_grad: bool = False
-
-    def to_data(self) -> dict[str, Any]:
-        return {"kind": self.kind, "dtype": self.dtype, "shape": list(self.shape),
-                "stride": list(self.stride), "device": self.device}
-
-    @classmethod
-    def from_data(cls, data: dict[str, Any]) -> InputMeta:
-        return cls(kind=data["kind"], dtype=data["dtype"], shape=tuple(data["shape"]),
-                   stride=tuple(data["stride"]), device=data["device"])
-
-    @property
-    def device_type(self) -> str:
-        return self.device.split(":")[0]
-
-    def symbols(self) -> list[str]:
-        found: list[str] = []
-        for dim in self.shape:
-            if isinstance(dim, str):
-                found += [s for s in _SYMBOL.findall(dim) if s not in found]
-        return found
-
-
-def _dim(value: Any) -> int | str:
-    if isinstance(value, torch.SymInt):
-        expr = value.node.expr
-        return int(expr) if getattr(expr, "is_number", False) else str(expr)
-    return int(value)
-
-
-def meta_of(value: Any) -> InputMeta:
-    """InputMeta of a (fake or real) tensor, a SymInt or an int."""
-    if isinstance(value, torch.Tensor):
-        return InputMeta(
-            kind="tensor",
-            dtype=str(value.dtype).removeprefix("torch."),
-            shape=tuple(_dim(d) for d in value.shape),
-            stride=tuple(_dim(s) for s in value.stride()),
-            device=str(value.device),
-        )
-    if isinstance(value, torch.SymInt):
-        return InputMeta(kind="symint", shape=(_dim(value),))
-    if isinstance(value, int):
-        return InputMeta(kind="int", shape=(value,))
-    raise UsageError(f"unsupported graph input of type {type(value).__name__}")
-
+__all__ = ["Binding", "InputMeta", "TracedGraph", "ast_hash", "check_dynamic_dims", "meta_of",
+           "trace_model"]
 
 @dataclass(frozen=True)
 class Binding:
@@ -179,7 +119,7 @@ def _bind_symint(value: torch.SymInt, args: list[Any], dynamic_dims: dict[int, i
     # All dynamic dims have one size (check_dynamic_dims), so Dynamo's duck sizing gives
     # them one symbol: any SymInt input is that symbol, read off the first dynamic dim.
     expr = str(value.node.expr)
-    if not dynamic_dims or not _SYMBOL.fullmatch(expr):
+    if not dynamic_dims or not SYMBOL.fullmatch(expr):
         raise UsageError(f"graph takes a symbolic size {expr} that no dynamic dim explains")
     i, d = min(dynamic_dims.items())
     return Binding("size", arg=i, dim=d)

@@ -4,7 +4,7 @@
 
     <path>/v1/
       index/        diskcache database: key -> record
-      objects/ab/   blobs (objects/ab/<key>) and files materialised from them
+      objects/ab/   blobs (objects/ab/<key>) and files materialized from them
                     (objects/ab/<key>.so)
       locks/ab/     one build lock per key (locks/ab/<key>.lock), plus a few striped
                     internal locks (locks/entry/<xx>.lock) that order puts and deletes
@@ -51,7 +51,7 @@ def check_key(key: str) -> str:
 def check_suffix(suffix: str) -> str:
     """Return ``suffix`` if it is a safe file suffix such as ``.so``, else raise ValueError."""
     if not _SUFFIX_RE.fullmatch(suffix):
-        raise ValueError(f"bad materialisation suffix {suffix!r}: expected e.g. '.so'")
+        raise ValueError(f"bad materialization suffix {suffix!r}: expected e.g. '.so'")
     return suffix
 
 

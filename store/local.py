@@ -333,7 +333,7 @@ class LocalStore(Store):
                           "nothing was stored")
 
     def delete(self, key: str) -> bool:
-        """Remove ``key``'s record, blob and materialised files; True if anything was there."""
+        """Remove ``key``'s record, blob and materialized files; True if anything was there."""
         check_key(key)
         with flocked(self._layout.entry_lock(key)):
             had_record = self._index.delete(key)
@@ -351,7 +351,7 @@ class LocalStore(Store):
         return had_record or had_blob
 
     def _remove_files(self, key: str) -> bool:
-        """Unlink the blob of ``key`` and files materialised from it (hold the entry lock)."""
+        """Unlink the blob of ``key`` and files materialized from it (hold the entry lock)."""
         removed = False
         blob_path = self._layout.blob(key)
         with contextlib.suppress(FileNotFoundError):
@@ -495,7 +495,7 @@ class LocalStore(Store):
         try:
             fd, tmp_path = open_temp(self._layout.tmp, key + suffix)
         except OSError as e:
-            raise StoreError(f"cannot materialise {key}: {e.strerror or e}") from None
+            raise StoreError(f"cannot materialize {key}: {e.strerror or e}") from None
         try:
             _write_all(fd, (payload,))
             os.fsync(fd)
@@ -506,7 +506,7 @@ class LocalStore(Store):
                 os.replace(tmp_path, path)
             return path
         except OSError as e:
-            raise StoreError(f"cannot materialise {key}: {e.strerror or e}") from None
+            raise StoreError(f"cannot materialize {key}: {e.strerror or e}") from None
         finally:
             os.close(fd)
             with contextlib.suppress(OSError):

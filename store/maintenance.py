@@ -48,7 +48,7 @@ def _object_files(layout: Layout) -> Iterable[os.DirEntry[str]]:
 
 
 def disk_usage(layout: Layout) -> dict[str, int]:
-    """Bytes on disk per key: its blob plus any files materialised from it."""
+    """Bytes on disk per key: its blob plus any files materialized from it."""
     usage: dict[str, int] = {}
     for entry in _object_files(layout):
         key = entry.name.split(".", 1)[0]

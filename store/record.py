@@ -49,7 +49,7 @@ class GCReport:
     """What a GC run removed (or, with ``dry_run``, would remove) and what it kept.
 
     ``bytes_before``/``bytes_after`` are the on-disk bytes of stored entries (blobs and
-    files materialised from them); ``kept_pinned`` counts the entries GC may not remove
+    files materialized from them); ``kept_pinned`` counts the entries GC may not remove
     (pinned, or reachable from a pinned entry through refs); ``over_cap`` is True when
     those alone exceed ``max_size``.
     """

@@ -27,7 +27,6 @@ import json
 import logging
 import math
 import random
-import re
 import secrets
 import threading
 import time
@@ -44,6 +43,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from cachebuild.errors import LockTimeout, UsageError
+from cachebuild.store.layout import check_key
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +55,6 @@ T = TypeVar("T")
 
 # Keys are content hashes; anything outside this alphabet would let a key collide with
 # another key's chunk names or act as a SCAN glob.
-_KEY_RE = re.compile(r"[A-Za-z0-9_.\-]+")
 
 # Errors that mean "the remote is not usable": connection refused or reset, timeouts,
 # protocol errors, and plain socket errors that slip past redis-py's wrapping.
@@ -114,11 +113,6 @@ def redact_url(url: str) -> str:
     if parts.port is not None:
         host = f"{host}:{parts.port}"
     return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
-
-
-def _check_key(key: str) -> None:
-    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
-        raise ValueError(f"invalid store key {key!r}: expected letters, digits, '_', '.', '-'")
 
 
 @dataclass(frozen=True)
@@ -258,12 +252,12 @@ class RedisRemote:
 
     def contains(self, key: str) -> bool:
         """True if a complete record for ``key`` is stored (chunks are checked on ``get``)."""
-        _check_key(key)
+        check_key(key)
         return self._guard("contains", lambda: bool(self._client.exists(record_key(key))), False)
 
     def get_record(self, key: str) -> dict[str, Any] | None:
         """The index record stored with ``key``'s blob, or None."""
-        _check_key(key)
+        check_key(key)
 
         def read() -> dict[str, Any] | None:
             raw = self._client.get(record_key(key))
@@ -283,7 +277,7 @@ class RedisRemote:
         The bytes are exactly what was put (length and xxh3-128 checked); whether they are
         a valid, correctly signed blob is for the caller to decide.
         """
-        _check_key(key)
+        check_key(key)
         return self._guard("get", lambda: self._read(key), None)
 
     def _read(self, key: str) -> tuple[dict[str, Any], bytes] | None:
@@ -377,7 +371,7 @@ class RedisRemote:
         uploads never interleave; a writer that dies mid-upload leaves no record, and its
         claim expires.
         """
-        _check_key(key)
+        check_key(key)
         if not self.writable:
             return False
         try:
@@ -425,7 +419,7 @@ class RedisRemote:
 
     def delete(self, key: str) -> bool:
         """Remove ``key``'s record and chunks; True if a record was removed. No-op unless writable."""
-        _check_key(key)
+        check_key(key)
         if not self.writable:
             return False
 
@@ -458,7 +452,7 @@ class RedisRemote:
         the lock expires ``ttl`` seconds later and another machine takes over. Raises
         ``LockTimeout`` if another holder keeps it for more than ``timeout`` seconds.
         """
-        _check_key(key)
+        check_key(key)
         held = RemoteLock(self, key, ttl)
         acquired = held.acquire(timeout)
         try:

@@ -4,13 +4,14 @@ with one clear ConfigError."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 import cachebuild
 from cachebuild.backends import register_backend
 from cachebuild.errors import ConfigError, UsageError
 from cachebuild.keys import make_key
 from cachebuild.passes import PassConfig
-from cachebuild.passes.manager import PassManager
+from cachebuild.passes.rewrites.manager import PassManager
 
 
 def test_defaults_and_normalisation():
@@ -99,10 +100,30 @@ def test_size_outside_every_range(size):
         cachebuild.CompileConfig(compile_ranges=((1, 64), (100, 150)), compile_sizes=(8, size))
 
 
-def test_unknown_backend_lists_the_known_ones():
+def test_unknown_backend_lists_the_known_ones_where_it_is_resolved(tmp_path):
+    from cachebuild.backends import get_backend
+    from cachebuild.store import LocalStore
+
+    config = cachebuild.CompileConfig(backend="tvm")  # a plain value: nothing resolved yet
     with pytest.raises(ConfigError, match="unknown backend 'tvm'") as info:
-        cachebuild.CompileConfig(backend="tvm")
+        get_backend(config.backend)
     assert "eager_fusion" in str(info.value) and "inductor" in str(info.value)
+    compiled = cachebuild.compile(torch.nn.Linear(2, 2), config, store=LocalStore(tmp_path / "s"))
+    with pytest.raises(ConfigError, match="unknown backend 'tvm'"):
+        compiled(torch.randn(3, 2))
+
+
+def test_building_a_config_imports_no_torch_ops_backends_or_passes():
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from cachebuild.config import CompileConfig, PassConfig\n"
+            "CompileConfig(backend='inductor', passes=PassConfig.all_fusions())\n"
+            "bad = [m for m in sys.modules if m == 'torch' or m.startswith('cachebuild.passes')\n"
+            "       or m.startswith('cachebuild.backends')]\n"
+            "assert not bad, bad\n")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 
 
 def test_registered_backend_is_accepted():
@@ -145,7 +166,7 @@ def test_other_invalid_values(field, value, message):
 
 def test_config_error_is_a_usage_error_and_a_value_error():
     with pytest.raises(UsageError) as info:
-        cachebuild.CompileConfig(backend="tvm")
+        cachebuild.CompileConfig(flavour="tensorrt")
     assert isinstance(info.value, ValueError)
     assert info.value.exit_code == 2
 

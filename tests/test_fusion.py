@@ -14,8 +14,8 @@ import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
 from cachebuild.passes import PassConfig, PassManager
-from cachebuild.passes.matching import is_call
 from cachebuild.passes.ops import FUSED_OPS, op
+from cachebuild.passes.rewrites.matching import is_call
 
 EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "qwen3_fp8.py"
 FLAGS = ["rms_quant", "add_rms_quant", "act_quant", "qk_norm_rope"]

@@ -14,7 +14,7 @@ import torch
 
 import cachebuild
 from cachebuild.config import default_capture_sizes
-from cachebuild.graphs import (
+from cachebuild.cudagraphs import (
     GraphedCallable,
     ReplayCapture,
     next_capture_size,

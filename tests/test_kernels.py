@@ -19,8 +19,11 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from cachebuild.passes import kernels, reference  # noqa: E402
-from cachebuild.passes.ops import op  # noqa: E402
+from cachebuild.passes.ops import (  # noqa: E402
+    kernels,
+    op,  # noqa: E402
+    reference,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EPS = 1e-6

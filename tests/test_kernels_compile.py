@@ -20,7 +20,7 @@ SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from cachebuild.passes import kernels as k
+    from cachebuild.passes.ops import kernels as k
 
     target = GPUTarget("cuda", 90, 32)
     compiled = 0

@@ -12,7 +12,7 @@ import cachebuild
 from cachebuild.api import Planner
 from cachebuild.explain import explain
 from cachebuild.passes import PassConfig
-from cachebuild.passes.fusions import RMSNormQuantFusion
+from cachebuild.passes.rewrites.fusions import RMSNormQuantFusion
 from cachebuild.store import LocalStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))

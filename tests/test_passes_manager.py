@@ -14,9 +14,10 @@ import torch
 import torch.fx
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from cachebuild.errors import ConfigError
 from cachebuild.passes import FusionPass, PassConfig, PassManager, changed_passes
-from cachebuild.passes.cleanup import Cleanup
-from cachebuild.passes.matching import call_args, erase_if_dead, is_call, only_user
+from cachebuild.passes.rewrites.cleanup import Cleanup
+from cachebuild.passes.rewrites.matching import call_args, erase_if_dead, is_call, only_user
 
 # Two ops and their fusion, defined for these tests only.
 
@@ -58,7 +59,7 @@ class FuseDoubleAddOne(FusionPass):
     """add_one(double(x)) -> double_add_one(x) where double's result has no other use."""
 
     name: ClassVar[str] = "double_add_one"
-    source_modules: ClassVar[tuple[str, ...]] = ("cachebuild.passes.matching",)
+    source_modules: ClassVar[tuple[str, ...]] = ("cachebuild.passes.rewrites.matching",)
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         matches = 0
@@ -199,7 +200,7 @@ def test_pass_config():
     assert PassConfig.all_fusions().enabled() == [
         "rms_quant", "add_rms_quant", "act_quant", "qk_norm_rope", "cleanup"]
     assert hash(config) == hash(PassConfig())
-    with pytest.raises(TypeError):
+    with pytest.raises(ConfigError, match="PassConfig.rms_quant must be a bool"):
         PassConfig(rms_quant=1)
 
 

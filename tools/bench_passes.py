@@ -4,7 +4,7 @@ Per fused op and token count (default 1, 64, 512, 8192 tokens; hidden 4096; Qwen
 head layout for QK-norm + RoPE): the median time of the fused Triton kernel, of the
 unfused sequence of kernels it replaces, and the bytes-moved floor: the bytes the fused op
 must read and write divided by the device's copy bandwidth, measured in the same run.
-Both sides call the Triton launchers directly (``cachebuild.passes.kernels``), so the
+Both sides call the Triton launchers directly (``cachebuild.passes.ops.kernels``), so the
 comparison is kernel against kernels.
 
 With ``--e2e`` it also measures the Qwen3-shaped example (``examples/qwen3_fp8.py``) end to
@@ -181,7 +181,7 @@ def _same(a: Any, b: Any) -> bool:
 def bench_kernels(args: argparse.Namespace, device: str,
                   timer: Callable[[Callable[[], Any]], float], bandwidth: float
                   ) -> list[dict[str, Any]]:
-    from cachebuild.passes import kernels
+    from cachebuild.passes.ops import kernels
 
     rows = []
     for tokens in [int(t) for t in args.tokens.split(",")]:

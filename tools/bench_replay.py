@@ -80,7 +80,7 @@ def child(variant: str) -> dict[str, Any]:
         out["sdpa_cpu_us"] = cpu_us(lambda: sdpa(q4, k4, k4, is_causal=True, enable_gqa=True))
         graphed = compiled.runtime.graphed[1]
         captured = graphed.graphs[1]
-        out["piece_launch_cpu_us"] = cpu_us(lambda: graphed.backend.replay(captured.graph))
+        out["piece_launch_cpu_us"] = cpu_us(lambda: graphed.capture.replay(captured.graph))
         out["empty_cpu_us"] = cpu_us(lambda: torch.empty(1, 32, 64, device="cuda",
                                                          dtype=torch.bfloat16))
     return out

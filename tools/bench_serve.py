@@ -139,7 +139,7 @@ def child(mode: str, work: Path, graph_mode: str, started: float,
 
     import cachebuild
     from cachebuild.config import default_capture_sizes
-    from cachebuild.graphs import CudaGraphCapture, GraphedCallable
+    from cachebuild.cudagraphs import CudaGraphCapture, GraphedCallable
 
     flavour = mode.rsplit("_", 1)[-1] if mode.startswith("cb_") else None
     if mode == "cb_warm_standalone":

@@ -12,7 +12,7 @@ import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 if TYPE_CHECKING:
-    from cachebuild.passes.manager import PassManager
+    from cachebuild.passes.rewrites.manager import PassManager
 
 
 class InductorPassAdapter(CustomGraphPass):

@@ -1,4 +1,5 @@
-"""The pass framework: pass flags, the ``FusionPass`` base and the ``PassManager``.
+"""The pass framework: the ``FusionPass`` base and the ``PassManager`` (the flags that
+enable built-in passes, ``PassConfig``, are a plain value in ``cachebuild.config``).
 
 A pass rewrites a ``torch.fx.Graph`` in place. Its ``uuid()`` is a hash of its own source
 and of the source of the modules whose ops and kernels it emits, so editing either changes
@@ -10,47 +11,16 @@ loads artifacts never pays for it.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import inspect
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch.fx
 
+from cachebuild.config import PassConfig
 from cachebuild.keys import make_key
-
-
-@dataclass(frozen=True)
-class PassConfig:
-    """Which built-in passes run. Every fusion is off by default; clean-up is on."""
-
-    rms_quant: bool = False
-    add_rms_quant: bool = False
-    act_quant: bool = False
-    qk_norm_rope: bool = False
-    cleanup: bool = True
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not isinstance(value, bool):
-                raise TypeError(f"PassConfig.{field.name} must be a bool, got {value!r}")
-
-    @classmethod
-    def all_fusions(cls) -> PassConfig:
-        """A config with every fusion and the clean-up enabled."""
-        return cls(rms_quant=True, add_rms_quant=True, act_quant=True, qk_norm_rope=True)
-
-    def factors(self) -> dict[str, bool]:
-        """The flags by name: what enters a key."""
-        return dataclasses.asdict(self)
-
-    def enabled(self) -> list[str]:
-        """Names of the enabled flags, in declaration order."""
-        return [name for name, on in self.factors().items() if on]
 
 
 class FusionPass:
@@ -155,7 +125,7 @@ class PassManager:
     @classmethod
     def from_config(cls, config: PassConfig) -> PassManager:
         """A manager with the built-in passes ``config`` enables, clean-up last."""
-        from cachebuild.passes.builtin import passes_for_config
+        from cachebuild.passes.rewrites.builtin import passes_for_config
 
         return cls(passes_for_config(config), config=config)
 
@@ -194,7 +164,7 @@ class PassManager:
         The result's ``uuid()`` is this manager's, so Inductor's own caches are keyed by
         the passes too.
         """
-        from cachebuild.passes.inductor_pass import InductorPassAdapter
+        from cachebuild.passes.rewrites.inductor_pass import InductorPassAdapter
 
         return InductorPassAdapter(self)
 

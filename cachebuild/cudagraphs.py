@@ -137,7 +137,7 @@ class GraphedCallable:
     fn: Callable[..., Any]
     size_of: Callable[[tuple[Any, ...]], int | None]
     stable: list[bool]
-    backend: GraphCapture
+    capture: GraphCapture
     capturing: bool = False
     graphs: dict[int, _Captured] = field(default_factory=dict)
     replays: int = 0
@@ -146,7 +146,7 @@ class GraphedCallable:
         copies: list[tuple[int, torch.Tensor]] = []
         pinned: list[tuple[int, int]] = []
         inputs: list[Any] = []
-        in_place = getattr(self.backend, "static_ptrs", set())
+        in_place = getattr(self.capture, "static_ptrs", set())
         for i, (a, keep) in enumerate(zip(args, self.stable, strict=True)):
             if keep or not isinstance(a, torch.Tensor):
                 inputs.append(a)
@@ -160,7 +160,7 @@ class GraphedCallable:
                 buf.copy_(a)
                 copies.append((i, buf))
                 inputs.append(buf)
-        graph, outputs = self.backend.capture(self.fn, inputs)
+        graph, outputs = self.capture.capture(self.fn, inputs)
         captured = _Captured(graph, copies, pinned, outputs)
         self.graphs[size] = captured
         return captured
@@ -178,7 +178,7 @@ class GraphedCallable:
         for i, buf in captured.copies:
             buf.copy_(args[i])
         self.replays += 1
-        result = self.backend.replay(captured.graph)
+        result = self.capture.replay(captured.graph)
         return captured.outputs if result is None else result
 
 

@@ -15,8 +15,9 @@ from typing import Any, ClassVar
 import torch
 import torch.fx
 
-from cachebuild.passes.manager import FusionPass
-from cachebuild.passes.matching import (
+from cachebuild.passes.ops import op
+from cachebuild.passes.rewrites.manager import FusionPass
+from cachebuild.passes.rewrites.matching import (
     call_args,
     copy_meta,
     dim_equals,
@@ -32,15 +33,14 @@ from cachebuild.passes.matching import (
     set_tuple_val,
     shape_of,
 )
-from cachebuild.passes.ops import op
 
 # Source that decides what every fusion emits: the ops' schemas and registrations, their
 # reference numerics, the Triton kernels, and the graph-reading helpers.
 _EMITTED = (
     "cachebuild.passes.ops",
-    "cachebuild.passes.reference",
-    "cachebuild.passes.kernels",
-    "cachebuild.passes.matching",
+    "cachebuild.passes.ops.reference",
+    "cachebuild.passes.ops.kernels",
+    "cachebuild.passes.rewrites.matching",
 )
 
 

@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import importlib
 
-from cachebuild.passes.manager import FusionPass, PassConfig
+from cachebuild.passes.rewrites.manager import FusionPass, PassConfig
 
 # flag -> (module, class); imported on demand so that reading a config imports nothing.
 BUILTIN_PASSES: dict[str, tuple[str, str]] = {
-    "qk_norm_rope": ("cachebuild.passes.fusions", "QKNormRoPEFusion"),
-    "add_rms_quant": ("cachebuild.passes.fusions", "AddRMSNormQuantFusion"),
-    "rms_quant": ("cachebuild.passes.fusions", "RMSNormQuantFusion"),
-    "act_quant": ("cachebuild.passes.fusions", "ActQuantFusion"),
-    "cleanup": ("cachebuild.passes.cleanup", "Cleanup"),
+    "qk_norm_rope": ("cachebuild.passes.rewrites.fusions", "QKNormRoPEFusion"),
+    "add_rms_quant": ("cachebuild.passes.rewrites.fusions", "AddRMSNormQuantFusion"),
+    "rms_quant": ("cachebuild.passes.rewrites.fusions", "RMSNormQuantFusion"),
+    "act_quant": ("cachebuild.passes.rewrites.fusions", "ActQuantFusion"),
+    "cleanup": ("cachebuild.passes.rewrites.cleanup", "Cleanup"),
 }
 
 

@@ -35,8 +35,8 @@ from typing import Any
 
 import torch
 
-from cachebuild.passes import reference
-from cachebuild.passes.reference import FP8_DTYPE
+from cachebuild.passes.ops import reference
+from cachebuild.passes.ops.reference import FP8_DTYPE
 
 NAMESPACE = "cachebuild"
 
@@ -83,7 +83,7 @@ def _reference_impl(name: str) -> Callable[..., Any]:
 
 def _triton_impl(name: str) -> Callable[..., Any]:
     def impl(*args: Any) -> Any:
-        kernels = importlib.import_module("cachebuild.passes.kernels")
+        kernels = importlib.import_module("cachebuild.passes.ops.kernels")
         return getattr(kernels, f"{name}_triton")(*args)
 
     impl.__name__ = f"{name}_cuda"
@@ -139,5 +139,5 @@ def op(name: str) -> torch._ops.OpOverload:
 def triton_impl(name: str) -> Callable[..., Any]:
     """The Triton launcher of op ``name`` (imports Triton); runs on CPU tensors under
     ``TRITON_INTERPRET=1``."""
-    kernels = importlib.import_module("cachebuild.passes.kernels")
+    kernels = importlib.import_module("cachebuild.passes.ops.kernels")
     return getattr(kernels, f"{name}_triton")

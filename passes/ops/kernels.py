@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from cachebuild.passes.reference import FP8_DTYPE, FP8_MAX, MIN_TOKEN_SCALE
+from cachebuild.passes.ops.reference import FP8_DTYPE, FP8_MAX, MIN_TOKEN_SCALE
 
 # ---------------------------------------------------------------------------- kernels
 

@@ -6,8 +6,8 @@ from typing import ClassVar
 
 import torch.fx
 
-from cachebuild.passes.manager import FusionPass
-from cachebuild.passes.matching import is_full_slice, is_reshape, same_shape, shape_of
+from cachebuild.passes.rewrites.manager import FusionPass
+from cachebuild.passes.rewrites.matching import is_full_slice, is_reshape, same_shape, shape_of
 
 
 class Cleanup(FusionPass):
@@ -25,7 +25,7 @@ class Cleanup(FusionPass):
     """
 
     name: ClassVar[str] = "cleanup"
-    source_modules: ClassVar[tuple[str, ...]] = ("cachebuild.passes.matching",)
+    source_modules: ClassVar[tuple[str, ...]] = ("cachebuild.passes.rewrites.matching",)
 
     def __call__(self, graph: torch.fx.Graph) -> int:
         removed = 0

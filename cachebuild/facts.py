@@ -1,0 +1,101 @@
+"""Graph facts: what is known about a graph's inputs and values, shared by every layer.
+
+``InputMeta`` describes one graph input (kind, dtype, shape, strides, device), with sizes
+that follow a dynamic dim written as symbolic expressions (``"s0"``, ``"64*s0"``);
+``meta_of`` reads it off a real or fake tensor, a SymInt or an int, and
+``record_example_values`` runs a graph on fake inputs to keep every node's fake value.
+Tracing, splitting, the backends and the runtime all speak of inputs this way; this module
+depends on torch alone, so the backends need nothing of the planning layers above it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from cachebuild.errors import UsageError
+
+SYMBOL = re.compile(r"\b[su]\d+\b")
+
+
+@dataclass(frozen=True)
+class InputMeta:
+    """What a graph input must look like: enough to check a call and to fake an input.
+
+    ``shape``/``stride`` entries are ints, or strings of symbolic expressions (``"s0"``,
+    ``"64*s0"``) for dims that follow the dynamic dim.
+    """
+
+    kind: str  # "tensor" | "symint" | "int"
+    dtype: str | None = None
+    shape: tuple[int | str, ...] = ()
+    stride: tuple[int | str, ...] = ()
+    device: str = "cpu"
+    requires_grad: bool = False
+
+    def to_data(self) -> dict[str, Any]:
+        return {"kind": self.kind, "dtype": self.dtype, "shape": list(self.shape),
+                "stride": list(self.stride), "device": self.device}
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> InputMeta:
+        return cls(kind=data["kind"], dtype=data["dtype"], shape=tuple(data["shape"]),
+                   stride=tuple(data["stride"]), device=data["device"])
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    def symbols(self) -> list[str]:
+        found: list[str] = []
+        for dim in self.shape:
+            if isinstance(dim, str):
+                found += [s for s in SYMBOL.findall(dim) if s not in found]
+        return found
+
+
+def _dim(value: Any) -> int | str:
+    if isinstance(value, torch.SymInt):
+        expr = value.node.expr
+        return int(expr) if getattr(expr, "is_number", False) else str(expr)
+    return int(value)
+
+
+def meta_of(value: Any) -> InputMeta:
+    """InputMeta of a (fake or real) tensor, a SymInt or an int."""
+    if isinstance(value, torch.Tensor):
+        return InputMeta(
+            kind="tensor",
+            dtype=str(value.dtype).removeprefix("torch."),
+            shape=tuple(_dim(d) for d in value.shape),
+            stride=tuple(_dim(s) for s in value.stride()),
+            device=str(value.device),
+        )
+    if isinstance(value, torch.SymInt):
+        return InputMeta(kind="symint", shape=(_dim(value),))
+    if isinstance(value, int):
+        return InputMeta(kind="int", shape=(value,))
+    raise UsageError(f"unsupported graph input of type {type(value).__name__}")
+
+
+def record_example_values(gm: fx.GraphModule, fake_inputs: list[Any]) -> None:
+    """Run ``gm`` on fake inputs and keep each node's fake value in ``meta["example_value"]``.
+
+    Splitting needs what each piece receives; Inductor's caches need the values to
+    accept a graph (its AOT-autograd cache refuses nodes without them).
+    """
+    fake_mode = next((t.fake_mode for t in fake_inputs if hasattr(t, "fake_mode")), None)
+
+    class Recorder(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            result = super().run_node(n)
+            n.meta["example_value"] = result
+            return result
+
+    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+        Recorder(gm).run(*fake_inputs)
