@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +26,28 @@ from cachebuild.fxjson import data_to_module
 from cachebuild.targets import Target, bucket_label
 
 log = logging.getLogger("cachebuild.build")
+
+#: Warnings a build prints that are about torch's internals, not the user's model: shown
+#: with ``-v`` (logged at debug level), never printed into a progress bar.
+_INTERNAL_CATEGORIES = (FutureWarning, DeprecationWarning, PendingDeprecationWarning)
+
+
+@contextmanager
+def quiet_compiler_warnings() -> Iterator[None]:
+    """Keep torch's internal warnings out of the terminal while a piece compiles.
+
+    A build runs only torch code (the piece graph, the compiler), so a deprecation or
+    future warning there is torch's business; it is logged at debug level. Other warnings
+    are shown as usual.
+    """
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield
+    for w in caught:
+        if issubclass(w.category, _INTERNAL_CATEGORIES) or "/torch/" in w.filename:
+            log.debug("compiler warning: %s: %s", w.category.__name__, w.message)
+        else:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
 #: Targets loaded in this process, by key and device: every layer with the same key shares one.
 LOADED: dict[tuple[str, str], Any] = {}
@@ -99,15 +124,16 @@ class Builder:
                 return False
             start = time.perf_counter()
             try:
-                artifact = self.backend.compile(BuildRequest(
-                    gm=data_to_module(job.nodes),
-                    input_metas=[InputMeta.from_data(m) for m in job.input_metas],
-                    bucket=job.target.bucket,
-                    config=self.config,
-                    key=key,
-                    passes=self.passes,
-                    toolchain=job.target.manifest["backend"].get("toolchain", {}),
-                ))
+                with quiet_compiler_warnings():
+                    artifact = self.backend.compile(BuildRequest(
+                        gm=data_to_module(job.nodes),
+                        input_metas=[InputMeta.from_data(m) for m in job.input_metas],
+                        bucket=job.target.bucket,
+                        config=self.config,
+                        key=key,
+                        passes=self.passes,
+                        toolchain=job.target.manifest["backend"].get("toolchain", {}),
+                    ))
             except Exception as e:
                 COUNTERS.failed += 1
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

@@ -1,16 +1,20 @@
 """The package installs under the one import name ``cachebuild``, in wheel and editable
 installs alike, and never installs a generic top-level ``store``, ``passes`` or ``backends``.
 
-Both installs go into fresh virtual environments that see this interpreter's packages
-(torch and friends) but not the source tree: the import checks run from an empty folder.
+Both installs go into fresh virtual environments that see this environment's packages
+(torch and friends: through a ``.pth`` file naming its site-packages, so it works from a
+bare interpreter and from inside a virtual environment alike) but not the source tree: the
+import checks run from an empty folder.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 import zipfile
 from pathlib import Path
 
@@ -53,8 +57,18 @@ def _run(cmd: list[str], cwd: Path | None = None) -> str:
 
 
 def _venv(path: Path) -> Path:
-    _run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(path)])
-    return path / "bin" / "python"
+    """A fresh venv that also sees this environment's installed packages.
+
+    ``--system-site-packages`` would show the *base* interpreter's packages, which inside
+    a virtual environment are not the ones installed here.
+    """
+    _run([sys.executable, "-m", "venv", "--without-pip", str(path)])
+    python = path / "bin" / "python"
+    inner = Path(_run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).strip())
+    outer = dict.fromkeys([*site.getsitepackages(), sysconfig.get_paths()["purelib"],
+                           sysconfig.get_paths()["platlib"]])
+    (inner / "_outer_environment.pth").write_text("\n".join(outer) + "\n")
+    return python
 
 
 def _pip_install(python: Path, *args: str) -> None:
@@ -84,7 +98,8 @@ def test_wheel_and_editable_installs_import_as_cachebuild(tmp_path):
         names = set(zf.namelist())
     assert {t for t in top if not t.endswith(".dist-info")} == {"cachebuild"}
     for module in ("store/local.py", "store/blob.py", "backends/__init__.py",
-                   "passes/__init__.py", "cli.py"):
+                   "passes/__init__.py", "cli/main.py", "passes/ops/__init__.py",
+                   "passes/rewrites/manager.py"):
         assert f"cachebuild/{module}" in names
 
     wheel_python = _venv(tmp_path / "venv-wheel")
