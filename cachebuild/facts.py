@@ -11,6 +11,8 @@ depends on torch alone, so the backends need nothing of the planning layers abov
 from __future__ import annotations
 
 import contextlib
+import functools
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -99,3 +101,9 @@ def record_example_values(gm: fx.GraphModule, fake_inputs: list[Any]) -> None:
 
     with fake_mode if fake_mode is not None else contextlib.nullcontext():
         Recorder(gm).run(*fake_inputs)
+
+
+@functools.cache
+def torch_dir() -> str:
+    """The directory torch is installed in (its code is in every key through its version)."""
+    return os.path.dirname(torch.__file__) + os.sep

@@ -20,20 +20,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from cachebuild.facts import SYMBOL, InputMeta
+from cachebuild.facts import SYMBOL, InputMeta, torch_dir
 from cachebuild.fxjson import graph_to_data
+from cachebuild.graphdiff import user_frame
 from cachebuild.keys import make_key
 from cachebuild.split import Piece
 
 
 @dataclass(frozen=True)
 class Target:
-    """One thing to build: piece ``piece`` of a split, specialised to ``bucket``."""
+    """One thing to build: piece ``piece`` of a split, specialised to ``bucket``.
+
+    ``sources``: per node of the piece's graph, where the trace recorded it (``file:line``
+    of the model's code, or None); for ``explain``, never part of the key.
+    """
 
     key: str
     piece: int
     bucket: dict[str, Any]
     manifest: dict[str, Any]
+    sources: tuple[str | None, ...] = ()
 
 
 def bucket_label(bucket: dict[str, Any]) -> str:
@@ -101,10 +107,13 @@ def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend:
         if not piece.compiled:
             continue
         graph = canonical_graph(piece_data(piece), piece.input_metas)
+        sources = tuple(user_frame(n.meta.get("stack_trace"), torch_dir())
+                        for n in piece.gm.graph.nodes)
         targets = []
         for bucket in buckets if piece.size_input is not None else [{"static": True}]:
             manifest = {"graph": graph, "bucket": bucket, "backend": backend,
                         "passes": passes, "env": env}
-            targets.append(Target(make_key(manifest), piece.index, bucket, manifest))
+            targets.append(Target(make_key(manifest), piece.index, bucket, manifest, sources))
         out[piece.index] = targets
     return out
+

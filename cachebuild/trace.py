@@ -10,7 +10,6 @@ stored graph from a live model, with no Dynamo.
 from __future__ import annotations
 
 import ast
-import functools
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,7 +19,7 @@ import torch.fx as fx
 import xxhash
 
 from cachebuild.errors import UsageError
-from cachebuild.facts import SYMBOL, InputMeta, meta_of
+from cachebuild.facts import SYMBOL, InputMeta, meta_of, torch_dir
 
 __all__ = ["Binding", "InputMeta", "TracedGraph", "ast_hash", "check_dynamic_dims", "meta_of",
            "trace_model"]
@@ -70,17 +69,12 @@ def ast_hash(path: str) -> str | None:
         ast.dump(tree, annotate_fields=False, include_attributes=False).encode())
 
 
-@functools.cache
-def _torch_dir() -> str:
-    return os.path.dirname(torch.__file__) + os.sep
-
-
 def _traced_files(code_objects: list[Any]) -> dict[str, str]:
     """Files whose code Dynamo traced, outside torch itself (its version is in every key)."""
     files: dict[str, str] = {}
     for code in code_objects:
         path = os.path.abspath(code.co_filename)
-        if path in files or path.startswith(_torch_dir()) or not os.path.isfile(path):
+        if path in files or path.startswith(torch_dir()) or not os.path.isfile(path):
             continue
         digest = ast_hash(path)
         if digest is not None:
