@@ -6,7 +6,8 @@ store commands of the CLI) never import torch.
 
 from typing import Any
 
-__all__ = ["CompileConfig", "ModelSpec", "backend", "compile", "preload", "stats"]
+__all__ = ["CompileConfig", "ModelSpec", "backend", "compile", "preload", "prometheus_text",
+           "stats"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -16,6 +17,7 @@ _LAZY = {
     "compile": "cachebuild.api",
     "preload": "cachebuild.api",
     "stats": "cachebuild.api",
+    "prometheus_text": "cachebuild.api",
 }
 
 

@@ -292,6 +292,15 @@ def _preload() -> None:
 
 
 def stats() -> dict[str, Any]:
-    """This process's counters: planned, unique, loaded, built, failed, seconds per phase."""
+    """This process's counters: targets planned and unique, store hits and misses, loaded,
+    built, failed and fallbacks, layout copies, traces and warm starts, and seconds per
+    phase (trace, split, plan, build, load, prepare, capture)."""
     return snapshot()
+
+
+def prometheus_text() -> str:
+    """``stats()`` in the Prometheus text format (write it where a collector reads it)."""
+    from cachebuild.metrics import process_metrics, render
+
+    return render(process_metrics(snapshot()))
 

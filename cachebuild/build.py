@@ -101,6 +101,7 @@ class Builder:
             # Loaded earlier in this process (from this store or another one): the same
             # key is the same artifact. A store that lacks it is a miss, so it is built
             # into this store too.
+            COUNTERS.hits += 1
             return LOADED[key, self.device]
         record = self.store.get_record(key)
         if record is None:
@@ -109,6 +110,7 @@ class Builder:
         fn = self.backend.load(record.kind, key, self.store, self.device)
         if fn is None:  # vanished or failed verification (quarantined): a miss
             return None
+        COUNTERS.hits += 1
         COUNTERS.loaded += 1
         COUNTERS.add_time("load", time.perf_counter() - start)
         LOADED[key, self.device] = fn
@@ -119,6 +121,7 @@ class Builder:
         key = job.target.key
         if self.store.contains(key):
             return False
+        COUNTERS.misses += 1
         with self.store.lock(key):
             if self.store.contains(key):
                 return False

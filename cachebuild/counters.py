@@ -16,6 +16,8 @@ from dataclasses import asdict, dataclass, field
 class Counters:
     planned: int = 0  # targets planned (pieces × buckets, before dedup)
     unique: int = 0   # distinct target keys among them
+    hits: int = 0     # targets the store had (loaded, or shared with an earlier load)
+    misses: int = 0   # targets the store lacked when this process needed them
     loaded: int = 0   # targets loaded from the store
     built: int = 0    # targets compiled (cache misses)
     failed: int = 0   # targets that failed to compile
