@@ -416,21 +416,6 @@ def test_directory_of_another_user_is_refused(tmp_path):
 # -- full and read-only disks -----------------------------------------------------------
 
 
-@pytest.fixture
-def tiny_fs(tmp_path):
-    """A 1 MiB tmpfs (root only; skipped where mounting is not permitted)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)
-
-
 def test_full_disk_put_fails_cleanly(tiny_fs):
     store = LocalStore(tiny_fs / "store")
     small = {key(i): os.urandom(20_000) for i in range(5)}
