@@ -55,3 +55,12 @@ def cuda_graph_for_capture() -> tuple[Any, bool]:
         return torch.cuda.CUDAGraph(keep_graph=True), True
     except TypeError:
         return torch.cuda.CUDAGraph(), False
+
+
+def process_group_ranks(group_name: str) -> list[int]:
+    """The global ranks of the process group registered under ``group_name`` (the name a
+    functional collective carries in a graph)."""
+    import torch.distributed as dist
+    from torch.distributed import distributed_c10d
+
+    return dist.get_process_group_ranks(distributed_c10d._resolve_process_group(group_name))
