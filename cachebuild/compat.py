@@ -69,3 +69,54 @@ def fresh_inductor_cache() -> Any:
 
     fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache
     return fresh()
+
+
+def source_name(source: Any) -> str:
+    """A Dynamo source's name (a property from torch 2.13, a method before)."""
+    name = source.name
+    return name() if callable(name) else name
+
+
+def mutated_sources() -> list[str]:
+    """Names of objects that existed before the frame Dynamo is tracing and that the frame
+    leaves changed (its side effects). Called from a backend, while the frame is traced.
+
+    An attribute set during the frame and set back to the value it had (a flag raised
+    and lowered around a call) is no change.
+    """
+    from torch._dynamo.symbolic_convert import InstructionTranslator
+
+    tx = InstructionTranslator.current_tx()
+    side_effects = tx.output.side_effects
+    names = []
+    for variable in side_effects.id_to_variable.values():
+        source = getattr(variable, "source", None)
+        if source is None:
+            continue  # created by the frame itself: part of what it returns
+        try:
+            modified = side_effects.is_modified(variable)
+        except AssertionError:
+            modified = True
+        if modified and not _restored(variable, side_effects.store_attr_mutations.get(variable)):
+            names.append(source_name(source))
+    return names
+
+
+def _restored(variable: Any, pending: dict[str, Any] | None) -> bool:
+    """True if every attribute the frame sets on ``variable``'s object ends as it was."""
+    obj = getattr(variable, "value", None)
+    if not pending or obj is None:
+        return False
+    missing = object()
+    for name, value in pending.items():
+        try:
+            if not value.is_python_constant():
+                return False
+            final = value.as_python_constant()
+        except Exception:
+            return False
+        before = getattr(obj, name, missing)
+        if before is missing or not (before is final or (type(before) is type(final)
+                                                         and before == final)):
+            return False
+    return True

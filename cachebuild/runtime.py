@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
 from cachebuild.build import Builder, BuildJob
 from cachebuild.config import CompileConfig
@@ -35,6 +34,7 @@ from cachebuild.graphs import (
     stable_piece_inputs,
     unpad_outputs,
 )
+from cachebuild.outputs import output_builder
 from cachebuild.trace import Binding, InputMeta
 
 #: At most this many artifacts load at once (loading is mostly I/O and dlopen); the
@@ -200,7 +200,7 @@ class ModelRuntime:
         self.dynamic_dims = dict(dynamic_dims)
         self.bindings = [Binding.from_data(b) for b in entry.bindings]
         self.metas = [InputMeta.from_data(m) for m in entry.input_metas]
-        self.spec = pytree.treespec_loads(entry.out_spec)
+        self.make_output = output_builder(entry.out_spec)
         self._warned_eager = False
         self.rebind()
 
@@ -328,8 +328,7 @@ class ModelRuntime:
         flat = list(self._template)  # weights and constants in place; fill in the call
         for position, b in self._from_call:
             flat[position] = args[b.arg] if b.kind == "arg" else args[b.arg].shape[b.dim]
-        out = self._run_stitched(*flat)
-        return pytree.tree_unflatten(list(out), self.spec)
+        return self.make_output(self._run_stitched(*flat))
 
 
 def device_of_entry(entry: Entry) -> str:
