@@ -13,10 +13,16 @@ from typing import Any
 
 import torch
 
-from cachebuild.backends.base import Artifact, BuildRequest, symbolic_fake_inputs
+from cachebuild.backends.base import (
+    Artifact,
+    BuildRequest,
+    check_kept_symbolic,
+    range_symbols,
+    symbolic_fake_inputs,
+)
 from cachebuild.fxjson import data_to_module, graph_to_data
 
-VERSION = "1"
+VERSION = "2"  # 2: lowered to aten before functionalisation (sizes stay symbolic)
 
 
 class EagerFusionBackend:
@@ -29,9 +35,15 @@ class EagerFusionBackend:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         fake_mode, fake_args = symbolic_fake_inputs(request.input_metas, request.bucket)
-        fn = torch.func.functionalize(request.gm, remove="mutations_and_views")
         with fake_mode, torch.no_grad():
+            # Lower to aten first, then functionalise the aten graph: functionalising the
+            # piece directly runs composite ops (a biased linear on a 3-D input) through
+            # kernels that read concrete sizes, which pins the range's size to its hint.
+            aten = make_fx(request.gm, tracing_mode="symbolic")(*fake_args)
+            fn = torch.func.functionalize(aten, remove="mutations_and_views")
             lowered = make_fx(fn, tracing_mode="symbolic")(*fake_args)
+        check_kept_symbolic(fake_mode.shape_env, range_symbols(fake_args, request.input_metas),
+                            request.bucket)
         matches = request.passes(lowered.graph) if request.passes is not None else {}
         lowered.graph.eliminate_dead_code()
         lowered.recompile()

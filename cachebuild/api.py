@@ -26,6 +26,7 @@ from cachebuild.counters import COUNTERS, phase, snapshot
 from cachebuild.entry import Entry, entry_factors, make_entry, variant_key
 from cachebuild.env import env_factors
 from cachebuild.errors import UsageError
+from cachebuild.guards import Mismatch
 from cachebuild.keys import make_key
 from cachebuild.runtime import ModelRuntime, direct_forward, resolve_all, stitch
 from cachebuild.split import split_graph
@@ -84,6 +85,7 @@ class Lookup:
     why: str
     key: str
     factors: dict[str, Any]
+    mismatches: list[Mismatch] = field(default_factory=list)  # of the last entry tried
 
 
 class Planner:
@@ -111,10 +113,11 @@ class Planner:
         """
         key, factors = self.entry_key(args)
         why = "no entry"
+        wrong: list[Mismatch] = []
         for _ in range(MAX_VARIANTS):
             data = self.store.get(key)
             if data is None:
-                return Lookup(None, why, key, factors)
+                return Lookup(None, why, key, factors, wrong)
             entry = Entry.from_bytes(data)
             stale = entry.stale_files()
             if stale:
@@ -129,7 +132,7 @@ class Planner:
                 m.describe() for m in wrong[:3]) + (f" (and {len(wrong) - 3} more)"
                                                     if len(wrong) > 3 else "")
             key = variant_key(key, values)
-        return Lookup(None, why, key, factors)
+        return Lookup(None, why, key, factors, wrong)
 
     def stored_entry(self, args: tuple[Any, ...]) -> tuple[Entry | None, str]:
         """The stored, valid entry for this call (None and why not, otherwise)."""

@@ -292,6 +292,8 @@ def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
         records += [r for r in store.remote_records() if r.key not in local]
     stored = [(r.key, r.manifest) for r in records if r.kind != "entry" and r.manifest]
     console = Console()
+    if planned.why != "fresh":
+        _explain_entry(planned, records, console)
     missing = 0
     seen: set[str] = set()
     for t in planned.entry.targets():
@@ -304,6 +306,30 @@ def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
         console.print(f"{label(t)} ({t.key[:16]}) missing; {nearest}: " + "; ".join(why.reasons))
     if not missing:
         console.print("every target is stored")
+
+
+def _explain_entry(planned: Planned, records: list[Any], console: Console) -> None:
+    """Why the model's entry was not used: the values its trace read that differ now, or
+    the nearest stored entry of the same class and what differs from it."""
+    from cachebuild.entry import Entry
+    from cachebuild.explain import nearest_entry
+
+    found = planned.found
+    head = f"entry {found.key[:16]} not used ({found.why.split(':')[0]})"
+    if found.mismatches:
+        console.print(f"{head}: " + "; ".join(m.describe() for m in found.mismatches))
+        return
+    nearest = nearest_entry(found.factors, records)
+    if nearest is None:
+        console.print(f"{head}; no stored entry of {found.factors['model']['class']}")
+        return
+    key, reasons = nearest
+    data = planned.planner.store.get(key)
+    if data is not None:
+        spec = planned.spec
+        reasons += [m.describe() for m in Entry.from_bytes(data).guard_set().mismatches(
+            spec.model, spec.example_inputs)]
+    console.print(f"{head}; nearest entry {key[:16]}: " + "; ".join(reasons or ["identical"]))
 
 
 def resolve_model_entry_key(path: str, ctx: click.Context) -> str:

@@ -36,6 +36,7 @@ from cachebuild.graphs import (
 )
 from cachebuild.outputs import output_builder
 from cachebuild.trace import Binding, InputMeta
+from cachebuild.verify import verify_on_load
 
 #: At most this many artifacts load at once (loading is mostly I/O and dlopen); the
 #: environment's ``CACHEBUILD_LOAD_THREADS`` overrides it (1: load in the calling thread,
@@ -111,6 +112,8 @@ def resolve_all(entry: Entry, builder: Builder, model_path: str | None = None) -
     for key, fn in loaded.items():
         if fn is None:
             loaded[key] = builder.resolve(jobs[key])
+        elif verify_on_load():
+            builder.check_loaded(jobs[key], fn)
     return loaded
 
 
