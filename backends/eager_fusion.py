@@ -44,6 +44,7 @@ class EagerFusionBackend:
             lowered = make_fx(fn, tracing_mode="symbolic")(*fake_args)
         check_kept_symbolic(fake_mode.shape_env, range_symbols(fake_args, request.input_metas),
                             request.bucket)
+        inline_constants(lowered)
         matches = request.passes(lowered.graph) if request.passes is not None else {}
         lowered.graph.eliminate_dead_code()
         lowered.recompile()
@@ -58,3 +59,27 @@ class EagerFusionBackend:
             return None
         gm = data_to_module(json.loads(data)["nodes"])
         return gm
+
+
+#: Tensor constants up to this many elements are written into the stored graph as data.
+MAX_INLINE_ELEMENTS = 1024
+
+
+def inline_constants(gm: torch.fx.GraphModule) -> None:
+    """Replace the small tensor constants that tracing lifted into attributes (an empty
+    cache tensor, a mask pattern) by ``torch.tensor(data, dtype=...)`` calls, so the graph
+    can be stored as data. Larger constants stay attributes (and fail to store, with a
+    message saying the piece reads an attribute)."""
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target, None)
+        if not isinstance(value, torch.Tensor) or value.numel() > MAX_INLINE_ELEMENTS:
+            continue
+        with gm.graph.inserting_before(node):
+            const = gm.graph.call_function(
+                torch.tensor, (value.tolist(),),
+                {"dtype": value.dtype, "device": torch.device(value.device.type)})
+        node.replace_all_uses_with(const)
+        gm.graph.erase_node(node)
+        delattr(gm, node.target)

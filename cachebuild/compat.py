@@ -98,7 +98,10 @@ def mutated_sources() -> list[str]:
         except AssertionError:
             modified = True
         if modified and not _restored(variable, side_effects.store_attr_mutations.get(variable)):
-            names.append(source_name(source))
+            try:
+                names.append(source_name(source))
+            except NotImplementedError:
+                continue  # a temporary of the frame (TempLocalSource), not an object before it
     return names
 
 

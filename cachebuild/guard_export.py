@@ -102,19 +102,10 @@ def _import_name(global_name: str) -> str | None:
 
 def source_path(source: Any, frame: Frame) -> list[list[Any]]:
     """The path of a Dynamo source from a plain root; raises Unrecordable."""
-    arg_names, frame_module, frame_freevars = frame.arg_names, frame.module, frame.freevars
     from torch._dynamo import source as S
 
     if isinstance(source, S.LocalSource):
-        name = source.local_name
-        if arg_names and name == arg_names[0]:
-            return [["model"]]
-        if name in arg_names:
-            return [["arg", list(arg_names).index(name) - 1]]
-        if name in frame_freevars:  # a variable forward closes over
-            return [["model"], ["type"], ["attr", "forward"], ["attr", "__closure__"],
-                    ["item", frame_freevars.index(name)], ["attr", "cell_contents"]]
-        raise Unrecordable(f"local {name!r} is not a positional argument of forward")
+        return frame.local(source.local_name)
     if isinstance(source, S.GlobalSource):
         name = source.global_name
         module = _import_name(name)
@@ -122,7 +113,7 @@ def source_path(source: Any, frame: Frame) -> list[list[Any]]:
             return [["module", module]]
         if name.startswith("__builtins_dict__"):
             return [["module", "builtins"], ["attr", "__dict__"]]
-        return [["module", frame_module], ["attr", name]]
+        return [["module", frame.module], ["attr", name]]
     # Module wrappers name the same object as their base.
     if isinstance(source, S.NNModuleSource):
         return source_path(source.base, frame)
@@ -171,26 +162,44 @@ def _partial_kwargs(guard: Any) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class Frame:
-    """The traced frame (``model.forward``): its positional parameters with the module
-    itself (usually ``self``) first, the module whose globals it reads, and the variables
-    it closes over."""
+    """The traced frame, ``type(model).forward`` (possibly a decorator's wrapper): its
+    positional parameters (the module itself first), its ``*args`` and ``**kwargs`` names,
+    the variables it closes over, and the module whose globals it reads."""
 
-    arg_names: tuple[str, ...]
-    module: str
+    params: tuple[str, ...]
+    varargs: str | None
+    varkw: str | None
     freevars: tuple[str, ...]
+    module: str
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Frame:
         forward = type(model).forward
-        try:
-            params = inspect.signature(forward).parameters.values()
-            names = tuple(p.name for p in params
-                          if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD))
-        except (TypeError, ValueError):
-            names = ("self",)
-        code = getattr(forward, "__code__", None)
-        return cls(names, getattr(forward, "__module__", None) or type(model).__module__,
-                   tuple(code.co_freevars) if code is not None else ())
+        code = forward.__code__
+        names = code.co_varnames
+        n = code.co_argcount
+        rest = n + code.co_kwonlyargcount
+        varargs = names[rest] if code.co_flags & inspect.CO_VARARGS else None
+        varkw = (names[rest + (varargs is not None)]
+                 if code.co_flags & inspect.CO_VARKEYWORDS else None)
+        return cls(tuple(names[:n]), varargs, varkw, tuple(code.co_freevars),
+                   getattr(forward, "__module__", None) or type(model).__module__)
+
+    def local(self, name: str) -> list[list[Any]]:
+        """The path of a local of the frame: the model, a call argument, ``*args`` (a
+        tuple of the module and the call's arguments), ``**kwargs`` (always empty: the
+        model is called positionally), or a variable it closes over."""
+        if name in self.params:
+            i = self.params.index(name)
+            return [["model"]] if i == 0 else [["arg", i - 1]]
+        if name == self.varargs:
+            return [["varargs", len(self.params)]]
+        if name == self.varkw:
+            return [["kwargs"]]
+        if name in self.freevars:
+            return [["model"], ["type"], ["attr", "forward"], ["attr", "__closure__"],
+                    ["item", self.freevars.index(name)], ["attr", "cell_contents"]]
+        raise Unrecordable(f"local {name!r} of forward has no plain path")
 
 
 def _environment(path: list[list[Any]], check: str, arg: Any, model: Any,
@@ -219,9 +228,18 @@ def _environment(path: list[list[Any]], check: str, arg: Any, model: Any,
     return None
 
 
+def _direct(path: list[list[Any]]) -> list[list[Any]]:
+    """``args[0]`` of a wrapper's ``*args`` is the model, ``args[i]`` call argument i-1."""
+    if len(path) > 1 and path[0][0] == "varargs" and path[1][0] == "item" \
+            and isinstance(path[1][1], int):
+        i = path[0][1] + path[1][1]
+        return [["model"] if i == 0 else ["arg", i - 1]] + path[2:]
+    return path
+
+
 def _record(entry: Any, check: str, model: Any, args: Sequence[Any], frame: Frame) -> GuardRecord:
     guard = entry.orig_guard
-    path = source_path(guard.originating_source, frame)
+    path = _direct(source_path(guard.originating_source, frame))
     kwargs = _partial_kwargs(guard)
     arg: Any = None
     if check == "contains":

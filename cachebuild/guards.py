@@ -14,7 +14,6 @@ path. Turning Dynamo's guards into records is ``guard_export.py``'s job.
 
 from __future__ import annotations
 
-import builtins
 import enum
 import os
 import sys
@@ -30,7 +29,8 @@ from cachebuild.codehash import code_hash
 #: A path step: ``["attr", name]``, ``["item", key]``, ``["nthkey", i]`` (the i-th key of a
 #: dict), ``["itemkey", i]`` (the value under it), ``["type"]``, ``["dict"]`` (a copy as a
 #: plain dict). A path starts at a root: ``["model"]``, ``["arg", i]`` (positional
-#: call argument i), ``["module", name]`` (an imported module, by name), ``["builtins"]``,
+#: call argument i), ``["varargs", i]`` (a forward wrapper's ``*args``: the module and the
+#: arguments, from position i), ``["kwargs"]`` (always empty), ``["module", name]``,
 #: ``["env", name]`` (an environment variable, None if unset) or ``["state", name]``
 #: (process-wide torch state such as the default dtype).
 Step = list[Any]
@@ -250,7 +250,7 @@ def path_name(path: Sequence[Sequence[Any]]) -> str:
     if kind == "state":
         return f"torch {root[1].replace('_', ' ')}"
     out = {"model": "", "arg": f"argument {root[-1]}", "module": str(root[-1]),
-           "builtins": "builtins"}.get(kind, kind)
+           "varargs": "args", "kwargs": "kwargs"}.get(kind, kind)
     i = 0
     while i < len(steps):
         s = steps[i]
@@ -318,6 +318,10 @@ def root_value(root: Sequence[Any], model: Any, args: Sequence[Any]) -> Any:
         return model
     if kind == "arg":
         return args[root[1]]
+    if kind == "varargs":  # a wrapper's *args: the module, then the call's arguments
+        return (model, *args)[root[1]:]
+    if kind == "kwargs":
+        return {}
     if kind == "module":
         module = sys.modules.get(root[1])
         if module is None:
@@ -325,8 +329,6 @@ def root_value(root: Sequence[Any], model: Any, args: Sequence[Any]) -> Any:
 
             module = importlib.import_module(root[1])
         return module
-    if kind == "builtins":
-        return builtins
     if kind == "env":
         return os.environ.get(root[1])
     if kind == "state":
