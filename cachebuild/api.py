@@ -23,6 +23,7 @@ import torch
 from cachebuild.build import Builder
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase, snapshot
+from cachebuild.dynamo_backend import GraphForward
 from cachebuild.entry import Entry, entry_factors, make_entry, variant_key
 from cachebuild.env import env_factors
 from cachebuild.errors import UsageError
@@ -31,7 +32,7 @@ from cachebuild.keys import make_key
 from cachebuild.runtime import ModelRuntime, direct_forward, resolve_all, stitch
 from cachebuild.split import split_graph
 from cachebuild.targets import make_targets
-from cachebuild.trace import TracedGraph, meta_of, trace_model
+from cachebuild.trace import TracedGraph, trace_model
 
 log = logging.getLogger("cachebuild")
 
@@ -275,24 +276,21 @@ def compile(model: torch.nn.Module, config: CompileConfig | None = None,
 
 
 def backend(config: CompileConfig | None = None, store: Any = None, passes: Any = None) -> Any:
-    """A torch.compile backend: ``torch.compile(model, backend=cachebuild.backend(cfg))``."""
+    """A torch.compile backend: ``torch.compile(model, backend=cachebuild.backend(cfg))``.
+
+    Every graph Dynamo hands over is split and planned at once and its targets are built
+    or loaded on its first call (``dynamo_backend.GraphForward``).
+    """
     config = config or CompileConfig()
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        import torch.utils._pytree as pytree
-
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        fakes = [n.meta.get("example_value", v) for n, v in zip(placeholders, example_inputs,
-                                                                 strict=True)]
-        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-        traced = TracedGraph(
-            gm=gm, bindings=[], input_metas=[meta_of(f) for f in fakes], source_files={},
-            out_spec=pytree.treespec_dumps(pytree.tree_structure(list(range(n_out)))),
-            num_outputs=n_out, fake_inputs=fakes,
-        )
         planner = Planner(torch.nn.Module(), config, {}, open_default_store(store), passes)
-        entry = planner.plan(traced, {"front_door": "torch.compile"})
-        return direct_forward(stitch(entry, resolve_all(entry, planner.builder)))
+
+        def plan(traced: TracedGraph) -> Any:
+            entry = planner.plan(traced, {"front_door": "torch.compile"})
+            return lambda: direct_forward(stitch(entry, resolve_all(entry, planner.builder)))
+
+        return GraphForward(gm, example_inputs, plan)
 
     return compile_graph
 
