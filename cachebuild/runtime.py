@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from cachebuild import weights
 from cachebuild.build import Builder, BuildJob
 from cachebuild.config import CompileConfig
 from cachebuild.entry import Entry
@@ -205,10 +206,12 @@ class ModelRuntime:
         self.metas = [InputMeta.from_data(m) for m in entry.input_metas]
         self.make_output = output_builder(entry.out_spec)
         self._warned_eager = False
+        weights.install()
         self.rebind()
 
     def rebind(self) -> None:
         """Look up the model's parameters and buffers again (after they were replaced)."""
+        self._generation = weights.generation()
         self._template: list[Any] = []
         for b in self.bindings:
             if b.kind == "param":
@@ -322,7 +325,24 @@ class ModelRuntime:
                 return unpad_outputs(out, padded, size)
         return self._call(*args)
 
+    def _rebind_if_replaced(self) -> None:
+        """Use weights that replaced the model's tensors since the last call. Captured
+        graphs hold the old tensors: with any captured, a replaced weight is an error."""
+        before = self._template
+        self.rebind()
+        moved = weights.replaced(before, self._template)
+        if moved and self.captured_sizes:
+            self._template = before
+            self._generation = -1  # refuse again at the next call
+            names = [self.bindings[i].path for i in moved[:3]]
+            raise UsageError(
+                f"{', '.join(map(str, names))} were replaced by new tensors after graph capture, "
+                "which still reads the old ones: copy new weights in place "
+                "(load_state_dict, param.data.copy_) or compile the model again")
+
     def _call(self, *args: Any) -> Any:
+        if self._generation != weights.GENERATION[0]:
+            self._rebind_if_replaced()
         if self.whole is not None:
             return self.whole(*args)
         return self._forward(*args)
