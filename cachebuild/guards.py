@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from cachebuild.codehash import code_hash
+from cachebuild.weights import hooks_hidden
 
 #: A path step: ``["attr", name]``, ``["item", key]``, ``["nthkey", i]`` (the i-th key of a
 #: dict), ``["itemkey", i]`` (the value under it), ``["type"]``, ``["dict"]`` (a copy as a
@@ -394,12 +395,13 @@ class GuardSet:
     def values(self, model: Any, args: Sequence[Any]) -> list[Any]:
         """The fingerprint of every record in this process, in record order."""
         out: list[Any] = [None] * len(self.records)
-        for root, child in self.tree.children.items():
-            try:
-                value = root_value(root, model, args)
-            except Exception:
-                value = _UNRESOLVED
-            self._walk(child, value, out)
+        with hooks_hidden():  # traced without them, too
+            for root, child in self.tree.children.items():
+                try:
+                    value = root_value(root, model, args)
+                except Exception:
+                    value = _UNRESOLVED
+                self._walk(child, value, out)
         return out
 
     def _walk(self, node: _Node, value: Any, out: list[Any]) -> None:

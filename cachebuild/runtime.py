@@ -206,7 +206,7 @@ class ModelRuntime:
         self.metas = [InputMeta.from_data(m) for m in entry.input_metas]
         self.make_output = output_builder(entry.out_spec)
         self._warned_eager = False
-        weights.install()
+        weights.watch(model, [b.path for b in self.bindings if b.kind in ("param", "buffer")])
         self.rebind()
 
     def rebind(self) -> None:

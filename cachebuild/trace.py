@@ -28,6 +28,7 @@ from cachebuild.codehash import has_source_file, sourceless_classes
 from cachebuild.errors import UsageError
 from cachebuild.guards import GuardRecord, GuardSet
 from cachebuild.outputs import output_recipe
+from cachebuild.weights import hooks_hidden
 
 _SYMBOL = re.compile(r"\b[su]\d+\b")
 
@@ -260,6 +261,14 @@ def check_shape_guards(guards: list[Any], symbols: set[Any],
 def trace_model(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
                 dynamic_dims: dict[int, int],
                 compile_ranges: Sequence[tuple[int, int]] = ()) -> TracedGraph:
+    """See ``_trace``: the same, with cachebuild's own weight hooks out of the way (Dynamo
+    would record them as globals the trace read)."""
+    with hooks_hidden():
+        return _trace(model, args, dynamic_dims, compile_ranges)
+
+
+def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
+           dynamic_dims: dict[int, int], compile_ranges: Sequence[tuple[int, int]]) -> TracedGraph:
     """Run Dynamo once over ``model(*args)`` and capture its whole forward as one graph.
 
     The dims in ``dynamic_dims`` (argument index → dim) are traced symbolically. Raises
