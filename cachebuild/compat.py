@@ -78,8 +78,9 @@ def source_name(source: Any) -> str:
 
 
 def mutated_sources() -> list[str]:
-    """Names of objects that existed before the frame Dynamo is tracing and that the frame
-    leaves changed (its side effects). Called from a backend, while the frame is traced.
+    """Names of objects (or their attributes) that existed before the frame Dynamo is
+    tracing and that the frame leaves changed: its side effects. Called from a backend,
+    while the frame is traced.
 
     An attribute set during the frame and set back to the value it had (a flag raised
     and lowered around a call) is no change.
@@ -97,29 +98,35 @@ def mutated_sources() -> list[str]:
             modified = side_effects.is_modified(variable)
         except AssertionError:
             modified = True
-        if modified and not _restored(variable, side_effects.store_attr_mutations.get(variable)):
-            try:
-                names.append(source_name(source))
-            except NotImplementedError:
-                continue  # a temporary of the frame (TempLocalSource), not an object before it
+        if not modified:
+            continue
+        try:
+            name = source_name(source)
+        except NotImplementedError:
+            continue  # a temporary of the frame (TempLocalSource), not an object before it
+        changed = _changed_attributes(variable, side_effects.store_attr_mutations.get(variable))
+        if changed is None:
+            names.append(name)
+        else:
+            names += [f"{name}.{attr}" for attr in changed]
     return names
 
 
-def _restored(variable: Any, pending: dict[str, Any] | None) -> bool:
-    """True if every attribute the frame sets on ``variable``'s object ends as it was."""
+def _changed_attributes(variable: Any, pending: dict[str, Any] | None) -> list[str] | None:
+    """The attributes the frame sets on ``variable``'s object to another value than they
+    had (None where that cannot be told: not an attribute change)."""
     obj = getattr(variable, "value", None)
     if not pending or obj is None:
-        return False
+        return None
     missing = object()
+    changed = []
     for name, value in pending.items():
         try:
-            if not value.is_python_constant():
-                return False
-            final = value.as_python_constant()
+            final = value.as_python_constant() if value.is_python_constant() else missing
         except Exception:
-            return False
+            final = missing
         before = getattr(obj, name, missing)
-        if before is missing or not (before is final or (type(before) is type(final)
-                                                         and before == final)):
-            return False
-    return True
+        if final is missing or before is missing or not (
+                before is final or (type(before) is type(final) and before == final)):
+            changed.append(name)
+    return changed

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -113,7 +114,9 @@ def source_path(source: Any, frame: Frame) -> list[list[Any]]:
             return [["module", module]]
         if name.startswith("__builtins_dict__"):
             return [["module", "builtins"], ["attr", "__dict__"]]
-        return [["module", frame.module], ["attr", name]]
+        # The frame's own globals: forward's, which may be a module's or an exec namespace.
+        return [["model"], ["type"], ["attr", "forward"], ["attr", "__globals__"],
+                ["item", name]]
     # Module wrappers name the same object as their base.
     if isinstance(source, S.NNModuleSource):
         return source_path(source.base, frame)
@@ -164,13 +167,12 @@ def _partial_kwargs(guard: Any) -> dict[str, Any]:
 class Frame:
     """The traced frame, ``type(model).forward`` (possibly a decorator's wrapper): its
     positional parameters (the module itself first), its ``*args`` and ``**kwargs`` names,
-    the variables it closes over, and the module whose globals it reads."""
+    and the variables it closes over."""
 
     params: tuple[str, ...]
     varargs: str | None
     varkw: str | None
     freevars: tuple[str, ...]
-    module: str
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Frame:
@@ -182,8 +184,7 @@ class Frame:
         varargs = names[rest] if code.co_flags & inspect.CO_VARARGS else None
         varkw = (names[rest + (varargs is not None)]
                  if code.co_flags & inspect.CO_VARKEYWORDS else None)
-        return cls(tuple(names[:n]), varargs, varkw, tuple(code.co_freevars),
-                   getattr(forward, "__module__", None) or type(model).__module__)
+        return cls(tuple(names[:n]), varargs, varkw, tuple(code.co_freevars))
 
     def local(self, name: str) -> list[list[Any]]:
         """The path of a local of the frame: the model, a call argument, ``*args`` (a
@@ -307,3 +308,47 @@ def records_from(collected: Collected, model: torch.nn.Module, args: Sequence[An
         records[(path, "equals", "None")] = GuardRecord(
             path, "equals", None, fingerprint("equals", process_state(name), None))
     return list(records.values())
+
+
+#: How environment variables are named by convention: what a constant must look like to be
+#: taken for one.
+_ENV_NAME = re.compile(r"^[A-Z][A-Z0-9_]{2,}$")
+
+
+def environment_records(records: list[GuardRecord], code_objects: Sequence[types.CodeType],
+                        model: Any, args: Sequence[Any]) -> list[GuardRecord]:
+    """Records of the environment variables a trace may have read.
+
+    Dynamo guards the environment object when traced code reads it, but not the variable
+    read (not even its absence), so a variable set later would go unnoticed. Where the
+    trace read the environment, every upper-case string constant of the traced code is
+    taken for a variable name and its value recorded: more than were read, never fewer
+    named by a constant.
+    """
+    if not any(_reads_environment(r, model, args) for r in records):
+        return []
+    names: set[str] = set()
+    for code in code_objects:
+        names |= {c for c in _constants(code) if _ENV_NAME.match(c)}
+    return [GuardRecord((("env", name),), "equals", None, os.environ.get(name))
+            for name in sorted(names)]
+
+
+def _reads_environment(record: GuardRecord, model: Any, args: Sequence[Any]) -> bool:
+    for k, s in enumerate(record.path):
+        if s == ("attr", "environ"):
+            try:
+                return resolve(record.path[:k + 1], model, args) is os.environ
+            except Exception:
+                return False
+    return False
+
+
+def _constants(code: types.CodeType) -> list[str]:
+    out: list[str] = []
+    for c in code.co_consts:
+        if isinstance(c, str):
+            out.append(c)
+        elif isinstance(c, tuple):
+            out += [x for x in c if isinstance(x, str)]
+    return out

@@ -252,6 +252,9 @@ def path_name(path: Sequence[Sequence[Any]]) -> str:
         return f"torch {root[1].replace('_', ' ')}"
     out = {"model": "", "arg": f"argument {root[-1]}", "module": str(root[-1]),
            "varargs": "args", "kwargs": "kwargs"}.get(kind, kind)
+    if steps[:3] == [["type"], ["attr", "forward"], ["attr", "__globals__"]]:
+        steps = steps[3:]  # forward's globals: name the global plainly
+        out = "globals"
     i = 0
     while i < len(steps):
         s = steps[i]

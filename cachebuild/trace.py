@@ -246,9 +246,10 @@ def check_shape_guards(guards: list[Any], symbols: set[Any],
             raise UsageError(f"the traced forward depends on sizes other than the token count "
                              f"({guard}): mark only the token dim dynamic")
         for lo, hi in compile_ranges:
-            bad = next((n for n in range(lo, hi + 1) if not bool(
-                guard.xreplace({s: sympy.Integer(n) for s in symbols}))), None)
-            if bad is not None:
+            failing = [n for n in range(lo, hi + 1) if not bool(
+                guard.xreplace({s: sympy.Integer(n) for s in symbols}))]
+            if failing:
+                bad = min(failing, key=lambda n: abs(n - traced_at))  # where the branch flips
                 text = str(guard)
                 for s in symbols:
                     text = re.sub(rf"\b{s}\b", "T", text)
@@ -280,7 +281,12 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     import torch._dynamo
 
     from cachebuild import compat
-    from cachebuild.guard_export import Collected, Unrecordable, records_from
+    from cachebuild.guard_export import (
+        Collected,
+        Unrecordable,
+        environment_records,
+        records_from,
+    )
 
     args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     check_dynamic_dims(args, dynamic_dims)
@@ -349,6 +355,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     guards: list[GuardRecord] = []
     try:
         guards = records_from(collected, model, args, bound)
+        guards += environment_records(guards, captured["code"], model, args)
         unrecordable, generated_from = _unkeyed_code(model, captured["code"])
     except Unrecordable as e:
         unrecordable = str(e)
