@@ -35,6 +35,7 @@ class EagerFusionBackend:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         fake_mode, fake_args = symbolic_fake_inputs(request.input_metas, request.bucket)
+        symbols = range_symbols(fake_args, request.input_metas)  # before tracing can pin them
         with fake_mode, torch.no_grad():
             # Lower to aten first, then functionalise the aten graph: functionalising the
             # piece directly runs composite ops (a biased linear on a 3-D input) through
@@ -42,8 +43,7 @@ class EagerFusionBackend:
             aten = make_fx(request.gm, tracing_mode="symbolic")(*fake_args)
             fn = torch.func.functionalize(aten, remove="mutations_and_views")
             lowered = make_fx(fn, tracing_mode="symbolic")(*fake_args)
-        check_kept_symbolic(fake_mode.shape_env, range_symbols(fake_args, request.input_metas),
-                            request.bucket)
+        check_kept_symbolic(fake_mode.shape_env, symbols, request.bucket)
         inline_constants(lowered)
         matches = request.passes(lowered.graph) if request.passes is not None else {}
         lowered.graph.eliminate_dead_code()

@@ -25,8 +25,8 @@ import cachebuild
 SDPA = "aten::scaled_dot_product_attention"
 VOCAB = 64
 #: The compile range every family is built for (one bucket) and the sizes checked in it.
-RANGE = (2, 24)
-SIZES = (2, 9, 24)
+RANGE = (1, 24)
+SIZES = (1, 9, 24)
 
 
 class Served(torch.nn.Module):
