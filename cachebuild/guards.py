@@ -377,27 +377,40 @@ _UNRESOLVED = object()
 @dataclass
 class _Node:
     children: dict[tuple[Any, ...], _Node] = field(default_factory=dict)
-    checks: list[int] = field(default_factory=list)  # indices of records ending here
+    checks: list[tuple[int, str, Any]] = field(default_factory=list)  # (index, check, arg)
 
 
 class GuardSet:
-    """Records arranged as a tree of paths, so each shared prefix is read once."""
+    """Records arranged as a tree of paths, so each shared prefix is read once.
 
-    def __init__(self, records: Sequence[GuardRecord]) -> None:
-        self.records = list(records)
+    Built straight from the stored data (records are only made to name a mismatch), since
+    a warm start reads every entry's guards once.
+    """
+
+    def __init__(self, data: Sequence[Sequence[Any]]) -> None:
+        self.data = data
+        self.expected = [d[3] for d in data]
         self.tree = _Node()
-        for i, r in enumerate(self.records):
+        for i, (path, check, arg, _) in enumerate(data):
             node = self.tree
-            for s in r.path:
-                node = node.children.setdefault(tuple(s), _Node())
-            node.checks.append(i)
+            for s in path:
+                key = tuple(s)
+                child = node.children.get(key)
+                if child is None:
+                    child = node.children[key] = _Node()
+                node = child
+            node.checks.append((i, check, arg))
 
     def __len__(self) -> int:
-        return len(self.records)
+        return len(self.data)
+
+    @property
+    def records(self) -> list[GuardRecord]:
+        return [GuardRecord.from_data(list(d)) for d in self.data]
 
     def values(self, model: Any, args: Sequence[Any]) -> list[Any]:
         """The fingerprint of every record in this process, in record order."""
-        out: list[Any] = [None] * len(self.records)
+        out: list[Any] = [None] * len(self.data)
         with hooks_hidden():  # traced without them, too
             for root, child in self.tree.children.items():
                 try:
@@ -408,13 +421,12 @@ class GuardSet:
         return out
 
     def _walk(self, node: _Node, value: Any, out: list[Any]) -> None:
-        for i in node.checks:
-            r = self.records[i]
+        for i, check, arg in node.checks:
             if value is _UNRESOLVED:
-                out[i] = False if r.check == "exists" else MISSING
+                out[i] = False if check == "exists" else MISSING
                 continue
             try:
-                out[i] = CHECKS[r.check](value, r.arg)
+                out[i] = CHECKS[check](value, arg)
             except Unplain:
                 out[i] = {"unplain": type(value).__name__}
             except Exception:
@@ -432,12 +444,17 @@ class GuardSet:
                    values: list[Any] | None = None) -> list[Mismatch]:
         """Every record whose value differs in this process from the one traced."""
         now = self.values(model, args) if values is None else values
-        return [Mismatch(r.name(), r.expected, v)
-                for r, v in zip(self.records, now, strict=True) if v != r.expected]
+        return [Mismatch(GuardRecord.from_data(list(self.data[i])).name(), want, v)
+                for i, (want, v) in enumerate(zip(self.expected, now, strict=True))
+                if v != want]
 
     def to_data(self) -> list[list[Any]]:
-        return [r.to_data() for r in self.records]
+        return [list(d) for d in self.data]
 
     @classmethod
-    def from_data(cls, data: list[list[Any]]) -> GuardSet:
-        return cls([GuardRecord.from_data(d) for d in data])
+    def from_data(cls, data: Sequence[Sequence[Any]]) -> GuardSet:
+        return cls(data)
+
+    @classmethod
+    def of(cls, records: Sequence[GuardRecord]) -> GuardSet:
+        return cls([r.to_data() for r in records])

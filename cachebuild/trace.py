@@ -360,7 +360,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     except Unrecordable as e:
         unrecordable = str(e)
     if unrecordable is None:
-        wrong = GuardSet(guards).mismatches(model, args)
+        wrong = GuardSet.of(guards).mismatches(model, args)
         if wrong:
             unrecordable = f"{wrong[0].describe()} right after tracing"
     return TracedGraph(

@@ -216,20 +216,22 @@ sys.path.insert(0, {tests!r})
 import cachebuild, hf_families
 
 def build():
-    family = hf_families.FAMILIES["llama"]
+    family = hf_families.FAMILIES[os.environ["HF_FAMILY"]]
     model = family.model(**{{os.environ["HF_FIELD"]: eval(os.environ["HF_VALUE"])}})
-    return cachebuild.ModelSpec(model, hf_families.ids(6), {{0: 0}},
+    return cachebuild.ModelSpec(model, hf_families.ids(9), {{0: 0}},
                                 hf_families.compile_config(family))
 """
 
 
-@pytest.mark.parametrize(("field", "first", "second", "said"), [
-    ("hidden_act", "'silu'", "'gelu'", ["config.hidden_act: silu → gelu",
-                                        "hf.model.layers.0.mlp.act_fn: SiLU"]),
-    ("rms_norm_eps", "1e-06", "1e-05", ["config.rms_norm_eps: 1e-06 → 1e-05",
-                                        "input_layernorm.variance_epsilon: 1e-06 → 1e-05"]),
+@pytest.mark.parametrize(("name", "field", "first", "second", "said"), [
+    ("llama", "hidden_act", "'silu'", "'gelu'", ["config.hidden_act: silu → gelu",
+                                                 "hf.model.layers.0.mlp.act_fn: SiLU"]),
+    ("llama", "rms_norm_eps", "1e-06", "1e-05", [
+        "config.rms_norm_eps: 1e-06 → 1e-05", "input_layernorm.variance_epsilon: 1e-06 → 1e-05"]),
+    ("mistral", "sliding_window", "4", "6", ["config.sliding_window: 4 → 6",
+                                             "sliding_window: 4 → 6"]),
 ])
-def test_explain_names_the_config_value(tmp_path, monkeypatch, field, first, second, said):
+def test_explain_names_the_config_value(tmp_path, monkeypatch, name, field, first, second, said):
     """A Hugging Face model's config is in the entry key; explain names the field and the
     module values the trace read from it."""
     import hf_families
@@ -238,6 +240,7 @@ def test_explain_names_the_config_value(tmp_path, monkeypatch, field, first, sec
     path.write_text(HF_MODEL.format(tests=str(models.TESTS_DIR)))
     store = tmp_path / "store"
     monkeypatch.setenv("HF_FIELD", field)
+    monkeypatch.setenv("HF_FAMILY", name)
 
     def run(*args):
         result = CliRunner().invoke(cli.main, ["--cache-dir", str(store), *args],
@@ -246,11 +249,11 @@ def test_explain_names_the_config_value(tmp_path, monkeypatch, field, first, sec
         return " ".join(result.output.split())
 
     monkeypatch.setenv("HF_VALUE", first)
-    family = hf_families.FAMILIES["llama"]
+    family = hf_families.FAMILIES[name]
     model = family.model(**{field: eval(first)})
     compiled = cachebuild.compile(model, hf_families.compile_config(family), {0: 0},
                                   store=LocalStore(store))
-    hf_families.check_sizes(compiled, model, (6,))
+    hf_families.check_sizes(compiled, model, (9,))
     assert "every target is stored" in run("explain", str(path))
     monkeypatch.setenv("HF_VALUE", second)
     text = run("explain", str(path))
