@@ -135,11 +135,6 @@ class Planner:
             key = variant_key(key, values)
         return Lookup(None, why, key, factors, wrong)
 
-    def stored_entry(self, args: tuple[Any, ...]) -> tuple[Entry | None, str]:
-        """The stored, valid entry for this call (None and why not, otherwise)."""
-        found = self.lookup(args)
-        return found.entry, found.why
-
     def trace(self, args: tuple[Any, ...], found: Lookup | None = None) -> Entry:
         """Trace the model, split it, plan its targets: a new (not yet stored) Entry, to be
         stored where ``found`` (the lookup that missed) says."""

@@ -93,6 +93,47 @@ class Collected:
 
 # -- sources → paths -------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class Frame:
+    """The traced frame, ``type(model).forward`` (possibly a decorator's wrapper): its
+    positional parameters (the module itself first), its ``*args`` and ``**kwargs`` names,
+    and the variables it closes over."""
+
+    params: tuple[str, ...]
+    varargs: str | None
+    varkw: str | None
+    freevars: tuple[str, ...]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> Frame:
+        code = getattr(type(model).forward, "__code__", None)
+        if code is None:  # not a Python function: only the module itself is known
+            return cls(("self",), None, None, ())
+        names = code.co_varnames
+        n = code.co_argcount
+        rest = n + code.co_kwonlyargcount
+        varargs = names[rest] if code.co_flags & inspect.CO_VARARGS else None
+        varkw = (names[rest + (varargs is not None)]
+                 if code.co_flags & inspect.CO_VARKEYWORDS else None)
+        return cls(tuple(names[:n]), varargs, varkw, tuple(code.co_freevars))
+
+    def local(self, name: str) -> list[list[Any]]:
+        """The path of a local of the frame: the model, a call argument, ``*args`` (a
+        tuple of the module and the call's arguments), ``**kwargs`` (always empty: the
+        model is called positionally), or a variable it closes over."""
+        if name in self.params:
+            i = self.params.index(name)
+            return [["model"]] if i == 0 else [["arg", i - 1]]
+        if name == self.varargs:
+            return [["varargs", len(self.params)]]
+        if name == self.varkw:
+            return [["kwargs"]]
+        if name in self.freevars:
+            return [["model"], ["type"], ["attr", "forward"], ["attr", "__closure__"],
+                    ["item", self.freevars.index(name)], ["attr", "cell_contents"]]
+        raise Unrecordable(f"local {name!r} of forward has no plain path")
+
+
 def _import_name(global_name: str) -> str | None:
     """The module Dynamo's ``__import_a_dot_b`` global stands for (``a.b``)."""
     prefix = "__import_"
@@ -161,46 +202,6 @@ def source_path(source: Any, frame: Frame) -> list[list[Any]]:
 def _partial_kwargs(guard: Any) -> dict[str, Any]:
     fn = guard.create_fn
     return dict(fn.keywords) if isinstance(fn, functools.partial) else {}
-
-
-@dataclass(frozen=True)
-class Frame:
-    """The traced frame, ``type(model).forward`` (possibly a decorator's wrapper): its
-    positional parameters (the module itself first), its ``*args`` and ``**kwargs`` names,
-    and the variables it closes over."""
-
-    params: tuple[str, ...]
-    varargs: str | None
-    varkw: str | None
-    freevars: tuple[str, ...]
-
-    @classmethod
-    def of(cls, model: torch.nn.Module) -> Frame:
-        forward = type(model).forward
-        code = forward.__code__
-        names = code.co_varnames
-        n = code.co_argcount
-        rest = n + code.co_kwonlyargcount
-        varargs = names[rest] if code.co_flags & inspect.CO_VARARGS else None
-        varkw = (names[rest + (varargs is not None)]
-                 if code.co_flags & inspect.CO_VARKEYWORDS else None)
-        return cls(tuple(names[:n]), varargs, varkw, tuple(code.co_freevars))
-
-    def local(self, name: str) -> list[list[Any]]:
-        """The path of a local of the frame: the model, a call argument, ``*args`` (a
-        tuple of the module and the call's arguments), ``**kwargs`` (always empty: the
-        model is called positionally), or a variable it closes over."""
-        if name in self.params:
-            i = self.params.index(name)
-            return [["model"]] if i == 0 else [["arg", i - 1]]
-        if name == self.varargs:
-            return [["varargs", len(self.params)]]
-        if name == self.varkw:
-            return [["kwargs"]]
-        if name in self.freevars:
-            return [["model"], ["type"], ["attr", "forward"], ["attr", "__closure__"],
-                    ["item", self.freevars.index(name)], ["attr", "cell_contents"]]
-        raise Unrecordable(f"local {name!r} of forward has no plain path")
 
 
 def _environment(path: list[list[Any]], check: str, arg: Any, model: Any,
