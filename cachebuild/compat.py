@@ -77,20 +77,24 @@ def source_name(source: Any) -> str:
     return name() if callable(name) else name
 
 
-def mutated_sources() -> list[str]:
+def mutated_sources() -> list[str] | None:
     """Names of objects (or their attributes) that existed before the frame Dynamo is
     tracing and that the frame leaves changed: its side effects. Called from a backend,
-    while the frame is traced.
+    while the frame is traced; None where this torch does not let them be seen.
 
     An attribute set during the frame and set back to the value it had (a flag raised
     and lowered around a call) is no change.
     """
-    from torch._dynamo.symbolic_convert import InstructionTranslator
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
 
-    tx = InstructionTranslator.current_tx()
-    side_effects = tx.output.side_effects
+        tx = InstructionTranslator.current_tx()
+        side_effects = tx.output.side_effects
+        variables = list(side_effects.id_to_variable.values())
+    except (ImportError, AttributeError):
+        return None
     names = []
-    for variable in side_effects.id_to_variable.values():
+    for variable in variables:
         source = getattr(variable, "source", None)
         if source is None:
             continue  # created by the frame itself: part of what it returns

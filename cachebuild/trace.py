@@ -350,15 +350,18 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
                            traced_at)
 
     bound = {id(v) for v, b in zip(inputs, bindings, strict=True) if b.kind != "const"}
-    unrecordable = None
-    generated_from: list[str] = []
     guards: list[GuardRecord] = []
-    try:
-        guards = records_from(collected, model, args, bound)
-        guards += environment_records(guards, captured["code"], model, args)
-        unrecordable, generated_from = _unkeyed_code(model, captured["code"])
-    except Unrecordable as e:
-        unrecordable = str(e)
+    generated_from: list[str] = []
+    if captured["mutated"] is None:
+        unrecordable = "this torch does not show Dynamo's side effects, so none can be ruled out"
+    else:
+        unrecordable = None
+        try:
+            guards = records_from(collected, model, args, bound)
+            guards += environment_records(guards, captured["code"], model, args)
+            unrecordable, generated_from = _unkeyed_code(model, captured["code"])
+        except Unrecordable as e:
+            unrecordable = str(e)
     if unrecordable is None:
         wrong = GuardSet.of(guards).mismatches(model, args)
         if wrong:
