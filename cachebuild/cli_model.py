@@ -33,7 +33,7 @@ from cachebuild import cli
 from cachebuild.errors import UsageError
 
 if TYPE_CHECKING:
-    from cachebuild.api import ModelSpec, Planner
+    from cachebuild.api import Lookup, ModelSpec, Planner
     from cachebuild.build import BuildJob
     from cachebuild.entry import Entry
 
@@ -69,6 +69,7 @@ class Planned:
     planner: Planner
     entry: Entry
     why: str  # "fresh" when the stored entry was used, else why the model was traced
+    found: Lookup  # what the lookup of the stored entry found
 
 
 def plan_model(ctx: click.Context, path: str, device: str | None = None) -> Planned:
@@ -79,11 +80,12 @@ def plan_model(ctx: click.Context, path: str, device: str | None = None) -> Plan
     spec = _spec_on(load_spec(path), device)
     store = cli.open_store(ctx)
     planner = Planner(spec.model, spec.config, spec.dynamic_dims, store)
-    entry, why = planner.stored_entry(spec.example_inputs)
+    found = planner.lookup(spec.example_inputs)
+    entry = found.entry
     if entry is None:
-        _console().print(f"tracing {Path(path).name} ({why})")
-        entry = planner.trace(spec.example_inputs)
-    return Planned(spec, planner, entry, why)
+        _console().print(f"tracing {Path(path).name} ({found.why})")
+        entry = planner.trace(spec.example_inputs, found)
+    return Planned(spec, planner, entry, found.why, found)
 
 
 # -- building in worker processes ------------------------------------------------------
@@ -202,8 +204,9 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
 
             build_jobs(missing, workers, str(Path(model).resolve()), cli.store_options(ctx),
                        done)
-    if planned.why != "fresh":
-        planned.planner.record(planned.entry)
+    if planned.why != "fresh" and not planned.planner.record(planned.entry):
+        console.print(f"[yellow]no entry recorded[/yellow] (no warm start without Dynamo): "
+                      f"{planned.planner.unrecordable}")
     for job, error in failures:
         console.print(f"[red]failed[/red] {label(job.target)} key {job.target.key}: {error}")
     console.print(
@@ -289,6 +292,8 @@ def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
         records += [r for r in store.remote_records() if r.key not in local]
     stored = [(r.key, r.manifest) for r in records if r.kind != "entry" and r.manifest]
     console = Console()
+    if planned.why != "fresh":
+        _explain_entry(planned, records, console)
     missing = 0
     seen: set[str] = set()
     for t in planned.entry.targets():
@@ -303,6 +308,30 @@ def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
         console.print("every target is stored")
 
 
+def _explain_entry(planned: Planned, records: list[Any], console: Console) -> None:
+    """Why the model's entry was not used: the values its trace read that differ now, or
+    the nearest stored entry of the same class and what differs from it."""
+    from cachebuild.entry import Entry
+    from cachebuild.explain import nearest_entry
+
+    found = planned.found
+    head = f"entry {found.key[:16]} not used ({found.why.split(':')[0]})"
+    if found.mismatches:
+        console.print(f"{head}: " + "; ".join(m.describe() for m in found.mismatches))
+        return
+    nearest = nearest_entry(found.factors, records)
+    if nearest is None:
+        console.print(f"{head}; no stored entry of {found.factors['model']['class']}")
+        return
+    key, reasons = nearest
+    data = planned.planner.store.get(key)
+    if data is not None:
+        spec = planned.spec
+        reasons += [m.describe() for m in Entry.from_bytes(data).guard_set().mismatches(
+            spec.model, spec.example_inputs)]
+    console.print(f"{head}; nearest entry {key[:16]}: " + "; ".join(reasons or ["identical"]))
+
+
 def resolve_model_entry_key(path: str, ctx: click.Context) -> str:
     """The entry key of MODEL.py (computed from its spec, no tracing)."""
     from cachebuild.api import Planner
@@ -310,10 +339,10 @@ def resolve_model_entry_key(path: str, ctx: click.Context) -> str:
 
     spec = load_spec(path)
     planner = Planner(spec.model, spec.config, spec.dynamic_dims, cli.open_store(ctx))
-    key, _ = planner.entry_key(spec.example_inputs)
-    if not planner.store.contains(key):
+    found = planner.lookup(spec.example_inputs)
+    if not planner.store.contains(found.key):
         raise UsageError(f"{path}: the model has no stored entry yet; run `cachebuild warm {path}`")
-    return key
+    return found.key
 
 
 for _command in (warm_command, plan_command, explain_command):
