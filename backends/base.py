@@ -96,9 +96,11 @@ def _eval_dim(dim: int | str, size: int | None) -> int:
     return int(expr.subs({s: size for s in expr.free_symbols}))
 
 
-def example_inputs(metas: list[InputMeta], bucket: dict[str, Any]) -> list[Any]:
-    """Real random inputs matching ``metas`` with the dynamic dim at the bucket's hint."""
-    size = size_hint(bucket)
+def example_inputs(metas: list[InputMeta], bucket: dict[str, Any],
+                   size: int | None = None) -> list[Any]:
+    """Real random inputs matching ``metas`` with the dynamic dim at ``size`` (default: the
+    bucket's hint)."""
+    size = size_hint(bucket) if size is None else size
     out: list[Any] = []
     for m in metas:
         if m.kind != "tensor":
@@ -152,3 +154,44 @@ def symbolic_fake_inputs(metas: list[InputMeta], bucket: dict[str, Any]) -> tupl
         ctx = StatelessSymbolicContext(dynamic_sizes=sizes)
         out.append(fake_mode.from_tensor(r, symbolic_context=ctx))
     return fake_mode, out
+
+
+def range_symbols(fake_args: list[Any], metas: list[InputMeta]) -> set[Any]:
+    """The symbols standing for a range's dynamic dim in symbolic fake inputs."""
+    found: set[Any] = set()
+    for fake, dyn in zip(fake_args, dynamic_dims_of(metas), strict=True):
+        for d in dyn:
+            size = fake.shape[d]
+            if isinstance(size, torch.SymInt):
+                found |= size.node.expr.free_symbols
+    return found
+
+
+def check_kept_symbolic(shape_env: Any, symbols: set[Any], bucket: dict[str, Any]) -> None:
+    """Raise ValueError if tracing a range target specialised its size.
+
+    A guard that pins a range's symbol (``Eq(s0, 16)``), or any guard that fails at the
+    range's ends, means the traced graph holds at the size hint only.
+    """
+    bounds = bucket_bounds(bucket)
+    if bounds is None or not symbols:
+        return
+    import sympy
+
+    # Symbols Dynamo found equal to a range symbol stand for the same size.
+    symbols = set(symbols) | {s for s, r in shape_env.replacements.items()
+                              if r.free_symbols & symbols}
+    for symbol in symbols:
+        fixed = shape_env.replacements.get(symbol)
+        if fixed is not None and not (fixed.free_symbols & symbols):
+            raise ValueError(f"the trace specialised the range's size to {fixed} "
+                             f"(range {bounds[0]}-{bounds[1]})")
+    for guard in shape_env.guards:
+        expr = guard.expr
+        if not expr.free_symbols & symbols:
+            continue
+        for size in bounds:
+            values = {s: sympy.Integer(size) for s in expr.free_symbols & symbols}
+            if expr.xreplace(values) is not sympy.true:
+                raise ValueError(f"the trace specialised the range's size: guard {expr} "
+                                 f"fails at size {size} of range {bounds[0]}-{bounds[1]}")

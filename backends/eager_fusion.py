@@ -13,10 +13,16 @@ from typing import Any
 
 import torch
 
-from cachebuild.backends.base import Artifact, BuildRequest, symbolic_fake_inputs
+from cachebuild.backends.base import (
+    Artifact,
+    BuildRequest,
+    check_kept_symbolic,
+    range_symbols,
+    symbolic_fake_inputs,
+)
 from cachebuild.fxjson import data_to_module, graph_to_data
 
-VERSION = "1"
+VERSION = "2"  # 2: lowered to aten before functionalisation (sizes stay symbolic)
 
 
 class EagerFusionBackend:
@@ -32,9 +38,16 @@ class EagerFusionBackend:
         from torch.fx.experimental.proxy_tensor import make_fx
 
         fake_mode, fake_args = symbolic_fake_inputs(request.input_metas, request.bucket)
-        fn = torch.func.functionalize(request.gm, remove="mutations_and_views")
+        symbols = range_symbols(fake_args, request.input_metas)  # before tracing can pin them
         with fake_mode, torch.no_grad():
+            # Lower to aten first, then functionalise the aten graph: functionalising the
+            # piece directly runs composite ops (a biased linear on a 3-D input) through
+            # kernels that read concrete sizes, which pins the range's size to its hint.
+            aten = make_fx(request.gm, tracing_mode="symbolic")(*fake_args)
+            fn = torch.func.functionalize(aten, remove="mutations_and_views")
             lowered = make_fx(fn, tracing_mode="symbolic")(*fake_args)
+        check_kept_symbolic(fake_mode.shape_env, symbols, request.bucket)
+        inline_constants(lowered)
         if request.passes is not None:
             request.passes(lowered.graph)
         lowered.graph.eliminate_dead_code()
@@ -50,3 +63,27 @@ class EagerFusionBackend:
             return None
         gm = data_to_module(json.loads(data)["nodes"])
         return gm
+
+
+#: Tensor constants up to this many elements are written into the stored graph as data.
+MAX_INLINE_ELEMENTS = 1024
+
+
+def inline_constants(gm: torch.fx.GraphModule) -> None:
+    """Replace the small tensor constants that tracing lifted into attributes (an empty
+    cache tensor, a mask pattern) by ``torch.tensor(data, dtype=...)`` calls, so the graph
+    can be stored as data. Larger constants stay attributes (and fail to store, with a
+    message saying the piece reads an attribute)."""
+    for node in list(gm.graph.nodes):
+        if node.op != "get_attr":
+            continue
+        value = getattr(gm, node.target, None)
+        if not isinstance(value, torch.Tensor) or value.numel() > MAX_INLINE_ELEMENTS:
+            continue
+        with gm.graph.inserting_before(node):
+            const = gm.graph.call_function(
+                torch.tensor, (value.tolist(),),
+                {"dtype": value.dtype, "device": torch.device(value.device.type)})
+        node.replace_all_uses_with(const)
+        gm.graph.erase_node(node)
+        delattr(gm, node.target)

@@ -23,15 +23,17 @@ import torch
 from cachebuild.build import Builder
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase, snapshot
-from cachebuild.entry import Entry, device_of, entry_factors, make_entry
+from cachebuild.dynamo_backend import GraphForward
+from cachebuild.entry import Entry, device_of, entry_factors, make_entry, variant_key
 from cachebuild.env import env_factors
 from cachebuild.errors import UsageError
+from cachebuild.guards import Mismatch
 from cachebuild.keys import make_key
 from cachebuild.runtime import ModelRuntime, direct_forward, resolve_all, stitch
 from cachebuild.split import split_graph
 from cachebuild.store.base import Store
 from cachebuild.targets import make_targets
-from cachebuild.trace import TracedGraph, meta_of, trace_model
+from cachebuild.trace import TracedGraph, trace_model
 
 log = logging.getLogger("cachebuild")
 
@@ -80,6 +82,22 @@ def target_factors(builder: Builder, device: str | None = None) -> dict[str, Any
     return {"backend": backend, "passes": builder.passes.factors()}
 
 
+#: How many entries of one model, differing in values the trace read, a lookup visits.
+MAX_VARIANTS = 8
+
+
+@dataclass
+class Lookup:
+    """What a warm start found: the entry (None on a miss), why not, and the key where
+    this model's entry is or is to be stored, with the factors of the entry key."""
+
+    entry: Entry | None
+    why: str
+    key: str
+    factors: dict[str, Any]
+    mismatches: list[Mismatch] = field(default_factory=list)  # of the last entry tried
+
+
 class Planner:
     """Trace → split → targets → entry for one model and call signature."""
 
@@ -90,33 +108,53 @@ class Planner:
         self.dynamic_dims = dict(dynamic_dims)
         self.store = store
         self.builder = Builder(store, config, passes)
+        self.unrecordable: str | None = None  # why the latest trace cannot be recorded
 
     def entry_key(self, args: tuple[Any, ...]) -> tuple[str, dict[str, Any]]:
         factors = entry_factors(self.model, args, self.dynamic_dims, self.config,
                                 target_factors(self.builder))
         return make_key(factors), factors
 
-    def stored_entry(self, args: tuple[Any, ...]) -> tuple[Entry | None, str]:
-        """The stored, fresh entry for this call (None and why not, otherwise)."""
-        key, _ = self.entry_key(args)
-        data = self.store.get(key)
-        if data is None:
-            return None, "no entry"
-        entry = Entry.from_bytes(data)
-        stale = entry.stale_files()
-        if stale:
-            return None, f"traced source changed: {', '.join(stale)}"
-        return entry, "fresh"
+    def lookup(self, args: tuple[Any, ...]) -> Lookup:
+        """The stored entry for this call whose guards hold on the live model, if any.
 
-    def trace(self, args: tuple[Any, ...]) -> Entry:
-        """Trace the model, split it, plan its targets: a new (not yet stored) Entry."""
-        _, factors = self.entry_key(args)
+        Starts at the entry key; an entry whose guards fail leads to the key of the variant
+        for the live values (``variant_key``), and so on, a few steps at most.
+        """
+        key, factors = self.entry_key(args)
+        why = "no entry"
+        wrong: list[Mismatch] = []
+        for _ in range(MAX_VARIANTS):
+            data = self.store.get(key)
+            if data is None:
+                return Lookup(None, why, key, factors, wrong)
+            entry = Entry.from_bytes(data)
+            stale = entry.stale_files()
+            if stale:
+                return Lookup(None, f"traced source changed: {', '.join(stale)}", key, factors)
+            with phase("guards"):
+                guards = entry.guard_set()
+                values = guards.values(self.model, args)
+                wrong = guards.mismatches(self.model, args, values)
+            if not wrong:
+                return Lookup(entry, "fresh", key, factors)
+            why = "a value the trace read differs: " + "; ".join(
+                m.describe() for m in wrong[:3]) + (f" (and {len(wrong) - 3} more)"
+                                                    if len(wrong) > 3 else "")
+            key = variant_key(key, values)
+        return Lookup(None, why, key, factors, wrong)
+
+    def trace(self, args: tuple[Any, ...], found: Lookup | None = None) -> Entry:
+        """Trace the model, split it, plan its targets: a new (not yet stored) Entry, to be
+        stored where ``found`` (the lookup that missed) says."""
+        found = found or self.lookup(args)
         with phase("trace"):
-            traced = trace_model(self.model, args, self.dynamic_dims)
+            traced = trace_model(self.model, args, self.dynamic_dims,
+                                 self.config.compile_ranges)
             COUNTERS.traced += 1
-        return self.plan(traced, factors)
+        return self.plan(traced, found.factors, found.key)
 
-    def plan(self, traced: TracedGraph, factors: dict[str, Any]) -> Entry:
+    def plan(self, traced: TracedGraph, factors: dict[str, Any], key: str | None = None) -> Entry:
         with phase("split"):
             split = split_graph(traced, self.config.splitting_ops)
         with phase("plan"):
@@ -124,18 +162,24 @@ class Planner:
             tf = target_factors(self.builder, device)
             targets = make_targets(split.pieces, self.config.buckets(), backend=tf["backend"],
                                    passes=tf["passes"], env=env_factors(device))
-            entry = make_entry(factors, traced, split, targets)
+            entry = make_entry(factors, traced, split, targets, key)
+            self.unrecordable = traced.unrecordable
         planned = sum(len(t) for t in targets.values())
         COUNTERS.planned += planned
         COUNTERS.unique += len(entry.target_keys())
         return entry
 
-    def record(self, entry: Entry) -> None:
-        """Store ``entry``, replacing a stale one under the same key.
+    def record(self, entry: Entry) -> bool:
+        """Store ``entry``, replacing a stale one under the same key; False (and one log
+        line) where the trace cannot be checked without Dynamo, so no entry may exist.
 
         A fresh entry stored meanwhile (by another process, or with a remote tier by another
         machine) is kept: deleting it would also take the fleet's shared copy away.
         """
+        if self.unrecordable is not None:
+            log.warning("compiled %s without recording an entry (no warm start): %s",
+                        type(self.model).__name__, self.unrecordable)
+            return False
         with self.store.lock(entry.key):
             data = self.store.get(entry.key)
             if data is not None:
@@ -144,10 +188,11 @@ class Planner:
                 except (ValueError, KeyError, TypeError):
                     fresh = False
                 if fresh:
-                    return
+                    return True
                 self.store.delete(entry.key)
             self.store.put(entry.key, entry.to_bytes(), kind="entry", manifest=entry.factors,
                            refs=entry.target_keys())
+        return True
 
 
 def _device(traced: TracedGraph) -> str:
@@ -185,7 +230,8 @@ class CompiledModule(torch.nn.Module):
         store = open_default_store(self._store)
         planner = Planner(self.model, self.config, self.dynamic_dims, store, self._passes)
         planner.builder.device = device_of(self.model, args)
-        entry, why = planner.stored_entry(args)
+        found = planner.lookup(args)
+        entry, why = found.entry, found.why
         slow_loads = False
         if entry is not None:
             slow_loads = _needs_inductor(entry, store)
@@ -197,7 +243,7 @@ class CompiledModule(torch.nn.Module):
             log.info("warm start from entry %s", entry.key[:12])
         else:
             log.info("tracing %s (%s)", type(self.model).__name__, why)
-            entry = planner.trace(args)
+            entry = planner.trace(args, found)
         loaded = resolve_all(entry, planner.builder, parallel=slow_loads)
         if why != "fresh":
             planner.record(entry)
@@ -242,25 +288,22 @@ def compile(model: torch.nn.Module, config: CompileConfig | None = None,
 
 
 def backend(config: CompileConfig | None = None, store: Any = None, passes: Any = None) -> Any:
-    """A torch.compile backend: ``torch.compile(model, backend=cachebuild.backend(cfg))``."""
+    """A torch.compile backend: ``torch.compile(model, backend=cachebuild.backend(cfg))``.
+
+    Every graph Dynamo hands over is split and planned at once and its targets are built
+    or loaded on its first call (``dynamo_backend.GraphForward``).
+    """
     config = config or CompileConfig()
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        import torch.utils._pytree as pytree
-
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        fakes = [n.meta.get("example_value", v) for n, v in zip(placeholders, example_inputs,
-                                                                 strict=True)]
-        n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
-        traced = TracedGraph(
-            gm=gm, bindings=[], input_metas=[meta_of(f) for f in fakes], source_files={},
-            out_spec=pytree.treespec_dumps(pytree.tree_structure(list(range(n_out)))),
-            num_outputs=n_out, fake_inputs=fakes,
-        )
         planner = Planner(torch.nn.Module(), config, {}, open_default_store(store), passes)
-        planner.builder.device = _device(traced)
-        entry = planner.plan(traced, {"front_door": "torch.compile"})
-        return direct_forward(stitch(entry, resolve_all(entry, planner.builder)))
+
+        def plan(traced: TracedGraph) -> Any:
+            planner.builder.device = _device(traced)
+            entry = planner.plan(traced, {"front_door": "torch.compile"})
+            return lambda: direct_forward(stitch(entry, resolve_all(entry, planner.builder)))
+
+        return GraphForward(gm, example_inputs, plan)
 
     return compile_graph
 

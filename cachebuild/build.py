@@ -2,9 +2,10 @@
 
 ``resolve(job)``: a target loaded earlier in this process is reused; a stored one is
 loaded; a missing one is built under the key's lock (looking again once the lock is
-held, since another process may have finished it), stored, then loaded. A piece that
-fails to compile raises BuildError naming the piece, bucket and key; nothing partial is
-stored, because the store's put is atomic and happens only after a successful compile.
+held, since another process may have finished it), proven against its piece
+(``verify.py``), stored, then loaded. A piece that fails to compile or to match its piece
+raises BuildError naming the piece, bucket and key; nothing partial is stored, because the
+store's put is atomic and happens only after a successful compile and check.
 """
 
 from __future__ import annotations
@@ -19,11 +20,12 @@ from typing import Any
 
 from cachebuild.backends import BuildRequest, get_backend
 from cachebuild.config import CompileConfig
-from cachebuild.counters import COUNTERS
+from cachebuild.counters import COUNTERS, phase
 from cachebuild.errors import BuildError, transient
 from cachebuild.facts import InputMeta
 from cachebuild.fxjson import data_to_module
 from cachebuild.targets import Target, bucket_label
+from cachebuild.verify import check, check_artifact, verify_sizes
 
 log = logging.getLogger("cachebuild.build")
 
@@ -51,6 +53,8 @@ def quiet_compiler_warnings() -> Iterator[None]:
 
 #: Targets loaded in this process, by key and device: every layer with the same key shares one.
 LOADED: dict[tuple[str, str], Any] = {}
+#: Targets proven against their piece in this process (built here, or checked on load).
+VERIFIED: set[str] = set()
 
 
 @dataclass
@@ -126,6 +130,7 @@ class Builder:
             if self.store.contains(key):
                 return False
             start = time.perf_counter()
+            where = f"piece {job.target.piece} ({bucket_label(job.target.bucket)}, key {key})"
             try:
                 with quiet_compiler_warnings():
                     artifact = self.backend.compile(BuildRequest(
@@ -143,11 +148,10 @@ class Builder:
                 machine = transient(e)
                 hint = (f" ({machine}: the machine ran short; free some and build again)"
                         if machine else "")
-                raise BuildError(
-                    f"piece {job.target.piece} ({bucket_label(job.target.bucket)}, key "
-                    f"{key}) failed to compile: {type(e).__name__}: {first}{hint}"
-                ) from e
+                raise BuildError(f"{where} failed to compile: {type(e).__name__}: {first}{hint}") from e
             seconds = time.perf_counter() - start
+            with phase("verify"):
+                self._prove(job, artifact, where)
             self.store.put(key, artifact.payload, kind=artifact.kind, manifest=job.target.manifest)
             if artifact.fallback:
                 COUNTERS.fallbacks += 1
@@ -159,6 +163,38 @@ class Builder:
                      bucket_label(job.target.bucket), artifact.kind, seconds, key[:12],
                      len(artifact.payload))
             return True
+
+    def _prove(self, job: BuildJob, artifact: Any, where: str) -> None:
+        """Raise BuildError unless the artifact matches its piece run eagerly."""
+        metas = [InputMeta.from_data(m) for m in job.input_metas]
+        try:
+            sizes = check_artifact(self.backend, artifact, job.target.key, job.nodes, metas,
+                                   job.target.bucket)
+        except Exception as e:
+            COUNTERS.failed += 1
+            sizes = verify_sizes(job.target.bucket)
+            raise BuildError(
+                f"{where} does not match its piece run eagerly at sizes "
+                f"{', '.join(map(str, sizes))}: {type(e).__name__}: {e}; not stored") from e
+        VERIFIED.add(job.target.key)
+        log.debug("proved %s at sizes %s", where, sizes)
+
+    def check_loaded(self, job: BuildJob, fn: Any) -> None:
+        """The same proof for a target loaded from the store, once per process
+        (``CACHEBUILD_VERIFY=load``). Runs the piece eagerly: no Dynamo, no Inductor."""
+        key = job.target.key
+        if key in VERIFIED:
+            return
+        metas = [InputMeta.from_data(m) for m in job.input_metas]
+        with phase("verify"):
+            try:
+                check(fn, job.nodes, metas, job.target.bucket)
+            except Exception as e:
+                raise BuildError(
+                    f"piece {job.target.piece} ({bucket_label(job.target.bucket)}, key {key}) "
+                    f"loaded from the store does not match its piece run eagerly: "
+                    f"{type(e).__name__}: {e}; remove it with `cachebuild gc` or rebuild") from e
+        VERIFIED.add(key)
 
     def resolve(self, job: BuildJob) -> Any:
         """The callable for ``job``'s target: loaded, or built then loaded."""

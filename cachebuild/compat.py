@@ -64,3 +64,68 @@ def process_group_ranks(group_name: str) -> list[int]:
     from torch.distributed import distributed_c10d
 
     return dist.get_process_group_ranks(distributed_c10d._resolve_process_group(group_name))
+
+
+def source_name(source: Any) -> str:
+    """A Dynamo source's name (a property from torch 2.13, a method before)."""
+    name = source.name
+    return name() if callable(name) else name
+
+
+def mutated_sources() -> list[str] | None:
+    """Names of objects (or their attributes) that existed before the frame Dynamo is
+    tracing and that the frame leaves changed: its side effects. Called from a backend,
+    while the frame is traced; None where this torch does not let them be seen.
+
+    An attribute set during the frame and set back to the value it had (a flag raised
+    and lowered around a call) is no change.
+    """
+    try:
+        from torch._dynamo.symbolic_convert import InstructionTranslator
+
+        tx = InstructionTranslator.current_tx()
+        side_effects = tx.output.side_effects
+        variables = list(side_effects.id_to_variable.values())
+    except (ImportError, AttributeError):
+        return None
+    names = []
+    for variable in variables:
+        source = getattr(variable, "source", None)
+        if source is None:
+            continue  # created by the frame itself: part of what it returns
+        try:
+            modified = side_effects.is_modified(variable)
+        except AssertionError:
+            modified = True
+        if not modified:
+            continue
+        try:
+            name = source_name(source)
+        except NotImplementedError:
+            continue  # a temporary of the frame (TempLocalSource), not an object before it
+        changed = _changed_attributes(variable, side_effects.store_attr_mutations.get(variable))
+        if changed is None:
+            names.append(name)
+        else:
+            names += [f"{name}.{attr}" for attr in changed]
+    return names
+
+
+def _changed_attributes(variable: Any, pending: dict[str, Any] | None) -> list[str] | None:
+    """The attributes the frame sets on ``variable``'s object to another value than they
+    had (None where that cannot be told: not an attribute change)."""
+    obj = getattr(variable, "value", None)
+    if not pending or obj is None:
+        return None
+    missing = object()
+    changed = []
+    for name, value in pending.items():
+        try:
+            final = value.as_python_constant() if value.is_python_constant() else missing
+        except Exception:
+            final = missing
+        before = getattr(obj, name, missing)
+        if final is missing or before is missing or not (
+                before is final or (type(before) is type(final) and before == final)):
+            changed.append(name)
+    return changed

@@ -2,24 +2,33 @@
 
 An entry (store kind ``entry``, refs = its target keys) records the stitching graph, each
 piece (compiled pieces by graph and target keys, splitting-op pieces by graph), how each
-graph input is bound to the live model and call, the output structure, and the source
-files Dynamo traced with the hash of their syntax trees. Its key covers the model class,
-the CompileConfig, the backend and pass factors, parameter and buffer metadata (never
+graph input is bound to the live model and call, how to rebuild the output, the source
+files Dynamo traced with the hash of their syntax trees, and the guards: every value the
+trace read besides tensors (``guards.py``). Its key covers the model class (by its file,
+or by its code where it has no file), the model's config where it offers one, the
+CompileConfig, the backend and pass factors, parameter and buffer metadata (never
 values), the call's input metadata with the dynamic dims, and the environment.
+
+The recorded guards are the source of truth: an entry whose guards fail on the live model
+is not used, and the model's own entry is then looked for under a key derived from the
+failing entry's key and the live values (``variant_key``).
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from cachebuild.codehash import class_hash, sourceless_classes
 from cachebuild.config import CompileConfig
 from cachebuild.env import SCHEMA_VERSION, env_factors
 from cachebuild.fxjson import graph_to_data
+from cachebuild.guards import GuardSet
 from cachebuild.keys import make_key
 from cachebuild.split import SplitPlan
 from cachebuild.targets import Target, piece_data
@@ -49,6 +58,7 @@ class Entry:
     num_outputs: int
     source_files: dict[str, str]
     manifests: dict[str, dict[str, Any]]  # target key → its manifest, once per unique key
+    guards: list[list[Any]]  # GuardSet data: what the trace read besides tensors
 
     def target_keys(self) -> list[str]:
         keys: list[str] = []
@@ -59,6 +69,9 @@ class Entry:
     def targets(self) -> list[Target]:
         return [Target(t["key"], i, t["bucket"], self.manifests[t["key"]])
                 for i, p in enumerate(self.pieces) for t in p.targets]
+
+    def guard_set(self) -> GuardSet:
+        return GuardSet.from_data(self.guards)
 
     def stale_files(self) -> list[str]:
         """Traced files whose code changed (or vanished) since the entry was recorded."""
@@ -89,7 +102,9 @@ def _tensor_table(items: Any) -> list[list[Any]]:
 
 
 def model_factor(model: torch.nn.Module) -> dict[str, Any]:
-    """The model class by name and by the syntax tree of the file defining it.
+    """The model class by name and by the syntax tree of the file defining it, and the
+    code of every module class that has no source file (defined in ``python -c``, through
+    ``exec`` or in a notebook), by what its code objects contain.
 
     Not by module name: the same file is ``__main__`` in a server and something else when
     ``cachebuild warm`` imports it, and both must find one entry.
@@ -97,9 +112,52 @@ def model_factor(model: torch.nn.Module) -> dict[str, Any]:
     cls = type(model)
     try:
         source = inspect.getsourcefile(cls)
-    except TypeError:
+    except (OSError, TypeError):
         source = None
-    return {"class": cls.__qualname__, "source": ast_hash(source) if source else None}
+    factor: dict[str, Any] = {"class": cls.__qualname__,
+                              "source": ast_hash(source) if source else None}
+    code = {c.__qualname__: class_hash(c) for c in sourceless_classes(model)}
+    if code:
+        factor["code"] = code
+    return factor
+
+
+#: Config fields that say where a config came from, not what the model computes.
+_PROVENANCE = ("transformers_version", "_name_or_path", "name_or_path", "_commit_hash")
+
+
+def config_factor(model: torch.nn.Module) -> dict[str, Any]:
+    """Every config object the model's modules hold (a Hugging Face ``config``, anything
+    with ``to_dict()``), by the module path holding it first: ``{"hf.config": {...}}``."""
+    found: dict[str, Any] = {}
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        config = module.__dict__.get("config")
+        to_dict = getattr(config, "to_dict", None)
+        if config is None or id(config) in seen or not callable(to_dict):
+            continue
+        seen.add(id(config))
+        try:
+            values = to_dict()
+        except Exception:
+            continue
+        found[f"{name}.config" if name else "config"] = {
+            k: _config_value(v) for k, v in sorted(values.items()) if k not in _PROVENANCE}
+    return found
+
+
+def _config_value(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {str(k): _config_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_config_value(v) for v in value]
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (torch.dtype, torch.device)):
+        return str(value)
+    return f"<{type(value).__qualname__}>"  # no repr: it may hold an address
 
 
 def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: dict[int, int],
@@ -116,6 +174,7 @@ def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: d
     return {
         "schema": SCHEMA_VERSION,
         "model": model_factor(model),
+        "model_config": config_factor(model),
         "config": config.factors(),
         "targets": target_factors,
         "params": _tensor_table(model.named_parameters(remove_duplicate=False)),
@@ -127,7 +186,8 @@ def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: d
 
 
 def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,
-               targets: dict[int, list[Target]]) -> Entry:
+               targets: dict[int, list[Target]], key: str | None = None) -> Entry:
+    """The entry of a trace, stored under ``key`` (default: the key of ``factors``)."""
     pieces = [
         PieceRecord(
             name=p.name,
@@ -141,7 +201,7 @@ def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,
         for p in plan.pieces
     ]
     return Entry(
-        key=make_key(factors),
+        key=key or make_key(factors),
         factors=factors,
         bindings=[b.to_data() for b in traced.bindings],
         input_metas=[m.to_data() for m in traced.input_metas],
@@ -151,4 +211,12 @@ def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,
         num_outputs=traced.num_outputs,
         source_files=traced.source_files,
         manifests={t.key: t.manifest for ts in targets.values() for t in ts},
+        guards=[g.to_data() for g in traced.guards],
     )
+
+
+def variant_key(key: str, values: list[Any]) -> str:
+    """Where the entry of a model lives whose values differ from those the entry at ``key``
+    was traced with: derived from that key and the live values of its guards, so every
+    process with the same model finds it without tracing."""
+    return make_key({"variant_of": key, "guards": values})

@@ -18,7 +18,7 @@ import torch
 from cachebuild import compat
 
 #: Bumped whenever the layout of an artifact or an entry changes incompatibly.
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: entries keep guards, output recipes, config and code factors
 
 
 @functools.cache

@@ -1,11 +1,16 @@
-"""Why a target is missing: the nearest stored manifest and the factors that differ."""
+"""Why a target or an entry is missing: the nearest stored one and what differs.
+
+For an entry that is the factors of its key (a config value: ``config.rms_norm_eps:
+1e-06 → 1e-05``) and the values its trace read, checked on the live model
+(``layers.0.mlp.act_fn: SiLU → GELUActivation``).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-from cachebuild.keys import Difference, diff_manifests
+from cachebuild.keys import MISSING, Difference, canonical_json, diff_manifests
 from cachebuild.targets import bucket_label
 
 
@@ -62,3 +67,37 @@ def explain(wanted: dict[str, Any], stored: list[tuple[str, dict[str, Any]]]) ->
 
 def label(target: Any) -> str:
     return f"piece {target.piece} {bucket_label(target.bucket)}"
+
+
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, (dict, list)) or value is MISSING:
+        return "absent" if value is MISSING else canonical_json(value)[:60]
+    return str(value)
+
+
+def describe_entry(d: Difference) -> list[str]:
+    """An entry factor that differs, in words: ``hf.config.rms_norm_eps: 1e-06 → 1e-05``."""
+    if d.path.startswith("model_config."):
+        return [f"{d.path.removeprefix('model_config.')}: {_value(d.old)} → {_value(d.new)}"]
+    if d.path.startswith("model.code"):
+        return [f"the code of {d.path.removeprefix('model.code.') or 'a class'} changed"]
+    return describe(d)
+
+
+def nearest_entry(factors: dict[str, Any], records: list[Any]) -> tuple[str, list[str]] | None:
+    """The stored entry of the same model class whose key factors differ least from
+    ``factors``, with those differences in words (None if there is none)."""
+    best: tuple[int, str, list[Difference]] | None = None
+    for record in records:
+        manifest = record.manifest or {}
+        if record.kind != "entry" or manifest.get("model", {}).get("class") != \
+                factors["model"]["class"]:
+            continue
+        diffs = diff_manifests(manifest, factors)
+        if best is None or len(diffs) < best[0]:
+            best = (len(diffs), record.key, diffs)
+    if best is None:
+        return None
+    return best[1], [r for d in best[2] for r in describe_entry(d)]

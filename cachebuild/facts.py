@@ -33,7 +33,7 @@ class InputMeta:
     ``"64*s0"``) for dims that follow the dynamic dim.
     """
 
-    kind: str  # "tensor" | "symint" | "int"
+    kind: str  # "tensor" | "symint" | "int" | "float"
     dtype: str | None = None
     shape: tuple[int | str, ...] = ()
     stride: tuple[int | str, ...] = ()
@@ -82,6 +82,8 @@ def meta_of(value: Any) -> InputMeta:
         return InputMeta(kind="symint", shape=(_dim(value),))
     if isinstance(value, int):
         return InputMeta(kind="int", shape=(value,))
+    if isinstance(value, (float, torch.SymFloat)):
+        return InputMeta(kind="float")  # a scalar the torch.compile front door bakes in
     raise UsageError(f"unsupported graph input of type {type(value).__name__}")
 
 

@@ -77,13 +77,13 @@ def load_spec(path: str | Path) -> ModelSpec:
 
 
 def entry_key(path: str | Path, store: Store) -> str:
-    """The entry key of the model MODEL.py defines, from its spec alone (no tracing)."""
+    """The key of the entry that serves the model MODEL.py defines (the one whose guards
+    hold on it, among the variants stored), from its spec alone: no tracing."""
     from cachebuild.api import Planner
 
     spec = load_spec(path)
     planner = Planner(spec.model, spec.config, spec.dynamic_dims, store)
-    key, _ = planner.entry_key(spec.example_inputs)
-    return key
+    return planner.lookup(spec.example_inputs).key
 
 
 def stored_entry_key(path: str | Path, store: Store) -> str:

@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.utils._pytree as pytree
 
+from cachebuild import weights
 from cachebuild.build import Builder, BuildJob
 from cachebuild.config import CompileConfig
 from cachebuild.cudagraphs import (
@@ -37,8 +37,10 @@ from cachebuild.errors import UsageError
 from cachebuild.fxjson import data_to_module
 from cachebuild.inputs import CallCheck, LayoutGuard, same_layout
 from cachebuild.keys import canonical_json
+from cachebuild.outputs import output_builder
 from cachebuild.targets import canonical_graph
 from cachebuild.trace import Binding, InputMeta
+from cachebuild.verify import verify_on_load
 
 #: At most this many artifacts load at once (loading is mostly I/O and dlopen); the
 #: environment's ``CACHEBUILD_LOAD_THREADS`` overrides it (1: load in the calling thread,
@@ -128,6 +130,8 @@ def resolve_all(entry: Entry, builder: Builder, model_path: str | None = None,
     for key, fn in loaded.items():
         if fn is None:
             loaded[key] = builder.resolve(jobs[key])
+        elif verify_on_load():
+            builder.check_loaded(jobs[key], fn)
     return loaded
 
 
@@ -244,8 +248,9 @@ class ModelRuntime:
         self.dynamic_dims = dict(dynamic_dims)
         self.bindings = [Binding.from_data(b) for b in entry.bindings]
         self.metas = [InputMeta.from_data(m) for m in entry.input_metas]
-        self.spec = pytree.treespec_loads(entry.out_spec)
+        self.make_output = output_builder(entry.out_spec)
         self._warned_eager = False
+        weights.watch(model, [b.path for b in self.bindings if b.kind in ("param", "buffer")])
         self.rebind()
 
     def rebind(self) -> None:
@@ -254,6 +259,7 @@ class ModelRuntime:
         Each is checked against what the compiled pieces were built for (device, dtype,
         shape, layout): they read it by pointer.
         """
+        self._generation = weights.generation()
         self._template: list[Any] = []
         for b, m in zip(self.bindings, self.metas, strict=True):
             if b.kind in ("param", "buffer"):
@@ -351,7 +357,24 @@ class ModelRuntime:
                 return unpad_outputs(out, padded, size)
         return self._call(*args)
 
+    def _rebind_if_replaced(self) -> None:
+        """Use weights that replaced the model's tensors since the last call. Captured
+        graphs hold the old tensors: with any captured, a replaced weight is an error."""
+        before = self._template
+        self.rebind()
+        moved = weights.replaced(before, self._template)
+        if moved and self.captured_sizes:
+            self._template = before
+            self._generation = -1  # refuse again at the next call
+            names = [self.bindings[i].path for i in moved[:3]]
+            raise UsageError(
+                f"{', '.join(map(str, names))} were replaced by new tensors after graph capture, "
+                "which still reads the old ones: copy new weights in place "
+                "(load_state_dict, param.data.copy_) or compile the model again")
+
     def _call(self, *args: Any) -> Any:
+        if self._generation != weights.GENERATION[0]:
+            self._rebind_if_replaced()
         if self.whole is not None:
             return self.whole(*args)
         return self._forward(*args)
@@ -360,8 +383,7 @@ class ModelRuntime:
         flat = list(self._template)  # weights and constants in place; fill in the call
         for position, b in self._from_call:
             flat[position] = args[b.arg] if b.kind == "arg" else args[b.arg].shape[b.dim]
-        out = self._run_stitched(*flat)
-        return pytree.tree_unflatten(list(out), self.spec)
+        return self.make_output(self._run_stitched(*flat))
 
 
 def _check_weight(binding: Binding, tensor: torch.Tensor, meta: InputMeta,

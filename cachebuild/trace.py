@@ -10,7 +10,11 @@ stored graph from a live model, with no Dynamo.
 from __future__ import annotations
 
 import ast
+import inspect
 import os
+import re
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,11 +22,14 @@ import torch
 import torch.fx as fx
 import xxhash
 
+from cachebuild.codehash import code_objects as code_objects_of
+from cachebuild.codehash import has_source_file, sourceless_classes
 from cachebuild.errors import UsageError
 from cachebuild.facts import SYMBOL, InputMeta, meta_of, torch_dir
+from cachebuild.guards import GuardRecord, GuardSet
+from cachebuild.outputs import output_recipe
+from cachebuild.weights import hooks_hidden
 
-__all__ = ["Binding", "InputMeta", "TracedGraph", "ast_hash", "check_dynamic_dims", "meta_of",
-           "trace_model"]
 
 @dataclass(frozen=True)
 class Binding:
@@ -53,9 +60,11 @@ class TracedGraph:
     bindings: list[Binding]
     input_metas: list[InputMeta]
     source_files: dict[str, str]
-    out_spec: str
+    out_spec: str  # how to rebuild the model's output (``outputs.output_recipe``)
     num_outputs: int
     fake_inputs: list[Any] = field(default_factory=list)
+    guards: list[GuardRecord] = field(default_factory=list)  # what the trace read
+    unrecordable: str | None = None  # why no entry may be stored for this trace
 
 
 def ast_hash(path: str) -> str | None:
@@ -69,11 +78,12 @@ def ast_hash(path: str) -> str | None:
         ast.dump(tree, annotate_fields=False, include_attributes=False).encode())
 
 
-def _traced_files(code_objects: list[Any]) -> dict[str, str]:
-    """Files whose code Dynamo traced, outside torch itself (its version is in every key)."""
+def _traced_files(code_objects: list[Any], more: Sequence[str] = ()) -> dict[str, str]:
+    """Files whose code Dynamo traced (and ``more``), outside torch itself (its version is
+    in every key)."""
     files: dict[str, str] = {}
-    for code in code_objects:
-        path = os.path.abspath(code.co_filename)
+    for path in [code.co_filename for code in code_objects] + list(more):
+        path = os.path.abspath(path)
         if path in files or path.startswith(torch_dir()) or not os.path.isfile(path):
             continue
         digest = ast_hash(path)
@@ -134,15 +144,80 @@ def check_dynamic_dims(args: list[Any], dynamic_dims: dict[int, int]) -> None:
         raise UsageError("a dynamic dim of size 0 cannot be traced: call with at least one token")
 
 
+def _dynamic_symbols(fake_inputs: list[Any], bindings: list[Binding],
+                     dynamic_dims: dict[int, int], shape_env: Any) -> set[Any]:
+    """The symbols of the dynamic dims in the traced graph: they all stand for the token
+    count (the dims have one size), including those Dynamo replaced by another."""
+    found = set()
+    for value, b in zip(fake_inputs, bindings, strict=True):
+        if b.kind == "arg" and b.arg in dynamic_dims and isinstance(value, torch.Tensor):
+            size = value.shape[dynamic_dims[b.arg]]
+            if isinstance(size, torch.SymInt):
+                found |= size.node.expr.free_symbols
+    for symbol, replacement in shape_env.replacements.items():
+        if replacement.free_symbols & found:
+            found.add(symbol)
+    return found
+
+
+def check_shape_guards(guards: list[Any], symbols: set[Any],
+                       compile_ranges: Sequence[tuple[int, int]], traced_at: int) -> None:
+    """Raise UsageError if a symbolic-shape guard of the trace fails at a size of a range.
+
+    Such a guard is a branch of the forward on the token count (a sliding window, a
+    special case for short inputs): the one traced graph is only right on its side.
+    ``symbols`` all stand for the token count.
+    """
+    import sympy
+
+    for guard in guards:
+        if not guard.free_symbols & symbols:
+            continue
+        if guard.free_symbols - symbols:
+            raise UsageError(f"the traced forward depends on sizes other than the token count "
+                             f"({guard}): mark only the token dim dynamic")
+        for lo, hi in compile_ranges:
+            failing = [n for n in range(lo, hi + 1) if not bool(
+                guard.xreplace({s: sympy.Integer(n) for s in symbols}))]
+            if failing:
+                bad = min(failing, key=lambda n: abs(n - traced_at))  # where the branch flips
+                text = str(guard)
+                for s in symbols:
+                    text = re.sub(rf"\b{s}\b", "T", text)
+                raise UsageError(
+                    f"the model's forward takes another branch at size {bad} than at {traced_at} "
+                    f"(it holds only where {text}), and compile range ({lo}, {hi}) holds both: "
+                    f"keep every compile range on one side of that size")
+
+
 def trace_model(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
-                dynamic_dims: dict[int, int]) -> TracedGraph:
+                dynamic_dims: dict[int, int],
+                compile_ranges: Sequence[tuple[int, int]] = ()) -> TracedGraph:
+    """See ``_trace``: the same, with cachebuild's own weight hooks out of the way (Dynamo
+    would record them as globals the trace read)."""
+    with hooks_hidden():
+        return _trace(model, args, dynamic_dims, compile_ranges)
+
+
+def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
+           dynamic_dims: dict[int, int], compile_ranges: Sequence[tuple[int, int]]) -> TracedGraph:
     """Run Dynamo once over ``model(*args)`` and capture its whole forward as one graph.
 
     The dims in ``dynamic_dims`` (argument index → dim) are traced symbolically. Raises
-    UsageError if the forward does not trace into one graph.
+    UsageError if the forward does not trace into one graph, changes objects that existed
+    before the call (cachebuild replays no side effects), or branches on the token count
+    inside one of ``compile_ranges``. What the trace read besides tensors comes back as
+    ``guards``; a trace that cannot be checked without Dynamo says why in ``unrecordable``.
     """
     import torch._dynamo
-    import torch.utils._pytree as pytree
+
+    from cachebuild import compat
+    from cachebuild.guard_export import (
+        Collected,
+        Unrecordable,
+        environment_records,
+        records_from,
+    )
 
     args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
     check_dynamic_dims(args, dynamic_dims)
@@ -162,12 +237,21 @@ def trace_model(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         captured["inputs"] = list(example_inputs)
         context = torch._guards.TracingContext.try_get()
         captured["code"] = list(context.traced_code) if context is not None else []
-        return gm.forward
+        captured["fake_mode"] = torch._guards.detect_fake_mode(example_inputs)
+        captured["mutated"] = compat.mutated_sources()
 
+        def run(*inputs: Any) -> Any:
+            captured["outputs"] = out = gm.forward(*inputs)
+            return out
+
+        return run
+
+    collected = Collected()
     # A fresh Dynamo state: an earlier trace of the same code would otherwise be reused
     # from Dynamo's own cache and never reach our backend.
     torch._dynamo.reset()
-    compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=False)
+    compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=False,
+                             options={"guard_filter_fn": collected})
     try:
         with torch.no_grad():
             output = compiled(*args)
@@ -176,20 +260,108 @@ def trace_model(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     finally:
         torch._dynamo.reset()
 
+    if captured["mutated"]:
+        raise UsageError(
+            f"the model's forward changes {', '.join(captured['mutated'][:3])}, which existed "
+            "before the call; cachebuild replays no side effects: keep such state out of "
+            "forward, or use torch.compile(model, backend=cachebuild.backend(...))")
     gm: fx.GraphModule = captured["gm"]
     inputs = captured["inputs"]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    metas = [meta_of(n.meta.get("example_value", v)) for n, v in zip(placeholders, inputs, strict=True)]
-    leaves, spec = pytree.tree_flatten(output)
+    fakes = [n.meta.get("example_value", v) for n, v in zip(placeholders, inputs, strict=True)]
+    metas = [meta_of(f) for f in fakes]
     num_outputs = len(next(iter(n for n in gm.graph.nodes if n.op == "output")).args[0])
-    if len(leaves) != num_outputs:
-        raise UsageError("the model's output is not a plain structure of the graph's outputs")
+    bindings = _bind(model, args, inputs, dynamic_dims)
+
+    shape_env = getattr(captured["fake_mode"], "shape_env", None)
+    if shape_env is not None and dynamic_dims:
+        traced_at = args[min(dynamic_dims)].shape[dynamic_dims[min(dynamic_dims)]]
+        check_shape_guards([g.expr for g in shape_env.guards],
+                           _dynamic_symbols(fakes, bindings, dynamic_dims, shape_env), compile_ranges,
+                           traced_at)
+
+    bound = {id(v) for v, b in zip(inputs, bindings, strict=True) if b.kind != "const"}
+    guards: list[GuardRecord] = []
+    generated_from: list[str] = []
+    if captured["mutated"] is None:
+        unrecordable = "this torch does not show Dynamo's side effects, so none can be ruled out"
+    else:
+        unrecordable = None
+        try:
+            guards = records_from(collected, model, args, bound)
+            guards += environment_records(guards, captured["code"], model, args)
+            unrecordable, generated_from = _unkeyed_code(model, captured["code"])
+        except Unrecordable as e:
+            unrecordable = str(e)
+    if unrecordable is None:
+        wrong = GuardSet.of(guards).mismatches(model, args)
+        if wrong:
+            unrecordable = f"{wrong[0].describe()} right after tracing"
     return TracedGraph(
         gm=gm,
-        bindings=_bind(model, args, inputs, dynamic_dims),
+        bindings=bindings,
         input_metas=metas,
-        source_files=_traced_files(captured["code"]),
-        out_spec=pytree.treespec_dumps(spec),
+        source_files=_traced_files(captured["code"], generated_from),
+        out_spec=output_recipe(output, list(captured.get("outputs", ()))),
         num_outputs=num_outputs,
-        fake_inputs=[n.meta.get("example_value") for n in placeholders],
+        fake_inputs=fakes,
+        guards=guards,
+        unrecordable=unrecordable,
     )
+
+
+def _unkeyed_code(model: torch.nn.Module, code_objects: list[Any]) -> tuple[str | None, list[str]]:
+    """Why the entry cannot cover all traced code (None if it can), and the files that
+    cover generated code.
+
+    Code from files is checked by its file's hash. Code with no file is covered where it
+    belongs to a class of the model's modules (whose code is hashed into the key), or
+    where a class with a source file generated it (a dataclass ``__init__``): that class's
+    file is then checked too. Frozen standard-library code comes with the Python version.
+    """
+    sourceless = [c for c in code_objects
+                  if not has_source_file(c) and not c.co_filename.startswith("<frozen ")]
+    if not sourceless:
+        return None, []
+    known = {id(c) for cls in sourceless_classes(model) for c in code_objects_of(cls)}
+    sourceless = [c for c in sourceless if id(c) not in known]
+    if not sourceless:
+        return None, []
+    files = []
+    owners = _defining_classes(sourceless)
+    for code in sourceless:
+        cls = owners.get(id(code))
+        path = _source_file(cls) if cls is not None else None
+        if path is None:
+            name = getattr(code, "co_qualname", code.co_name)
+            return (f"traced code {name} ({code.co_filename}) has no source file and belongs "
+                    "to no class of the model"), []
+        files.append(path)
+    return None, files
+
+
+def _defining_classes(codes: list[Any]) -> dict[int, type]:
+    """For code objects of methods, the class that holds the function (one scan of the
+    heap for all of them: a function is the only thing that refers to its code)."""
+    import gc
+
+    wanted = {id(c) for c in codes}
+    found: dict[int, type] = {}
+    for fn in gc.get_referrers(*codes):
+        code = getattr(fn, "__code__", None)
+        if code is None or id(code) not in wanted:
+            continue
+        owner: Any = sys.modules.get(getattr(fn, "__module__", None) or "")
+        for part in fn.__qualname__.split(".")[:-1]:
+            owner = getattr(owner, part, None)
+        if isinstance(owner, type):
+            found[id(code)] = owner
+    return found
+
+
+def _source_file(cls: type) -> str | None:
+    try:
+        path = inspect.getsourcefile(cls)
+    except (OSError, TypeError):
+        return None
+    return os.path.abspath(path) if path and os.path.isfile(path) else None

@@ -141,3 +141,56 @@ def test_torch_compile_aoti_loads_what_cachebuild_compile_built():
         models.assert_matches_eager(compiled, model, models.inputs(size))
     delta = models.counters_delta(before, cachebuild.stats())
     assert delta["built"] == 0 and delta["unique"] == 3
+
+
+# -- the torch.compile front door takes what Dynamo gives ---------------------------------
+
+def test_dynamic_true_with_unspecialised_floats(tmp_path):
+    """``dynamic=True`` passes module floats (RMSNorm epsilons) as 0-d tensors read with
+    ``.item()``; a piece built on one failed with DataDependentOutputException. They are
+    baked in per value, and another value gets its own build."""
+    model = models.make(models.Decoder, layers=2)
+    store = LocalStore(tmp_path / "store")
+    compiled = torch.compile(model, backend=cachebuild.backend(models.config(), store=store),
+                             dynamic=True)
+    for size in (5, 9, 17):
+        models.assert_matches_eager(compiled, model, models.inputs(size))
+    built = cachebuild.stats()["built"]
+    for norm in (model.layers[0].input_norm, model.layers[1].post_norm):
+        norm.eps = 0.5  # same frame, same guards: the values arrive at the call
+    models.assert_matches_eager(compiled, model, models.inputs(6))
+    assert cachebuild.stats()["built"] > built
+
+
+def test_guard_failure_recompiles_into_new_targets(tmp_path):
+    model = models.make(models.Decoder, layers=2)
+    store = LocalStore(tmp_path / "store")
+    compiled = torch_compiled(model, models.config(), store, mark_dynamic=True)
+    models.assert_matches_eager(compiled, model, models.inputs(7))
+    model.layers[1].input_norm.eps = 0.5  # a guarded constant: Dynamo compiles again
+    before = cachebuild.stats()
+    models.assert_matches_eager(compiled, model, models.inputs(7))
+    models.assert_matches_eager(compiled, model, models.inputs(12))
+    assert models.counters_delta(before, cachebuild.stats())["built"] >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavour", ["auto", "aoti"])
+def test_inductor_recompile_for_a_new_shape_on_an_empty_store(tmp_path, flavour):
+    """Llama at 1×37, then 1×8 (Dynamo recompiles with a dynamic dim): under ``auto`` it
+    raised "Guard failed on the same frame it was created", under ``aoti`` "Constraints
+    violated", because pieces were exported inside Dynamo's compile."""
+    import hf_families
+
+    family = hf_families.FAMILIES["llama"]
+    model = family.model().hf  # the transformers model itself: [1, T] in, a ModelOutput out
+    config = cachebuild.CompileConfig(splitting_ops=(hf_families.SDPA,),
+                                      compile_ranges=((1, 64),), backend="inductor",
+                                      flavour=flavour)
+    compiled = torch.compile(model, backend=cachebuild.backend(
+        config, store=LocalStore(tmp_path / "store")))
+    with torch.no_grad():
+        for tokens in (37, 8, 20):
+            ids = hf_families.ids(tokens)[0][None]
+            hf_families.assert_close(compiled(input_ids=ids, use_cache=False).logits,
+                                     model(input_ids=ids, use_cache=False).logits)

@@ -32,7 +32,7 @@ from rich.table import Table
 from cachebuild.cli.common import open_store, state_of
 
 if TYPE_CHECKING:
-    from cachebuild.api import ModelSpec, Planner
+    from cachebuild.api import Lookup, ModelSpec, Planner
     from cachebuild.build import BuildJob
     from cachebuild.entry import Entry
     from cachebuild.store.base import Store
@@ -70,6 +70,7 @@ class Planned:
     planner: Planner
     entry: Entry
     why: str  # "fresh" when the stored entry was used, else why the model was traced
+    found: Lookup  # what the lookup of the stored entry found
 
 
 def plan_model(ctx: click.Context, path: str, device: str | None = None) -> Planned:
@@ -80,11 +81,12 @@ def plan_model(ctx: click.Context, path: str, device: str | None = None) -> Plan
     spec = _spec_on(load_spec(path), device)
     store = open_store(ctx)
     planner = Planner(spec.model, spec.config, spec.dynamic_dims, store)
-    entry, why = planner.stored_entry(spec.example_inputs)
+    found = planner.lookup(spec.example_inputs)
+    entry = found.entry
     if entry is None:
-        _console().print(f"tracing {Path(path).name} ({why})")
-        entry = planner.trace(spec.example_inputs)
-    return Planned(spec, planner, entry, why)
+        _console().print(f"tracing {Path(path).name} ({found.why})")
+        entry = planner.trace(spec.example_inputs, found)
+    return Planned(spec, planner, entry, found.why, found)
 
 
 # -- building in worker processes ------------------------------------------------------
@@ -202,8 +204,9 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
 
             build_jobs(missing, workers, str(Path(model).resolve()), state_of(ctx).options,
                        done)
-    if planned.why != "fresh":
-        planned.planner.record(planned.entry)
+    if planned.why != "fresh" and not planned.planner.record(planned.entry):
+        console.print(f"[yellow]no entry recorded[/yellow] (no warm start without Dynamo): "
+                      f"{planned.planner.unrecordable}")
     for job, error in failures:
         console.print(f"[red]failed[/red] {label(job.target)} key {job.target.key}: {error}")
     console.print(
@@ -283,10 +286,11 @@ def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
 
     planned = plan_model(ctx, model, device)
     store = planned.planner.store
-    # A shared tier's manifests explain too.
-    stored = [(r.key, r.manifest) for r in store.records(shared=True)
-              if r.kind != "entry" and r.manifest]
+    records = list(store.records(shared=True))  # a shared tier's manifests explain too
+    stored = [(r.key, r.manifest) for r in records if r.kind != "entry" and r.manifest]
     console = Console()
+    if planned.why != "fresh":
+        _explain_entry(planned, records, console)
     missing = 0
     seen: set[str] = set()
     for t in planned.entry.targets():
@@ -299,6 +303,30 @@ def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
         console.print(f"{label(t)} ({t.key[:16]}) missing; {nearest}: " + "; ".join(why.reasons))
     if not missing:
         console.print("every target is stored")
+
+
+def _explain_entry(planned: Planned, records: list[Any], console: Console) -> None:
+    """Why the model's entry was not used: the values its trace read that differ now, or
+    the nearest stored entry of the same class and what differs from it."""
+    from cachebuild.entry import Entry
+    from cachebuild.explain import nearest_entry
+
+    found = planned.found
+    head = f"entry {found.key[:16]} not used ({found.why.split(':')[0]})"
+    if found.mismatches:
+        console.print(f"{head}: " + "; ".join(m.describe() for m in found.mismatches))
+        return
+    nearest = nearest_entry(found.factors, records)
+    if nearest is None:
+        console.print(f"{head}; no stored entry of {found.factors['model']['class']}")
+        return
+    key, reasons = nearest
+    data = planned.planner.store.get(key)
+    if data is not None:
+        spec = planned.spec
+        reasons += [m.describe() for m in Entry.from_bytes(data).guard_set().mismatches(
+            spec.model, spec.example_inputs)]
+    console.print(f"{head}; nearest entry {key[:16]}: " + "; ".join(reasons or ["identical"]))
 
 
 COMMANDS = (warm_command, plan_command, explain_command)

@@ -1,0 +1,132 @@
+"""Hashes of code that has no source file: a class defined in ``python -c``, through
+``exec`` or in a notebook cell.
+
+Such code cannot be checked by hashing its file, so it is keyed by what its code objects
+contain: bytecode, constants (nested code objects recursively), names, and the defaults of
+its functions. Two classes hash equal exactly when they run the same bytecode on the same
+constants.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import types
+from typing import Any
+
+import xxhash
+
+
+def has_source_file(obj: Any) -> bool:
+    """True if ``obj`` (a class, function or code object) comes from a file on disk."""
+    if isinstance(obj, types.CodeType):
+        return os.path.isfile(obj.co_filename)
+    try:
+        path = inspect.getsourcefile(obj)
+    except (OSError, TypeError):
+        return False
+    return bool(path) and os.path.isfile(path)
+
+
+@functools.lru_cache(maxsize=4096)
+def _class_has_source_file(cls: type) -> bool:
+    return has_source_file(cls)
+
+
+def _const(value: Any, h: Any) -> None:
+    if isinstance(value, types.CodeType):
+        _code(value, h)
+    elif isinstance(value, (frozenset, set)):
+        h.update(b"set(")
+        for r in sorted(repr(v) for v in value):  # string hashes vary per process
+            h.update(r.encode())
+        h.update(b")")
+    elif isinstance(value, tuple):
+        h.update(b"(")
+        for v in value:
+            _const(v, h)
+        h.update(b")")
+    else:
+        h.update(f"{type(value).__name__}:{value!r};".encode())
+
+
+def _code(code: types.CodeType, h: Any) -> None:
+    h.update(code.co_code)
+    for names in (code.co_names, code.co_varnames, code.co_freevars, code.co_cellvars):
+        h.update(repr(names).encode())
+    h.update(repr((code.co_argcount, code.co_kwonlyargcount, code.co_flags)).encode())
+    for value in code.co_consts:
+        _const(value, h)
+
+
+_CODE_HASHES: dict[int, tuple[types.CodeType, str]] = {}
+
+
+def code_hash(code: types.CodeType) -> str:
+    """Hash of what one code object contains (cached per object for this process)."""
+    known = _CODE_HASHES.get(id(code))
+    if known is not None and known[0] is code:
+        return known[1]
+    h = xxhash.xxh3_128()
+    _code(code, h)
+    digest = h.hexdigest()
+    _CODE_HASHES[id(code)] = (code, digest)
+    return digest
+
+
+def code_objects(cls: type) -> list[types.CodeType]:
+    """The code objects of a class's own functions (methods, static and class methods,
+    properties), nested code included."""
+    out: list[types.CodeType] = []
+
+    def add(code: types.CodeType) -> None:
+        out.append(code)
+        for c in code.co_consts:
+            if isinstance(c, types.CodeType):
+                add(c)
+
+    for value in vars(cls).values():
+        for fn in _functions(value):
+            add(fn.__code__)
+    return out
+
+
+def _functions(value: Any) -> list[types.FunctionType]:
+    if isinstance(value, (staticmethod, classmethod)):
+        value = value.__func__
+    if isinstance(value, property):
+        return [f for f in (value.fget, value.fset, value.fdel) if isinstance(f, types.FunctionType)]
+    return [value] if isinstance(value, types.FunctionType) else []
+
+
+def class_hash(cls: type) -> str:
+    """Hash of a class's code: every function defined in its body (in name order), their
+    defaults, and the plain class attributes."""
+    h = xxhash.xxh3_128()
+    h.update(cls.__qualname__.encode())
+    for name in sorted(vars(cls)):
+        value = vars(cls)[name]
+        h.update(f"|{name}=".encode())
+        functions = _functions(value)
+        if functions:
+            for fn in functions:
+                _code(fn.__code__, h)
+                _const(fn.__defaults__ or (), h)
+        elif isinstance(value, (int, float, str, bytes, bool, type(None), tuple, frozenset)):
+            _const(value, h)
+        else:
+            h.update(type(value).__qualname__.encode())
+    return h.hexdigest()
+
+
+def sourceless_classes(model: Any) -> list[type]:
+    """The classes of ``model``'s modules (and their bases) that have no source file, in a
+    stable order."""
+    classes = dict.fromkeys(type(m) for m in model.modules())
+    seen: dict[type, None] = {}
+    for module_class in classes:
+        for cls in module_class.__mro__:
+            if cls not in seen and cls.__module__ != "builtins" and not _class_has_source_file(cls):
+                seen[cls] = None
+    return list(seen)

@@ -1,0 +1,460 @@
+"""What a trace read besides tensors, checked again with plain Python.
+
+Dynamo bakes the Python values it reads while tracing (module attributes, config fields,
+globals, environment variables) into the graph and guards them. A warm start skips Dynamo,
+so an entry keeps those guards as ``GuardRecord``s: a path from a root (the model, a call
+argument, a module's globals, the process) to a value, a check, and the fingerprint the
+check gave at trace time. ``GuardSet.mismatches`` evaluates them on the live model with
+attribute and item reads only, sharing every common path prefix, and names each value
+that differs ("layers.0.mlp.act_fn: SiLU → GELUActivation").
+
+This module must stay importable and runnable without ``torch._dynamo``: it is the warm
+path. Turning Dynamo's guards into records is ``guard_export.py``'s job.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import sys
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cachebuild.codehash import code_hash
+from cachebuild.weights import hooks_hidden
+
+#: A path step: ``["attr", name]``, ``["item", key]``, ``["nthkey", i]`` (the i-th key of a
+#: dict), ``["itemkey", i]`` (the value under it), ``["type"]``, ``["dict"]`` (a copy as a
+#: plain dict). A path starts at a root: ``["model"]``, ``["arg", i]`` (positional
+#: call argument i), ``["varargs", i]`` (a forward wrapper's ``*args``: the module and the
+#: arguments, from position i), ``["kwargs"]`` (always empty), ``["module", name]``,
+#: ``["env", name]`` (an environment variable, None if unset) or ``["state", name]``
+#: (process-wide torch state such as the default dtype).
+Step = list[Any]
+
+#: The fingerprint of a path that does not resolve (an attribute that is not there).
+MISSING = {"missing": True}
+
+
+class Unplain(ValueError):
+    """A value with no plain, process-independent form."""
+
+
+# -- plain values ----------------------------------------------------------------------
+
+def plain(value: Any) -> Any:
+    """``value`` as JSON data that is equal in every process where it is equal.
+
+    Raises Unplain for objects compared by identity or by an ``__eq__`` we cannot see.
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return {"float": repr(value)}
+    if isinstance(value, bytes):
+        return {"bytes": value.hex()}
+    if isinstance(value, enum.Enum):
+        return {"enum": f"{qualname(type(value))}.{value.name}"}
+    if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
+        return {"torch": str(value)}
+    if isinstance(value, (list, tuple)):
+        return {type(value).__name__: [plain(v) for v in value]}
+    if isinstance(value, (set, frozenset)):
+        return {"set": sorted((plain(v) for v in value), key=repr)}
+    if isinstance(value, dict) and type(value) in (dict,):
+        return {"dict": [[plain(k), plain(v)] for k, v in value.items()]}
+    raise Unplain(f"{type(value).__name__} has no plain value")
+
+
+def qualname(obj: Any) -> str:
+    """``module.QualName`` of a class or function."""
+    module = getattr(obj, "__module__", None) or ""
+    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
+    return f"{module}.{name}" if module else name
+
+
+def identity(value: Any) -> Any:
+    """What an identity check (Dynamo's ID_MATCH) compares, in a form that holds across
+    processes: a module, class or function by its qualified name, a builtin by name, an
+    enum member, a singleton or plain constant by value. Raises Unplain otherwise."""
+    if isinstance(value, types.ModuleType):
+        return {"module": value.__name__}
+    if isinstance(value, type):
+        return {"class": qualname(value)}
+    if isinstance(value, types.FunctionType):
+        return {"function": qualname(value), "code": code_hash(value.__code__)}
+    if isinstance(value, types.CodeType):
+        return {"code": code_hash(value)}
+    if isinstance(value, types.MethodType):
+        return {"method": [identity(value.__func__), identity(value.__self__)]}
+    if isinstance(value, (types.BuiltinFunctionType, types.BuiltinMethodType,
+                          types.WrapperDescriptorType, types.MethodDescriptorType,
+                          types.MethodWrapperType, types.ClassMethodDescriptorType)):
+        owner = getattr(value, "__self__", None)
+        owner_name = (qualname(owner) if isinstance(owner, type) else
+                      getattr(owner, "__name__", None) if isinstance(owner, types.ModuleType)
+                      else None)
+        return {"builtin": qualname(value), "of": owner_name}
+    if isinstance(value, torch._ops.OpOverload):
+        return {"op": value.name()}
+    if isinstance(value, torch._ops.OpOverloadPacket):
+        return {"op": value._qualified_op_name}
+    return plain(value)
+
+
+def short(fingerprint: Any) -> str:
+    """A fingerprint in words, for logs and ``explain``."""
+    if fingerprint == MISSING:
+        return "absent"
+    if isinstance(fingerprint, dict) and len(fingerprint) == 1:
+        ((tag, v),) = fingerprint.items()
+        if tag == "float":
+            return v
+        if tag in ("class", "type"):
+            return v.rsplit(".", 1)[-1]
+        if tag in ("module", "torch", "enum", "op"):
+            return str(v)
+        if tag == "bytes":
+            return repr(bytes.fromhex(v))
+        if tag in ("list", "tuple", "set"):
+            inner = ", ".join(short(x) for x in v)
+            return f"({inner})" if tag == "tuple" else f"[{inner}]"
+    if isinstance(fingerprint, dict) and "builtin" in fingerprint:
+        return fingerprint["builtin"].rsplit(".", 1)[-1]
+    if isinstance(fingerprint, dict) and "function" in fingerprint:
+        return fingerprint["function"].rsplit(".", 1)[-1]
+    if isinstance(fingerprint, dict) and "code" in fingerprint:
+        return f"code {fingerprint['code'][:8]}"
+    if isinstance(fingerprint, str):
+        return repr(fingerprint)
+    return str(fingerprint)
+
+
+# -- checks ----------------------------------------------------------------------------
+
+def _check_type(value: Any, arg: Any) -> Any:
+    return {"type": qualname(type(value))}
+
+
+def _check_len(value: Any, arg: Any) -> Any:
+    return len(value)
+
+
+def _check_keys(value: Any, arg: Any) -> Any:
+    keys = dict.keys(value) if isinstance(value, dict) else value.keys()
+    return [plain(k) for k in keys]
+
+
+def _check_tensor(value: Any, arg: Any) -> Any:
+    if not isinstance(value, torch.Tensor):
+        return {"type": qualname(type(value))}
+    return {"dtype": str(value.dtype), "shape": list(value.shape), "stride": list(value.stride()),
+            "device": value.device.type, "requires_grad": value.requires_grad}
+
+
+def _check_contains(value: Any, arg: Any) -> Any:
+    return decode_key(arg) in value
+
+
+def _check_in_dict(value: Any, arg: Any) -> Any:
+    return arg in vars(value)
+
+
+def _check_exists(value: Any, arg: Any) -> Any:
+    return hasattr(value, arg)
+
+
+#: check name → fingerprint of the value at the path. Each is a plain read.
+CHECKS: dict[str, Callable[[Any, Any], Any]] = {
+    "type": _check_type,
+    "id": lambda v, a: identity(v),
+    "equals": lambda v, a: plain(v),
+    "len": _check_len,
+    "keys": _check_keys,
+    "contains": _check_contains,
+    "in_dict": _check_in_dict,
+    "exists": _check_exists,
+    "tensor": _check_tensor,
+}
+
+
+def decode_key(data: Any) -> Any:
+    """A dict key or index stored as data (see ``encode_key``), back as the value."""
+    if isinstance(data, dict):
+        if "bytes" in data:
+            return bytes.fromhex(data["bytes"])
+        if "tuple" in data:
+            return tuple(decode_key(x) for x in data["tuple"])
+    return data
+
+
+def encode_key(key: Any) -> Any:
+    """A dict key or index as JSON data (str, int, bytes, tuples of those)."""
+    if isinstance(key, bool) or key is None:
+        return key
+    if isinstance(key, (int, str)):
+        return key
+    if isinstance(key, bytes):
+        return {"bytes": key.hex()}
+    if isinstance(key, tuple):
+        return {"tuple": [encode_key(k) for k in key]}
+    raise Unplain(f"cannot store a key of type {type(key).__name__}")
+
+
+# -- records ---------------------------------------------------------------------------
+
+Path = tuple[tuple[Any, ...], ...]
+
+
+@dataclass(frozen=True)
+class GuardRecord:
+    """One thing the trace depended on: ``CHECKS[check](value at path, arg) == expected``."""
+
+    path: Path
+    check: str
+    arg: Any = None
+    expected: Any = None
+
+    def to_data(self) -> list[Any]:
+        return [[list(s) for s in self.path], self.check, self.arg, self.expected]
+
+    @classmethod
+    def from_data(cls, data: list[Any]) -> GuardRecord:
+        return cls(tuple(tuple(s) for s in data[0]), data[1], data[2], data[3])
+
+    def name(self) -> str:
+        """The value in words: ``layers.0.mlp.act_fn``, ``environment variable X``."""
+        return path_name(self.path) + _SUFFIX.get(self.check, "").format(arg=_arg_text(self.arg))
+
+
+_SUFFIX = {"contains": " has key {arg}", "in_dict": " overrides {arg}", "len": " length",
+           "keys": " keys", "exists": ".{arg}"}
+
+
+def _arg_text(arg: Any) -> str:
+    key = decode_key(arg)
+    return key.decode(errors="replace") if isinstance(key, bytes) else str(key)
+
+
+def path_name(path: Sequence[Sequence[Any]]) -> str:
+    """A readable dotted name for a path, with module containers and parameter dicts
+    folded (``hf.model.layers.0.mlp.act_fn``)."""
+    steps = [list(s) for s in path]
+    root = steps.pop(0) if steps else ["model"]
+    kind = root[0]
+    if kind == "env":
+        return f"environment variable {root[1]}"
+    if kind == "state":
+        return f"torch {root[1].replace('_', ' ')}"
+    out = {"model": "", "arg": f"argument {root[-1]}", "module": str(root[-1]),
+           "varargs": "args", "kwargs": "kwargs"}.get(kind, kind)
+    if steps[:3] == [["type"], ["attr", "forward"], ["attr", "__globals__"]]:
+        steps = steps[3:]  # forward's globals: name the global plainly
+        out = "globals"
+    i = 0
+    while i < len(steps):
+        s = steps[i]
+        if (s[0] == "attr" and s[1] in ("_modules", "_parameters", "_buffers")
+                and i + 1 < len(steps) and steps[i + 1][0] == "item"):
+            out += f".{decode_key(steps[i + 1][1])}"
+            i += 2
+            continue
+        if s[0] == "attr":
+            out += f".{s[1]}"
+        elif s[0] == "item":
+            out += f"[{decode_key(s[1])!r}]"
+        elif s[0] == "nthkey":
+            out += f".keys()[{s[1]}]"
+        elif s[0] == "type":
+            out = f"type({out.lstrip('.')})"
+        i += 1
+    return out.lstrip(".") or "the model"
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """A guarded value that differs now: ``name: old → new`` in words."""
+
+    name: str
+    old: Any
+    new: Any
+
+    def describe(self) -> str:
+        if self.name.startswith("environment variable"):
+            return f"{self.name}: {_env_text(self.old)} → {_env_text(self.new)}"
+        return f"{self.name}: {short(self.old)} → {short(self.new)}"
+
+
+def _env_text(value: Any) -> str:
+    return "unset" if value is None else repr(value)
+
+
+# -- evaluation ------------------------------------------------------------------------
+
+def process_state(name: str) -> Any:
+    """Process-wide torch state a trace depends on, read plainly (no Dynamo)."""
+    if name == "default_dtype":
+        return torch.get_default_dtype()
+    if name == "deterministic":
+        return torch.are_deterministic_algorithms_enabled()
+    if name == "default_device":
+        return str(torch.get_default_device())
+    if name == "autocast":
+        return [torch.is_autocast_enabled(d) for d in ("cpu", "cuda")]
+    if name == "torch_function_modes":
+        return len(torch.overrides._get_current_function_mode_stack())
+    raise KeyError(name)
+
+
+#: Process state recorded with every entry: Dynamo's global-state guards in plain form.
+STATE_NAMES = ("default_dtype", "deterministic", "default_device", "autocast",
+               "torch_function_modes")
+
+
+def root_value(root: Sequence[Any], model: Any, args: Sequence[Any]) -> Any:
+    """The object a path starts from in this process."""
+    kind = root[0]
+    if kind == "model":
+        return model
+    if kind == "arg":
+        return args[root[1]]
+    if kind == "varargs":  # a wrapper's *args: the module, then the call's arguments
+        return (model, *args)[root[1]:]
+    if kind == "kwargs":
+        return {}
+    if kind == "module":
+        module = sys.modules.get(root[1])
+        if module is None:
+            import importlib
+
+            module = importlib.import_module(root[1])
+        return module
+    if kind == "env":
+        return os.environ.get(root[1])
+    if kind == "state":
+        return process_state(root[1])
+    raise KeyError(kind)
+
+
+def step(value: Any, s: Sequence[Any]) -> Any:
+    """Apply one path step to ``value`` (an attribute or item read)."""
+    kind = s[0]
+    if kind == "attr":
+        return getattr(value, s[1])
+    if kind == "item":
+        return value[decode_key(s[1])]
+    if kind == "nthkey":
+        return list(dict.keys(value))[s[1]]
+    if kind == "itemkey":
+        return value[list(dict.keys(value))[s[1]]]
+    if kind == "type":
+        return type(value)
+    if kind == "dict":
+        return dict(value)
+    raise KeyError(kind)
+
+
+def resolve(path: Sequence[Sequence[Any]], model: Any, args: Sequence[Any]) -> Any:
+    """The value at ``path``; raises whatever the first failing read raises."""
+    value = root_value(path[0], model, args)
+    for s in path[1:]:
+        value = step(value, s)
+    return value
+
+
+def fingerprint(check: str, value: Any, arg: Any) -> Any:
+    """What ``check`` compares of ``value``; raises Unplain where there is no plain form."""
+    return CHECKS[check](value, arg)
+
+
+_UNRESOLVED = object()
+
+
+@dataclass
+class _Node:
+    children: dict[tuple[Any, ...], _Node] = field(default_factory=dict)
+    checks: list[tuple[int, str, Any]] = field(default_factory=list)  # (index, check, arg)
+
+
+class GuardSet:
+    """Records arranged as a tree of paths, so each shared prefix is read once.
+
+    Built straight from the stored data (records are only made to name a mismatch), since
+    a warm start reads every entry's guards once.
+    """
+
+    def __init__(self, data: Sequence[Sequence[Any]]) -> None:
+        self.data = data
+        self.expected = [d[3] for d in data]
+        self.tree = _Node()
+        for i, (path, check, arg, _) in enumerate(data):
+            node = self.tree
+            for s in path:
+                key = tuple(s)
+                child = node.children.get(key)
+                if child is None:
+                    child = node.children[key] = _Node()
+                node = child
+            node.checks.append((i, check, arg))
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    @property
+    def records(self) -> list[GuardRecord]:
+        return [GuardRecord.from_data(list(d)) for d in self.data]
+
+    def values(self, model: Any, args: Sequence[Any]) -> list[Any]:
+        """The fingerprint of every record in this process, in record order."""
+        out: list[Any] = [None] * len(self.data)
+        with hooks_hidden():  # traced without them, too
+            for root, child in self.tree.children.items():
+                try:
+                    value = root_value(root, model, args)
+                except Exception:
+                    value = _UNRESOLVED
+                self._walk(child, value, out)
+        return out
+
+    def _walk(self, node: _Node, value: Any, out: list[Any]) -> None:
+        for i, check, arg in node.checks:
+            if value is _UNRESOLVED:
+                out[i] = False if check == "exists" else MISSING
+                continue
+            try:
+                out[i] = CHECKS[check](value, arg)
+            except Unplain:
+                out[i] = {"unplain": type(value).__name__}
+            except Exception:
+                out[i] = MISSING
+        for s, child in node.children.items():
+            nxt = _UNRESOLVED
+            if value is not _UNRESOLVED:
+                try:
+                    nxt = step(value, s)
+                except Exception:
+                    pass
+            self._walk(child, nxt, out)
+
+    def mismatches(self, model: Any, args: Sequence[Any],
+                   values: list[Any] | None = None) -> list[Mismatch]:
+        """Every record whose value differs in this process from the one traced."""
+        now = self.values(model, args) if values is None else values
+        return [Mismatch(GuardRecord.from_data(list(self.data[i])).name(), want, v)
+                for i, (want, v) in enumerate(zip(self.expected, now, strict=True))
+                if v != want]
+
+    def to_data(self) -> list[list[Any]]:
+        return [list(d) for d in self.data]
+
+    @classmethod
+    def from_data(cls, data: Sequence[Sequence[Any]]) -> GuardSet:
+        return cls(data)
+
+    @classmethod
+    def of(cls, records: Sequence[GuardRecord]) -> GuardSet:
+        return cls([r.to_data() for r in records])

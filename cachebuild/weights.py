@@ -1,0 +1,94 @@
+"""Noticing that a model's weights were replaced by other tensor objects.
+
+A compiled model holds its parameters and buffers by object (the pieces take them as
+inputs). Copying new values into them in place (``load_state_dict``, ``p.copy_``) needs
+nothing; replacing one (``module.weight = nn.Parameter(...)``,
+``load_state_dict(assign=True)``, a new submodule) must be seen, or the old tensor would
+be used silently. torch calls global hooks whenever a parameter, buffer or submodule is
+registered; when the module is one a compiled model reads its weights through, the hook
+bumps one counter that every compiled model compares on each call (one integer
+comparison), looking its tensors up again when it moved.
+
+The hooks are hidden while a model is traced and while its guards are checked: Dynamo
+guards the hook registries like any global, and the entry must describe the process
+without cachebuild's own hooks (whose ids differ from process to process).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+_LOCK = threading.Lock()
+#: (registry, handle id, hook) of the hooks this module installed.
+_HOOKS: list[tuple[dict[int, Any], int, Any]] = []
+#: Modules that some compiled model reads its weights through.
+_WATCHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+#: Bumped whenever a watched module registers a parameter, buffer or submodule.
+GENERATION = [0]
+
+
+def _bump(module: torch.nn.Module, name: str, value: Any) -> None:
+    if torch.compiler.is_compiling():
+        return None  # a traced forward building modules of its own (a sliced ModuleList)
+    if module in _WATCHED:
+        GENERATION[0] += 1
+    return None
+
+
+def install() -> None:
+    """Register the global registration hooks (once per process)."""
+    from torch.nn.modules import module
+
+    with _LOCK:
+        if _HOOKS:
+            return
+        for register, registry in (
+                (module.register_module_parameter_registration_hook,
+                 module._global_parameter_registration_hooks),
+                (module.register_module_buffer_registration_hook,
+                 module._global_buffer_registration_hooks),
+                (module.register_module_module_registration_hook,
+                 module._global_module_registration_hooks)):
+            handle = register(_bump)
+            _HOOKS.append((registry, handle.id, _bump))
+
+
+def watch(model: torch.nn.Module, paths: list[str]) -> None:
+    """Watch the modules along each dotted parameter or buffer path of ``model``."""
+    install()
+    for path in paths:
+        module = model
+        _WATCHED.add(module)
+        for part in path.split(".")[:-1]:
+            module = module.get_submodule(part)
+            _WATCHED.add(module)
+
+
+def generation() -> int:
+    return GENERATION[0]
+
+
+def replaced(before: list[object], after: list[object]) -> list[int]:
+    """Positions where ``after`` holds another tensor object than ``before``."""
+    return [i for i, (a, b) in enumerate(zip(before, after, strict=True))
+            if isinstance(a, torch.Tensor) and a is not b]
+
+
+@contextlib.contextmanager
+def hooks_hidden() -> Iterator[None]:
+    """Take cachebuild's hooks out of torch's registries for the duration."""
+    with _LOCK:
+        removed = [(registry, key, registry.pop(key)) for registry, key, _ in _HOOKS
+                   if key in registry]
+    try:
+        yield
+    finally:
+        with _LOCK:
+            for registry, key, hook in removed:
+                registry[key] = hook

@@ -1,0 +1,360 @@
+"""What a trace read besides tensors: recorded with the entry, checked on the live model at
+a warm start without Dynamo, named by ``explain``.
+
+Two models that differ only in a value the trace baked in (an activation, an epsilon, a
+sliding window, a rotary base, a flag that takes another branch, an environment variable)
+never share an entry: a warm start from the other model's entry would compute the other
+model's function.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import models
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from click.testing import CliRunner
+
+import cachebuild
+from cachebuild.cli import main as cli
+from cachebuild.guard_export import Collected, Unrecordable, records_from
+from cachebuild.guards import GuardRecord, GuardSet, identity, plain
+from cachebuild.store import LocalStore
+from cachebuild.trace import trace_model
+
+DYN = {0: 0, 1: 0}
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class Tunable(nn.Module):
+    """A decoder whose layers read plain attributes: no config object anywhere, so the
+    entry key is the same for every setting and only the guards tell them apart."""
+
+    def __init__(self, act: nn.Module | None = None, eps: float = 1e-5, flag: bool = False,
+                 base: float = 10000.0) -> None:
+        super().__init__()
+        self.inner = models.make(models.Decoder, layers=1)
+        self.act = act if act is not None else nn.SiLU()
+        self.eps = eps
+        self.parallel = flag
+        self.base = base
+
+    def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        x = self.inner.embed(ids)
+        scale = (pos[:, None].float() / self.base).cos()
+        h = F.rms_norm(x, (x.shape[-1],), eps=self.eps)
+        if self.parallel:
+            x = x + self.act(h) * scale + self.inner.layers[0](h, pos)
+        else:
+            x = self.inner.layers[0](x + self.act(h) * scale, pos)
+        return self.inner.lm_head(x)
+
+
+VARIANTS = {
+    "activation": ({}, {"act": nn.GELU()}, "act: SiLU → GELU"),
+    "epsilon": ({}, {"eps": 1e-2}, "eps: 1e-05 → 0.01"),
+    "rotary base": ({}, {"base": 500000.0}, "base: 10000.0 → 500000.0"),
+    "flag": ({}, {"flag": True}, "parallel: False → True"),
+}
+
+
+@pytest.mark.parametrize("which", list(VARIANTS))
+def test_models_differing_in_a_value_never_share_an_entry(tmp_path, which, caplog):
+    """The failure this fixes: the second model warm-started from the first's entry and
+    silently computed the first model's function."""
+    first, second, named = VARIANTS[which]
+    store = LocalStore(tmp_path / "store")
+    a, b = Tunable(**first).eval(), Tunable(**second).eval()
+    b.load_state_dict(a.state_dict())
+    with torch.no_grad():
+        assert not torch.allclose(a(*models.inputs(6)), b(*models.inputs(6)))
+    first_compiled = cachebuild.compile(a, models.config(), DYN, store=store)
+    models.assert_matches_eager(first_compiled, a, models.inputs(6))
+    before = cachebuild.stats()
+    with caplog.at_level(logging.INFO, logger="cachebuild"):
+        compiled = cachebuild.compile(b, models.config(), DYN, store=store)
+        models.assert_matches_eager(compiled, b, models.inputs(6))
+    delta = models.counters_delta(before, cachebuild.stats())
+    assert delta["traced"] == 1 and delta["entries_loaded"] == 0
+    assert named in caplog.text  # the log says which value differed
+    assert compiled.runtime.entry.key != first_compiled.runtime.entry.key
+
+    # Each model now warm-starts from its own entry, in either order.
+    for model in (a, b, a):
+        before = cachebuild.stats()
+        models.assert_matches_eager(cachebuild.compile(model, models.config(), DYN, store=store),
+                                    model, models.inputs(9))
+        delta = models.counters_delta(before, cachebuild.stats())
+        assert delta["entries_loaded"] == 1 and delta["traced"] == 0 and delta["built"] == 0
+
+
+def test_environment_variable_read_while_tracing(tmp_path, monkeypatch, caplog):
+    class EnvScaled(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = models.make(models.Decoder, layers=1)
+
+        def forward(self, ids, pos):
+            scale = 2.0 if os.environ.get("CACHEBUILD_TEST_SCALE") == "2" else 1.0
+            return self.inner(ids, pos) * scale
+
+    store = LocalStore(tmp_path / "store")
+    model = EnvScaled().eval()
+    monkeypatch.delenv("CACHEBUILD_TEST_SCALE", raising=False)
+    models.assert_matches_eager(cachebuild.compile(model, models.config(), DYN, store=store),
+                                model, models.inputs(5))
+    monkeypatch.setenv("CACHEBUILD_TEST_SCALE", "2")
+    before = cachebuild.stats()
+    with caplog.at_level(logging.INFO, logger="cachebuild"):
+        models.assert_matches_eager(cachebuild.compile(model, models.config(), DYN, store=store),
+                                    model, models.inputs(5))
+    assert models.counters_delta(before, cachebuild.stats())["traced"] == 1
+    assert "environment variable CACHEBUILD_TEST_SCALE: unset → '2'" in caplog.text
+
+
+# -- the records themselves ------------------------------------------------------------
+
+def test_records_read_values_plainly_and_name_what_differs():
+    model = Tunable(eps=1e-5).eval()
+    records = [
+        GuardRecord((("model",), ("attr", "act")), "type", None, {"type": "torch.nn.modules.activation.SiLU"}),
+        GuardRecord((("model",), ("attr", "eps")), "equals", None, plain(1e-5)),
+        GuardRecord((("model",), ("attr", "inner"), ("attr", "_modules"), ("item", "layers"),
+                     ("attr", "_modules"), ("item", "0"), ("attr", "heads")), "equals", None, 4),
+        GuardRecord((("model",), ("attr", "inner")), "exists", "lm_head", True),
+        GuardRecord((("module", "torch.nn.functional"), ("attr", "rms_norm")), "id", None,
+                    identity(F.rms_norm)),
+        GuardRecord((("env", "CACHEBUILD_TEST_UNSET"),), "equals", None, None),
+    ]
+    guards = GuardSet.from_data([r.to_data() for r in records])
+    assert guards.mismatches(model, models.inputs(3)) == []
+    model.act, model.eps = nn.GELU(), 1e-6
+    model.inner.layers[0].heads = 8
+    del model.inner.lm_head
+    said = [m.describe() for m in guards.mismatches(model, models.inputs(3))]
+    assert said == ["act: SiLU → GELU", "eps: 1e-05 → 1e-06", "inner.layers.0.heads: 4 → 8",
+                    "inner.lm_head: True → False"]
+
+
+def test_identity_is_by_name_and_code_never_by_address():
+    def make(k):
+        return lambda x: x * k
+
+    assert identity(torch.nn.functional) == {"module": "torch.nn.functional"}
+    assert identity(F.silu) != identity(F.gelu)
+    assert identity(lambda x: x * 2) != identity(lambda x: x * 3)  # same qualname
+    assert identity(make(2)) == identity(make(3))  # closures: the cell is its own record
+    with pytest.raises(ValueError):
+        identity(object())  # an instance compared by identity has no plain form
+
+
+def test_a_guard_kind_with_no_plain_form_refuses_the_entry():
+    class Entry_:
+        guard_type = "WEAKREF_ALIVE"
+        has_value = False
+        value = None
+
+        class orig_guard:  # noqa: N801
+            name = "G['x']"
+
+    with pytest.raises(Unrecordable, match="WEAKREF_ALIVE has no plain form"):
+        records_from(Collected([Entry_()]), Tunable(), models.inputs(3), set())
+
+
+def test_side_effects_on_existing_objects_are_refused():
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = models.make(models.Decoder, layers=1)
+            self.calls = 0
+
+        def forward(self, ids, pos):
+            self.calls += 1
+            return self.inner(ids, pos)
+
+    from cachebuild.errors import UsageError
+
+    with pytest.raises(UsageError, match="changes .*calls.*replays no side effects"):
+        trace_model(Counting().eval(), models.inputs(4), DYN)
+
+
+def test_a_branch_on_the_token_count_inside_a_range_is_refused():
+    class Short(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = models.make(models.Decoder, layers=1)
+
+        def forward(self, ids, pos):
+            out = self.inner(ids, pos)
+            return out * 2 if ids.shape[0] > 8 else out
+
+    from cachebuild.errors import UsageError
+
+    with pytest.raises(UsageError, match=r"another branch at size 8 than at 12 .*T > 8.*\(1, 16\)"):
+        trace_model(Short().eval(), models.inputs(12), DYN, ((1, 16),))
+    trace_model(Short().eval(), models.inputs(12), DYN, ((9, 16),))  # one side: fine
+
+
+# -- explain ---------------------------------------------------------------------------
+
+HF_MODEL = """
+import os, sys
+sys.path.insert(0, {tests!r})
+import cachebuild, hf_families
+
+def build():
+    family = hf_families.FAMILIES[os.environ["HF_FAMILY"]]
+    model = family.model(**{{os.environ["HF_FIELD"]: eval(os.environ["HF_VALUE"])}})
+    return cachebuild.ModelSpec(model, hf_families.ids(9), {{0: 0}},
+                                hf_families.compile_config(family))
+"""
+
+
+@pytest.mark.parametrize(("name", "field", "first", "second", "said"), [
+    ("llama", "hidden_act", "'silu'", "'gelu'", ["config.hidden_act: silu → gelu",
+                                                 "hf.model.layers.0.mlp.act_fn: SiLU"]),
+    ("llama", "rms_norm_eps", "1e-06", "1e-05", [
+        "config.rms_norm_eps: 1e-06 → 1e-05", "input_layernorm.variance_epsilon: 1e-06 → 1e-05"]),
+    ("mistral", "sliding_window", "4", "6", ["config.sliding_window: 4 → 6",
+                                             "sliding_window: 4 → 6"]),
+])
+def test_explain_names_the_config_value(tmp_path, monkeypatch, name, field, first, second, said):
+    """A Hugging Face model's config is in the entry key; explain names the field and the
+    module values the trace read from it."""
+    import hf_families
+
+    path = tmp_path / "model.py"
+    path.write_text(HF_MODEL.format(tests=str(models.TESTS_DIR)))
+    store = tmp_path / "store"
+    monkeypatch.setenv("HF_FIELD", field)
+    monkeypatch.setenv("HF_FAMILY", name)
+
+    def run(*args):
+        result = CliRunner().invoke(cli.main, ["--cache-dir", str(store), *args],
+                                    catch_exceptions=False)
+        assert result.exit_code == 0, result.output
+        return " ".join(result.output.split())
+
+    monkeypatch.setenv("HF_VALUE", first)
+    family = hf_families.FAMILIES[name]
+    model = family.model(**{field: eval(first)})
+    compiled = cachebuild.compile(model, hf_families.compile_config(family), {0: 0},
+                                  store=LocalStore(store))
+    hf_families.check_sizes(compiled, model, (9,))
+    assert "every target is stored" in run("explain", str(path))
+    monkeypatch.setenv("HF_VALUE", second)
+    text = run("explain", str(path))
+    assert "nearest entry" in text
+    for words in said:
+        assert words in text
+
+
+def test_guards_alone_tell_config_values_apart(tmp_path, monkeypatch):
+    """With the config left out of the key, the recorded guards still refuse the other
+    model's entry: they are the source of truth."""
+    import hf_families
+
+    from cachebuild import entry
+
+    monkeypatch.setattr(entry, "config_factor", lambda model: {})
+    family = hf_families.FAMILIES["llama"]
+    store = LocalStore(tmp_path / "store")
+    a, b = family.model(rms_norm_eps=1e-6), family.model(rms_norm_eps=0.5)
+    for model in (a, b):
+        before = cachebuild.stats()
+        compiled = cachebuild.compile(model, hf_families.compile_config(family), {0: 0},
+                                      store=store)
+        hf_families.check_sizes(compiled, model, (5, 11))
+        assert models.counters_delta(before, cachebuild.stats())["traced"] == 1
+
+
+# -- models without a source file ----------------------------------------------------
+
+SOURCELESS = """
+import json, os, sys
+import torch, torch.nn as nn
+import cachebuild, models
+from cachebuild.store import LocalStore
+
+code = '''
+class Scaled(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = models.make(models.Decoder, layers=1)
+
+    def forward(self, ids, pos):
+        return self.inner(ids, pos) * SCALE
+'''
+namespace = {"__name__": "cell", "nn": nn, "models": models, "SCALE": 2.0}
+exec(code.replace("SCALE", os.environ["SCALE"]) if os.environ.get("INLINE") else code, namespace)
+if os.environ.get("HELPER"):
+    exec("def helper(x):\\n    return x * 3\\n", namespace)
+    namespace["Scaled"].forward = lambda self, ids, pos: namespace["helper"](self.inner(ids, pos))
+model = namespace["Scaled"]().eval()
+compiled = cachebuild.compile(model, models.config(), {0: 0, 1: 0},
+                              store=LocalStore(os.environ["STORE"]))
+for size in (3, 7):
+    models.assert_matches_eager(compiled, model, models.inputs(size))
+print(json.dumps({k: v for k, v in cachebuild.stats().items() if k != "seconds"}))
+"""
+
+
+def test_a_model_without_a_source_file(tmp_path):
+    """``python -c`` with the class defined through exec: keyed by its code objects,
+    warm-started in a fresh process; edited code is a new entry."""
+    store = str(tmp_path / "store")
+
+    def run(**env):
+        return models.run_python(SOURCELESS, env={"STORE": store, **env})
+
+    assert run(SCALE="2.0")["traced"] == 1
+    warm = run(SCALE="2.0")
+    assert warm["entries_loaded"] == 1 and warm["traced"] == 0 and warm["built"] == 0
+    edited = run(SCALE="3.0", INLINE="1")  # the constant is in the class's code now
+    assert edited["traced"] == 1 and edited["entries_loaded"] == 0
+
+
+def test_a_sourceless_helper_compiles_without_an_entry(tmp_path):
+    store = tmp_path / "store"
+    for _ in range(2):
+        child = models.run_python(SOURCELESS, env={"STORE": str(store), "HELPER": "1",
+                                                   "SCALE": "2.0"})
+        assert child["traced"] == 1 and child["entries_loaded"] == 0
+    assert not [r for r in LocalStore(store).records() if r.kind == "entry"]
+
+
+# -- cost ------------------------------------------------------------------------------
+
+def test_guard_check_is_well_under_a_millisecond_per_hundred_guards():
+    import hf_families
+
+    model = hf_families.FAMILIES["llama"].model(num_hidden_layers=2)
+    traced = trace_model(model, hf_families.ids(8), {0: 0}, (hf_families.RANGE,))
+    assert traced.unrecordable is None and len(traced.guards) > 300
+    guards = GuardSet.from_data([g.to_data() for g in traced.guards])
+    args = hf_families.ids(8)
+    assert guards.mismatches(model, args) == []
+    seconds = min(_timed(lambda: guards.values(model, args)) for _ in range(20))
+    per_hundred = seconds / len(guards) * 100
+    print(f"{len(guards)} guards checked in {seconds * 1e6:.0f} µs "
+          f"({per_hundred * 1e6:.0f} µs per hundred)")
+    assert per_hundred < 1e-3
+
+
+def _timed(fn):
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start

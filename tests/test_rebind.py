@@ -1,0 +1,89 @@
+"""Weights that change under a compiled model, as serving does with LoRA adapters and
+checkpoint reloads: values copied in place are used in every graph mode; tensors replaced
+by new objects are looked up again, or, where captured graphs still hold the old ones,
+refused with a clear error. Stale weights are never used silently."""
+
+from __future__ import annotations
+
+import models
+import pytest
+import torch
+
+import cachebuild
+from cachebuild.errors import UsageError
+from cachebuild.store import LocalStore
+
+DYN = {0: 0, 1: 0}
+MODES = ["none", "piecewise", "full"]
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One store for the module: every mode loads the same three targets."""
+    return LocalStore(tmp_path_factory.mktemp("rebind") / "store")
+
+
+def compiled_model(store, mode):
+    model = models.make(models.Decoder, layers=2)
+    config = models.config(cudagraph_mode=mode, capture_sizes=(4, 8))
+    compiled = cachebuild.compile(model, config, DYN, store=store)
+    models.assert_matches_eager(compiled, model, models.inputs(8))
+    return model, compiled
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_load_state_dict_in_every_graph_mode(store, mode):
+    model, compiled = compiled_model(store, mode)
+    for seed in (5, 6):
+        model.load_state_dict(models.make(models.Decoder, layers=2, seed=seed).state_dict())
+        for size in (8, 4, 5):  # captured sizes and one that is not
+            models.assert_matches_eager(compiled, model, models.inputs(size))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_in_place_update_of_one_weight(store, mode):
+    """A LoRA-style update: one projection changes in place."""
+    model, compiled = compiled_model(store, mode)
+    with torch.no_grad():
+        model.layers[0].gate_up.weight.add_(torch.randn_like(model.layers[0].gate_up.weight))
+    models.assert_matches_eager(compiled, model, models.inputs(8))
+
+
+@pytest.mark.parametrize("replace", ["parameter", "buffer", "submodule", "assign"])
+def test_replaced_tensors_are_rebound(store, replace):
+    model, compiled = compiled_model(store, "none")
+    other = models.make(models.Decoder, layers=2, seed=7)
+    if replace == "parameter":
+        model.layers[1].down.weight = torch.nn.Parameter(other.layers[1].down.weight.clone())
+    elif replace == "buffer":
+        model.layers[0].inv_freq = model.layers[0].inv_freq * 3
+    elif replace == "submodule":
+        model.layers[1] = other.layers[1]
+    else:
+        model.load_state_dict(other.state_dict(), assign=True)
+    models.assert_matches_eager(compiled, model, models.inputs(8))
+    models.assert_matches_eager(compiled, model, models.inputs(3))
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_a_replaced_weight_after_graph_capture_is_an_error(store, mode):
+    model, compiled = compiled_model(store, mode)
+    model.layers[1].down.weight = torch.nn.Parameter(torch.randn_like(model.layers[1].down.weight))
+    for _ in range(2):  # and again: never the old weights
+        with pytest.raises(UsageError, match=r"layers\.1\.down\.weight were replaced by new "
+                                             r"tensors after graph capture"):
+            compiled(*models.inputs(8))
+
+
+def test_modules_built_elsewhere_do_not_rebind(store, monkeypatch):
+    """Only modules a compiled model reads weights through count: building other models
+    (or a forward that slices a ModuleList) costs nothing per call."""
+    model, compiled = compiled_model(store, "none")
+    calls = []
+    runtime = compiled.runtime
+    original = runtime.rebind
+    monkeypatch.setattr(runtime, "rebind", lambda: calls.append(1) or original())
+    models.make(models.Decoder, layers=2, seed=9)
+    model.layers[:1]  # a new ModuleList holding existing layers
+    models.assert_matches_eager(compiled, model, models.inputs(8))
+    assert calls == []
