@@ -11,21 +11,27 @@ store's put is atomic and happens only after a successful compile and check.
 from __future__ import annotations
 
 import logging
+import os
 import time
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachebuild.backends import BuildRequest, get_backend
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase
-from cachebuild.errors import BuildError, transient
+from cachebuild.errors import BuildError, UsageError, transient
 from cachebuild.facts import InputMeta
 from cachebuild.fxjson import data_to_module
 from cachebuild.targets import Target, bucket_label
-from cachebuild.verify import check, check_artifact, verify_sizes
+from cachebuild.verify import check, check_artifact, verify_on_load, verify_sizes
+
+if TYPE_CHECKING:
+    from cachebuild.entry import Entry
+    from cachebuild.store.base import Store
 
 log = logging.getLogger("cachebuild.build")
 
@@ -63,15 +69,8 @@ class BuildJob:
 
     target: Target
     nodes: list[dict[str, Any]]
-    input_metas: list[dict[str, Any]]
+    input_metas: list[InputMeta]
     config: CompileConfig
-    model_path: str | None = None
-
-
-def pass_manager(config: CompileConfig) -> Any:
-    from cachebuild.passes import PassManager
-
-    return PassManager.from_config(config.passes)
 
 
 class Builder:
@@ -88,15 +87,12 @@ class Builder:
         self.backend = get_backend(config.backend)
         self._passes: Any = passes
 
-    def toolchain(self, device: str) -> dict[str, Any]:
-        """The backend's toolchain factors for targets built for ``device``."""
-        folder = getattr(self.store, "probe_dir", None) if self.store is not None else None
-        return self.backend.toolchain(self.config, device, folder)
-
     @property
     def passes(self) -> Any:
         if self._passes is None:
-            self._passes = pass_manager(self.config)
+            from cachebuild.passes import PassManager
+
+            self._passes = PassManager.from_config(self.config.passes)
         return self._passes
 
     def load(self, key: str) -> Any | None:
@@ -135,7 +131,7 @@ class Builder:
                 with quiet_compiler_warnings():
                     artifact = self.backend.compile(BuildRequest(
                         gm=data_to_module(job.nodes),
-                        input_metas=[InputMeta.from_data(m) for m in job.input_metas],
+                        input_metas=list(job.input_metas),
                         bucket=job.target.bucket,
                         config=self.config,
                         key=key,
@@ -166,7 +162,7 @@ class Builder:
 
     def _prove(self, job: BuildJob, artifact: Any, where: str) -> None:
         """Raise BuildError unless the artifact matches its piece run eagerly."""
-        metas = [InputMeta.from_data(m) for m in job.input_metas]
+        metas = list(job.input_metas)
         try:
             sizes = check_artifact(self.backend, artifact, job.target.key, job.nodes, metas,
                                    job.target.bucket)
@@ -185,7 +181,7 @@ class Builder:
         key = job.target.key
         if key in VERIFIED:
             return
-        metas = [InputMeta.from_data(m) for m in job.input_metas]
+        metas = list(job.input_metas)
         with phase("verify"):
             try:
                 check(fn, job.nodes, metas, job.target.bucket)
@@ -204,3 +200,61 @@ class Builder:
                 return fn
             self.build(job)
         raise BuildError(f"target {job.target.key} was built but cannot be loaded back")
+
+
+# -- every target of an entry ------------------------------------------------------------
+
+#: At most this many artifacts load at once (loading is mostly I/O and dlopen); the
+#: environment's ``CACHEBUILD_LOAD_THREADS`` overrides it (1: load in the calling thread,
+#: which is also what a profiler of the warm start needs to see).
+LOAD_THREADS = 8
+
+
+def load_threads() -> int:
+    value = os.environ.get("CACHEBUILD_LOAD_THREADS", "")
+    if not value:
+        return LOAD_THREADS
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"CACHEBUILD_LOAD_THREADS={value!r}: give a whole number of threads, 1 or more")
+    return int(value)
+
+
+def needs_inductor(keys: list[str], store: Store) -> bool:
+    """True if loading these targets initialises Inductor (``standalone`` artifacts)."""
+    for key in keys:
+        record = store.get_record(key)
+        if record is not None and record.kind == "standalone":
+            return True
+    return False
+
+
+def jobs_of(entry: Entry, config: CompileConfig) -> dict[str, BuildJob]:
+    """One BuildJob per unique target key of an entry."""
+    jobs: dict[str, BuildJob] = {}
+    for target in entry.targets():
+        if target.key not in jobs:
+            piece = entry.pieces[target.piece]
+            jobs[target.key] = BuildJob(target, piece.nodes, piece.input_metas, config)
+    return jobs
+
+
+def resolve_all(entry: Entry, builder: Builder, parallel: bool = False) -> dict[str, Any]:
+    """Every unique target of ``entry``, loaded or built (one at a time).
+
+    ``parallel``: load on up to ``load_threads()`` threads, for artifacts whose loading is
+    slow (``standalone`` ones initialise Inductor); AOTI packages load in milliseconds,
+    on the calling thread.
+    """
+    jobs = jobs_of(entry, builder.config)
+    threads = min(load_threads(), len(jobs)) if parallel else 1
+    if threads <= 1:
+        loaded = {key: builder.load(key) for key in jobs}
+    else:
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            loaded = dict(zip(jobs, pool.map(builder.load, jobs), strict=True))
+    for key, fn in loaded.items():
+        if fn is None:
+            loaded[key] = builder.resolve(jobs[key])
+        elif verify_on_load():
+            builder.check_loaded(jobs[key], fn)
+    return loaded

@@ -182,19 +182,6 @@ class GraphedCallable:
         return captured.outputs if result is None else result
 
 
-def stable_piece_inputs(entry: Any) -> dict[str, list[bool]]:
-    """Per piece name: which inputs are model weights (graph inputs bound to params/buffers)."""
-    placeholders = [n["name"] for n in entry.stitch if n["op"] == "placeholder"]
-    weight = {name for name, b in zip(placeholders, entry.bindings, strict=True)
-              if b["kind"] in ("param", "buffer")}
-    out: dict[str, list[bool]] = {}
-    for node in entry.stitch:
-        if node["op"] == "call_module":
-            args = node["args"]["t"] if isinstance(node["args"], dict) else node["args"]
-            out[node["target"]] = [isinstance(a, dict) and a.get("n") in weight for a in args]
-    return out
-
-
 def next_capture_size(size: int, sizes: Sequence[int]) -> int | None:
     """The smallest capture size ≥ ``size`` (None if there is none)."""
     bigger = [s for s in sizes if s >= size]

@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -27,35 +27,60 @@ import torch
 from cachebuild.codehash import class_hash, sourceless_classes
 from cachebuild.config import CompileConfig
 from cachebuild.env import SCHEMA_VERSION, env_factors
+from cachebuild.facts import InputMeta, device_of, meta_of
 from cachebuild.fxjson import graph_to_data
 from cachebuild.guards import GuardSet
 from cachebuild.keys import make_key
 from cachebuild.split import SplitPlan
 from cachebuild.targets import Target, piece_data
-from cachebuild.trace import TracedGraph, ast_hash, meta_of
+from cachebuild.trace import Binding, TracedGraph, ast_hash
+
+#: The layout of a stored entry; bumped when it changes, so older entries are never misread
+#: (it is an entry-key factor: an old entry is simply not found, and the model retraced).
+ENTRY_FORMAT = 2
+
+
+@dataclass(frozen=True)
+class TargetRef:
+    """One target of a compiled piece: the bucket it serves and its key."""
+
+    bucket: dict[str, Any]
+    key: str
 
 
 @dataclass
 class PieceRecord:
+    """One piece of the split forward, as a warm process needs it.
+
+    ``nodes`` is the piece's graph as stored data (``fxjson``); ``targets`` are in dispatch
+    order (exact sizes, then ranges). ``weights[i]`` says input ``i`` is a model weight (the
+    same tensor at every call); ``inner`` lists the inputs made inside the model (a
+    splitting op's or another piece's output), whose layout the runtime keeps.
+    """
+
     name: str
     compiled: bool
     nodes: list[dict[str, Any]]
-    input_metas: list[dict[str, Any]]
+    input_metas: list[InputMeta]
     single_output: bool
-    size_input: list[int] | None
-    targets: list[dict[str, Any]]  # [{"bucket": ..., "key": ...}] in dispatch order
+    size_input: tuple[int, int] | None
+    targets: list[TargetRef]
+    weights: list[bool]
+    inner: list[int]
 
 
 @dataclass
 class Entry:
+    """Everything a warm process needs instead of Dynamo (see the module doc). Typed
+    values throughout; only ``to_bytes``/``from_bytes`` see JSON."""
+
     key: str
     factors: dict[str, Any]
-    bindings: list[dict[str, Any]]
-    input_metas: list[dict[str, Any]]
-    stitch: list[dict[str, Any]]
+    bindings: list[Binding]
+    input_metas: list[InputMeta]
+    stitch: list[dict[str, Any]]  # the stitching graph as stored data (``fxjson``)
     pieces: list[PieceRecord]
     out_spec: str
-    num_outputs: int
     source_files: dict[str, str]
     manifests: dict[str, dict[str, Any]]  # target key → its manifest, once per unique key
     guards: list[list[Any]]  # GuardSet data: what the trace read besides tensors
@@ -63,12 +88,17 @@ class Entry:
     def target_keys(self) -> list[str]:
         keys: list[str] = []
         for p in self.pieces:
-            keys += [t["key"] for t in p.targets if t["key"] not in keys]
+            keys += [t.key for t in p.targets if t.key not in keys]
         return keys
 
     def targets(self) -> list[Target]:
-        return [Target(t["key"], i, t["bucket"], self.manifests[t["key"]])
+        return [Target(t.key, i, t.bucket, self.manifests[t.key])
                 for i, p in enumerate(self.pieces) for t in p.targets]
+
+    @property
+    def device(self) -> str:
+        """Where the traced call's tensors were."""
+        return device_of(self.input_metas)
 
     def guard_set(self) -> GuardSet:
         return GuardSet.from_data(self.guards)
@@ -78,22 +108,43 @@ class Entry:
         return [path for path, digest in self.source_files.items() if ast_hash(path) != digest]
 
     def to_bytes(self) -> bytes:
-        return json.dumps(asdict(self), separators=(",", ":")).encode()
+        data = {
+            "key": self.key, "factors": self.factors,
+            "bindings": [b.to_data() for b in self.bindings],
+            "input_metas": [m.to_data() for m in self.input_metas],
+            "stitch": self.stitch,
+            "pieces": [{
+                "name": p.name, "compiled": p.compiled, "nodes": p.nodes,
+                "input_metas": [m.to_data() for m in p.input_metas],
+                "single_output": p.single_output,
+                "size_input": list(p.size_input) if p.size_input else None,
+                "targets": [{"bucket": t.bucket, "key": t.key} for t in p.targets],
+                "weights": p.weights, "inner": p.inner,
+            } for p in self.pieces],
+            "out_spec": self.out_spec, "source_files": self.source_files,
+            "manifests": self.manifests, "guards": self.guards,
+        }
+        return json.dumps(data, separators=(",", ":")).encode()
 
     @classmethod
     def from_bytes(cls, data: bytes) -> Entry:
+        """The entry ``to_bytes`` wrote; ValueError, KeyError or TypeError if it is not one."""
         raw = json.loads(data)
-        raw["pieces"] = [PieceRecord(**p) for p in raw["pieces"]]
-        return cls(**raw)
-
-
-def device_of(model: torch.nn.Module, args: tuple[Any, ...]) -> str:
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            return str(a.device)
-    for p in model.parameters():
-        return str(p.device)
-    return "cpu"
+        pieces = [PieceRecord(
+            name=p["name"], compiled=bool(p["compiled"]), nodes=p["nodes"],
+            input_metas=[InputMeta.from_data(m) for m in p["input_metas"]],
+            single_output=bool(p["single_output"]),
+            size_input=tuple(p["size_input"]) if p["size_input"] else None,
+            targets=[TargetRef(t["bucket"], t["key"]) for t in p["targets"]],
+            weights=[bool(w) for w in p["weights"]], inner=[int(i) for i in p["inner"]],
+        ) for p in raw["pieces"]]
+        return cls(
+            key=raw["key"], factors=raw["factors"],
+            bindings=[Binding.from_data(b) for b in raw["bindings"]],
+            input_metas=[InputMeta.from_data(m) for m in raw["input_metas"]],
+            stitch=raw["stitch"], pieces=pieces, out_spec=raw["out_spec"],
+            source_files=raw["source_files"], manifests=raw["manifests"], guards=raw["guards"],
+        )
 
 
 def _tensor_table(items: Any) -> list[list[Any]]:
@@ -173,6 +224,7 @@ def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: d
             inputs.append({"value": repr(a)})
     return {
         "schema": SCHEMA_VERSION,
+        "entry_format": ENTRY_FORMAT,
         "model": model_factor(model),
         "model_config": config_factor(model),
         "config": config.factors(),
@@ -181,38 +233,61 @@ def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: d
         "buffers": _tensor_table(model.named_buffers(remove_duplicate=False)),
         "inputs": inputs,
         "dynamic_dims": sorted([i, d] for i, d in dynamic_dims.items()),
-        "env": env_factors(device_of(model, args)),
+        "env": env_factors(device_of([*args, *model.parameters()])),
     }
 
 
 def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,
                targets: dict[int, list[Target]], key: str | None = None) -> Entry:
     """The entry of a trace, stored under ``key`` (default: the key of ``factors``)."""
+    weights, inner = _piece_inputs(plan, traced.bindings)
     pieces = [
         PieceRecord(
             name=p.name,
             compiled=p.compiled,
             nodes=piece_data(p),
-            input_metas=[m.to_data() for m in p.input_metas],
+            input_metas=list(p.input_metas),
             single_output=p.single_output,
-            size_input=list(p.size_input) if p.size_input else None,
-            targets=[{"bucket": t.bucket, "key": t.key} for t in targets.get(p.index, [])],
+            size_input=tuple(p.size_input) if p.size_input else None,
+            targets=[TargetRef(t.bucket, t.key) for t in targets.get(p.index, [])],
+            weights=weights[p.name],
+            inner=inner[p.name],
         )
         for p in plan.pieces
     ]
     return Entry(
         key=key or make_key(factors),
         factors=factors,
-        bindings=[b.to_data() for b in traced.bindings],
-        input_metas=[m.to_data() for m in traced.input_metas],
+        bindings=list(traced.bindings),
+        input_metas=list(traced.input_metas),
         stitch=graph_to_data(plan.stitch.graph),
         pieces=pieces,
         out_spec=traced.out_spec,
-        num_outputs=traced.num_outputs,
         source_files=traced.source_files,
         manifests={t.key: t.manifest for ts in targets.values() for t in ts},
         guards=[g.to_data() for g in traced.guards],
     )
+
+
+def _piece_inputs(plan: SplitPlan, bindings: list[Binding]
+                  ) -> tuple[dict[str, list[bool]], dict[str, list[int]]]:
+    """Per piece: which inputs are model weights, and which are made inside the model.
+
+    Without bindings (the torch.compile front door, where Dynamo hands in every input at
+    each call) no input is known to be a weight."""
+    placeholders = [n for n in plan.stitch.graph.nodes if n.op == "placeholder"]
+    weight_nodes = {n for n, b in zip(placeholders, bindings or [None] * len(placeholders),
+                                      strict=True)
+                    if b is not None and b.kind in ("param", "buffer")}
+    weights: dict[str, list[bool]] = {}
+    inner: dict[str, list[int]] = {}
+    for node in plan.stitch.graph.nodes:
+        if node.op != "call_module":
+            continue
+        weights[node.target] = [a in weight_nodes for a in node.args]
+        inner[node.target] = [i for i, a in enumerate(node.args)
+                              if isinstance(a, torch.fx.Node) and a.op != "placeholder"]
+    return weights, inner
 
 
 def variant_key(key: str, values: list[Any]) -> str:

@@ -109,3 +109,14 @@ def record_example_values(gm: fx.GraphModule, fake_inputs: list[Any]) -> None:
 def torch_dir() -> str:
     """The directory torch is installed in (its code is in every key through its version)."""
     return os.path.dirname(torch.__file__) + os.sep
+
+
+def device_of(values: Any, default: str = "cpu") -> str:
+    """The device of the first tensor (or tensor ``InputMeta``) among ``values``: where a
+    model, a call or a graph lives. ``default`` when there is none."""
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            return str(value.device)
+        if isinstance(value, InputMeta) and value.kind == "tensor":
+            return value.device
+    return default

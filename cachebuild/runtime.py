@@ -8,18 +8,15 @@ size first, else the range that holds it.
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from cachebuild import weights
-from cachebuild.build import Builder, BuildJob
 from cachebuild.config import CompileConfig
 from cachebuild.cudagraphs import (
     CudaGraphCapture,
@@ -29,32 +26,17 @@ from cachebuild.cudagraphs import (
     capture_for,
     next_capture_size,
     pad_args,
-    stable_piece_inputs,
     unpad_outputs,
 )
 from cachebuild.entry import Entry
 from cachebuild.errors import UsageError
+from cachebuild.facts import InputMeta, device_of
 from cachebuild.fxjson import data_to_module
 from cachebuild.inputs import CallCheck, LayoutGuard, same_layout
 from cachebuild.keys import canonical_json
 from cachebuild.outputs import output_builder
 from cachebuild.targets import canonical_graph
-from cachebuild.trace import Binding, InputMeta
-from cachebuild.verify import verify_on_load
-
-#: At most this many artifacts load at once (loading is mostly I/O and dlopen); the
-#: environment's ``CACHEBUILD_LOAD_THREADS`` overrides it (1: load in the calling thread,
-#: which is also what a profiler of the warm start needs to see).
-LOAD_THREADS = 8
-
-
-def load_threads() -> int:
-    value = os.environ.get("CACHEBUILD_LOAD_THREADS", "")
-    if not value:
-        return LOAD_THREADS
-    if not value.isdigit() or int(value) < 1:
-        raise UsageError(f"CACHEBUILD_LOAD_THREADS={value!r}: give a whole number of threads, 1 or more")
-    return int(value)
+from cachebuild.trace import Binding
 
 
 def _size_reader(size_input: tuple[int, int] | None) -> Callable[[tuple[Any, ...]], int | None]:
@@ -102,80 +84,45 @@ class PieceRunner:
         return out[0] if self.single_output else tuple(out)
 
 
-def jobs_of(entry: Entry, config: CompileConfig, model_path: str | None = None) -> dict[str, BuildJob]:
-    """One BuildJob per unique target key of an entry."""
-    jobs: dict[str, BuildJob] = {}
-    for target in entry.targets():
-        if target.key not in jobs:
-            piece = entry.pieces[target.piece]
-            jobs[target.key] = BuildJob(target, piece.nodes, piece.input_metas, config, model_path)
-    return jobs
+@dataclass
+class Stitched:
+    """The stitched forward of an entry: a GraphModule over the pieces, and each piece's
+    callable by name (a PieceRunner, its GraphedCallable, or an eager splitting-op graph's
+    forward)."""
 
+    gm: torch.fx.GraphModule
+    calls: dict[str, Callable[..., Any]]
 
-def resolve_all(entry: Entry, builder: Builder, model_path: str | None = None,
-                parallel: bool = False) -> dict[str, Any]:
-    """Every unique target of ``entry``, loaded or built (one at a time).
-
-    ``parallel``: load on up to ``load_threads()`` threads, for artifacts whose loading is
-    slow (``standalone`` ones initialise Inductor); AOTI packages load in milliseconds,
-    on the calling thread.
-    """
-    jobs = jobs_of(entry, builder.config, model_path)
-    threads = min(load_threads(), len(jobs)) if parallel else 1
-    if threads <= 1:
-        loaded = {key: builder.load(key) for key in jobs}
-    else:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            loaded = dict(zip(jobs, pool.map(builder.load, jobs), strict=True))
-    for key, fn in loaded.items():
-        if fn is None:
-            loaded[key] = builder.resolve(jobs[key])
-        elif verify_on_load():
-            builder.check_loaded(jobs[key], fn)
-    return loaded
+    @property
+    def graphed(self) -> list[GraphedCallable]:
+        return [c for c in self.calls.values() if isinstance(c, GraphedCallable)]
 
 
 def stitch(entry: Entry, loaded: dict[str, Any],
-           capture: GraphCapture | None = None) -> torch.fx.GraphModule:
+           capture: GraphCapture | None = None) -> Stitched:
     """The stitched forward of ``entry`` over loaded targets; takes the graph's inputs.
 
     With ``capture`` (piecewise graph mode) every compiled piece is a GraphedCallable.
     """
-    modules: dict[str, Any] = {}
-    stable = stable_piece_inputs(entry) if capture is not None else {}
-    inner = inner_piece_inputs(entry)
+    calls: dict[str, Any] = {}
     # Splitting-op pieces are small stateless graphs, most of them alike (one attention
     # call per layer): each distinct one becomes a module once, shared by its copies.
     eager: dict[str, torch.fx.GraphModule] = {}
     for piece in entry.pieces:
         if piece.compiled:
-            table = [(t["bucket"], loaded[t["key"]]) for t in piece.targets]
-            size_input = tuple(piece.size_input) if piece.size_input else None
-            layout = LayoutGuard([InputMeta.from_data(m) for m in piece.input_metas],
-                                 inner[piece.name])
-            runner: Any = PieceRunner(piece.name, size_input, piece.single_output, table, layout)
+            table = [(t.bucket, loaded[t.key]) for t in piece.targets]
+            layout = LayoutGuard(piece.input_metas, piece.inner)
+            runner: Any = PieceRunner(piece.name, piece.size_input, piece.single_output, table,
+                                      layout)
             if capture is not None:
-                runner = GraphedCallable(runner, runner.size_of, stable[piece.name], capture)
-            modules[piece.name] = runner
+                runner = GraphedCallable(runner, runner.size_of, piece.weights, capture)
+            calls[piece.name] = runner
         else:
             shape = canonical_json(canonical_graph(piece.nodes, [])["nodes"])
             if shape not in eager:
                 eager[shape] = data_to_module(piece.nodes)
-            modules[piece.name] = eager[shape]
-    return data_to_module(entry.stitch, modules)
-
-
-def inner_piece_inputs(entry: Entry) -> dict[str, list[int]]:
-    """Per piece name: the inputs that come from inside the model (a splitting op's or
-    another piece's output), not from the graph's own inputs (weights, call arguments)."""
-    placeholders = {n["name"] for n in entry.stitch if n["op"] == "placeholder"}
-    out: dict[str, list[int]] = {}
-    for node in entry.stitch:
-        if node["op"] == "call_module":
-            args = node["args"]["t"] if isinstance(node["args"], dict) else node["args"]
-            out[node["target"]] = [i for i, a in enumerate(args) if isinstance(a, dict)
-                                   and "n" in a and a["n"] not in placeholders]
-    return out
+            calls[piece.name] = eager[shape].forward
+    return Stitched(data_to_module(entry.stitch, calls), calls)
 
 
 class _Direct:
@@ -183,21 +130,17 @@ class _Direct:
     the raw piece callables: a call then skips ``nn.Module.__call__`` twice per piece,
     microseconds that a piecewise replay pays on the CPU at every layer."""
 
-    def __init__(self, gm: torch.fx.GraphModule) -> None:
-        self._gm = gm
-        for name, module in gm.named_children():
-            if isinstance(module, torch.fx.GraphModule):
-                setattr(self, name, module.forward)  # an eager splitting-op graph
-            else:
-                setattr(self, name, getattr(module, "fn", module))  # a piece's callable
+    def __init__(self, stitched: Stitched) -> None:
+        self._gm = stitched.gm
+        self.__dict__.update(stitched.calls)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._gm, name)
 
 
-def direct_forward(gm: torch.fx.GraphModule) -> Callable[..., Any]:
-    """``gm``'s forward, calling its submodules' callables directly."""
-    return type(gm).forward.__get__(_Direct(gm))
+def direct_forward(stitched: Stitched) -> Callable[..., Any]:
+    """The stitched forward, calling each piece's callable directly."""
+    return type(stitched.gm).forward.__get__(_Direct(stitched))
 
 
 @dataclass
@@ -226,15 +169,12 @@ class ModelRuntime:
         self.capture_api = capture_for(str(self.device)) if mode != "none" else None
         self.stitched = stitch(entry, loaded, self.capture_api if mode == "piecewise" else None)
         self._run_stitched = direct_forward(self.stitched)
-        # data_to_module wraps each runner in a module; the GraphedCallables sit inside.
-        self.graphed: list[GraphedCallable] = [
-            m.fn for m in self.stitched.children() if isinstance(getattr(m, "fn", None), GraphedCallable)
-        ]
+        self.graphed: list[GraphedCallable] = self.stitched.graphed
         # full: the whole forward is one graph per size. piecewise: the call's arguments get
         # fixed addresses per size first (copied once), which the pieces then read in place.
         self.whole: GraphedCallable | None = None
-        n_args = 1 + max((b["arg"] for b in entry.bindings if b["kind"] in ("arg", "size")),
-                         default=-1)
+        n_args = 1 + max((b.arg for b in entry.bindings if b.kind in ("arg", "size")
+                          and b.arg is not None), default=-1)
         if mode == "full" and self.capture_api is not None:
             self.whole = GraphedCallable(self._forward, self._dynamic_size, [False] * n_args,
                                          self.capture_api)
@@ -246,8 +186,8 @@ class ModelRuntime:
         self.model = model
         self.config = config
         self.dynamic_dims = dict(dynamic_dims)
-        self.bindings = [Binding.from_data(b) for b in entry.bindings]
-        self.metas = [InputMeta.from_data(m) for m in entry.input_metas]
+        self.bindings = list(entry.bindings)
+        self.metas = list(entry.input_metas)
         self.make_output = output_builder(entry.out_spec)
         self._warned_eager = False
         weights.watch(model, [b.path for b in self.bindings if b.kind in ("param", "buffer")])
@@ -296,7 +236,7 @@ class ModelRuntime:
         for i in range(n_args):
             m = by_arg[i]
             shape = [size if isinstance(s, str) else s for s in m.shape]
-            args.append(torch.zeros(shape, dtype=getattr(torch, m.dtype), device=m.device))
+            args.append(torch.zeros(shape, dtype=getattr(torch, m.dtype), device=self.device))
         return tuple(args)
 
     def capture(self, sizes: Sequence[int] | None = None,
@@ -406,15 +346,4 @@ def _check_weight(binding: Binding, tensor: torch.Tensor, meta: InputMeta,
 def live_device(model: torch.nn.Module, entry: Entry) -> torch.device:
     """Where the model runs now: its first parameter's or buffer's device, else the
     traced one (a model without weights)."""
-    for t in model.parameters():
-        return t.device
-    for t in model.buffers():
-        return t.device
-    return torch.device(device_of_entry(entry))
-
-
-def device_of_entry(entry: Entry) -> str:
-    for m in entry.input_metas:
-        if m["kind"] == "tensor":
-            return m["device"]
-    return "cpu"
+    return torch.device(device_of([*model.parameters(), *model.buffers()], entry.device))

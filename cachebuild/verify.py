@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from cachebuild.backends.base import Artifact, bucket_bounds, example_inputs, size_hint
-from cachebuild.facts import InputMeta
+from cachebuild.facts import InputMeta, device_of
 from cachebuild.fxjson import data_to_module
 
 #: Relative tolerance per output dtype: the rounding of reordered or fused arithmetic.
@@ -148,7 +148,7 @@ class ScratchStore:
 def check_artifact(backend: Any, artifact: Artifact, key: str, nodes: list[dict[str, Any]],
                    metas: list[InputMeta], bucket: dict[str, Any]) -> list[int | None]:
     """Load ``artifact`` as the backend would from a store and ``check`` it."""
-    device = next((m.device for m in metas if m.kind == "tensor"), "cpu")
+    device = device_of(metas)
     with tempfile.TemporaryDirectory(prefix="cachebuild-verify-") as folder:
         fn = backend.load(artifact.kind, key, ScratchStore(key, artifact, Path(folder)), device)
         if fn is None:

@@ -29,7 +29,7 @@ SIZES = (1, 4, 9, 16, 17, 24, 30, 48)
 def runner(compiled, piece_index):
     """The PieceRunner of a compiled piece of a CompiledModule's runtime."""
     piece = compiled.runtime.entry.pieces[piece_index]
-    return compiled.runtime.stitched.get_submodule(piece.name).fn
+    return compiled.runtime.stitched.calls[piece.name]
 
 
 @pytest.mark.parametrize("layers", [2, 4])
@@ -50,7 +50,7 @@ def test_matches_eager_in_every_bucket(tmp_path, layers):
     # Each size ran the target of its bucket: exact size first, else its range.
     entry = compiled.runtime.entry
     first = next(p for p in entry.pieces if p.compiled)
-    by_bucket = {str(t["bucket"]): t["key"] for t in first.targets}
+    by_bucket = {str(t.bucket): t.key for t in first.targets}
     run = runner(compiled, entry.pieces.index(first))
     from cachebuild.build import LOADED
 

@@ -107,7 +107,7 @@ def test_inputs_with_fixed_addresses_are_read_in_place():
 
 
 def test_load_threads_from_environment(monkeypatch):
-    from cachebuild.runtime import LOAD_THREADS, load_threads
+    from cachebuild.build import LOAD_THREADS, load_threads
 
     monkeypatch.delenv("CACHEBUILD_LOAD_THREADS", raising=False)
     assert load_threads() == LOAD_THREADS

@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 import cachebuild
-from cachebuild.api import Planner
 from cachebuild.explain import explain
 from cachebuild.passes import PassConfig
 from cachebuild.passes.rewrites.fusions import RMSNormQuantFusion
+from cachebuild.plan import Planner
 from cachebuild.store import LocalStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))

@@ -11,9 +11,9 @@ import pytest
 
 import cachebuild
 import cachebuild.env
-from cachebuild.api import Planner
 from cachebuild.keys import diff_manifests
 from cachebuild.passes import PassConfig, PassManager
+from cachebuild.plan import Planner
 from cachebuild.store import LocalStore
 from cachebuild.trace import trace_model
 
@@ -33,7 +33,7 @@ def plan(model, traced, config, passes=None):
 
 
 def keys_by_piece(entry):
-    return [[t["key"] for t in p.targets] for p in entry.pieces if p.compiled]
+    return [[t.key for t in p.targets] for p in entry.pieces if p.compiled]
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +68,7 @@ def test_unique_targets_do_not_grow_with_depth(tmp_path):
         assert delta["planned"] == (layers + 1) * 2
         seen.append((delta["unique"], len(entry.target_keys()), delta["built"]))
         # Every middle layer's piece has the same keys as the first middle one.
-        middle = [tuple(t["key"] for t in p.targets) for p in compiled_pieces[1:-1]]
+        middle = [tuple(t.key for t in p.targets) for p in compiled_pieces[1:-1]]
         assert len(set(middle)) == 1
     assert seen == [(6, 6, 6), (6, 6, 0), (6, 6, 0)]
 

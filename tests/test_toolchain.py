@@ -15,10 +15,10 @@ from pathlib import Path
 import models
 import pytest
 
-from cachebuild.api import Planner
 from cachebuild.backends import probe
 from cachebuild.errors import ConfigError
 from cachebuild.keys import diff_manifests
+from cachebuild.plan import Planner
 from cachebuild.trace import trace_model
 
 DYN = {0: 0, 1: 0}

@@ -32,9 +32,10 @@ from rich.table import Table
 from cachebuild.cli.common import open_store, state_of
 
 if TYPE_CHECKING:
-    from cachebuild.api import Lookup, ModelSpec, Planner
+    from cachebuild.api import ModelSpec
     from cachebuild.build import BuildJob
     from cachebuild.entry import Entry
+    from cachebuild.plan import Lookup, Planner
     from cachebuild.store.base import Store
     from cachebuild.store.options import StoreOptions
 
@@ -75,8 +76,8 @@ class Planned:
 
 def plan_model(ctx: click.Context, path: str, device: str | None = None) -> Planned:
     """Load MODEL.py and find its entry: the stored one if fresh, else a new trace."""
-    from cachebuild.api import Planner
     from cachebuild.modelfile import load_spec
+    from cachebuild.plan import Planner
 
     spec = _spec_on(load_spec(path), device)
     store = open_store(ctx)
@@ -172,13 +173,13 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
     MODEL.py defines build() -> cachebuild.ModelSpec. A target that fails is reported with
     its piece, bucket, key and the compiler's message; the others still build (exit 1).
     """
+    from cachebuild.build import jobs_of
     from cachebuild.explain import label
-    from cachebuild.runtime import jobs_of
 
     start = time.perf_counter()
     planned = plan_model(ctx, model, device)
     store = planned.planner.store
-    all_jobs = jobs_of(planned.entry, planned.spec.config, str(Path(model).resolve()))
+    all_jobs = jobs_of(planned.entry, planned.spec.config)
     missing = [j for key, j in all_jobs.items() if not store.contains(key)]
     console = _console()
     if dry_run:

@@ -1,0 +1,174 @@
+"""Planning: a model and a call → its entry (trace → split → targets → entry).
+
+``Planner.lookup`` finds the stored entry whose recorded guards hold on the live model
+(starting at the entry key, then the variants for other values the trace read); on a
+miss, ``Planner.trace`` runs Dynamo once and ``Planner.plan`` splits the graph, plans every
+target (piece × bucket, keyed by its factors) and makes the entry, which ``record`` stores.
+``target_factors`` are the backend and pass factors every target of a config shares.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cachebuild.backends import Backend, get_backend
+from cachebuild.config import CompileConfig
+from cachebuild.counters import COUNTERS, phase
+from cachebuild.entry import Entry, entry_factors, make_entry, variant_key
+from cachebuild.env import env_factors
+from cachebuild.facts import device_of
+from cachebuild.guards import Mismatch
+from cachebuild.keys import make_key
+from cachebuild.split import split_graph
+from cachebuild.store.base import Store
+from cachebuild.targets import make_targets
+from cachebuild.trace import TracedGraph, trace_model
+
+log = logging.getLogger("cachebuild")
+
+
+def target_factors(backend: Backend, config: CompileConfig, passes: Any,
+                   device: str | None = None, probe_dir: Path | None = None) -> dict[str, Any]:
+    """Backend and pass factors, shared by every target of a config.
+
+    With ``device``, the backend's factors include its toolchain there (the C++ compiler,
+    which may need a probe, kept in ``probe_dir``): what target keys take. Without, what
+    the entry key takes, computed without probing, so a warm start finds its entry at once.
+    """
+    factors = backend.factors(config)
+    if device is not None:
+        factors = {**factors, "toolchain": backend.toolchain(config, device, probe_dir)}
+    return {"backend": factors, "passes": passes.factors()}
+
+
+#: How many entries of one model, differing in values the trace read, a lookup visits.
+MAX_VARIANTS = 8
+
+
+@dataclass
+class Lookup:
+    """What a warm start found: the entry (None on a miss), why not, and the key where
+    this model's entry is or is to be stored, with the factors of the entry key."""
+
+    entry: Entry | None
+    why: str
+    key: str
+    factors: dict[str, Any]
+    mismatches: list[Mismatch] = field(default_factory=list)  # of the last entry tried
+
+
+class Planner:
+    """Trace → split → targets → entry for one model and call signature."""
+
+    def __init__(self, model: torch.nn.Module, config: CompileConfig,
+                 dynamic_dims: dict[int, int], store: Store | None, passes: Any = None) -> None:
+        self.model = model
+        self.config = config
+        self.dynamic_dims = dict(dynamic_dims)
+        self.store = store
+        self.backend = get_backend(config.backend)
+        self._passes = passes
+        self.unrecordable: str | None = None  # why the latest trace cannot be recorded
+
+    @property
+    def passes(self) -> Any:
+        """The pass manager: the one given, else the built-in passes the config enables."""
+        if self._passes is None:
+            from cachebuild.passes import PassManager
+
+            self._passes = PassManager.from_config(self.config.passes)
+        return self._passes
+
+    def entry_key(self, args: tuple[Any, ...]) -> tuple[str, dict[str, Any]]:
+        factors = entry_factors(self.model, args, self.dynamic_dims, self.config,
+                                target_factors(self.backend, self.config, self.passes))
+        return make_key(factors), factors
+
+    def lookup(self, args: tuple[Any, ...]) -> Lookup:
+        """The stored entry for this call whose guards hold on the live model, if any.
+
+        Starts at the entry key; an entry whose guards fail leads to the key of the variant
+        for the live values (``variant_key``), and so on, a few steps at most.
+        """
+        key, factors = self.entry_key(args)
+        why = "no entry"
+        wrong: list[Mismatch] = []
+        for _ in range(MAX_VARIANTS):
+            data = self.store.get(key)
+            if data is None:
+                return Lookup(None, why, key, factors, wrong)
+            try:
+                entry = Entry.from_bytes(data)
+            except (ValueError, KeyError, TypeError) as e:  # not an entry of this format
+                return Lookup(None, f"stored entry unreadable ({type(e).__name__})", key,
+                              factors)
+            stale = entry.stale_files()
+            if stale:
+                return Lookup(None, f"traced source changed: {', '.join(stale)}", key, factors)
+            with phase("guards"):
+                guards = entry.guard_set()
+                values = guards.values(self.model, args)
+                wrong = guards.mismatches(self.model, args, values)
+            if not wrong:
+                return Lookup(entry, "fresh", key, factors)
+            why = "a value the trace read differs: " + "; ".join(
+                m.describe() for m in wrong[:3]) + (f" (and {len(wrong) - 3} more)"
+                                                    if len(wrong) > 3 else "")
+            key = variant_key(key, values)
+        return Lookup(None, why, key, factors, wrong)
+
+    def trace(self, args: tuple[Any, ...], found: Lookup | None = None) -> Entry:
+        """Trace the model, split it, plan its targets: a new (not yet stored) Entry, to be
+        stored where ``found`` (the lookup that missed) says."""
+        found = found or self.lookup(args)
+        with phase("trace"):
+            traced = trace_model(self.model, args, self.dynamic_dims,
+                                 self.config.compile_ranges)
+            COUNTERS.traced += 1
+        return self.plan(traced, found.factors, found.key)
+
+    def plan(self, traced: TracedGraph, factors: dict[str, Any], key: str | None = None) -> Entry:
+        with phase("split"):
+            split = split_graph(traced, self.config.splitting_ops)
+        with phase("plan"):
+            device = device_of(traced.input_metas)
+            probe_dir = self.store.probe_dir if self.store is not None else None
+            tf = target_factors(self.backend, self.config, self.passes, device, probe_dir)
+            targets = make_targets(split.pieces, self.config.buckets(), backend=tf["backend"],
+                                   passes=tf["passes"], env=env_factors(device))
+            entry = make_entry(factors, traced, split, targets, key)
+            self.unrecordable = traced.unrecordable
+        planned = sum(len(t) for t in targets.values())
+        COUNTERS.planned += planned
+        COUNTERS.unique += len(entry.target_keys())
+        return entry
+
+    def record(self, entry: Entry) -> bool:
+        """Store ``entry``, replacing a stale one under the same key; False (and one log
+        line) where the trace cannot be checked without Dynamo, so no entry may exist.
+
+        A fresh entry stored meanwhile (by another process, or with a remote tier by another
+        machine) is kept: deleting it would also take the fleet's shared copy away.
+        """
+        if self.unrecordable is not None:
+            log.warning("compiled %s without recording an entry (no warm start): %s",
+                        type(self.model).__name__, self.unrecordable)
+            return False
+        with self.store.lock(entry.key):
+            data = self.store.get(entry.key)
+            if data is not None:
+                try:
+                    fresh = not Entry.from_bytes(data).stale_files()
+                except (ValueError, KeyError, TypeError):
+                    fresh = False
+                if fresh:
+                    return True
+                self.store.delete(entry.key)
+            self.store.put(entry.key, entry.to_bytes(), kind="entry", manifest=entry.factors,
+                           refs=entry.target_keys())
+        return True
