@@ -1,57 +1,63 @@
 """Why a target or an entry is missing: the nearest stored one and what differs.
 
-For an entry that is the factors of its key (a config value: ``config.rms_norm_eps:
-1e-06 → 1e-05``) and the values its trace read, checked on the live model
-(``layers.0.mlp.act_fn: SiLU → GELUActivation``).
+For a target, the factors of its manifest in words: the piece's graph diffed node by node
+(``silu → gelu at node 5 (model.py:42)``, ``constant 1e-05 → 1e-06 in rms_norm at node 3``,
+an input reshaped), a pass edited, the environment, the toolchain. For an entry, the
+factors of its key (a config value: ``config.rms_norm_eps: 1e-06 → 1e-05``) and the values
+its trace read, checked on the live model (``layers.0.mlp.act_fn: SiLU → GELUActivation``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cachebuild.graphdiff import diff_graphs
 from cachebuild.keys import MISSING, Difference, canonical_json, diff_manifests
 from cachebuild.targets import bucket_label
 
 
 @dataclass
 class Explanation:
-    key: str
+    """The nearest stored manifest (None if nothing is comparable) and what differs."""
+
     nearest: str | None
     reasons: list[str]
 
 
-def _pass_changes(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[str]:
-    before = {p["name"]: p["uuid"] for p in old}
-    after = {p["name"]: p["uuid"] for p in new}
+def _pass_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    from cachebuild.passes import changed_passes
+
+    before = {p["name"] for p in old.get("passes", [])}
+    after = {p["name"] for p in new.get("passes", [])}
     out = []
-    for name in sorted(set(before) | set(after)):
+    for name in changed_passes(old, new):
         if name not in before:
             out.append(f"pass {name} enabled")
         elif name not in after:
             out.append(f"pass {name} disabled")
-        elif before[name] != after[name]:
+        else:
             out.append(f"pass {name} changed")
     return out
 
 
 def describe(d: Difference) -> list[str]:
     """A difference in words: "pass rms_quant changed", "torch 2.11.0 → 2.13.0"."""
-    if d.path == "passes.passes" and isinstance(d.old, list) and isinstance(d.new, list):
-        return _pass_changes(d.old, d.new)
     if d.path.startswith("env.") and not isinstance(d.old, dict):
         return [f"{d.path.removeprefix('env.')} {d.old} → {d.new}"]
     if d.path.startswith("bucket"):
         return ["a different shape bucket"]
-    if d.path.startswith("graph."):
-        return [f"the piece's {d.path.removeprefix('graph.')} differ (model code or shapes changed)"]
     return [d.describe()]
 
 
-def explain(wanted: dict[str, Any], stored: list[tuple[str, dict[str, Any]]]) -> Explanation:
+def explain(wanted: dict[str, Any], stored: list[tuple[str, dict[str, Any]]],
+            sources: Sequence[str | None] | None = None) -> Explanation:
     """Compare a wanted manifest with the nearest of ``stored`` (key, manifest) pairs.
 
-    Nearest = fewest differing factors, preferring the same bucket.
+    Nearest = fewest differing factors, preferring the same bucket. The piece graphs are
+    diffed node by node (``graphdiff``; ``sources``: where the trace recorded each node of
+    the wanted graph), the passes pass by pass.
     """
     best: tuple[int, str, list[Difference]] | None = None
     for key, manifest in stored:
@@ -60,9 +66,16 @@ def explain(wanted: dict[str, Any], stored: list[tuple[str, dict[str, Any]]]) ->
         if best is None or score < best[0]:
             best = (score, key, diffs)
     if best is None:
-        return Explanation(key="", nearest=None, reasons=["nothing comparable is stored"])
-    reasons = [r for d in best[2] for r in describe(d)]
-    return Explanation(key="", nearest=best[1], reasons=reasons or ["identical factors"])
+        return Explanation(nearest=None, reasons=["nothing comparable is stored"])
+    nearest = dict(stored)[best[1]]
+    reasons: list[str] = []
+    if any(d.path.startswith("graph.") for d in best[2]):
+        reasons += diff_graphs(nearest.get("graph", {}), wanted.get("graph", {}), sources)
+    if any(d.path.startswith("passes.") for d in best[2]):
+        reasons += _pass_changes(nearest.get("passes", {}), wanted.get("passes", {}))
+    reasons += [r for d in best[2] if not d.path.startswith(("graph.", "passes.passes"))
+                for r in describe(d)]
+    return Explanation(nearest=best[1], reasons=reasons or ["identical factors"])
 
 
 def label(target: Any) -> str:

@@ -299,7 +299,7 @@ def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
             continue
         seen.add(t.key)
         missing += 1
-        why = explain(t.manifest, stored)
+        why = explain(t.manifest, stored, t.sources)
         nearest = f"nearest {why.nearest[:16]}" if why.nearest else "no stored target"
         console.print(f"{label(t)} ({t.key[:16]}) missing; {nearest}: " + "; ".join(why.reasons))
     if not missing:
