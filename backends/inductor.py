@@ -162,7 +162,10 @@ class InductorBackend:
                     if built.endswith((".so", ".o")):
                         with open(built, "rb") as f:
                             kernels[os.path.relpath(built, root)] = f.read()
-                payload = pack({"artifact.bin": payload, **kernels})
+                # The compiler enters the kernels' cache keys: a loading process must use
+                # the same one to find them (else it would build them again).
+                build = json.dumps({"cxx": compiler}).encode()
+                payload = pack({"artifact.bin": payload, "build.json": build, **kernels})
         return Artifact("standalone", payload)
 
     # -- load --------------------------------------------------------------------------
@@ -187,6 +190,7 @@ def load_standalone(key: str, store: Any) -> Any:
     parts = read_packed(path)
     if parts is None:  # a plain artifact (GPU): Inductor reads it itself
         return CompiledArtifact.load(path=str(path), format="binary")
+    build = json.loads(parts.pop("build.json", b"{}"))
     root = cache_dir()
     for name, data in parts.items():
         target = os.path.join(root, name)
@@ -201,8 +205,10 @@ def load_standalone(key: str, store: Any) -> Any:
     # preprocessor even when the kernel's library exists); every kernel is here already.
     from torch._inductor import config
 
-    with tempfile.TemporaryDirectory(prefix="cachebuild-sa-") as tmp, \
-            config.patch(cpp_cache_precompile_headers=False):
+    patches: dict[str, Any] = {"cpp_cache_precompile_headers": False}
+    if build.get("cxx"):
+        patches["cpp.cxx"] = (None, build["cxx"])
+    with tempfile.TemporaryDirectory(prefix="cachebuild-sa-") as tmp, config.patch(patches):
         artifact = os.path.join(tmp, "artifact.bin")
         with open(artifact, "wb") as f:
             f.write(parts["artifact.bin"])
