@@ -84,7 +84,7 @@ def test_wheel_and_editable_installs_import_as_cachebuild(tmp_path):
         names = set(zf.namelist())
     assert {t for t in top if not t.endswith(".dist-info")} == {"cachebuild"}
     for module in ("store/local.py", "store/blob.py", "backends/__init__.py",
-                   "passes/__init__.py", "cli.py"):
+                   "passes/__init__.py", "cli/main.py"):
         assert f"cachebuild/{module}" in names
 
     wheel_python = _venv(tmp_path / "venv-wheel")
