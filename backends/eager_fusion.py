@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from cachebuild.backends.base import Artifact, BuildRequest, symbolic_fake_inputs
-from cachebuild.fxjson import data_to_module, graph_to_data
+from cachebuild.fxjson import GraphFormatError, data_to_module, graph_to_data
 
 VERSION = "1"
 
@@ -48,5 +48,11 @@ class EagerFusionBackend:
         data = store.get(key)
         if data is None:
             return None
-        gm = data_to_module(json.loads(data)["nodes"])
-        return gm
+        try:
+            nodes = json.loads(data)["nodes"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            raise GraphFormatError(f"stored graph of target {key} is not graph data") from None
+        try:
+            return data_to_module(nodes)
+        except GraphFormatError as e:
+            raise GraphFormatError(f"stored graph of target {key} was not loaded: {e}") from None
