@@ -47,6 +47,36 @@ def fresh_inductor_cache() -> Any:
     return fresh()
 
 
+def vec_isa() -> str:
+    """The vector ISA Inductor builds CPU kernels for here (e.g. ``avx512``); it enters
+    every kernel's compile command, so the kernels' cache keys."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+    return str(pick_vec_isa())
+
+
+def vec_isa_checks_off() -> Any:
+    """Let Inductor take the vector ISAs the CPU reports without compiling a check
+    program for each (seconds apiece); returns a function that undoes it.
+
+    For loading kernels that were built already: the ISA they were built for is part of
+    their cache keys. If this process had not checked the ISAs yet, their list is
+    forgotten again on undo, so that a later build checks them for real.
+    """
+    from torch._inductor import config, cpu_vec_isa
+
+    checked = cpu_vec_isa.valid_vec_isa_list.cache_info().currsize > 0
+    patch = config.patch({"cpp.vec_isa_ok": True})
+    patch.__enter__()
+
+    def undo() -> None:
+        patch.__exit__(None, None, None)
+        if not checked:
+            cpu_vec_isa.valid_vec_isa_list.cache_clear()
+
+    return undo
+
+
 def cuda_graph_for_capture() -> tuple[Any, bool]:
     """A ``torch.cuda.CUDAGraph`` and whether it must be instantiated by a call of its own:
     True where this torch has ``keep_graph`` (capture and instantiation then time apart),
