@@ -21,14 +21,14 @@ from typing import Any
 import torch
 
 from cachebuild.build import Builder
-from cachebuild.config import CompileConfig
+from cachebuild.config import CompileConfig, check_config, check_dynamic_dims
 from cachebuild.counters import COUNTERS, phase, snapshot
 from cachebuild.entry import Entry, device_of, entry_factors, make_entry
 from cachebuild.env import env_factors
 from cachebuild.errors import UsageError
 from cachebuild.keys import make_key
 from cachebuild.runtime import ModelRuntime, direct_forward, resolve_all, stitch
-from cachebuild.split import split_graph
+from cachebuild.split import check_splitting_ops, split_graph
 from cachebuild.store.base import Store
 from cachebuild.targets import make_targets
 from cachebuild.trace import TracedGraph, meta_of, trace_model
@@ -65,6 +65,7 @@ class ModelSpec:
         self.example_inputs = tuple(self.example_inputs)
         if not isinstance(self.config, CompileConfig):
             raise UsageError("ModelSpec.config must be a cachebuild.CompileConfig")
+        self.dynamic_dims = check_dynamic_dims(self.dynamic_dims)
 
 
 def target_factors(builder: Builder, device: str | None = None) -> dict[str, Any]:
@@ -111,6 +112,7 @@ class Planner:
     def trace(self, args: tuple[Any, ...]) -> Entry:
         """Trace the model, split it, plan its targets: a new (not yet stored) Entry."""
         _, factors = self.entry_key(args)
+        check_splitting_ops(self.config.splitting_ops)
         with phase("trace"):
             traced = trace_model(self.model, args, self.dynamic_dims)
             COUNTERS.traced += 1
@@ -238,12 +240,13 @@ def compile(model: torch.nn.Module, config: CompileConfig | None = None,
     ``passes``: a ``cachebuild.passes.PassManager`` of custom passes, used instead of the
     built-in passes ``config.passes`` enables.
     """
-    return CompiledModule(model, config or CompileConfig(), dynamic_dims or {}, store, passes)
+    return CompiledModule(model, check_config(config), check_dynamic_dims(dynamic_dims), store,
+                          passes)
 
 
 def backend(config: CompileConfig | None = None, store: Any = None, passes: Any = None) -> Any:
     """A torch.compile backend: ``torch.compile(model, backend=cachebuild.backend(cfg))``."""
-    config = config or CompileConfig()
+    config = check_config(config)
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         import torch.utils._pytree as pytree

@@ -50,13 +50,21 @@ def explain(wanted: dict[str, Any], stored: list[tuple[str, dict[str, Any]]]) ->
     """
     best: tuple[int, str, list[Difference]] | None = None
     for key, manifest in stored:
-        diffs = diff_manifests(manifest, wanted)
+        try:
+            diffs = diff_manifests(manifest, wanted)
+        except (TypeError, ValueError, RecursionError, AttributeError):
+            continue  # not a manifest cachebuild wrote: it explains nothing
         score = len(diffs) + (0 if manifest.get("bucket") == wanted.get("bucket") else 100)
         if best is None or score < best[0]:
             best = (score, key, diffs)
     if best is None:
         return Explanation(key="", nearest=None, reasons=["nothing comparable is stored"])
-    reasons = [r for d in best[2] for r in describe(d)]
+    reasons = []
+    for d in best[2]:
+        try:
+            reasons += describe(d)
+        except (TypeError, ValueError, KeyError, RecursionError, AttributeError):
+            reasons.append(f"{d.path} differs")
     return Explanation(key="", nearest=best[1], reasons=reasons or ["identical factors"])
 
 
