@@ -157,18 +157,13 @@ class InductorBackend:
                 with open(path, "rb") as f:
                     payload = f.read()
             if cpu:
-                root = cache_dir()
-                kernels = {}
-                # Libraries and their object files: Inductor rebuilds any missing one.
-                for built in glob.glob(os.path.join(root, "**", "*.[os]*"), recursive=True):
-                    if built.endswith((".so", ".o")):
-                        with open(built, "rb") as f:
-                            kernels[os.path.relpath(built, root)] = f.read()
-                # The compiler and the vector ISA enter the kernels' cache keys: a loading
-                # process must use the same ones to find them (else it would build them
-                # again, and first compile Inductor's ISA checks).
-                build = json.dumps({"cxx": compiler, "vec_isa": compat.vec_isa()}).encode()
-                payload = pack({"artifact.bin": payload, "build.json": build, **kernels})
+                # The compiler and the vector ISA (its name and its compiler flags) enter
+                # the kernels' cache keys: a loading process must use the same ones to find
+                # them, and takes the ISA from here rather than compiling Inductor's ISA
+                # checks (see kernel_dir).
+                build = json.dumps({"cxx": compiler, **compat.vec_isa()}).encode()
+                payload = pack({"artifact.bin": payload, "build.json": build,
+                                **_built_files(cache_dir())})
         return Artifact("standalone", payload)
 
     # -- load --------------------------------------------------------------------------
@@ -179,6 +174,17 @@ class InductorBackend:
         if kind == "standalone":
             return load_standalone(key, store)
         raise ValueError(f"inductor backend cannot load artifacts of kind {kind!r}")
+
+
+def _built_files(root: str) -> dict[str, bytes]:
+    """Libraries and object files under Inductor cache ``root``, by relative path:
+    Inductor rebuilds any that is missing."""
+    found = {}
+    for built in glob.glob(os.path.join(root, "**", "*.[os]*"), recursive=True):
+        if built.endswith((".so", ".o")):
+            with open(built, "rb") as f:
+                found[os.path.relpath(built, root)] = f.read()
+    return found
 
 
 def vanished(key: str, why: str) -> None:
@@ -245,11 +251,13 @@ def _load_standalone(key: str, store: Any, data: bytes, parts: dict[str, bytes] 
                      in_memory: bool) -> Any:
     from torch._inductor import CompiledArtifact, config
 
-    with kernel_dir.private_cache_dir(store, in_memory=in_memory) as root:
+    build = _build_info(parts) if parts is not None else {}
+    with kernel_dir.private_cache_dir(store, in_memory=in_memory,
+                                      vec_isa=(build.get("vec_isa"), build.get("vec_isa_flags"))
+                                      ) as root:
         if parts is None:  # a plain artifact (GPU): Inductor writes what it needs itself
             artifact = kernel_dir.write_file(root, f"artifacts/{key}.bin", data)
             return CompiledArtifact.load(path=str(artifact), format="binary")
-        build = _build_info(parts)
         for name, blob in parts.items():
             if name not in ("artifact.bin", "build.json"):
                 kernel_dir.write_file(root, name, blob)
@@ -260,8 +268,4 @@ def _load_standalone(key: str, store: Any, data: bytes, parts: dict[str, bytes] 
         if build.get("cxx"):
             patches["cpp.cxx"] = (None, build["cxx"])
         with config.patch(patches):
-            if build.get("vec_isa") and compat.vec_isa() != build["vec_isa"]:
-                log.warning("the kernels of %s were built for the %s vector ISA, this process "
-                            "uses %s: they will be compiled again", key, build["vec_isa"],
-                            compat.vec_isa())
             return CompiledArtifact.load(path=str(artifact), format="binary")

@@ -11,8 +11,13 @@ used, and nothing found there was put there by anyone but this process.
 Inductor's cache directory is process-wide (``TORCHINDUCTOR_CACHE_DIR``), so
 ``private_cache_dir`` counts the loads in progress: the first points Inductor at the
 private directory, the last points it back. Loads from two different stores wait for
-each other. While loads run, Inductor also skips compiling its vector-ISA checks (see
-``compat.vec_isa_checks_off``): the kernels were built for an ISA already.
+each other.
+
+Before it builds or loads CPU kernels, Inductor compiles small check programs for each
+vector ISA the CPU reports (seconds apiece), and which flags its checks and kernels get
+depends on what ran before in the process. So while loads run, Inductor is told the ISA
+the kernels were built for (``compat.pin_vec_isa``, from the artifact's ``build.json``)
+and compiles no check: the kernels are found under the keys they were built with.
 """
 
 from __future__ import annotations
@@ -38,9 +43,11 @@ _written_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def private_cache_dir(store: Any, *, in_memory: bool = False) -> Iterator[Path]:
+def private_cache_dir(store: Any, *, in_memory: bool = False,
+                      vec_isa: tuple[str | None, str | None] = (None, None)) -> Iterator[Path]:
     """Point Inductor at this process's private directory of ``store`` while the block
-    runs; yields that directory."""
+    runs, and (the first of concurrent loads) at ``vec_isa`` (name, flags) the kernels
+    were built for; yields that directory."""
     root = Path(store.scratch_dir(in_memory=in_memory)) / "inductor"
     root.mkdir(mode=0o700, exist_ok=True)
     with _state:
@@ -49,7 +56,7 @@ def private_cache_dir(store: Any, *, in_memory: bool = False) -> Iterator[Path]:
         if not _active["count"]:
             _active["dir"], _active["saved"] = str(root), os.environ.get(_ENV)
             os.environ[_ENV] = str(root)
-            _active["undo"] = compat.vec_isa_checks_off()
+            _active["undo"] = compat.pin_vec_isa(*vec_isa)
         _active["count"] += 1
     try:
         yield root
