@@ -26,6 +26,7 @@ from trust import (
     clean_env,
     cli,
     fill,
+    public_dir,
     python,
     require_root,
     tmpfs,
@@ -51,35 +52,42 @@ def env_for(store: Path, **extra: str) -> dict[str, str]:
 
 
 def test_store_under_a_directory_others_can_write_is_refused(tmp_path):
-    shared = tmp_path / "shared"
-    shared.mkdir()
-    os.chmod(shared, 0o777)  # anyone may rename entries here: the store could be swapped
-    proc = cli("--cache-dir", str(shared / "store"), "stats")
-    assert_one_line_error(proc, 1, r"refusing store directory .*shared above it is writable "
-                                   r"by others .*could rename store")
-    with pytest.raises(StoreError, match="writable by others"):
-        LocalStore(shared / "store")
+    prefix = as_nobody()
+    with public_dir() as public:
+        shared = public / "shared"
+        shared.mkdir()
+        os.chmod(shared, 0o777)  # no sticky bit: anyone may rename entries here
+        (shared / "store").mkdir(mode=0o700)
+        # The attack is real: another user can move the store away (and put theirs there).
+        moved = subprocess.run([*prefix, "mv", str(shared / "store"), str(shared / "gone")],
+                               capture_output=True, text=True)
+        assert moved.returncode == 0, moved.stderr
+        proc = cli("--cache-dir", str(shared / "store"), "stats")
+        assert_one_line_error(proc, 1, r"refusing store directory .*shared above it is "
+                                       r"writable by others .*could rename store")
+        with pytest.raises(StoreError, match="writable by others"):
+            LocalStore(shared / "store")
 
 
 def test_store_in_a_sticky_directory_cannot_be_swapped_by_another_user(tmp_path):
     prefix = as_nobody()
-    shared = tmp_path / "sticky"
-    shared.mkdir()
-    os.chmod(tmp_path, 0o755)
-    os.chmod(shared, 0o1777)  # like /tmp: only an entry's owner may rename it
-    store = LocalStore(shared / "store")
-    store.put(key("a"), b"ours", kind="target")
-    # Another user tries the attack: move our store away and put theirs in its place.
-    moved = subprocess.run([*prefix, "mv", str(shared / "store"), str(shared / "stolen")],
-                           capture_output=True, text=True)
-    assert moved.returncode != 0 and not (shared / "stolen").exists()
-    assert store.get(key("a")) == b"ours"
-    # A directory above the store owned by another user is refused too: they could swap it.
-    theirs = tmp_path / "theirs"
-    theirs.mkdir(mode=0o755)
-    os.chown(theirs, 65534, 65534)
-    proc = cli("--cache-dir", str(theirs / "store"), "ls")
-    assert_one_line_error(proc, 1, r"theirs above it is owned by uid 65534")
+    with public_dir() as public:
+        shared = public / "sticky"
+        shared.mkdir()
+        os.chmod(shared, 0o1777)  # like /tmp: only an entry's owner may rename it
+        store = LocalStore(shared / "store")
+        store.put(key("a"), b"ours", kind="target")
+        # Another user tries the attack: move our store away to put theirs in its place.
+        moved = subprocess.run([*prefix, "mv", str(shared / "store"), str(shared / "stolen")],
+                               capture_output=True, text=True)
+        assert moved.returncode != 0 and "not permitted" in moved.stderr, moved.stderr
+        assert not (shared / "stolen").exists() and store.get(key("a")) == b"ours"
+        # A directory above the store owned by another user is refused: they could swap it.
+        theirs = public / "theirs"
+        theirs.mkdir(mode=0o755)
+        os.chown(theirs, 65534, 65534)
+        proc = cli("--cache-dir", str(theirs / "store"), "ls")
+        assert_one_line_error(proc, 1, r"theirs above it is owned by uid 65534")
 
 
 def test_a_symlinked_store_path_is_resolved_once(tmp_path):
@@ -352,7 +360,7 @@ def test_a_bundle_that_inflates_past_memory_is_streamed(tmp_path):
     bomb = tmp_path / "bomb.tar.gz"
     size = 768 << 20
     with gzip.open(bomb, "wb", compresslevel=1) as raw, tarfile.open(fileobj=raw, mode="w") as tar:
-        for name, data in ((f"cachebuild-bundle.json",
+        for name, data in (("cachebuild-bundle.json",
                             json.dumps({"format": "cachebuild-bundle", "version": 1,
                                         "entries": [k]}).encode()),
                            (f"records/{k}.json",

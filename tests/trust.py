@@ -80,6 +80,20 @@ def as_nobody() -> tuple[str, ...]:
 
 
 @contextmanager
+def public_dir() -> Iterator[Path]:
+    """A fresh directory under the system's temp directory that every user can enter
+    (pytest's own are private to root), removed afterwards."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="cachebuild-trust-"))
+    os.chmod(path, 0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
 def tmpfs(where: Path, size: str) -> Iterator[Path]:
     """A tmpfs of ``size`` mounted at ``where`` (root only; skipped where not allowed)."""
     where.mkdir(parents=True, exist_ok=True)
