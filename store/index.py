@@ -71,7 +71,7 @@ def parse_row(key: str, raw: Any) -> dict[str, Any]:
         raise BadRecord("index row is not JSON text")
     try:
         small = json.loads(raw)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         raise BadRecord(f"index row is not valid JSON ({e})") from None
     if not isinstance(small, dict):
         raise BadRecord("index row is not a JSON object")
@@ -140,7 +140,7 @@ class Index:
             raw = self._db.get(_MANIFEST + key)
             try:
                 man = json.loads(raw) if isinstance(raw, str | bytes) else None
-            except ValueError:
+            except (ValueError, RecursionError):
                 man = None
             if not isinstance(man, dict):
                 man = None  # a damaged manifest only costs explanations, never a load

@@ -413,3 +413,33 @@ def test_pack_names_that_leave_the_directory_are_refused_before_writing(tmp_path
     proc = python(code, str(store_dir), k)
     assert_one_line_error(proc, 1, r"not a plain relative path")
     assert not evil.exists() and not list(tmp_path.rglob("evil.so"))
+
+
+FSYNCED = r"""
+import json, os, sys
+from pathlib import Path
+from cachebuild.backends import kernel_dir
+
+synced = []
+real_fsync = os.fsync
+
+def fsync(fd):
+    synced.append(os.readlink(f"/proc/self/fd/{fd}"))
+    real_fsync(fd)
+
+os.fsync = fsync
+root = Path(sys.argv[1])
+path = kernel_dir.write_file(root, "ab/cabc.main.so", b"kernel bytes")
+print(json.dumps({"path": str(path), "synced": synced,
+                  "mode": oct(os.stat(path).st_mode & 0o777), "data": path.read_text()}))
+"""
+
+
+def test_kernel_files_are_fsynced_before_they_are_used(tmp_path):
+    proc = python(FSYNCED, str(tmp_path / "kernels"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["data"] == "kernel bytes" and out["mode"] == "0o700"
+    # The temp file is synced before it is renamed to the name Inductor looks up.
+    assert len(out["synced"]) == 1 and out["synced"][0].startswith(str(tmp_path / "kernels"))
+    assert out["synced"][0] != out["path"] and ".tmp" in out["synced"][0]
