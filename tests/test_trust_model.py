@@ -245,8 +245,8 @@ def test_bad_config_values_are_one_line_config_errors(tmp_path):
         assert message != "accepted" and "\n" not in message, (name, message)
     # Through the command line: exit 2, one line.
     env = clean_env(CACHEBUILD_DIR=str(tmp_path / "store"))
-    bad = model_file(tmp_path / "bad" if (tmp_path / "bad").mkdir() is None else tmp_path,
-                     "compile_sizes=(3.7,)")
+    (tmp_path / "bad").mkdir()
+    bad = model_file(tmp_path / "bad", "compile_sizes=(3.7,)")
     assert_one_line_error(cli("plan", str(bad), env=env), 2, r"must be a whole number, got 3\.7")
     model = model_file(tmp_path)
     assert_one_line_error(cli("warm", str(model), "--device", "nonsense!!", env=env), 2,
