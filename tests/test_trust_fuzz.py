@@ -3,7 +3,7 @@ members never stop a server with a traceback, never hang it, and never run anyth
 unverified.
 
 After a clean ``warm`` (real processes, a real redis-server), one server process
-(``tests/trust_fuzz.py``) runs ``CACHEBUILD_FUZZ_ROUNDS`` rounds (default 30) from seed
+(``tests/trust_fuzz.py``) runs ``CACHEBUILD_FUZZ_ROUNDS`` rounds (default 50) from seed
 ``CACHEBUILD_FUZZ_SEED`` (default 12): each restores Redis, mutates one thing, and starts
 the tiny model from that state (see the driver's docstring). A round either runs
 correctly (the same outputs as eager) or gives a one-line error.
@@ -38,7 +38,7 @@ def build():
 
 def test_fuzzed_state_never_stops_a_server_with_a_traceback(tmp_path):
     require_redis_server()
-    rounds = int(os.environ.get("CACHEBUILD_FUZZ_ROUNDS", "30"))
+    rounds = int(os.environ.get("CACHEBUILD_FUZZ_ROUNDS", "50"))
     seed = int(os.environ.get("CACHEBUILD_FUZZ_SEED", "12"))
     model = tmp_path / "model.py"
     model.write_text(MODEL_PY)
