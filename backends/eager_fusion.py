@@ -20,7 +20,7 @@ from cachebuild.backends.base import (
     range_symbols,
     symbolic_fake_inputs,
 )
-from cachebuild.fxjson import data_to_module, graph_to_data
+from cachebuild.fxjson import GraphFormatError, data_to_module, graph_to_data
 
 VERSION = "2"  # 2: lowered to aten before functionalisation (sizes stay symbolic)
 
@@ -61,8 +61,14 @@ class EagerFusionBackend:
         data = store.get(key)
         if data is None:
             return None
-        gm = data_to_module(json.loads(data)["nodes"])
-        return gm
+        try:
+            nodes = json.loads(data)["nodes"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            raise GraphFormatError(f"stored graph of target {key} is not graph data") from None
+        try:
+            return data_to_module(nodes)
+        except GraphFormatError as e:
+            raise GraphFormatError(f"stored graph of target {key} was not loaded: {e}") from None
 
 
 #: Tensor constants up to this many elements are written into the stored graph as data.

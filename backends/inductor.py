@@ -14,6 +14,7 @@ Every build uses the compiler the probe chose (``toolchain``), which is a key fa
 from __future__ import annotations
 
 import contextlib
+import errno
 import glob
 import json
 import logging
@@ -25,7 +26,8 @@ from typing import Any
 
 import torch
 
-from cachebuild.backends import aoti
+from cachebuild import compat
+from cachebuild.backends import aoti, kernel_dir
 from cachebuild.backends.base import (
     Artifact,
     BuildRequest,
@@ -34,7 +36,7 @@ from cachebuild.backends.base import (
     example_inputs,
     symbolic_fake_inputs,
 )
-from cachebuild.backends.pack import pack, read_packed
+from cachebuild.backends.pack import PackError, pack, unpack
 from cachebuild.errors import ConfigError, transient
 
 log = logging.getLogger("cachebuild.inductor")
@@ -130,7 +132,6 @@ class InductorBackend:
         from torch._inductor import config, standalone_compile
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        from cachebuild import compat
         from cachebuild.facts import record_example_values
 
         fake_mode, fake_args = symbolic_fake_inputs(request.input_metas, request.bucket)
@@ -156,61 +157,115 @@ class InductorBackend:
                 with open(path, "rb") as f:
                     payload = f.read()
             if cpu:
-                root = cache_dir()
-                kernels = {}
-                # Libraries and their object files: Inductor rebuilds any missing one.
-                for built in glob.glob(os.path.join(root, "**", "*.[os]*"), recursive=True):
-                    if built.endswith((".so", ".o")):
-                        with open(built, "rb") as f:
-                            kernels[os.path.relpath(built, root)] = f.read()
-                # The compiler enters the kernels' cache keys: a loading process must use
-                # the same one to find them (else it would build them again).
-                build = json.dumps({"cxx": compiler}).encode()
-                payload = pack({"artifact.bin": payload, "build.json": build, **kernels})
+                # The compiler and the vector ISA (its name and its compiler flags) enter
+                # the kernels' cache keys: a loading process must use the same ones to find
+                # them, and takes the ISA from here rather than compiling Inductor's ISA
+                # checks (see kernel_dir).
+                build = json.dumps({"cxx": compiler, **compat.vec_isa()}).encode()
+                payload = pack({"artifact.bin": payload, "build.json": build,
+                                **_built_files(cache_dir())})
         return Artifact("standalone", payload)
 
     # -- load --------------------------------------------------------------------------
 
     def load(self, kind: str, key: str, store: Any, device: str) -> Any:
         if kind in ("aoti-cpu", "aoti-cuda"):
-            path = store.materialize(key, ".pt2")
-            return None if path is None else aoti.load_package(path, device)
+            return _load_aoti(key, store, device)
         if kind == "standalone":
             return load_standalone(key, store)
         raise ValueError(f"inductor backend cannot load artifacts of kind {kind!r}")
 
 
-def load_standalone(key: str, store: Any) -> Any:
-    """Load a standalone artifact; kernels built on CPU go into Inductor's cache first."""
-    from torch._inductor import CompiledArtifact
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+def _built_files(root: str) -> dict[str, bytes]:
+    """Libraries and object files under Inductor cache ``root``, by relative path:
+    Inductor rebuilds any that is missing."""
+    found = {}
+    for built in glob.glob(os.path.join(root, "**", "*.[os]*"), recursive=True):
+        if built.endswith((".so", ".o")):
+            with open(built, "rb") as f:
+                found[os.path.relpath(built, root)] = f.read()
+    return found
 
-    path = store.materialize(key, ".bin")
+
+def vanished(key: str, why: str) -> None:
+    """Count and log a target that left the store while it was loaded: a miss."""
+    from cachebuild.counters import COUNTERS
+
+    COUNTERS.vanished += 1
+    log.warning("target %s vanished from the store while it was loaded (%s); it is a miss "
+                "and will be built again", key, why)
+
+
+def _load_aoti(key: str, store: Any, device: str) -> Any:
+    path = store.materialize(key, ".pt2")
     if path is None:
         return None
-    parts = read_packed(path)
-    if parts is None:  # a plain artifact (GPU): Inductor reads it itself
-        return CompiledArtifact.load(path=str(path), format="binary")
-    build = json.loads(parts.pop("build.json", b"{}"))
-    root = cache_dir()
-    for name, data in parts.items():
-        target = os.path.join(root, name)
-        if name != "artifact.bin" and not os.path.exists(target):
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=os.path.dirname(target), suffix=".tmp")
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.chmod(tmp, 0o755)
-            os.replace(tmp, target)  # atomic: a concurrent loader sees all or nothing
-    # Inductor would first precompile a header for kernels it may build (it runs the C++
-    # preprocessor even when the kernel's library exists); every kernel is here already.
-    from torch._inductor import config
+    try:
+        return aoti.load_package(path, device)
+    except Exception:
+        if os.path.exists(path):
+            raise
+        # GC removed the verified file between materialize() and the loader's read.
+        vanished(key, "removed after it was materialized, most likely by gc")
+        return None
 
-    patches: dict[str, Any] = {"cpp_cache_precompile_headers": False}
-    if build.get("cxx"):
-        patches["cpp.cxx"] = (None, build["cxx"])
-    with tempfile.TemporaryDirectory(prefix="cachebuild-sa-") as tmp, config.patch(patches):
-        artifact = os.path.join(tmp, "artifact.bin")
-        with open(artifact, "wb") as f:
-            f.write(parts["artifact.bin"])
-        return CompiledArtifact.load(path=artifact, format="binary")
+
+def load_standalone(key: str, store: Any) -> Any:
+    """Load a standalone artifact from the store's verified bytes, and from nothing else.
+
+    Inductor is pointed, for the load, at a directory private to this process inside the
+    store (``kernel_dir``), and the artifact and the kernels it carries (CPU) are written
+    there, fsynced, from the verified payload: no file that someone planted in Inductor's
+    usual cache directory is ever loaded. On CPU the build's C++ compiler and vector ISA
+    are used, so the kernels are found under the keys they were built with and nothing is
+    compiled. On a full disk the private directory is in memory. None on a miss.
+    """
+    data = store.get(key)  # verified, and read at once: GC can no longer take it away
+    if data is None:
+        return None
+    parts = unpack(data)  # every name checked before any file is written (PackError)
+    if parts is not None and "artifact.bin" not in parts:
+        raise PackError(f"standalone artifact {key} holds no artifact.bin")
+    try:
+        return _load_standalone(key, store, data, parts, in_memory=False)
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        log.warning("no space to write the kernels of %s next to the store; loading them "
+                    "from memory", key)
+        return _load_standalone(key, store, data, parts, in_memory=True)
+
+
+def _build_info(parts: dict[str, bytes]) -> dict[str, str]:
+    try:
+        build = json.loads(parts.get("build.json", b"{}"))
+    except (ValueError, RecursionError):
+        build = None
+    if not isinstance(build, dict) or not all(
+            isinstance(v, str) or v is None for v in build.values()):
+        raise PackError("standalone artifact's build.json is not an object of names")
+    return {k: v for k, v in build.items() if v}
+
+
+def _load_standalone(key: str, store: Any, data: bytes, parts: dict[str, bytes] | None, *,
+                     in_memory: bool) -> Any:
+    from torch._inductor import CompiledArtifact, config
+
+    build = _build_info(parts) if parts is not None else {}
+    with kernel_dir.private_cache_dir(store, in_memory=in_memory,
+                                      vec_isa=(build.get("vec_isa"), build.get("vec_isa_flags"))
+                                      ) as root:
+        if parts is None:  # a plain artifact (GPU): Inductor writes what it needs itself
+            artifact = kernel_dir.write_file(root, f"artifacts/{key}.bin", data)
+            return CompiledArtifact.load(path=str(artifact), format="binary")
+        for name, blob in parts.items():
+            if name not in ("artifact.bin", "build.json"):
+                kernel_dir.write_file(root, name, blob)
+        artifact = kernel_dir.write_file(root, f"artifacts/{key}.bin", parts["artifact.bin"])
+        # Inductor would first precompile a header for kernels it may build (it runs the
+        # C++ preprocessor even when the kernel's library exists); every kernel is here.
+        patches: dict[str, Any] = {"cpp_cache_precompile_headers": False}
+        if build.get("cxx"):
+            patches["cpp.cxx"] = (None, build["cxx"])
+        with config.patch(patches):
+            return CompiledArtifact.load(path=str(artifact), format="binary")

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from cachebuild.build import Builder, needs_inductor, resolve_all
-from cachebuild.config import CompileConfig
+from cachebuild.config import CompileConfig, check_config, check_dynamic_dims
 from cachebuild.counters import COUNTERS, phase, snapshot
 from cachebuild.dynamo_backend import GraphForward
 from cachebuild.errors import UsageError
@@ -63,6 +63,7 @@ class ModelSpec:
         self.example_inputs = tuple(self.example_inputs)
         if not isinstance(self.config, CompileConfig):
             raise UsageError("ModelSpec.config must be a cachebuild.CompileConfig")
+        self.dynamic_dims = check_dynamic_dims(self.dynamic_dims)
 
 
 class CompiledModule(torch.nn.Module):
@@ -139,7 +140,8 @@ def compile(model: torch.nn.Module, config: CompileConfig | None = None,
     ``passes``: a ``cachebuild.passes.PassManager`` of custom passes, used instead of the
     built-in passes ``config.passes`` enables.
     """
-    return CompiledModule(model, config or CompileConfig(), dynamic_dims or {}, store, passes)
+    return CompiledModule(model, check_config(config), check_dynamic_dims(dynamic_dims), store,
+                          passes)
 
 
 def backend(config: CompileConfig | None = None, store: Any = None, passes: Any = None) -> Any:
@@ -148,7 +150,7 @@ def backend(config: CompileConfig | None = None, store: Any = None, passes: Any 
     Every graph Dynamo hands over is split and planned at once and its targets are built
     or loaded on its first call (``dynamo_backend.GraphForward``).
     """
-    config = config or CompileConfig()
+    config = check_config(config)
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
         planner = Planner(torch.nn.Module(), config, {}, open_default_store(store), passes)

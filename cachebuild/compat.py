@@ -5,6 +5,8 @@ Code elsewhere never tests ``torch.__version__``; it asks this module.
 
 from __future__ import annotations
 
+import platform
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,6 +47,59 @@ def fresh_inductor_cache() -> Any:
 
     fresh = getattr(utils, "fresh_cache", None) or utils.fresh_inductor_cache
     return fresh()
+
+
+def vec_isa() -> dict[str, str]:
+    """The vector ISA Inductor builds CPU kernels for here: its name (``avx512``) and the
+    compiler flags it gives them (``vec_isa_flags``), which enter every kernel's cache key.
+    Empty where Inductor picks none."""
+    from torch._inductor.cpu_vec_isa import invalid_vec_isa, pick_vec_isa
+
+    isa = pick_vec_isa()
+    if isa == invalid_vec_isa:
+        return {}
+    return {"vec_isa": str(isa), "vec_isa_flags": isa.build_arch_flags()}
+
+
+def pin_vec_isa(name: str | None, flags: str | None) -> Callable[[], None]:
+    """Make Inductor use the vector ISA ``name`` with compiler ``flags`` (what
+    ``vec_isa()`` said where kernels were built), without compiling its ISA checks;
+    returns a function that undoes it.
+
+    Only where the CPU reports every feature of that ISA (else nothing changes, and
+    Inductor checks as usual): kernels built for an ISA the CPU lacks would crash.
+    """
+    from torch._inductor import cpu_vec_isa
+
+    if not name or flags is None or platform.machine() not in ("x86_64", "AMD64"):
+        return lambda: None
+    try:
+        features = cpu_vec_isa.x86_isa_checker()
+    except Exception:  # an unreadable /proc/cpuinfo: let Inductor check as usual
+        return lambda: None
+    base = next((isa for isa in cpu_vec_isa.supported_vec_isa_list if str(isa) == name), None)
+    if base is None or not all(f in features for f in name.split()):
+        return lambda: None
+
+    class AsBuilt(type(base)):  # type: ignore[misc, valid-type]
+        """The ISA the kernels were built for: its flags as recorded, checked already."""
+
+        __hash__ = type(base).__hash__
+
+        def build_arch_flags(self) -> str:
+            return flags
+
+        def __bool__(self) -> bool:
+            return True
+
+    pinned = AsBuilt()
+    original = cpu_vec_isa.valid_vec_isa_list
+    cpu_vec_isa.valid_vec_isa_list = lambda: [pinned]
+
+    def undo() -> None:
+        cpu_vec_isa.valid_vec_isa_list = original
+
+    return undo
 
 
 def cuda_graph_for_capture() -> tuple[Any, bool]:

@@ -9,7 +9,9 @@ place that knows every registered one.
 
 from __future__ import annotations
 
+import operator
 import re
+from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -104,24 +106,40 @@ class CompileConfig:
     out_of_range: str = "error"
 
     def __post_init__(self) -> None:
-        # Normalise containers so equal configs hash equal and are immutable.
+        # Normalise containers so equal configs hash equal and are immutable; refuse any
+        # value of the wrong type rather than coerce it (3.7 is not the size 3).
         set_ = object.__setattr__
         ops = self.splitting_ops
-        set_(self, "splitting_ops", (ops,) if isinstance(ops, str) else tuple(ops))
-        try:
-            ranges = tuple((int(lo), int(hi)) for lo, hi in self.compile_ranges)
-        except (TypeError, ValueError) as e:
-            raise ConfigError(
-                f"compile_ranges must be (lo, hi) pairs of ints, e.g. ((1, 8192),); got "
-                f"{self.compile_ranges!r}"
-            ) from e
-        set_(self, "compile_ranges", ranges)
-        set_(self, "compile_sizes", tuple(sorted({int(s) for s in self.compile_sizes})))
-        set_(self, "capture_sizes", tuple(sorted({int(s) for s in self.capture_sizes})))
+        if isinstance(ops, str):
+            ops = (ops,)
+        set_(self, "splitting_ops", _sequence(ops, "splitting_ops", "op names, e.g. "
+                                              "('mylib::attention',)"))
+        ranges = []
+        for pair in _sequence(self.compile_ranges, "compile_ranges", "(lo, hi) pairs, e.g. "
+                              "((1, 8192),)"):
+            if isinstance(pair, str | bytes) or not isinstance(pair, Sequence) or len(pair) != 2 \
+                    or not all(_is_whole(v) for v in pair):
+                raise ConfigError(f"compile_ranges must hold (lo, hi) pairs of whole numbers, "
+                                  f"e.g. ((1, 8192),); got {_show(pair)}")
+            ranges.append((operator.index(pair[0]), operator.index(pair[1])))
+        set_(self, "compile_ranges", tuple(ranges))
+        for name in ("compile_sizes", "capture_sizes"):
+            values = _sequence(getattr(self, name), name, "whole numbers, e.g. (1, 8)")
+            set_(self, name, tuple(sorted({_whole(v, f"each of {name}") for v in values})))
         opts = self.inductor_options
         if isinstance(opts, dict):
-            opts = opts.items()
-        set_(self, "inductor_options", tuple(sorted((str(k), v) for k, v in opts)))
+            opts = tuple(opts.items())
+        pairs = _sequence(opts, "inductor_options", "a dict of Inductor config names and "
+                          "values, e.g. {'max_autotune': True}")
+        for pair in pairs:
+            if not (isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[0], str)):
+                raise ConfigError(f"inductor_options must map Inductor config names to values, "
+                                  f"e.g. {{'max_autotune': True}}; got {_show(pair)}")
+        set_(self, "inductor_options", tuple(sorted(((k, v) for k, v in pairs),
+                                                   key=lambda kv: kv[0])))
+        if not isinstance(self.pad_to_capture_size, bool):
+            raise ConfigError(f"pad_to_capture_size must be True or False, got "
+                              f"{_show(self.pad_to_capture_size)}")
         self._validate()
 
     def _validate(self) -> None:
@@ -186,6 +204,59 @@ class CompileConfig:
                 value = {k: _plain(v) for k, v in value}
             out[f.name] = value
         return out
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:59] + "…"
+
+
+def _is_whole(value: Any) -> bool:
+    return not isinstance(value, bool) and hasattr(type(value), "__index__")
+
+
+def _whole(value: Any, what: str) -> int:
+    """``value`` if it is a whole number (an int, not a bool, a float or a string)."""
+    if isinstance(value, bool):
+        raise ConfigError(f"{what} must be a whole number, got {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise ConfigError(f"{what} must be a whole number, got {_show(value)}") from None
+
+
+def _sequence(value: Any, name: str, expected: str) -> tuple[Any, ...]:
+    """``value`` as a tuple if it is a sequence or set (not a string), else ConfigError."""
+    if isinstance(value, str | bytes | dict) or not isinstance(value, Sequence | Set):
+        raise ConfigError(f"{name} must be {expected}; got {_show(value)}")
+    return tuple(value)
+
+
+def check_config(config: Any) -> CompileConfig:
+    """``config`` if it is a CompileConfig (None: the default one), else ConfigError."""
+    if config is None:
+        return CompileConfig()
+    if not isinstance(config, CompileConfig):
+        raise ConfigError(f"config must be a cachebuild.CompileConfig, not {_show(config)} "
+                          "(e.g. CompileConfig(splitting_ops=('mylib::attention',)))")
+    return config
+
+
+def check_dynamic_dims(dynamic_dims: Any) -> dict[int, int]:
+    """``dynamic_dims`` as a dict of argument index → dim (both whole numbers, 0 or
+    more), else ConfigError. None is no dynamic dims."""
+    if dynamic_dims is None:
+        return {}
+    if not isinstance(dynamic_dims, Mapping):
+        raise ConfigError(f"dynamic_dims must map an argument's index to its dynamic dim, "
+                          f"e.g. {{0: 0, 1: 0}}; got {_show(dynamic_dims)}")
+    out = {}
+    for arg, dim in dynamic_dims.items():
+        i, d = _whole(arg, "a dynamic_dims argument index"), _whole(dim, "a dynamic dim")
+        if i < 0 or d < 0:
+            raise ConfigError(f"dynamic_dims {{{i}: {d}}}: indices and dims count from 0")
+        out[i] = d
+    return out
 
 
 def _plain(value: Any) -> Any:

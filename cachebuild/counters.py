@@ -25,6 +25,7 @@ class Counters:
     layout_copies: int = 0  # piece inputs copied to the strides the piece was compiled for
     traced: int = 0   # models traced with Dynamo
     entries_loaded: int = 0  # model entries loaded (warm starts)
+    vanished: int = 0  # targets removed from the store (gc) while being loaded: misses
     seconds: dict[str, float] = field(default_factory=dict)  # per phase
 
     def add_time(self, phase: str, seconds: float) -> None:

@@ -61,7 +61,10 @@ def explain(wanted: dict[str, Any], stored: list[tuple[str, dict[str, Any]]],
     """
     best: tuple[int, str, list[Difference]] | None = None
     for key, manifest in stored:
-        diffs = diff_manifests(manifest, wanted)
+        try:
+            diffs = diff_manifests(manifest, wanted)
+        except (TypeError, ValueError, RecursionError, AttributeError):
+            continue  # not a manifest cachebuild wrote: it explains nothing
         score = len(diffs) + (0 if manifest.get("bucket") == wanted.get("bucket") else 100)
         if best is None or score < best[0]:
             best = (score, key, diffs)
@@ -69,12 +72,20 @@ def explain(wanted: dict[str, Any], stored: list[tuple[str, dict[str, Any]]],
         return Explanation(nearest=None, reasons=["nothing comparable is stored"])
     nearest = dict(stored)[best[1]]
     reasons: list[str] = []
-    if any(d.path.startswith("graph.") for d in best[2]):
-        reasons += diff_graphs(nearest.get("graph", {}), wanted.get("graph", {}), sources)
-    if any(d.path.startswith("passes.") for d in best[2]):
-        reasons += _pass_changes(nearest.get("passes", {}), wanted.get("passes", {}))
-    reasons += [r for d in best[2] if not d.path.startswith(("graph.", "passes.passes"))
-                for r in describe(d)]
+    try:
+        if any(d.path.startswith("graph.") for d in best[2]):
+            reasons += diff_graphs(nearest.get("graph", {}), wanted.get("graph", {}), sources)
+        if any(d.path.startswith("passes.") for d in best[2]):
+            reasons += _pass_changes(nearest.get("passes", {}), wanted.get("passes", {}))
+    except (TypeError, ValueError, KeyError, RecursionError, AttributeError, IndexError):
+        reasons.append("the piece's graph or passes differ")  # a malformed stored manifest
+    for d in best[2]:
+        if d.path.startswith(("graph.", "passes.passes")):
+            continue
+        try:
+            reasons += describe(d)
+        except (TypeError, ValueError, KeyError, RecursionError, AttributeError):
+            reasons.append(f"{d.path} differs")
     return Explanation(nearest=best[1], reasons=reasons or ["identical factors"])
 
 

@@ -5,25 +5,112 @@ eager splitting-op pieces, the ``eager_fusion`` artifacts, and the canonical for
 piece that enters its key. A function target is stored by name (``module:qualname`` or
 ``ns::op.overload``) and resolved on load, so a changed or missing op is an error, not a
 silent different program.
+
+Stored graphs are data that becomes code (FX generates Python source from a graph and
+runs it), so a graph is rebuilt only from what could have been stored, checked before FX
+sees it: node names and placeholders are identifiers, methods are public ``Tensor``
+methods, constants are of the kinds ``encode_arg`` writes, and a callable is resolved
+only from an allow-list, without importing anything first:
+
+- operators registered with torch (``torch.ops``: ATen, the project's own ops, and the
+  ops a model's library registered, by name ``op:ns::name.overload``);
+- torch's functions that bind those operators (``torch.cat``, ``torch._C._nn.linear``,
+  ``torch.nn.functional.silu``, ...) and a few that Dynamo puts in graphs
+  (``torch._C._set_grad_enabled``, ``torch.sym_*``);
+- arithmetic, comparison and indexing from ``operator`` (not ``attrgetter`` and
+  friends), pure functions of ``math``, and a handful of number builtins;
+- callables a program registers with ``allow_callable``.
+
+Anything else (``os.system``, ``builtins.eval``) is a ``GraphFormatError``, at save and
+at load alike.
 """
 
 from __future__ import annotations
 
+import builtins
 import importlib
+import inspect
+import keyword
+import math
+import operator
 from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.fx as fx
 
+from cachebuild.errors import CachebuildError
+
 # Namespaces tried when a function's __module__ does not lead back to it (C functions
 # bound on torch's private classes, e.g. torch.rms_norm).
 _FALLBACK_MODULES = ("torch", "torch.nn.functional", "torch._C._nn", "torch._C._VariableFunctions",
                      "operator", "builtins", "math")
 
+#: The graph ops that are stored (``get_attr`` never: pieces take weights as inputs).
+_OPS = frozenset({"placeholder", "call_function", "call_method", "call_module", "output"})
+#: operator functions a graph may call: arithmetic, comparisons and indexing.
+_OPERATOR = frozenset({
+    "abs", "add", "and_", "concat", "contains", "eq", "floordiv", "ge", "getitem", "gt",
+    "iadd", "iand", "ifloordiv", "ilshift", "imatmul", "imod", "imul", "index", "invert",
+    "ior", "ipow", "irshift", "isub", "itruediv", "ixor", "le", "lshift", "lt", "matmul",
+    "mod", "mul", "ne", "neg", "not_", "or_", "pos", "pow", "rshift", "setitem", "sub",
+    "truediv", "truth", "xor"})
+_BUILTINS = frozenset({"abs", "bool", "float", "int", "len", "max", "min", "pow", "round"})
+#: torch's C modules whose functions bind ATen operators one to one.
+_TORCH_C = ("_VariableFunctions", "_nn", "_fft", "_linalg", "_special", "_nested", "_sparse")
+#: torch's Python modules of plain tensor functions.
+_TORCH_PY = ("torch.nn.functional", "torch.functional")
+#: Other torch functions Dynamo records in graphs.
+_TORCH_EXTRA = ("_C._set_grad_enabled", "sym_int", "sym_float", "sym_max", "sym_min", "sym_not",
+                "sym_sum", "sym_ite", "_sym_sqrt", "_check", "_check_is_size", "_assert")
+#: Modules a stored ``fn:`` name may come from (besides those of registered callables).
+_MODULES = frozenset({"operator", "_operator", "builtins", "math", "torch", *_TORCH_PY,
+                      *(f"torch._C.{m}" for m in _TORCH_C)})
 
-class GraphFormatError(ValueError):
+_REGISTERED: dict[int, Callable[..., Any]] = {}
+
+
+class GraphFormatError(CachebuildError, ValueError):
     """A graph that cannot be stored (unknown target, unsupported constant) or restored."""
+
+
+def allow_callable(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Let stored graphs call ``fn`` (a function reachable by import as
+    ``fn.__module__``.``fn.__name__``), in this process; returns ``fn``, so it works as a
+    decorator. For Python functions a model keeps in its graph (torch operators need
+    nothing: they are allowed by name)."""
+    _REGISTERED[id(fn)] = fn
+    return fn
+
+
+def allowed_callable(obj: Any) -> bool:
+    """True if stored graphs may call ``obj`` (see the module doc)."""
+    if isinstance(obj, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return True
+    if _REGISTERED.get(id(obj)) is obj:
+        return True
+    name = getattr(obj, "__name__", None)
+    if not isinstance(name, str) or name.startswith("__"):
+        return False
+    if getattr(operator, name, None) is obj:
+        return name in _OPERATOR
+    if name in _BUILTINS and getattr(builtins, name, None) is obj:
+        return True
+    if getattr(math, name, None) is obj and not name.startswith("_"):
+        return True
+    if any(getattr(getattr(torch._C, m), name, None) is obj for m in _TORCH_C):
+        return True
+    if inspect.isfunction(obj) and obj.__module__ in _TORCH_PY and not name.startswith("_") \
+            and getattr(importlib.import_module(obj.__module__), name, None) is obj:
+        return True
+    return any(_torch_attr(path) is obj for path in _TORCH_EXTRA)
+
+
+def _torch_attr(path: str) -> Any:
+    obj: Any = torch
+    for part in path.split("."):
+        obj = getattr(obj, part, None)
+    return obj
 
 
 def target_name(target: Any) -> str:
@@ -34,6 +121,11 @@ def target_name(target: Any) -> str:
         return f"op:{target._qualified_op_name}"
     if isinstance(target, str):
         return target
+    if not allowed_callable(target):
+        raise GraphFormatError(
+            f"graph calls {target!r}, which stored graphs may not call: only torch operators "
+            "and functions, operator, math and callables registered with "
+            "cachebuild.fxjson.allow_callable")
     name = getattr(target, "__name__", None)
     module = getattr(target, "__module__", None)
     candidates = ([module] if module else []) + list(_FALLBACK_MODULES)
@@ -55,26 +147,47 @@ def _lookup(module: str, name: str) -> Any:
     return obj
 
 
+def _is_identifier(name: Any) -> bool:
+    return isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name)
+
+
 def resolve_target(name: str) -> Any:
-    """The callable (or method/module name) that ``target_name`` named."""
+    """The callable (or method/module name) that ``target_name`` named, if stored graphs
+    may call it; GraphFormatError otherwise (nothing is imported to find out)."""
+    if not isinstance(name, str):
+        raise GraphFormatError(f"graph target {name!r} is not a name")
     if name.startswith("op:"):
         qual = name[3:]
         ns, _, rest = qual.partition("::")
         op_name, _, overload = rest.partition(".")
+        if not all(map(_is_identifier, (ns, op_name))) or "__" in qual or (
+                overload and not _is_identifier(overload)):
+            raise GraphFormatError(f"graph target {qual!r} is not an operator name")
         try:
             packet = getattr(getattr(torch.ops, ns), op_name)
-            return getattr(packet, overload) if overload else packet
+            found = getattr(packet, overload) if overload else packet
         except (AttributeError, RuntimeError) as e:
             raise GraphFormatError(
                 f"operator {qual} is not registered in this process: import the library "
                 "that defines it before loading"
             ) from e
+        if not isinstance(found, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+            raise GraphFormatError(f"graph target {qual!r} is not an operator")
+        return found
     if name.startswith("fn:"):
-        _, module, qual = name.split(":", 2)
+        _, module, qual = name.split(":", 2) if name.count(":") >= 2 else ("", "", "")
+        registered = {getattr(f, "__module__", None) for f in _REGISTERED.values()}
+        if module not in _MODULES and module not in registered or not _is_identifier(qual):
+            raise GraphFormatError(f"graph calls {module}.{qual}, which stored graphs may not "
+                                   "call (not a torch operator or an allowed function)")
         try:
-            return _lookup(module, qual)
+            found = _lookup(module, qual)
         except (ImportError, AttributeError) as e:
             raise GraphFormatError(f"function {module}.{qual} no longer exists") from e
+        if not allowed_callable(found):
+            raise GraphFormatError(f"graph calls {module}.{qual}, which stored graphs may not "
+                                   "call (not a torch operator or an allowed function)")
+        return found
     return name
 
 
@@ -106,30 +219,53 @@ def encode_arg(value: Any) -> Any:
 
 
 def decode_arg(data: Any, env: dict[str, fx.Node]) -> Any:
+    """The FX argument ``encode_arg`` wrote; GraphFormatError for anything else."""
     if isinstance(data, list):
         return [decode_arg(v, env) for v in data]
-    if not isinstance(data, dict):
+    if data is None or isinstance(data, bool | int | str):
         return data
+    if not isinstance(data, dict) or len(data) != 1:
+        raise GraphFormatError(f"not a stored graph constant: {_short(data)}")
     ((tag, v),) = data.items()
     if tag == "n":
+        if not isinstance(v, str) or v not in env:
+            raise GraphFormatError(f"graph refers to an unknown node {_short(v)}")
         return env[v]
-    if tag == "f":
-        return float(v)
-    if tag == "t":
+    if tag == "f" and isinstance(v, str):
+        try:
+            return float(v)
+        except ValueError:
+            pass
+    elif tag == "t" and isinstance(v, list):
         return tuple(decode_arg(x, env) for x in v)
-    if tag == "d":
-        return {k: decode_arg(x, env) for k, x in v}
-    if tag == "slice":
+    elif tag == "d" and isinstance(v, list):
+        out = {}
+        for pair in v:
+            if not (isinstance(pair, list) and len(pair) == 2
+                    and isinstance(pair[0], str | int) and not isinstance(pair[0], bool)):
+                raise GraphFormatError(f"not a stored graph dict entry: {_short(pair)}")
+            out[pair[0]] = decode_arg(pair[1], env)
+        return out
+    elif tag == "slice" and isinstance(v, list) and len(v) == 3:
         return slice(*(decode_arg(x, env) for x in v))
-    if tag == "dtype":
-        return getattr(torch, v)
-    if tag == "device":
-        return torch.device(v)
-    if tag == "torch":
-        return getattr(torch, v)
-    if tag == "ellipsis":
+    elif tag in ("dtype", "torch") and isinstance(v, str) and _is_identifier(v):
+        found = getattr(torch, v, None)
+        kinds = (torch.dtype,) if tag == "dtype" else (torch.memory_format, torch.layout)
+        if isinstance(found, kinds):
+            return found
+    elif tag == "device" and isinstance(v, str):
+        try:
+            return torch.device(v)
+        except (RuntimeError, ValueError):
+            pass
+    elif tag == "ellipsis" and v is True:
         return Ellipsis
-    raise GraphFormatError(f"unknown graph constant tag {tag!r}")
+    raise GraphFormatError(f"not a stored graph constant: {_short(data)}")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:59] + "…"
 
 
 def graph_to_data(graph: fx.Graph) -> list[dict[str, Any]]:
@@ -151,20 +287,55 @@ def graph_to_data(graph: fx.Graph) -> list[dict[str, Any]]:
 
 
 def data_to_graph(nodes: list[dict[str, Any]]) -> fx.Graph:
-    """Rebuild the fx.Graph that ``graph_to_data`` described."""
+    """Rebuild the fx.Graph that ``graph_to_data`` described; GraphFormatError, naming
+    what is wrong, for anything ``graph_to_data`` could not have written."""
+    try:
+        return _data_to_graph(nodes)
+    except RecursionError:
+        raise GraphFormatError("stored graph is nested too deeply") from None
+
+
+def _data_to_graph(nodes: Any) -> fx.Graph:
+    if not isinstance(nodes, list):
+        raise GraphFormatError("a stored graph must be a list of nodes")
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
+    outputs = 0
     for item in nodes:
-        args = decode_arg(item["args"], env)
-        kwargs = decode_arg(item["kwargs"], env)
-        target = resolve_target(item["target"])
-        op = item["op"]
+        if not isinstance(item, dict):
+            raise GraphFormatError(f"not a stored graph node: {_short(item)}")
+        name, op, target = item.get("name"), item.get("op"), item.get("target")
+        if op not in _OPS or not _is_identifier(name) or not isinstance(target, str):
+            raise GraphFormatError(f"not a stored graph node: {_short(item)}")
+        args = decode_arg(item.get("args"), env)
+        kwargs = decode_arg(item.get("kwargs"), env)
+        if not isinstance(args, tuple) or not isinstance(kwargs, dict) or not all(
+                _is_identifier(k) for k in kwargs):
+            raise GraphFormatError(f"graph node {name} has malformed arguments")
+        if op == "call_function":
+            target = resolve_target(target)
+        elif op == "placeholder" and not _is_identifier(target):
+            raise GraphFormatError(f"graph input {_short(target)} is not an identifier")
+        elif op == "call_method" and not _tensor_method(target):
+            raise GraphFormatError(f"graph calls method {_short(target)}, which is not a "
+                                   "public Tensor method")
+        elif op == "call_module" and not all(map(_is_identifier, target.split("."))):
+            raise GraphFormatError(f"graph calls module {_short(target)}, which is not a "
+                                   "module path")
         if op == "output":
+            if len(args) != 1 or outputs:
+                raise GraphFormatError("a stored graph has exactly one output of one value")
+            outputs += 1
             graph.output(args[0])
             continue
-        node = graph.create_node(op, target, tuple(args), dict(kwargs), name=item["name"])
-        env[item["name"]] = node
+        node = graph.create_node(op, target, args, kwargs, name=name)
+        env[name] = node
     return graph
+
+
+def _tensor_method(name: str) -> bool:
+    return _is_identifier(name) and not name.startswith("_") and callable(
+        getattr(torch.Tensor, name, None))
 
 
 def data_to_module(nodes: list[dict[str, Any]], modules: dict[str, Callable] | None = None) -> fx.GraphModule:
@@ -174,7 +345,14 @@ def data_to_module(nodes: list[dict[str, Any]], modules: dict[str, Callable] | N
         if not isinstance(mod, torch.nn.Module):
             mod = _CallableModule(mod)
         root.add_module(name, mod)
-    return fx.GraphModule(root, data_to_graph(nodes))
+    graph = data_to_graph(nodes)
+    try:
+        return fx.GraphModule(root, graph)
+    except (AttributeError, RuntimeError, SyntaxError, TypeError, ValueError) as e:
+        # A call_module target the caller did not supply, or a graph FX cannot generate
+        # code for: the stored graph does not fit this program.
+        raise GraphFormatError(f"stored graph cannot be rebuilt: {type(e).__name__}: "
+                               f"{str(e).splitlines()[0] if str(e) else ''}") from None
 
 
 class _CallableModule(torch.nn.Module):

@@ -24,7 +24,7 @@ from cachebuild.env import env_factors
 from cachebuild.facts import device_of
 from cachebuild.guards import Mismatch
 from cachebuild.keys import make_key
-from cachebuild.split import split_graph
+from cachebuild.split import check_splitting_ops, split_graph
 from cachebuild.store.base import Store
 from cachebuild.targets import make_targets
 from cachebuild.trace import TracedGraph, trace_model
@@ -126,6 +126,7 @@ class Planner:
         """Trace the model, split it, plan its targets: a new (not yet stored) Entry, to be
         stored where ``found`` (the lookup that missed) says."""
         found = found or self.lookup(args)
+        check_splitting_ops(self.config.splitting_ops)
         with phase("trace"):
             traced = trace_model(self.model, args, self.dynamic_dims,
                                  self.config.compile_ranges)

@@ -81,6 +81,27 @@ def graph_op_names(graph: fx.Graph) -> list[str]:
     return sorted(found)
 
 
+def check_splitting_ops(splitting_ops: tuple[str, ...]) -> None:
+    """ConfigError for a splitting op that no library in this process registered.
+
+    Checked where a config is used, before tracing: the config itself is a plain value
+    that imports no op library, and the model's module registers its ops when imported.
+    """
+    from cachebuild.errors import ConfigError
+
+    for name in splitting_ops:
+        ns, _, rest = name.partition("::")
+        op, _, overload = rest.partition(".")
+        try:
+            packet = getattr(getattr(torch.ops, ns), op)
+            if overload:
+                getattr(packet, overload)
+        except (AttributeError, RuntimeError):
+            raise ConfigError(f"splitting op {name} is not a registered operator: check its "
+                              "name, and import the library that defines it before compiling"
+                              ) from None
+
+
 def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPlan:
     """Split ``traced`` at every call of a splitting op."""
     wanted = set(splitting_ops)

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import math
 import re
+from fractions import Fraction
 
 _SIZE_UNITS = {"": 1, "B": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40,
                "P": 1 << 50}
+#: The largest size a size parameter takes (what a signed 64-bit byte count holds).
+MAX_SIZE = (1 << 63) - 1
 _SIZE_RE = re.compile(r"\s*(\d+(?:\.\d*)?|\.\d+)\s*([KMGTP]?)(?:I?B)?\s*", re.IGNORECASE)
 
 _DURATION_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
@@ -27,7 +30,12 @@ def parse_size(text: str) -> int:
     if not m:
         raise ValueError(f"not a size: {text!r} (expected e.g. 20G, 512M, 64K or bytes)")
     number, unit = m.groups()
-    return int(float(number) * _SIZE_UNITS[unit.upper()])
+    if len(number) > 40:  # longer than any size a disk has, and costly to parse
+        raise ValueError(f"size {text[:20]!r}… is too large (at most 8 EiB)")
+    size = Fraction(number) * _SIZE_UNITS[unit.upper()]  # exact: no float overflow
+    if size > MAX_SIZE:
+        raise ValueError(f"size {text!r} is too large (at most 8 EiB)")
+    return int(size)
 
 
 def parse_duration(text: str) -> float:
@@ -52,6 +60,8 @@ def parse_duration(text: str) -> float:
             pos += 1
     if pos != len(stripped):
         raise ValueError(f"not a duration: {text!r} (expected e.g. 7d, 12h, 1h30m, 90s)")
+    if not math.isfinite(total):
+        raise ValueError(f"duration {text[:20]!r} is too long")
     return total
 
 

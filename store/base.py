@@ -31,8 +31,15 @@ class Store(Protocol):
         """A private folder where backends keep per-environment probe verdicts."""
         ...
 
+    def scratch_dir(self, *, in_memory: bool = False) -> Path:
+        """A directory only this process uses (0700, made by us and checked like the
+        store, removed at exit), for files a loader must hand to another library by path.
+        ``in_memory``: backed by memory, for when the store's disk is full."""
+        ...
+
     def contains(self, key: str) -> bool:
-        """True if ``key`` is stored (in any tier)."""
+        """True if ``key`` is stored (in any tier) and its bytes verify: a target counts
+        as present only once it could be loaded."""
         ...
 
     def get(self, key: str) -> bytes | None:

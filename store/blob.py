@@ -278,3 +278,93 @@ def read_blob_fd(fd: int, *, expected_key: str, signing_key: bytes | None = None
     _check_payload(header, head[:header.header_size], payload, signature,
                    signing_key, require_signature)
     return header, payload
+
+
+class StreamCheck:
+    """Verifies a blob that arrives in pieces (a bundle member, a download) without ever
+    holding it whole: the same checks as ``check_blob``, and a blob that runs past the
+    length its header declares is refused at once, before the excess is read.
+
+    ``feed`` each piece in order, then ``finish`` for the header (CorruptBlob if any
+    check failed).
+    """
+
+    def __init__(self, *, expected_key: str, signing_key: bytes | None = None,
+                 require_signature: bool = False) -> None:
+        self.expected_key = expected_key
+        self.signing_key = signing_key
+        self.require_signature = require_signature
+        self.header: BlobHeader | None = None
+        self._head = bytearray()  # bytes before the header is complete, then the header
+        self._seen = 0
+        self._hash: object | None = None
+        self._mac: hmac.HMAC | None = None
+        self._signature = bytearray()
+
+    def feed(self, piece: bytes | bytearray | memoryview) -> None:
+        view = memoryview(piece).cast("B")
+        if self.header is None:
+            take = view[:MAX_HEADER_SIZE - len(self._head)]
+            self._head += take
+            view = view[len(take):]
+            if len(self._head) < _FIXED.size:
+                return
+            size = (_FIXED.size + self._head[13] + int.from_bytes(self._head[14:16], "little")
+                    + _HEADER_CHECK.size)
+            if len(self._head) < size:
+                return  # the rest of the header is still to come
+            self._start(size)
+            rest = bytes(self._head[size:])
+            del self._head[size:]
+            self._seen = size
+            self._take(memoryview(rest))
+        self._take(view)
+
+    def _start(self, size: int) -> None:
+        header = parse_header(self._head[:size], expected_key=self.expected_key)
+        self.header = header
+        self._hash = (xxhash.xxh3_128() if header.algorithm == ALGO_XXH3_128
+                      else xxhash.xxh3_64())
+        if header.signed and self.signing_key is not None:
+            self._mac = hmac.new(self.signing_key, bytes(self._head[:size]), hashlib.sha256)
+
+    def _take(self, view: memoryview) -> None:
+        if not view:
+            return
+        header = self.header
+        assert header is not None
+        end = header.header_size + header.length
+        if self._seen + len(view) > header.total_size:
+            raise CorruptBlob(f"longer than the {header.total_size} bytes its header declares",
+                              header.key)
+        payload = view[:max(0, end - self._seen)]
+        if payload:
+            self._hash.update(payload)  # type: ignore[attr-defined]
+            if self._mac is not None:
+                self._mac.update(payload)
+        self._signature += view[len(payload):]
+        self._seen += len(view)
+
+    def finish(self) -> BlobHeader:
+        header = self.header
+        if header is None:
+            if len(self._head) >= _FIXED.size:  # a header shorter than it says it is
+                parse_header(bytes(self._head), expected_key=self.expected_key)
+            raise CorruptBlob(f"truncated: {len(self._head)} bytes is shorter than a blob "
+                              "header", self.expected_key)
+        _check_size(header, self._seen)
+        if self._hash.hexdigest() != header.checksum:  # type: ignore[attr-defined]
+            raise CorruptBlob("payload checksum mismatch", header.key)
+        if not header.signed:
+            if self.require_signature:
+                raise CorruptBlob("unsigned, but this store requires signed blobs", header.key)
+            return header
+        if self.signing_key is None:
+            if self.require_signature:
+                raise CorruptBlob("signed, but no signing key is configured to check it",
+                                  header.key)
+            return header
+        assert self._mac is not None
+        if not hmac.compare_digest(self._mac.digest(), bytes(self._signature)):
+            raise CorruptBlob("bad signature (tampered, or signed with another key)", header.key)
+        return header

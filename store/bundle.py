@@ -11,6 +11,13 @@ A bundle is a tar archive (gzip-compressed when the file name ends in ``.gz``/``
 Blobs keep their own header and checksum (and signature), so an importer re-verifies
 each one independently of the archive: nothing damaged is ever imported, and a damaged
 entry does not stop the others.
+
+A bundle is untrusted input. Its members are streamed, never read whole: a record member
+is refused past ``MAX_RECORD_BYTES``, and a blob is written to the store's temp space as
+it is verified, refused as soon as it runs past the length its own header, its record and
+its tar header declare. A record must be a well-formed record object. Into a store with a
+signing key, unsigned blobs are refused unless the importer says otherwise
+(``allow_unsigned``; ``cachebuild import --allow-unsigned``). Bundles are written 0600.
 """
 
 from __future__ import annotations
@@ -30,11 +37,11 @@ from typing import Any
 
 from cachebuild.errors import StoreError, UsageError
 
-from .blob import CorruptBlob, parse_header
+from .blob import BlobHeader, CorruptBlob
 from .layout import check_key
 from .local import LocalStore
 from .maintenance import reachable
-from .record import Record
+from .record import BadRecord, Record
 
 BUNDLE_FORMAT = "cachebuild-bundle"
 BUNDLE_VERSION = 1
@@ -42,6 +49,9 @@ HEADER_NAME = "cachebuild-bundle.json"
 _RECORD_RE = re.compile(r"records/([0-9a-f]{16,128})\.json")
 _OBJECT_RE = re.compile(r"objects/([0-9a-f]{16,128})")
 _ARCHIVE_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error)
+#: A record or the bundle's header is never longer than this (manifests are kilobytes).
+MAX_RECORD_BYTES = 16 * 1024 * 1024
+_CHUNK = 1 << 20
 
 Progress = Callable[[int, int], None]
 
@@ -108,7 +118,10 @@ def export_bundle(store: LocalStore, path: str | os.PathLike[str], *,
     tmp = target.with_name(f".{target.name}.{os.getpid()}.partial")
     now = time.time()
     try:
-        with tarfile.open(tmp, mode) as tar:
+        # 0600 from the start: a bundle holds code that runs when it is loaded.
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "wb") as raw, tarfile.open(fileobj=raw, mode=mode) as tar:
             header = {"format": BUNDLE_FORMAT, "version": BUNDLE_VERSION, "created": now,
                       "entries": [r.key for r in selected]}
             _add(tar, HEADER_NAME, json.dumps(header).encode(), now)
@@ -124,6 +137,9 @@ def export_bundle(store: LocalStore, path: str | os.PathLike[str], *,
                     report.bytes += record.size
                 if progress is not None:
                     progress(done, len(selected))
+            tar.close()
+            raw.flush()
+            os.fsync(raw.fileno())
         os.replace(tmp, target)
     except OSError as e:
         raise StoreError(f"cannot write bundle {target}: {e.strerror or e}") from None
@@ -139,46 +155,82 @@ def _read_header(tar: tarfile.TarFile, path: Path) -> tuple[tarfile.TarInfo, dic
         first = tar.next()
         if first is None or first.name != HEADER_NAME or not first.isfile():
             raise UsageError(f"{not_bundle} (no {HEADER_NAME} at its start)")
+        if first.size > MAX_RECORD_BYTES:
+            raise UsageError(f"{not_bundle} ({HEADER_NAME} is {first.size} bytes)")
         f = tar.extractfile(first)
         assert f is not None
-        header = json.loads(f.read())
-    except _ARCHIVE_ERRORS + (ValueError,) as e:
+        header = json.loads(f.read(MAX_RECORD_BYTES + 1))
+    except _ARCHIVE_ERRORS + (ValueError, RecursionError) as e:
         raise UsageError(f"{not_bundle}: {e}") from None
-    if header.get("format") != BUNDLE_FORMAT or not isinstance(header.get("entries"), list):
+    if not isinstance(header, dict) or header.get("format") != BUNDLE_FORMAT \
+            or not isinstance(header.get("entries"), list):
         raise UsageError(f"{not_bundle} (bad {HEADER_NAME})")
     if header.get("version") != BUNDLE_VERSION:
         raise UsageError(f"{path}: unsupported bundle version {header.get('version')!r}")
     return first, header
 
 
-def _import_entry(store: LocalStore, key: str, record: dict[str, Any], blob: bytes,
-                  report: ImportReport) -> None:
+def _read_record(tar: tarfile.TarFile, member: tarfile.TarInfo, key: str) -> Record | str:
+    """The record in ``member``, checked; or why it cannot be used."""
+    if not member.isfile():
+        return "index record is not a regular file"
+    if member.size > MAX_RECORD_BYTES:
+        return f"index record is {member.size} bytes, more than a record can be"
+    f = tar.extractfile(member)
+    assert f is not None
     try:
-        header = parse_header(blob, expected_key=key)
+        return Record.from_json(json.loads(f.read(MAX_RECORD_BYTES + 1)), key=key)
+    except (ValueError, RecursionError) as e:
+        return f"index record is not JSON: {e}"
+    except BadRecord as e:
+        return f"bad index record: {e}"
+
+
+def _pieces(f: Any, size: int) -> Iterable[bytes]:
+    """The member's bytes in pieces, never more than its tar header declares."""
+    left = size
+    while left > 0:
+        piece = f.read(min(_CHUNK, left))
+        if not piece:
+            raise CorruptBlob(f"truncated in the bundle: {size - left} of {size} bytes")
+        left -= len(piece)
+        yield piece
+
+
+def _import_entry(store: LocalStore, key: str, record: Record, f: Any, size: int,
+                  report: ImportReport, allow_unsigned: bool) -> None:
+    def accept(header: BlobHeader) -> None:
         if (header.kind, header.length, header.checksum) != (
-                record.get("kind"), record.get("size"), record.get("checksum")):
+                record.kind, record.size, record.checksum):
             raise CorruptBlob("blob does not match its index record", key)
+        if size != header.total_size:
+            raise CorruptBlob(f"bundle member is {size} bytes, its header says "
+                              f"{header.total_size}", key)
+        if store.signing_key is not None and not header.signed and not allow_unsigned:
+            raise CorruptBlob("unsigned, and this store has a signing key: import with "
+                              "--allow-unsigned if you trust the bundle", key)
+
+    try:
         if store.contains(key):
             report.existing.append(key)
             return
-        store.write_blob(key, blob, manifest=record.get("manifest"),
-                         refs=tuple(record.get("refs", ())),
-                         pinned=bool(record.get("pinned", False)))
+        store.write_blob_chunks(key, _pieces(f, size), manifest=record.manifest,
+                                refs=record.refs, pinned=record.pinned, accept=accept)
     except CorruptBlob as e:
         report.refused.append((key, e.reason))
-    except ValueError as e:  # bad refs in the record
-        report.refused.append((key, f"bad index record: {e}"))
     else:
         report.imported.append(key)
 
 
 def import_bundle(store: LocalStore, path: str | os.PathLike[str], *,
-                  progress: Progress | None = None) -> ImportReport:
+                  progress: Progress | None = None, allow_unsigned: bool = False) -> ImportReport:
     """Import every entry of the bundle at ``path`` into ``store``, re-verifying each blob.
 
     An entry is refused (and listed with the reason) if its blob fails verification with
-    this store's signing settings, disagrees with its record, or lacks its record or
-    blob; the rest are imported. A truncated bundle imports what came before the damage.
+    this store's signing settings, disagrees with its record, lacks its record or blob,
+    or, into a store with a signing key, is unsigned (unless ``allow_unsigned``); the rest
+    are imported. Members are streamed (see the module doc), so a bundle that inflates to
+    more than memory holds costs no more memory than a small one. A truncated bundle imports what came before the damage.
     Entries already in the store are left as they are. Raises UsageError if ``path``
     is not a bundle at all.
     """
@@ -193,7 +245,7 @@ def import_bundle(store: LocalStore, path: str | os.PathLike[str], *,
     with tar:
         first, header = _read_header(tar, src)
         expected = header["entries"]
-        records: dict[str, dict[str, Any]] = {}
+        records: dict[str, Record | str] = {}
         seen: set[str] = set()
         current: str | None = None  # the blob being read, named if the archive breaks
         try:
@@ -203,11 +255,7 @@ def import_bundle(store: LocalStore, path: str | os.PathLike[str], *,
                     continue
                 if m := _RECORD_RE.fullmatch(name):
                     key = m.group(1)
-                    f = tar.extractfile(member) if member.isfile() else None
-                    try:
-                        records[key] = json.loads(f.read()) if f else {}
-                    except ValueError:
-                        records[key] = {}
+                    records[key] = _read_record(tar, member, key)
                 elif m := _OBJECT_RE.fullmatch(name):
                     key = current = m.group(1)
                     seen.add(key)
@@ -215,22 +263,32 @@ def import_bundle(store: LocalStore, path: str | os.PathLike[str], *,
                     record = records.pop(key, None)
                     if f is None:
                         report.refused.append((key, "blob is not a regular file"))
-                    elif not record:
-                        report.refused.append((key, "blob without a readable index record"))
+                    elif record is None:
+                        report.refused.append((key, "blob without an index record before it"))
+                    elif isinstance(record, str):
+                        report.refused.append((key, record))
                     else:
-                        _import_entry(store, key, record, f.read(), report)
+                        _import_entry(store, key, record, f, member.size, report,
+                                      allow_unsigned)
                     current = None
                     if progress is not None:
                         progress(len(seen), max(len(expected), len(seen)))
                 else:
-                    report.refused.append((name, "unexpected member in bundle"))
-        except _ARCHIVE_ERRORS as e:
+                    report.refused.append((_printable(name), "unexpected member in bundle"))
+        except (*_ARCHIVE_ERRORS, CorruptBlob) as e:
             report.refused.append((current or "(rest of bundle)",
                                    f"bundle is damaged or truncated: {e}"))
         for key in records:
             seen.add(key)
             report.refused.append((key, "index record without a blob"))
-        for key in expected:
+        for key in expected[:100_000]:
             if isinstance(key, str) and key not in seen:
-                report.refused.append((key, "listed in the bundle but missing from it"))
+                report.refused.append((_printable(key), "listed in the bundle but missing "
+                                                        "from it"))
     return report
+
+
+def _printable(name: str) -> str:
+    """A member name as it may be printed: no control characters, bounded length."""
+    text = "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in name[:200])
+    return text + ("…" if len(name) > 200 else "")

@@ -1,7 +1,10 @@
 """The store index: a diskcache database of records, manifests and counters.
 
-Values are stored as JSON text, never pickles, so reading the index cannot run code.
-Layout of the database's keys:
+Values are stored as JSON text, never pickles, so reading the index cannot run code: the
+database's rows are read through a ``Disk`` that refuses pickled keys and values, and every
+row is checked field by field before use. A row that is not well formed (damaged by a
+crash, a full disk or a hand edit) reads as absent, so its key is a miss and is rebuilt;
+``verify`` names it and ``verify --repair`` drops it. Layout of the database's keys:
 
 - ``<key>``: the record without its manifest (small, read on every ``get``);
 - ``m:<key>``: the manifest, only when there is one (may be large; read on demand);
@@ -14,6 +17,7 @@ lose each other's updates.
 from __future__ import annotations
 
 import json
+import logging
 import sqlite3
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
@@ -24,7 +28,9 @@ import diskcache
 
 from cachebuild.errors import StoreError
 
-from .record import Record
+from .record import BadRecord, Record, check_fields
+
+log = logging.getLogger("cachebuild.store")
 
 _MANIFEST = "m:"
 _COUNTER = "c:"
@@ -38,17 +44,59 @@ def _dumps(value: Any) -> str:
     return json.dumps(value, separators=(",", ":"), allow_nan=False)
 
 
+class _Refused:
+    """What a pickled key or value reads as: never unpickled, never a str."""
+
+
+REFUSED = _Refused()
+
+
+class _PlainDisk(diskcache.Disk):
+    """diskcache's serializer, minus unpickling: the index holds only text and integers,
+    so a pickled row can only be damage (or planted), and reading it must not run code."""
+
+    def get(self, key: Any, raw: bool) -> Any:
+        return super().get(key, raw) if raw else REFUSED
+
+    def fetch(self, mode: int, filename: str | None, value: Any, read: bool) -> Any:
+        if mode == diskcache.core.MODE_PICKLE:
+            return REFUSED
+        return super().fetch(mode, filename, value, read)
+
+
+def parse_row(key: str, raw: Any) -> dict[str, Any]:
+    """The record row stored under ``key`` (everything but its manifest), checked; raises
+    BadRecord saying what is wrong with it."""
+    if not isinstance(raw, str | bytes):
+        raise BadRecord("index row is not JSON text")
+    try:
+        small = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise BadRecord(f"index row is not valid JSON ({e})") from None
+    if not isinstance(small, dict):
+        raise BadRecord("index row is not a JSON object")
+    has_manifest = small.get("has_manifest", False)
+    if not isinstance(has_manifest, bool):
+        raise BadRecord("index row field 'has_manifest' must be true or false")
+    fields = check_fields({k: v for k, v in small.items() if k != "manifest"}, key=key)
+    del fields["manifest"]
+    fields["refs"] = list(fields["refs"])
+    fields["has_manifest"] = has_manifest
+    return fields
+
+
 class Index:
     """Records keyed by store key, in a diskcache database at ``directory``."""
 
     def __init__(self, directory: Path) -> None:
         try:
             # No eviction and no culling: the store decides what goes (GC), not the cache.
-            self._db = diskcache.Cache(str(directory), timeout=60, eviction_policy="none",
-                                       size_limit=2**62, cull_limit=0, statistics=0,
-                                       tag_index=0)
+            self._db = diskcache.Cache(str(directory), timeout=60, disk=_PlainDisk,
+                                       eviction_policy="none", size_limit=2**62, cull_limit=0,
+                                       statistics=0, tag_index=0)
         except INDEX_ERRORS as e:
             raise StoreError(f"cannot open the store index in {directory}: {e}") from None
+        self._warned: set[str] = set()
 
     def close(self) -> None:
         self._db.close()
@@ -60,9 +108,24 @@ class Index:
     # -- records ------------------------------------------------------------------------
 
     def get_small(self, key: str) -> dict[str, Any] | None:
-        """The record of ``key`` without its manifest, as a dict; None if absent."""
+        """The record of ``key`` without its manifest, as a dict; None if absent or not
+        well formed (logged once per key and process)."""
+        small, reason = self.read_small(key)
+        if reason is not None and key not in self._warned:
+            self._warned.add(key)
+            log.warning("index record of %s is damaged (%s); treating it as a miss "
+                        "(cachebuild verify --repair drops it)", key, reason)
+        return small
+
+    def read_small(self, key: str) -> tuple[dict[str, Any] | None, str | None]:
+        """``(row, None)``, ``(None, None)`` if absent, or ``(None, why)`` if damaged."""
         raw = self._db.get(key)
-        return None if raw is None else json.loads(raw)
+        if raw is None:
+            return None, None
+        try:
+            return parse_row(key, raw), None
+        except BadRecord as e:
+            return None, str(e)
 
     def get(self, key: str, *, manifest: bool = True) -> Record | None:
         """The full record of ``key`` (manifest included unless ``manifest=False``)."""
@@ -75,7 +138,12 @@ class Index:
         man = None
         if manifest and small.get("has_manifest"):
             raw = self._db.get(_MANIFEST + key)
-            man = None if raw is None else json.loads(raw)
+            try:
+                man = json.loads(raw) if isinstance(raw, str | bytes) else None
+            except (ValueError, RecursionError):
+                man = None
+            if not isinstance(man, dict):
+                man = None  # a damaged manifest only costs explanations, never a load
         return Record(key=key, kind=small["kind"], size=small["size"],
                       checksum=small["checksum"], created=small["created"],
                       last_used=small["last_used"], hits=small["hits"],
@@ -104,7 +172,8 @@ class Index:
             return bool(self._db.delete(key))
 
     def __contains__(self, key: str) -> bool:
-        return key in self._db
+        """True if ``key`` has a well-formed record."""
+        return self.get_small(key) is not None
 
     def keys(self) -> Iterator[str]:
         """Every stored key (records only, not manifests or counters)."""
@@ -122,7 +191,14 @@ class Index:
     # -- counters -----------------------------------------------------------------------
 
     def incr(self, name: str, amount: int) -> None:
-        self._db.incr(_COUNTER + name, amount, default=0)
+        try:
+            self._db.incr(_COUNTER + name, amount, default=0)
+        except TypeError:  # a damaged counter starts again
+            self._db.set(_COUNTER + name, amount)
 
     def counters(self) -> dict[str, int]:
-        return {name: int(self._db.get(_COUNTER + name, 0)) for name in COUNTERS}
+        out = {}
+        for name in COUNTERS:
+            value = self._db.get(_COUNTER + name, 0)
+            out[name] = value if isinstance(value, int) and not isinstance(value, bool) else 0
+        return out

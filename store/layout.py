@@ -10,9 +10,19 @@
                     internal locks (locks/entry/<xx>.lock) that order puts and deletes
       quarantine/   blobs that failed verification, kept for inspection
       tmp/          blobs being written; renamed into objects/ when complete
+      scratch/      one private directory per live process, for files a loader hands to
+                    another library by path (Inductor's kernels); removed at exit
+      probe/        the AOTI toolchain verdicts
+      reserve       1 MiB kept free for a full disk (see LocalStore)
 
 ``ab`` is the first two hex digits of the key, so no directory grows past a few
 thousand files.
+
+Artifacts are code that runs when loaded, so a store is used only where no one else can
+change what a path in it names: the directory and every one below it are ours and only
+ours to write, and every directory above it belongs to us or root and, if others may
+write it, is sticky (like ``/tmp``), so that no one else can rename our entry in it. The
+store is then used through its real path, so a symlink on the way cannot be re-aimed.
 """
 
 from __future__ import annotations
@@ -66,6 +76,8 @@ class Layout:
         self.quarantine = root / "quarantine"
         self.tmp = root / "tmp"
         self.probe = root / "probe"  # the AOTI toolchain verdicts (created when first probed)
+        self.scratch = root / "scratch"  # per-process private directories (made on use)
+        self.reserve = root / "reserve"
         self._objects_str = str(self.objects)
 
     def blob(self, key: str) -> Path:
@@ -92,11 +104,14 @@ def check_private_dir(path: Path) -> None:
     write to would let them run code in every process that loads from it.
     """
     try:
-        st = os.stat(path)
+        st = os.lstat(path)
     except FileNotFoundError:
         raise StoreError(f"store directory {path} does not exist") from None
     except PermissionError as e:
         raise StoreError(f"cannot access store directory {path}: {e.strerror}") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise StoreError(f"refusing store path {path}: it is a symlink; give the directory "
+                         "it points to")
     if not stat.S_ISDIR(st.st_mode):
         raise StoreError(f"store path {path} is not a directory")
     euid = os.geteuid()
@@ -117,7 +132,7 @@ def check_private_dir(path: Path) -> None:
 
 def make_private_dir(path: Path) -> None:
     """Create ``path`` (and missing parents) with mode 0700 if absent, then check it."""
-    if not path.exists():
+    if not os.path.lexists(path):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.mkdir(mode=0o700, exist_ok=True)
@@ -126,10 +141,45 @@ def make_private_dir(path: Path) -> None:
     check_private_dir(path)
 
 
+def check_parents(path: Path) -> None:
+    """Refuse ``path`` (a real path: no symlinks) if anyone but us or root could rename it,
+    or a directory above it, and put something else there.
+
+    A directory above the store may be writable by others only if it is sticky (``/tmp``)
+    and the entry in it on our way is ours or root's: then only its owner may rename it.
+    """
+    euid = os.geteuid()
+    trusted = {0, euid}
+    child = path
+    for parent in path.parents:
+        try:
+            st, below = os.lstat(parent), os.lstat(child)
+        except OSError as e:
+            raise StoreError(f"cannot check {parent}, above the store at {path}: "
+                             f"{e.strerror or e}") from None
+        fix = ("stored artifacts contain code that runs when loaded, so no one else may be "
+               "able to swap the store for another directory; use a store under a "
+               "directory that only you or root can change (e.g. ~/.cache/cachebuild)")
+        if st.st_uid not in trusted:
+            raise StoreError(f"refusing store directory {path}: {parent} above it is owned by "
+                             f"uid {st.st_uid}, who could rename it; {fix}")
+        writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+        if writable and not (st.st_mode & stat.S_ISVTX and below.st_uid in trusted):
+            raise StoreError(f"refusing store directory {path}: {parent} above it is writable "
+                             f"by others (mode {stat.S_IMODE(st.st_mode):o}), who could "
+                             f"rename {child.name} in it; {fix}")
+        child = parent
+
+
 def prepare(path: Path) -> Layout:
-    """Create (0700) and check the store directory tree under ``path``; return its Layout."""
+    """Create (0700) and check the store directory tree under ``path``; return its Layout
+    (on the real path: a symlink on the way is resolved once, here)."""
     path = path.expanduser().absolute()
-    make_private_dir(path)
+    if not os.path.lexists(path):
+        make_private_dir(path)
+    path = Path(os.path.realpath(path))
+    check_private_dir(path)
+    check_parents(path)
     layout = Layout(path / FORMAT_DIR)
     make_private_dir(layout.root)
     for name in SUBDIRS:

@@ -11,6 +11,13 @@ Guarantees, and how they are kept:
 - **Puts are idempotent.** Keys name immutable content: putting an existing key returns
   the existing record. The rename and the index write happen under a short striped lock,
   so concurrent puts and deletes of a key never leave a record and a blob that disagree.
+- **Only regular files are read.** A FIFO, a directory or a symlink where a blob or a
+  materialized file should be is moved to quarantine and is a miss; nothing blocks on it
+  or follows it out of the store.
+- **A full disk can still be read and cleaned.** Each store keeps a small reserve file;
+  when the disk is so full that the index cannot even be opened, the reserve is given
+  up so that loads, ``gc`` and ``verify`` still work (it comes back after a ``gc``), and a
+  file that must be materialized goes to memory instead.
 - **Crashes leave only litter.** A writer killed at any point leaves at most a temp file
   (recognised as abandoned because nobody holds its flock) or a blob without a record;
   ``gc`` and ``verify`` remove both.
@@ -29,7 +36,7 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -41,9 +48,10 @@ from cachebuild.units import format_size
 
 from . import maintenance
 from .base import Progress, Store
-from .blob import BlobHeader, CorruptBlob, check_blob, encode_parts, read_blob_fd
+from .blob import BlobHeader, CorruptBlob, StreamCheck, check_blob, encode_parts, read_blob_fd
+from .files import OddFile, Scratch, is_regular, open_regular, remove_any
 from .index import INDEX_ERRORS, Index
-from .layout import Layout, check_key, check_suffix, prepare
+from .layout import Layout, check_key, check_private_dir, check_suffix, prepare
 from .locking import build_lock, flocked, open_temp
 from .record import GCReport, Record, VerifyReport
 
@@ -155,11 +163,19 @@ def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
             view = view[written:]
 
 
+#: Bytes each store keeps in reserve, so that it can still be read and cleaned when the
+#: disk is full (opening the index writes a little).
+RESERVE_BYTES = 1 << 20
+#: The reserve is made (again) only while at least this much space is free besides it.
+RESERVE_MIN_FREE = 64 << 20
+
+
 class LocalStore(Store):
     """A locked, content-addressed artifact store under ``path/v1`` (see the module doc).
 
     ``path`` is created 0700 and refused (StoreError) if another user owns it or
-    group/others can write it (``store.options`` decides the path from the environment).
+    group/others can write it, or if anyone but us and root could rename it or a
+    directory above it (``store.options`` decides the path from the environment).
     With ``signing_key`` every blob written is signed (HMAC-SHA256) and signed blobs are
     checked on read; ``require_signature`` also rejects unsigned ones. ``lock_timeout``
     is the default wait of ``lock`` in seconds.
@@ -176,13 +192,94 @@ class LocalStore(Store):
         self.path = Path(path).expanduser()
         self._layout = prepare(self.path)
         self.root: Path = self._layout.root
-        self._index = Index(self._layout.index)
+        self._index = self._open_index()
+        self._ensure_reserve()
         self._signing_key = bytes(signing_key) if signing_key else None
         self.require_signature = require_signature
         self.lock_timeout = lock_timeout
         self._usage = _Usage()
         self._held = threading.local()  # build locks this thread holds, for nesting
+        self._scratch: dict[tuple[int, bool], Scratch] = {}
+        self._memfiles: dict[str, int] = {}  # materialized in memory (full disk): name → fd
         self._finalizer = weakref.finalize(self, self._usage.flush, self._index)
+
+    # -- a full disk --------------------------------------------------------------------
+
+    def _free_bytes(self) -> int | None:
+        try:
+            st = os.statvfs(self.root)
+        except OSError:
+            return None
+        return st.f_bavail * st.f_frsize
+
+    def _open_index(self) -> Index:
+        try:
+            return Index(self._layout.index)
+        except StoreError:
+            # Opening the index writes a little. On a full disk give up the reserve so
+            # that the store can still be read and cleaned, which is how space comes back.
+            free = self._free_bytes()
+            if free is None or free >= 2 * RESERVE_BYTES or not self._layout.reserve.exists():
+                raise
+            os.unlink(self._layout.reserve)
+            log.warning("the disk holding the store at %s is full: released the store's "
+                        "%s reserve so that it can still be read; free space, e.g. with "
+                        "`cachebuild gc --max-size SIZE`", self.root, format_size(RESERVE_BYTES))
+        return Index(self._layout.index)
+
+    def _ensure_reserve(self) -> None:
+        """Make the reserve file if it is missing and space is plentiful (best effort)."""
+        path = self._layout.reserve
+        if os.path.lexists(path):
+            return
+        free = self._free_bytes()
+        if free is None or free < RESERVE_MIN_FREE + RESERVE_BYTES:
+            return
+        try:
+            fd, tmp_path = open_temp(self._layout.tmp, "reserve")
+        except OSError:
+            return  # read-only, or full after all
+        try:
+            try:
+                os.posix_fallocate(fd, 0, RESERVE_BYTES)
+            except OSError:  # a file system without fallocate: write the bytes
+                _write_all(fd, (bytes(RESERVE_BYTES),))
+            os.fsync(fd)
+            os.replace(tmp_path, path)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_path)
+
+    # -- private directories ------------------------------------------------------------
+
+    def scratch_dir(self, *, in_memory: bool = False) -> Path:
+        """A directory only this process uses, for files a loader must hand to another
+        library by path (Inductor's kernels): made 0700 by us, checked like the store,
+        removed at exit (or by ``gc`` once its process is gone). ``in_memory``: under
+        ``/dev/shm`` instead of the store (for a full disk)."""
+        slot = (os.getpid(), in_memory)
+        found = self._scratch.get(slot)
+        if found is not None and found.path.is_dir():
+            return found.path
+        if in_memory:
+            parent = Path("/dev/shm")
+            if not parent.is_dir():
+                raise StoreError("no memory-backed directory (/dev/shm) to load from while "
+                                 f"the disk holding {self.root} is full; free some space")
+        else:
+            parent = self._layout.scratch
+            parent.mkdir(mode=0o700, exist_ok=True)
+            check_private_dir(parent)
+        try:
+            made = Scratch(parent)
+        except OSError as e:
+            raise StoreError(f"cannot make a private directory in {parent}: "
+                             f"{e.strerror or e}") from None
+        self._scratch[slot] = made
+        return made.path
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.path)!r})"
@@ -197,6 +294,10 @@ class LocalStore(Store):
         """Write pending usage statistics and close the index."""
         self.flush()
         self._index.close()
+        for fd in self._memfiles.values():
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._memfiles.clear()
 
     def flush(self) -> None:
         """Write this process's pending hits and last-used times to the index."""
@@ -264,28 +365,88 @@ class LocalStore(Store):
 
     def _existing(self, key: str) -> Record | None:
         record = self._index.get(key)
-        if record is not None and self._layout.blob(key).exists():
+        if record is not None and is_regular(self._layout.blob(key)):
             return record
         return None
 
     def _install(self, record: Record, parts: Sequence[bytes | bytearray | memoryview]) -> Record:
-        key = record.key
-        blob_path = self._layout.blob(key)
-        renamed = False
         try:
-            fd, tmp_path = open_temp(self._layout.tmp, key)
+            fd, tmp_path = open_temp(self._layout.tmp, record.key)
         except OSError as e:
             raise self._write_error(e, record) from None
         try:
             _write_all(fd, parts)
-            os.fsync(fd)
-            with flocked(self._layout.entry_lock(key)):
-                current = self._index.get(key)
-                if current is not None and blob_path.exists():
-                    return current  # another process stored it first
-                blob_path.parent.mkdir(mode=0o700, exist_ok=True)
-                os.replace(tmp_path, blob_path)
-                renamed = True
+            return self._commit(record, fd, tmp_path)
+        except OSError as e:
+            raise self._write_error(e, record) from None
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_path)  # gone already when it was renamed into place
+
+    def write_blob_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview], *,
+                          manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
+                          pinned: bool = False,
+                          accept: Callable[[BlobHeader], None] | None = None) -> Record:
+        """``write_blob`` for a blob that arrives in pieces, never held whole in memory.
+
+        Each piece is verified as it is written to a temp file (StreamCheck): a blob that
+        runs past the length its header declares is refused before more is read.
+        ``accept(header)`` runs as soon as the header is known and may raise to refuse
+        the blob. CorruptBlob if a check fails; nothing is stored then.
+        """
+        check_key(key)
+        refs = tuple(check_key(r) for r in refs)
+        existing = self._existing(key)
+        if existing is not None:
+            return existing
+        checker = StreamCheck(expected_key=key, signing_key=self._signing_key,
+                              require_signature=self.require_signature)
+        placeholder = Record(key=key, kind="blob", size=0, checksum="", created=0.0,
+                             last_used=0.0)
+        try:
+            fd, tmp_path = open_temp(self._layout.tmp, key)
+        except OSError as e:
+            raise self._write_error(e, placeholder) from None
+        try:
+            accepted = accept is None
+            for piece in chunks:
+                checker.feed(piece)
+                if not accepted and checker.header is not None:
+                    accept(checker.header)  # type: ignore[misc]
+                    accepted = True
+                _write_all(fd, (piece,))
+            header = checker.finish()
+            if not accepted:
+                accept(header)  # type: ignore[misc]
+            now = time.time()
+            record = Record(key=key, kind=header.kind, size=header.length,
+                            checksum=header.checksum, created=now, last_used=now,
+                            pinned=pinned, manifest=manifest, refs=refs)
+            return self._commit(record, fd, tmp_path)
+        except OSError as e:
+            raise self._write_error(e, placeholder) from None
+        finally:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_path)
+
+    def _commit(self, record: Record, fd: int, tmp_path: Path) -> Record:
+        """Make the written temp file ``tmp_path`` (open as ``fd``) the blob of ``record``
+        and record it, unless another process stored the key first. OSError on failure;
+        the store is then as it was."""
+        key = record.key
+        blob_path = self._layout.blob(key)
+        os.fsync(fd)
+        with flocked(self._layout.entry_lock(key)):
+            current = self._index.get(key)
+            if current is not None and is_regular(blob_path):
+                return current  # another process stored it first
+            blob_path.parent.mkdir(mode=0o700, exist_ok=True)
+            if os.path.lexists(blob_path) and not is_regular(blob_path):
+                self._move_to_quarantine(blob_path, "not-a-regular-file")
+            os.replace(tmp_path, blob_path)
+            try:
                 _fsync_dir(blob_path.parent)
                 if current is not None:  # the record outlived its blob: keep its history
                     record = replace(record, created=current.created, hits=current.hits,
@@ -295,21 +456,13 @@ class LocalStore(Store):
                         self._index.put(record)
                         self._index.incr("puts", 1)
                 except INDEX_ERRORS as e:
-                    # No record may point at nothing, and no blob may outlive a failed put.
-                    with contextlib.suppress(OSError):
-                        os.unlink(blob_path)
                     raise self._index_write_error(e, record) from None
-            return record
-        except OSError as e:
-            if renamed:
+            except BaseException:
+                # No record may point at nothing, and no blob may outlive a failed put.
                 with contextlib.suppress(OSError):
                     os.unlink(blob_path)
-            raise self._write_error(e, record) from None
-        finally:
-            os.close(fd)
-            if not renamed:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp_path)
+                raise
+        return record
 
     def _write_error(self, e: OSError, record: Record) -> StoreError:
         what = f"{record.key} ({record.kind}, {format_size(record.size)})"
@@ -351,17 +504,13 @@ class LocalStore(Store):
         return had_record or had_blob
 
     def _remove_files(self, key: str) -> bool:
-        """Unlink the blob of ``key`` and files materialized from it (hold the entry lock)."""
-        removed = False
+        """Remove the blob of ``key`` and files materialized from it (hold the entry lock)."""
         blob_path = self._layout.blob(key)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(blob_path)
-            removed = True
+        removed = remove_any(blob_path)
         with contextlib.suppress(FileNotFoundError):
             for entry in os.scandir(blob_path.parent):
                 if entry.name.startswith(key + "."):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(entry.path)
+                    remove_any(entry.path)
         return removed
 
     # -- reading ------------------------------------------------------------------------
@@ -384,9 +533,12 @@ class LocalStore(Store):
         return payload
 
     def _open_blob(self, key: str) -> int | None:
+        """An fd on the blob of ``key``; None if it is missing, or if something other than
+        a regular file is there (moved to quarantine, the record dropped: a miss)."""
         try:
-            return os.open(self._layout.blob_str(key), os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
+            return open_regular(self._layout.blob_str(key))
+        except OddFile as e:
+            self._quarantine(key, e.inode, f"{e.what} where the blob should be")
             return None
 
     def _read_payload(self, key: str, small: dict[str, Any]) -> bytes | None:
@@ -410,6 +562,9 @@ class LocalStore(Store):
                 header, data = read(fd)
                 if header.checksum != small["checksum"] and not self._record_matches(key, header):
                     raise CorruptBlob("checksum differs from the index record", key)
+                if header.kind != small["kind"] and not self._record_matches(key, header):
+                    raise CorruptBlob(f"kind {header.kind!r} differs from the index record "
+                                      f"({small['kind']!r})", key)
             except CorruptBlob as e:
                 self._quarantine(key, os.fstat(fd).st_ino, e.reason)
                 return None
@@ -421,7 +576,8 @@ class LocalStore(Store):
         # The record may have been replaced (delete + put) between our index read and our
         # file open; only a record that still disagrees with the blob means damage.
         fresh = self._index.get_small(key)
-        return fresh is None or fresh["checksum"] == header.checksum
+        return fresh is None or (fresh["checksum"], fresh["kind"]) == (header.checksum,
+                                                                        header.kind)
 
     def read_blob(self, key: str) -> bytes | None:
         """The complete framed blob of ``key`` (header + payload + signature), verified.
@@ -456,9 +612,11 @@ class LocalStore(Store):
         return record
 
     def contains(self, key: str) -> bool:
-        """True if ``key`` has a record and a blob (the blob is not verified)."""
+        """True if ``key`` is stored and its blob verifies now (read and checked like a
+        ``get``; a blob that fails is quarantined, and then this is False)."""
         check_key(key)
-        return key in self._index and self._layout.blob(key).exists()
+        small = self._index.get_small(key)
+        return small is not None and self._read_payload(key, small) is not None
 
     __contains__ = contains
 
@@ -476,7 +634,9 @@ class LocalStore(Store):
 
         Created once beside the blob (``objects/ab/<key><suffix>``, mode 0500) and reused
         by later calls and processes after checking its size and checksum against the
-        record; a file that fails the check is replaced. None on a miss.
+        record; a file that fails the check is replaced, and anything but a regular file
+        there is moved to quarantine first. On a full disk the file is made in memory
+        (a ``/proc/self/fd`` path that lives as long as the store). None on a miss.
         """
         check_key(key)
         check_suffix(suffix)
@@ -495,7 +655,7 @@ class LocalStore(Store):
         try:
             fd, tmp_path = open_temp(self._layout.tmp, key + suffix)
         except OSError as e:
-            raise StoreError(f"cannot materialize {key}: {e.strerror or e}") from None
+            return self._materialize_in_memory(key, suffix, payload, e)
         try:
             _write_all(fd, (payload,))
             os.fsync(fd)
@@ -503,22 +663,43 @@ class LocalStore(Store):
             with flocked(self._layout.entry_lock(key)):
                 if key not in self._index:  # deleted meanwhile: leave nothing behind
                     return None
+                if os.path.lexists(path) and not is_regular(path):
+                    self._move_to_quarantine(path, "not-a-regular-file")
                 os.replace(tmp_path, path)
             return path
         except OSError as e:
-            raise StoreError(f"cannot materialize {key}: {e.strerror or e}") from None
+            return self._materialize_in_memory(key, suffix, payload, e)
         finally:
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp_path)
 
-    @staticmethod
-    def _file_matches(path: Path, small: dict[str, Any]) -> bool:
+    def _materialize_in_memory(self, key: str, suffix: str, payload: bytes,
+                               error: OSError) -> Path:
+        """The payload in an anonymous memory file, when the disk is full."""
+        if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not hasattr(os, "memfd_create"):
+            raise StoreError(f"cannot materialize {key}: {error.strerror or error}") from None
+        name = key + suffix
+        fd = self._memfiles.get(name)
+        if fd is None:
+            fd = os.memfd_create(f"cachebuild-{name}", os.MFD_CLOEXEC)
+            _write_all(fd, (payload,))
+            self._memfiles[name] = fd
+            log.warning("the disk holding the store at %s is full: %s is loaded from memory; "
+                        "free space, e.g. with `cachebuild gc --max-size SIZE`", self.root, key)
+        return Path(f"/proc/self/fd/{fd}")
+
+    def _file_matches(self, path: Path, small: dict[str, Any]) -> bool:
         try:
-            f = open(path, "rb")  # noqa: SIM115 (closed below)
-        except FileNotFoundError:
+            fd = open_regular(path)
+        except OddFile:
+            with flocked(self._layout.entry_lock(path.name.split(".", 1)[0])):
+                if os.path.lexists(path) and not is_regular(path):
+                    self._move_to_quarantine(path, "not-a-regular-file")
             return False
-        with f:
+        if fd is None:
+            return False
+        with open(fd, "rb") as f:
             if os.fstat(f.fileno()).st_size != small["size"]:
                 return False
             h = xxhash.xxh3_128() if len(small["checksum"]) == 32 else xxhash.xxh3_64()
@@ -637,7 +818,10 @@ class LocalStore(Store):
 
     def _check_blob_file(self, key: str, small: dict[str, Any]) -> tuple[str | None, int | None]:
         """``(reason, inode)``: reason None if the blob of ``key`` verifies against ``small``."""
-        fd = self._open_blob(key)
+        try:
+            fd = open_regular(self._layout.blob_str(key))
+        except OddFile as e:
+            return f"{e.what} where the blob should be", e.inode
         if fd is None:
             return "blob file is missing", None
         try:
@@ -671,7 +855,7 @@ class LocalStore(Store):
                     self._index.delete(key)
                     return
                 try:
-                    current = os.stat(blob_path).st_ino
+                    current = os.lstat(blob_path).st_ino
                 except FileNotFoundError:
                     current = None
                 if current != inode:
@@ -681,9 +865,19 @@ class LocalStore(Store):
                 with self._index.transact():
                     self._index.delete(key)
                     self._index.incr("quarantined", 1)
-                slug = "".join(c if c.isalnum() else "-" for c in reason)[:48].strip("-")
-                dest = self._layout.quarantine / f"{key}.{int(time.time())}.{slug}"
-                os.replace(blob_path, dest)
+                self._move_to_quarantine(blob_path, reason)
                 self._remove_files(key)
         except (OSError, *INDEX_ERRORS) as e:
             log.warning("could not quarantine blob %s: %s", key, e)
+
+    def _move_to_quarantine(self, path: Path, reason: str) -> None:
+        """Move whatever is at ``path`` (a blob, or an odd entry in its place) to
+        quarantine/, named by the reason; removed outright if it cannot be moved."""
+        slug = "".join(c if c.isalnum() else "-" for c in reason)[:48].strip("-")
+        dest = self._layout.quarantine / f"{path.name}.{int(time.time())}.{slug}"
+        try:
+            os.replace(path, dest)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            remove_any(path)

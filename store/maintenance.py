@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .files import remove_abandoned_scratch, remove_any
 from .layout import Layout, check_key
 from .locking import flocked, remove_if_abandoned, try_flock
 from .record import GCReport, Record, VerifyReport
@@ -68,7 +69,8 @@ def count_files(directory: Path) -> int:
 
 
 def clean_leftovers(store: LocalStore) -> tuple[int, int]:
-    """Remove abandoned temp files and blobs that no record points to.
+    """Remove abandoned temp files, private directories of processes that are gone, and
+    blobs that no record points to.
 
     A temp file is abandoned when no process holds its flock (its writer died); a blob
     without a record is what a writer killed between rename and index write leaves. Both
@@ -81,6 +83,7 @@ def clean_leftovers(store: LocalStore) -> tuple[int, int]:
         for entry in os.scandir(layout.tmp):
             if entry.name.endswith(".tmp") and remove_if_abandoned(Path(entry.path)):
                 tmp_removed += 1
+    tmp_removed += remove_abandoned_scratch(layout.scratch)
     orphans = 0
     known = set(store.index.keys())
     for entry in list(_object_files(layout)):
@@ -90,8 +93,7 @@ def clean_leftovers(store: LocalStore) -> tuple[int, int]:
         with flocked(layout.entry_lock(key)):
             if key in store.index:  # stored meanwhile
                 continue
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(entry.path)
+            if remove_any(entry.path):
                 orphans += 1
     return tmp_removed, orphans
 
@@ -190,6 +192,8 @@ def collect(store: LocalStore, *, max_size: int | None, older_than: float | None
         report.freed_bytes += usage.get(key, 0)
     report.bytes_after = total - report.freed_bytes
     report.entries_after = len(records) - len(report.removed)
+    if not dry_run:
+        store._ensure_reserve()  # given up on a full disk: back once there is room
     return report
 
 
@@ -200,7 +204,12 @@ def verify(store: LocalStore, *, repair: bool,
     report = VerifyReport()
     keys = list(store.index.keys())
     for done, key in enumerate(keys, 1):
-        small = store.index.get_small(key)
+        small, damage = store.index.read_small(key)
+        if damage is not None:
+            report.checked += 1
+            report.damaged.append((key, damage))
+            if repair:
+                store.index.delete(key)  # its blob, now unrecorded, goes as litter below
         if small is not None:  # else deleted since we listed it
             report.checked += 1
             reason, inode = store._check_blob_file(key, small)

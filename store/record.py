@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+from cachebuild.errors import StoreError
 
 
 @dataclass(frozen=True)
@@ -35,13 +39,94 @@ class Record:
         return data
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Record:
-        """The record ``to_json`` produced (unknown fields are ignored)."""
-        return cls(key=data["key"], kind=data["kind"], size=int(data["size"]),
-                   checksum=data["checksum"], created=float(data["created"]),
-                   last_used=float(data["last_used"]), hits=int(data.get("hits", 0)),
-                   pinned=bool(data.get("pinned", False)), manifest=data.get("manifest"),
-                   refs=tuple(data.get("refs", ())))
+    def from_json(cls, data: Any, *, key: str | None = None) -> Record:
+        """The record ``to_json`` produced, checked field by field (unknown fields are
+        ignored). ``key``: the key the record must be for.
+
+        For records from anywhere else than this machine's own index (a bundle, a shared
+        tier): raises BadRecord, naming the first field that is missing or of the wrong
+        type, and never returns a record a reader could trip over.
+        """
+        if not isinstance(data, dict):
+            raise BadRecord(f"a record must be a JSON object, not {type(data).__name__}")
+        rec_key = data.get("key", key)
+        if key is not None and rec_key != key:
+            raise BadRecord(f"record is for key {_show(rec_key)}, not {key}")
+        fields = check_fields(data, key=rec_key)
+        return cls(key=rec_key, **fields)
+
+
+#: What a kind may look like: a short name (``entry``, ``aoti-cuda``, ``fx-graph``).
+KIND_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
+_CHECKSUM_RE = re.compile(r"[0-9a-f]{16}|[0-9a-f]{32}")
+_KEY_RE = re.compile(r"[0-9a-f]{16,128}")
+#: No stored artifact is larger than this (256 TiB): a size past it is not a size.
+MAX_SIZE = 1 << 48
+#: A record lists at most this many refs (a model entry lists its targets).
+MAX_REFS = 1 << 16
+
+
+class BadRecord(StoreError):
+    """A record (index row, bundle member, shared-tier record) that is not well formed."""
+
+
+def _show(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 40 else text[:39] + "…"
+
+
+def _int(data: dict[str, Any], name: str, default: Any = None) -> int:
+    value = data.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_SIZE:
+        raise BadRecord(f"record field {name!r} must be a whole number from 0 to 2**48, "
+                        f"not {_show(value)}")
+    return value
+
+
+def _time(data: dict[str, Any], name: str, default: Any = None) -> float:
+    value = data.get(name, default)
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or not math.isfinite(value) or value < 0):
+        raise BadRecord(f"record field {name!r} must be a time (seconds), not {_show(value)}")
+    return float(value)
+
+
+def check_kind(kind: Any) -> str:
+    """``kind`` if it looks like an artifact kind, else BadRecord."""
+    if not isinstance(kind, str) or not KIND_RE.fullmatch(kind):
+        raise BadRecord(f"record field 'kind' must be a short name such as 'entry', "
+                        f"not {_show(kind)}")
+    return kind
+
+
+def check_fields(data: dict[str, Any], *, key: Any = None,
+                 defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """Every ``Record`` field but ``key`` from ``data``, type-checked (BadRecord if not).
+
+    ``defaults`` fill fields ``data`` lacks (a shared record has no ``hits``).
+    """
+    if not isinstance(key, str) or not _KEY_RE.fullmatch(key):
+        raise BadRecord(f"record key {_show(key)} is not a store key")
+    data = {**(defaults or {}), **data}
+    checksum = data.get("checksum")
+    if not isinstance(checksum, str) or not _CHECKSUM_RE.fullmatch(checksum):
+        raise BadRecord(f"record field 'checksum' must be 16 or 32 hex digits, "
+                        f"not {_show(checksum)}")
+    pinned = data.get("pinned", False)
+    if not isinstance(pinned, bool):
+        raise BadRecord(f"record field 'pinned' must be true or false, not {_show(pinned)}")
+    manifest = data.get("manifest")
+    if manifest is not None and not isinstance(manifest, dict):
+        raise BadRecord(f"record field 'manifest' must be an object, not {_show(manifest)}")
+    refs = data.get("refs", [])
+    if not isinstance(refs, list | tuple) or len(refs) > MAX_REFS or not all(
+            isinstance(r, str) and _KEY_RE.fullmatch(r) for r in refs):
+        raise BadRecord(f"record field 'refs' must be a list of store keys, not {_show(refs)}")
+    created = _time(data, "created")
+    return {"kind": check_kind(data.get("kind")), "size": _int(data, "size"),
+            "checksum": checksum, "created": created,
+            "last_used": _time(data, "last_used", created), "hits": _int(data, "hits", 0),
+            "pinned": pinned, "manifest": manifest, "refs": tuple(refs)}
 
 
 @dataclass

@@ -16,6 +16,14 @@ Chunks are written first and the record last, so a record that exists names a bl
 chunks were all written. A reader still checks the chunk count, length and digest, so a
 blob that Redis half evicted (LRU) reads as a miss, never as damaged bytes.
 
+Anyone who can write to Redis can write anything there, so nothing read is trusted for its
+size or shape: a record is read only up to ``MAX_RECORD_BYTES`` and must parse into the
+expected types, and every chunk's length is asked for (``STRLEN``) before it is read, so
+chunks that do not add up to the length the record declares are refused before a byte
+of them is downloaded, and no more than that length is ever held in memory. A lock key
+without an expiry (no cachebuild process sets one) is waited on for one lock lifetime at
+most; then the build goes ahead under the local lock alone.
+
 Health: the first Redis error marks the remote down for the life of this object. That
 emits one ``RemoteDownWarning``, and every later call is a fast miss or no-op. Nothing
 here raises because Redis is slow, unreachable or dead; every socket has a timeout.
@@ -27,6 +35,7 @@ import json
 import logging
 import math
 import random
+import re
 import secrets
 import threading
 import time
@@ -43,13 +52,18 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from cachebuild.errors import LockTimeout, UsageError
-from cachebuild.store.layout import check_key
+from cachebuild.store.layout import InvalidKey, check_key
 
 log = logging.getLogger(__name__)
 
 PREFIX = "cachebuild:v1:"
 DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
 RECORD_FORMAT = 1
+#: A stored record (index record, manifest included) is never longer than this.
+MAX_RECORD_BYTES = 16 * 1024 * 1024
+#: Nor is a blob cut into more chunks than this.
+MAX_CHUNKS = 1 << 20
+_DIGEST_RE = re.compile(r"[0-9a-f]{32}")
 Mode = Literal["rw", "ro"]
 T = TypeVar("T")
 
@@ -125,17 +139,28 @@ class RemoteBlobMeta:
 
     @classmethod
     def parse(cls, raw: bytes) -> tuple[dict[str, Any], RemoteBlobMeta]:
-        """Decode a stored record; raises ``ValueError`` if it is not one we wrote."""
-        doc = json.loads(raw)
+        """Decode a stored record; raises ``ValueError`` if it is not one we wrote, or not
+        well formed (a field of the wrong type, a count that cannot be)."""
+        if len(raw) > MAX_RECORD_BYTES:
+            raise ValueError(f"record longer than {MAX_RECORD_BYTES} bytes")
+        try:
+            doc = json.loads(raw)
+        except RecursionError:
+            raise ValueError("record nested too deeply") from None
         if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
             raise ValueError("unknown remote record format")
-        record = doc["record"]
-        meta = cls(
-            chunks=int(doc["chunks"]), length=int(doc["length"]), digest=str(doc["xxh3_128"])
-        )
-        if not isinstance(record, dict) or meta.chunks < 1 or meta.length < 0:
-            raise ValueError("malformed remote record")
-        return record, meta
+        record, chunks, length, digest = (doc.get(k) for k in
+                                          ("record", "chunks", "length", "xxh3_128"))
+        if not isinstance(record, dict):
+            raise ValueError("malformed remote record: no record object")
+        for name, value in (("chunks", chunks), ("length", length)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"malformed remote record: {name} is not a count")
+        if not 1 <= chunks <= min(MAX_CHUNKS, max(1, length)):
+            raise ValueError(f"malformed remote record: {chunks} chunks for {length} bytes")
+        if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
+            raise ValueError("malformed remote record: bad digest")
+        return record, cls(chunks=chunks, length=length, digest=digest)
 
 
 class RedisRemote:
@@ -260,12 +285,12 @@ class RedisRemote:
         check_key(key)
 
         def read() -> dict[str, Any] | None:
-            raw = self._client.get(record_key(key))
+            raw = self._get_record_bytes(key)
             if raw is None:
                 return None
             try:
                 record, _ = RemoteBlobMeta.parse(raw)
-            except (ValueError, KeyError, TypeError):
+            except ValueError:
                 return None
             return record
 
@@ -280,29 +305,68 @@ class RedisRemote:
         check_key(key)
         return self._guard("get", lambda: self._read(key), None)
 
-    def _read(self, key: str) -> tuple[dict[str, Any], bytes] | None:
-        raw = self._client.get(record_key(key))
+    def _get_record_bytes(self, key: str) -> bytes | None:
+        """The stored record of ``key``, or None; one longer than MAX_RECORD_BYTES is
+        cut there (and then fails to parse), never downloaded whole."""
+        try:
+            raw = self._client.getrange(record_key(key), 0, MAX_RECORD_BYTES)
+        except redis.ResponseError:  # not a string (WRONGTYPE): not a record of ours
+            return None
+        if not raw:
+            # GETRANGE cannot tell a missing key from an empty value; an empty record is
+            # no record either way.
+            return None
+        return raw
+
+    def _read(self, key: str) -> tuple[dict[str, Any], bytearray] | None:
+        raw = self._get_record_bytes(key)
         if raw is None:
             return None
         try:
             record, meta = RemoteBlobMeta.parse(raw)
-        except (ValueError, KeyError, TypeError) as exc:
+        except ValueError as exc:
             self._incomplete(key, f"unreadable record ({exc})")
             return None
-        parts: list[bytes] = []
-        # Fetch in batches so a huge blob does not ask Redis for one giant reply.
+        # Every chunk's length first: chunks that are missing or do not add up to the
+        # declared length are refused before anything is downloaded.
+        sizes: list[int] = []
+        batch = 1000
+        for start in range(0, meta.chunks, batch):
+            pipe = self._client.pipeline(transaction=False)
+            for i in range(start, min(start + batch, meta.chunks)):
+                pipe.exists(chunk_key(key, i))
+                pipe.strlen(chunk_key(key, i))
+            replies = pipe.execute(raise_on_error=False)
+            for offset in range(0, len(replies), 2):
+                exists, size = replies[offset], replies[offset + 1]
+                if not exists or not isinstance(size, int):  # missing, or not a string
+                    self._incomplete(key, f"chunk {start + offset // 2} of {meta.chunks} "
+                                     "missing or not a string")
+                    return None
+                sizes.append(size)
+                if sum(sizes) > meta.length:
+                    self._incomplete(key, "chunks are longer than the record declares")
+                    return None
+        if sum(sizes) != meta.length:
+            self._incomplete(key, "chunks are shorter than the record declares")
+            return None
+        blob = bytearray(meta.length)
+        filled = 0
+        # Fetch in batches so a huge blob does not ask Redis for one giant reply; each
+        # chunk no longer than its length said (it may have changed since).
         batch = 16
         for start in range(0, meta.chunks, batch):
             pipe = self._client.pipeline(transaction=False)
             for i in range(start, min(start + batch, meta.chunks)):
-                pipe.get(chunk_key(key, i))
-            for offset, part in enumerate(pipe.execute()):
-                if part is None:
-                    self._incomplete(key, f"chunk {start + offset} of {meta.chunks} missing")
+                if sizes[i]:
+                    pipe.getrange(chunk_key(key, i), 0, sizes[i] - 1)
+            for part in pipe.execute(raise_on_error=False):
+                if not isinstance(part, bytes) or filled + len(part) > meta.length:
+                    self._incomplete(key, "chunks changed while they were read")
                     return None
-                parts.append(part)
-        blob = b"".join(parts)
-        if len(blob) != meta.length or xxhash.xxh3_128_hexdigest(blob) != meta.digest:
+                blob[filled:filled + len(part)] = part
+                filled += len(part)
+        if filled != meta.length or xxhash.xxh3_128_hexdigest(blob) != meta.digest:
             self._incomplete(key, "chunks do not match the record's length and digest")
             return None
         return record, blob
@@ -323,19 +387,25 @@ class RedisRemote:
                 self._fail("delete incomplete record", exc)
 
     def keys(self) -> Iterator[str]:
-        """Every key with a record in Redis (SCAN: no server stall, may repeat under churn)."""
+        """Every key with a record in Redis (SCAN: no server stall, may repeat under churn).
+
+        Names that are not store keys (written by something else) are skipped."""
         prefix = record_key("")
         if self._down:
             return
         try:
             for raw in self._client.scan_iter(match=prefix + "*", count=1000):
-                name = raw.decode() if isinstance(raw, bytes) else raw
-                yield name[len(prefix) :]
+                name = raw.decode("utf-8", "replace") if isinstance(raw, bytes) else raw
+                try:
+                    yield check_key(name[len(prefix) :])
+                except InvalidKey:
+                    log.info("ignoring %r in the remote: not a store key", name[:100])
         except _REMOTE_ERRORS as exc:
             self._fail("scan", exc)
 
-    def records(self) -> Iterator[dict[str, Any]]:
-        """Every stored index record (for ``push --all`` and ``explain`` on remote entries)."""
+    def records(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        """``(key, record)`` for every stored index record (for ``explain`` on remote
+        entries); the records are parsed but not checked further."""
         batch: list[str] = []
         for key in self.keys():
             batch.append(key)
@@ -345,19 +415,22 @@ class RedisRemote:
         if batch:
             yield from self._records_of(batch)
 
-    def _records_of(self, keys: list[str]) -> list[dict[str, Any]]:
-        raws = self._guard(
-            "mget records", lambda: self._client.mget([record_key(k) for k in keys]), []
-        )
+    def _records_of(self, keys: list[str]) -> list[tuple[str, dict[str, Any]]]:
+        def read() -> list[Any]:
+            pipe = self._client.pipeline(transaction=False)
+            for k in keys:
+                pipe.getrange(record_key(k), 0, MAX_RECORD_BYTES)
+            return pipe.execute(raise_on_error=False)
+
         out = []
-        for raw in raws:
-            if raw is None:
+        for key, raw in zip(keys, self._guard("read records", read, []), strict=False):
+            if not isinstance(raw, bytes) or not raw:
                 continue
             try:
                 record, _ = RemoteBlobMeta.parse(raw)
-            except (ValueError, KeyError, TypeError):
+            except ValueError:
                 continue
-            out.append(record)
+            out.append((key, record))
         return out
 
     # -- writes -----------------------------------------------------------------------
@@ -424,12 +497,12 @@ class RedisRemote:
             return False
 
         def drop() -> bool:
-            raw = self._client.get(record_key(key))
-            if raw is None:
+            raw = self._get_record_bytes(key)
+            if raw is None and not self._client.exists(record_key(key)):
                 return False
             try:
-                chunks = RemoteBlobMeta.parse(raw)[1].chunks
-            except (ValueError, KeyError, TypeError):
+                chunks = RemoteBlobMeta.parse(raw or b"")[1].chunks
+            except ValueError:
                 chunks = 0
             # Record first: from then on readers see a miss, never a record without chunks.
             removed = self._client.delete(record_key(key))
@@ -478,9 +551,16 @@ class RemoteLock:
         self.lost = False
 
     def acquire(self, timeout: float | None) -> bool:
-        """True once held; False if the remote cannot hold locks; LockTimeout after ``timeout``."""
+        """True once held; False if the remote cannot hold locks; LockTimeout after ``timeout``.
+
+        A lock key that never expires, or expires later than any cachebuild holder sets it
+        to, was not set by cachebuild (which always sets a ttl and renews it): it is waited
+        on for one ttl at most, then this returns False (the build goes ahead under the
+        local lock), with a warning.
+        """
         remote = self.remote
         deadline = None if timeout is None else time.monotonic() + timeout
+        foreign_since: float | None = None
         delay = 0.02
         while True:
             if not remote.writable:
@@ -488,6 +568,7 @@ class RemoteLock:
             try:
                 if remote._client.set(self.name, self.token, nx=True, px=self.ttl_ms):
                     break
+                pttl = remote._client.pttl(self.name)
             except (redis.ResponseError, redis.DataError) as exc:
                 remote._refuse_writes("lock", exc)
                 return False
@@ -495,6 +576,16 @@ class RemoteLock:
                 remote._fail("lock", exc)
                 return False
             now = time.monotonic()
+            if pttl == -1 or (isinstance(pttl, int) and pttl > max(10 * self.ttl_ms, 600_000)):
+                foreign_since = now if foreign_since is None else foreign_since
+                if now - foreign_since >= self.ttl_ms / 1000:
+                    log.warning("the build lock of %s in %s never expires, so no cachebuild "
+                                "process set it; building under the local lock alone (delete "
+                                "the key %s if it is stale)", self.key, remote.display_url,
+                                self.name)
+                    return False
+            else:
+                foreign_since = None
             if deadline is not None and now >= deadline:
                 raise LockTimeout(
                     f"build lock for {self.key} is held on another machine "

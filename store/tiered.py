@@ -5,14 +5,34 @@ a signing key is configured, its HMAC) before anything uses it, then copied into
 next lookup is local. A put writes L1 first, then L2. Everything the remote does wrong
 (down, slow, half evicted, tampered) turns into a miss here, never an exception.
 
+Trust: anyone who can write to Redis can write anything there, so nothing from it is used
+before it is checked.
+
+- **Blobs** carry an HMAC with the fleet's signing key. A remote blob that is unsigned,
+  signed with another key, or changed in any byte is never loaded: it is a miss, and the
+  target is built locally. ``contains`` and ``get_record`` answer for a remote key only
+  once its blob has been fetched and verified (and copied into L1), so a target counts as
+  present only when it can be loaded.
+- **Records** (kind, size, checksum, creation time, manifest) are signed with the same
+  key (``sign_record``) and checked field by field. A record whose signature does not
+  verify is never shown (``records(shared=True)``, which ``explain`` reads) and its
+  manifest is never copied into L1; its kind, size and checksum must agree with the
+  verified blob's header, or the blob is rejected.
+- **Refs** decide what GC keeps, so they are never taken from Redis: an entry pulled
+  into L1 gets the target keys its own verified payload lists.
+
 Signing: artifacts contain code that runs on load, so with a remote configured a signing
 key is required; running without one takes an explicit ``allow_unsigned=True`` and warns.
-With a key, a remote blob that is unsigned or signed with another key is never loaded.
+``push`` signs what it uploads: a blob that L1 holds unsigned (built before the key was
+configured) is signed with the fleet key on the way, and counted as such.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import hmac
+import json
 import logging
 import threading
 import time
@@ -25,10 +45,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cachebuild.errors import StoreError, UsageError
+from cachebuild.keys import canonical_json
 from cachebuild.store.base import Progress, Store
-from cachebuild.store.blob import CorruptBlob, decode_blob, encode_blob
+from cachebuild.store.blob import CorruptBlob, check_blob, encode_blob, parse_header
+from cachebuild.store.layout import InvalidKey, check_key
 from cachebuild.store.local import LocalStore
-from cachebuild.store.record import GCReport, Record, VerifyReport
+from cachebuild.store.record import BadRecord, GCReport, Record, VerifyReport
 
 if TYPE_CHECKING:
     # Imported when a remote is opened: `import redis` costs a process that has no
@@ -38,8 +60,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 # Index fields that describe the artifact and travel with it; last_used, hits and pinned
-# describe one machine's use of it and stay local.
+# describe one machine's use of it and stay local (and refs are never trusted from L2).
 _SHARED_FIELDS = ("key", "kind", "size", "checksum", "created", "manifest", "refs")
+_RECORD_DOMAIN = b"cachebuild-record-v1\0"
+_SIGNATURE = "sig"
 
 
 class UnsignedRemoteWarning(UserWarning):
@@ -66,6 +90,7 @@ class TransferCounts:
     rejected: int = 0  # pull only: failed verification, not loaded
     failed: int = 0  # remote down, refused, or another writer was uploading it
     bytes: int = 0  # payload bytes transferred
+    signed: int = 0  # push only: held unsigned in L1, signed with the fleet key to upload
 
     def as_dict(self) -> dict[str, int]:
         return dataclasses.asdict(self)
@@ -77,12 +102,46 @@ def shared_record(record: Record) -> dict[str, Any]:
     return {name: full[name] for name in _SHARED_FIELDS if name in full}
 
 
+def sign_record(signing_key: bytes, shared: dict[str, Any]) -> str:
+    """The HMAC-SHA256 (hex) of a shared record, over its canonical JSON."""
+    body = {k: v for k, v in shared.items() if k != _SIGNATURE}
+    return hmac.new(signing_key, _RECORD_DOMAIN + canonical_json(body).encode(),
+                    hashlib.sha256).hexdigest()
+
+
+def record_signed_by(signing_key: bytes, shared: dict[str, Any]) -> bool:
+    """True if ``shared`` carries a valid signature made with ``signing_key``."""
+    sig = shared.get(_SIGNATURE)
+    if not isinstance(sig, str):
+        return False
+    try:
+        expected = sign_record(signing_key, shared)
+    except (TypeError, ValueError, RecursionError):  # not canonical JSON: not ours
+        return False
+    return hmac.compare_digest(expected, sig)
+
+
+def entry_refs(kind: str, payload: bytes) -> tuple[str, ...]:
+    """The keys a verified payload refers to: for a model entry, the target keys its
+    pieces list; nothing for any other kind. Refs come only from here, never from a
+    shared record, because they decide what GC keeps."""
+    if kind != "entry":
+        return ()
+    try:
+        pieces = json.loads(payload).get("pieces", [])
+        keys = [t["key"] for p in pieces for t in p.get("targets", [])]
+        return tuple(dict.fromkeys(check_key(k) for k in keys))
+    except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
+        log.warning("entry payload lists no readable targets; keeping it without refs")
+        return ()
+
+
 class TieredStore(Store):
     """L1 ``LocalStore`` plus an optional L2 ``RedisRemote``, used wherever a store is.
 
     Reads fall through to L2, writes and deletes go to both; pins, GC, verify and records
     are the local store's (GC only ever prunes L1), and ``records(shared=True)`` adds the
-    records only L2 holds.
+    records only L2 holds (those whose signature verifies).
     """
 
     def __init__(
@@ -102,6 +161,11 @@ class TieredStore(Store):
         self.lock_ttl = lock_ttl
         self.counters = TierCounters()
         self._count_lock = threading.Lock()
+        # Keys whose remote copy failed verification in this process: remote copies are
+        # immutable, so asking again would only fetch and reject the same bytes.
+        self._rejected: set[str] = set()
+        # Records of verified remote blobs that L1 could not keep (a full disk).
+        self._unstored: dict[str, Record] = {}
         if remote is not None and signing_key is None:
             if not allow_unsigned:
                 raise UsageError(
@@ -127,9 +191,37 @@ class TieredStore(Store):
     def probe_dir(self) -> Path:
         return self.local.probe_dir
 
+    def scratch_dir(self, *, in_memory: bool = False) -> Path:
+        return self.local.scratch_dir(in_memory=in_memory)
+
     def _count(self, field: str) -> None:
         with self._count_lock:
             setattr(self.counters, field, getattr(self.counters, field) + 1)
+
+    # -- what comes from L2 -------------------------------------------------------------
+
+    def _shared(self, key: str, raw: Any) -> tuple[Record | None, bool]:
+        """A shared record checked field by field (None if it is not well formed), and
+        whether it is authentic: signed with our key, or anything when running unsigned."""
+        if not isinstance(raw, dict):
+            return None, False
+        try:
+            record = Record.from_json({k: v for k, v in raw.items() if k != _SIGNATURE},
+                                      key=key)
+        except BadRecord as e:
+            log.info("remote record of %s is not well formed: %s", key, e)
+            return None, False
+        record = dataclasses.replace(record, hits=0, pinned=False, refs=())
+        if self.signing_key is None:
+            return record, True
+        return record, record_signed_by(self.signing_key, raw)
+
+    def _outgoing(self, record: Record) -> dict[str, Any]:
+        shared = shared_record(record)
+        shared["refs"] = []  # never read back from L2 (see entry_refs)
+        if self.signing_key is not None:
+            shared[_SIGNATURE] = sign_record(self.signing_key, shared)
+        return shared
 
     # -- reads ------------------------------------------------------------------------
 
@@ -140,80 +232,94 @@ class TieredStore(Store):
             self._count("l1_hits")
             return data
         payload, _ = self._fetch(key)
-        self._count("l2_hits" if payload is not None else "misses")
+        if payload is None:
+            self._count("misses")
         return payload
 
     def _fetch(self, key: str) -> tuple[bytes | None, str]:
         """Pull ``key`` from L2 into L1: (payload, "pulled" | "missing" | "rejected")."""
         if self.remote is None:
             return None, "missing"
+        if key in self._rejected:
+            return None, "rejected"
         fetched = self.remote.get(key)
         if fetched is None:
             return None, "missing"
-        record, framed = fetched
+        raw_record, framed = fetched
         try:
-            kind, payload = decode_blob(
-                framed,
-                expected_key=key,
-                signing_key=self.signing_key,
-                require_signature=self.signing_key is not None,
-            )
-            if record.get("kind") not in (None, kind):
-                raise CorruptBlob(f"record says kind {record.get('kind')!r}, blob says {kind!r}")
+            header = check_blob(framed, expected_key=key, signing_key=self.signing_key,
+                                require_signature=self.signing_key is not None)
+            record, authentic = self._shared(key, raw_record)
+            if record is not None and (record.kind, record.size, record.checksum) != (
+                    header.kind, header.length, header.checksum):
+                raise CorruptBlob("its record disagrees with the blob's header", key)
         except CorruptBlob as exc:
             self._count("remote_rejected")
-            log.warning("rejected remote blob %s from %s: %s", key, self.remote.display_url, exc)
+            self._rejected.add(key)
+            log.warning("rejected remote blob %s from %s: %s", key, self.remote.display_url,
+                        exc.reason)
             return None, "rejected"
-        manifest = record.get("manifest")
-        refs = tuple(record.get("refs") or ())
+        start = header.header_size
+        payload = bytes(memoryview(framed)[start:start + header.length])
+        manifest = record.manifest if record is not None and authentic else None
+        refs = entry_refs(header.kind, payload)
         try:
             if self._same_key_as_local:
                 # Keep the verified blob byte for byte (L1 re-checks it with the same key).
                 self.local.write_blob(key, framed, manifest=manifest, refs=refs)
             else:
-                self.local.put(key, payload, kind=kind, manifest=manifest, refs=refs)
+                self.local.put(key, payload, kind=header.kind, manifest=manifest, refs=refs)
         except StoreError as exc:
             # The payload is verified and usable; only the local copy failed (disk full).
             log.warning("could not copy remote blob %s into the local store: %s", key, exc)
+            self._unstored[key] = Record(key=key, kind=header.kind, size=header.length,
+                                         checksum=header.checksum, created=time.time(),
+                                         last_used=time.time(), manifest=manifest, refs=refs)
+        self._count("l2_hits")
         return payload, "pulled"
 
     def contains(self, key: str) -> bool:
-        """True if ``key`` is in L1, or has a complete record in L2."""
+        """True if ``key`` verifies in L1, or in L2 (fetched, verified, copied into L1)."""
         if self.local.contains(key):
             return True
-        return self.remote is not None and self.remote.contains(key)
+        payload, _ = self._fetch(key)
+        return payload is not None
 
     def get_record(self, key: str) -> Record | None:
-        """L1's index record for ``key``, else the one stored with its L2 blob, else None."""
+        """L1's index record for ``key``; for a key only L2 holds, the record L1 has once
+        the remote blob is fetched and verified (None if it fails)."""
         record = self.local.get_record(key)
         if record is not None or self.remote is None:
             return record
-        shared = self.remote.get_record(key)
-        if shared is None:
+        if self._fetch(key)[0] is None:
             return None
-        return _record_from_shared(key, shared)
+        return self.local.get_record(key) or self._unstored.get(key)
 
     def records(self, *, kind: str | None = None, manifests: bool = True,
                 shared: bool = False) -> Iterator[Record]:
-        """L1's records; with ``shared``, also every record only L2 holds."""
+        """L1's records; with ``shared``, also every record only L2 holds, if it is well
+        formed and authentic (signed with our key)."""
         local = set()
         for record in self.local.records(kind=kind, manifests=manifests):
             local.add(record.key)
             yield record
         if not shared or self.remote is None:
             return
-        for raw in self.remote.records():
-            key = raw.get("key")
-            if isinstance(key, str) and key not in local:
-                record = _record_from_shared(key, raw)
-                if kind is None or record.kind == kind:
-                    yield record
+        for key, raw in self.remote.records():
+            if key in local:
+                continue
+            record, authentic = self._shared(key, raw)
+            if record is None or not authentic:
+                continue
+            if kind is None or record.kind == kind:
+                yield record if manifests else dataclasses.replace(record, manifest=None)
 
     def materialize(self, key: str, suffix: str) -> Path | None:
         """A verified file holding ``key``'s payload, pulling it from L2 first if needed."""
-        if not self.local.contains(key) and self.get(key) is None:
-            return None
-        return self.local.materialize(key, suffix)
+        path = self.local.materialize(key, suffix)
+        if path is None and self._fetch(key)[0] is not None:
+            path = self.local.materialize(key, suffix)
+        return path
 
     # -- writes -----------------------------------------------------------------------
 
@@ -228,6 +334,7 @@ class TieredStore(Store):
     ) -> Record:
         """Store ``data`` in L1, then in L2 when the remote is writable; L1's record."""
         record = self.local.put(key, data, kind=kind, manifest=manifest, refs=refs)
+        self._rejected.discard(key)
         self._push_one(key, data, record)
         return record
 
@@ -235,10 +342,11 @@ class TieredStore(Store):
         if self.remote is None or not self.remote.writable:
             return False
         framed = encode_blob(key, record.kind, payload, self.signing_key)
-        return self.remote.put(key, shared_record(record), framed)
+        return self.remote.put(key, self._outgoing(record), framed)
 
     def _push_stored(self, key: str) -> str:
-        """Upload L1's ``key`` to L2: "pushed", "present", "missing" or "failed"."""
+        """Upload L1's ``key`` to L2: "pushed", "signed" (pushed, after signing a blob L1
+        holds unsigned), "present", "missing" or "failed"."""
         remote = self.remote
         assert remote is not None
         if remote.contains(key):
@@ -246,19 +354,19 @@ class TieredStore(Store):
         record = self.local.get_record(key)
         if record is None:
             return "missing"
-        if self._same_key_as_local:
-            framed = self.local.read_blob(key)  # verified; already signed with our key
-        else:
-            payload = self.local.get(key)
-            framed = (
-                None
-                if payload is None
-                else encode_blob(key, record.kind, payload, self.signing_key)
-            )
+        framed = self.local.read_blob(key)  # verified with L1's settings
         if framed is None:
             return "missing"
-        if remote.put(key, shared_record(record), framed):
-            return "pushed"
+        header = parse_header(framed)
+        signed_now = False
+        if self.signing_key is not None and not (header.signed and self._same_key_as_local):
+            # What lands in L2 must verify there: sign it with the fleet key (a blob built
+            # before the key was configured is held unsigned in L1).
+            payload = memoryview(framed)[header.header_size:header.header_size + header.length]
+            framed = encode_blob(key, record.kind, payload, self.signing_key)
+            signed_now = True
+        if remote.put(key, self._outgoing(record), framed):
+            return "signed" if signed_now else "pushed"
         return "present" if remote.contains(key) else "failed"
 
     @property
@@ -297,6 +405,8 @@ class TieredStore(Store):
         remote is left alone. (GC only ever prunes L1.)
         """
         removed = self.local.delete(key)
+        self._rejected.discard(key)
+        self._unstored.pop(key, None)
         if self.remote is not None:
             self.remote.delete(key)
         return removed
@@ -341,23 +451,6 @@ class TieredStore(Store):
         return out
 
 
-def _record_from_shared(key: str, shared: dict[str, Any]) -> Record:
-    """A ``Record`` for an L2 entry: never used or pinned on this machine."""
-    created = float(shared.get("created") or 0.0)
-    return Record(
-        key=key,
-        kind=str(shared.get("kind", "")),
-        size=int(shared.get("size") or 0),
-        checksum=str(shared.get("checksum", "")),
-        created=created,
-        last_used=created,
-        hits=0,
-        pinned=False,
-        manifest=shared.get("manifest"),
-        refs=tuple(shared.get("refs") or ()),
-    )
-
-
 def _entry_keys(entries: Iterable[Any]) -> list[str]:
     return [e if isinstance(e, str) else e.key for e in entries]
 
@@ -365,8 +458,10 @@ def _entry_keys(entries: Iterable[Any]) -> list[str]:
 def push(tiered: TieredStore, keys: Iterable[str] | None = None) -> TransferCounts:
     """Copy ``keys`` (default: every L1 entry) from L1 to L2; what happened, counted.
 
-    Raises UsageError without a remote or with a read-only one. A remote that goes down
-    part-way makes the remaining keys count as ``failed``; nothing raises.
+    With a signing key every uploaded blob is signed with it: one that L1 holds unsigned
+    is signed on the way (counted in ``signed`` as well as ``transferred``). Raises
+    UsageError without a remote or with a read-only one. A remote that goes down part-way
+    makes the remaining keys count as ``failed``; nothing raises.
     """
     remote = tiered.remote
     if remote is None:
@@ -377,8 +472,9 @@ def push(tiered: TieredStore, keys: Iterable[str] | None = None) -> TransferCoun
     wanted = _entry_keys(tiered.local.records(manifests=False)) if keys is None else list(keys)
     for key in wanted:
         outcome = tiered._push_stored(key)
-        if outcome == "pushed":
+        if outcome in ("pushed", "signed"):
             counts.transferred += 1
+            counts.signed += outcome == "signed"
             record = tiered.local.get_record(key)
             counts.bytes += record.size if record is not None else 0
         elif outcome == "present":
@@ -395,10 +491,10 @@ def pull(
 ) -> TransferCounts:
     """Copy ``keys`` (default: every L2 entry) from L2 into L1, verifying each one.
 
-    A key already in L1 is not fetched. A blob that fails verification is counted as
-    ``rejected`` and never written to L1. ``workers`` threads fetch, verify and write in
-    parallel (socket reads, hashing and file writes all release the GIL). Raises
-    UsageError without a remote.
+    A key already in L1 is not fetched. A blob that fails verification, or a name that is
+    not a store key, is counted as ``rejected`` and never written to L1. ``workers``
+    threads fetch, verify and write in parallel (socket reads, hashing and file writes all
+    release the GIL). Raises UsageError without a remote.
     """
     remote = tiered.remote
     if remote is None:
@@ -407,6 +503,11 @@ def pull(
     wanted = list(remote.keys()) if keys is None else list(keys)
 
     def one(key: str) -> tuple[str, int]:
+        try:
+            check_key(key)
+        except InvalidKey:
+            log.warning("not pulling %r: not a store key", str(key)[:100])
+            return "rejected", 0
         if tiered.local.contains(key):
             return "present", 0
         if not remote.available:

@@ -71,7 +71,7 @@ def test_large_blob_is_chunked_and_round_trips(server):
     assert record["key"] == key and record["manifest"]["bucket"] == {"size": 4}
     assert remote.get_record(key) == record
     assert remote.contains(key) and list(remote.keys()) == [key]
-    assert [r["key"] for r in remote.records()] == [key]
+    assert [k for k, r in remote.records()] == [key] and remote.get_record(key) == record
 
 
 def test_put_is_immutable(server):

@@ -66,7 +66,7 @@ with torch.no_grad():
         pos = torch.arange(tokens)
         torch.testing.assert_close(compiled(ids, pos), spec.model(ids, pos),
                                    rtol=1e-5, atol=1e-5)
-print(json.dumps({"stats": cachebuild.stats(), "tiers": store.stats()["tiers"]}))
+print(json.dumps({"stats": cachebuild.stats(), "tiers": store.stats().get("tiers")}))
 """
 
 SUMMARY = re.compile(r"(\d+) targets: (\d+) already stored, (\d+) built, (\d+) failed")
@@ -171,7 +171,7 @@ def test_pull_then_run_with_the_remote_off(warmed):
     child = run_child(model, env_for(l1, s.url, CACHEBUILD_REMOTE_MODE="off"))
     stats, tiers = child["stats"], child["tiers"]
     assert stats["built"] == 0 and stats["traced"] == 0 and stats["loaded"] == UNIQUE_TARGETS
-    assert tiers["remote"] is None and tiers["l2_hits"] == 0
+    assert tiers is None  # with the remote off, the store is the local one alone
 
 
 def test_push_model_and_all(warmed, tmp_path):

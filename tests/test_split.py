@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cachebuild
-from cachebuild.errors import UsageError
+from cachebuild.errors import ConfigError, UsageError
 from cachebuild.split import is_splitting, split_graph
 from cachebuild.store import LocalStore
 from cachebuild.trace import trace_model
@@ -130,9 +130,15 @@ def test_unknown_splitting_op_lists_the_ops_the_graph_contains(decoder):
 def test_unknown_splitting_op_through_compile(tmp_path):
     store = LocalStore(tmp_path / "store")
     model = models.make(models.Decoder, layers=1)
+    # An op registered nowhere is refused before tracing.
     compiled = cachebuild.compile(model, models.config(splitting_ops=("mylib::attn",)),
                                   {0: 0, 1: 0}, store=store)
-    with pytest.raises(UsageError, match=r"mylib::attn.*it contains: .*cachebuild_tests::attention"):
+    with pytest.raises(ConfigError, match=r"splitting op mylib::attn is not a registered"):
+        compiled(*models.inputs(8))
+    # A registered op the model never calls is named with the ops its graph holds.
+    compiled = cachebuild.compile(model, models.config(splitting_ops=("aten::cumsum",)),
+                                  {0: 0, 1: 0}, store=store)
+    with pytest.raises(UsageError, match=r"aten::cumsum.*it contains: .*cachebuild_tests::attention"):
         compiled(*models.inputs(8))
     assert list(store.records()) == []
 

@@ -241,7 +241,8 @@ def test_verify_detects_and_repairs_damage(store_dir):
     assert reasons[flipped] == "payload checksum mismatch"
     assert reasons[truncated].startswith("truncated")
     assert not report.repaired
-    assert store.contains(flipped)  # verify alone changes nothing
+    # verify alone changes nothing (contains() would read, and quarantine, the blob)
+    assert store.get_record(flipped) is not None and store.index.get_small(flipped)
     report = store.verify(repair=True)
     assert report.repaired and len(report.damaged) == 2
     assert store.get(flipped) is None and store.get(truncated) is None

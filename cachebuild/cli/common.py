@@ -63,8 +63,33 @@ def open_store(ctx: click.Context) -> Store:
     return state_of(ctx).open_store()
 
 
+def local_tier(store: Store) -> Any:
+    """The local store of ``store`` (itself, or a tiered store's L1): what bundles read
+    and write."""
+    return getattr(store, "local", store)
+
+
 def one_line(error: BaseException | str) -> str:
     return " ".join(str(error).split()) or type(error).__name__
+
+
+def printable(value: object, limit: int = 200) -> str:
+    """``value`` as plain text that is safe to echo: control characters (terminal escape
+    sequences among them) written as ``\\xNN``, cut at ``limit`` characters."""
+    text = str(value)
+    cut = len(text) > limit
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text[:limit]) + (
+        "…" if cut else "")
+
+
+def safe_text(value: object, limit: int = 200) -> str:
+    """``value`` as text that is safe to print through rich: control characters (terminal
+    escape sequences among them) written as ``\\xNN``, rich markup escaped, and cut
+    at ``limit`` characters. For anything that came from outside (a shared tier, a
+    bundle), which must never move the cursor, recolour or hide what is printed."""
+    from rich.markup import escape
+
+    return escape(printable(value, limit))
 
 
 # -- output ----------------------------------------------------------------------------

@@ -29,7 +29,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from cachebuild.cli.common import open_store, state_of
+from cachebuild.cli.common import open_store, printable, state_of
+from cachebuild.errors import UsageError
 
 if TYPE_CHECKING:
     from cachebuild.api import ModelSpec
@@ -47,12 +48,33 @@ def _console() -> Console:
     return Console(stderr=True)
 
 
+def check_device(device: str) -> str:
+    """``device`` if this machine can place tensors on it, else a UsageError saying why."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise UsageError(f"--device {device!r} is not a device: write e.g. cpu, cuda or "
+                         "cuda:0") from None
+    if dev.type == "meta":
+        raise UsageError("--device meta holds no data to run a model with; use cpu or cuda")
+    try:
+        torch.empty(1, device=dev)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--device {device!r} is not usable here: {first}") from None
+    return device
+
+
 def _spec_on(spec: ModelSpec, device: str | None) -> ModelSpec:
-    if not device:
+    if device is None:
         return spec
     import torch
 
     from cachebuild.api import ModelSpec
+
+    check_device(device)
 
     args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in spec.example_inputs)
     return ModelSpec(spec.model.to(device), args, spec.dynamic_dims, spec.config)
@@ -301,7 +323,10 @@ def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
         missing += 1
         why = explain(t.manifest, stored, t.sources)
         nearest = f"nearest {why.nearest[:16]}" if why.nearest else "no stored target"
-        console.print(f"{label(t)} ({t.key[:16]}) missing; {nearest}: " + "; ".join(why.reasons))
+        # Manifests may come from a shared tier: print them as plain, escaped text.
+        line = f"{label(t)} ({t.key[:16]}) missing; {nearest}: " + "; ".join(
+            printable(r, 300) for r in why.reasons)
+        console.print(line, markup=False, emoji=False, highlight=False)
     if not missing:
         console.print("every target is stored")
 

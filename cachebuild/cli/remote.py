@@ -62,6 +62,9 @@ def _summary(verb: str, counts: Any, seconds: float, *, rate: bool = False) -> s
     for name in ("missing", "rejected", "failed"):
         if getattr(counts, name):
             parts.append(f"{getattr(counts, name)} {name}")
+    if getattr(counts, "signed", 0):
+        parts.append(f"{counts.signed} unsigned in the local store, signed with "
+                     "CACHEBUILD_SIGNING_KEY to upload")
     line = ", ".join(parts) + f" in {seconds:.2f} s"
     if rate and counts.bytes:
         line += f" ({counts.bytes / max(seconds, 1e-9) / 1e6:.1f} MB/s)"
@@ -75,7 +78,10 @@ def _summary(verb: str, counts: Any, seconds: float, *, rate: bool = False) -> s
 def push_command(ctx: click.Context, model: str | None, push_all: bool) -> None:
     """Upload MODEL.py's entry and targets (or, with --all, everything in L1) to the remote.
 
-    Entries the remote already holds are left alone. Exit 1 if any could not be pushed.
+    Entries the remote already holds are left alone. With CACHEBUILD_SIGNING_KEY every
+    blob uploaded is signed with it: one the local store holds unsigned (built before the
+    key was set) is signed on the way, and the summary says how many were. Exit 1 if any
+    could not be pushed.
     """
     from cachebuild.modelfile import entry_key as entry_key_of
     from cachebuild.store.tiered import push

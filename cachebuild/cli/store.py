@@ -15,8 +15,10 @@ from cachebuild.cli.common import (
     DurationParam,
     SizeParam,
     ago,
+    local_tier,
     open_store,
     plural,
+    printable,
     progress_bar,
     resolve_key,
     stdout,
@@ -188,7 +190,7 @@ def export_command(ctx: click.Context, file: Path, model: str | None,
     model's entry and everything it refers to."""
     from cachebuild.store import export_bundle
 
-    store = open_store(ctx)
+    store = local_tier(open_store(ctx))
     keys = [resolve_key(ctx, model)] if model else None
     with progress_bar("exporting") as on_progress:
         report = export_bundle(store, file, keys=keys, kinds=kinds or None, progress=on_progress)
@@ -202,18 +204,24 @@ def export_command(ctx: click.Context, file: Path, model: str | None,
 
 @click.command("import")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--allow-unsigned", "allow_unsigned", is_flag=True,
+              help="Import unsigned blobs into a store that has a signing key (they are "
+                   "refused otherwise); only for a bundle you trust.")
 @click.pass_context
-def import_command(ctx: click.Context, file: Path) -> None:
-    """Import a bundle, re-verifying every blob; damaged records are refused (exit 1)."""
+def import_command(ctx: click.Context, file: Path, allow_unsigned: bool) -> None:
+    """Import a bundle, re-verifying every blob; damaged records are refused (exit 1).
+
+    Into a store with a signing key (CACHEBUILD_SIGNING_KEY), unsigned blobs are refused
+    unless --allow-unsigned is given."""
     from cachebuild.store import import_bundle
 
-    store = open_store(ctx)
+    store = local_tier(open_store(ctx))
     with progress_bar("importing") as on_progress:
-        report = import_bundle(store, file, progress=on_progress)
+        report = import_bundle(store, file, progress=on_progress, allow_unsigned=allow_unsigned)
     click.echo(f"imported {plural(len(report.imported), 'record')} from {file}"
                + (f", {len(report.existing)} already present" if report.existing else ""))
     for name, reason in report.refused:
-        click.echo(f"refused {name}: {reason}", err=True)
+        click.echo(f"refused {printable(name)}: {printable(reason, 300)}", err=True)
     if report.refused:
         click.echo(f"error: refused {len(report.refused)} damaged or incomplete records",
                    err=True)

@@ -1,0 +1,103 @@
+"""Where Inductor looks for files while cachebuild loads a ``standalone`` artifact.
+
+Inductor loads whatever it finds in its cache directory under a kernel's name, and that
+directory defaults to ``/tmp/torchinductor_<user>``, which any local user can create
+first and fill. So while a load runs, Inductor is pointed at a directory private to this
+process inside the store (``Store.scratch_dir``: made 0700 by us, checked like the store,
+removed at exit), and every file it needs there is written by ``write_file`` from the
+artifact's verified bytes, fsynced before Inductor sees it. Nothing found anywhere else is
+used, and nothing found there was put there by anyone but this process.
+
+Inductor's cache directory is process-wide (``TORCHINDUCTOR_CACHE_DIR``), so
+``private_cache_dir`` counts the loads in progress: the first points Inductor at the
+private directory, the last points it back. Loads from two different stores wait for
+each other.
+
+Before it builds or loads CPU kernels, Inductor compiles small check programs for each
+vector ISA the CPU reports (seconds apiece), and which flags its checks and kernels get
+depends on what ran before in the process. So while loads run, Inductor is told the ISA
+the kernels were built for (``compat.pin_vec_isa``, from the artifact's ``build.json``)
+and compiles no check: the kernels are found under the keys they were built with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import xxhash
+
+from cachebuild import compat
+from cachebuild.backends.pack import check_name
+
+_ENV = "TORCHINDUCTOR_CACHE_DIR"
+_state = threading.Condition()
+_active: dict[str, Any] = {"dir": None, "count": 0, "saved": None, "undo": None}
+# Files written by this process: path → digest of what was written (to skip rewriting).
+_written: dict[str, str] = {}
+_written_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def private_cache_dir(store: Any, *, in_memory: bool = False,
+                      vec_isa: tuple[str | None, str | None] = (None, None)) -> Iterator[Path]:
+    """Point Inductor at this process's private directory of ``store`` while the block
+    runs, and (the first of concurrent loads) at ``vec_isa`` (name, flags) the kernels
+    were built for; yields that directory."""
+    root = Path(store.scratch_dir(in_memory=in_memory)) / "inductor"
+    root.mkdir(mode=0o700, exist_ok=True)
+    with _state:
+        while _active["count"] and _active["dir"] != str(root):
+            _state.wait()
+        if not _active["count"]:
+            _active["dir"], _active["saved"] = str(root), os.environ.get(_ENV)
+            os.environ[_ENV] = str(root)
+            _active["undo"] = compat.pin_vec_isa(*vec_isa)
+        _active["count"] += 1
+    try:
+        yield root
+    finally:
+        with _state:
+            _active["count"] -= 1
+            if not _active["count"]:
+                if _active["saved"] is None:
+                    os.environ.pop(_ENV, None)
+                else:
+                    os.environ[_ENV] = _active["saved"]
+                _active["undo"]()
+                _active["dir"] = None
+                _state.notify_all()
+
+
+def write_file(root: Path, name: str, data: bytes) -> Path:
+    """Write ``data`` to ``root/name`` (a checked relative name): to a temp file first,
+    fsynced, then renamed, so no reader ever sees a partial file. A file this process
+    already wrote there with the same bytes is kept."""
+    path = root / check_name(name)
+    digest = xxhash.xxh3_128_hexdigest(data)
+    with _written_lock:
+        if _written.get(str(path)) == digest and path.is_file():
+            return path
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o700)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+        os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    with _written_lock:
+        _written[str(path)] = digest
+    return path

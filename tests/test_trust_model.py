@@ -1,0 +1,255 @@
+"""Trust, with a model: ``cachebuild warm`` and a server (``cachebuild.compile`` in a fresh
+process) against stores and a real redis-server that were tampered with, rotated, filled
+or fed bad input.
+
+The model is the tests' tiny decoder (one layer, ``eager_fusion``: two unique targets,
+quick to build), written as a MODEL.py. Items of issue 12: 2 (tampered remote targets,
+key rotation, escaped manifests), 4 (one store, one policy), 6 (stored graphs naming any
+callable), 8 (a server on a full disk), 11 (bad input through the library and the CLI).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import secrets
+from pathlib import Path
+
+import pytest
+import xxhash
+from redis_server import RedisServer, require_redis_server
+from trust import assert_one_line_error, clean_env, cli, fill, python, require_root, tmpfs
+
+from cachebuild.store.blob import encode_blob
+from cachebuild.store.local import LocalStore
+from cachebuild.store.remote import chunk_key, record_key
+
+pytestmark = pytest.mark.slow
+
+MODEL_PY = """
+import cachebuild
+import models
+
+
+def build():
+    model = models.make(models.Decoder, layers=1)
+    return cachebuild.ModelSpec(model, models.inputs(8), {0: 0, 1: 0}, models.config(%s))
+"""
+
+#: A server: compiles the model from MODEL.py with the store the environment configures,
+#: checks it against eager at three sizes, and prints its counters. An error raised on
+#: purpose is printed the way the CLI prints it (one line) and exits 1; anything else is a
+#: traceback, which the tests treat as a failure.
+SERVER = r"""
+import json, sys
+import torch
+import cachebuild
+from cachebuild.errors import CachebuildError
+from cachebuild.modelfile import load_spec
+
+try:
+    spec = load_spec(sys.argv[1])
+    compiled = cachebuild.compile(spec.model, spec.config, spec.dynamic_dims)
+    import models
+    with torch.no_grad():
+        for tokens in (1, 5, 17):
+            args = models.inputs(tokens)
+            torch.testing.assert_close(compiled(*args), spec.model(*args), rtol=1e-4, atol=1e-4)
+except CachebuildError as e:
+    print("error:", " ".join(str(e).split()), file=sys.stderr)
+    sys.exit(1)
+print(json.dumps(cachebuild.stats()))
+"""
+
+SUMMARY = re.compile(r"(\d+) targets: (\d+) already stored, (\d+) built, (\d+) failed")
+
+
+def model_file(tmp_path: Path, config: str = "") -> Path:
+    path = tmp_path / "model.py"
+    path.write_text(MODEL_PY % config)
+    return path
+
+
+def serve(model: Path, env: dict[str, str]) -> dict:
+    proc = python(SERVER, str(model), env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+def warm(model: Path, env: dict[str, str]) -> tuple[int, int, int, int]:
+    proc = cli("warm", str(model), "--jobs", "1", env=env, timeout=600)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    found = SUMMARY.search(proc.stderr + proc.stdout)
+    assert found, proc.stderr[-2000:]
+    return tuple(int(g) for g in found.groups())  # type: ignore[return-value]
+
+
+# -- 2: tampered remote targets and a rotated key -------------------------------------------
+
+
+def test_tampered_remote_targets_are_rebuilt_and_a_new_key_rebuilds_once(tmp_path):
+    require_redis_server()
+    model = model_file(tmp_path)
+    with RedisServer() as server:
+        def env(l1: str, key: str) -> dict[str, str]:
+            return clean_env(CACHEBUILD_DIR=str(tmp_path / l1), CACHEBUILD_REMOTE=server.url,
+                             CACHEBUILD_SIGNING_KEY=key)
+
+        assert warm(model, env("builder", "key-A")) == (2, 0, 2, 0)
+        targets = [k.decode().rsplit(":", 1)[1] for k in server.client().keys(record_key("*"))]
+        targets = [k for k in targets if json.loads(server.client().get(record_key(k)))
+                   ["record"]["kind"] != "entry"]
+        assert len(targets) == 2
+        # Without the key: one target re-framed unsigned, the other loses its chunk.
+        client = server.client()
+        blob = encode_blob(targets[0], "fx-graph", b'{"nodes": []}')
+        doc = json.loads(client.get(record_key(targets[0])))
+        client.set(chunk_key(targets[0], 0), blob)
+        doc.update(length=len(blob), xxh3_128=xxhash.xxh3_128_hexdigest(blob))
+        client.set(record_key(targets[0]), json.dumps(doc))
+        client.delete(chunk_key(targets[1], 0))
+        # Another machine: both are missing, so both are built; warm succeeds, and so
+        # does the server after it, loading everything.
+        assert warm(model, env("second", "key-A")) == (2, 0, 2, 0)
+        assert serve(model, env("second", "key-A"))["built"] == 0
+        # The fleet rotates its key: each machine rebuilds once, then loads.
+        assert warm(model, env("rotated", "key-B")) == (2, 0, 2, 0)
+        stats = serve(model, env("rotated", "key-B"))
+        assert stats["built"] == 0 and stats["traced"] == 0
+
+
+def test_explain_prints_remote_manifests_escaped(tmp_path):
+    require_redis_server()
+    model = model_file(tmp_path)
+    with RedisServer() as server:
+        env = clean_env(CACHEBUILD_DIR=str(tmp_path / "l1"), CACHEBUILD_REMOTE=server.url,
+                        CACHEBUILD_ALLOW_UNSIGNED="1")
+        client = server.client()
+        wanted = {"range": [1, 32]}
+        # The nearest (same bucket) names a factor whose value is printed.
+        weird = [{"bucket": wanted, "backend": "\x1b]0;owned\x07\x1b[2J[red]x[/red]"},
+                 {"bucket": [], "graph": [1, [2, {"deep": "\x1b[31m"}]]},
+                 {"bucket": "not a bucket", "passes": {"passes": "not a list"}}]
+        for i, manifest in enumerate([*weird, "a string", [1, 2]]):
+            k = secrets.token_hex(16)
+            blob = encode_blob(k, "fx-graph", b"{}")
+            client.set(chunk_key(k, 0), blob)
+            client.set(record_key(k), json.dumps({
+                "format": 1, "chunks": 1, "length": len(blob),
+                "xxh3_128": xxhash.xxh3_128_hexdigest(blob),
+                "record": {"key": k, "kind": "fx-graph", "size": 2, "checksum": "0" * 32,
+                           "created": float(i), "manifest": manifest, "refs": []}}))
+        proc = cli("explain", str(model), env=env, timeout=600)
+        assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert "missing; nearest" in proc.stdout
+        assert "\x1b" not in proc.stdout and "\x07" not in proc.stdout
+        assert "\\x1b" in proc.stdout and "[red]x[/red]" in proc.stdout
+
+
+# -- 4: one store, one policy ---------------------------------------------------------------
+
+
+def test_compile_refuses_unsigned_blobs_exactly_as_the_cli_does(tmp_path):
+    model = model_file(tmp_path)
+    store = tmp_path / "store"
+    assert warm(model, clean_env(CACHEBUILD_DIR=str(store))) == (2, 0, 2, 0)  # no key yet
+    strict = clean_env(CACHEBUILD_DIR=str(store), CACHEBUILD_SIGNING_KEY="fleet-key",
+                       CACHEBUILD_REQUIRE_SIGNATURE="1")
+    proc = cli("verify", env=strict)
+    assert proc.returncode == 1
+    assert proc.stderr.count("unsigned, but this store requires signed blobs") == 3  # 2 + entry
+    # The library, from the same environment, refuses the same blobs: it rebuilds them.
+    stats = serve(model, strict)
+    assert stats["built"] == 2 and stats["traced"] == 1
+    assert cli("verify", env=strict).returncode == 0
+
+
+# -- 6: stored graphs naming any callable ----------------------------------------------------
+
+
+def test_a_stored_graph_naming_os_system_never_runs(tmp_path):
+    model = model_file(tmp_path)
+    store_dir = tmp_path / "store"
+    env = clean_env(CACHEBUILD_DIR=str(store_dir))
+    assert warm(model, env)[2] == 2
+    canary = tmp_path / "canary"
+    nodes = [
+        {"name": "x", "op": "placeholder", "target": "x", "args": {"t": []}, "kwargs": {"d": []}},
+        {"name": "y", "op": "call_function", "target": "fn:os:system",
+         "args": {"t": [f"touch {canary}"]}, "kwargs": {"d": []}},
+        {"name": "output", "op": "output", "target": "output", "args": {"t": [{"t": []}]},
+         "kwargs": {"d": []}},
+    ]
+    store = LocalStore(store_dir)
+    for record in store.records(kind="fx-graph"):
+        store.delete(record.key)  # replaced by someone who can write the store
+        store.put(record.key, json.dumps({"nodes": nodes}).encode(), kind="fx-graph",
+                  manifest=record.manifest)
+    store.close()
+    proc = python(SERVER, str(model), env=env)
+    assert_one_line_error(proc, 1, r"stored graph of target [0-9a-f]+ was not loaded: graph "
+                                   r"calls os\.system, which stored graphs may not call")
+    assert not canary.exists()
+
+
+# -- 8: a server on a full disk ---------------------------------------------------------------
+
+
+def test_a_server_loads_its_stored_targets_from_a_full_disk(tmp_path):
+    require_root()
+    model = model_file(tmp_path)
+    with tmpfs(tmp_path / "disk", "80m") as disk:
+        env = clean_env(CACHEBUILD_DIR=str(disk / "store"))
+        assert warm(model, env)[2] == 2
+        fill(disk)
+        stats = serve(model, env)
+        assert stats["built"] == 0 and stats["traced"] == 0 and stats["loaded"] == 2
+
+
+# -- 11: bad input ------------------------------------------------------------------------------
+
+BAD_CALLS = r"""
+import json
+import cachebuild, models
+from cachebuild.errors import ConfigError
+
+calls = {
+    "config='fast'": lambda: cachebuild.compile(models.make(), config="fast"),
+    "dynamic_dims={'0': 0}": lambda: cachebuild.compile(models.make(), dynamic_dims={"0": 0}),
+    "compile_sizes=(3.7,)": lambda: cachebuild.CompileConfig(compile_sizes=(3.7,)),
+    "compile_sizes=('8',)": lambda: cachebuild.CompileConfig(compile_sizes=("8",)),
+    "pad_to_capture_size='no'": lambda: cachebuild.CompileConfig(pad_to_capture_size="no"),
+    "range to inf": lambda: cachebuild.CompileConfig(compile_ranges=((1, float("inf")),)),
+    "splitting_ops=None": lambda: cachebuild.CompileConfig(splitting_ops=None),
+    "capture_sizes=('x',)": lambda: cachebuild.CompileConfig(capture_sizes=("x",)),
+    "inductor_options=5": lambda: cachebuild.CompileConfig(inductor_options=5),
+    "nosuchlib::op": lambda: cachebuild.compile(
+        models.make(), models.config(splitting_ops=("nosuchlib::op",)), {0: 0, 1: 0})(
+        *models.inputs(4)),
+}
+out = {}
+for name, call in calls.items():
+    try:
+        call()
+        out[name] = "accepted"
+    except ConfigError as e:
+        out[name] = str(e)
+print(json.dumps(out))
+"""
+
+
+def test_bad_config_values_are_one_line_config_errors(tmp_path):
+    proc = python(BAD_CALLS, env=clean_env(CACHEBUILD_DIR=str(tmp_path / "store")))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    for name, message in json.loads(proc.stdout.splitlines()[-1]).items():
+        assert message != "accepted" and "\n" not in message, (name, message)
+    # Through the command line: exit 2, one line.
+    env = clean_env(CACHEBUILD_DIR=str(tmp_path / "store"))
+    (tmp_path / "bad").mkdir()
+    bad = model_file(tmp_path / "bad", "compile_sizes=(3.7,)")
+    assert_one_line_error(cli("plan", str(bad), env=env), 2, r"must be a whole number, got 3\.7")
+    model = model_file(tmp_path)
+    assert_one_line_error(cli("warm", str(model), "--device", "nonsense!!", env=env), 2,
+                          r"--device 'nonsense!!' is not a device")
+    assert_one_line_error(cli("warm", str(model), "--device", "cuda:0", env=env), 2,
+                          r"--device 'cuda:0' is not usable here")

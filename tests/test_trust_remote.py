@@ -1,0 +1,269 @@
+"""Trust, shared tier: anyone who can write to Redis (without the signing key) can write
+anything there, and none of it stops a server or runs in one.
+
+A real redis-server; readers are fresh processes that open the store the environment
+configures (``open_store()``), as servers do. Items of issue 12: 2 (unsigned metadata),
+3 (``push --all`` with unsigned blobs), 9 (bounds on what is read), 10 (tracebacks
+instead of a refused item: a lock key with no expiry, names that are not keys).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+from pathlib import Path
+
+import pytest
+import xxhash
+from redis_server import RedisServer, redis_server_fixture  # noqa: F401  (the `server` fixture)
+from trust import clean_env, cli, python
+
+from cachebuild.store.blob import encode_blob
+from cachebuild.store.local import LocalStore
+from cachebuild.store.remote import PREFIX, RedisRemote, chunk_key, lock_key, record_key
+from cachebuild.store.tiered import TieredStore
+
+pytestmark = pytest.mark.redis
+
+KEY = "fleet-key-for-trust-tests"
+
+
+def new_key() -> str:
+    return secrets.token_hex(16)
+
+
+def writer(root: Path, url: str) -> TieredStore:
+    return TieredStore(LocalStore(root, signing_key=KEY.encode()), RedisRemote(url))
+
+
+def env_for(l1: Path, url: str, **extra: str) -> dict[str, str]:
+    return clean_env(**{"CACHEBUILD_DIR": str(l1), "CACHEBUILD_REMOTE": url,
+                        "CACHEBUILD_SIGNING_KEY": KEY, **extra})
+
+
+def doc_of(server: RedisServer, key: str) -> dict:
+    return json.loads(server.client().get(record_key(key)))
+
+
+def set_doc(server: RedisServer, key: str, doc: dict) -> None:
+    server.client().set(record_key(key), json.dumps(doc))
+
+
+#: A server's view of keys: what contains, get_record and get say, in a fresh process.
+READ = r"""
+import json, sys
+from cachebuild.store import open_store
+
+store = open_store()
+out = {}
+for key in json.loads(sys.argv[1]):
+    present = store.contains(key)
+    record = store.get_record(key)
+    data = store.get(key)
+    out[key] = {"present": present, "kind": record.kind if record else None,
+                "manifest": record.manifest if record else None,
+                "refs": list(record.refs) if record else None,
+                "data": data.decode() if data is not None else None}
+print(json.dumps(out))
+"""
+
+
+def read(l1: Path, url: str, keys: list[str], **extra: str) -> dict:
+    proc = python(READ, json.dumps(keys), env=env_for(l1, url, **extra))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    return json.loads(proc.stdout.splitlines()[-1])
+
+
+# -- 2: unsigned metadata -----------------------------------------------------------------
+
+
+def test_record_fields_of_the_wrong_type_cost_only_metadata(tmp_path, server):
+    w = writer(tmp_path / "w", server.url)
+    changes = {"created": "yesterday", "size": "big", "refs": 5, "kind": "no such kind!",
+               "manifest": [1, 2], "checksum": None}
+    keys = {}
+    for field, value in [*changes.items(), ("kind", None)]:
+        k = new_key()
+        w.put(k, f"payload of {field}".encode(), kind="target", manifest={"graph": field})
+        doc = doc_of(server, k)
+        if value is None:
+            del doc["record"][field]
+        else:
+            doc["record"][field] = value
+        set_doc(server, k, doc)
+        keys[k] = field
+    got = read(tmp_path / "r", server.url, list(keys))
+    for k, field in keys.items():
+        # The blob is signed and verifies, so it is loaded; the record, now unsigned and
+        # ill-formed, contributes nothing: the kind comes from the blob's header.
+        assert got[k] == {"present": True, "kind": "target", "manifest": None, "refs": [],
+                          "data": f"payload of {field}"}, field
+
+
+def test_a_target_counts_as_present_only_once_its_bytes_verify(tmp_path, server):
+    w = writer(tmp_path / "w", server.url)
+    reframed, no_chunk, forged_kind, good = (new_key() for _ in range(4))
+    for k in (reframed, no_chunk, forged_kind, good):
+        w.put(k, b"the real artifact " + k.encode(), kind="target")
+    client = server.client()
+    # Someone who can write to Redis, without the key: an unsigned blob with a matching
+    # record digest, a deleted chunk, and a record that names another kind.
+    blob = encode_blob(reframed, "target", b"attacker's code")
+    doc = doc_of(server, reframed)
+    client.set(chunk_key(reframed, 0), blob)
+    doc.update(length=len(blob), xxh3_128=xxhash.xxh3_128_hexdigest(blob))
+    set_doc(server, reframed, doc)
+    client.delete(chunk_key(no_chunk, 0))
+    doc = doc_of(server, forged_kind)
+    doc["record"]["kind"] = "entry"
+    set_doc(server, forged_kind, doc)
+    got = read(tmp_path / "r", server.url, [reframed, no_chunk, forged_kind, good])
+    for k in (reframed, no_chunk, forged_kind):
+        assert got[k] == {"present": False, "kind": None, "manifest": None, "refs": None,
+                          "data": None}, k
+    assert got[good]["present"] and got[good]["data"] == "the real artifact " + good
+    # A reader with another key (a rotation): nothing verifies, nothing is present.
+    rotated = read(tmp_path / "r2", server.url, [good], CACHEBUILD_SIGNING_KEY="new-key")
+    assert rotated[good]["present"] is False and rotated[good]["data"] is None
+
+
+def test_refs_from_redis_never_decide_what_gc_keeps(tmp_path, server):
+    w = writer(tmp_path / "w", server.url)
+    targets = [new_key(), new_key()]
+    for t in targets:
+        w.put(t, b"target " + t.encode(), kind="target")
+    entry = new_key()
+    payload = json.dumps({"pieces": [{"targets": [{"bucket": {}, "key": t}]} for t in targets]})
+    w.put(entry, payload.encode(), kind="entry", refs=targets)
+    decoy = new_key()
+    doc = doc_of(server, entry)
+    doc["record"]["refs"] = [decoy]  # tampered: would leave the real targets unprotected
+    set_doc(server, entry, doc)
+    l1 = tmp_path / "server"
+    got = read(l1, server.url, [entry, *targets])
+    assert got[entry]["refs"] == targets  # from the verified payload, not from Redis
+    env = env_for(l1, server.url)
+    assert cli("pin", entry, env=env).returncode == 0
+    proc = cli("gc", "--max-size", "0", env=env)
+    assert proc.returncode == 0 and "3 kept by pins" in proc.stdout, proc.stdout + proc.stderr
+    local = LocalStore(l1, signing_key=KEY.encode())
+    assert all(local.contains(k) for k in (entry, *targets))
+
+
+def test_forged_records_are_never_shown(tmp_path, server):
+    w = writer(tmp_path / "w", server.url)
+    honest, forged, unsigned = new_key(), new_key(), new_key()
+    for k in (honest, forged, unsigned):
+        w.put(k, b"x", kind="target", manifest={"graph": "g", "k": k})
+    doc = doc_of(server, forged)
+    doc["record"]["manifest"]["graph"] = "\x1b]0;owned\x07[red]forged[/red]"
+    set_doc(server, forged, doc)
+    doc = doc_of(server, unsigned)
+    del doc["record"]["sig"]
+    set_doc(server, unsigned, doc)
+    code = ("from cachebuild.store import open_store\n"
+            "print(sorted(r.key for r in open_store().records(shared=True)))")
+    proc = python(code, env=env_for(tmp_path / "r", server.url))
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str([honest])
+
+
+# -- 3: push --all with unsigned blobs ----------------------------------------------------
+
+
+def test_push_all_signs_what_the_local_store_holds_unsigned(tmp_path, server):
+    l1 = tmp_path / "l1"
+    before = LocalStore(l1)  # warmed before the fleet key was configured
+    keys = [new_key(), new_key()]
+    for k in keys:
+        before.put(k, b"built unsigned " + k.encode(), kind="target")
+    before.close()
+    proc = cli("push", "--all", env=env_for(l1, server.url))
+    assert proc.returncode == 0, proc.stderr
+    assert "pushed 2" in proc.stdout
+    assert "2 unsigned in the local store, signed with CACHEBUILD_SIGNING_KEY" in proc.stdout
+    got = read(tmp_path / "other", server.url, keys)
+    assert all(got[k]["data"] == "built unsigned " + k for k in keys)
+
+
+# -- 9: bounds ----------------------------------------------------------------------------
+
+MEMORY = r"""
+import json, resource, sys
+from cachebuild.store import open_store
+
+store = open_store()
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+results = [store.get(k) is None for k in json.loads(sys.argv[1])]
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"misses": results, "grew_kib": after - before}))
+"""
+
+
+def test_junk_in_redis_is_refused_before_it_is_downloaded(tmp_path, server):
+    w = writer(tmp_path / "w", server.url)
+    big_chunk, big_record = new_key(), new_key()
+    for k in (big_chunk, big_record):
+        w.put(k, b"small", kind="target")
+    client = server.client()
+    client.setrange(chunk_key(big_chunk, 0), 128 << 20, b"!")  # a 128 MiB chunk
+    client.setrange(record_key(big_record), 64 << 20, b"}")  # a 64 MiB record
+    proc = python(MEMORY, json.dumps([big_chunk, big_record]),
+                  env=env_for(tmp_path / "r", server.url))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["misses"] == [True, True]
+    assert out["grew_kib"] < 48 << 10, out  # far less than what was there to download
+
+
+# -- 10: a lock that never expires, names that are not keys ------------------------------
+
+LOCK = r"""
+import json, sys, time
+from cachebuild.store import LocalStore, open_store
+from cachebuild.store.options import StoreOptions
+from cachebuild.store.remote import RedisRemote
+from cachebuild.store.tiered import TieredStore
+
+options = StoreOptions.from_env()
+store = TieredStore(LocalStore(options.cache_dir, signing_key=options.signing_key),
+                    RedisRemote(options.remote), lock_ttl=1.0)
+start = time.monotonic()
+with store.lock(sys.argv[1]):
+    store.put(sys.argv[1], b"built locally", kind="target")
+print(json.dumps({"seconds": time.monotonic() - start}))
+"""
+
+
+def test_a_lock_key_that_never_expires_is_waited_on_briefly(tmp_path, server):
+    k = new_key()
+    server.client().set(lock_key(k), "not a cachebuild lock")  # no expiry
+    proc = python(LOCK, k, env=env_for(tmp_path / "r", server.url), timeout=60)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.splitlines()[-1])["seconds"] < 10
+    assert "never expires" in proc.stderr
+
+
+def test_names_in_redis_that_are_not_keys_are_skipped(tmp_path, server):
+    w = writer(tmp_path / "w", server.url)
+    good = new_key()
+    w.put(good, b"fine", kind="target")
+    client = server.client()
+    for name in ("zz-not-hex", "ABCDEF0123456789ABCDEF", "../../etc", "\x1b[31mred"):
+        client.set(f"{PREFIX}rec:{name}", json.dumps({"format": 1}))
+    code = ("import json\nfrom cachebuild.store import open_store\n"
+            "from cachebuild.store.tiered import pull\n"
+            "counts = pull(open_store())\n"
+            "print(json.dumps(counts.as_dict()))")
+    proc = python(code, env=env_for(tmp_path / "r", server.url))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.splitlines()[-1])
+    assert counts["transferred"] == 1 and counts["failed"] == 0
+    # And the library refuses a name that is not a key with a count, not an exception.
+    code = ("import json\nfrom cachebuild.store import open_store\n"
+            "from cachebuild.store.tiered import pull\n"
+            "print(json.dumps(pull(open_store(), ['zz', 'ab' * 16]).as_dict()))")
+    proc = python(code, env=env_for(tmp_path / "r2", server.url))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    counts = json.loads(proc.stdout.splitlines()[-1])
+    assert counts["rejected"] == 1 and counts["missing"] == 1

@@ -1,0 +1,118 @@
+"""Helpers for the trust tests: real processes, another uid, one-line errors.
+
+``cli`` runs the ``cachebuild`` command in a fresh process; ``python`` runs a snippet in
+one; ``assert_one_line_error`` checks that a process failed the way a user should see it
+fail (an exit code, one ``error:`` line, no traceback); ``as_nobody`` prefixes a command
+so that it runs as uid 65534 (tests run as root; skipped elsewhere); ``tiny_fs`` mounts
+a small tmpfs (root only).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+NOBODY = 65534
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This environment without CACHEBUILD_* settings (the probe cache stays), plus
+    ``extra``, with the repository on PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("CACHEBUILD_") or k == "CACHEBUILD_PROBE_DIR"}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT / "tests"), str(ROOT),
+                                                      env.get("PYTHONPATH")]))
+    env.update(extra)
+    return env
+
+
+def cli(*args: str, env: dict[str, str] | None = None, timeout: float = 120,
+        prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``cachebuild ARGS`` in a fresh process."""
+    return subprocess.run([*prefix, sys.executable, "-m", "cachebuild.cli", *args],
+                          env=env or clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def python(code: str, *args: str, env: dict[str, str] | None = None, timeout: float = 300,
+           prefix: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+    """``python -c CODE ARGS`` in a fresh process."""
+    return subprocess.run([*prefix, sys.executable, "-c", code, *args], env=env or clean_env(),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(proc: subprocess.CompletedProcess[str], code: int,
+                          match: str | None = None) -> str:
+    """Assert that ``proc`` exited with ``code`` and said why in one ``error:`` line, with
+    no traceback; returns that line."""
+    out = proc.stdout + proc.stderr
+    assert "Traceback" not in out, out[-3000:]
+    assert proc.returncode == code, out[-3000:]
+    # "error: ..." from cachebuild, or click's "Error: ..." for an option it rejected.
+    errors = [line for line in proc.stderr.splitlines() if line.lower().startswith("error:")]
+    assert len(errors) == 1, proc.stderr[-3000:]
+    if match is not None:
+        import re
+
+        assert re.search(match, errors[0]), errors[0]
+    return errors[0]
+
+
+def require_root() -> None:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (to act as another user, or to mount a file system)")
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv (util-linux) to run a command as another user")
+
+
+def as_nobody() -> tuple[str, ...]:
+    """A command prefix that runs the command as uid/gid 65534 with no groups."""
+    require_root()
+    return ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
+
+
+@contextmanager
+def public_dir() -> Iterator[Path]:
+    """A fresh directory under the system's temp directory that every user can enter
+    (pytest's own are private to root), removed afterwards."""
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="cachebuild-trust-"))
+    os.chmod(path, 0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+@contextmanager
+def tmpfs(where: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of ``size`` mounted at ``where`` (root only; skipped where not allowed)."""
+    where.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
+                           str(where)], capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
+    try:
+        yield where
+    finally:
+        subprocess.run(["umount", "-l", str(where)], check=False)
+
+
+def fill(directory: Path) -> None:
+    """Fill the file system holding ``directory`` to the last byte."""
+    with open(directory / "filler", "wb", buffering=0) as f:
+        size = 1 << 20
+        while size:
+            try:
+                f.write(b"\0" * size)
+            except OSError:
+                size //= 2
