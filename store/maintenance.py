@@ -149,6 +149,43 @@ def reachable(records: dict[str, Record], roots: Iterable[str]) -> set[str]:
     return seen
 
 
+def eviction_heads(records: dict[str, Record], protected: set[str]) -> list[Record]:
+    """The records GC may choose to evict, least recently used first: every record that
+    refers to others (a model entry), and every record nothing refers to. A target some
+    entry refers to is never chosen by itself; it goes with the last entry that refers to
+    it (``unit_of``). Pinned records and what they reach (``protected``) are never chosen.
+    """
+    referred = referrers_of(records)
+    # Least recently used first; ties broken by age, then key, so runs are repeatable.
+    return sorted((r for k, r in records.items()
+                   if k not in protected and (r.refs or k not in referred)),
+                  key=lambda r: (r.last_used, r.created, r.key))
+
+
+def referrers_of(records: dict[str, Record]) -> dict[str, set[str]]:
+    """For each key, the keys of the records that refer to it."""
+    out: dict[str, set[str]] = {}
+    for key, record in records.items():
+        for ref in record.refs:
+            if ref != key:
+                out.setdefault(ref, set()).add(key)
+    return out
+
+
+def unit_of(head: Record, referrers: dict[str, set[str]], protected: set[str],
+            evicted: set[str]) -> list[str]:
+    """What goes when ``head`` is evicted after ``evicted``: ``head`` first, then each
+    record it refers to that no record left in the store still refers to."""
+    unit = [head.key]
+    gone = evicted | {head.key}
+    for ref in head.refs:
+        if ref in referrers and ref not in gone and ref not in protected \
+                and referrers[ref] <= gone:
+            unit.append(ref)
+            gone.add(ref)
+    return unit
+
+
 def collect(store: LocalStore, *, max_size: int | None, older_than: float | None,
             dry_run: bool) -> GCReport:
     """The work of ``LocalStore.gc`` (see there)."""
@@ -167,31 +204,31 @@ def collect(store: LocalStore, *, max_size: int | None, older_than: float | None
     usage = disk_usage(store.layout)
     protected = reachable(records, [k for k, r in records.items() if r.pinned])
     total = sum(usage.get(k, 0) for k in records)
-    report.bytes_before, report.entries_before = total, len(records)
+    report.bytes_before, report.records_before = total, len(records)
     report.kept_pinned = len(protected)
-    # Least recently used first; ties broken by age, then key, so runs are repeatable.
-    candidates = sorted((r for k, r in records.items() if k not in protected),
-                        key=lambda r: (r.last_used, r.created, r.key))
-    victims: dict[str, Record] = {}
-    if older_than is not None:
-        cutoff = now - older_than
-        victims.update((r.key, r) for r in candidates if r.last_used < cutoff)
-    remaining = total - sum(usage.get(k, 0) for k in victims)
-    if max_size is not None:
-        for r in candidates:
-            if remaining <= max_size:
-                break
-            if r.key not in victims:
-                victims[r.key] = r
-                remaining -= usage.get(r.key, 0)
-        report.over_cap = remaining > max_size
-    for key in victims:
-        if not dry_run and not store._evict(key):
-            continue  # pinned while we planned
-        report.removed.append(key)
-        report.freed_bytes += usage.get(key, 0)
+    cutoff = now - older_than if older_than is not None else None
+    remaining = total
+    evicted: set[str] = set()
+    referrers = referrers_of(records)
+    for head in eviction_heads(records, protected):
+        old = cutoff is not None and head.last_used < cutoff
+        if not old and (max_size is None or remaining <= max_size):
+            continue
+        removed = []
+        for key in unit_of(head, referrers, protected, evicted):
+            # The entry first: no moment leaves a stored entry without its targets.
+            if not dry_run and not store._evict(key):
+                break  # pinned while we planned: it keeps the rest of its unit
+            removed.append(key)
+        evicted.update(removed)
+        report.units.append(removed)
+        report.removed += removed
+        freed = sum(usage.get(k, 0) for k in removed)
+        report.freed_bytes += freed
+        remaining -= freed
+    report.over_cap = max_size is not None and remaining > max_size
     report.bytes_after = total - report.freed_bytes
-    report.entries_after = len(records) - len(report.removed)
+    report.records_after = len(records) - len(report.removed)
     if not dry_run:
         store._ensure_reserve()  # given up on a full disk: back once there is room
     return report

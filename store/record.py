@@ -133,19 +133,21 @@ def check_fields(data: dict[str, Any], *, key: Any = None,
 class GCReport:
     """What a GC run removed (or, with ``dry_run``, would remove) and what it kept.
 
-    ``bytes_before``/``bytes_after`` are the on-disk bytes of stored entries (blobs and
-    files materialized from them); ``kept_pinned`` counts the entries GC may not remove
-    (pinned, or reachable from a pinned entry through refs); ``over_cap`` is True when
-    those alone exceed ``max_size``.
+    ``bytes_before``/``bytes_after`` are the on-disk bytes of stored records (blobs and
+    files materialized from them); ``kept_pinned`` counts the records GC may not remove
+    (pinned, or reachable from a pinned record through refs); ``over_cap`` is True when
+    those alone exceed ``max_size``. ``units`` groups ``removed`` as it was evicted: a
+    model entry first, then the targets no remaining entry refers to; a loose record alone.
     """
 
     dry_run: bool
     removed: list[str] = field(default_factory=list)
+    units: list[list[str]] = field(default_factory=list)
     freed_bytes: int = 0
     bytes_before: int = 0
     bytes_after: int = 0
-    entries_before: int = 0
-    entries_after: int = 0
+    records_before: int = 0
+    records_after: int = 0
     kept_pinned: int = 0
     over_cap: bool = False
     tmp_removed: int = 0

@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 import tarfile
+import time
 
 import pytest
 from click.testing import CliRunner
@@ -83,6 +84,41 @@ def test_gc(filled):
     assert left == {key("t1"), key("t2"), key("entry")}
     assert run(filled, "gc", "--older-than", "7d").exit_code == 0
     assert len(list(LocalStore(filled).records())) == 3
+
+
+def test_gc_evicts_an_entry_with_its_targets_and_never_strands_one(store_dir):
+    """Two unpinned model entries share a target. GC under a small cap takes the older
+    entry first with the target only it refers to, then the newer one with the rest; at
+    no point (and in the dry run's plan) is an entry left whose targets are gone."""
+    store = LocalStore(store_dir)
+    for name, size in (("a1", 3000), ("a2", 3000), ("shared", 3000), ("b1", 3000)):
+        store.put(key(name), bytes(size), kind="aoti-cpu")
+    store.put(key("old-entry"), b"entry", kind="entry",
+              refs=[key("a1"), key("a2"), key("shared")])
+    store.put(key("new-entry"), b"entry", kind="entry", refs=[key("shared"), key("b1")])
+    store.close()
+    later = time.time() + 10
+    with LocalStore(store_dir) as s:  # the newer entry and its targets were used later
+        for name in ("new-entry", "shared", "b1"):
+            small = s.index.get_small(key(name))
+            small["last_used"] = later
+            s.index.set_small(key(name), small)
+
+    dry = run(store_dir, "gc", "--max-size", "10K", "--dry-run")
+    assert dry.exit_code == 0, dry.output
+    lines = [line.strip() for line in dry.stdout.splitlines() if key("a1")[:8] in line
+             or key("old-entry")[:8] in line or key("a2")[:8] in line]
+    assert [line.split()[0] for line in lines] == [key("old-entry"), key("a1"), key("a2")]
+    assert key("shared") not in dry.stdout and key("new-entry") not in dry.stdout
+
+    done = run(store_dir, "gc", "--max-size", "10K")
+    assert done.exit_code == 0 and "removed 3 records" in done.stdout, done.output
+    left = {r.key for r in LocalStore(store_dir).records()}
+    assert left == {key("new-entry"), key("shared"), key("b1")}
+    assert run(store_dir, "gc", "--max-size", "1").exit_code == 0
+    assert list(LocalStore(store_dir).records()) == []  # the entry went first, then the rest
+    report = LocalStore(store_dir).gc(max_size=0, dry_run=True)
+    assert report.units == []
 
 
 @pytest.mark.parametrize("args", [["gc", "--max-size", "20X"], ["gc", "--older-than", "soon"],

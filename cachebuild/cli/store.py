@@ -112,7 +112,11 @@ def stats_command(ctx: click.Context, as_json: bool) -> None:
 @click.pass_context
 def gc_command(ctx: click.Context, max_size: int | None, older_than: float | None,
                dry_run: bool) -> None:
-    """Evict records, least recently used first; pinned records and what they refer to stay."""
+    """Evict records, least recently used first; pinned records and what they refer to stay.
+
+    A model entry goes together with the targets no other entry refers to (the entry
+    first), so GC never leaves an entry whose targets are gone.
+    """
     store = open_store(ctx)
     report = store.gc(max_size=max_size, older_than=older_than, dry_run=dry_run)
     out = stdout()
@@ -122,14 +126,16 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
         for col in ("key", "kind", "size", "last used"):
             table.add_column(col, no_wrap=col == "key", min_width=32 if col == "key" else None)
         now = time.time()
-        for key in report.removed:
-            r = store.get_record(key)
-            if r is not None:
-                table.add_row(key, r.kind, format_size(r.size), ago(r.last_used, now))
+        for unit in report.units:
+            for i, key in enumerate(unit):
+                r = store.get_record(key)
+                if r is not None:  # a model entry's targets follow it, indented
+                    table.add_row(key if i == 0 else f"  {key}", r.kind, format_size(r.size),
+                                  ago(r.last_used, now))
         out.print(table)
     out.print(f"{verb} {plural(len(report.removed), 'record')} ({format_size(report.freed_bytes)}); "
               f"store {'would be' if dry_run else 'is now'} {format_size(report.bytes_after)} "
-              f"in {plural(report.entries_after, 'record')}, {report.kept_pinned} kept by pins")
+              f"in {plural(report.records_after, 'record')}, {report.kept_pinned} kept by pins")
     if report.tmp_removed or report.orphans_removed:
         out.print(f"cleaned {report.tmp_removed} abandoned temp files and "
                   f"{report.orphans_removed} unrecorded blobs")
