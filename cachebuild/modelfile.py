@@ -82,7 +82,7 @@ def entry_key(path: str | Path, store: Store) -> str:
     from cachebuild.plan import Planner
 
     spec = load_spec(path)
-    planner = Planner(spec.model, spec.config, spec.dynamic_dims, store)
+    planner = Planner(spec.model, spec.config, spec.dynamic_dims, store, touch=False)
     return planner.lookup(spec.example_inputs).key
 
 

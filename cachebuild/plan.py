@@ -66,7 +66,10 @@ class Planner:
     """Trace → split → targets → entry for one model and call signature."""
 
     def __init__(self, model: torch.nn.Module, config: CompileConfig,
-                 dynamic_dims: dict[int, int], store: Store | None, passes: Any = None) -> None:
+                 dynamic_dims: dict[int, int], store: Store | None, passes: Any = None,
+                 touch: bool = True) -> None:
+        """``touch=False``: looking, not using (``plan``, ``explain``): reading the stored
+        entry does not count as a hit nor refresh what GC goes by."""
         self.model = model
         self.config = config
         self.dynamic_dims = dict(dynamic_dims)
@@ -74,6 +77,7 @@ class Planner:
         self.backend = get_backend(config.backend)
         self._passes = passes
         self.unrecordable: str | None = None  # why the latest trace cannot be recorded
+        self.touch = touch
 
     @property
     def passes(self) -> Any:
@@ -99,7 +103,7 @@ class Planner:
         why = "no entry"
         wrong: list[Mismatch] = []
         for _ in range(MAX_VARIANTS):
-            data = self.store.get(key)
+            data = self.store.get(key, touch=self.touch)
             if data is None:
                 return Lookup(None, why, key, factors, wrong)
             try:

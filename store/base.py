@@ -42,8 +42,9 @@ class Store(Protocol):
         as present only once it could be loaded."""
         ...
 
-    def get(self, key: str) -> bytes | None:
-        """The verified payload of ``key``, or None (a miss: absent, or failed checks)."""
+    def get(self, key: str, *, touch: bool = True) -> bytes | None:
+        """The verified payload of ``key``, or None (a miss: absent, or failed checks).
+        ``touch=False`` reads without counting a use (hits, last used)."""
         ...
 
     def get_record(self, key: str) -> Record | None:

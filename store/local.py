@@ -515,15 +515,19 @@ class LocalStore(Store):
 
     # -- reading ------------------------------------------------------------------------
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, touch: bool = True) -> bytes | None:
         """The verified payload stored under ``key``, or None on a miss.
 
         A blob that fails verification is quarantined, counted, and reported as a miss,
-        so the caller rebuilds it; a blob removed while reading is a miss as well.
+        so the caller rebuilds it; a blob removed while reading is a miss as well. With
+        ``touch=False`` it is a look, not a use (``plan``, ``explain``): hits, misses and
+        the last-used time GC goes by stay as they were.
         """
         check_key(key)
         small = self._index.get_small(key)
         payload = None if small is None else self._read_payload(key, small)
+        if not touch:
+            return payload
         if payload is None:
             due = self._usage.note(None, "misses")
         else:

@@ -225,9 +225,10 @@ class TieredStore(Store):
 
     # -- reads ------------------------------------------------------------------------
 
-    def get(self, key: str) -> bytes | None:
-        """The verified payload for ``key`` from L1, else from L2 (copied into L1), else None."""
-        data = self.local.get(key)
+    def get(self, key: str, *, touch: bool = True) -> bytes | None:
+        """The verified payload for ``key`` from L1, else from L2 (copied into L1), else None
+        (``touch=False``: a look, not a use, as ``LocalStore.get``)."""
+        data = self.local.get(key, touch=touch)
         if data is not None:
             self._count("l1_hits")
             return data

@@ -46,11 +46,14 @@ def summary(text: str) -> tuple[int, int, int, int]:
 
 
 def snapshot(store: Path) -> set:
-    """What the store holds: records (key, kind, size, pinned) and blob files."""
+    """What the store holds: records (key, kind, size, pinned, and their use: hits and last
+    used, which GC goes by), blob files, and the store's hit and miss counts."""
     with LocalStore(store) as s:
-        records = {(r.key, r.kind, r.size, r.pinned) for r in s.records(manifests=False)}
+        records = {(r.key, r.kind, r.size, r.pinned, r.hits, r.last_used)
+                   for r in s.records(manifests=False)}
+        stats = s.stats()
     files = {str(p.relative_to(store)) for p in (store / "v1" / "objects").rglob("*") if p.is_file()}
-    return records | files
+    return records | files | {("hits", stats["hits"]), ("misses", stats["misses"])}
 
 
 @pytest.fixture
@@ -82,11 +85,13 @@ def test_bad_model_files_exit_2_with_one_line(tmp_path, source, expected):
 
 
 def test_dry_run_plan_and_explain_change_nothing(tmp_path, model):
+    """Looking is not using: ``warm --dry-run``, ``plan`` and ``explain`` store nothing and
+    count no hit, so they change nothing GC goes by."""
     store = tmp_path / "store"
     for args in (["warm", "--dry-run"], ["plan"], ["explain"]):
         proc = cli(store, *args, str(model))
         assert proc.returncode == 0, proc.stderr
-    assert snapshot(store) == set()  # an empty store stays empty
+    assert snapshot(store) == {("hits", 0), ("misses", 0)}  # an empty store stays empty
     assert "would be built" in cli(store, "warm", "--dry-run", str(model)).stderr
     assert summary(cli(store, "warm", str(model), "--jobs", "2").stderr)[2] == 3
     before = snapshot(store)

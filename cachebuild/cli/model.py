@@ -103,7 +103,7 @@ def plan_model(ctx: click.Context, path: str, device: str | None = None) -> Plan
 
     spec = _spec_on(load_spec(path), device)
     store = open_store(ctx)
-    planner = Planner(spec.model, spec.config, spec.dynamic_dims, store)
+    planner = Planner(spec.model, spec.config, spec.dynamic_dims, store, touch=False)
     found = planner.lookup(spec.example_inputs)
     entry = found.entry
     if entry is None:
@@ -266,7 +266,7 @@ def _previous_targets(store: Store, entry: Entry) -> dict[tuple[int, str], str]:
             best = record
     if best is None:
         return {}
-    data = store.get(best.key)
+    data = store.get(best.key, touch=False)
     if data is None:
         return {}
     old = Entry.from_bytes(data)
@@ -347,7 +347,7 @@ def _explain_entry(planned: Planned, records: list[Any], console: Console) -> No
         console.print(f"{head}; no stored entry of {found.factors['model']['class']}")
         return
     key, reasons = nearest
-    data = planned.planner.store.get(key)
+    data = planned.planner.store.get(key, touch=False)
     if data is not None:
         spec = planned.spec
         reasons += [m.describe() for m in Entry.from_bytes(data).guard_set().mismatches(
