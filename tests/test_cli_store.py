@@ -137,8 +137,25 @@ def test_pin_and_unpin(filled):
     assert not LocalStore(filled).get_record(key("loose")).pinned
 
 
+def test_keys_like_gits_a_unique_prefix_of_eight_will_do(store_dir):
+    store = LocalStore(store_dir)
+    store.put("abcdef0123" + "0" * 22, b"x", kind="target")
+    store.put("abcdef0199" + "0" * 22, b"y", kind="target")
+    store.close()
+    result = run(store_dir, "pin", "abcdef0123")
+    assert result.exit_code == 0, result.output
+    assert f"pinned abcdef0123{'0' * 22}" in result.stdout
+    ambiguous = run(store_dir, "unpin", "abcdef01")
+    assert ambiguous.exit_code == 2 and ambiguous.stderr.count("\n") == 1
+    assert ("key prefix abcdef01 is ambiguous: it matches "
+            f"abcdef0123{'0' * 22}, abcdef0199{'0' * 22}") in ambiguous.stderr
+    short = run(store_dir, "pin", "abcdef0")
+    assert short.exit_code == 2 and "at least 8 characters" in short.stderr
+
+
 @pytest.mark.parametrize("target, message", [
     (key("absent"), f"error: no record with key {key('absent')} in the store"),
+    (key("absent")[:12], f"error: no record with key {key('absent')[:12]} in the store"),
     ("not-a-key", "error: 'not-a-key' is neither a store key"),
     ("nosuch/model.py", "error: "),
 ])

@@ -21,6 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from cachebuild.errors import UsageError
 from cachebuild.store.base import Store
+from cachebuild.store.local import UnknownKey
 from cachebuild.store.options import StoreOptions
 from cachebuild.units import format_duration, parse_duration, parse_size
 
@@ -188,16 +189,27 @@ class DurationParam(click.ParamType):
             self.fail(str(e), param, ctx)
 
 
-def resolve_key(ctx: click.Context, target: str) -> str:
-    """The store key a command argument names: a key, or MODEL.py for its entry's key."""
-    from cachebuild.store.layout import check_key
+#: The shortest key prefix a command accepts, as git accepts abbreviated hashes.
+MIN_PREFIX = 8
 
+
+def resolve_key(ctx: click.Context, target: str) -> str:
+    """The store key a command argument names: a key, a unique prefix of one (at least
+    ``MIN_PREFIX`` hex characters, as ``plan`` and ``ls`` print them), or MODEL.py for its
+    entry's key. An ambiguous prefix names the keys it matches."""
     if target.endswith(".py"):
         from cachebuild.modelfile import stored_entry_key
 
         return stored_entry_key(target, open_store(ctx))
-    try:
-        return check_key(target)
-    except ValueError:
-        raise UsageError(f"{target!r} is neither a store key (hex, e.g. 32 chars) nor a "
-                         "MODEL.py file") from None
+    text = target.strip().lower()
+    if not (len(text) >= MIN_PREFIX and all(c in "0123456789abcdef" for c in text)):
+        raise UsageError(f"{target!r} is neither a store key (hex; a unique prefix of at least "
+                         f"{MIN_PREFIX} characters will do) nor a MODEL.py file")
+    matches = [r.key for r in open_store(ctx).records(manifests=False) if r.key.startswith(text)]
+    if len(matches) == 1:
+        return matches[0]
+    if not matches:
+        raise UnknownKey(text)
+    shown = ", ".join(sorted(matches)[:5]) + (f" and {len(matches) - 5} more"
+                                              if len(matches) > 5 else "")
+    raise UsageError(f"key prefix {text} is ambiguous: it matches {shown}; give more characters")
