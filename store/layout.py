@@ -40,6 +40,13 @@ _KEY_RE = re.compile(r"[0-9a-f]{16,128}")
 _SUFFIX_RE = re.compile(r"\.[A-Za-z0-9_.-]{1,32}")
 
 
+class UnsafeStore(StoreError):
+    """A store path that cannot be used as given: missing, not a directory, or open to
+    others (bad input from the user's point of view: exit code 2)."""
+
+    exit_code = 2
+
+
 class InvalidKey(StoreError, ValueError):
     """A string that is not a store key was given where a key was expected."""
 
@@ -106,17 +113,17 @@ def check_private_dir(path: Path) -> None:
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise StoreError(f"store directory {path} does not exist") from None
+        raise UnsafeStore(f"store directory {path} does not exist") from None
     except PermissionError as e:
-        raise StoreError(f"cannot access store directory {path}: {e.strerror}") from None
+        raise UnsafeStore(f"cannot access store directory {path}: {e.strerror}") from None
     if stat.S_ISLNK(st.st_mode):
-        raise StoreError(f"refusing store path {path}: it is a symlink; give the directory "
+        raise UnsafeStore(f"refusing store path {path}: it is a symlink; give the directory "
                          "it points to")
     if not stat.S_ISDIR(st.st_mode):
-        raise StoreError(f"store path {path} is not a directory")
+        raise UnsafeStore(f"store path {path} is not a directory")
     euid = os.geteuid()
     if st.st_uid != euid:
-        raise StoreError(
+        raise UnsafeStore(
             f"refusing store directory {path}: it is owned by uid {st.st_uid}, not by you "
             f"(uid {euid}); stored artifacts contain code that runs when loaded, so a store "
             "must belong to the user who loads from it. Use a directory you own "
@@ -124,7 +131,7 @@ def check_private_dir(path: Path) -> None:
     if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         who = " and ".join(w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH))
                            if st.st_mode & bit)
-        raise StoreError(
+        raise UnsafeStore(
             f"refusing store directory {path}: it is writable by {who} "
             f"(mode {stat.S_IMODE(st.st_mode):o}); stored artifacts contain code that runs "
             f"when loaded, so only you may write there. Fix with: chmod 700 {path}")
@@ -155,17 +162,17 @@ def check_parents(path: Path) -> None:
         try:
             st, below = os.lstat(parent), os.lstat(child)
         except OSError as e:
-            raise StoreError(f"cannot check {parent}, above the store at {path}: "
+            raise UnsafeStore(f"cannot check {parent}, above the store at {path}: "
                              f"{e.strerror or e}") from None
         fix = ("stored artifacts contain code that runs when loaded, so no one else may be "
                "able to swap the store for another directory; use a store under a "
                "directory that only you or root can change (e.g. ~/.cache/cachebuild)")
         if st.st_uid not in trusted:
-            raise StoreError(f"refusing store directory {path}: {parent} above it is owned by "
+            raise UnsafeStore(f"refusing store directory {path}: {parent} above it is owned by "
                              f"uid {st.st_uid}, who could rename it; {fix}")
         writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
         if writable and not (st.st_mode & stat.S_ISVTX and below.st_uid in trusted):
-            raise StoreError(f"refusing store directory {path}: {parent} above it is writable "
+            raise UnsafeStore(f"refusing store directory {path}: {parent} above it is writable "
                              f"by others (mode {stat.S_IMODE(st.st_mode):o}), who could "
                              f"rename {child.name} in it; {fix}")
         child = parent

@@ -222,14 +222,26 @@ def test_verify_exit_codes(filled):
     assert not LocalStore(filled).contains(key("t1"))
 
 
-def test_unsafe_store_directory_exits_1(tmp_path):
+def test_unsafe_or_unusable_store_directory_is_bad_input_exit_2(tmp_path):
     d = tmp_path / "open"
     d.mkdir()
     os.chmod(d, 0o777)
     result = run(d, "stats")
-    assert result.exit_code == 1
+    assert result.exit_code == 2
     assert result.stderr.startswith("error: refusing store directory")
     assert "chmod 700" in result.stderr and result.stderr.count("\n") == 1
+    file = tmp_path / "a-file"
+    file.write_text("")
+    result = run(file, "stats")
+    assert result.exit_code == 2 and result.stderr.startswith("error: ")
+    assert result.stderr.count("\n") == 1
+
+
+def test_export_to_a_missing_directory_is_bad_input(filled, tmp_path):
+    result = run(filled, "export", str(tmp_path / "nowhere" / "b.tar"))
+    assert result.exit_code == 2
+    assert result.stderr == (f"error: cannot write the bundle {tmp_path / 'nowhere' / 'b.tar'}: "
+                             f"directory {tmp_path / 'nowhere'} does not exist\n")
 
 
 # -- export / import ----------------------------------------------------------------------
@@ -351,3 +363,17 @@ def test_real_process_exit_codes(filled, tmp_path):
     assert code == 2
     assert stderr.startswith("error: ") and stderr.count("\n") == 1
     assert "Traceback" not in stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["gc", "--max-size", "20X"], "error: invalid value for '--max-size': not a size: '20X'"),
+    (["nosuchcommand"], "error: no such command 'nosuchcommand' (see `cachebuild --help`)"),
+    (["ls", "--bogus"], "error: no such option '--bogus' (see `cachebuild ls --help`)"),
+    (["pin"], "error: missing argument 'KEY|MODEL.py' (see `cachebuild pin --help`)"),
+])
+def test_click_usage_errors_are_one_line_like_ours(filled, args, message):
+    proc = subprocess.run([sys.executable, "-m", "cachebuild.cli", "--cache-dir", str(filled),
+                           *args], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
+    assert proc.stdout == ""

@@ -64,7 +64,7 @@ def test_store_under_a_directory_others_can_write_is_refused(tmp_path):
                                capture_output=True, text=True)
         assert moved.returncode == 0, moved.stderr
         proc = cli("--cache-dir", str(shared / "store"), "stats")
-        assert_one_line_error(proc, 1, r"refusing store directory .*shared above it is "
+        assert_one_line_error(proc, 2, r"refusing store directory .*shared above it is "
                                        r"writable by others .*could rename store")
         with pytest.raises(StoreError, match="writable by others"):
             LocalStore(shared / "store")
@@ -88,7 +88,7 @@ def test_store_in_a_sticky_directory_cannot_be_swapped_by_another_user(tmp_path)
         theirs.mkdir(mode=0o755)
         os.chown(theirs, 65534, 65534)
         proc = cli("--cache-dir", str(theirs / "store"), "ls")
-        assert_one_line_error(proc, 1, r"theirs above it is owned by uid 65534")
+        assert_one_line_error(proc, 2, r"theirs above it is owned by uid 65534")
 
 
 def test_a_symlinked_store_path_is_resolved_once(tmp_path):

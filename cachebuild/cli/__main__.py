@@ -2,4 +2,4 @@
 
 from cachebuild.cli.main import main
 
-main()
+main(prog_name="cachebuild")

@@ -14,6 +14,7 @@ or bad input. Errors raised on purpose print ``error: <message>`` on one line.
 from __future__ import annotations
 
 import logging
+import sys
 from typing import Any
 
 import click
@@ -29,7 +30,32 @@ COMMANDS = (*store.COMMANDS, *model.COMMANDS, *remote.COMMANDS)
 
 
 class _Group(click.Group):
-    """A click group that turns CachebuildError into ``error: <message>`` and its exit code."""
+    """A click group that says every error the same way: one ``error: <message>`` line,
+    exit 2 for bad usage or input, 1 for an operation that failed (``CachebuildError``
+    carries its own code; click's usage errors are 2)."""
+
+    def main(self, args: Any = None, prog_name: str | None = None, complete_var: str | None = None,
+             standalone_mode: bool = True, **extra: Any) -> Any:
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        try:
+            # Not standalone, click hands back the code a command exited with (ctx.exit).
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            sys.exit(code if isinstance(code, int) else 0)
+        except click.exceptions.Exit as e:
+            sys.exit(e.exit_code)
+        except click.ClickException as e:
+            hint = ""
+            ctx = getattr(e, "ctx", None)
+            if isinstance(e, click.UsageError) and ctx is not None:
+                hint = f" (see `{ctx.command_path} --help`)"
+            message = one_line(e.format_message()).rstrip(".")
+            message = message[:1].lower() + message[1:]  # as cachebuild's own messages read
+            click.echo(f"error: {message}{hint}", err=True)
+            sys.exit(e.exit_code)
+        except click.Abort:
+            click.echo("error: aborted", err=True)
+            sys.exit(1)
 
     def invoke(self, ctx: click.Context) -> Any:
         try:

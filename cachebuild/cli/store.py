@@ -23,6 +23,7 @@ from cachebuild.cli.common import (
     resolve_key,
     stdout,
 )
+from cachebuild.errors import UsageError
 from cachebuild.units import format_size
 
 
@@ -196,6 +197,9 @@ def export_command(ctx: click.Context, file: Path, model: str | None,
     model's entry and everything it refers to."""
     from cachebuild.store import export_bundle
 
+    if not file.parent.is_dir():
+        raise UsageError(f"cannot write the bundle {file}: directory {file.parent} does not "
+                         "exist")
     store = local_tier(open_store(ctx))
     keys = [resolve_key(ctx, model)] if model else None
     with progress_bar("exporting") as on_progress:
