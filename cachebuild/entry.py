@@ -67,6 +67,7 @@ class PieceRecord:
     targets: list[TargetRef]
     weights: list[bool]
     inner: list[int]
+    sources: list[str | None]  # per node: where the trace recorded it (for ``explain``)
 
 
 @dataclass
@@ -92,7 +93,7 @@ class Entry:
         return keys
 
     def targets(self) -> list[Target]:
-        return [Target(t.key, i, t.bucket, self.manifests[t.key])
+        return [Target(t.key, i, t.bucket, self.manifests[t.key], tuple(p.sources))
                 for i, p in enumerate(self.pieces) for t in p.targets]
 
     @property
@@ -119,7 +120,7 @@ class Entry:
                 "single_output": p.single_output,
                 "size_input": list(p.size_input) if p.size_input else None,
                 "targets": [{"bucket": t.bucket, "key": t.key} for t in p.targets],
-                "weights": p.weights, "inner": p.inner,
+                "weights": p.weights, "inner": p.inner, "sources": p.sources,
             } for p in self.pieces],
             "out_spec": self.out_spec, "source_files": self.source_files,
             "manifests": self.manifests, "guards": self.guards,
@@ -137,6 +138,7 @@ class Entry:
             size_input=tuple(p["size_input"]) if p["size_input"] else None,
             targets=[TargetRef(t["bucket"], t["key"]) for t in p["targets"]],
             weights=[bool(w) for w in p["weights"]], inner=[int(i) for i in p["inner"]],
+            sources=[str(x) if x is not None else None for x in p["sources"]],
         ) for p in raw["pieces"]]
         return cls(
             key=raw["key"], factors=raw["factors"],
@@ -252,6 +254,7 @@ def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,
             targets=[TargetRef(t.bucket, t.key) for t in targets.get(p.index, [])],
             weights=weights[p.name],
             inner=inner[p.name],
+            sources=list(targets[p.index][0].sources) if targets.get(p.index) else [],
         )
         for p in plan.pieces
     ]

@@ -101,8 +101,35 @@ def _value(value: Any) -> str:
     return str(value)
 
 
+def _tensors(table: Any) -> dict[str, str]:
+    """A parameter or buffer table of an entry's factors, by name: ``dtype [shape]``."""
+    out = {}
+    for row in table if isinstance(table, list) else []:
+        if isinstance(row, list) and len(row) >= 3:
+            shape = ", ".join(str(d) for d in row[1]) if isinstance(row[1], list) else row[1]
+            out[str(row[0])] = f"{row[2]} [{shape}]"
+    return out
+
+
+def _tensor_changes(kind: str, old: Any, new: Any) -> list[str]:
+    before, after = _tensors(old), _tensors(new)
+    out = [f"{kind} {name}: {before[name]} → {after[name]}"
+           for name in before if name in after and before[name] != after[name]]
+    out += [f"{kind} {name} added ({after[name]})" for name in after if name not in before]
+    out += [f"{kind} {name} removed (was {before[name]})" for name in before if name not in after]
+    if len(out) > 4:
+        out = out[:4] + [f"and {len(out) - 4} more {kind}s"]
+    return out
+
+
 def describe_entry(d: Difference) -> list[str]:
-    """An entry factor that differs, in words: ``hf.config.rms_norm_eps: 1e-06 → 1e-05``."""
+    """An entry factor that differs, in words: ``hf.config.rms_norm_eps: 1e-06 → 1e-05``,
+    ``parameter layers.0.down.weight: float32 [64, 128] → float32 [64, 192]``."""
+    if d.path in ("params", "buffers"):
+        kind = "parameter" if d.path == "params" else "buffer"
+        return _tensor_changes(kind, d.old, d.new) or [f"the {kind}s differ"]
+    if d.path == "model.source":
+        return ["the file defining the model's class was edited"]
     if d.path.startswith("model_config."):
         return [f"{d.path.removeprefix('model_config.')}: {_value(d.old)} → {_value(d.new)}"]
     if d.path.startswith("model.code"):

@@ -128,7 +128,10 @@ def test_explain_names_what_changed_and_pin_keeps_the_entry(tmp_path, model):
     plan = cli(store, "plan", str(model), env={"LLAMA_MLP": "192"}).stdout
     assert plan.count("stale") == 2 and plan.count("stored") == 1
     changed = " ".join(cli(store, "explain", str(model), env={"LLAMA_MLP": "192"}).stdout.split())
-    assert changed.count("differ (model code or shapes changed)") == 2
+    # The same two pieces are stale in explain's words too, and it names what changed.
+    assert changed.count(") stale; nearest ") == 2, changed
+    assert "float32 [64, 128] → float32 [64, 192]" in changed  # the down projection
+    assert "parameter layers.0.down.weight: float32 [64, 128] → float32 [64, 192]" in changed
     assert cli(store, "pin", str(model)).returncode == 0
     with LocalStore(store) as s:
         entries = [r for r in s.records() if r.kind == "entry"]

@@ -240,14 +240,27 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
         ctx.exit(1)
 
 
-def _target_state(store: Store, key: str, previous: dict[tuple[int, str], str], piece: int,
-                  bucket: dict[str, Any]) -> str:
+#: The words ``plan`` and ``explain`` both use for a target: ``stored``; ``stale`` (not
+#: stored, but the same piece and bucket of the model's previous entry is: something it
+#: depends on changed); ``missing`` (not stored, never built).
+STATES = ("stored", "stale", "missing")
+
+
+def target_states(planned: Planned, store: Store) -> dict[str, str]:
+    """The state of each target key of the planned entry (see ``STATES``)."""
     from cachebuild.targets import bucket_label
 
-    if store.contains(key):
-        return "stored"
-    old = previous.get((piece, bucket_label(bucket)))
-    return "stale" if old and old != key and store.contains(old) else "missing"
+    previous = _previous_targets(store, planned.entry)
+    states: dict[str, str] = {}
+    for t in planned.entry.targets():
+        if t.key in states:
+            continue
+        if store.contains(t.key):
+            states[t.key] = "stored"
+            continue
+        old = previous.get((t.piece, bucket_label(t.bucket)))
+        states[t.key] = "stale" if old and old != t.key and store.contains(old) else "missing"
+    return states
 
 
 def _previous_targets(store: Store, entry: Entry) -> dict[tuple[int, str], str]:
@@ -276,16 +289,15 @@ def _previous_targets(store: Store, entry: Entry) -> dict[tuple[int, str], str]:
 def _targets_table(planned: Planned, store: Store, console: Console) -> None:
     from cachebuild.targets import bucket_label
 
-    previous = _previous_targets(store, planned.entry)
+    states = target_states(planned, store)
     table = Table(title=f"entry {planned.entry.key} ({'stored' if planned.why == 'fresh' else planned.why})")
     for column in ("piece", "bucket", "key", "state"):
         table.add_column(column)
     seen: set[str] = set()
     for t in planned.entry.targets():
-        state = _target_state(store, t.key, previous, t.piece, t.bucket)
         dup = " (shared)" if t.key in seen else ""
         seen.add(t.key)
-        table.add_row(str(t.piece), bucket_label(t.bucket), t.key[:16] + dup, state)
+        table.add_row(str(t.piece), bucket_label(t.bucket), t.key[:16] + dup, states[t.key])
     console.print(table)
 
 
@@ -316,15 +328,16 @@ def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
         _explain_entry(planned, records, console)
     missing = 0
     seen: set[str] = set()
+    states = target_states(planned, store)
     for t in planned.entry.targets():
-        if t.key in seen or store.contains(t.key):
+        if t.key in seen or states[t.key] == "stored":
             continue
         seen.add(t.key)
         missing += 1
         why = explain(t.manifest, stored, t.sources)
         nearest = f"nearest {why.nearest[:16]}" if why.nearest else "no stored target"
         # Manifests may come from a shared tier: print them as plain, escaped text.
-        line = f"{label(t)} ({t.key[:16]}) missing; {nearest}: " + "; ".join(
+        line = f"{label(t)} ({t.key[:16]}) {states[t.key]}; {nearest}: " + "; ".join(
             printable(r, 300) for r in why.reasons)
         console.print(line, markup=False, emoji=False, highlight=False)
     if not missing:

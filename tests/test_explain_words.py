@@ -1,0 +1,108 @@
+"""``explain`` names the change, through the real CLI: an op that changed (silu → gelu),
+a constant (an epsilon), a shape, a traced source file edited; and ``plan`` and
+``explain`` use one vocabulary (stored / stale / missing)."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+MODEL = '''
+import os
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import cachebuild
+
+EPS = float(os.environ.get("EPS", "1e-05"))
+WIDTH = int(os.environ.get("WIDTH", "64"))
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, WIDTH)
+        self.down = nn.Linear(WIDTH, 32)
+
+    def forward(self, x):
+        h = F.rms_norm(x, (32,), eps=EPS)
+        return self.down(F.silu(self.up(h)))
+
+
+def build():
+    torch.manual_seed(0)
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 64),))
+    return cachebuild.ModelSpec(Model().eval(), (torch.randn(8, 32),), {0: 0}, config)
+'''
+
+
+def cli(store: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
+    full = {**os.environ, "CACHEBUILD_DIR": str(store), **env}
+    proc = subprocess.run([sys.executable, "-m", "cachebuild.cli", *args], env=full,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+@pytest.fixture(scope="module")
+def warmed(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("explain")
+    model = folder / "model.py"
+    model.write_text(MODEL)
+    cli(folder / "store", "warm", str(model))
+    return folder / "store", model
+
+
+def line_of(model: Path, text: str) -> int:
+    return next(i for i, line in enumerate(model.read_text().splitlines(), 1) if text in line)
+
+
+def words(proc: subprocess.CompletedProcess[str]) -> str:
+    return " ".join(proc.stdout.split())
+
+
+def test_a_changed_constant_is_named_with_its_value_and_source_line(warmed):
+    store, model = warmed
+    out = words(cli(store, "explain", str(model), EPS="1e-06"))
+    line = line_of(model, "F.rms_norm")
+    assert re.search(rf"piece 0 range 1-64 \([0-9a-f]{{16}}\) stale; nearest [0-9a-f]{{16}}: "
+                     rf"constant 1e-05 → 1e-06 in rms_norm at node \d+ \({model}:{line}\)", out), out
+    assert "G['EPS']" in out or "EPS" in out  # the entry names the value the trace read
+
+
+def test_a_changed_shape_is_named(warmed):
+    store, model = warmed
+    out = words(cli(store, "explain", str(model), WIDTH="48"))
+    assert "input 1: float32 [64, 32] → float32 [48, 32]" in out, out  # up.weight
+    assert "parameter up.weight: float32 [64, 32] → float32 [48, 32]" in out, out
+    plan = words(cli(store, "plan", str(model), WIDTH="48"))
+    assert "stale" in plan and "missing" not in plan  # the same word in plan and explain
+
+
+def test_an_edited_op_is_named_with_its_node_and_source_line(warmed, tmp_path):
+    store, model = warmed
+    edited = tmp_path / "model.py"
+    edited.write_text(model.read_text().replace("F.silu(", "F.gelu("))
+    # Another path: the same class in another file is a new model, explained against the
+    # nearest stored target all the same.
+    out = words(cli(store, "explain", str(edited)))
+    line = line_of(edited, "F.gelu(")
+    assert re.search(rf"silu → gelu at node \d+ \({edited}:{line}\)", out), out
+
+
+def test_a_traced_source_file_edited_is_named(warmed):
+    store, model = warmed
+    original = model.read_text()
+    try:
+        model.write_text(original.replace("F.silu(", "F.gelu("))
+        out = words(cli(store, "explain", str(model)))
+    finally:
+        model.write_text(original)
+    assert re.search(r"entry [0-9a-f]{16} not used \(no entry\); nearest entry [0-9a-f]{16}: "
+                     r"the file defining the model's class was edited", out), out
+    assert re.search(rf"silu → gelu at node \d+ \({model}:\d+\)", out), out
