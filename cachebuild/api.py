@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from cachebuild import notice
 from cachebuild.build import Builder, needs_inductor, resolve_all
 from cachebuild.config import CompileConfig, check_config, check_dynamic_dims
 from cachebuild.counters import COUNTERS, phase, snapshot
@@ -107,9 +108,12 @@ class CompiledModule(torch.nn.Module):
             COUNTERS.unique += len(entry.target_keys())
             log.info("warm start from entry %s", entry.key[:12])
         else:
-            log.info("tracing %s (%s)", type(self.model).__name__, why)
+            notice.must_trace(self.model, why)
             entry = planner.trace(args, found)
-        loaded = resolve_all(entry, builder, parallel=slow_loads)
+        warm = found.entry is not None
+        loaded = resolve_all(entry, builder, parallel=slow_loads,
+                             on_missing=lambda n, total: notice.must_build(self.model, n, total,
+                                                                           warm))
         if why != "fresh":
             planner.record(entry)
         self._runtime = ModelRuntime(entry, loaded, self.model, self.config, self.dynamic_dims)

@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -238,13 +238,17 @@ def jobs_of(entry: Entry, config: CompileConfig) -> dict[str, BuildJob]:
     return jobs
 
 
-def resolve_all(entry: Entry, builder: Builder, parallel: bool = False) -> dict[str, Any]:
+def resolve_all(entry: Entry, builder: Builder, parallel: bool = False,
+                on_missing: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Every unique target of ``entry``, loaded or built (one at a time).
 
     ``parallel``: load on up to ``load_threads()`` threads, for artifacts whose loading is
     slow (``standalone`` ones initialise Inductor); AOTI packages load in milliseconds,
-    on the calling thread.
+    on the calling thread. ``on_missing(missing, total)`` is called before any build; the
+    builds then show progress (``notice.build_progress``).
     """
+    from cachebuild.notice import build_progress
+
     jobs = jobs_of(entry, builder.config)
     threads = min(load_threads(), len(jobs)) if parallel else 1
     if threads <= 1:
@@ -252,9 +256,17 @@ def resolve_all(entry: Entry, builder: Builder, parallel: bool = False) -> dict[
     else:
         with ThreadPoolExecutor(max_workers=threads) as pool:
             loaded = dict(zip(jobs, pool.map(builder.load, jobs), strict=True))
-    for key, fn in loaded.items():
-        if fn is None:
+    missing = [key for key, fn in loaded.items() if fn is None]
+    if missing and on_missing is not None:
+        on_missing(len(missing), len(jobs))
+    with build_progress(len(missing)) as done:
+        for key in missing:
+            start = time.perf_counter()
             loaded[key] = builder.resolve(jobs[key])
-        elif verify_on_load():
-            builder.check_loaded(jobs[key], fn)
+            target = jobs[key].target
+            done(f"piece {target.piece} {bucket_label(target.bucket)}", time.perf_counter() - start)
+    if verify_on_load():
+        for key, fn in loaded.items():
+            if key not in missing:
+                builder.check_loaded(jobs[key], fn)
     return loaded

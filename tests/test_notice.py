@@ -1,0 +1,65 @@
+"""A server start that must trace or build says so first: one line naming what is missing,
+why, and the command that avoids it; then a line per target built (stderr is no terminal
+here). A warm start says nothing."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import models
+
+from cachebuild.store import LocalStore
+
+SERVER = """
+import logging, sys
+import cachebuild, models
+from cachebuild.store import LocalStore
+logging.basicConfig(level=logging.WARNING, format="%(message)s", stream=sys.stderr)
+model = models.make(models.Decoder, layers=1)
+compiled = cachebuild.compile(model, models.config(), {0: 0, 1: 0}, store=LocalStore(sys.argv[1]))
+models.assert_matches_eager(compiled, model, models.inputs(4))
+print("ok")
+"""
+
+
+def start(store) -> str:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(models.TESTS_DIR),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", SERVER, str(store)], capture_output=True,
+                          text=True, env=env, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-3000:]
+    return proc.stderr
+
+
+def notices(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("cachebuild: ")]
+
+
+def test_a_start_that_must_build_says_so_and_a_warm_one_is_silent(tmp_path):
+    store = tmp_path / "store"
+    cold = notices(start(store))
+    assert re.fullmatch(
+        r"cachebuild: compiling Decoder \(defined in .*models\.py\) from scratch because it "
+        r"was not warmed \(no stored entry for this model, config and input shapes\); "
+        r"tracing and building what is missing can take minutes; `cachebuild warm MODEL\.py` "
+        r"\(a file whose build\(\) returns this model's ModelSpec\) before the server starts "
+        r"avoids this", cold[0]), cold
+    built = [line for line in cold[1:] if line.startswith("cachebuild: built piece ")]
+    assert len(built) == 2 and built[-1].endswith(re.search(r"\(2 of 2, .*", built[-1])[0])
+    assert re.fullmatch(r"cachebuild: built piece \d range 1-32 in [\d.]+ s \(1 of 2, \d+ s so far\)",
+                        built[0]), built
+
+    assert notices(start(store)) == []  # warm: silent
+
+    with LocalStore(store) as s:  # a target lost (damaged and quarantined, say)
+        target = next(r.key for r in s.records() if r.kind != "entry")
+        s.delete(target)
+    lost = notices(start(store))
+    assert lost[0] == ("cachebuild: 1 of 2 targets of Decoder's stored entry are missing "
+                       "(evicted by gc, or damaged and quarantined); building them; "
+                       "`cachebuild warm MODEL.py` (a file whose build() returns this "
+                       "model's ModelSpec) before the server starts avoids this"), lost
+    assert len([line for line in lost if line.startswith("cachebuild: built piece ")]) == 1
