@@ -843,15 +843,17 @@ class LocalStore(Store):
             os.close(fd)
         return None, ino
 
-    def _quarantine(self, key: str, inode: int | None, reason: str) -> None:
+    def _quarantine(self, key: str, inode: int | None, reason: str, quiet: bool = False) -> None:
         """Move the damaged blob of ``key`` to quarantine/ and drop its record.
 
         Only the blob that was found damaged (same inode) is moved, so a good blob that
         replaced it meanwhile is left alone. Failures (read-only disk) only warn: the
-        caller treats the entry as a miss either way.
+        caller treats the entry as a miss either way. ``quiet``: the caller reports it
+        (``verify --repair`` lists what it quarantined), so no log line says it twice.
         """
-        log.warning("blob %s failed verification (%s); quarantined, it will be rebuilt",
-                    key, reason)
+        if not quiet:
+            log.warning("blob %s failed verification (%s); quarantined, it will be rebuilt",
+                        key, reason)
         blob_path = self._layout.blob(key)
         try:
             with flocked(self._layout.entry_lock(key)):

@@ -255,7 +255,7 @@ def verify(store: LocalStore, *, repair: bool,
             else:
                 report.damaged.append((key, reason))
                 if repair:
-                    store._quarantine(key, inode, reason)
+                    store._quarantine(key, inode, reason, quiet=True)
         if progress is not None:
             progress(done, len(keys))
     report.repaired = repair and bool(report.damaged)

@@ -31,7 +31,7 @@ def build():
 
 def cli(store: Path, *args: str, env: dict[str, str] | None = None, wait: bool = True):
     full_env = {**os.environ, **SMALL, **(env or {}), "CACHEBUILD_DIR": str(store),
-                "COLUMNS": "200"}
+                }
     command = [sys.executable, "-m", "cachebuild.cli", *args]
     if not wait:
         return subprocess.Popen(command, env=full_env, stdout=subprocess.PIPE,

@@ -377,3 +377,21 @@ def test_click_usage_errors_are_one_line_like_ours(filled, args, message):
     assert proc.returncode == 2
     assert proc.stderr.startswith(message) and proc.stderr.count("\n") == 1, proc.stderr
     assert proc.stdout == ""
+
+
+def test_piped_output_is_never_wrapped_and_repair_reports_once(filled):
+    path = _blob(filled, key("t1"))
+    data = bytearray(path.read_bytes())
+    data[-3] ^= 0xFF
+    path.write_bytes(bytes(data))
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    proc = subprocess.run([sys.executable, "-m", "cachebuild.cli", "--cache-dir", str(filled),
+                           "verify", "--repair"], capture_output=True, text=True, env=env,
+                          timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stderr.count(key("t1")) == 1, proc.stderr  # said once, not by a log line too
+    listing = subprocess.run([sys.executable, "-m", "cachebuild.cli", "--cache-dir", str(filled),
+                              "ls"], capture_output=True, text=True, env=env, timeout=120)
+    rows = [line for line in listing.stdout.splitlines() if key("entry") in line]
+    assert len(rows) == 1 and "entry" in rows[0].split()[1:]  # one line per record, uncut
+    assert max(len(line) for line in listing.stdout.splitlines()) > 80

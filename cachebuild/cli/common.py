@@ -95,13 +95,20 @@ def safe_text(value: object, limit: int = 200) -> str:
 
 # -- output ----------------------------------------------------------------------------
 
+def _console(stderr: bool) -> Console:
+    # On a terminal, rich fits lines to its width. Piped output is read by scripts and
+    # people alike: never wrap a line or cut a key there.
+    if (sys.stderr if stderr else sys.stdout).isatty():
+        return Console(stderr=stderr)
+    return Console(stderr=stderr, width=100_000, soft_wrap=True)
+
+
 def stdout() -> Console:
-    # Piped output is read by people and scripts alike: never squeeze or cut keys.
-    return Console(soft_wrap=False, width=None if sys.stdout.isatty() else 160)
+    return _console(stderr=False)
 
 
 def stderr() -> Console:
-    return Console(stderr=True)
+    return _console(stderr=True)
 
 
 def plural(n: int, word: str) -> str:

@@ -29,7 +29,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from cachebuild.cli.common import open_store, printable, state_of
+from cachebuild.cli.common import open_store, printable, state_of, stderr, stdout
 from cachebuild.errors import UsageError
 
 if TYPE_CHECKING:
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 
 
 def _console() -> Console:
-    return Console(stderr=True)
+    return stderr()
 
 
 def check_device(device: str) -> str:
@@ -308,7 +308,7 @@ def _targets_table(planned: Planned, store: Store, console: Console) -> None:
 def plan_command(ctx: click.Context, model: str, device: str | None) -> None:
     """Show MODEL.py's targets and their state (stored / missing / stale); build nothing."""
     planned = plan_model(ctx, model, device)
-    _targets_table(planned, planned.planner.store, Console())
+    _targets_table(planned, planned.planner.store, stdout())
 
 
 @click.command("explain")
@@ -323,7 +323,7 @@ def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
     store = planned.planner.store
     records = list(store.records(shared=True))  # a shared tier's manifests explain too
     stored = [(r.key, r.manifest) for r in records if r.kind != "entry" and r.manifest]
-    console = Console()
+    console = stdout()
     if planned.why != "fresh":
         _explain_entry(planned, records, console)
     missing = 0
