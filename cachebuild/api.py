@@ -104,6 +104,7 @@ class CompiledModule(torch.nn.Module):
             if slow_loads:
                 preload()
             COUNTERS.entries_loaded += 1
+            store.count("warm_starts")
             COUNTERS.planned += len(entry.targets())
             COUNTERS.unique += len(entry.target_keys())
             log.info("warm start from entry %s", entry.key[:12])

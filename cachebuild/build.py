@@ -111,8 +111,11 @@ class Builder:
         if fn is None:  # vanished or failed verification (quarantined): a miss
             return None
         COUNTERS.hits += 1
+        seconds = time.perf_counter() - start
         COUNTERS.loaded += 1
-        COUNTERS.add_time("load", time.perf_counter() - start)
+        COUNTERS.add_time("load", seconds)
+        self.store.count("loads")
+        self.store.count("load_ms", round(seconds * 1000))
         LOADED[key, self.device] = fn
         return fn
 
@@ -155,6 +158,8 @@ class Builder:
                             bucket_label(job.target.bucket), artifact.kind, artifact.fallback)
             COUNTERS.built += 1
             COUNTERS.add_time("build", seconds)
+            self.store.count("builds")
+            self.store.count("build_ms", round(seconds * 1000))
             log.info("built piece %d %s as %s in %.1f s (%s, %d bytes)", job.target.piece,
                      bucket_label(job.target.bucket), artifact.kind, seconds, key[:12],
                      len(artifact.payload))

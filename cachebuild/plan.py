@@ -135,6 +135,8 @@ class Planner:
             traced = trace_model(self.model, args, self.dynamic_dims,
                                  self.config.compile_ranges)
             COUNTERS.traced += 1
+            if self.store is not None:
+                self.store.count("traces")
         return self.plan(traced, found.factors, found.key)
 
     def plan(self, traced: TracedGraph, factors: dict[str, Any], key: str | None = None) -> Entry:

@@ -74,6 +74,11 @@ class Store(Protocol):
         shared tier holds."""
         ...
 
+    def count(self, counter: str, amount: int = 1) -> None:
+        """Add to an activity counter the store keeps (builds, loads, their milliseconds,
+        traces, warm starts): what ``cachebuild stats`` reports across processes."""
+        ...
+
     def pin(self, key: str) -> None:
         """Keep ``key`` (and what its refs reach) from GC."""
         ...

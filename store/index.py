@@ -34,7 +34,11 @@ log = logging.getLogger("cachebuild.store")
 
 _MANIFEST = "m:"
 _COUNTER = "c:"
-COUNTERS = ("hits", "misses", "quarantined", "puts")
+#: Counters the index keeps: lookups (hits, misses), blobs stored and quarantined, and what
+#: processes did with the store (``LocalStore.count``): targets built and loaded, and the
+#: milliseconds those took, traces, warm starts.
+COUNTERS = ("hits", "misses", "quarantined", "puts", "builds", "build_ms", "loads", "load_ms",
+            "traces", "warm_starts")
 
 #: Errors the database raises when the disk is full, read-only or locked for too long.
 INDEX_ERRORS = (sqlite3.Error, diskcache.Timeout, OSError)

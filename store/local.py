@@ -105,6 +105,13 @@ class _Usage:
             return (time.monotonic() - self.last_flush > self.FLUSH_INTERVAL
                     or len(self.uses) > self.MAX_PENDING)
 
+    def add(self, counter: str, amount: int) -> bool:
+        """Add ``amount`` to a counter; True when it is time to flush."""
+        with self.lock:
+            self._fork_check()
+            self.counts[counter] = self.counts.get(counter, 0) + amount
+            return time.monotonic() - self.last_flush > self.FLUSH_INTERVAL
+
     def pending(self, key: str) -> tuple[float, int] | None:
         with self.lock:
             use = self.uses.get(key)
@@ -624,6 +631,12 @@ class LocalStore(Store):
 
     __contains__ = contains
 
+    def count(self, counter: str, amount: int = 1) -> None:
+        """Add to one of the store's activity counters (``index.COUNTERS``: builds, loads,
+        their milliseconds, traces, warm starts), written with the usage statistics."""
+        if self._usage.add(counter, amount):
+            self.flush()
+
     def records(self, *, kind: str | None = None, manifests: bool = True,
                 shared: bool = False) -> Iterator[Record]:
         """Every record (optionally of one ``kind``; ``manifests=False`` skips loading
@@ -789,6 +802,12 @@ class LocalStore(Store):
             "hit_rate": counters["hits"] / lookups if lookups else None,
             "quarantined": counters["quarantined"],
             "puts": counters["puts"],
+            "builds": counters["builds"],
+            "build_seconds": counters["build_ms"] / 1000,
+            "loads": counters["loads"],
+            "load_seconds": counters["load_ms"] / 1000,
+            "traces": counters["traces"],
+            "warm_starts": counters["warm_starts"],
             "by_kind": dict(sorted(by_kind.items())),
             "tmp_files": maintenance.count_files(self._layout.tmp),
             "quarantine_files": maintenance.count_files(self._layout.quarantine),

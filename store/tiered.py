@@ -418,6 +418,9 @@ class TieredStore(Store):
         if self.remote is not None:
             self.remote.close()
 
+    def count(self, counter: str, amount: int = 1) -> None:
+        self.local.count(counter, amount)
+
     def pin(self, key: str) -> None:
         self.local.pin(key)
 

@@ -52,3 +52,36 @@ def test_process_counters_count_hits_and_misses(tmp_path):
     text = cachebuild.prometheus_text()
     assert f"cachebuild_misses_total {cachebuild.stats()['misses']}" in text
     assert 'cachebuild_phase_seconds_total{phase="build"}' in text
+
+
+def test_cli_stats_reports_builds_loads_and_time_across_processes(tmp_path):
+    """A cold and a warm process on one store; then ``stats --json`` and ``--prometheus``
+    report what they did: builds, loads, their time, traces, warm starts."""
+    import json
+
+    from click.testing import CliRunner
+
+    from cachebuild.cli import main as cli
+
+    store = tmp_path / "store"
+    code = """
+import sys, cachebuild, models
+from cachebuild.store import LocalStore
+model = models.make(models.Decoder, layers=1)
+compiled = cachebuild.compile(model, models.config(), {0: 0, 1: 0}, store=LocalStore(sys.argv[1]))
+models.assert_matches_eager(compiled, model, models.inputs(4))
+print("{}")
+"""
+    for _ in range(2):
+        models.run_python(code.replace("sys.argv[1]", repr(str(store))))
+    result = CliRunner().invoke(cli.main, ["--cache-dir", str(store), "stats", "--json"])
+    stats = json.loads(result.stdout)
+    assert stats["builds"] == 2 and stats["traces"] == 1 and stats["warm_starts"] == 1
+    assert stats["loads"] == 4 and stats["build_seconds"] > 0 and stats["load_seconds"] >= 0
+    prom = tmp_path / "cachebuild.prom"
+    result = CliRunner().invoke(cli.main, ["--cache-dir", str(store), "stats", "--prometheus",
+                                           str(prom)])
+    assert result.exit_code == 0, result.output
+    text = prom.read_text()
+    assert "cachebuild_store_builds_total 2" in text and "cachebuild_store_warm_starts_total 1" in text
+    assert "# TYPE cachebuild_store_records gauge" in text

@@ -59,13 +59,24 @@ def ls_command(ctx: click.Context, as_json: bool, kind: str | None) -> None:
 
 @click.command("stats")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+@click.option("--prometheus", metavar="FILE",
+              help="Also write the counters in the Prometheus text format to FILE "
+                   "(atomically; '-' prints them instead of the table).")
 @click.pass_context
-def stats_command(ctx: click.Context, as_json: bool) -> None:
-    """Entries, sizes, hits and misses of the store; with a remote, also by tier (L1/L2)."""
+def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> None:
+    """Records, sizes, hits and misses of the store, and what processes did with it
+    (targets built and loaded and the time it took, traces, warm starts); with a remote,
+    also by tier (L1/L2). --prometheus writes the same counters in the Prometheus text
+    format, for a collector that reads files (node_exporter's textfile collector)."""
     from cachebuild.backends.probe import cached_verdicts
+    from cachebuild.metrics import store_metrics, write
 
     store = open_store(ctx)
     stats = store.stats()
+    if prometheus is not None:
+        write(store_metrics(stats), prometheus)
+        if prometheus == "-":
+            return
     verdicts = cached_verdicts(store.probe_dir)
     stats["toolchains"] = [v.to_json() | {"summary": v.describe()} for v in verdicts]
     if as_json:
@@ -83,7 +94,11 @@ def stats_command(ctx: click.Context, as_json: bool) -> None:
             ("hits", str(stats["hits"])),
             ("misses", str(stats["misses"])),
             ("hit rate", rate),
-            ("quarantined", str(stats["quarantined"]))]
+            ("quarantined", str(stats["quarantined"])),
+            ("builds", f"{stats['builds']} ({stats['build_seconds']:.1f} s)"),
+            ("loads", f"{stats['loads']} ({stats['load_seconds']:.2f} s)"),
+            ("traces", str(stats["traces"])),
+            ("warm starts", str(stats["warm_starts"]))]
     for kind, k in stats["by_kind"].items():
         rows.append((f"  kind {kind}", f"{k['records']} ({format_size(k['bytes'])})"))
     tiers = stats.get("tiers")
