@@ -200,7 +200,7 @@ class LocalStore(Store):
         self._layout = prepare(self.path)
         self.root: Path = self._layout.root
         self._index = self._open_index()
-        self._ensure_reserve()
+        self.ensure_reserve()
         self._signing_key = bytes(signing_key) if signing_key else None
         self.require_signature = require_signature
         self.lock_timeout = lock_timeout
@@ -234,7 +234,7 @@ class LocalStore(Store):
                         "`cachebuild gc --max-size SIZE`", self.root, format_size(RESERVE_BYTES))
         return Index(self._layout.index)
 
-    def _ensure_reserve(self) -> None:
+    def ensure_reserve(self) -> None:
         """Make the reserve file if it is missing and space is plentiful (best effort)."""
         path = self._layout.reserve
         if os.path.lexists(path):
@@ -500,7 +500,7 @@ class LocalStore(Store):
             had_blob = self._remove_files(key)
         return had_record or had_blob
 
-    def _evict(self, key: str) -> bool:
+    def evict_unpinned(self, key: str) -> bool:
         """Delete ``key`` for GC unless it was pinned since GC planned; True if deleted."""
         with flocked(self._layout.entry_lock(key)):
             small = self._index.get_small(key)
@@ -549,7 +549,7 @@ class LocalStore(Store):
         try:
             return open_regular(self._layout.blob_str(key))
         except OddFile as e:
-            self._quarantine(key, e.inode, f"{e.what} where the blob should be")
+            self.quarantine(key, e.inode, f"{e.what} where the blob should be")
             return None
 
     def _read_payload(self, key: str, small: dict[str, Any]) -> bytes | None:
@@ -577,7 +577,7 @@ class LocalStore(Store):
                     raise CorruptBlob(f"kind {header.kind!r} differs from the index record "
                                       f"({small['kind']!r})", key)
             except CorruptBlob as e:
-                self._quarantine(key, os.fstat(fd).st_ino, e.reason)
+                self.quarantine(key, os.fstat(fd).st_ino, e.reason)
                 return None
         finally:
             os.close(fd)
@@ -839,7 +839,7 @@ class LocalStore(Store):
     def index(self) -> Index:
         return self._index
 
-    def _check_blob_file(self, key: str, small: dict[str, Any]) -> tuple[str | None, int | None]:
+    def check_blob_file(self, key: str, small: dict[str, Any]) -> tuple[str | None, int | None]:
         """``(reason, inode)``: reason None if the blob of ``key`` verifies against ``small``."""
         try:
             fd = open_regular(self._layout.blob_str(key))
@@ -862,7 +862,7 @@ class LocalStore(Store):
             os.close(fd)
         return None, ino
 
-    def _quarantine(self, key: str, inode: int | None, reason: str, quiet: bool = False) -> None:
+    def quarantine(self, key: str, inode: int | None, reason: str, quiet: bool = False) -> None:
         """Move the damaged blob of ``key`` to quarantine/ and drop its record.
 
         Only the blob that was found damaged (same inode) is moved, so a good blob that

@@ -217,7 +217,7 @@ def collect(store: LocalStore, *, max_size: int | None, older_than: float | None
         removed = []
         for key in unit_of(head, referrers, protected, evicted):
             # The entry first: no moment leaves a stored entry without its targets.
-            if not dry_run and not store._evict(key):
+            if not dry_run and not store.evict_unpinned(key):
                 break  # pinned while we planned: it keeps the rest of its unit
             removed.append(key)
         evicted.update(removed)
@@ -230,7 +230,7 @@ def collect(store: LocalStore, *, max_size: int | None, older_than: float | None
     report.bytes_after = total - report.freed_bytes
     report.records_after = len(records) - len(report.removed)
     if not dry_run:
-        store._ensure_reserve()  # given up on a full disk: back once there is room
+        store.ensure_reserve()  # given up on a full disk: back once there is room
     return report
 
 
@@ -249,13 +249,13 @@ def verify(store: LocalStore, *, repair: bool,
                 store.index.delete(key)  # its blob, now unrecorded, goes as litter below
         if small is not None:  # else deleted since we listed it
             report.checked += 1
-            reason, inode = store._check_blob_file(key, small)
+            reason, inode = store.check_blob_file(key, small)
             if reason is None:
                 report.ok += 1
             else:
                 report.damaged.append((key, reason))
                 if repair:
-                    store._quarantine(key, inode, reason, quiet=True)
+                    store.quarantine(key, inode, reason, quiet=True)
         if progress is not None:
             progress(done, len(keys))
     report.repaired = repair and bool(report.damaged)

@@ -186,20 +186,11 @@ def test_model_resolver_can_be_plugged_in(filled, monkeypatch):
     assert not LocalStore(filled).get_record(key("entry")).pinned
 
 
-def test_main_owns_the_table_of_commands_and_no_command_module_imports_it():
-    import ast
-    import importlib
-
+def test_main_owns_the_table_of_commands():
     names = {c.name for c in cli.COMMANDS}
     assert names == set(cli.main.commands)
     assert {"ls", "stats", "gc", "verify", "pin", "unpin", "export", "import", "warm",
             "plan", "explain", "push", "pull"} == names
-    for module in ("common", "store", "model", "remote"):
-        source = importlib.import_module(f"cachebuild.cli.{module}").__file__
-        tree = ast.parse(open(source).read())
-        imported = {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
-        imported |= {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        assert "cachebuild.cli.main" not in imported, module
 
 
 def _blob(store_dir, k):

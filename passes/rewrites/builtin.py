@@ -8,8 +8,12 @@ rewrites left behind.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
-from cachebuild.passes.rewrites.manager import FusionPass, PassConfig
+from cachebuild.config import PassConfig
+
+if TYPE_CHECKING:
+    from cachebuild.passes.rewrites.manager import FusionPass
 
 # flag -> (module, class); imported on demand so that reading a config imports nothing.
 BUILTIN_PASSES: dict[str, tuple[str, str]] = {
