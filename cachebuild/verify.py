@@ -135,6 +135,11 @@ class ScratchStore:
     def contains(self, key: str) -> bool:
         return key == self.key
 
+    def scratch_dir(self, *, in_memory: bool = False) -> Path:
+        path = self.folder / "scratch"
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
+
     def materialize(self, key: str, suffix: str) -> Path | None:
         if key != self.key:
             return None
