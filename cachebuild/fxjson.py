@@ -16,7 +16,7 @@ only from an allow-list, without importing anything first:
   ops a model's library registered, by name ``op:ns::name.overload``);
 - torch's functions that bind those operators (``torch.cat``, ``torch._C._nn.linear``,
   ``torch.nn.functional.silu``, ...) and a few that Dynamo puts in graphs
-  (``torch._C._set_grad_enabled``, ``torch.sym_*``);
+  (``torch.Size``, ``torch._C._set_grad_enabled``, ``torch.sym_*``);
 - arithmetic, comparison and indexing from ``operator`` (not ``attrgetter`` and
   friends), pure functions of ``math``, and a handful of number builtins;
 - callables a program registers with ``allow_callable``.
@@ -60,8 +60,9 @@ _BUILTINS = frozenset({"abs", "bool", "float", "int", "len", "max", "min", "pow"
 _TORCH_C = ("_VariableFunctions", "_nn", "_fft", "_linalg", "_special", "_nested", "_sparse")
 #: torch's Python modules of plain tensor functions.
 _TORCH_PY = ("torch.nn.functional", "torch.functional")
-#: Other torch functions Dynamo records in graphs.
-_TORCH_EXTRA = ("_C._set_grad_enabled", "sym_int", "sym_float", "sym_max", "sym_min", "sym_not",
+#: Other torch callables Dynamo records in graphs (``torch.Size`` where a model builds a
+#: shape from sizes, as GPT-2's attention does).
+_TORCH_EXTRA = ("Size", "_C._set_grad_enabled", "sym_int", "sym_float", "sym_max", "sym_min", "sym_not",
                 "sym_sum", "sym_ite", "_sym_sqrt", "_check", "_check_is_size", "_assert")
 #: Modules a stored ``fn:`` name may come from (besides those of registered callables).
 _MODULES = frozenset({"operator", "_operator", "builtins", "math", "torch", *_TORCH_PY,

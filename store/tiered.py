@@ -230,15 +230,17 @@ class TieredStore(Store):
         (``touch=False``: a look, not a use, as ``LocalStore.get``)."""
         data = self.local.get(key, touch=touch)
         if data is not None:
-            self._count("l1_hits")
+            if touch:
+                self._count("l1_hits")
             return data
-        payload, _ = self._fetch(key)
-        if payload is None:
+        payload, _ = self._fetch(key, keep=touch)
+        if payload is None and touch:
             self._count("misses")
         return payload
 
-    def _fetch(self, key: str) -> tuple[bytes | None, str]:
-        """Pull ``key`` from L2 into L1: (payload, "pulled" | "missing" | "rejected")."""
+    def _fetch(self, key: str, *, keep: bool = True) -> tuple[bytes | None, str]:
+        """Pull ``key`` from L2 into L1: (payload, "pulled" | "missing" | "rejected").
+        ``keep=False``: verify and return it, writing and counting nothing (a look)."""
         if self.remote is None:
             return None, "missing"
         if key in self._rejected:
@@ -262,6 +264,8 @@ class TieredStore(Store):
             return None, "rejected"
         start = header.header_size
         payload = bytes(memoryview(framed)[start:start + header.length])
+        if not keep:
+            return payload, "pulled"
         manifest = record.manifest if record is not None and authentic else None
         refs = entry_refs(header.kind, payload)
         try:
