@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 
 import models
 import pytest
@@ -338,23 +337,15 @@ def test_a_sourceless_helper_compiles_without_an_entry(tmp_path):
 
 # -- cost ------------------------------------------------------------------------------
 
-def test_guard_check_is_well_under_a_millisecond_per_hundred_guards():
+def test_guards_of_a_real_model_round_trip_and_hold():
+    # What checking them costs is measured by tools/bench_checks.py, not asserted here.
     import hf_families
 
     model = hf_families.FAMILIES["llama"].model(num_hidden_layers=2)
     traced = trace_model(model, hf_families.ids(8), {0: 0}, (hf_families.RANGE,))
     assert traced.unrecordable is None and len(traced.guards) > 300
     guards = GuardSet.from_data([g.to_data() for g in traced.guards])
-    args = hf_families.ids(8)
-    assert guards.mismatches(model, args) == []
-    seconds = min(_timed(lambda: guards.values(model, args)) for _ in range(20))
-    per_hundred = seconds / len(guards) * 100
-    print(f"{len(guards)} guards checked in {seconds * 1e6:.0f} µs "
-          f"({per_hundred * 1e6:.0f} µs per hundred)")
-    assert per_hundred < 1e-3
-
-
-def _timed(fn):
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
+    assert len(guards) == len(traced.guards)
+    assert guards.mismatches(model, hf_families.ids(8)) == []
+    model.hf.model.layers[0].input_layernorm.variance_epsilon = 1e-3  # a value the trace read
+    assert guards.mismatches(model, hf_families.ids(8))
