@@ -6,6 +6,11 @@ held, since another process may have finished it), proven against its piece
 (``verify.py``), stored, then loaded. A piece that fails to compile or to match its piece
 raises BuildError naming the piece, bucket and key; nothing partial is stored, because the
 store's put is atomic and happens only after a successful compile and check.
+
+A piece that calls collectives is compiled, proven and checked on load against stand-in
+process groups of its layout that communicate nothing (``distributed.local_groups``): the
+rank that builds a target must not wait on the ranks waiting for it, and a build needs no
+process group at all.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 from cachebuild.backends import BuildRequest, get_backend
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase
+from cachebuild.distributed import local_groups
 from cachebuild.errors import BuildError, UsageError, transient
 from cachebuild.facts import InputMeta
 from cachebuild.fxjson import data_to_module
@@ -127,8 +133,9 @@ class Builder:
                 return False
             start = time.perf_counter()
             where = f"piece {job.target.piece} ({bucket_label(job.target.bucket)}, key {key})"
+            layout = job.target.manifest.get("distributed")
             try:
-                with quiet_compiler_warnings():
+                with quiet_compiler_warnings(), local_groups(layout):
                     artifact = self.backend.compile(BuildRequest(
                         gm=data_to_module(job.nodes),
                         input_metas=list(job.input_metas),
@@ -146,7 +153,7 @@ class Builder:
                         if machine else "")
                 raise BuildError(f"{where} failed to compile: {type(e).__name__}: {first}{hint}") from e
             seconds = time.perf_counter() - start
-            with phase("verify"):
+            with phase("verify"), local_groups(layout):
                 self._prove(job, artifact, where)
             self.store.put(key, artifact.payload, kind=artifact.kind, manifest=job.target.manifest)
             if artifact.fallback:
@@ -184,7 +191,8 @@ class Builder:
         metas = list(job.input_metas)
         with phase("verify"):
             try:
-                check(fn, job.nodes, metas, job.target.bucket)
+                with local_groups(job.target.manifest.get("distributed")):
+                    check(fn, job.nodes, metas, job.target.bucket)
             except Exception as e:
                 raise BuildError(
                     f"piece {job.target.piece} ({bucket_label(job.target.bucket)}, key {key}) "

@@ -123,6 +123,8 @@ def short(fingerprint: Any) -> str:
         if tag in ("list", "tuple", "set"):
             inner = ", ".join(short(x) for x in v)
             return f"({inner})" if tag == "tuple" else f"[{inner}]"
+    if isinstance(fingerprint, dict) and "process_group" in fingerprint:
+        return f"process group {fingerprint['process_group']!r} of {fingerprint.get('size')}"
     if isinstance(fingerprint, dict) and "builtin" in fingerprint:
         return fingerprint["builtin"].rsplit(".", 1)[-1]
     if isinstance(fingerprint, dict) and "function" in fingerprint:
@@ -156,6 +158,22 @@ def _check_tensor(value: Any, arg: Any) -> Any:
             "device": value.device.type, "requires_grad": value.requires_grad}
 
 
+def is_process_group(value: Any) -> bool:
+    try:
+        from torch._C._distributed_c10d import ProcessGroup
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(value, ProcessGroup)
+
+
+def _check_process_group(value: Any, arg: Any) -> Any:
+    """A process group by what a traced graph bakes in of it: its name (collectives find
+    their group by name) and its size; never its rank, so every rank passes."""
+    if not is_process_group(value):
+        return {"type": qualname(type(value))}
+    return {"process_group": str(value.group_name), "size": int(value.size())}
+
+
 def _check_contains(value: Any, arg: Any) -> Any:
     return decode_key(arg) in value
 
@@ -179,6 +197,7 @@ CHECKS: dict[str, Callable[[Any, Any], Any]] = {
     "in_dict": _check_in_dict,
     "exists": _check_exists,
     "tensor": _check_tensor,
+    "process_group": _check_process_group,
 }
 
 

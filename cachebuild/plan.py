@@ -19,6 +19,7 @@ import torch
 from cachebuild.backends import Backend, get_backend
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase
+from cachebuild.distributed import layout_mismatches
 from cachebuild.entry import Entry, entry_factors, make_entry, variant_key
 from cachebuild.env import env_factors
 from cachebuild.facts import device_of
@@ -114,6 +115,11 @@ class Planner:
                 guards = entry.guard_set()
                 values = guards.values(self.model, args)
                 wrong = guards.mismatches(self.model, args, values)
+                layouts = entry.layouts()
+                if layouts:  # a tensor-parallel model: its process groups as traced?
+                    moved, live = layout_mismatches(layouts)
+                    wrong += moved
+                    values = [*values, {"process_groups": live}]
             if not wrong:
                 return Lookup(entry, "fresh", key, factors)
             why = "a value the trace read differs: " + "; ".join(
