@@ -143,6 +143,29 @@ def layout_mismatches(recorded: list[dict[str, Any]]) -> tuple[list[Mismatch], l
     return wrong, live
 
 
+@contextmanager
+def fake_world(rank: int, world_size: int) -> Iterator[None]:
+    """Within: this process is rank ``rank`` of ``world_size`` under torch's fake process
+    group (no other process, no device, no communication), so a tensor-parallel model
+    file builds that rank's shard and Dynamo traces it as a real rank would. UsageError
+    where a process group is initialised already."""
+    import torch.distributed as dist
+
+    from cachebuild import compat
+
+    if not dist.is_available():
+        raise UsageError("this torch has no torch.distributed: a tensor-parallel model cannot "
+                         "be warmed with --world-size here")
+    if dist.is_initialized():
+        raise UsageError("a process group is initialised in this process already; plan the "
+                         "ranks of a world size from a process without one")
+    compat.init_fake_world(rank, world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
 #: One swap of the process-group registry at a time (builds on several threads).
 _SWAP = threading.RLock()
 
