@@ -71,10 +71,27 @@ def plain(value: Any) -> Any:
 
 
 def qualname(obj: Any) -> str:
-    """``module.QualName`` of a class or function."""
-    module = getattr(obj, "__module__", None) or ""
+    """``module.QualName`` of a class or function; a model file's module by its file name
+    (``model_label``)."""
+    module = model_label(getattr(obj, "__module__", None) or "")
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
     return f"{module}.{name}" if module else name
+
+
+#: The module name ``cachebuild.modelfile`` imports a MODEL.py under (plus a path hash).
+MODEL_MODULE_PREFIX = "cachebuild_model_"
+
+
+def model_label(module: str) -> str:
+    """A module name as guards compare it. A model file is ``__main__`` when a server runs
+    it as a script and ``cachebuild_model_<hash of its path>`` when ``cachebuild warm``
+    imports it: both are named by the file's name (``<llama.py>``), so an entry recorded
+    by one is found by the other (the file's contents are in the entry key already)."""
+    if module == "__main__" or module.startswith(MODEL_MODULE_PREFIX):
+        path = getattr(sys.modules.get(module), "__file__", None)
+        if path:
+            return f"<{os.path.basename(path)}>"
+    return module
 
 
 def identity(value: Any) -> Any:
