@@ -6,7 +6,15 @@ process group by a string. The compiled artifact runs on any rank of any group o
 shape, so a target's key takes the groups' *layout*: the world size, and each named group's
 size and the spacing of its ranks (contiguous, strided), never a rank, a device index, an
 id or an address. Ranks whose shards are equal then share every target; a rank with an
-uneven shard has other input shapes, hence other keys.
+uneven shard has other input shapes, hence other keys. (The group's *name* stays in the
+piece's graph, which the key holds: compiled code finds its group by that name, and torch
+names groups alike on every rank, in the order they are created.)
+
+Besides the key: ``layout_mismatches`` is what a warm start checks of an entry against the
+live groups; ``local_groups`` lets one process compile, prove and run a piece alone, its
+groups standing in as torch's fake process group of the same size; ``fake_world`` makes
+this process a given rank of a world size under that fake group, for planning every rank
+of a tensor-parallel model in one process (``cachebuild warm --world-size``).
 """
 
 from __future__ import annotations
@@ -59,7 +67,6 @@ def layout_factors(nodes: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not names:
         return None
     import torch.distributed as dist
-
 
     if not dist.is_available() or not dist.is_initialized():
         raise UsageError("the model calls collectives but no process group is initialised: "

@@ -56,7 +56,9 @@ if os.environ.get("CUDAGRAPHS"):
                                  capture_sizes=tuple(json.loads(os.environ["SIZES"])))
 store = LocalStore(os.environ["STORE"])
 compiled = cachebuild.compile(model, config, {0: 0, 1: 0}, store=store)
-tol = {"rtol": 2e-2, "atol": 2e-2} if cuda else {"rtol": 1e-4, "atol": 1e-4}
+low_precision = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+tol = ({"rtol": 3e-2, "atol": 5e-2} if low_precision else
+       {"rtol": 1e-3, "atol": 1e-3} if cuda else {"rtol": 1e-4, "atol": 1e-4})
 worst = 0.0
 with torch.no_grad():
     for tokens in json.loads(os.environ["SIZES"]):
