@@ -151,7 +151,9 @@ def fake_process_group(group_name: str, size: int) -> Any:
     repeats it. Not registered anywhere."""
     from torch._C._distributed_c10d import FakeProcessGroup, HashStore, ProcessGroup
 
-    backend = FakeProcessGroup._create_internal(0, size, FakeProcessGroup.Options())
+    # torch 2.13 builds one through a factory; its constructor did before.
+    create = getattr(FakeProcessGroup, "_create_internal", None)
+    backend = create(0, size) if create is not None else FakeProcessGroup(0, size)
     group = ProcessGroup(HashStore(), 0, size)
     group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
     for device in ("cpu", "cuda"):

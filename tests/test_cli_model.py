@@ -123,7 +123,10 @@ def test_explain_names_what_changed_and_pin_keeps_the_entry(tmp_path, model):
     plan = cli(store, "plan", str(model), env={"LLAMA_MLP": "192"}).stdout
     assert plan.count("stale") == 2 and plan.count("stored") == 1
     changed = " ".join(cli(store, "explain", str(model), env={"LLAMA_MLP": "192"}).stdout.split())
-    assert changed.count("differ (model code or shapes changed)") == 2
+    # Both stale pieces are explained by their inputs (the wider gate/up weight), and the
+    # entry by the parameters whose shapes changed.
+    assert changed.count("input 4: float32 [256, 64] → float32 [384, 64]") == 2
+    assert "param layers.0.gate_up.weight: float32 [256, 64] → float32 [384, 64]" in changed
     assert cli(store, "pin", str(model)).returncode == 0
     with LocalStore(store) as s:
         entries = [r for r in s.records() if r.kind == "entry"]
