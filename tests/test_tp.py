@@ -61,6 +61,18 @@ def test_uneven_shards_get_their_own_targets(tmp_path):
     assert summed(reports, "built") == len(set(reports[0]["keys"]) | set(reports[1]["keys"]))
 
 
+def test_two_ranks_through_torch_compile_build_once(tmp_path):
+    """torch.compile's front door: Dynamo traces on every rank, targets are still built
+    once for the group and loaded by the second start."""
+    store = tmp_path / "store"
+    env = {"FRONT_DOOR": "torch.compile"}
+    cold = run_group(2, store, env=env)
+    unique = len(cold[0]["keys"])  # every target in the store (Dynamo's graphs for 1 and s0)
+    assert unique >= 3 and summed(cold, "built") == unique and summed(cold, "failed") == 0
+    warm = run_group(2, store, env=env)
+    assert summed(warm, "built") == 0 and all(r["stats"]["loaded"] == unique for r in warm)
+
+
 @pytest.mark.slow
 def test_two_ranks_aoti_cold_then_warm(tmp_path):
     """AOTInductor packages with the all-reduce inside: built once for both ranks."""
