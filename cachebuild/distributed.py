@@ -189,6 +189,10 @@ def local_groups(layout: dict[str, Any] | None) -> Iterator[None]:
     so the proof at build compares like with like. The groups registered before (the
     real ones) are registered again on exit. A layout that is not one ``layout_factors``
     wrote raises ValueError.
+
+    The registry is the process's: while a build runs, another thread's collectives on the
+    same group names would meet the stand-ins too. Builds happen before a model serves
+    (``compile``'s first call, ``warm``), not beside it.
     """
     if not layout:
         yield
