@@ -3,7 +3,9 @@
 A backend has a ``name``, ``factors(config)`` and ``toolchain(config, device, probe_dir)``
 (what enters every target key besides the graph), ``compile(request) -> Artifact`` and
 ``load(kind, key, store, device) -> callable``. The callable takes the piece's inputs
-positionally and returns a sequence of tensors.
+positionally and returns a sequence of tensors. A backend whose artifact cannot run on
+``device``'s index raises ``DeviceBound`` from ``load`` (the builder then makes a copy for
+that index).
 """
 
 from __future__ import annotations
@@ -34,6 +36,15 @@ class Artifact:
     kind: str
     payload: bytes
     fallback: str | None = None
+
+
+class DeviceBound(Exception):
+    """An artifact whose code names the GPU it was built on (``built_for``, e.g.
+    ``cuda:0``) asked to load on another one: it cannot run there as it is."""
+
+    def __init__(self, key: str, built_for: str, wanted: str) -> None:
+        super().__init__(f"artifact {key} was built for {built_for} and cannot run on {wanted}")
+        self.built_for = built_for
 
 
 @dataclass

@@ -20,6 +20,7 @@ from cachebuild.backends.base import (
     range_symbols,
     symbolic_fake_inputs,
 )
+from cachebuild.facts import device_of, unpin_device
 from cachebuild.fxjson import GraphFormatError, data_to_module, graph_to_data
 
 VERSION = "2"  # 2: lowered to aten before functionalisation (sizes stay symbolic)
@@ -47,6 +48,9 @@ class EagerFusionBackend:
             fn = torch.func.functionalize(aten, remove="mutations_and_views")
             lowered = make_fx(fn, tracing_mode="symbolic")(*fake_args)
         check_kept_symbolic(fake_mode.shape_env, symbols, request.bucket)
+        # Lowering writes the build's GPU into the ops it creates (full, arange...): name
+        # it by type, so the graph runs on whichever GPU is current where it is loaded.
+        unpin_device(lowered, device_of(request.input_metas))
         inline_constants(lowered)
         if request.passes is not None:
             request.passes(lowered.graph)

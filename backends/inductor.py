@@ -31,6 +31,7 @@ from cachebuild.backends import aoti, kernel_dir
 from cachebuild.backends.base import (
     Artifact,
     BuildRequest,
+    DeviceBound,
     bucket_bounds,
     dynamic_dims_of,
     example_inputs,
@@ -138,6 +139,7 @@ class InductorBackend:
         record_example_values(request.gm, fake_args)
         options = {"config_patches": _inductor_options(request)}
         cpu = all(m.device_type == "cpu" for m in request.input_metas if m.kind == "tensor")
+        device = gpu_of(request.input_metas)
         # On CPU the artifact holds C++ source that a loading process would build again:
         # compile into an empty Inductor cache, so that the built kernels found there
         # afterwards are exactly this artifact's, and ship them with it.
@@ -164,6 +166,12 @@ class InductorBackend:
                 build = json.dumps({"cxx": compiler, **compat.vec_isa()}).encode()
                 payload = pack({"artifact.bin": payload, "build.json": build,
                                 **_built_files(cache_dir())})
+            elif device.type == "cuda":
+                # Inductor's Python wrapper names the GPU it was built on (its device guard,
+                # set_device, get_raw_stream, and the Triton kernels' DeviceProperties): the
+                # artifact says which, and loads on that index only (see load_standalone).
+                build = json.dumps({"device": str(device)}).encode()
+                payload = pack({"artifact.bin": payload, "build.json": build})
         return Artifact("standalone", payload)
 
     # -- load --------------------------------------------------------------------------
@@ -172,8 +180,21 @@ class InductorBackend:
         if kind in ("aoti-cpu", "aoti-cuda"):
             return _load_aoti(key, store, device)
         if kind == "standalone":
-            return load_standalone(key, store)
+            return load_standalone(key, store, device)
         raise ValueError(f"inductor backend cannot load artifacts of kind {kind!r}")
+
+
+def indexed(device: str | torch.device) -> torch.device:
+    """``device`` with its index: a bare ``cuda`` is the current GPU."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def gpu_of(metas: list[Any]) -> torch.device:
+    """The device a piece's tensors are on, with its index."""
+    return indexed(next((m.device for m in metas if m.kind == "tensor"), "cpu"))
 
 
 def _built_files(root: str) -> dict[str, bytes]:
@@ -210,8 +231,12 @@ def _load_aoti(key: str, store: Any, device: str) -> Any:
         return None
 
 
-def load_standalone(key: str, store: Any) -> Any:
+def load_standalone(key: str, store: Any, device: str | None = None) -> Any:
     """Load a standalone artifact from the store's verified bytes, and from nothing else.
+
+    On CUDA the artifact runs on the GPU index it was built on only (Inductor's generated
+    code names it; torch 2.11-2.13 has no index-free codegen): asked for another index
+    (``device``), it raises ``DeviceBound`` before anything is written.
 
     Inductor is pointed, for the load, at a directory private to this process inside the
     store (``kernel_dir``), and the artifact and the kernels it carries (CPU) are written
@@ -226,6 +251,10 @@ def load_standalone(key: str, store: Any) -> Any:
     parts = unpack(data)  # every name checked before any file is written (PackError)
     if parts is not None and "artifact.bin" not in parts:
         raise PackError(f"standalone artifact {key} holds no artifact.bin")
+    built_for = _build_info(parts).get("device") if parts is not None else None
+    if built_for is not None and device is not None and torch.device(device).type == "cuda" \
+            and indexed(device) != torch.device(built_for):
+        raise DeviceBound(key, built_for, str(indexed(device)))
     try:
         return _load_standalone(key, store, data, parts, in_memory=False)
     except OSError as e:

@@ -28,7 +28,7 @@ from cachebuild.dynamo_backend import GraphForward
 from cachebuild.errors import UsageError
 from cachebuild.facts import device_of
 from cachebuild.plan import Planner
-from cachebuild.runtime import ModelRuntime, direct_forward, stitch
+from cachebuild.runtime import ModelRuntime, direct_forward, on_device_forward, stitch
 from cachebuild.store.base import Store
 from cachebuild.trace import TracedGraph
 
@@ -162,9 +162,10 @@ def backend(config: CompileConfig | None = None, store: Any = None, passes: Any 
 
         def plan(traced: TracedGraph) -> Any:
             entry = planner.plan(traced, {"front_door": "torch.compile"})
-            builder = Builder(planner.store, config, planner.passes,
-                              device_of(traced.input_metas))
-            return lambda: direct_forward(stitch(entry, resolve_all(entry, builder)))
+            device = device_of(traced.input_metas)
+            builder = Builder(planner.store, config, planner.passes, device)
+            return lambda: on_device_forward(
+                direct_forward(stitch(entry, resolve_all(entry, builder))), device)
 
         return GraphForward(gm, example_inputs, plan)
 

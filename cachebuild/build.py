@@ -6,6 +6,11 @@ held, since another process may have finished it), proven against its piece
 (``verify.py``), stored, then loaded. A piece that fails to compile or to match its piece
 raises BuildError naming the piece, bucket and key; nothing partial is stored, because the
 store's put is atomic and happens only after a successful compile and check.
+
+A piece that calls collectives is compiled, proven and checked on load against stand-in
+process groups of its layout that communicate nothing (``distributed.local_groups``): the
+rank that builds a target must not wait on the ranks waiting for it, and a build needs no
+process group at all.
 """
 
 from __future__ import annotations
@@ -17,15 +22,20 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from cachebuild.backends import BuildRequest, get_backend
+from cachebuild.backends.base import DeviceBound
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase
+from cachebuild.distributed import local_groups
 from cachebuild.errors import BuildError, UsageError, transient
-from cachebuild.facts import InputMeta
+from cachebuild.facts import InputMeta, device_of, on_device
 from cachebuild.fxjson import data_to_module
+from cachebuild.keys import make_key
 from cachebuild.targets import Target, bucket_label
 from cachebuild.verify import check, check_artifact, verify_on_load, verify_sizes
 
@@ -95,8 +105,13 @@ class Builder:
             self._passes = PassManager.from_config(self.config.passes)
         return self._passes
 
-    def load(self, key: str) -> Any | None:
-        """The loaded target ``key`` if the store has it (None on a miss)."""
+    def load(self, key: str, job: BuildJob | None = None) -> Any | None:
+        """The loaded target ``key`` if the store has it (None on a miss).
+
+        An artifact that cannot run on this builder's GPU index (``DeviceBound``) is
+        replaced by its copy for this index, loaded or built (``job`` needed; without
+        it, None: ``resolve`` comes back with the job).
+        """
         if (key, self.device) in LOADED and self.store.contains(key):
             # Loaded earlier in this process (from this store or another one): the same
             # key is the same artifact. A store that lacks it is a miss, so it is built
@@ -107,7 +122,10 @@ class Builder:
         if record is None:
             return None
         start = time.perf_counter()
-        fn = self.backend.load(record.kind, key, self.store, self.device)
+        try:
+            fn = self.backend.load(record.kind, key, self.store, self.device)
+        except DeviceBound as bound:
+            return self._device_copy(job, bound) if job is not None else None
         if fn is None:  # vanished or failed verification (quarantined): a miss
             return None
         COUNTERS.hits += 1
@@ -119,8 +137,37 @@ class Builder:
         LOADED[key, self.device] = fn
         return fn
 
+    def _device_copy(self, job: BuildJob, bound: DeviceBound) -> Any | None:
+        """The copy of ``job``'s target for this builder's GPU, loaded, or built and stored
+        under its own key (``device_copy``): one build per GPU index, shared by every
+        later process on that index."""
+        copy = device_copy(job, self.device)
+        log.info("target %s was built for %s, whose index its code names; using its copy "
+                 "for %s (%s)", job.target.key[:12], bound.built_for, self.device,
+                 copy.target.key[:12])
+        fn = self.load(copy.target.key)
+        if fn is None:
+            self.build(copy)
+            fn = self.load(copy.target.key)
+        if fn is not None:
+            COUNTERS.device_copies += 1
+            LOADED[job.target.key, self.device] = fn
+        return fn
+
+    def here(self, job: BuildJob) -> BuildJob:
+        """``job`` with its tensors on this builder's GPU where only the index differs (an
+        entry traced by another rank): each rank builds and proves on its own GPU."""
+        want = torch.device(self.device)
+        if want.index is None:
+            return job
+        metas = [replace(m, device=str(want))
+                 if m.kind == "tensor" and m.device_type == want.type else m
+                 for m in job.input_metas]
+        return job if metas == job.input_metas else replace(job, input_metas=metas)
+
     def build(self, job: BuildJob) -> bool:
         """Make sure ``job``'s target is stored; True if this call compiled it."""
+        job = self.here(job)
         key = job.target.key
         if self.store.contains(key):
             return False
@@ -130,8 +177,10 @@ class Builder:
                 return False
             start = time.perf_counter()
             where = f"piece {job.target.piece} ({bucket_label(job.target.bucket)}, key {key})"
+            layout = job.target.manifest.get("distributed")
+            gpu = on_device(device_of(job.input_metas))
             try:
-                with quiet_compiler_warnings():
+                with quiet_compiler_warnings(), local_groups(layout), gpu:
                     artifact = self.backend.compile(BuildRequest(
                         gm=data_to_module(job.nodes),
                         input_metas=list(job.input_metas),
@@ -149,7 +198,7 @@ class Builder:
                         if machine else "")
                 raise BuildError(f"{where} failed to compile: {type(e).__name__}: {first}{hint}") from e
             seconds = time.perf_counter() - start
-            with phase("verify"):
+            with phase("verify"), local_groups(layout), on_device(device_of(job.input_metas)):
                 self._prove(job, artifact, where)
             self.store.put(key, artifact.payload, kind=artifact.kind, manifest=job.target.manifest)
             if artifact.fallback:
@@ -183,13 +232,16 @@ class Builder:
     def check_loaded(self, job: BuildJob, fn: Any) -> None:
         """The same proof for a target loaded from the store, once per process
         (``CACHEBUILD_VERIFY=load``). Runs the piece eagerly: no Dynamo, no Inductor."""
+        job = self.here(job)
         key = job.target.key
         if key in VERIFIED:
             return
         metas = list(job.input_metas)
         with phase("verify"):
             try:
-                check(fn, job.nodes, metas, job.target.bucket)
+                with local_groups(job.target.manifest.get("distributed")), \
+                        on_device(device_of(metas)):
+                    check(fn, job.nodes, metas, job.target.bucket)
             except Exception as e:
                 raise BuildError(
                     f"piece {job.target.piece} ({bucket_label(job.target.bucket)}, key {key}) "
@@ -200,11 +252,22 @@ class Builder:
     def resolve(self, job: BuildJob) -> Any:
         """The callable for ``job``'s target: loaded, or built then loaded."""
         for _ in range(3):
-            fn = self.load(job.target.key)
+            fn = self.load(job.target.key, job)
             if fn is not None:
                 return fn
             self.build(job)
         raise BuildError(f"target {job.target.key} was built but cannot be loaded back")
+
+
+def device_copy(job: BuildJob, device: str) -> BuildJob:
+    """The job building ``job``'s target for GPU ``device`` (``cuda:1``), for artifacts
+    whose code names the GPU they were built on: its own key (derived from the target's
+    and the device: the only keys with a device index) and manifest."""
+    target = job.target
+    manifest = {**target.manifest, "device_copy": {"of": target.key, "device": device}}
+    copy = replace(target, key=make_key(manifest), manifest=manifest)
+    metas = [replace(m, device=device) if m.kind == "tensor" else m for m in job.input_metas]
+    return replace(job, target=copy, input_metas=metas)
 
 
 # -- every target of an entry ------------------------------------------------------------

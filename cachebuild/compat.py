@@ -121,6 +121,57 @@ def process_group_ranks(group_name: str) -> list[int]:
     return dist.get_process_group_ranks(distributed_c10d._resolve_process_group(group_name))
 
 
+def registered_group(group_name: str) -> Any | None:
+    """The process group registered under ``group_name`` in this process (the registry
+    that functional collectives, eager or compiled, resolve a group's name through), or
+    None."""
+    from torch._C import _distributed_c10d as c10d
+
+    try:
+        return c10d._resolve_process_group(group_name)
+    except RuntimeError:
+        return None
+
+
+def register_group(group_name: str, group: Any | None) -> None:
+    """Make ``group`` (None: nothing) what ``group_name`` resolves to in this process.
+
+    The registry holds groups weakly: the caller keeps ``group`` alive while it is used.
+    """
+    from torch._C import _distributed_c10d as c10d
+
+    c10d._unregister_process_group(group_name)  # also a name whose group is gone; no-op if none
+    if group is not None:
+        c10d._register_process_group(group_name, group)
+
+
+def fake_process_group(group_name: str, size: int) -> Any:
+    """A process group of ``size`` ranks (this one rank 0) backed by torch's fake backend,
+    which communicates nothing: an all-reduce leaves its input as it is, an all-gather
+    repeats it. Not registered anywhere."""
+    from torch._C._distributed_c10d import FakeProcessGroup, HashStore, ProcessGroup
+
+    # torch 2.13 builds one through a factory; its constructor did before.
+    create = getattr(FakeProcessGroup, "_create_internal", None)
+    backend = create(0, size) if create is not None else FakeProcessGroup(0, size)
+    group = ProcessGroup(HashStore(), 0, size)
+    group._set_default_backend(ProcessGroup.BackendType.CUSTOM)
+    for device in ("cpu", "cuda"):
+        group._register_backend(torch.device(device), ProcessGroup.BackendType.CUSTOM, backend)
+    group._set_group_name(group_name)
+    return group
+
+
+def init_fake_world(rank: int, world_size: int) -> None:
+    """Initialise the default process group as torch's fake one: rank ``rank`` of
+    ``world_size``, no other process, no communication (what a model file sees when
+    ``cachebuild warm --world-size`` plans one rank)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers "fake"
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
 def source_name(source: Any) -> str:
     """A Dynamo source's name (a property from torch 2.13, a method before)."""
     name = source.name

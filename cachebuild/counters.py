@@ -23,6 +23,7 @@ class Counters:
     failed: int = 0   # targets that failed to compile
     fallbacks: int = 0  # targets built in another flavour than asked (logged with why)
     layout_copies: int = 0  # piece inputs copied to the strides the piece was compiled for
+    device_copies: int = 0  # targets used as a copy built for this GPU index (Builder)
     traced: int = 0   # models traced with Dynamo
     entries_loaded: int = 0  # model entries loaded (warm starts)
     vanished: int = 0  # targets removed from the store (gc) while being loaded: misses

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from cachebuild.trace import TracedGraph, meta_of
+from cachebuild.facts import device_of, meta_of, unpin_device
+from cachebuild.trace import TracedGraph
 
 log = logging.getLogger("cachebuild")
 
@@ -114,6 +115,7 @@ class GraphForward:
 
         gm = specialise(self.gm, dict(zip(self.scalars, values, strict=True))) \
             if self.scalars else self.gm
+        unpin_device(gm, device_of(self.fakes))  # every rank's graph alike (facts.py)
         n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
         traced = TracedGraph(
             gm=gm, bindings=[], input_metas=[meta_of(f) for f in self.fakes], source_files={},

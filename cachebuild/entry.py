@@ -96,6 +96,16 @@ class Entry:
         return [Target(t.key, i, t.bucket, self.manifests[t.key], tuple(p.sources))
                 for i, p in enumerate(self.pieces) for t in p.targets]
 
+    def layouts(self) -> list[dict[str, Any]]:
+        """The distinct process-group layouts its targets were keyed with (none for a
+        model without collectives)."""
+        found: list[dict[str, Any]] = []
+        for manifest in self.manifests.values():
+            layout = manifest.get("distributed")
+            if layout is not None and layout not in found:
+                found.append(layout)
+        return found
+
     @property
     def device(self) -> str:
         """Where the traced call's tensors were."""

@@ -2,7 +2,8 @@
 
 For a target, the factors of its manifest in words: the piece's graph diffed node by node
 (``silu → gelu at node 5 (model.py:42)``, ``constant 1e-05 → 1e-06 in rms_norm at node 3``,
-an input reshaped), a pass edited, the environment, the toolchain. For an entry, the
+an input reshaped: another rank's uneven shard), a pass edited, the environment, the
+toolchain, the process-group layout (``world size 2 → 4``). For an entry, the
 factors of its key (a config value: ``config.rms_norm_eps: 1e-06 → 1e-05``) and the values
 its trace read, checked on the live model (``layers.0.mlp.act_fn: SiLU → GELUActivation``).
 """
@@ -13,7 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from cachebuild.graphdiff import diff_graphs
+from cachebuild.distributed import describe_change
+from cachebuild.graphdiff import diff_graphs, similarity
 from cachebuild.keys import MISSING, Difference, canonical_json, diff_manifests
 from cachebuild.targets import bucket_label
 
@@ -55,22 +57,31 @@ def explain(wanted: dict[str, Any], stored: list[tuple[str, dict[str, Any]]],
             sources: Sequence[str | None] | None = None) -> Explanation:
     """Compare a wanted manifest with the nearest of ``stored`` (key, manifest) pairs.
 
-    Nearest = fewest differing factors, preferring the same bucket. The piece graphs are
-    diffed node by node (``graphdiff``; ``sources``: where the trace recorded each node of
-    the wanted graph), the passes pass by pass.
+    Nearest = fewest differing factors (the process-group layout counts as one), preferring
+    the same bucket, then the most alike graph (another rank's shard of the same piece
+    rather than another piece). The piece graphs are diffed node by node (``graphdiff``;
+    ``sources``: where the trace recorded each node of the wanted graph), the passes pass
+    by pass.
     """
-    best: tuple[int, str, list[Difference]] | None = None
+    scored: list[tuple[int, str, list[Difference]]] = []
     for key, manifest in stored:
         try:
             diffs = diff_manifests(manifest, wanted)
         except (TypeError, ValueError, RecursionError, AttributeError):
             continue  # not a manifest cachebuild wrote: it explains nothing
-        score = len(diffs) + (0 if manifest.get("bucket") == wanted.get("bucket") else 100)
-        if best is None or score < best[0]:
-            best = (score, key, diffs)
-    if best is None:
+        factors = {d.path if d.path.split(".")[0] != "distributed" else "distributed"
+                   for d in diffs}
+        score = len(factors) + (0 if manifest.get("bucket") == wanted.get("bucket") else 100)
+        scored.append((score, key, diffs))
+    if not scored:
         return Explanation(nearest=None, reasons=["nothing comparable is stored"])
-    nearest = dict(stored)[best[1]]
+    least = min(s[0] for s in scored)
+    tied = [s for s in scored if s[0] == least]
+    best = tied[0]
+    by_key = dict(stored)
+    if len(tied) > 1 and any(d.path.startswith("graph.") for d in best[2]):
+        best = max(tied, key=lambda s: _graph_likeness(by_key[s[1]], wanted))
+    nearest = by_key[best[1]]
     reasons: list[str] = []
     try:
         if any(d.path.startswith("graph.") for d in best[2]):
@@ -79,14 +90,28 @@ def explain(wanted: dict[str, Any], stored: list[tuple[str, dict[str, Any]]],
             reasons += _pass_changes(nearest.get("passes", {}), wanted.get("passes", {}))
     except (TypeError, ValueError, KeyError, RecursionError, AttributeError, IndexError):
         reasons.append("the piece's graph or passes differ")  # a malformed stored manifest
+    if any(d.path.split(".")[0] == "distributed" for d in best[2]):
+        try:
+            reasons += describe_change(nearest.get("distributed"), wanted.get("distributed"))
+        except (TypeError, ValueError, KeyError, RecursionError, AttributeError):
+            reasons.append("the process-group layout differs")  # a malformed stored manifest
     for d in best[2]:
-        if d.path.startswith(("graph.", "passes.passes")):
+        if d.path.startswith(("graph.", "passes.passes")) or d.path.split(".")[0] == "distributed":
             continue
         try:
             reasons += describe(d)
         except (TypeError, ValueError, KeyError, RecursionError, AttributeError):
             reasons.append(f"{d.path} differs")
+    # The same change at several nodes (one constant in each of three splits) says it once.
+    reasons = list(dict.fromkeys(reasons))
     return Explanation(nearest=best[1], reasons=reasons or ["identical factors"])
+
+
+def _graph_likeness(manifest: dict[str, Any], wanted: dict[str, Any]) -> float:
+    try:
+        return similarity(manifest.get("graph", {}), wanted.get("graph", {}))
+    except (TypeError, ValueError, KeyError, RecursionError, AttributeError, IndexError):
+        return -1.0  # a malformed stored manifest: the least alike
 
 
 def label(target: Any) -> str:
@@ -134,7 +159,24 @@ def describe_entry(d: Difference) -> list[str]:
         return [f"{d.path.removeprefix('model_config.')}: {_value(d.old)} → {_value(d.new)}"]
     if d.path.startswith("model.code"):
         return [f"the code of {d.path.removeprefix('model.code.') or 'a class'} changed"]
+    if d.path in ("params", "buffers") and isinstance(d.old, list) and isinstance(d.new, list):
+        return _tensor_table_changes(d.path[:-1], d.old, d.new)
     return describe(d)
+
+
+def _tensor_table_changes(kind: str, old: list[Any], new: list[Any]) -> list[str]:
+    """``param layers.0.qkv.weight: float32 [96, 64] → float32 [64, 64]`` (another rank's
+    shard), for the first few tensors that differ; the rest counted."""
+    def table(rows: list[Any]) -> dict[str, str]:
+        return {str(r[0]): f"{r[2]} {r[1]}" for r in rows
+                if isinstance(r, list) and len(r) == 4}
+
+    a, b = table(old), table(new)
+    changes = [f"{kind} {name}: {a.get(name, 'absent')} → {b.get(name, 'absent')}"
+               for name in [*a, *(n for n in b if n not in a)] if a.get(name) != b.get(name)]
+    if len(changes) > 3:
+        changes = changes[:3] + [f"and {len(changes) - 3} more {kind}s"]
+    return changes or [f"{kind}s differ"]
 
 
 def nearest_entry(factors: dict[str, Any], records: list[Any]) -> tuple[str, list[str]] | None:

@@ -111,6 +111,51 @@ def torch_dir() -> str:
     return os.path.dirname(torch.__file__) + os.sep
 
 
+def on_device(device: str | torch.device) -> Any:
+    """A context in which ``device`` (``cuda:1``) is the current device of its type, which
+    is what a bare ``cuda`` in a graph (``unpin_device``) means; a no-op context for a
+    device without an index (the CPU). Reusable: enter it at every call."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and dev.index is not None:
+        return torch.cuda.device(dev)
+    return contextlib.nullcontext()
+
+
+def unpin_device(gm: fx.GraphModule, device: str) -> int:
+    """Name ``device`` (the traced call's, e.g. ``cuda:1``) by its bare type (``cuda``)
+    wherever the graph holds it as a constant (``torch.arange(n, device=x.device)``);
+    returns how many arguments changed.
+
+    Then every rank's graph is the same, so are the keys and the artifacts made from it,
+    and each runs on whichever GPU is current (``on_device``). Other devices the graph
+    names keep their index: a model that places work on two GPUs on purpose still does.
+    """
+    pinned = torch.device(device)
+    if pinned.index is None:
+        return 0
+    bare = torch.device(pinned.type)
+    changed = 0
+
+    def swap(value: Any) -> Any:
+        nonlocal changed
+        if isinstance(value, torch.device) and value == pinned:
+            changed += 1
+            return bare
+        if isinstance(value, (list, tuple)):
+            return type(value)(swap(v) for v in value)
+        if isinstance(value, dict):
+            return {k: swap(v) for k, v in value.items()}
+        return value
+
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            node.args = swap(node.args)
+            node.kwargs = swap(node.kwargs)
+    if changed:
+        gm.recompile()
+    return changed
+
+
 def device_of(values: Any, default: str = "cpu") -> str:
     """The device of the first tensor (or tensor ``InputMeta``) among ``values``: where a
     model, a call or a graph lives. ``default`` when there is none."""

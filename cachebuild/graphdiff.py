@@ -128,6 +128,14 @@ def _input_changes(old: Sequence[dict[str, Any]], new: Sequence[dict[str, Any]])
     return changes
 
 
+def similarity(old: dict[str, Any], new: dict[str, Any]) -> float:
+    """How alike two canonical piece graphs are, 0 to 1: the share of their nodes (by op
+    and target, in order) and inputs (by metadata) that match."""
+    a = [_signature(n) for n in old.get("nodes", [])] + [repr(m) for m in old.get("inputs", [])]
+    b = [_signature(n) for n in new.get("nodes", [])] + [repr(m) for m in new.get("inputs", [])]
+    return difflib.SequenceMatcher(None, a, b, autojunk=False).ratio()
+
+
 def diff_graphs(old: dict[str, Any], new: dict[str, Any],
                 sources: Sequence[str | None] | None = None) -> list[str]:
     """The differences between two canonical piece graphs, in words, most telling first:

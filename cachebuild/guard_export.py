@@ -33,6 +33,7 @@ from cachebuild.guards import (
     decode_key,
     encode_key,
     fingerprint,
+    is_process_group,
     process_state,
     resolve,
 )
@@ -52,6 +53,12 @@ CHECK_OF = {
     "NOT_PRESENT_IN_GENERIC_DICT": "in_dict",
     "HASATTR": "exists",
 }
+
+#: Guard kinds Dynamo puts on a process group (an ``ID_MATCH`` before torch 2.13, an
+#: opaque object's type and guard function from 2.13): each becomes one ``process_group``
+#: record, which checks what the graph bakes in of the group (its name and size).
+PROCESS_GROUP_KINDS = frozenset({"ID_MATCH", "TYPE_MATCH", "FAKE_SCRIPT_TYPE_MATCH",
+                                 "OPAQUE_OBJ_GUARD_FN_MATCH"})
 
 #: Guard kinds that need no record, and why.
 COVERED = {
@@ -239,7 +246,9 @@ def _direct(path: list[list[Any]]) -> list[list[Any]]:
     return path
 
 
-def _record(entry: Any, check: str, model: Any, args: Sequence[Any], frame: Frame) -> GuardRecord:
+def _record(entry: Any, check: str | None, model: Any, args: Sequence[Any],
+            frame: Frame) -> GuardRecord:
+    """The record of one guard; ``check`` None: only a process group has a plain form."""
     guard = entry.orig_guard
     path = _direct(source_path(guard.originating_source, frame))
     kwargs = _partial_kwargs(guard)
@@ -257,6 +266,11 @@ def _record(entry: Any, check: str, model: Any, args: Sequence[Any], frame: Fram
         raise Unrecordable(f"{guard.name}: not readable by a plain path ({type(e).__name__})") from e
     if check == "equals" and isinstance(value, types.CodeType):
         check = "id"  # Dynamo's CONSTANT_MATCH compares code objects by identity
+    if entry.guard_type in PROCESS_GROUP_KINDS and is_process_group(value):
+        check = "process_group"
+    if check is None:
+        raise Unrecordable(f"{guard.name}: Dynamo guard kind {entry.guard_type} has no plain "
+                           "form")
     try:
         expected = fingerprint(check, value, arg)
         # The plain path must read what Dynamo read.
@@ -297,8 +311,8 @@ def records_from(collected: Collected, model: torch.nn.Module, args: Sequence[An
             if COVERED[kind] != "tensor":
                 continue
             record = _tensor_record(entry, model, args, frame, bound)
-        elif kind in CHECK_OF:
-            record = _record(entry, CHECK_OF[kind], model, args, frame)
+        elif kind in CHECK_OF or kind in PROCESS_GROUP_KINDS:
+            record = _record(entry, CHECK_OF.get(kind), model, args, frame)
         else:
             raise Unrecordable(f"{entry.orig_guard.name or 'a guard'}: Dynamo guard kind "
                                f"{kind} has no plain form")

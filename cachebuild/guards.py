@@ -71,10 +71,27 @@ def plain(value: Any) -> Any:
 
 
 def qualname(obj: Any) -> str:
-    """``module.QualName`` of a class or function."""
-    module = getattr(obj, "__module__", None) or ""
+    """``module.QualName`` of a class or function; a model file's module by its file name
+    (``model_label``)."""
+    module = model_label(getattr(obj, "__module__", None) or "")
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
     return f"{module}.{name}" if module else name
+
+
+#: The module name ``cachebuild.modelfile`` imports a MODEL.py under (plus a path hash).
+MODEL_MODULE_PREFIX = "cachebuild_model_"
+
+
+def model_label(module: str) -> str:
+    """A module name as guards compare it. A model file is ``__main__`` when a server runs
+    it as a script and ``cachebuild_model_<hash of its path>`` when ``cachebuild warm``
+    imports it: both are named by the file's name (``<llama.py>``), so an entry recorded
+    by one is found by the other (the file's contents are in the entry key already)."""
+    if module == "__main__" or module.startswith(MODEL_MODULE_PREFIX):
+        path = getattr(sys.modules.get(module), "__file__", None)
+        if path:
+            return f"<{os.path.basename(path)}>"
+    return module
 
 
 def identity(value: Any) -> Any:
@@ -123,6 +140,8 @@ def short(fingerprint: Any) -> str:
         if tag in ("list", "tuple", "set"):
             inner = ", ".join(short(x) for x in v)
             return f"({inner})" if tag == "tuple" else f"[{inner}]"
+    if isinstance(fingerprint, dict) and "process_group" in fingerprint:
+        return f"process group {fingerprint['process_group']!r} of {fingerprint.get('size')}"
     if isinstance(fingerprint, dict) and "builtin" in fingerprint:
         return fingerprint["builtin"].rsplit(".", 1)[-1]
     if isinstance(fingerprint, dict) and "function" in fingerprint:
@@ -156,6 +175,22 @@ def _check_tensor(value: Any, arg: Any) -> Any:
             "device": value.device.type, "requires_grad": value.requires_grad}
 
 
+def is_process_group(value: Any) -> bool:
+    try:
+        from torch._C._distributed_c10d import ProcessGroup
+    except ImportError:  # a torch built without distributed support
+        return False
+    return isinstance(value, ProcessGroup)
+
+
+def _check_process_group(value: Any, arg: Any) -> Any:
+    """A process group by what a traced graph bakes in of it: its name (collectives find
+    their group by name) and its size; never its rank, so every rank passes."""
+    if not is_process_group(value):
+        return {"type": qualname(type(value))}
+    return {"process_group": str(value.group_name), "size": int(value.size())}
+
+
 def _check_contains(value: Any, arg: Any) -> Any:
     return decode_key(arg) in value
 
@@ -179,6 +214,7 @@ CHECKS: dict[str, Callable[[Any, Any], Any]] = {
     "in_dict": _check_in_dict,
     "exists": _check_exists,
     "tensor": _check_tensor,
+    "process_group": _check_process_group,
 }
 
 

@@ -82,6 +82,8 @@ def process_metrics(snapshot: dict) -> list[Metric]:
         "failed": "Targets that failed to compile.",
         "fallbacks": "Targets built in another flavour than asked (logged with why).",
         "layout_copies": "Piece inputs copied to the strides the piece was compiled for.",
+        "device_copies": "Targets used as a copy built for this GPU index (artifacts whose "
+                         "code names their GPU).",
         "traced": "Models traced with Dynamo.",
         "entries_loaded": "Model entries loaded (warm starts).",
     }

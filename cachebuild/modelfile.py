@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from cachebuild.api import ModelSpec
 from cachebuild.errors import UsageError
+from cachebuild.guards import MODEL_MODULE_PREFIX
 
 if TYPE_CHECKING:
     from cachebuild.store.base import Store
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
 
 def module_name(path: Path) -> str:
     """A module name for a model file, the same in every process (workers import it too)."""
-    return "cachebuild_model_" + hashlib.sha1(str(path).encode()).hexdigest()[:16]
+    return MODEL_MODULE_PREFIX + hashlib.sha1(str(path).encode()).hexdigest()[:16]
 
 
 def _where(path: Path, error: BaseException) -> str:

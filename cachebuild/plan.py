@@ -10,6 +10,7 @@ target (piece × bucket, keyed by its factors) and makes the entry, which ``reco
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,7 @@ import torch
 from cachebuild.backends import Backend, get_backend
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase
+from cachebuild.distributed import layout_mismatches
 from cachebuild.entry import Entry, entry_factors, make_entry, variant_key
 from cachebuild.env import env_factors
 from cachebuild.facts import device_of
@@ -93,24 +95,29 @@ class Planner:
                                 target_factors(self.backend, self.config, self.passes))
         return make_key(factors), factors
 
-    def lookup(self, args: tuple[Any, ...]) -> Lookup:
+    def lookup(self, args: tuple[Any, ...],
+               pending: Mapping[str, Entry] | None = None) -> Lookup:
         """The stored entry for this call whose guards hold on the live model, if any.
 
         Starts at the entry key; an entry whose guards fail leads to the key of the variant
         for the live values (``variant_key``), and so on, a few steps at most.
+        ``pending``: entries by key that count as stored (planned, not yet recorded: the
+        ranks of a world size planned one after another share the entry of equal shards).
         """
         key, factors = self.entry_key(args)
         why = "no entry"
         wrong: list[Mismatch] = []
         for _ in range(MAX_VARIANTS):
-            data = self.store.get(key, touch=self.touch)
-            if data is None:
-                return Lookup(None, why, key, factors, wrong)
-            try:
-                entry = Entry.from_bytes(data)
-            except (ValueError, KeyError, TypeError) as e:  # not an entry of this format
-                return Lookup(None, f"stored entry unreadable ({type(e).__name__})", key,
-                              factors)
+            entry = (pending or {}).get(key)
+            if entry is None:
+                data = self.store.get(key, touch=self.touch)
+                if data is None:
+                    return Lookup(None, why, key, factors, wrong)
+                try:
+                    entry = Entry.from_bytes(data)
+                except (ValueError, KeyError, TypeError) as e:  # not an entry of this format
+                    return Lookup(None, f"stored entry unreadable ({type(e).__name__})", key,
+                                  factors)
             stale = entry.stale_files()
             if stale:
                 return Lookup(None, f"traced source changed: {', '.join(stale)}", key, factors)
@@ -118,6 +125,11 @@ class Planner:
                 guards = entry.guard_set()
                 values = guards.values(self.model, args)
                 wrong = guards.mismatches(self.model, args, values)
+                layouts = entry.layouts()
+                if layouts:  # a tensor-parallel model: its process groups as traced?
+                    moved, live = layout_mismatches(layouts)
+                    wrong += moved
+                    values = [*values, {"process_groups": live}]
             if not wrong:
                 return Lookup(entry, "fresh", key, factors)
             why = "a value the trace read differs: " + "; ".join(

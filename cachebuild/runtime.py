@@ -30,7 +30,7 @@ from cachebuild.cudagraphs import (
 )
 from cachebuild.entry import Entry
 from cachebuild.errors import UsageError
-from cachebuild.facts import InputMeta, device_of
+from cachebuild.facts import InputMeta, device_of, on_device
 from cachebuild.fxjson import data_to_module
 from cachebuild.inputs import CallCheck, LayoutGuard, same_layout
 from cachebuild.keys import canonical_json
@@ -143,6 +143,20 @@ def direct_forward(stitched: Stitched) -> Callable[..., Any]:
     return type(stitched.gm).forward.__get__(_Direct(stitched))
 
 
+def on_device_forward(forward: Callable[..., Any], device: str) -> Callable[..., Any]:
+    """``forward`` run with ``device`` current (``facts.on_device``), where it has an index:
+    graphs name the model's GPU by type alone, so they run on whichever GPU is current."""
+    if torch.device(device).index is None:
+        return forward
+    scope = on_device(device)
+
+    def run(*args: Any) -> Any:
+        with scope:
+            return forward(*args)
+
+    return run
+
+
 @dataclass
 class CaptureReport:
     sizes: list[int]
@@ -165,6 +179,7 @@ class ModelRuntime:
                  config: CompileConfig, dynamic_dims: dict[int, int]) -> None:
         self.entry = entry
         self.device = live_device(model, entry)
+        self._on_device = on_device(self.device)
         mode = config.cudagraph_mode
         self.capture_api = capture_for(str(self.device)) if mode != "none" else None
         self.stitched = stitch(entry, loaded, self.capture_api if mode == "piecewise" else None)
@@ -315,9 +330,10 @@ class ModelRuntime:
     def _call(self, *args: Any) -> Any:
         if self._generation != weights.GENERATION[0]:
             self._rebind_if_replaced()
-        if self.whole is not None:
-            return self.whole(*args)
-        return self._forward(*args)
+        with self._on_device:  # graphs name the GPU by type: run on the model's
+            if self.whole is not None:
+                return self.whole(*args)
+            return self._forward(*args)
 
     def _forward(self, *args: Any) -> Any:
         flat = list(self._template)  # weights and constants in place; fill in the call

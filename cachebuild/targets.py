@@ -11,6 +11,10 @@ The key covers everything that decides the compiled output, named as factors:
 - ``backend``: the backend's name, version and options (``Backend.factors``).
 - ``passes``: each enabled pass's name and uuid, and the pass config.
 - ``env``: torch, triton, CUDA, device, Python and schema versions (``env.py``).
+- ``distributed`` (only for a piece that calls collectives): the world size and the layout
+  of the process groups it names (``distributed.layout_factors``). No rank and no device
+  index enter a key (inputs keep the device *type*), so ranks whose shards are equal
+  share every target, on whichever GPU each one runs.
 
 Weights never enter a key: they are inputs of the piece.
 """
@@ -20,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from cachebuild.distributed import layout_factors
 from cachebuild.facts import SYMBOL, InputMeta, torch_dir
 from cachebuild.fxjson import graph_to_data
 from cachebuild.graphdiff import user_frame
@@ -106,13 +111,17 @@ def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend:
     for piece in pieces:
         if not piece.compiled:
             continue
-        graph = canonical_graph(piece_data(piece), piece.input_metas)
+        nodes = piece_data(piece)
+        graph = canonical_graph(nodes, piece.input_metas)
+        layout = layout_factors(nodes)
         sources = tuple(user_frame(n.meta.get("stack_trace"), torch_dir())
                         for n in piece.gm.graph.nodes)
         targets = []
         for bucket in buckets if piece.size_input is not None else [{"static": True}]:
             manifest = {"graph": graph, "bucket": bucket, "backend": backend,
                         "passes": passes, "env": env}
+            if layout is not None:
+                manifest["distributed"] = layout
             targets.append(Target(make_key(manifest), piece.index, bucket, manifest, sources))
         out[piece.index] = targets
     return out

@@ -25,7 +25,7 @@ import xxhash
 from cachebuild.codehash import code_objects as code_objects_of
 from cachebuild.codehash import has_source_file, sourceless_classes
 from cachebuild.errors import UsageError
-from cachebuild.facts import SYMBOL, InputMeta, meta_of, torch_dir
+from cachebuild.facts import SYMBOL, InputMeta, device_of, meta_of, torch_dir, unpin_device
 from cachebuild.guards import GuardRecord, GuardSet
 from cachebuild.outputs import output_recipe
 from cachebuild.weights import hooks_hidden
@@ -270,6 +270,8 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fakes = [n.meta.get("example_value", v) for n, v in zip(placeholders, inputs, strict=True)]
     metas = [meta_of(f) for f in fakes]
+    # The call's GPU by type only: ranks on other GPUs trace the same graph (same keys).
+    unpin_device(gm, device_of([*metas, *model.parameters()]))
     num_outputs = len(next(iter(n for n in gm.graph.nodes if n.op == "output")).args[0])
     bindings = _bind(model, args, inputs, dynamic_dims)
 

@@ -136,6 +136,8 @@ class ScratchStore:
         return key == self.key
 
     def scratch_dir(self, *, in_memory: bool = False) -> Path:
+        """A private directory for the loader's files: inside this store's own temporary
+        folder (0700, removed with it), on disk or not as that folder is."""
         path = self.folder / "scratch"
         path.mkdir(mode=0o700, exist_ok=True)
         return path

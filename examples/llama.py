@@ -8,7 +8,8 @@ Size knobs (environment variables, small defaults so a CPU warms it in about a m
 ``LLAMA_MLP`` (688), ``LLAMA_VOCAB`` (1024), ``LLAMA_DEVICE`` (cpu), ``LLAMA_DTYPE``
 (float32 on CPU, bfloat16 on CUDA), ``LLAMA_MAX_TOKENS`` (512: the compile range),
 ``LLAMA_COMPILE_SIZES`` (none: comma-separated exact sizes with their own targets),
-``LLAMA_FLAVOUR`` (auto: the inductor artifact flavour, or aoti, standalone).
+``LLAMA_FLAVOUR`` (auto: the inductor artifact flavour, or aoti, standalone),
+``LLAMA_BACKEND`` (inductor, or eager_fusion: no code generation).
 The TinyLlama shape itself: hidden 2048, 22 layers, 32 heads, 4 KV heads, MLP 5632.
 
     cachebuild warm examples/llama.py      # build every target ahead of time
@@ -138,6 +139,7 @@ def config() -> cachebuild.CompileConfig:
         compile_ranges=((1, _env("LLAMA_MAX_TOKENS", 512)),),
         compile_sizes=tuple(int(s) for s in sizes.split(",") if s.strip()),
         flavour=os.environ.get("LLAMA_FLAVOUR", "auto"),
+        backend=os.environ.get("LLAMA_BACKEND", "inductor"),
     )
 
 

@@ -12,6 +12,7 @@ import multiprocessing
 import os
 import time
 import warnings
+from collections.abc import Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,24 +93,69 @@ class Planned:
     spec: ModelSpec
     planner: Planner
     entry: Entry
-    why: str  # "fresh" when the stored entry was used, else why the model was traced
+    why: str  # "fresh" when the stored (or pending) entry was used, else why it was traced
     found: Lookup  # what the lookup of the stored entry found
+    rank: int | None = None  # the rank it was planned as (``--world-size``), else None
 
 
-def plan_model(ctx: click.Context, path: str, device: str | None = None) -> Planned:
-    """Load MODEL.py and find its entry: the stored one if fresh, else a new trace."""
+def plan_model(ctx: click.Context, path: str, device: str | None = None,
+               pending: dict[str, Entry] | None = None, rank: int | None = None) -> Planned:
+    """Load MODEL.py and find its entry: the stored one (or one in ``pending``, planned for
+    another rank) if fresh, else a new trace."""
     from cachebuild.modelfile import load_spec
     from cachebuild.plan import Planner
 
     spec = _spec_on(load_spec(path), device)
     store = open_store(ctx)
     planner = Planner(spec.model, spec.config, spec.dynamic_dims, store, touch=False)
-    found = planner.lookup(spec.example_inputs)
+    found = planner.lookup(spec.example_inputs, pending)
     entry = found.entry
     if entry is None:
-        _console().print(f"tracing {Path(path).name} ({found.why})")
+        who = f" as rank {rank}" if rank is not None else ""
+        _console().print(f"tracing {Path(path).name}{who} ({found.why})")
         entry = planner.trace(spec.example_inputs, found)
-    return Planned(spec, planner, entry, found.why, found)
+    return Planned(spec, planner, entry, found.why, found, rank)
+
+
+def plan_group(ctx: click.Context, path: str, device: str | None,
+               world_size: int | None) -> Iterator[Planned]:
+    """``plan_model(...)``, or with ``world_size`` one Planned per rank, each planned in
+    this process under torch's fake process group as that rank (``distributed.fake_world``:
+    no GPUs, no other processes), and handed out while that rank's group is up (what the
+    caller checks on the rank's model sees it as the rank). A rank whose model equals an
+    earlier rank's (an equal shard) takes that rank's entry without tracing."""
+    if world_size is None:
+        yield plan_model(ctx, path, device)
+        return
+    from cachebuild.distributed import fake_world
+
+    pending: dict[str, Entry] = {}
+    for rank in range(world_size):
+        with fake_world(rank, world_size):
+            p = plan_model(ctx, path, device, pending, rank)
+            if p.found.entry is None:
+                pending[p.entry.key] = p.entry
+            yield p
+
+
+def _to_record(group: list[Planned]) -> list[Planned]:
+    """The planned entries that are new (traced here), each once."""
+    out: dict[str, Planned] = {}
+    for p in group:
+        if p.found.entry is None:
+            out.setdefault(p.entry.key, p)
+    return list(out.values())
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """``[0, 1, 2, 5]`` → ``ranks 0-2, 5``; ``[3]`` → ``rank 3``."""
+    parts: list[str] = []
+    for r in sorted(set(ranks)):
+        if parts and parts[-1].split("-")[-1] == str(r - 1):
+            parts[-1] = f"{parts[-1].split('-')[0]}-{r}"
+        else:
+            parts.append(str(r))
+    return ("rank " if len(set(ranks)) == 1 else "ranks ") + ", ".join(parts)
 
 
 # -- building in worker processes ------------------------------------------------------
@@ -187,25 +233,35 @@ def build_jobs(jobs: list[BuildJob], workers: int, model_path: str,
               help="Worker processes building targets (default: the CPUs this process may use).")
 @click.option("--device", metavar="D", help="Move the model and inputs to D (e.g. cuda:0).")
 @click.option("--dry-run", is_flag=True, help="Show what would be built; build nothing.")
+@click.option("--world-size", type=click.IntRange(min=1), default=None, metavar="N",
+              help="MODEL.py is tensor-parallel: plan each of N ranks in this process under "
+                   "torch's fake process group (no GPUs, no other processes) and build "
+                   "each unique target once for the whole group.")
 @click.pass_context
 def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str | None,
-                 dry_run: bool) -> None:
+                 dry_run: bool, world_size: int | None) -> None:
     """Build every missing target of MODEL.py ahead of deploy and record its entry.
 
     MODEL.py defines build() -> cachebuild.ModelSpec. A target that fails is reported with
     its piece, bucket, key and the compiler's message; the others still build (exit 1).
+    With --world-size N, build() is called once per rank, with torch.distributed's rank
+    and world size set as torchrun would (a fake process group), and every rank's entry
+    is recorded.
     """
     from cachebuild.build import jobs_of
     from cachebuild.explain import label
 
     start = time.perf_counter()
-    planned = plan_model(ctx, model, device)
-    store = planned.planner.store
-    all_jobs = jobs_of(planned.entry, planned.spec.config)
+    group = list(plan_group(ctx, model, device, world_size))
+    store = group[0].planner.store
+    all_jobs: dict[str, BuildJob] = {}
+    for p in group:
+        for key, job in jobs_of(p.entry, p.spec.config).items():
+            all_jobs.setdefault(key, job)
     missing = [j for key, j in all_jobs.items() if not store.contains(key)]
     console = _console()
     if dry_run:
-        _targets_table(planned, store, console)
+        _group_table(group, store, console)
         console.print(f"dry run: {len(missing)} of {len(all_jobs)} targets would be built")
         return
     failures: list[tuple[BuildJob, str]] = []
@@ -227,17 +283,29 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
 
             build_jobs(missing, workers, str(Path(model).resolve()), state_of(ctx).options,
                        done)
-    if planned.why != "fresh" and not planned.planner.record(planned.entry):
-        console.print(f"[yellow]no entry recorded[/yellow] (no warm start without Dynamo): "
-                      f"{planned.planner.unrecordable}")
+    for planned in _to_record(group):
+        if not planned.planner.record(planned.entry):
+            console.print(f"[yellow]no entry recorded[/yellow] (no warm start without Dynamo): "
+                          f"{planned.planner.unrecordable}")
     for job, error in failures:
         console.print(f"[red]failed[/red] {label(job.target)} key {job.target.key}: {error}")
     console.print(
         f"{len(all_jobs)} targets: {len(all_jobs) - len(missing)} already stored, {built} built, "
-        f"{len(failures)} failed, in {time.perf_counter() - start:.1f} s; entry {planned.entry.key}"
+        f"{len(failures)} failed, in {time.perf_counter() - start:.1f} s; {_entries_said(group)}"
     )
     if failures:
         ctx.exit(1)
+
+
+def _entries_said(group: list[Planned]) -> str:
+    """``entry KEY``, or for a world size each distinct entry with the ranks it serves."""
+    if len(group) == 1 and group[0].rank is None:
+        return f"entry {group[0].entry.key}"
+    ranks: dict[str, list[int]] = {}
+    for p in group:
+        ranks.setdefault(p.entry.key, []).append(p.rank or 0)
+    return "entries " + ", ".join(f"{key} ({rank_ranges(r)})" for key, r in ranks.items())
+
 
 
 #: The words ``plan`` and ``explain`` both use for a target: ``stored``; ``stale`` (not
@@ -301,45 +369,100 @@ def _targets_table(planned: Planned, store: Store, console: Console) -> None:
     console.print(table)
 
 
+def _target_users(group: list[Planned]) -> dict[str, list[int]]:
+    """Target key → the ranks whose entry uses it, in order of first use."""
+    users: dict[str, list[int]] = {}
+    for p in group:
+        for t in p.entry.targets():
+            ranks = users.setdefault(t.key, [])
+            if (p.rank or 0) not in ranks:
+                ranks.append(p.rank or 0)
+    return users
+
+
+def _group_table(group: list[Planned], store: Store, console: Console) -> None:
+    """The targets table of one model, or of every rank of a world size: each unique
+    target once, with the ranks that share it (a rank with an uneven shard has its own)."""
+    from cachebuild.targets import bucket_label
+
+    if len(group) == 1 and group[0].rank is None:
+        _targets_table(group[0], store, console)
+        return
+    users = _target_users(group)
+    first: dict[str, tuple[Planned, Any]] = {}
+    for p in group:
+        for t in p.entry.targets():
+            first.setdefault(t.key, (p, t))
+    states = {p.entry.key: target_states(p, store) for p in group}
+    entries = len(states)
+    table = Table(title=f"{len(group)} ranks: {entries} entr{'y' if entries == 1 else 'ies'}, "
+                        f"{len(users)} unique targets")
+    for column in ("piece", "bucket", "key", "used by", "state"):
+        table.add_column(column)
+    for key, ranks in users.items():
+        p, t = first[key]
+        table.add_row(str(t.piece), bucket_label(t.bucket), key[:16], rank_ranges(ranks),
+                      states[p.entry.key][key])
+    console.print(table)
+
+
+_WORLD_SIZE = click.option(
+    "--world-size", type=click.IntRange(min=1), default=None, metavar="N",
+    help="MODEL.py is tensor-parallel: plan each of N ranks under torch's fake process group.")
+
+
 @click.command("plan")
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--device", metavar="D", help="Move the model and inputs to D first.")
+@_WORLD_SIZE
 @click.pass_context
-def plan_command(ctx: click.Context, model: str, device: str | None) -> None:
-    """Show MODEL.py's targets and their state (stored / missing / stale); build nothing."""
-    planned = plan_model(ctx, model, device)
-    _targets_table(planned, planned.planner.store, stdout())
+def plan_command(ctx: click.Context, model: str, device: str | None,
+                 world_size: int | None) -> None:
+    """Show MODEL.py's targets and their state (stored / missing / stale); build nothing.
+    With --world-size, each unique target of the group once, with the ranks using it."""
+    group = list(plan_group(ctx, model, device, world_size))
+    _group_table(group, group[0].planner.store, stdout())
 
 
 @click.command("explain")
 @click.argument("model", type=click.Path(dir_okay=False))
 @click.option("--device", metavar="D", help="Move the model and inputs to D first.")
+@_WORLD_SIZE
 @click.pass_context
-def explain_command(ctx: click.Context, model: str, device: str | None) -> None:
-    """For every missing target of MODEL.py, the nearest stored one and what differs."""
+def explain_command(ctx: click.Context, model: str, device: str | None,
+                    world_size: int | None) -> None:
+    """For every missing target of MODEL.py, the nearest stored one and what differs
+    (with --world-size: of every rank, naming the ranks a target serves)."""
     from cachebuild.explain import explain, label
 
-    planned = plan_model(ctx, model, device)
-    store = planned.planner.store
-    records = list(store.records(shared=True))  # a shared tier's manifests explain too
-    stored = [(r.key, r.manifest) for r in records if r.kind != "entry" and r.manifest]
     console = stdout()
-    if planned.why != "fresh":
-        _explain_entry(planned, records, console)
+    records: list[Any] | None = None
+    group: list[Planned] = []
+    for planned in plan_group(ctx, model, device, world_size):
+        group.append(planned)
+        if records is None:  # a shared tier's manifests explain too
+            records = list(planned.planner.store.records(shared=True))
+        if planned.why != "fresh" and planned.found.key not in {p.found.key for p in group[:-1]}:
+            _explain_entry(planned, records, console)  # with this rank's group up
+    store = group[0].planner.store
+    stored = [(r.key, r.manifest) for r in records or [] if r.kind != "entry" and r.manifest]
+    users = _target_users(group)
     missing = 0
     seen: set[str] = set()
-    states = target_states(planned, store)
-    for t in planned.entry.targets():
-        if t.key in seen or states[t.key] == "stored":
-            continue
-        seen.add(t.key)
-        missing += 1
-        why = explain(t.manifest, stored, t.sources)
-        nearest = f"nearest {why.nearest[:16]}" if why.nearest else "no stored target"
-        # Manifests may come from a shared tier: print them as plain, escaped text.
-        line = f"{label(t)} ({t.key[:16]}) {states[t.key]}; {nearest}: " + "; ".join(
-            printable(r, 300) for r in why.reasons)
-        console.print(line, markup=False, emoji=False, highlight=False)
+    for planned in group:
+        states = target_states(planned, store)
+        for t in planned.entry.targets():
+            if t.key in seen or states[t.key] == "stored":
+                continue
+            seen.add(t.key)
+            missing += 1
+            why = explain(t.manifest, stored, t.sources)
+            nearest = f"nearest {why.nearest[:16]}" if why.nearest else "no stored target"
+            who = f" for {rank_ranges(users[t.key])}" if planned.rank is not None else ""
+            # Manifests may come from a shared tier: print them as plain, escaped text.
+            line = f"{label(t)} ({t.key[:16]}) {states[t.key]}{who}; {nearest}: " + "; ".join(
+                printable(r, 300) for r in why.reasons)
+            console.print(line, markup=False, emoji=False, highlight=False)
     if not missing:
         console.print("every target is stored")
 
