@@ -13,7 +13,8 @@ size 4 each KV head is replicated on two ranks; with world size 3 the ranks' sha
     cachebuild warm --world-size 2 examples/llama_tp.py   # build every rank's targets once, no GPUs
 
 Size knobs are those of ``examples/llama.py`` (``LLAMA_LAYERS``, ``LLAMA_HIDDEN``, ...,
-``LLAMA_DEVICE``: ``cuda`` puts rank r on ``cuda:r``). ``main()`` builds the whole model
+``LLAMA_DEVICE``: ``cuda`` puts rank r on ``cuda:r``, ``cuda:0`` puts every rank there;
+``LLAMA_DIST_BACKEND``: ``gloo`` lets ranks share one GPU). ``main()`` builds the whole model
 from one seed on every rank, shards it, and checks each rank's output against the whole
 model run eagerly.
 """
@@ -172,6 +173,14 @@ def rank_device(rank: int) -> torch.device:
     return device
 
 
+def init_group(device: torch.device) -> None:
+    """The default process group: ``LLAMA_DIST_BACKEND`` if set, else NCCL on CUDA and gloo
+    on CPU. gloo also reduces CUDA tensors, so ranks can share one GPU with it (no CUDA
+    graphs then: gloo's collectives cannot be captured)."""
+    backend = os.environ.get("LLAMA_DIST_BACKEND") or ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+
+
 def _dtype(device: torch.device) -> torch.dtype:
     default = "bfloat16" if device.type == "cuda" else "float32"
     return getattr(torch, os.environ.get("LLAMA_DTYPE", default))
@@ -222,7 +231,7 @@ def main() -> None:
     device = rank_device(int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0"))))
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    init_group(device)
     try:
         full = make_full()
         model = make_model(full)

@@ -11,6 +11,9 @@
 
 Float32, so that the sharded sums and the unsharded ones agree to 1e-3. Run with
 ``tools/tp_gpu.sh`` (or ``pytest -m cuda tests/test_tp_gpu.py``); skipped without two GPUs.
+
+With one GPU: a one-rank NCCL group whose all-reduces are captured into CUDA graphs, and
+two ranks sharing the GPU over gloo that build each CUDA target once in total.
 """
 
 from __future__ import annotations
@@ -33,7 +36,8 @@ def _gpus() -> int:
 
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow,
-              pytest.mark.skipif(_gpus() < 2, reason="needs two CUDA GPUs of one host")]
+              pytest.mark.skipif(_gpus() < 1, reason="needs a CUDA GPU")]
+two_gpus = pytest.mark.skipif(_gpus() < 2, reason="needs two CUDA GPUs of one host")
 
 FLAVOURS = [("inductor", "aoti"), ("inductor", "standalone"), ("eager_fusion", "auto")]
 GPU = {"LLAMA_DEVICE": "cuda", "LLAMA_DTYPE": "float32"}
@@ -71,6 +75,7 @@ def on_gpu(index: int, store, backend: str, flavour: str) -> dict:
     return models.run_python(ON_ONE_GPU, env=env)["stats"]
 
 
+@two_gpus
 @pytest.mark.parametrize(("backend", "flavour"), FLAVOURS)
 def test_built_on_gpu0_runs_on_gpu1(tmp_path, backend, flavour):
     store = tmp_path / "store"
@@ -84,6 +89,7 @@ def test_built_on_gpu0_runs_on_gpu1(tmp_path, backend, flavour):
     assert again["built"] == 0 and again["traced"] == 0 and again["device_copies"] == copies
 
 
+@two_gpus
 @pytest.mark.parametrize(("backend", "flavour"), FLAVOURS)
 def test_two_gpu_group_builds_once_and_replays_graphs(tmp_path, backend, flavour):
     store = tmp_path / "store"
@@ -103,3 +109,39 @@ def test_two_gpu_group_builds_once_and_replays_graphs(tmp_path, backend, flavour
         assert (r["stats"]["built"], r["stats"]["traced"], r["stats"]["entries_loaded"]) == (0, 0, 1)
         assert r["captured"] == sorted(tp_group.SIZES)
     assert summed(warm, "device_copies") == copies
+
+
+# -- what one GPU shows --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("backend", "flavour"), FLAVOURS)
+def test_one_rank_nccl_group_captures_its_collectives(tmp_path, backend, flavour):
+    """World size 1 over NCCL: the pieces' all-reduces run through NCCL inside captured CUDA
+    graphs (piecewise, at every size), each replay equal to the model run eagerly; the
+    second start builds nothing."""
+    store = tmp_path / "store"
+    env = {**GPU, "LLAMA_DEVICE": "cuda:0", "LLAMA_BACKEND": backend, "LLAMA_FLAVOUR": flavour,
+           "CUDAGRAPHS": "1"}
+    cold = run_group(1, store, env=env)
+    assert cold[0]["stats"]["built"] == UNIQUE and cold[0]["stats"]["failed"] == 0
+    assert cold[0]["captured"] == sorted(tp_group.SIZES)
+    warm = run_group(1, store, env=env)
+    assert (warm[0]["stats"]["built"], warm[0]["stats"]["traced"]) == (0, 0)
+    assert warm[0]["captured"] == sorted(tp_group.SIZES)
+
+
+@pytest.mark.parametrize(("backend", "flavour"), FLAVOURS)
+def test_two_ranks_on_one_gpu_build_each_target_once(tmp_path, backend, flavour):
+    """Two ranks sharing GPU 0 over gloo (NCCL refuses two ranks on one GPU), cold at once
+    on one store: CUDA targets built once in total, every rank's output equal to the
+    unsharded model; the second start builds nothing."""
+    store = tmp_path / "store"
+    env = {**GPU, "LLAMA_DEVICE": "cuda:0", "LLAMA_DIST_BACKEND": "gloo",
+           "LLAMA_BACKEND": backend, "LLAMA_FLAVOUR": flavour}
+    cold = run_group(2, store, env=env)
+    assert len({r["entry"] for r in cold}) == 1 and len(cold[0]["keys"]) == UNIQUE
+    assert summed(cold, "built") == UNIQUE and summed(cold, "failed") == 0
+    assert summed(cold, "device_copies") == 0  # both on the GPU the targets were built for
+    warm = run_group(2, store, env=env)
+    for r in warm:
+        assert (r["stats"]["built"], r["stats"]["traced"], r["stats"]["entries_loaded"]) == (0, 0, 1)

@@ -46,7 +46,7 @@ cuda = os.environ.get("LLAMA_DEVICE", "cpu").startswith("cuda")
 device = tp.rank_device(int(os.environ["LOCAL_RANK"]))
 if cuda:
     torch.cuda.set_device(device)
-dist.init_process_group("nccl" if cuda else "gloo", device_id=device if cuda else None)
+tp.init_group(device)
 full = tp.make_full()
 model = tp.make_model(full)
 config = tp.config()

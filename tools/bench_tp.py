@@ -67,8 +67,7 @@ if fake:  # one rank alone: the group's targets, collectives that communicate no
     from cachebuild import compat
     compat.init_fake_world(0, world)
 else:
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                            device_id=device if device.type == "cuda" else None)
+    tp.init_group(device)
 full = tp.make_full()  # in every mode alike (only a group's outputs are checked with it)
 model = tp.make_model(full)
 compiled = cachebuild.compile(model, tp.config(), {0: 0, 1: 0},
@@ -152,6 +151,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     n = args.world_size
     env = {"LLAMA_DEVICE": args.device, "LLAMA_BACKEND": args.backend,
            "LLAMA_FLAVOUR": args.flavour}
+    if args.dist_backend:
+        env["LLAMA_DIST_BACKEND"] = args.dist_backend
     with tempfile.TemporaryDirectory(prefix="bench-tp-") as tmp:
         root = Path(tmp)
         env["CACHEBUILD_PROBE_DIR"] = str(root / "probe")
@@ -177,7 +178,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "gpu": torch.cuda.get_device_name(0) if args.device.startswith("cuda") else None,
             "python": platform.python_version(), "torch": torch.__version__,
             "world_size": n, "device": args.device, "backend": args.backend,
-            "flavour": args.flavour, "knobs": knobs, "rows": rows, "bytes": sizes,
+            "flavour": args.flavour, "knobs": knobs,
+            "dist_backend": args.dist_backend or ("nccl" if args.device.startswith("cuda") else "gloo"), "rows": rows, "bytes": sizes,
             "command": "python tools/bench_tp.py " + " ".join(sys.argv[1:])}
 
 
@@ -199,7 +201,7 @@ def show(result: dict[str, Any], markdown: bool) -> None:
     print(f"{result['date']}, {result['machine']} ({result['cores']} cores"
           f"{', ' + result['gpu'] if result.get('gpu') else ''}), Python {result['python']}, "
           f"torch {result['torch']}; {result['backend']} ({result['flavour']}), "
-          f"{result['device']}; {result['command']}")
+          f"{result['device']}, {result.get('dist_backend', '')}; {result['command']}")
     for line in render_table(["start", "spawn to first output (s)", "compile call to first "
                               "output (s)", "targets built", "vs one rank",
                               "max error vs unsharded"], table, markdown):
@@ -213,7 +215,11 @@ def show(result: dict[str, Any], markdown: bool) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--world-size", type=int, default=2)
-    parser.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, rank r on cuda:r)")
+    parser.add_argument("--device", default="cpu",
+                        help="cpu (gloo), cuda (NCCL, rank r on cuda:r) or cuda:0 (every rank "
+                             "on GPU 0: with --dist-backend gloo)")
+    parser.add_argument("--dist-backend", choices=["nccl", "gloo"], default=None,
+                        help="the process group's backend (default: NCCL on CUDA, gloo on CPU)")
     parser.add_argument("--backend", default="eager_fusion", choices=["eager_fusion", "inductor"])
     parser.add_argument("--flavour", default="auto", choices=["auto", "aoti", "standalone"])
     add_output_options(parser)
