@@ -178,6 +178,30 @@ def source_name(source: Any) -> str:
     return name() if callable(name) else name
 
 
+def attribute_guard(guard: Any) -> tuple[Any, str, bool]:
+    """What a ``HASATTR`` or ``NOT_PRESENT_IN_GENERIC_DICT`` guard checks: the source of
+    the object, the attribute's name, and whether the guard's own source is the object's
+    (then the value Dynamo recorded for it is the object; else it is the attribute's).
+
+    torch 2.13 passes the name as the guard function's ``attr`` keyword, on the object's
+    source. Before, ``HASATTR`` sat on the attribute's own source (an ``AttrSource``,
+    possibly inside an ``NNModuleSource``) and took the name from it."""
+    import functools
+
+    from torch._dynamo.source import AttrSource, NNModuleSource
+
+    fn = guard.create_fn
+    keywords = fn.keywords if isinstance(fn, functools.partial) else {}
+    source = guard.originating_source
+    if keywords.get("attr") is not None:
+        return source, keywords["attr"], True
+    if isinstance(source, NNModuleSource):
+        source = source.base
+    if isinstance(source, AttrSource):
+        return source.base, source.member, False
+    raise ValueError(f"an attribute guard on {type(source).__name__} names no attribute")
+
+
 def mutated_sources() -> list[str] | None:
     """Names of objects (or their attributes) that existed before the frame Dynamo is
     tracing and that the frame leaves changed: its side effects. Called from a backend,

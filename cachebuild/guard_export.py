@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from cachebuild import compat
 from cachebuild.guards import (
     STATE_NAMES,
     GuardRecord,
@@ -250,13 +251,15 @@ def _record(entry: Any, check: str | None, model: Any, args: Sequence[Any],
             frame: Frame) -> GuardRecord:
     """The record of one guard; ``check`` None: only a process group has a plain form."""
     guard = entry.orig_guard
-    path = _direct(source_path(guard.originating_source, frame))
-    kwargs = _partial_kwargs(guard)
-    arg: Any = None
+    source, arg, same_value = guard.originating_source, None, True
     if check == "contains":
-        arg = encode_key(kwargs["key"])
+        arg = encode_key(_partial_kwargs(guard)["key"])
     elif check in ("in_dict", "exists"):
-        arg = kwargs["attr"]
+        try:
+            source, arg, same_value = compat.attribute_guard(guard)
+        except ValueError as e:
+            raise Unrecordable(f"{guard.name}: {e}") from e
+    path = _direct(source_path(source, frame))
     env = _environment(path, check, arg, model, args)
     if env is not None:
         return env
@@ -274,7 +277,7 @@ def _record(entry: Any, check: str | None, model: Any, args: Sequence[Any],
     try:
         expected = fingerprint(check, value, arg)
         # The plain path must read what Dynamo read.
-        if entry.has_value and fingerprint(check, entry.value, arg) != expected:
+        if same_value and entry.has_value and fingerprint(check, entry.value, arg) != expected:
             raise Unrecordable(f"{guard.name}: a plain path reads another value than Dynamo's")
     except Unplain as e:
         raise Unrecordable(f"{guard.name} ({entry.guard_type}): {e}") from e

@@ -148,6 +148,28 @@ def test_records_read_values_plainly_and_name_what_differs():
                     "inner.lm_head: True → False"]
 
 
+@pytest.mark.parametrize("form", ["keyword", "attribute source"])
+def test_hasattr_guards_of_either_torch_form_record_the_same(form):
+    """torch 2.13 puts HASATTR on the object with the name as a keyword; torch 2.11 and
+    2.12 on the attribute's own source (and record the attribute's value, not the object's)."""
+    import functools
+    from types import SimpleNamespace
+
+    from torch._dynamo.guards import GuardBuilder
+    from torch._dynamo.source import AttrSource, LocalSource
+    from torch._guards import Guard
+
+    model = Tunable()
+    inner = AttrSource(LocalSource("self"), "inner")
+    if form == "keyword":
+        guard, value = Guard(inner, functools.partial(GuardBuilder.HASATTR, attr="lm_head")), model.inner
+    else:
+        guard, value = Guard(AttrSource(inner, "lm_head"), GuardBuilder.HASATTR), model.inner.lm_head
+    entry = SimpleNamespace(guard_type="HASATTR", has_value=True, value=value, orig_guard=guard)
+    records = records_from(Collected([entry]), model, models.inputs(3), set())
+    assert GuardRecord((("model",), ("attr", "inner")), "exists", "lm_head", True) in records
+
+
 def test_identity_is_by_name_and_code_never_by_address():
     def make(k):
         return lambda x: x * k
