@@ -334,9 +334,21 @@ def _data_to_graph(nodes: Any) -> fx.Graph:
     return graph
 
 
+#: Tensor's operator methods (``x.__eq__(y)``): Dynamo on torch 2.11 and 2.12 keeps some
+#: comparisons as method calls where torch 2.13 records ``operator.eq``. Only these dunders
+#: are allowed; ``__reduce_ex__``, ``__setstate__`` and the like never are.
+_OPERATOR_METHODS = frozenset(
+    f"__{r}{name}__" for name in (
+        "eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul", "truediv", "floordiv", "mod",
+        "pow", "matmul", "and", "or", "xor", "lshift", "rshift")
+    for r in ("", "r", "i")) | frozenset(
+    ("__neg__", "__pos__", "__abs__", "__invert__", "__getitem__", "__setitem__",
+     "__bool__", "__len__", "__float__", "__int__", "__index__"))
+
+
 def _tensor_method(name: str) -> bool:
-    return _is_identifier(name) and not name.startswith("_") and callable(
-        getattr(torch.Tensor, name, None))
+    public = not name.startswith("_") or name in _OPERATOR_METHODS
+    return _is_identifier(name) and public and callable(getattr(torch.Tensor, name, None))
 
 
 def data_to_module(nodes: list[dict[str, Any]], modules: dict[str, Callable] | None = None) -> fx.GraphModule:
