@@ -101,7 +101,13 @@ def record_example_values(gm: fx.GraphModule, fake_inputs: list[Any]) -> None:
             n.meta["example_value"] = result
             return result
 
-    with fake_mode if fake_mode is not None else contextlib.nullcontext():
+    from torch._dispatch.python import enable_python_dispatcher
+
+    # As Dynamo runs ops on fake values: with the Python dispatcher, composite ops (linear)
+    # read symbolic sizes as such; without it torch 2.11 reads them as ints, which pins the
+    # dynamic dim to the traced size.
+    with fake_mode if fake_mode is not None else contextlib.nullcontext(), \
+            enable_python_dispatcher():
         Recorder(gm).run(*fake_inputs)
 
 

@@ -19,6 +19,7 @@ import functools
 import inspect
 import os
 import re
+import sys
 import types
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -111,10 +112,13 @@ class Frame:
     varargs: str | None
     varkw: str | None
     freevars: tuple[str, ...]
+    #: The frame's globals as they are while tracing (Dynamo installs names of its own).
+    globals: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Frame:
-        code = getattr(type(model).forward, "__code__", None)
+        forward = type(model).forward
+        code = getattr(forward, "__code__", None)
         if code is None:  # not a Python function: only the module itself is known
             return cls(("self",), None, None, ())
         names = code.co_varnames
@@ -123,7 +127,22 @@ class Frame:
         varargs = names[rest] if code.co_flags & inspect.CO_VARARGS else None
         varkw = (names[rest + (varargs is not None)]
                  if code.co_flags & inspect.CO_VARKEYWORDS else None)
-        return cls(tuple(names[:n]), varargs, varkw, tuple(code.co_freevars))
+        return cls(tuple(names[:n]), varargs, varkw, tuple(code.co_freevars),
+                   getattr(forward, "__globals__", {}))
+
+    def installed_module(self, name: str) -> str:
+        """The module a global Dynamo installed stands for (``_<id>_c<n>``: ``type(x)``
+        of a tensor reads ``torch.Tensor`` through one); such names are gone warm."""
+        value = self.globals.get(name)
+        if isinstance(value, types.ModuleType):
+            return value.__name__
+        # Installed in the globals of another frame: the name holds the object's id, and
+        # Dynamo keeps the object alive, so a loaded module with that id is the one.
+        wanted = int(_INSTALLED.match(name).group(1))  # type: ignore[union-attr]
+        for module_name, module in list(sys.modules.items()):
+            if id(module) == wanted and isinstance(module, types.ModuleType):
+                return module_name
+        raise Unrecordable(f"global {name!r} that Dynamo installed is not a module")
 
     def local(self, name: str) -> list[list[Any]]:
         """The path of a local of the frame: the model, a call argument, ``*args`` (a
@@ -140,6 +159,10 @@ class Frame:
             return [["model"], ["type"], ["attr", "forward"], ["attr", "__closure__"],
                     ["item", self.freevars.index(name)], ["attr", "cell_contents"]]
         raise Unrecordable(f"local {name!r} of forward has no plain path")
+
+
+#: The names Dynamo's ``install_global_by_id`` gives: ``{prefix}_{id}_c{compile id}``.
+_INSTALLED = re.compile(r"^\w*?_(\d+)_c\d+$")
 
 
 def _import_name(global_name: str) -> str | None:
@@ -159,6 +182,8 @@ def source_path(source: Any, frame: Frame) -> list[list[Any]]:
     if isinstance(source, S.GlobalSource):
         name = source.global_name
         module = _import_name(name)
+        if module is None and _INSTALLED.match(name):
+            module = frame.installed_module(name)
         if module is not None:
             return [["module", module]]
         if name.startswith("__builtins_dict__"):
@@ -173,7 +198,10 @@ def source_path(source: Any, frame: Frame) -> list[list[Any]]:
     if base is None:
         raise Unrecordable(f"source {type(source).__name__} has no plain path")
     path = source_path(base, frame)
-    if isinstance(source, S.AttrSource):  # also parameter/buffer dicts and cell contents
+    # Also parameter/buffer dicts and cell contents. A generic read
+    # (``object.__getattribute__``, torch 2.11) finds what getattr finds whenever it finds
+    # anything, and the value check at record time holds the two to the same value.
+    if isinstance(source, S.AttrSource | S.GenericAttrSource):
         return path + [["attr", source.member]]
     if isinstance(source, S.TypeSource):
         return path + [["type"]]

@@ -132,6 +132,7 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
 
     stitch = split_module(traced.gm, None, lambda n: part[n], keep_original_order=True)
     record_example_values(stitch, traced.fake_inputs)
+    _check_still_symbolic(traced)
 
     pieces = []
     for node in stitch.graph.nodes:
@@ -233,6 +234,15 @@ def _emit(graph: fx.Graph, expr: Any, size_of: Any) -> Any:
             a, b = (_emit(graph, x, size_of) for x in expr.args)
             return None if a is None or b is None else graph.call_function(op, (a, b))
     return None
+
+
+def _check_still_symbolic(traced: TracedGraph) -> None:
+    """Splitting runs the graph on fake values; a dynamic size that came out of it fixed
+    would leave every piece valid at the traced size only (and wrong at any other)."""
+    for meta, fake in zip(traced.input_metas, traced.fake_inputs, strict=True):
+        for was, now in zip(meta.shape, meta_of(fake).shape, strict=True):
+            if isinstance(was, str) and not isinstance(now, str):
+                raise RuntimeError(f"splitting fixed the dynamic size {was} to {now}")
 
 
 def _size_input(metas: list[InputMeta]) -> tuple[int, int] | None:

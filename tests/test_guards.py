@@ -170,6 +170,24 @@ def test_hasattr_guards_of_either_torch_form_record_the_same(form):
     assert GuardRecord((("model",), ("attr", "inner")), "exists", "lm_head", True) in records
 
 
+def test_a_global_dynamo_installed_for_a_module_is_that_module():
+    """``type(x)`` of a tensor reads ``torch.Tensor`` through a global Dynamo installs
+    (``_<id>_c<n>``, gone at a warm start): recorded as the module it stands for."""
+    from torch._dynamo.source import AttrSource, GlobalSource
+
+    from cachebuild.guard_export import Frame, source_path
+
+    name = f"_{id(torch)}_c0"
+    frame = Frame(("self",), None, None, (), {name: torch, "_1_c0": object()})
+    assert source_path(AttrSource(GlobalSource(name), "Tensor"), frame) == [
+        ["module", "torch"], ["attr", "Tensor"]]
+    with pytest.raises(Unrecordable, match="not a module"):
+        source_path(GlobalSource("_1_c0"), frame)
+    # Installed in another frame's globals: found by the id the name holds.
+    elsewhere = Frame(("self",), None, None, ())
+    assert source_path(GlobalSource(f"_{id(torch)}_c3"), elsewhere) == [["module", "torch"]]
+
+
 def test_identity_is_by_name_and_code_never_by_address():
     def make(k):
         return lambda x: x * k
