@@ -45,6 +45,12 @@ def import_model(path: str | Path) -> ModuleType:
     name = module_name(path)
     if name in sys.modules:
         return sys.modules[name]
+    # Imported already under another name (``import llama``, or run as ``__main__``):
+    # running it twice would register its custom ops twice, which torch refuses.
+    for module in list(sys.modules.values()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and Path(file).name == path.name and Path(file).resolve() == path:
+            return module
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise UsageError(f"{path}: not a Python file")

@@ -84,6 +84,21 @@ def test_bad_model_files_exit_2_with_one_line(tmp_path, source, expected):
         assert f"{path}:2" in lines[0]  # the line that raised
 
 
+def test_a_model_file_imported_already_is_not_run_twice(tmp_path, monkeypatch):
+    """A model file its server imported as a plain module (``import mymodel``) defines its
+    custom ops once: loading it as a model file hands back that module."""
+    from cachebuild.modelfile import import_model
+
+    path = tmp_path / "mf_ops_once.py"
+    path.write_text("import torch\n_LIB = torch.library.Library('mf_ops_once', 'DEF')\n"
+                    "_LIB.define('twice(Tensor x) -> Tensor')\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import mf_ops_once  # noqa: F401 (the server's own import)
+
+    assert import_model(path) is sys.modules["mf_ops_once"]
+    assert import_model(str(path)) is sys.modules["mf_ops_once"]
+
+
 def test_dry_run_plan_and_explain_change_nothing(tmp_path, model):
     """Looking is not using: ``warm --dry-run``, ``plan`` and ``explain`` store nothing and
     count no hit, so they change nothing GC goes by."""
