@@ -20,7 +20,7 @@ fi
 if [ "${TP_BENCH:-1}" != 0 ]; then
     if [ "$GPUS" -ge 2 ]; then where=(--device cuda); else where=(--device cuda:0 --dist-backend gloo); fi
     for backend in ${TP_BACKENDS:-inductor}; do
-        LLAMA_HIDDEN=2048 LLAMA_LAYERS=22 LLAMA_HEADS=32 LLAMA_KV_HEADS=4 \
+        LLAMA_HIDDEN=2048 LLAMA_LAYERS=${TP_LAYERS:-22} LLAMA_HEADS=32 LLAMA_KV_HEADS=4 \
           LLAMA_MLP=5632 LLAMA_VOCAB=32000 \
           python3 tools/bench_tp.py --world-size 2 "${where[@]}" --backend "$backend" --json \
             >"$OUT/bench_tp_$backend.json" 2>"$OUT/bench_tp_$backend.err" &&
