@@ -155,7 +155,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         env["LLAMA_DIST_BACKEND"] = args.dist_backend
     with tempfile.TemporaryDirectory(prefix="bench-tp-") as tmp:
         root = Path(tmp)
-        env["CACHEBUILD_PROBE_DIR"] = str(root / "probe")
+        # The probe's verdicts where every rank reads them (this process included: the
+        # variable wins over any folder it is given).
+        env["CACHEBUILD_PROBE_DIR"] = os.environ["CACHEBUILD_PROBE_DIR"] = str(root / "probe")
+        # Bytecode for what a rank imports, written before any row is timed (a machine
+        # without .pyc files would charge them to the first row).
+        subprocess.run([sys.executable, "-c", "import torch._dynamo, torch._inductor.compile_fx, "
+                        "torch.distributed, cachebuild.build, cachebuild.runtime"], check=True)
         if args.backend == "inductor":
             # The probe (which C++ compiler makes AOTI libraries that load) runs once per
             # machine, not per build: run it up front so that no row pays for it.
