@@ -21,6 +21,7 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,19 +109,34 @@ class InductorBackend:
             raise ValueError("AOTInductor pieces take tensors only (the piece takes a "
                              "plain integer that no tensor input's size gives)")
         bounds = bucket_bounds(request.bucket)
-        dims: dict[str, Any] = {}
-        shapes = []
-        for per_input in dynamic_dims_of(request.input_metas):
-            spec = {}
-            if bounds is not None:
-                for d, sym in per_input.items():
-                    if sym not in dims:
-                        dims[sym] = Dim(f"d_{sym}", min=bounds[0], max=bounds[1])
-                    spec[d] = dims[sym]
-            shapes.append(spec or None)
+        dynamic = dynamic_dims_of(request.input_metas)
+
+        def export(dim: Callable[[str], Any], **options: Any) -> Any:
+            dims: dict[str, Any] = {}
+            shapes = []
+            for per_input in dynamic:
+                spec = {}
+                if bounds is not None:
+                    for d, sym in per_input.items():
+                        spec[d] = dims.setdefault(sym, dim(sym))
+                shapes.append(spec or None)
+            return torch.export.export(request.gm, tuple(args), dynamic_shapes=tuple(shapes),
+                                       strict=False, **options)
+
+        def dim(sym: str) -> Any:
+            return Dim(f"d_{sym}", min=bounds[0], max=bounds[1])
+
         with torch.no_grad():
-            ep = torch.export.export(request.gm, tuple(args), dynamic_shapes=tuple(shapes),
-                                     strict=False)
+            try:
+                ep = export(dim)
+            except Exception as e:
+                if bounds is None or "Constraints violated" not in str(e):
+                    raise
+                # torch 2.11's export cannot prove some guards that hold over the whole
+                # range (``min(16*s, 32*s) == 16*s``): it may keep them as checks the
+                # program runs, and the range the program then accepts is checked here.
+                ep = export(dim, prefer_deferred_runtime_asserts_over_guards=True)
+                _check_range_kept(ep, dynamic, bounds)
             with tempfile.TemporaryDirectory(prefix="cachebuild-aoti-") as tmp:
                 path = aoti.build_package(ep, os.path.join(tmp, "piece.pt2"),
                                           _inductor_options(request), compiler)
@@ -298,3 +314,18 @@ def _load_standalone(key: str, store: Any, data: bytes, parts: dict[str, bytes] 
             patches["cpp.cxx"] = (None, build["cxx"])
         with config.patch(patches):
             return CompiledArtifact.load(path=str(artifact), format="binary")
+
+
+def _check_range_kept(ep: Any, dynamic: list[dict[int, str]], bounds: tuple[int, int]) -> None:
+    """Raise ValueError unless every dynamic dim of the exported program's inputs is still
+    a symbol whose range covers ``bounds``."""
+    placeholders = [n for n in ep.graph.nodes if n.op == "placeholder"]
+    for node, per_input in zip(placeholders, dynamic, strict=False):
+        shape = getattr(node.meta.get("val"), "shape", ())
+        for d in per_input:
+            size = shape[d]
+            if not isinstance(size, torch.SymInt):
+                raise ValueError(f"export fixed the range's size to {size}")
+            r = ep.range_constraints.get(size.node.expr)
+            if r is None or not (bool(r.lower <= bounds[0]) and bool(r.upper >= bounds[1])):
+                raise ValueError(f"export narrowed the range {bounds[0]}-{bounds[1]} to {r}")

@@ -264,3 +264,25 @@ def test_aoti_matches_eager_and_loads_back():
     delta = models.counters_delta(before, cachebuild.stats())
     assert delta["built"] == 0 and delta["traced"] == 0 and delta["entries_loaded"] == 1
     assert compiled.runtime.entry.target_keys() == warmed["target_keys"]
+
+
+def test_an_export_that_narrowed_the_range_is_refused():
+    """The AOTI build's fallback export (for guards torch 2.11 cannot prove) is kept only if
+    the program still takes every size of the range."""
+    from torch.export import Dim
+
+    from cachebuild.backends.inductor import _check_range_kept
+
+    class Double(torch.nn.Module):
+        def forward(self, x):
+            return x * 2
+
+    x = torch.randn(8, 4)
+    wide = torch.export.export(Double(), (x,), dynamic_shapes=({0: Dim("t", min=1, max=32)},))
+    _check_range_kept(wide, [{0: "s0"}], (1, 32))
+    narrow = torch.export.export(Double(), (x,), dynamic_shapes=({0: Dim("t", min=4, max=32)},))
+    with pytest.raises(ValueError, match="narrowed the range 1-32"):
+        _check_range_kept(narrow, [{0: "s0"}], (1, 32))
+    fixed = torch.export.export(Double(), (x,))
+    with pytest.raises(ValueError, match="fixed the range's size to 8"):
+        _check_range_kept(fixed, [{0: "s0"}], (1, 32))
