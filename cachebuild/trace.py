@@ -257,6 +257,16 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
             output = compiled(*args)
     except torch._dynamo.exc.Unsupported as e:
         raise UsageError(f"the model's forward does not trace as one graph: {str(e).splitlines()[0]}") from e
+    except AssertionError as e:
+        if "Guarded object must be identical" not in str(e):
+            raise
+        # torch 2.11's guard builder, asked for the guards' values, meets an object the
+        # forward builds afresh at each read (transformers' cache with use_cache=True).
+        raise UsageError(
+            f"torch {torch.__version__}'s Dynamo cannot export the guards of this forward: "
+            "it reads an object it builds afresh at each read (transformers' cache does "
+            "with use_cache=True); pass use_cache=False, or compile with torch.compile("
+            "model, backend=cachebuild.backend(...))") from e
     finally:
         torch._dynamo.reset()
 
