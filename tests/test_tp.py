@@ -74,24 +74,14 @@ def test_two_ranks_through_torch_compile_build_once(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_aoti_cold_then_warm(tmp_path):
-    """AOTInductor packages with the all-reduce inside: built once for both ranks."""
+@pytest.mark.parametrize(("flavour", "kind"), [("aoti", "aoti-cpu"), ("standalone", "standalone")])
+def test_two_ranks_inductor_cold_then_warm(tmp_path, flavour, kind):
+    """Inductor artifacts with the all-reduce inside: built once for both ranks."""
     store = tmp_path / "store"
-    env = {"LLAMA_LAYERS": "1", "LLAMA_BACKEND": "inductor", "LLAMA_FLAVOUR": "aoti"}
+    env = {"LLAMA_LAYERS": "1", "LLAMA_BACKEND": "inductor", "LLAMA_FLAVOUR": flavour}
     cold = run_group(2, store, env=env)
     assert_cold_group(cold, 2, unique=2)
-    assert cold[0]["kinds"] == ["aoti-cpu"]
-    warm = run_group(2, store, env=env)
-    assert_warm_group(warm, unique=2)
-
-
-@pytest.mark.slow
-def test_two_ranks_standalone_cold_then_warm(tmp_path):
-    store = tmp_path / "store"
-    env = {"LLAMA_LAYERS": "1", "LLAMA_BACKEND": "inductor", "LLAMA_FLAVOUR": "standalone"}
-    cold = run_group(2, store, env=env)
-    assert_cold_group(cold, 2, unique=2)
-    assert cold[0]["kinds"] == ["standalone"]
+    assert cold[0]["kinds"] == [kind]
     warm = run_group(2, store, env=env)
     assert_warm_group(warm, unique=2)
 
