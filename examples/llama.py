@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 import torch.nn as nn
@@ -99,12 +100,14 @@ class DecoderLayer(nn.Module):
 
 
 class Llama(nn.Module):
+    """``make_layer`` builds each decoder layer (a shard of one, in ``llama_tp.py``)."""
+
     def __init__(self, layers: int, hidden: int, heads: int, kv_heads: int, mlp: int,
-                 vocab: int) -> None:
+                 vocab: int, make_layer: Callable[[], nn.Module] | None = None) -> None:
         super().__init__()
+        make_layer = make_layer or (lambda: DecoderLayer(hidden, heads, kv_heads, mlp))
         self.embed = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(DecoderLayer(hidden, heads, kv_heads, mlp)
-                                    for _ in range(layers))
+        self.layers = nn.ModuleList(make_layer() for _ in range(layers))
         self.norm = nn.RMSNorm(hidden, eps=1e-5)
         self.lm_head = nn.Linear(hidden, vocab, bias=False)
 

@@ -127,24 +127,16 @@ class TPDecoderLayer(nn.Module):
         self.post_norm.load_state_dict(full.post_norm.state_dict())
 
 
-class LlamaTP(nn.Module):
-    """Rank ``rank``'s shard of ``llama.Llama``; ``forward`` is the whole model's."""
+class LlamaTP(llama.Llama):
+    """Rank ``rank``'s shard of ``llama.Llama``: its layers are shards, its ``forward`` (the
+    unsharded model's) is the whole model's output."""
 
     def __init__(self, layers: int, hidden: int, heads: int, kv_heads: int, mlp: int,
                  vocab: int, rank: int, world: int) -> None:
-        super().__init__()
-        self.shard = Shard.of(heads, kv_heads, mlp, rank, world)
-        self.embed = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(TPDecoderLayer(hidden, heads, kv_heads, mlp, self.shard)
-                                    for _ in range(layers))
-        self.norm = nn.RMSNorm(hidden, eps=1e-5)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(x, positions)
-        return self.lm_head(self.norm(x))
+        shard = Shard.of(heads, kv_heads, mlp, rank, world)
+        super().__init__(layers, hidden, heads, kv_heads, mlp, vocab,
+                         make_layer=lambda: TPDecoderLayer(hidden, heads, kv_heads, mlp, shard))
+        self.shard = shard
 
     @torch.no_grad()
     def load_from(self, full: nn.Module) -> LlamaTP:
