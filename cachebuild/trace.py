@@ -260,7 +260,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     except AssertionError as e:
         if "Guarded object must be identical" not in str(e):
             raise
-        # torch 2.11's guard builder, asked for the guards' values, meets an object the
+        # torch 2.11 and 2.12's guard builder, asked for the guards' values, meets an object the
         # forward builds afresh at each read (transformers' cache with use_cache=True).
         raise UsageError(
             f"torch {torch.__version__}'s Dynamo cannot export the guards of this forward: "

@@ -134,12 +134,12 @@ def test_family_cold_then_warm_in_a_fresh_process(tmp_path, name):
         assert warm["frames"] == 0  # guards checked without Dynamo: it compiled no frame
 
 
-OLD_DYNAMO = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 12)
+OLD_DYNAMO = tuple(int(x) for x in torch.__version__.split(".")[:2]) < (2, 13)
 
 
 @pytest.mark.parametrize("door", [
     pytest.param("compile", marks=pytest.mark.xfail(
-        OLD_DYNAMO, strict=True, reason="torch 2.11's guard builder cannot give the guards' "
+        OLD_DYNAMO, strict=True, reason="torch 2.11 and 2.12's guard builder cannot give the guards' "
         "values of transformers' cache (a one-line UsageError says so)")),
     "torch"])
 def test_default_use_cache_passes_output_and_cache_through(tmp_path, door):
