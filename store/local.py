@@ -376,20 +376,28 @@ class LocalStore(Store):
             return record
         return None
 
-    def _install(self, record: Record, parts: Sequence[bytes | bytearray | memoryview]) -> Record:
+    @contextlib.contextmanager
+    def _temp_blob(self, record: Record) -> Iterator[tuple[int, Path]]:
+        """An open temp file for ``record``'s blob (fd, path), closed and removed after
+        (unless ``_commit`` renamed it into place); an OSError on the way becomes the
+        store's write error for ``record``."""
         try:
             fd, tmp_path = open_temp(self._layout.tmp, record.key)
         except OSError as e:
             raise self._write_error(e, record) from None
         try:
-            _write_all(fd, parts)
-            return self._commit(record, fd, tmp_path)
+            yield fd, tmp_path
         except OSError as e:
             raise self._write_error(e, record) from None
         finally:
             os.close(fd)
             with contextlib.suppress(OSError):
                 os.unlink(tmp_path)  # gone already when it was renamed into place
+
+    def _install(self, record: Record, parts: Sequence[bytes | bytearray | memoryview]) -> Record:
+        with self._temp_blob(record) as (fd, tmp_path):
+            _write_all(fd, parts)
+            return self._commit(record, fd, tmp_path)
 
     def write_blob_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview], *,
                           manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
@@ -411,11 +419,7 @@ class LocalStore(Store):
                               require_signature=self.require_signature)
         placeholder = Record(key=key, kind="blob", size=0, checksum="", created=0.0,
                              last_used=0.0)
-        try:
-            fd, tmp_path = open_temp(self._layout.tmp, key)
-        except OSError as e:
-            raise self._write_error(e, placeholder) from None
-        try:
+        with self._temp_blob(placeholder) as (fd, tmp_path):
             accepted = accept is None
             for piece in chunks:
                 checker.feed(piece)
@@ -431,12 +435,6 @@ class LocalStore(Store):
                             checksum=header.checksum, created=now, last_used=now,
                             pinned=pinned, manifest=manifest, refs=refs)
             return self._commit(record, fd, tmp_path)
-        except OSError as e:
-            raise self._write_error(e, placeholder) from None
-        finally:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_path)
 
     def _commit(self, record: Record, fd: int, tmp_path: Path) -> Record:
         """Make the written temp file ``tmp_path`` (open as ``fd``) the blob of ``record``

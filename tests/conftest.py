@@ -8,7 +8,6 @@ that child processes the tests start share it too.
 from __future__ import annotations
 
 import os
-import subprocess
 import tempfile
 
 import pytest
@@ -47,13 +46,7 @@ def store_dir(tmp_path):
 def tiny_fs(tmp_path):
     """A 1 MiB tmpfs: a disk that fills up (root only; skipped where mounting is not
     permitted)."""
-    mnt = tmp_path / "mnt"
-    mnt.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m,mode=0700", "tmpfs", str(mnt)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
+    from trust import tmpfs
+
+    with tmpfs(tmp_path / "mnt", "1m") as mnt:
         yield mnt
-    finally:
-        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -3,7 +3,7 @@
 ``cli`` runs the ``cachebuild`` command in a fresh process; ``python`` runs a snippet in
 one; ``assert_one_line_error`` checks that a process failed the way a user should see it
 fail (an exit code, one ``error:`` line, no traceback); ``as_nobody`` prefixes a command
-so that it runs as uid 65534 (tests run as root; skipped elsewhere); ``tiny_fs`` mounts
+so that it runs as uid 65534 (tests run as root; skipped elsewhere); ``tmpfs`` mounts
 a small tmpfs (root only).
 """
 
