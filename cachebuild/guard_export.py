@@ -112,13 +112,10 @@ class Frame:
     varargs: str | None
     varkw: str | None
     freevars: tuple[str, ...]
-    #: The frame's globals as they are while tracing (Dynamo installs names of its own).
-    globals: dict[str, Any] = field(default_factory=dict, compare=False, hash=False)
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Frame:
-        forward = type(model).forward
-        code = getattr(forward, "__code__", None)
+        code = getattr(type(model).forward, "__code__", None)
         if code is None:  # not a Python function: only the module itself is known
             return cls(("self",), None, None, ())
         names = code.co_varnames
@@ -127,22 +124,7 @@ class Frame:
         varargs = names[rest] if code.co_flags & inspect.CO_VARARGS else None
         varkw = (names[rest + (varargs is not None)]
                  if code.co_flags & inspect.CO_VARKEYWORDS else None)
-        return cls(tuple(names[:n]), varargs, varkw, tuple(code.co_freevars),
-                   getattr(forward, "__globals__", {}))
-
-    def installed_module(self, name: str) -> str:
-        """The module a global Dynamo installed stands for (``_<id>_c<n>``: ``type(x)``
-        of a tensor reads ``torch.Tensor`` through one); such names are gone warm."""
-        value = self.globals.get(name)
-        if isinstance(value, types.ModuleType):
-            return value.__name__
-        # Installed in the globals of another frame: the name holds the object's id, and
-        # Dynamo keeps the object alive, so a loaded module with that id is the one.
-        wanted = int(_INSTALLED.match(name).group(1))  # type: ignore[union-attr]
-        for module_name, module in list(sys.modules.items()):
-            if id(module) == wanted and isinstance(module, types.ModuleType):
-                return module_name
-        raise Unrecordable(f"global {name!r} that Dynamo installed is not a module")
+        return cls(tuple(names[:n]), varargs, varkw, tuple(code.co_freevars))
 
     def local(self, name: str) -> list[list[Any]]:
         """The path of a local of the frame: the model, a call argument, ``*args`` (a
@@ -165,6 +147,18 @@ class Frame:
 _INSTALLED = re.compile(r"^\w*?_(\d+)_c\d+$")
 
 
+def _installed_module(name: str) -> str:
+    """The module a global Dynamo installed stands for (``_<id>_c<n>``: ``type(x)`` of a
+    tensor reads ``torch.Tensor`` through one); such names are gone at a warm start. The
+    name holds the object's id and Dynamo keeps the object alive, so the loaded module
+    with that id is the one."""
+    wanted = int(_INSTALLED.match(name).group(1))  # type: ignore[union-attr]
+    for module_name, module in list(sys.modules.items()):
+        if id(module) == wanted and isinstance(module, types.ModuleType):
+            return module_name
+    raise Unrecordable(f"global {name!r} that Dynamo installed is not a module")
+
+
 def _import_name(global_name: str) -> str | None:
     """The module Dynamo's ``__import_a_dot_b`` global stands for (``a.b``)."""
     prefix = "__import_"
@@ -183,7 +177,7 @@ def source_path(source: Any, frame: Frame) -> list[list[Any]]:
         name = source.global_name
         module = _import_name(name)
         if module is None and _INSTALLED.match(name):
-            module = frame.installed_module(name)
+            module = _installed_module(name)
         if module is not None:
             return [["module", module]]
         if name.startswith("__builtins_dict__"):
