@@ -380,6 +380,14 @@ def _target_users(group: list[Planned]) -> dict[str, list[int]]:
     return users
 
 
+def _per_entry(group: list[Planned]) -> list[Planned]:
+    """One Planned per distinct entry (ranks with equal shards share one), in order."""
+    first: dict[str, Planned] = {}
+    for p in group:
+        first.setdefault(p.entry.key, p)
+    return list(first.values())
+
+
 def _group_table(group: list[Planned], store: Store, console: Console) -> None:
     """The targets table of one model, or of every rank of a world size: each unique
     target once, with the ranks that share it (a rank with an uneven shard has its own)."""
@@ -393,7 +401,7 @@ def _group_table(group: list[Planned], store: Store, console: Console) -> None:
     for p in group:
         for t in p.entry.targets():
             first.setdefault(t.key, (p, t))
-    states = {p.entry.key: target_states(p, store) for p in group}
+    states = {p.entry.key: target_states(p, store) for p in _per_entry(group)}
     entries = len(states)
     table = Table(title=f"{len(group)} ranks: {entries} entr{'y' if entries == 1 else 'ies'}, "
                         f"{len(users)} unique targets")
@@ -449,7 +457,7 @@ def explain_command(ctx: click.Context, model: str, device: str | None,
     users = _target_users(group)
     missing = 0
     seen: set[str] = set()
-    for planned in group:
+    for planned in _per_entry(group):
         states = target_states(planned, store)
         for t in planned.entry.targets():
             if t.key in seen or states[t.key] == "stored":
