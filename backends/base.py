@@ -108,9 +108,11 @@ def _eval_dim(dim: int | str, size: int | None) -> int:
 
 
 def example_inputs(metas: list[InputMeta], bucket: dict[str, Any],
-                   size: int | None = None) -> list[Any]:
+                   size: int | None = None, distinct: bool = False) -> list[Any]:
     """Real random inputs matching ``metas`` with the dynamic dim at ``size`` (default: the
-    bucket's hint)."""
+    bucket's hint). Integer tensors hold 0s and 1s (valid indices into any dim), or with
+    ``distinct`` a shuffle of 0..n-1 (indices that never repeat: a write through them is
+    the same whatever order it runs in)."""
     size = size_hint(bucket) if size is None else size
     out: list[Any] = []
     for m in metas:
@@ -125,6 +127,8 @@ def example_inputs(metas: list[InputMeta], bucket: dict[str, Any],
             t.copy_(torch.randn(shape, dtype=torch.float32).to(dtype))
         elif dtype == torch.bool:
             t.copy_(torch.zeros(shape, dtype=torch.bool))
+        elif distinct:
+            t.copy_(torch.randperm(max(t.numel(), 1))[:t.numel()].reshape(shape).to(dtype))
         else:
             t.copy_(torch.randint(0, 2, shape, dtype=dtype))
         out.append(t)

@@ -121,7 +121,7 @@ class CompiledModule(torch.nn.Module):
         COUNTERS.add_time("prepare", time.perf_counter() - start)
         if self.config.cudagraph_mode != "none" and capture:
             with phase("capture"):
-                self.capture_report = self._runtime.capture()
+                self.capture_report = self._runtime.capture(like=args)
             log.info("captured %d sizes in %.2f s (%d bytes of graph memory)",
                      len(self.capture_report.sizes), self.capture_report.seconds,
                      self.capture_report.pool_bytes)

@@ -4,7 +4,9 @@
 ops run eagerly between the replays. ``full``: the whole forward is captured per size.
 Sizes are captured largest first into one shared memory pool. Each captured callable
 keeps static input buffers: at replay, inputs that are not the model's own weights are
-copied into them, so callers may pass any tensors. Outputs of a replay are the graph's
+copied into them, so callers may pass any tensors; inputs the graph writes in place (a
+KV cache) are read at their own address instead, so the write lands where eager's does.
+Outputs of a replay are the graph's
 static tensors: **valid until the next call** of the compiled model. Sizes that were not
 captured run the compiled pieces without graphs, or, with ``pad_to_capture_size``, are
 padded up to the next captured size (for token-parallel models, where padding rows is
@@ -131,13 +133,17 @@ class GraphedCallable:
     """``fn`` captured per size; sizes seen while ``capturing`` are captured.
 
     ``size_of(args)`` reads the dynamic size of a call; ``stable[i]`` marks inputs that
-    are the same tensor at every call (weights), which need no copy.
+    are the same tensor at every call (weights), which need no copy; ``in_place[i]`` marks
+    inputs that ``fn`` writes in place (a KV cache): a graph reads and writes them at the
+    address they had at capture, and a call that passes another tensor there runs ``fn``
+    without the graph, so the write always lands in the caller's tensor.
     """
 
     fn: Callable[..., Any]
     size_of: Callable[[tuple[Any, ...]], int | None]
     stable: list[bool]
     capture: GraphCapture
+    in_place: list[bool] | None = None
     capturing: bool = False
     graphs: dict[int, _Captured] = field(default_factory=dict)
     replays: int = 0
@@ -146,11 +152,12 @@ class GraphedCallable:
         copies: list[tuple[int, torch.Tensor]] = []
         pinned: list[tuple[int, int]] = []
         inputs: list[Any] = []
-        in_place = getattr(self.capture, "static_ptrs", set())
+        static = getattr(self.capture, "static_ptrs", set())
+        written = self.in_place or [False] * len(args)
         for i, (a, keep) in enumerate(zip(args, self.stable, strict=True)):
             if keep or not isinstance(a, torch.Tensor):
                 inputs.append(a)
-            elif a.data_ptr() in in_place:
+            elif a.data_ptr() in static or written[i]:
                 # Another graph's output, or a model input already copied to a fixed address:
                 # the same address at every replay. Checked at replay.
                 pinned.append((i, a.data_ptr()))

@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from cachebuild.facts import device_of, meta_of, unpin_device
+from cachebuild.effects import eliminate_dead_code
+from cachebuild.facts import copy_graph, device_of, meta_of, unpin_device
 from cachebuild.trace import TracedGraph
 
 log = logging.getLogger("cachebuild")
@@ -70,7 +71,7 @@ def scalar_value(value: Any) -> Any:
 def specialise(gm: fx.GraphModule, values: dict[int, Any]) -> fx.GraphModule:
     """A copy of ``gm`` in which input ``i`` is the constant ``values[i]`` (the inputs
     stay, unused, so that the graph is still called with all of them)."""
-    new = fx.GraphModule(gm, _copy_graph(gm.graph))
+    new = fx.GraphModule(gm, copy_graph(gm.graph))
     placeholders = [n for n in new.graph.nodes if n.op == "placeholder"]
     for i, value in values.items():
         node = placeholders[i]
@@ -79,16 +80,9 @@ def specialise(gm: fx.GraphModule, values: dict[int, Any]) -> fx.GraphModule:
                 user.replace_all_uses_with(value)  # type: ignore[arg-type]
                 new.graph.erase_node(user)
         node.replace_all_uses_with(value)  # type: ignore[arg-type]
-    new.graph.eliminate_dead_code()
+    eliminate_dead_code(new.graph)  # keeping what writes in place
     new.recompile()
     return new
-
-
-def _copy_graph(graph: fx.Graph) -> fx.Graph:
-    copy = fx.Graph()
-    out = copy.graph_copy(graph, {})
-    copy.output(out)
-    return copy
 
 
 class GraphForward:

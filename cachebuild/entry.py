@@ -19,7 +19,7 @@ from __future__ import annotations
 import inspect
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,7 +37,7 @@ from cachebuild.trace import Binding, TracedGraph, ast_hash
 
 #: The layout of a stored entry; bumped when it changes, so older entries are never misread
 #: (it is an entry-key factor: an old entry is simply not found, and the model retraced).
-ENTRY_FORMAT = 2
+ENTRY_FORMAT = 3  # 3: the inputs each piece writes in place
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,9 @@ class PieceRecord:
     ``nodes`` is the piece's graph as stored data (``fxjson``); ``targets`` are in dispatch
     order (exact sizes, then ranges). ``weights[i]`` says input ``i`` is a model weight (the
     same tensor at every call); ``inner`` lists the inputs made inside the model (a
-    splitting op's or another piece's output), whose layout the runtime keeps.
+    splitting op's or another piece's output), whose layout the runtime keeps;
+    ``written`` the inputs the piece writes in place, which the runtime hands it as the
+    very tensors (never a copy).
     """
 
     name: str
@@ -68,6 +70,7 @@ class PieceRecord:
     weights: list[bool]
     inner: list[int]
     sources: list[str | None]  # per node: where the trace recorded it (for ``explain``)
+    written: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -85,6 +88,7 @@ class Entry:
     source_files: dict[str, str]
     manifests: dict[str, dict[str, Any]]  # target key → its manifest, once per unique key
     guards: list[list[Any]]  # GuardSet data: what the trace read besides tensors
+    written_inputs: list[int] = field(default_factory=list)  # graph inputs written in place
 
     def target_keys(self) -> list[str]:
         keys: list[str] = []
@@ -131,9 +135,11 @@ class Entry:
                 "size_input": list(p.size_input) if p.size_input else None,
                 "targets": [{"bucket": t.bucket, "key": t.key} for t in p.targets],
                 "weights": p.weights, "inner": p.inner, "sources": p.sources,
+                "written": p.written,
             } for p in self.pieces],
             "out_spec": self.out_spec, "source_files": self.source_files,
             "manifests": self.manifests, "guards": self.guards,
+            "written_inputs": self.written_inputs,
         }
         return json.dumps(data, separators=(",", ":")).encode()
 
@@ -149,6 +155,7 @@ class Entry:
             targets=[TargetRef(t["bucket"], t["key"]) for t in p["targets"]],
             weights=[bool(w) for w in p["weights"]], inner=[int(i) for i in p["inner"]],
             sources=[str(x) if x is not None else None for x in p["sources"]],
+            written=[int(i) for i in p["written"]],
         ) for p in raw["pieces"]]
         return cls(
             key=raw["key"], factors=raw["factors"],
@@ -156,6 +163,7 @@ class Entry:
             input_metas=[InputMeta.from_data(m) for m in raw["input_metas"]],
             stitch=raw["stitch"], pieces=pieces, out_spec=raw["out_spec"],
             source_files=raw["source_files"], manifests=raw["manifests"], guards=raw["guards"],
+            written_inputs=[int(i) for i in raw["written_inputs"]],
         )
 
 
@@ -265,6 +273,7 @@ def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,
             weights=weights[p.name],
             inner=inner[p.name],
             sources=list(targets[p.index][0].sources) if targets.get(p.index) else [],
+            written=list(p.written),
         )
         for p in plan.pieces
     ]
@@ -279,6 +288,7 @@ def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,
         source_files=traced.source_files,
         manifests={t.key: t.manifest for ts in targets.values() for t in ts},
         guards=[g.to_data() for g in traced.guards],
+        written_inputs=list(plan.written_inputs),
     )
 
 

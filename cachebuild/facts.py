@@ -111,6 +111,13 @@ def record_example_values(gm: fx.GraphModule, fake_inputs: list[Any]) -> None:
         Recorder(gm).run(*fake_inputs)
 
 
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` (nodes keep their names and ``meta``)."""
+    copy = fx.Graph()
+    copy.output(copy.graph_copy(graph, {}))
+    return copy
+
+
 @functools.cache
 def torch_dir() -> str:
     """The directory torch is installed in (its code is in every key through its version)."""

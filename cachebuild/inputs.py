@@ -101,13 +101,17 @@ class CallCheck:
     """Checks the tensor arguments of a model call against their traced metadata.
 
     ``args``: (argument position, InputMeta) for each tensor argument the graph reads;
-    ``device``: where the model lives (calls must be there too). The common case costs a
+    ``device``: where the model lives (calls must be there too); ``written``: positions of
+    arguments the model writes in place, which must not share memory with another
+    argument (compiled code reads each input as if it were alone). The common case costs a
     few attribute reads and one tuple comparison per argument.
     """
 
     def __init__(self, args: Sequence[tuple[int, InputMeta]], device: torch.device,
-                 size_of: Callable[[tuple[Any, ...]], int | None]) -> None:
+                 size_of: Callable[[tuple[Any, ...]], int | None],
+                 written: Sequence[int] = ()) -> None:
         self.args = list(args)
+        self.written = list(written)
         self.device = device
         self.size_of = size_of
         self.count = 1 + max((i for i, _ in self.args), default=-1)
@@ -154,7 +158,19 @@ class CallCheck:
                     self._wrong_layout(i, a, "contiguous")
             elif stride and not same_layout(a.shape, a.stride(), stride):
                 self._wrong_layout(i, a, f"strides {stride}")
+        if self.written:
+            self._check_unshared(args)
         return size
+
+    def _check_unshared(self, args: tuple[Any, ...]) -> None:
+        memory = {i: args[i].untyped_storage().data_ptr() for i, _ in self.args}
+        for i in self.written:
+            for j, address in memory.items():
+                if j != i and address == memory[i]:
+                    raise UsageError(
+                        f"argument {i}, which the compiled model writes in place, shares "
+                        f"memory with argument {j}; pass tensors that do not overlap "
+                        "(clone one of them)")
 
     def _wrong_device(self, i: int, a: torch.Tensor) -> None:
         if a.device.type == "meta":

@@ -51,13 +51,15 @@ class PieceRunner:
     """One compiled piece over all its buckets.
 
     ``layout`` gives the inputs that come from inside the model the strides the piece was
-    compiled for before it reads them (``inputs.LayoutGuard``).
+    compiled for before it reads them (``inputs.LayoutGuard``); an input in ``written``
+    (written in place by the piece) that had to be copied for that is copied back after.
     """
 
     def __init__(self, name: str, size_input: tuple[int, int] | None, single_output: bool,
                  table: list[tuple[dict[str, Any], Callable[..., Any]]],
-                 layout: LayoutGuard | None = None) -> None:
+                 layout: LayoutGuard | None = None, written: Sequence[int] = ()) -> None:
         self.name = name
+        self.written = list(written)
         self.size_of = _size_reader(size_input)
         self.single_output = single_output
         self.layout = layout if layout is not None and layout.checked else None
@@ -78,9 +80,14 @@ class PieceRunner:
         raise UsageError(f"size {size} lies outside every compile range of {self.name}")
 
     def __call__(self, *args: Any) -> Any:
+        given = args
         if self.layout is not None:
             args = self.layout(args)
         out = self.select(self.size_of(args))(*args)
+        if args is not given:
+            for i in self.written:
+                if args[i] is not given[i]:
+                    given[i].copy_(args[i])
         return out[0] if self.single_output else tuple(out)
 
 
@@ -113,9 +120,10 @@ def stitch(entry: Entry, loaded: dict[str, Any],
             table = [(t.bucket, loaded[t.key]) for t in piece.targets]
             layout = LayoutGuard(piece.input_metas, piece.inner)
             runner: Any = PieceRunner(piece.name, piece.size_input, piece.single_output, table,
-                                      layout)
+                                      layout, piece.written)
             if capture is not None:
-                runner = GraphedCallable(runner, runner.size_of, piece.weights, capture)
+                runner = GraphedCallable(runner, runner.size_of, piece.weights, capture,
+                                         _flags(piece.written, len(piece.input_metas)))
             calls[piece.name] = runner
         else:
             shape = canonical_json(canonical_graph(piece.nodes, [])["nodes"])
@@ -190,13 +198,18 @@ class ModelRuntime:
         self.whole: GraphedCallable | None = None
         n_args = 1 + max((b.arg for b in entry.bindings if b.kind in ("arg", "size")
                           and b.arg is not None), default=-1)
+        #: call arguments the forward writes in place (a KV cache passed in): never copied
+        self.written_args = sorted({entry.bindings[i].arg for i in entry.written_inputs
+                                    if entry.bindings[i].kind == "arg"})
+        in_place = _flags(self.written_args, n_args)
         if mode == "full" and self.capture_api is not None:
             self.whole = GraphedCallable(self._forward, self._dynamic_size, [False] * n_args,
-                                         self.capture_api)
+                                         self.capture_api, in_place)
             self.graphed.append(self.whole)
         elif mode == "piecewise" and self.capture_api is not None:
             pin = ReplayCapture(getattr(self.capture_api, "static_ptrs", None))
-            self.whole = GraphedCallable(self._forward, self._dynamic_size, [False] * n_args, pin)
+            self.whole = GraphedCallable(self._forward, self._dynamic_size, [False] * n_args, pin,
+                                         in_place)
         self.captured_sizes: list[int] = []
         self.model = model
         self.config = config
@@ -230,7 +243,7 @@ class ModelRuntime:
         self._arg_metas = [(b, m) for b, m in zip(self.bindings, self.metas, strict=True)
                            if b.kind == "arg"]
         self.check = CallCheck([(b.arg, m) for b, m in self._arg_metas], self.device,
-                               self._dynamic_size)
+                               self._dynamic_size, self.written_args)
 
     def _check(self, args: tuple[Any, ...]) -> int | None:
         return self.check(args)
@@ -241,8 +254,13 @@ class ModelRuntime:
         i, d = min(self.dynamic_dims.items())
         return args[i].shape[d]
 
-    def dummy_args(self, size: int) -> tuple[Any, ...]:
-        """Call arguments of dynamic size ``size`` (zeros), from the entry's input metadata."""
+    def dummy_args(self, size: int, like: Sequence[Any] | None = None) -> tuple[Any, ...]:
+        """Call arguments of dynamic size ``size`` (zeros), from the entry's input metadata.
+
+        ``like``: a real call, whose arguments the forward writes in place and whose shape
+        has no dynamic dim (its KV cache) are used as they are: graphs read those at the
+        address they are captured with.
+        """
         by_arg = {b.arg: m for b, m in self._arg_metas}
         n_args = 1 + max(by_arg, default=-1)
         if set(by_arg) != set(range(n_args)):
@@ -250,17 +268,29 @@ class ModelRuntime:
         args = []
         for i in range(n_args):
             m = by_arg[i]
+            if like is not None and i in self.written_args and i not in self.dynamic_dims:
+                args.append(like[i])
+                continue
             shape = [size if isinstance(s, str) else s for s in m.shape]
             args.append(torch.zeros(shape, dtype=getattr(torch, m.dtype), device=self.device))
         return tuple(args)
 
     def capture(self, sizes: Sequence[int] | None = None,
-                make_args: Callable[[int], tuple[Any, ...]] | None = None) -> CaptureReport:
-        """Capture graphs for ``sizes`` (default: the config's), largest first."""
+                make_args: Callable[[int], tuple[Any, ...]] | None = None,
+                like: Sequence[Any] | None = None) -> CaptureReport:
+        """Capture graphs for ``sizes`` (default: the config's), largest first.
+
+        Arguments come from ``make_args(size)``, else ``dummy_args(size, like)``. Capturing
+        runs the forward on them, and whatever it writes in place that outlives the call
+        (the model's written buffers, caches passed in) is put back as it was afterwards:
+        capturing changes no state of the model or the caller.
+        """
         if self.capture_api is None:
             raise UsageError("cudagraph_mode is 'none': nothing to capture")
         wanted = sorted({s for s in (sizes or self.config.capture_sizes) if self.in_buckets(s)},
                         reverse=True)
+        args_for = make_args or (lambda size: self.dummy_args(size, like))
+        kept = self._written_state([args_for(s) for s in wanted[:1]])
         cuda = isinstance(self.capture_api, CudaGraphCapture)
         before = torch.cuda.memory_allocated() if cuda else 0
         split_before = dict(getattr(self.capture_api, "seconds", {}))
@@ -274,10 +304,11 @@ class ModelRuntime:
         try:
             with torch.no_grad():
                 for size in wanted:
-                    self._call(*(make_args or self.dummy_args)(size))
+                    self._call(*args_for(size))
         finally:
             for g in capturing:
                 g.capturing = False
+            kept.restore()
         if cuda:
             torch.cuda.synchronize()
         self.captured_sizes = sorted(set(self.captured_sizes) | set(wanted))
@@ -308,9 +339,23 @@ class ModelRuntime:
                 and size not in self.captured_sizes):
             padded = next_capture_size(size, self.captured_sizes)
             if padded is not None:
-                out = self._call(*pad_args(args, self.dynamic_dims, padded))
+                bigger = pad_args(args, self.dynamic_dims, padded)
+                out = self._call(*bigger)
+                for i in self.written_args:  # written into the padded copy: back to the caller's
+                    if bigger[i] is not args[i]:
+                        args[i].copy_(bigger[i].narrow(self.dynamic_dims[i], 0, size))
                 return unpad_outputs(out, padded, size)
         return self._call(*args)
+
+    def _written_state(self, calls: Sequence[tuple[Any, ...]]) -> _Kept:
+        """What capturing may write that outlives it: the model's parameters and buffers
+        the forward writes in place, and the written arguments of ``calls`` that are the
+        same tensors at every size (a cache, not a dummy)."""
+        tensors = [self._template[i] for i in self.entry.written_inputs
+                   if self.bindings[i].kind in ("param", "buffer")]
+        for call in calls:
+            tensors += [call[i] for i in self.written_args if i not in self.dynamic_dims]
+        return _Kept(tensors)
 
     def _rebind_if_replaced(self) -> None:
         """Use weights that replaced the model's tensors since the last call. Captured
@@ -340,6 +385,26 @@ class ModelRuntime:
         for position, b in self._from_call:
             flat[position] = args[b.arg] if b.kind == "arg" else args[b.arg].shape[b.dim]
         return self.make_output(self._run_stitched(*flat))
+
+
+class _Kept:
+    """Copies of tensors, in host memory, to be put back into them later (``restore``):
+    host memory, because the tensors kept are caches that fill a GPU."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        unique = {id(t): t for t in tensors}
+        self.saved = [(t, t.detach().to("cpu", copy=True)) for t in unique.values()]
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for tensor, copy in self.saved:
+                tensor.copy_(copy)
+
+
+def _flags(positions: Sequence[int], count: int) -> list[bool]:
+    """``count`` flags, True at ``positions``."""
+    chosen = set(positions)
+    return [i in chosen for i in range(count)]
 
 
 def _check_weight(binding: Binding, tensor: torch.Tensor, meta: InputMeta,

@@ -9,15 +9,16 @@ a tuple.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
+from cachebuild.effects import Effects, eliminate_dead_code, graph_effects, might_write
 from cachebuild.errors import UsageError
-from cachebuild.facts import InputMeta, meta_of, record_example_values
+from cachebuild.facts import InputMeta, copy_graph, meta_of, record_example_values
 from cachebuild.trace import TracedGraph
 
 
@@ -29,6 +30,8 @@ class Piece:
     ``single_output`` records that the stitching graph expects a bare value, not a tuple.
     ``size_input`` is ``(input index, dim)`` of an input whose dim is the dynamic dim:
     where the runtime reads the size to pick a bucket (None if the piece is static).
+    ``written``: the inputs the piece writes in place (the runtime hands it those very
+    tensors, never copies).
     """
 
     index: int
@@ -38,12 +41,17 @@ class Piece:
     input_metas: list[InputMeta]
     single_output: bool
     size_input: tuple[int, int] | None
+    written: list[int] = field(default_factory=list)
 
 
 @dataclass
 class SplitPlan:
+    """The stitching graph and its pieces; ``written_inputs``: positions of the graph
+    inputs that some piece writes in place."""
+
     stitch: fx.GraphModule
     pieces: list[Piece]
+    written_inputs: list[int] = field(default_factory=list)
 
     @property
     def compiled_pieces(self) -> list[Piece]:
@@ -103,9 +111,18 @@ def check_splitting_ops(splitting_ops: tuple[str, ...]) -> None:
 
 
 def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPlan:
-    """Split ``traced`` at every call of a splitting op."""
+    """Split ``traced`` at every call of a splitting op.
+
+    Writes in place survive the split exactly (``effects``): every writer is kept, a node
+    that returned its argument is read as that argument, and a view whose memory is
+    written, or is a graph input, is taken again where it is used rather than handed from
+    one piece to another (a compiled piece hands over fresh tensors only, so a view made
+    in it would no longer share its base's memory). Views the model returns of such
+    memory are taken in a last eager piece.
+    """
     wanted = set(splitting_ops)
-    graph = traced.gm.graph
+    gm = fx.GraphModule(traced.gm, copy_graph(traced.gm.graph))  # traced.gm stays as traced
+    graph = gm.graph
     seen: set[str] = set()
     for node in graph.nodes:
         if node.op == "call_function":
@@ -116,6 +133,12 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
             f"splitting op(s) {sorted(unknown)} not found in the traced graph; it contains: "
             + ", ".join(graph_op_names(graph))
         )
+
+    effects = graph_effects(gm, traced.fake_inputs)
+    _check_writes(gm, effects)
+    for node, argument in effects.same.items():
+        if not is_splitting(node, wanted):
+            node.replace_all_uses_with(argument)
 
     part: dict[fx.Node, int] = {}
     current = 0
@@ -128,9 +151,14 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
             current += 1
         else:
             part[node] = current
-    split_ops_parts = {part[n] for n in part if is_splitting(n, wanted)}
+    eager_parts = {part[n] for n in part if is_splitting(n, wanted)}
+    tail = current + 1
+    if _take_views_where_used(graph, effects, part, tail, wanted):
+        eager_parts.add(tail)
+    eliminate_dead_code(graph)
+    gm.recompile()
 
-    stitch = split_module(traced.gm, None, lambda n: part[n], keep_original_order=True)
+    stitch = split_module(gm, None, lambda n: part[n], keep_original_order=True)
     record_example_values(stitch, traced.fake_inputs)
     _check_still_symbolic(traced)
 
@@ -140,7 +168,7 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
             continue
         sub: fx.GraphModule = getattr(stitch, node.target)
         index = int(node.target.removeprefix("submod_"))
-        compiled = index not in split_ops_parts
+        compiled = index not in eager_parts
         fake_args = [a.meta["example_value"] if isinstance(a, fx.Node) else a for a in node.args]
         kept = _normalise(sub, fake_args) if compiled else list(range(len(node.args)))
         node.args = tuple(node.args[i] for i in kept)
@@ -154,9 +182,80 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
             input_metas=metas,
             single_output=not isinstance(node.meta["example_value"], (tuple, list)),
             size_input=_size_input(metas),
+            written=graph_effects(sub, fake_args).written_inputs,
         ))
     stitch.recompile()
-    return SplitPlan(stitch=stitch, pieces=pieces)
+    return SplitPlan(stitch=stitch, pieces=pieces, written_inputs=effects.written_inputs)
+
+
+def _describe(node: fx.Node) -> str:
+    target = node.target if isinstance(node.target, str) else getattr(
+        node.target, "__name__", str(node.target))
+    return f"{target} (node {node.name})"
+
+
+def _check_writes(gm: fx.GraphModule, effects: Effects) -> None:
+    """UsageError for a write that cannot be kept exact: into a tensor the graph holds as
+    a constant (it would be written once per process, not per model)."""
+    for node, bases in effects.writes.items():
+        for base in bases:
+            if base.op == "get_attr":
+                raise UsageError(
+                    f"the forward writes in place into the constant tensor {base.target} "
+                    f"with {_describe(node)}: register it as a buffer of the model, or pass it "
+                    "as an argument")
+
+
+def _take_views_where_used(graph: fx.Graph, effects: Effects, part: dict[fx.Node, int],
+                           tail: int, splitting: set[str]) -> bool:
+    """Make every user in another part than a view's take that view itself, where the
+    view's memory matters: it is a graph input's, or some node writes it, or the model
+    returns it more than once. Users of the graph's output take theirs in part ``tail``.
+    Returns True if ``tail`` got any node."""
+    written = effects.written
+    output = next(n for n in graph.nodes if n.op == "output")
+    returned: dict[fx.Node, int] = {}
+    for value in output.all_input_nodes:
+        base = effects.base.get(value)
+        if base is not None:
+            returned[base] = returned.get(base, 0) + 1
+
+    def retake(node: fx.Node) -> bool:  # a view that can be taken again anywhere
+        return (node.op in ("call_function", "call_method") and effects.is_alias(node)
+                and not is_splitting(node, splitting) and not might_write(node))
+
+    def matters(node: fx.Node, to_output: bool) -> bool:
+        base = effects.base[node]
+        return (base.op == "placeholder" or base in written
+                or (to_output and returned.get(base, 0) > 1))
+
+    clones: dict[tuple[fx.Node, int], fx.Node] = {}
+
+    def clone(node: fx.Node, where: int, before: fx.Node) -> fx.Node:
+        found = clones.get((node, where))
+        if found is not None:
+            return found
+
+        def arg(a: fx.Node) -> fx.Node:
+            return clone(a, where, before) if retake(a) and part.get(a) != where else a
+
+        with graph.inserting_before(before):
+            copy = graph.node_copy(node, arg)
+        part[copy] = where
+        effects.base[copy] = effects.base[node]
+        clones[(node, where)] = copy
+        return copy
+
+    used_tail = False
+    for node in list(graph.nodes):
+        if node in part and retake(node):
+            for user in list(node.users):
+                where = tail if user is output else part[user]
+                if where == part[node] or not matters(node, user is output):
+                    continue
+                used_tail |= where == tail
+                user.replace_input_with(node, clone(node, where, user))
+    return used_tail
 
 
 def _normalise(gm: fx.GraphModule, fake_args: list[Any]) -> list[int]:
@@ -201,7 +300,7 @@ def _normalise(gm: fx.GraphModule, fake_args: list[Any]) -> list[int]:
     out = next(n for n in graph.nodes if n.op == "output")
     if not isinstance(out.args[0], (tuple, list)):
         out.args = ((out.args[0],),)
-    graph.eliminate_dead_code()
+    eliminate_dead_code(graph)
     graph.lint()
     gm.recompile()
     return kept

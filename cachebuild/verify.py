@@ -89,36 +89,53 @@ def _flat(outputs: Any) -> list[Any]:
 def check(fn: Any, nodes: list[dict[str, Any]], metas: list[InputMeta],
           bucket: dict[str, Any], seed: int = 0) -> list[int | None]:
     """Run ``fn`` and the piece's graph (eagerly) at each size of ``verify_sizes(bucket)``
-    on the same random inputs; raise Mismatch at the first difference. Returns the sizes.
+    on the same random inputs; raise Mismatch at the first difference, in an output or in
+    an input after the call (what each wrote in place). Returns the sizes.
 
-    A size at which the piece itself rejects the random inputs (an index out of range)
-    proves nothing either way and is skipped.
+    Integer inputs are distinct values first (indices that never repeat, so writes through
+    them have one right result), else 0s and 1s where the piece rejects those. A size at
+    which the piece itself rejects both (an index out of range) proves nothing either way
+    and is skipped.
     """
     reference = data_to_module(nodes)
     sizes = verify_sizes(bucket)
     generator_state = torch.random.get_rng_state()
     try:
         for size in sizes:
-            torch.manual_seed(seed + (size or 0))
-            inputs = example_inputs(metas, bucket, size)
-            with torch.no_grad():
-                try:
-                    ref = _flat(reference(*_clone(inputs)))
-                except Exception:
-                    continue
-                try:
-                    out = _flat(fn(*_clone(inputs)))
-                except Exception as e:
-                    raise Mismatch(f"at size {size}: the artifact raised {type(e).__name__}: "
-                                   f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}"
-                                   ) from e
-            if len(out) != len(ref):
-                raise Mismatch(f"at size {size}: {len(out)} outputs, expected {len(ref)}")
-            for i, (o, r) in enumerate(zip(out, ref, strict=True)):
-                compare(o, r, f"at size {size}, output {i}")
+            for distinct in (True, False):
+                torch.manual_seed(seed + (size or 0))
+                inputs = example_inputs(metas, bucket, size, distinct=distinct)
+                ref_inputs, out_inputs = _clone(inputs), _clone(inputs)
+                with torch.no_grad():
+                    try:
+                        ref = _flat(reference(*ref_inputs))
+                    except Exception:
+                        continue
+                    out = _run(fn, out_inputs, size)
+                _compare_all(out, ref, out_inputs, ref_inputs, size)
+                break
     finally:
         torch.random.set_rng_state(generator_state)
     return sizes
+
+
+def _run(fn: Any, inputs: list[Any], size: int | None) -> list[Any]:
+    try:
+        return _flat(fn(*inputs))
+    except Exception as e:
+        raise Mismatch(f"at size {size}: the artifact raised {type(e).__name__}: "
+                       f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+
+
+def _compare_all(out: list[Any], ref: list[Any], out_inputs: list[Any], ref_inputs: list[Any],
+                 size: int | None) -> None:
+    if len(out) != len(ref):
+        raise Mismatch(f"at size {size}: {len(out)} outputs, expected {len(ref)}")
+    for i, (o, r) in enumerate(zip(out, ref, strict=True)):
+        compare(o, r, f"at size {size}, output {i}")
+    for i, (o, r) in enumerate(zip(out_inputs, ref_inputs, strict=True)):
+        if isinstance(r, torch.Tensor):
+            compare(o, r, f"at size {size}, input {i} after the call (written in place)")
 
 
 @dataclass

@@ -22,7 +22,7 @@ LAYERS = [
     ["cachebuild", "cachebuild.errors", "cachebuild.keys", "cachebuild.config",
      "cachebuild.units", "cachebuild.counters", "cachebuild.compat", "cachebuild.env",
      "cachebuild.metrics"],
-    ["cachebuild.facts", "cachebuild.fxjson", "cachebuild.graphdiff",
+    ["cachebuild.facts", "cachebuild.effects", "cachebuild.fxjson", "cachebuild.graphdiff",
      "cachebuild.inputs", "cachebuild.weights", "cachebuild.outputs", "cachebuild.codehash",
      "cachebuild.store.*", "cachebuild.backends.*", "cachebuild.passes.*"],
     ["cachebuild.trace", "cachebuild.split", "cachebuild.targets", "cachebuild.guards",

@@ -1,0 +1,152 @@
+"""What a graph writes in place, and which of its values share memory.
+
+A model's forward may write tensors in place: a KV cache filled by ``index_copy_``, a
+counter bumped by ``add_``, slice assignment, an op whose schema mutates an argument (a
+splitting op that writes a paged cache), ``out=``. Splitting and compiling must keep each
+write, on the very tensor eager writes, and every value that shares memory with a written
+tensor must still share it. This module states those facts once, from one run of the graph
+on fake values (``graph_effects``):
+
+- a node *writes* a tensor when that tensor's version counter moves while the node runs
+  (views share their base's counter, so a write through a view counts for the base);
+- every tensor value has a *base*: the placeholder or the node whose run allocated its
+  memory; a node whose value lives in another node's memory is an *alias* (a view, or an
+  op like ``.to()`` that returned its argument).
+
+Writers are marked in ``node.meta`` (``WRITES``) so that the mark travels with the node into
+the pieces ``split_module`` makes, and ``eliminate_dead_code`` keeps them: FX's own pass
+drops a ``call_method`` such as ``cache.index_copy_(...)`` whose result nobody reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+#: ``node.meta`` key marking a node that writes a tensor in place.
+WRITES = "cachebuild_writes"
+
+#: Python operators that write their first operand in place when it is a tensor.
+_INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
+                      operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+                      operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift, operator.imatmul}
+
+
+@dataclass
+class Effects:
+    """The in-place facts of one graph (see the module doc).
+
+    ``writes``: writer node → the bases it writes. ``base``: tensor-valued node → the
+    node owning its memory (itself for a fresh value). ``same``: node → the argument
+    node whose value it returned as is (an in-place op's result, a no-op ``.to()``).
+    ``written_inputs``: positions of the placeholders some node writes.
+    """
+
+    writes: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    base: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    same: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    written_inputs: list[int] = field(default_factory=list)
+
+    @property
+    def written(self) -> set[fx.Node]:
+        """Every base some node writes."""
+        return {b for bases in self.writes.values() for b in bases}
+
+    def is_alias(self, node: fx.Node) -> bool:
+        """True if ``node``'s value lives in memory another node allocated."""
+        base = self.base.get(node)
+        return base is not None and base is not node
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def _storage(t: torch.Tensor) -> Any:
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(t.untyped_storage())
+
+
+def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any]) -> Effects:
+    """Run ``gm`` on ``fake_inputs`` and return what it writes and what aliases what;
+    writers are marked in their ``meta`` (``WRITES``)."""
+    effects = Effects()
+    owner: dict[Any, fx.Node] = {}  # storage → the node whose value first held it
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    class Watcher(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            arg_nodes = [a for a in pytree.tree_leaves((n.args, n.kwargs))
+                         if isinstance(a, fx.Node)]
+            arg_values = [(a, self.env[a]) for a in arg_nodes if a in self.env]
+            before = [(a, t, t._version) for a, v in arg_values for t in _tensors(v)]
+            result = super().run_node(n)
+            written = []
+            for _, t, version in before:
+                if t._version != version:
+                    base = owner.get(_storage(t))
+                    if base is not None and base not in written:
+                        written.append(base)
+            if written:
+                effects.writes[n] = written
+                n.meta[WRITES] = True
+            same = next((a for a, v in arg_values if v is result), None)
+            if same is not None and n.op != "placeholder":
+                effects.same[n] = same
+            tensors = _tensors(result)
+            if tensors:
+                bases = [owner.get(_storage(t)) for t in tensors]
+                if all(b is not None for b in bases):
+                    effects.base[n] = bases[0]  # type: ignore[assignment]
+                else:
+                    effects.base[n] = n
+                    for t in tensors:
+                        owner.setdefault(_storage(t), n)
+            return result
+
+    fake_mode = next((t.fake_mode for t in fake_inputs if hasattr(t, "fake_mode")), None)
+    from torch._dispatch.python import enable_python_dispatcher
+
+    with fake_mode if fake_mode is not None else contextlib.nullcontext(), \
+            enable_python_dispatcher():
+        Watcher(gm).run(*fake_inputs)
+    written = effects.written
+    effects.written_inputs = [i for i, p in enumerate(placeholders) if p in written]
+    return effects
+
+
+def might_write(node: fx.Node) -> bool:
+    """True if ``node`` may write a tensor in place: marked by ``graph_effects``, or by
+    its form (an in-place method, an in-place operator, ``out=``/``inplace=True``, an op
+    whose schema mutates)."""
+    if node.meta.get(WRITES):
+        return True
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.startswith("__")
+    if node.op != "call_function":
+        return False
+    if node.target in _INPLACE_OPERATORS:
+        return True
+    if node.kwargs.get("out") is not None or node.kwargs.get("inplace") is True:
+        return True
+    schema = getattr(node.target, "_schema", None)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def eliminate_dead_code(graph: fx.Graph) -> None:
+    """FX's dead-code elimination, keeping every node that ``might_write``."""
+    for node in reversed(list(graph.nodes)):
+        if node.users or node.op in ("placeholder", "output") or might_write(node):
+            continue
+        if node.op == "call_module" or node.is_impure():
+            continue
+        graph.erase_node(node)
