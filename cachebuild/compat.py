@@ -235,10 +235,50 @@ def mutated_sources() -> list[str] | None:
             continue  # a temporary of the frame (TempLocalSource), not an object before it
         changed = _changed_attributes(variable, side_effects.store_attr_mutations.get(variable))
         if changed is None:
+            changed = _changed_items(variable)
+            if changed == []:
+                continue  # a dict given back what it held (``self.buf += x`` on a buffer)
             names.append(name)
         else:
             names += [f"{name}.{attr}" for attr in changed]
     return names
+
+
+def _tensor_value(variable: Any) -> Any:
+    realize = getattr(variable, "realize", None)
+    if realize is not None:
+        variable = realize()
+    proxy = getattr(variable, "as_proxy", None)
+    if proxy is None or not getattr(variable, "is_tensor", lambda: False)():
+        return None
+    try:
+        return proxy().node.meta.get("example_value")
+    except Exception:
+        return None
+
+
+def _changed_items(variable: Any) -> list[Any] | None:
+    """The keys of a dict the frame changed, where it is a dict whose every item kept
+    its tensor (an in-place update stored back under its own key, as ``self.buf += x``
+    does with a module's ``_buffers``); None where that cannot be told."""
+    items = getattr(variable, "items", None)
+    original = getattr(variable, "original_items", None)
+    if not isinstance(items, dict) or not isinstance(original, dict):
+        return None
+    before = {getattr(k, "vt", k): v for k, v in original.items()}
+    if len(before) != len(items):
+        return None
+    changed = []
+    for key, value in items.items():
+        old = next((v for k, v in before.items()
+                    if getattr(k, "as_python_constant", None) is not None
+                    and getattr(getattr(key, "vt", key), "as_python_constant", None) is not None
+                    and k.as_python_constant() == getattr(key, "vt", key).as_python_constant()),
+                   None)
+        new_value, old_value = _tensor_value(value), _tensor_value(old) if old is not None else None
+        if new_value is None or new_value is not old_value:
+            changed.append(key)
+    return changed
 
 
 def _changed_attributes(variable: Any, pending: dict[str, Any] | None) -> list[str] | None:

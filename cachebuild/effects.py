@@ -89,12 +89,12 @@ def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any]) -> Effects:
             arg_values = [(a, self.env[a]) for a in arg_nodes if a in self.env]
             before = [(a, t, t._version) for a, v in arg_values for t in _tensors(v)]
             result = super().run_node(n)
+            changed = [t for _, t, version in before if t._version != version]
             written = []
-            for _, t, version in before:
-                if t._version != version:
-                    base = owner.get(_storage(t))
-                    if base is not None and base not in written:
-                        written.append(base)
+            for t in changed + _schema_written(n, self.env):
+                base = owner.get(_storage(t))
+                if base is not None and base not in written:
+                    written.append(base)
             if written:
                 effects.writes[n] = written
                 n.meta[WRITES] = True
@@ -123,6 +123,28 @@ def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any]) -> Effects:
     return effects
 
 
+def _schema(target: Any) -> Any:
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = getattr(target, "default", None)
+    return getattr(target, "_schema", None)
+
+
+def _schema_written(node: fx.Node, env: dict[fx.Node, Any]) -> list[torch.Tensor]:
+    """The tensors an op's schema says it writes (``Tensor(a!)``): an op defined without
+    an autograd kernel does not move their version counters."""
+    schema = _schema(node.target) if node.op == "call_function" else None
+    if schema is None or not schema.is_mutable:
+        return []
+    found = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, fx.Node):
+            found += _tensors(env.get(value))
+    return found
+
+
 def might_write(node: fx.Node) -> bool:
     """True if ``node`` may write a tensor in place: marked by ``graph_effects``, or by
     its form (an in-place method, an in-place operator, ``out=``/``inplace=True``, an op
@@ -138,7 +160,7 @@ def might_write(node: fx.Node) -> bool:
         return True
     if node.kwargs.get("out") is not None or node.kwargs.get("inplace") is True:
         return True
-    schema = getattr(node.target, "_schema", None)
+    schema = _schema(node.target)
     return bool(schema is not None and schema.is_mutable)
 
 

@@ -89,6 +89,18 @@ def graph_op_names(graph: fx.Graph) -> list[str]:
     return sorted(found)
 
 
+def _registered(name: str) -> bool:
+    ns, _, rest = name.partition("::")
+    op, _, overload = rest.partition(".")
+    try:
+        packet = getattr(getattr(torch.ops, ns), op)
+        if overload:
+            getattr(packet, overload)
+    except (AttributeError, RuntimeError):
+        return False
+    return True
+
+
 def check_splitting_ops(splitting_ops: tuple[str, ...]) -> None:
     """ConfigError for a splitting op that no library in this process registered.
 
@@ -98,16 +110,9 @@ def check_splitting_ops(splitting_ops: tuple[str, ...]) -> None:
     from cachebuild.errors import ConfigError
 
     for name in splitting_ops:
-        ns, _, rest = name.partition("::")
-        op, _, overload = rest.partition(".")
-        try:
-            packet = getattr(getattr(torch.ops, ns), op)
-            if overload:
-                getattr(packet, overload)
-        except (AttributeError, RuntimeError):
+        if not _registered(name):
             raise ConfigError(f"splitting op {name} is not a registered operator: check its "
-                              "name, and import the library that defines it before compiling"
-                              ) from None
+                              "name, and import the library that defines it before compiling")
 
 
 def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPlan:
@@ -127,7 +132,10 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
     for node in graph.nodes:
         if node.op == "call_function":
             seen |= op_names(node.target) & wanted
-    unknown = wanted - seen
+    # A registered op the graph does not call is fine (a config lists every op a family
+    # of models may split at); an op no library registered, or none found, is a mistake.
+    unknown = {name for name in wanted - seen if not _registered(name)} or (
+        wanted if wanted and not seen else set())
     if unknown:
         raise UsageError(
             f"splitting op(s) {sorted(unknown)} not found in the traced graph; it contains: "

@@ -24,6 +24,7 @@ import xxhash
 
 from cachebuild.codehash import code_objects as code_objects_of
 from cachebuild.codehash import has_source_file, sourceless_classes
+from cachebuild.effects import graph_effects, might_write
 from cachebuild.errors import UsageError
 from cachebuild.facts import SYMBOL, InputMeta, device_of, meta_of, torch_dir, unpin_device
 from cachebuild.guards import GuardRecord, GuardSet
@@ -241,7 +242,19 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         captured["mutated"] = compat.mutated_sources()
 
         def run(*inputs: Any) -> Any:
+            # Tracing leaves the model as it was: what the forward writes in place (a
+            # buffer, a cache) is put back afterwards, in the same tensors (Dynamo then
+            # stores them where the forward did). Runs after Dynamo's compile, so looking
+            # at the graph adds no guard to its frame.
+            written: list[int] = []
+            if any(might_write(n) for n in gm.graph.nodes):
+                fakes = [n.meta.get("example_value", v) for n, v in zip(
+                    [n for n in gm.graph.nodes if n.op == "placeholder"], inputs, strict=True)]
+                written = graph_effects(gm, fakes).written_inputs
+            saved = [(inputs[i], inputs[i].clone()) for i in written]
             captured["outputs"] = out = gm.forward(*inputs)
+            for tensor, before in saved:
+                tensor.copy_(before)
             return out
 
         return run

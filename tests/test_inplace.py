@@ -1,0 +1,210 @@
+"""Writes in place are exact, or refused: every pattern of ``inplace_models`` (a written
+input, a written buffer, a view read after its base is written, a cache written in a piece
+and read by the splitting op, written in one piece and read in the next, written by a
+splitting op, outputs that alias inputs and each other) gives eager's outputs *and* leaves
+eager's state, call after call, through both front doors and in every graph mode; the
+model with all of them does so with every backend, cold and warm in fresh processes.
+"""
+
+from __future__ import annotations
+
+import inplace_models as im
+import models
+import pytest
+import torch
+
+import cachebuild
+from cachebuild.effects import graph_effects
+from cachebuild.errors import BuildError, UsageError
+from cachebuild.store import LocalStore
+
+MODES = ("none", "piecewise", "full")
+#: Calls of a sequence: 4 and 1 are captured sizes, 5 and 3 are not.
+SIZES = (5, 4, 1, 3)
+
+
+def mode_config(mode: str, **overrides: object) -> cachebuild.CompileConfig:
+    graphs = {} if mode == "none" else {"cudagraph_mode": mode, "capture_sizes": (1, 4, 8)}
+    return im.config(**graphs, **overrides)
+
+
+def eager_results(cls: type) -> list[list[torch.Tensor]]:
+    model = im.make(cls)
+    return im.run_sequence(model, model, cls, SIZES)
+
+
+@pytest.mark.parametrize("cls", im.PATTERNS, ids=lambda c: c.__name__)
+def test_pattern_through_cachebuild_compile_in_every_graph_mode(cls, tmp_path):
+    want = eager_results(cls)
+    store = LocalStore(tmp_path / "store")
+    for mode in MODES:
+        model = im.make(cls)
+        compiled = cachebuild.compile(model, mode_config(mode), im.dynamic_dims(cls), store=store)
+        im.assert_same(im.run_sequence(compiled, model, cls, SIZES), want)
+        if mode != "none":
+            replays = sum(g.replays for g in compiled.runtime.graphed)
+            assert replays > 0, "no captured graph was replayed"
+
+
+@pytest.mark.parametrize("cls", im.PATTERNS, ids=lambda c: c.__name__)
+def test_pattern_through_torch_compile(cls, tmp_path):
+    model = im.make(cls)
+    config = im.config()
+    compiled = torch.compile(model, backend=cachebuild.backend(
+        config, store=LocalStore(tmp_path / "store")))
+    im.assert_same(im.run_sequence(compiled, model, cls, SIZES), eager_results(cls))
+
+
+def test_outputs_alias_what_eager_outputs_alias(tmp_path):
+    model = im.make(im.AliasingOutputs)
+    compiled = cachebuild.compile(model, im.config(), {0: 0, 1: 0},
+                                  store=LocalStore(tmp_path / "store"))
+    x, slots, cache, _ = im.call_args(im.AliasingOutputs, 5)
+    with torch.no_grad():
+        out, flat, head = compiled(x, slots, cache)
+    assert head.data_ptr() == cache.data_ptr()  # a view of the caller's cache, as in eager
+    assert flat.data_ptr() == out.data_ptr()
+    flat.zero_()
+    assert float(out.abs().sum()) == 0.0
+
+
+def test_effects_name_the_writes_and_the_written_inputs():
+    model = im.make(im.AllPatterns)
+    args = im.call_args(im.AllPatterns, 5)
+    captured = {}
+
+    def backend(gm, example_inputs):
+        captured["gm"], captured["inputs"] = gm, example_inputs
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(model, backend=backend, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    gm = captured["gm"]
+    fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    effects = graph_effects(gm, fakes)
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    written = sorted(names[i] for i in effects.written_inputs)
+    assert written == sorted(["l_cache_", "l_acc_", "l_self_buffers_calls_"])
+    writers = sorted(str(getattr(n.target, "__name__", n.target)) for n in effects.writes)
+    assert writers == sorted(["mul_", "index_copy_", "iadd", "iadd", "write_cache"])
+
+
+# -- every backend, cold and warm in fresh processes --------------------------------------
+
+#: Runs in a fresh process: AllPatterns through cachebuild.compile in every graph mode with
+#: BACKEND/FLAVOUR against STORE, the sequence's outputs and state, and the counters.
+CHILD = """
+import json, os
+
+import torch
+
+import cachebuild
+import inplace_models as im
+from cachebuild.store import LocalStore
+
+backend, flavour = os.environ["BACKEND"], os.environ["FLAVOUR"]
+store = LocalStore(os.environ["STORE"])
+results = {}
+for mode in os.environ["MODES"].split(","):
+    graphs = {} if mode == "none" else {"cudagraph_mode": mode, "capture_sizes": (1, 4, 8)}
+    model = im.make(im.AllPatterns)
+    config = im.config(backend=backend, flavour=flavour, **graphs)
+    compiled = cachebuild.compile(model, config, {0: 0, 1: 0}, store=store)
+    got = im.run_sequence(compiled, model, im.AllPatterns, (5, 4, 1, 3))
+    results[mode] = [[t.tolist() for t in step] for step in got]
+print(json.dumps({"results": results, "stats": cachebuild.stats()}))
+"""
+
+
+def run_child(store, backend, flavour, modes=MODES):
+    return models.run_python(CHILD, env={"STORE": str(store), "BACKEND": backend,
+                                         "FLAVOUR": flavour, "MODES": ",".join(modes)})
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,flavour", [("eager_fusion", "auto"), ("inductor", "aoti"),
+                                             ("inductor", "standalone")])
+def test_all_patterns_every_backend_cold_then_warm(backend, flavour, tmp_path):
+    want = eager_results(im.AllPatterns)
+    store = tmp_path / "store"
+    cold = run_child(store, backend, flavour)
+    warm = run_child(store, backend, flavour)
+    assert cold["stats"]["built"] > 0 and cold["stats"]["fallbacks"] == 0
+    assert warm["stats"]["traced"] == 0 and warm["stats"]["built"] == 0
+    for child in (cold, warm):
+        for mode in MODES:
+            got = [[torch.tensor(v) for v in step] for step in child["results"][mode]]
+            im.assert_same([[g.to(w.dtype) for g, w in zip(gs, ws, strict=True)]
+                            for gs, ws in zip(got, want, strict=True)], want)
+
+
+@pytest.mark.slow
+def test_all_patterns_through_torch_compile_with_aoti(tmp_path):
+    model = im.make(im.AllPatterns)
+    config = im.config(backend="inductor", flavour="aoti")
+    compiled = torch.compile(model, backend=cachebuild.backend(
+        config, store=LocalStore(tmp_path / "store")))
+    im.assert_same(im.run_sequence(compiled, model, im.AllPatterns, SIZES),
+                   eager_results(im.AllPatterns))
+
+
+# -- what cannot be exact is refused --------------------------------------------------------
+
+class WritesAConstant(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(im.H, im.H)
+        self.table = torch.zeros(8, im.H)  # a plain attribute, not a buffer
+
+    def forward(self, x, slots):
+        self.table.index_copy_(0, slots, self.lin(x))
+        return im.attend(x, x, x) + self.table.sum()
+
+
+def test_a_write_into_a_tensor_that_is_not_the_models_state_is_refused(tmp_path):
+    compiled = cachebuild.compile(WritesAConstant().eval(), im.config(), {0: 0, 1: 0},
+                                  store=LocalStore(tmp_path / "store"))
+    with pytest.raises(UsageError, match="register"), torch.no_grad():
+        compiled(torch.randn(3, im.H), torch.arange(3))
+
+
+def test_a_written_argument_that_shares_memory_with_another_is_refused(tmp_path):
+    model = im.make(im.MutatedInput)
+    compiled = cachebuild.compile(model, im.config(), {0: 0, 1: 0},
+                                  store=LocalStore(tmp_path / "store"))
+    x, slots, cache, _ = im.call_args(im.MutatedInput, 4)
+    with torch.no_grad():
+        compiled(x, slots, cache)
+        before = cache.clone()
+        with pytest.raises(UsageError, match="shares memory with argument 0"):
+            compiled(cache[:4], slots, cache)
+    assert torch.equal(cache, before)  # refused before anything ran
+
+
+def test_proof_compares_what_pieces_write(monkeypatch, tmp_path):
+    """An artifact that drops a write is caught before it is stored."""
+    from cachebuild import verify
+
+    def dropping(fn):
+        def run(*inputs):
+            return fn(*[t.clone() if isinstance(t, torch.Tensor) else t for t in inputs])
+        return run
+
+    real_check = verify.check
+    failures = []
+
+    def check(fn, *args, **kwargs):
+        try:
+            return real_check(dropping(fn), *args, **kwargs)
+        except verify.Mismatch as e:
+            failures.append(str(e))
+            raise
+
+    monkeypatch.setattr(verify, "check", check)
+    compiled = cachebuild.compile(im.make(im.MutatedInput), im.config(), {0: 0, 1: 0},
+                                  store=LocalStore(tmp_path / "store"))
+    with pytest.raises(BuildError, match="written in place"), torch.no_grad():
+        compiled(*im.call_args(im.MutatedInput, 4)[:3])
+    assert failures and all("written in place" in f for f in failures)
