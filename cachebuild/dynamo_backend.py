@@ -62,9 +62,15 @@ def scalar_inputs(gm: fx.GraphModule, fakes: list[Any]) -> list[int]:
 
 
 def scalar_value(value: Any) -> Any:
-    """The Python value of a scalar input as a call passes it."""
+    """The Python value of a scalar input as a call passes it (a symbolic one, as Dynamo
+    may hand an int it made dynamic to the backend: the value it was traced with)."""
     if isinstance(value, torch.Tensor):
         return value.item()
+    if isinstance(value, (torch.SymInt, torch.SymFloat)):
+        hint = value.node.hint
+        if hint is None:
+            raise ValueError(f"graph input {value} has no value to specialise on")
+        return hint
     return value
 
 

@@ -98,7 +98,8 @@ def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any]) -> Effects:
             if written:
                 effects.writes[n] = written
                 n.meta[WRITES] = True
-            same = next((a for a, v in arg_values if v is result), None)
+            same = next((a for a, v in arg_values if v is result), None) \
+                if isinstance(result, torch.Tensor) else None
             if same is not None and n.op != "placeholder":
                 effects.same[n] = same
             tensors = _tensors(result)

@@ -138,3 +138,47 @@ def check_sizes(compiled: Any, model: torch.nn.Module, sizes: tuple[int, ...]) -
     with torch.no_grad():
         for size in sizes:
             assert_close(compiled(*ids(size)), model(*ids(size)))
+
+
+# -- generation ---------------------------------------------------------------------------
+
+#: Families whose transformers classes generate with a static cache (BERT is an encoder).
+GENERATES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "gpt2", "qwen2_moe"]
+#: Tokens a generation test asks for, greedy, after a prompt of ``PROMPT`` tokens.
+NEW_TOKENS = 32
+PROMPT = 7
+
+
+def generator_model(name: str, seed: int = 0) -> torch.nn.Module:
+    """The family's causal LM itself (what ``generate`` is called on), with room in its
+    positions for a prompt and ``NEW_TOKENS``."""
+    family = FAMILIES[name]
+    torch.manual_seed(seed)
+    room = {"n_positions": 128} if name == "gpt2" else {"max_position_embeddings": 128}
+    return family.model_class(family.config(**room)).eval()
+
+
+def greedy(model: torch.nn.Module, cache: str | None, seed: int = 0) -> list[int]:
+    """Greedy ``generate`` of ``NEW_TOKENS`` after a seeded prompt, with the cache
+    implementation ``cache`` (None: transformers' default, a dynamic cache)."""
+    prompt = ids(PROMPT, seed)[0][None]
+    options: dict[str, Any] = {"max_new_tokens": NEW_TOKENS, "min_new_tokens": NEW_TOKENS,
+                               "do_sample": False, "pad_token_id": 0}
+    if cache is not None:
+        options["cache_implementation"] = cache
+    with torch.no_grad():
+        return model.generate(prompt, **options)[0, PROMPT:].tolist()
+
+
+def compile_forward(model: torch.nn.Module, config: cachebuild.CompileConfig,
+                    store: Any = None) -> None:
+    """``model.forward`` through torch.compile with cachebuild's backend, as transformers'
+    documentation compiles a model for generation."""
+    model.forward = torch.compile(model.forward, backend=cachebuild.backend(config, store=store))
+
+
+def generation_config(backend: str = "eager_fusion", flavour: str = "auto"
+                      ) -> cachebuild.CompileConfig:
+    """One range for every Dynamo graph a generation hands over (prefill and decode)."""
+    return cachebuild.CompileConfig(splitting_ops=(SDPA,), compile_ranges=((1, 128),),
+                                    backend=backend, flavour=flavour)

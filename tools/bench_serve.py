@@ -304,11 +304,12 @@ def settle() -> float:
     return time.time() - start
 
 
-def build(work: Path, env: dict[str, str], flavour: str) -> dict[str, Any]:
-    """``cachebuild warm`` of the example on an empty store (its own); timed."""
+def build(work: Path, env: dict[str, str], flavour: str,
+          model_file: str = "llama.py") -> dict[str, Any]:
+    """``cachebuild warm`` of an example on an empty store (its own); timed."""
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "cachebuild.cli", "warm",
-                           str(ROOT / "examples" / "llama.py")],
+                           str(ROOT / "examples" / model_file)],
                           capture_output=True, text=True, env=env)
     seconds = time.time() - start
     said = (proc.stdout + proc.stderr).strip().splitlines() or ["(no output)"]

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# One GPU run: the CUDA tests and the serve benchmark (and, if asked, the pass benchmark),
-# with the machine's own environment (its CXX and all); results in $OUT.
+# One GPU run: the CUDA tests, the serve and generation benchmarks (and, if asked, the pass
+# benchmark), with the machine's own environment (its CXX and all); results in $OUT.
 # Wheels missing on the GPU machine travel in .whl/ (installed into /tmp/site).
 #
 #   SERVE_ARGS="--modes eager,cb_build_aoti,cb_warm_aoti" bash tools/gpu_run.sh
 #
-# Time limits in seconds: TEST_S (default 300), SERVE_S (420), PASSES_S (0: skipped);
-# 0 skips a part. SERVE_FIRST=1 runs the benchmark before the tests.
+# Time limits in seconds: TEST_S (default 300), SERVE_S (420), GEN_S (420), PASSES_S (0:
+# skipped); 0 skips a part. SERVE_FIRST=1 runs the benchmarks before the tests.
 set -uo pipefail
 OUT=${OUT:-/tmp/cachebuild-gpu-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -24,7 +24,7 @@ tests() {
     [ "${TEST_S:-300}" = 0 ] && return
     TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-tests timeout "${TEST_S:-300}" \
         python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py \
-        -k "gpu or capture or aoti" >"$OUT/pytest_cuda.txt" 2>&1
+        tests/test_generate_gpu.py -k "gpu or capture or aoti or cuda" >"$OUT/pytest_cuda.txt" 2>&1
     grep -E "passed|failed|error|AOTInductor|capture of|cold " "$OUT/pytest_cuda.txt" | tail -20
 }
 serve() {
@@ -33,7 +33,13 @@ serve() {
         2>&1 | grep -v -i "warn" >"$OUT/serve.txt"
     tail -25 "$OUT/serve.txt"
 }
-if [ -n "${SERVE_FIRST:-}" ]; then serve; tests; else tests; serve; fi
+generation() {
+    [ "${GEN_S:-420}" = 0 ] && return
+    timeout "${GEN_S:-420}" python3 tools/bench_generate.py ${GEN_ARGS:-} --json-out "$OUT/generate.json" \
+        2>&1 | grep -v -i "warn" >"$OUT/generate.txt"
+    tail -12 "$OUT/generate.txt"
+}
+if [ -n "${SERVE_FIRST:-}" ]; then serve; generation; tests; else tests; serve; generation; fi
 if [ "${PASSES_S:-0}" != 0 ]; then
     TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-passes timeout "${PASSES_S}" \
         python3 tools/bench_passes.py --cudagraph ${PASSES_ARGS:---e2e} --json "$OUT/passes.json" \

@@ -1,0 +1,132 @@
+"""Generation with a KV cache, token-equal to eager, cold and warm in fresh processes.
+
+Hugging Face: ``generate`` greedy over ``NEW_TOKENS`` tokens with the static cache
+(written in place inside the compiled graph) and with the default dynamic cache, through
+``torch.compile(model.forward, backend=cachebuild.backend(...))`` as transformers
+documents it, for every family of ``hf_families`` that generates; the Inductor flavours on
+Llama. Each child computes eager's tokens itself, then the compiled model's; the second
+child must build nothing.
+
+vLLM-style: ``examples/generate.py`` (a paged cache written by a splitting op) warmed by
+``cachebuild warm`` and served by ``python examples/generate.py``, which exits 1 unless its
+tokens equal eager's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import models
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: Runs in a fresh process: for each family of FAMILIES and each cache of CACHES, eager's
+#: greedy tokens and the compiled model's (BACKEND, FLAVOUR, the store STORE).
+CHILD = """
+import json, os
+
+import hf_families as H
+from cachebuild.store import LocalStore
+
+import cachebuild
+
+store = LocalStore(os.environ["STORE"])
+config = H.generation_config(os.environ["BACKEND"], os.environ["FLAVOUR"])
+found = {}
+for name in os.environ["FAMILIES"].split(","):
+    for cache in os.environ["CACHES"].split(","):
+        cache = None if cache == "dynamic" else cache
+        model = H.generator_model(name)
+        want = H.greedy(model, cache)
+        H.compile_forward(model, config, store)
+        found[f"{name}/{cache}"] = [want, H.greedy(model, cache)]
+print(json.dumps({"tokens": found, "stats": cachebuild.stats()}))
+"""
+
+
+def generate_in_child(store: Path, families: list[str], caches: str, backend: str = "eager_fusion",
+                      flavour: str = "auto") -> dict:
+    return models.run_python(CHILD, env={
+        "STORE": str(store), "FAMILIES": ",".join(families), "CACHES": caches,
+        "BACKEND": backend, "FLAVOUR": flavour}, timeout=1500)
+
+
+def assert_token_equal(child: dict) -> None:
+    wrong = {case: pair for case, pair in child["tokens"].items() if pair[0] != pair[1]}
+    assert not wrong, f"tokens differ from eager's: {wrong}"
+    assert all(len(want) == 32 for want, _ in child["tokens"].values())
+
+
+@pytest.mark.slow
+def test_every_family_generates_eagers_tokens_cold_and_warm(tmp_path):
+    import hf_families as H
+
+    cold = generate_in_child(tmp_path / "store", H.GENERATES, "static,dynamic")
+    warm = generate_in_child(tmp_path / "store", H.GENERATES, "static,dynamic")
+    assert cold["stats"]["built"] > 0
+    assert warm["stats"]["built"] == 0 and warm["stats"]["failed"] == 0
+    for child in (cold, warm):
+        assert_token_equal(child)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("flavour", ["aoti", "standalone"])
+def test_llama_generates_eagers_tokens_with_inductor_cold_and_warm(flavour, tmp_path):
+    cold = generate_in_child(tmp_path / "store", ["llama"], "static", "inductor", flavour)
+    warm = generate_in_child(tmp_path / "store", ["llama"], "static", "inductor", flavour)
+    assert cold["stats"]["built"] > 0 and cold["stats"]["fallbacks"] == 0
+    assert warm["stats"]["built"] == 0
+    for child in (cold, warm):
+        assert_token_equal(child)
+
+
+# -- the paged example ---------------------------------------------------------------------
+
+def run_example(args: list[str], store: Path, **env: str) -> subprocess.CompletedProcess:
+    child_env = {**os.environ, "CACHEBUILD_DIR": str(store), "GEN_NEW_TOKENS": "32", **env}
+    return subprocess.run(args, cwd=ROOT, env=child_env, capture_output=True, text=True,
+                          timeout=1500)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend,flavour", [("eager_fusion", "auto"), ("inductor", "aoti"),
+                                             ("inductor", "standalone")])
+def test_paged_example_warmed_then_served_gives_eagers_tokens(backend, flavour, tmp_path):
+    store = tmp_path / "store"
+    env = {"LLAMA_BACKEND": backend, "LLAMA_FLAVOUR": flavour}
+    cli = str(Path(sys.executable).with_name("cachebuild"))
+    warmed = run_example([cli, "warm", "examples/generate.py"], store, **env)
+    assert warmed.returncode == 0, warmed.stderr[-3000:]
+    served = run_example([sys.executable, "examples/generate.py"], store, **env)
+    assert served.returncode == 0, served.stderr[-3000:]
+    line = served.stderr.strip().splitlines()[-1]
+    assert "targets built 0" in line and "traced 0" in line and "equal to eager's" in line
+
+
+def test_paged_engine_samples_reproducibly_and_frees_its_blocks(tmp_path):
+    sys.path.insert(0, str(ROOT / "examples"))
+    try:
+        import generate
+    finally:
+        sys.path.remove(str(ROOT / "examples"))
+    os.environ.setdefault("GEN_BLOCKS", "64")
+    model = generate.make_model()
+    engine = generate.Engine(model)
+    batch = generate.prompts(model.embed.num_embeddings, count=2)
+    free = len(engine.free)
+    first = engine.generate(batch, 8, temperature=0.8, seed=3)
+    assert engine.generate(batch, 8, temperature=0.8, seed=3) == first
+    assert engine.generate(batch, 8, temperature=0.8, seed=4) != first
+    assert len(engine.free) == free  # every block back: a long run does not grow
+    with pytest.raises(generate.CacheFull, match="GEN_MAX_BLOCKS"):
+        engine.generate([[1] * 300], 1)
+    assert len(engine.free) == free
+    model.layers[0].kv_cache = model.layers[0].kv_cache[:, :4]
+    with pytest.raises(ValueError, match="attach_caches"):
+        generate.Engine(model)
+    assert json.dumps(first)
