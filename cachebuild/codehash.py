@@ -1,5 +1,6 @@
-"""Hashes of code that has no source file: a class defined in ``python -c``, through
-``exec`` or in a notebook cell.
+"""Hashes of code: of a source file by its syntax tree (``ast_hash``), and of code that
+has no source file: a class defined in ``python -c``, through ``exec`` or in a notebook
+cell.
 
 Such code cannot be checked by hashing its file, so it is keyed by what its code objects
 contain: bytecode, constants (nested code objects recursively), names, and the defaults of
@@ -9,6 +10,7 @@ constants.
 
 from __future__ import annotations
 
+import ast
 import functools
 import inspect
 import os
@@ -16,6 +18,17 @@ import types
 from typing import Any
 
 import xxhash
+
+
+def ast_hash(path: str) -> str | None:
+    """Hash of a Python file's syntax tree: comments and blank lines do not change it."""
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    return xxhash.xxh3_128_hexdigest(
+        ast.dump(tree, annotate_fields=False, include_attributes=False).encode())
 
 
 def has_source_file(obj: Any) -> bool:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from cachebuild.codehash import class_hash, sourceless_classes
+from cachebuild.codehash import ast_hash, class_hash, sourceless_classes
 from cachebuild.config import CompileConfig
 from cachebuild.env import SCHEMA_VERSION, env_factors
 from cachebuild.facts import InputMeta, device_of, meta_of
@@ -33,7 +33,7 @@ from cachebuild.guards import GuardSet
 from cachebuild.keys import make_key
 from cachebuild.split import SplitPlan
 from cachebuild.targets import Target, piece_data
-from cachebuild.trace import Binding, TracedGraph, ast_hash
+from cachebuild.trace import Binding, TracedGraph
 
 #: The layout of a stored entry; bumped when it changes, so older entries are never misread
 #: (it is an entry-key factor: an old entry is simply not found, and the model retraced).

@@ -15,6 +15,7 @@ path. Turning Dynamo's guards into records is ``guard_export.py``'s job.
 from __future__ import annotations
 
 import enum
+import functools
 import os
 import sys
 import types
@@ -24,7 +25,7 @@ from typing import Any
 
 import torch
 
-from cachebuild.codehash import code_hash
+from cachebuild.codehash import ast_hash, code_hash
 from cachebuild.weights import hooks_hidden
 
 #: A path step: ``["attr", name]``, ``["item", key]``, ``["nthkey", i]`` (the i-th key of a
@@ -82,16 +83,43 @@ def qualname(obj: Any) -> str:
 MODEL_MODULE_PREFIX = "cachebuild_model_"
 
 
+@functools.cache
+def _library_roots() -> tuple[str, ...]:
+    """Where installed code lives (site-packages, the standard library): a module there has
+    one name in every process."""
+    import site
+    import sysconfig
+
+    roots = {*site.getsitepackages(), site.getusersitepackages()}
+    roots |= {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return tuple(os.path.realpath(r) + os.sep for r in roots if r)
+
+
 def model_label(module: str) -> str:
-    """A module name as guards compare it. A model file is ``__main__`` when a server runs
-    it as a script and ``cachebuild_model_<hash of its path>`` when ``cachebuild warm``
-    imports it: both are named by the file's name (``<llama.py>``), so an entry recorded
-    by one is found by the other (the file's contents are in the entry key already)."""
-    if module == "__main__" or module.startswith(MODEL_MODULE_PREFIX):
-        path = getattr(sys.modules.get(module), "__file__", None)
-        if path:
-            return f"<{os.path.basename(path)}>"
-    return module
+    """A module name as guards compare it: an installed module by its name; any other
+    module by its file's name and the hash of its syntax tree (``<llama.py:1a2b3c4d5e6f>``).
+
+    A model file has as many names as ways to start it: ``__main__`` when run as a script,
+    ``cachebuild_model_<hash>`` when ``cachebuild warm`` imports it, ``m`` or
+    ``pkg.models.m`` when a server imports it, from whichever directory. Its code is the
+    same: an entry recorded by one is found by all, and a change of its code is a change of
+    its name.
+    """
+    path = getattr(sys.modules.get(module), "__file__", None)
+    if not isinstance(path, str):
+        return module
+    return _file_label(path) or module
+
+
+@functools.cache
+def _file_label(path: str) -> str | None:
+    """The label of the module at ``path`` (None: an installed module, named by name)."""
+    real = os.path.realpath(path)
+    if real.startswith(_library_roots()):
+        return None
+    digest = ast_hash(real)
+    name = os.path.basename(real)
+    return f"<{name}:{digest[:12]}>" if digest else f"<{name}>"
 
 
 def identity(value: Any) -> Any:

@@ -9,7 +9,6 @@ stored graph from a live model, with no Dynamo.
 
 from __future__ import annotations
 
-import ast
 import inspect
 import os
 import re
@@ -20,10 +19,9 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-import xxhash
 
+from cachebuild.codehash import ast_hash, has_source_file, sourceless_classes
 from cachebuild.codehash import code_objects as code_objects_of
-from cachebuild.codehash import has_source_file, sourceless_classes
 from cachebuild.effects import graph_effects, might_write
 from cachebuild.errors import UsageError
 from cachebuild.facts import SYMBOL, InputMeta, device_of, meta_of, torch_dir, unpin_device
@@ -66,17 +64,6 @@ class TracedGraph:
     fake_inputs: list[Any] = field(default_factory=list)
     guards: list[GuardRecord] = field(default_factory=list)  # what the trace read
     unrecordable: str | None = None  # why no entry may be stored for this trace
-
-
-def ast_hash(path: str) -> str | None:
-    """Hash of a Python file's syntax tree: comments and blank lines do not change it."""
-    try:
-        with open(path, "rb") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, ValueError):
-        return None
-    return xxhash.xxh3_128_hexdigest(
-        ast.dump(tree, annotate_fields=False, include_attributes=False).encode())
 
 
 def _traced_files(code_objects: list[Any], more: Sequence[str] = ()) -> dict[str, str]:

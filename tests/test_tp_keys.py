@@ -198,11 +198,24 @@ def test_standalone_artifact_refuses_another_gpu_before_writing(tmp_path):
     assert e.value.built_for == "cuda:0"
 
 
-def test_guards_name_a_model_file_by_its_file_name(monkeypatch):
-    module = types.ModuleType("cachebuild_model_0123456789abcdef")
-    module.__file__ = "/somewhere/llama.py"
-    monkeypatch.setitem(sys.modules, module.__name__, module)
-    assert model_label(module.__name__) == "<llama.py>"
+def test_guards_name_a_model_file_by_its_file_name_and_code(monkeypatch, tmp_path):
+    labels = []
+    for name, folder in [("cachebuild_model_0123456789abcdef", "a"), ("llama", "b"),
+                         ("pkg.models.llama", "c")]:
+        (tmp_path / folder).mkdir()
+        path = tmp_path / folder / "llama.py"
+        path.write_text("x = 1  # the same code wherever it lies\n")
+        module = types.ModuleType(name)
+        module.__file__ = str(path)
+        monkeypatch.setitem(sys.modules, module.__name__, module)
+        labels.append(model_label(name))
+    assert len(set(labels)) == 1 and labels[0].startswith("<llama.py:")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "llama.py").write_text("x = 2\n")
+    other = types.ModuleType("other")
+    other.__file__ = str(tmp_path / "d" / "llama.py")
+    monkeypatch.setitem(sys.modules, "other", other)
+    assert model_label("other") not in labels  # other code, another name
     assert model_label("torch.nn") == "torch.nn"
 
 
