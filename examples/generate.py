@@ -140,15 +140,8 @@ DYNAMIC = {0: 0, 1: 0, 2: 0, 3: 0}
 
 
 def make_model() -> PagedLlama:
-    device = os.environ.get("LLAMA_DEVICE", "cpu")
-    default_dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    dtype = getattr(torch, os.environ.get("LLAMA_DTYPE", default_dtype))
-    with torch.device(device):
-        model = PagedLlama(blocks=_env("GEN_BLOCKS", 64), block_size=_env("GEN_BLOCK_SIZE", 16),
-                           layers=_env("LLAMA_LAYERS", 2), hidden=_env("LLAMA_HIDDEN", 256),
-                           heads=_env("LLAMA_HEADS", 8), kv_heads=_env("LLAMA_KV_HEADS", 2),
-                           mlp=_env("LLAMA_MLP", 688), vocab=_env("LLAMA_VOCAB", 1024))
-    model = model.to(dtype).eval()
+    model = llama.make_model(PagedLlama, blocks=_env("GEN_BLOCKS", 64),
+                             block_size=_env("GEN_BLOCK_SIZE", 16))
     model.attach_caches()
     return model
 

@@ -118,14 +118,16 @@ class Llama(nn.Module):
         return self.lm_head(self.norm(x))
 
 
-def make_model() -> Llama:
+def make_model(cls: type[Llama] = Llama, **extra: int) -> Llama:
+    """A ``cls`` of the shape, device and dtype the environment asks for (``extra``: more
+    arguments for ``cls``), in eval mode."""
     device = os.environ.get("LLAMA_DEVICE", "cpu")
     default_dtype = "bfloat16" if device.startswith("cuda") else "float32"
     dtype = getattr(torch, os.environ.get("LLAMA_DTYPE", default_dtype))
     with torch.device(device):
-        model = Llama(layers=_env("LLAMA_LAYERS", 2), hidden=_env("LLAMA_HIDDEN", 256),
-                      heads=_env("LLAMA_HEADS", 8), kv_heads=_env("LLAMA_KV_HEADS", 2),
-                      mlp=_env("LLAMA_MLP", 688), vocab=_env("LLAMA_VOCAB", 1024))
+        model = cls(layers=_env("LLAMA_LAYERS", 2), hidden=_env("LLAMA_HIDDEN", 256),
+                    heads=_env("LLAMA_HEADS", 8), kv_heads=_env("LLAMA_KV_HEADS", 2),
+                    mlp=_env("LLAMA_MLP", 688), vocab=_env("LLAMA_VOCAB", 1024), **extra)
     return model.to(dtype).eval()
 
 

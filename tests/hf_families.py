@@ -182,3 +182,41 @@ def generation_config(backend: str = "eager_fusion", flavour: str = "auto"
     """One range for every Dynamo graph a generation hands over (prefill and decode)."""
     return cachebuild.CompileConfig(splitting_ops=(SDPA,), compile_ranges=((1, 128),),
                                     backend=backend, flavour=flavour)
+
+
+class StaticServed(torch.nn.Module):
+    """A causal LM with a static cache of its own, served through ``cachebuild.compile``:
+    ``forward(input_ids [T], positions [T])`` → logits ``[T, vocab]`` of one sequence,
+    written into the cache at ``positions``. The cache's tensors are buffers of this
+    module, so a warm process binds them like weights."""
+
+    def __init__(self, hf: torch.nn.Module, max_len: int = 64) -> None:
+        super().__init__()
+        self.hf = hf
+        config = hf.config
+        head_dim = getattr(config, "head_dim", None) or (
+            config.hidden_size // config.num_attention_heads)
+        self.cache = transformers.StaticCache(config=config, max_cache_len=max_len)
+        self.cache.early_initialization(1, config.num_key_value_heads, head_dim,
+                                        torch.float32, torch.device("cpu"))
+        for i, layer in enumerate(self.cache.layers):
+            self.register_buffer(f"keys_{i}", layer.keys, persistent=False)
+            self.register_buffer(f"values_{i}", layer.values, persistent=False)
+            self.register_buffer(f"length_{i}", layer.cumulative_length, persistent=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.hf(input_ids=input_ids[None], position_ids=positions[None],
+                       past_key_values=self.cache, use_cache=True).logits[0]
+
+
+def greedy_served(forward: Any, seed: int = 0) -> list[int]:
+    """Greedy decoding of ``NEW_TOKENS`` through a ``StaticServed`` forward: the prompt,
+    then one token per call."""
+    prompt = ids(PROMPT, seed)[0]
+    out: list[int] = []
+    tokens, positions = prompt, torch.arange(PROMPT)
+    with torch.no_grad():
+        for step in range(NEW_TOKENS):
+            out.append(int(forward(tokens, positions)[-1].argmax()))
+            tokens, positions = torch.tensor([out[-1]]), torch.tensor([PROMPT + step])
+    return out

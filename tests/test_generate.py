@@ -40,6 +40,12 @@ config = H.generation_config(os.environ["BACKEND"], os.environ["FLAVOUR"])
 found = {}
 for name in os.environ["FAMILIES"].split(","):
     for cache in os.environ["CACHES"].split(","):
+        if cache == "served":  # the static cache as buffers, through cachebuild.compile
+            want = H.greedy_served(H.StaticServed(H.generator_model(name)).eval())
+            served = H.StaticServed(H.generator_model(name)).eval()
+            compiled = cachebuild.compile(served, config, {0: 0, 1: 0}, store=store)
+            found[f"{name}/served"] = [want, H.greedy_served(compiled)]
+            continue
         cache = None if cache == "dynamic" else cache
         model = H.generator_model(name)
         want = H.greedy(model, cache)
@@ -68,6 +74,18 @@ def test_every_family_generates_eagers_tokens_cold_and_warm(tmp_path):
 
     cold = generate_in_child(tmp_path / "store", H.GENERATES, "static,dynamic")
     warm = generate_in_child(tmp_path / "store", H.GENERATES, "static,dynamic")
+    assert cold["stats"]["built"] > 0
+    assert warm["stats"]["built"] == 0 and warm["stats"]["failed"] == 0
+    for child in (cold, warm):
+        assert_token_equal(child)
+
+
+@pytest.mark.slow
+def test_a_static_cache_of_buffers_through_cachebuild_compile_cold_and_warm(tmp_path):
+    cold = generate_in_child(tmp_path / "store", ["llama", "qwen2"], "served")
+    warm = generate_in_child(tmp_path / "store", ["llama", "qwen2"], "served")
+    assert cold["stats"]["traced"] == 2
+    assert warm["stats"]["traced"] == 0 and warm["stats"]["built"] == 0
     assert cold["stats"]["built"] > 0
     assert warm["stats"]["built"] == 0 and warm["stats"]["failed"] == 0
     for child in (cold, warm):

@@ -39,7 +39,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import build, prime  # noqa: E402
+from bench_serve import build, primed  # noqa: E402
 
 DEFAULT_MODES = "eager,torch_cold,torch_warm,cb_build_aoti,cb_warm_aoti,cb_full_aoti"
 DECODE_SIZES = (1, 2, 4, 8, 16, 32)
@@ -183,13 +183,7 @@ def main() -> None:
            "LLAMA_MAX_TOKENS": str(max(BATCHES) * PROMPT), "GEN_BLOCKS": "320",
            "GEN_MAX_BLOCKS": "8", "GEN_CAPTURE": ",".join(map(str, DECODE_SIZES)),
            "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-prime")}
-    env.setdefault("PYTHONPYCACHEPREFIX", str(work / "pycache"))
-    env.setdefault("CACHEBUILD_PROBE_DIR", str(work / "probe"))
-    env.pop("PYTHONDONTWRITEBYTECODE", None)
-    seconds, toolchain = prime(env)
-    print(f"bytecode cache primed and toolchain probed in {seconds:.1f} s: {toolchain}",
-          flush=True)
-    results: dict[str, Any] = {"toolchain": toolchain}
+    results: dict[str, Any] = {"toolchain": primed(env, work)}
     for mode in args.modes.split(","):
         menv = dict(env)
         flavour = mode.rsplit("_", 1)[-1]

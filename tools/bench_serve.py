@@ -278,6 +278,18 @@ def prime(env: dict[str, str]) -> tuple[float, str]:
     return time.time() - start, proc.stdout.strip().splitlines()[-1]
 
 
+def primed(env: dict[str, str], work: Path) -> str:
+    """``env`` made ready for every mode (a shared bytecode cache and probe verdict, where
+    the caller's environment names none, in ``work``), primed; the toolchain's verdict."""
+    env.setdefault("PYTHONPYCACHEPREFIX", str(work / "pycache"))
+    env.setdefault("CACHEBUILD_PROBE_DIR", str(work / "probe"))
+    env.pop("PYTHONDONTWRITEBYTECODE", None)  # else the cache stays empty
+    seconds, toolchain = prime(env)
+    print(f"bytecode cache primed and toolchain probed in {seconds:.1f} s: {toolchain}",
+          flush=True)
+    return toolchain
+
+
 def run_mode(mode: str, work: Path, env: dict[str, str], graph_mode: str,
              profile: Path | None = None) -> dict[str, Any]:
     started = time.time()
@@ -341,13 +353,7 @@ def main() -> None:
            "LLAMA_MLP": str(args.hidden * 11 // 4), "LLAMA_VOCAB": "32000",
            "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-prime")}
     # Shared with other runs on this machine where set (a probe verdict, torch's bytecode).
-    env.setdefault("PYTHONPYCACHEPREFIX", str(work / "pycache"))
-    env.setdefault("CACHEBUILD_PROBE_DIR", str(work / "probe"))
-    env.pop("PYTHONDONTWRITEBYTECODE", None)  # else the cache stays empty
-    seconds, toolchain = prime(env)
-    print(f"bytecode cache primed and toolchain probed in {seconds:.1f} s: {toolchain}",
-          flush=True)
-    results: dict[str, Any] = {"toolchain": toolchain}
+    results: dict[str, Any] = {"toolchain": primed(env, work)}
     for mode in args.modes.split(","):
         menv = dict(env)
         flavour = mode.rsplit("_", 1)[-1]
