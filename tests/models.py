@@ -309,6 +309,38 @@ def run_python(code: str, *, env: dict[str, str] | None = None, extra_path: list
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def run_pythons(code: str, envs: list[dict[str, str]], timeout: float = 900
+                ) -> list[dict[str, Any]]:
+    """``run_python(code, env=e)`` for each of ``envs``, all at once (independent cold
+    builds take turns on the cores); their JSON results in order. Output goes to files, so
+    that no child waits on a full pipe while another is read."""
+    with tempfile.TemporaryDirectory(prefix="cachebuild-children-") as folder:
+        procs = []
+        for i, env in enumerate(envs):
+            child_env = {**os.environ, **env}
+            child_env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR),
+                                                       child_env.get("PYTHONPATH", "")])
+            out, err = (open(Path(folder) / f"{i}.{k}", "w+") for k in ("out", "err"))
+            procs.append((subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],
+                                           env=child_env, stdout=out, stderr=err, text=True),
+                          out, err))
+        results = []
+        for proc, out, err in procs:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+            out.close()
+            err.close()
+            assert proc.returncode == 0, f"child failed ({proc.returncode}):\n{stderr[-4000:]}"
+            results.append(json.loads(stdout.strip().splitlines()[-1]))
+        return results
+
+
 def start_python(code: str, *, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``code`` in a fresh interpreter (see ``run_python``); collect with ``finish``."""
     child_env = dict(os.environ)

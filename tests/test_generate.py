@@ -55,11 +55,14 @@ print(json.dumps({"tokens": found, "stats": cachebuild.stats()}))
 """
 
 
-def generate_in_child(store: Path, families: list[str], caches: str, backend: str = "eager_fusion",
-                      flavour: str = "auto") -> dict:
-    return models.run_python(CHILD, env={
-        "STORE": str(store), "FAMILIES": ",".join(families), "CACHES": caches,
-        "BACKEND": backend, "FLAVOUR": flavour}, timeout=1500)
+def child_env(store: Path, families: list[str], caches: str, backend: str = "eager_fusion",
+              flavour: str = "auto") -> dict[str, str]:
+    return {"STORE": str(store), "FAMILIES": ",".join(families), "CACHES": caches,
+            "BACKEND": backend, "FLAVOUR": flavour}
+
+
+def generate_in_child(*args: object, **kwargs: object) -> dict:
+    return models.run_python(CHILD, env=child_env(*args, **kwargs), timeout=1500)
 
 
 def assert_token_equal(child: dict) -> None:
@@ -93,37 +96,57 @@ def test_a_static_cache_of_buffers_through_cachebuild_compile_cold_and_warm(tmp_
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("flavour", ["aoti", "standalone"])
-def test_llama_generates_eagers_tokens_with_inductor_cold_and_warm(flavour, tmp_path):
-    cold = generate_in_child(tmp_path / "store", ["llama"], "static", "inductor", flavour)
-    warm = generate_in_child(tmp_path / "store", ["llama"], "static", "inductor", flavour)
-    assert cold["stats"]["built"] > 0 and cold["stats"]["fallbacks"] == 0
-    assert warm["stats"]["built"] == 0
-    for child in (cold, warm):
-        assert_token_equal(child)
+def test_llama_generates_eagers_tokens_with_inductor_cold_and_warm(tmp_path):
+    """Both Inductor flavours, side by side."""
+    envs = [child_env(tmp_path / flavour, ["llama"], "static", "inductor", flavour)
+            for flavour in ("aoti", "standalone")]
+    cold = models.run_pythons(CHILD, envs, timeout=1500)
+    warm = models.run_pythons(CHILD, envs, timeout=1500)
+    for c, w in zip(cold, warm, strict=True):
+        assert c["stats"]["built"] > 0 and c["stats"]["fallbacks"] == 0
+        assert w["stats"]["built"] == 0
+        assert_token_equal(c)
+        assert_token_equal(w)
 
 
 # -- the paged example ---------------------------------------------------------------------
 
-def run_example(args: list[str], store: Path, **env: str) -> subprocess.CompletedProcess:
-    child_env = {**os.environ, "CACHEBUILD_DIR": str(store), "GEN_NEW_TOKENS": "32", **env}
-    return subprocess.run(args, cwd=ROOT, env=child_env, capture_output=True, text=True,
-                          timeout=1500)
+BACKENDS = [("eager_fusion", "auto"), ("inductor", "aoti"), ("inductor", "standalone")]
+
+
+def run_all(commands: list[tuple[list[str], dict[str, str]]], folder: Path
+            ) -> list[tuple[int, str]]:
+    """Run ``commands`` (argv, extra environment) side by side in the checkout; each one's
+    exit code and stderr."""
+    procs = []
+    for i, (argv, env) in enumerate(commands):
+        err = open(folder / f"{i}.err", "w+")
+        procs.append((subprocess.Popen(argv, cwd=ROOT, env={**os.environ, **env}, text=True,
+                                       stdout=subprocess.DEVNULL, stderr=err), err))
+    done = []
+    for proc, err in procs:
+        proc.wait(timeout=1500)
+        err.seek(0)
+        done.append((proc.returncode, err.read()))
+        err.close()
+    return done
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,flavour", [("eager_fusion", "auto"), ("inductor", "aoti"),
-                                             ("inductor", "standalone")])
-def test_paged_example_warmed_then_served_gives_eagers_tokens(backend, flavour, tmp_path):
-    store = tmp_path / "store"
-    env = {"LLAMA_BACKEND": backend, "LLAMA_FLAVOUR": flavour}
+def test_paged_example_warmed_then_served_gives_eagers_tokens(tmp_path):
+    """``cachebuild warm examples/generate.py``, then ``python examples/generate.py``,
+    with every backend (side by side)."""
+    envs = [{"CACHEBUILD_DIR": str(tmp_path / flavour), "GEN_NEW_TOKENS": "32",
+             "LLAMA_LAYERS": "1", "LLAMA_BACKEND": backend, "LLAMA_FLAVOUR": flavour}
+            for backend, flavour in BACKENDS]
     cli = str(Path(sys.executable).with_name("cachebuild"))
-    warmed = run_example([cli, "warm", "examples/generate.py"], store, **env)
-    assert warmed.returncode == 0, warmed.stderr[-3000:]
-    served = run_example([sys.executable, "examples/generate.py"], store, **env)
-    assert served.returncode == 0, served.stderr[-3000:]
-    line = served.stderr.strip().splitlines()[-1]
-    assert "targets built 0" in line and "traced 0" in line and "equal to eager's" in line
+    for code, err in run_all([([cli, "warm", "examples/generate.py"], e) for e in envs], tmp_path):
+        assert code == 0, err[-3000:]
+    served = run_all([([sys.executable, "examples/generate.py"], e) for e in envs], tmp_path)
+    for (code, err), (backend, flavour) in zip(served, BACKENDS, strict=True):
+        assert code == 0, f"{backend}/{flavour}: {err[-3000:]}"
+        line = err.strip().splitlines()[-1]
+        assert "targets built 0" in line and "traced 0" in line and "equal to eager's" in line
 
 
 def test_paged_engine_samples_reproducibly_and_frees_its_blocks(tmp_path):

@@ -118,36 +118,30 @@ print(json.dumps({"results": results, "stats": cachebuild.stats()}))
 """
 
 
-def run_child(store, backend, flavour, modes=MODES):
-    return models.run_python(CHILD, env={"STORE": str(store), "BACKEND": backend,
-                                         "FLAVOUR": flavour, "MODES": ",".join(modes)})
+BACKENDS = [("eager_fusion", "auto"), ("inductor", "aoti"), ("inductor", "standalone")]
+
+
+def run_children(tmp_path):
+    """One child per backend, side by side."""
+    found = models.run_pythons(CHILD, [
+        {"STORE": str(tmp_path / f"store-{flavour}"), "BACKEND": backend, "FLAVOUR": flavour,
+         "MODES": ",".join(MODES)} for backend, flavour in BACKENDS])
+    return {flavour: child for (_, flavour), child in zip(BACKENDS, found, strict=True)}
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("backend,flavour", [("eager_fusion", "auto"), ("inductor", "aoti"),
-                                             ("inductor", "standalone")])
-def test_all_patterns_every_backend_cold_then_warm(backend, flavour, tmp_path):
+def test_all_patterns_every_backend_cold_then_warm(tmp_path):
     want = eager_results(im.AllPatterns)
-    store = tmp_path / "store"
-    cold = run_child(store, backend, flavour)
-    warm = run_child(store, backend, flavour)
-    assert cold["stats"]["built"] > 0 and cold["stats"]["fallbacks"] == 0
-    assert warm["stats"]["traced"] == 0 and warm["stats"]["built"] == 0
-    for child in (cold, warm):
-        for mode in MODES:
-            got = [[torch.tensor(v) for v in step] for step in child["results"][mode]]
-            im.assert_same([[g.to(w.dtype) for g, w in zip(gs, ws, strict=True)]
-                            for gs, ws in zip(got, want, strict=True)], want)
-
-
-@pytest.mark.slow
-def test_all_patterns_through_torch_compile_with_aoti(tmp_path):
-    model = im.make(im.AllPatterns)
-    config = im.config(backend="inductor", flavour="aoti")
-    compiled = torch.compile(model, backend=cachebuild.backend(
-        config, store=LocalStore(tmp_path / "store")))
-    im.assert_same(im.run_sequence(compiled, model, im.AllPatterns, SIZES),
-                   eager_results(im.AllPatterns))
+    cold = run_children(tmp_path)
+    warm = run_children(tmp_path)
+    for flavour in cold:
+        assert cold[flavour]["stats"]["built"] > 0 and cold[flavour]["stats"]["fallbacks"] == 0
+        assert warm[flavour]["stats"]["traced"] == 0 and warm[flavour]["stats"]["built"] == 0
+        for child in (cold[flavour], warm[flavour]):
+            for mode in MODES:
+                got = [[torch.tensor(v).to(w.dtype) for v, w in zip(step, ws, strict=True)]
+                       for step, ws in zip(child["results"][mode], want, strict=True)]
+                im.assert_same(got, want)
 
 
 # -- what cannot be exact is refused --------------------------------------------------------
