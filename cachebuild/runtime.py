@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cachebuild import weights
+from cachebuild import rng, weights
 from cachebuild.config import CompileConfig
 from cachebuild.cudagraphs import (
     CudaGraphCapture,
@@ -302,7 +302,7 @@ class ModelRuntime:
         for g in capturing:
             g.capturing = True
         try:
-            with torch.no_grad():
+            with torch.no_grad(), rng.kept():
                 for size in wanted:
                     self._call(*args_for(size))
         finally:

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from cachebuild import rng
 from cachebuild.codehash import ast_hash, has_source_file, sourceless_classes
 from cachebuild.codehash import code_objects as code_objects_of
 from cachebuild.effects import graph_effects, might_write
@@ -183,7 +184,7 @@ def trace_model(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
                 compile_ranges: Sequence[tuple[int, int]] = ()) -> TracedGraph:
     """See ``_trace``: the same, with cachebuild's own weight hooks out of the way (Dynamo
     would record them as globals the trace read)."""
-    with hooks_hidden():
+    with hooks_hidden(), rng.kept():  # the trace's run of the forward is not the caller's
         return _trace(model, args, dynamic_dims, compile_ranges)
 
 

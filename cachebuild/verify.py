@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from cachebuild import rng
 from cachebuild.backends.base import Artifact, bucket_bounds, example_inputs, size_hint
 from cachebuild.facts import InputMeta, device_of
 from cachebuild.fxjson import data_to_module
@@ -99,8 +100,7 @@ def check(fn: Any, nodes: list[dict[str, Any]], metas: list[InputMeta],
     """
     reference = data_to_module(nodes)
     sizes = verify_sizes(bucket)
-    generator_state = torch.random.get_rng_state()
-    try:
+    with rng.kept():
         for size in sizes:
             for distinct in (True, False):
                 torch.manual_seed(seed + (size or 0))
@@ -116,8 +116,6 @@ def check(fn: Any, nodes: list[dict[str, Any]], metas: list[InputMeta],
                     out = _run(fn, out_inputs, size)
                 _compare_all(out, ref, out_inputs, ref_inputs, size)
                 break
-    finally:
-        torch.random.set_rng_state(generator_state)
     return sizes
 
 

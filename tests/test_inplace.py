@@ -202,3 +202,22 @@ def test_proof_compares_what_pieces_write(monkeypatch, tmp_path):
     with pytest.raises(BuildError, match="written in place"), torch.no_grad():
         compiled(*im.call_args(im.MutatedInput, 4)[:3])
     assert failures and all("written in place" in f for f in failures)
+
+
+# -- the caller's other state ---------------------------------------------------------------
+
+def test_compiling_leaves_the_callers_random_state_alone(tmp_path):
+    """Tracing, building, proving and capturing draw from copies of torch's generators: a
+    seeded caller draws the same numbers whether the call it made compiled or not."""
+    model = im.make(im.MutatedInput)
+    args = im.call_args(im.MutatedInput, 5)[:3]
+    torch.manual_seed(123)
+    with torch.no_grad():
+        model(*[a.clone() for a in args])
+    want = torch.rand(4)
+    compiled = cachebuild.compile(im.make(im.MutatedInput), mode_config("full"), {0: 0, 1: 0},
+                                  store=LocalStore(tmp_path / "store"))
+    torch.manual_seed(123)
+    with torch.no_grad():
+        compiled(*[a.clone() for a in args])  # cold: trace, build, prove, capture, run
+    assert torch.equal(torch.rand(4), want)
