@@ -10,6 +10,7 @@ that index).
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -108,14 +109,14 @@ def _eval_dim(dim: int | str, size: int | None) -> int:
 
 
 def example_inputs(metas: list[InputMeta], bucket: dict[str, Any],
-                   size: int | None = None, distinct: bool = False) -> list[Any]:
+                   size: int | None = None, distinct: Collection[int] = ()) -> list[Any]:
     """Real random inputs matching ``metas`` with the dynamic dim at ``size`` (default: the
-    bucket's hint). Integer tensors hold 0s and 1s (valid indices into any dim), or with
-    ``distinct`` a shuffle of 0..n-1 (indices that never repeat: a write through them is
-    the same whatever order it runs in)."""
+    bucket's hint). Integer tensors hold 0s and 1s (valid indices into any dim), or, for
+    the inputs whose positions are in ``distinct``, a shuffle of 0..n-1 (indices that never
+    repeat: a write through them is the same whatever order it runs in)."""
     size = size_hint(bucket) if size is None else size
     out: list[Any] = []
-    for m in metas:
+    for position, m in enumerate(metas):
         if m.kind != "tensor":
             out.append(_eval_dim(m.shape[0], size))
             continue
@@ -127,7 +128,7 @@ def example_inputs(metas: list[InputMeta], bucket: dict[str, Any],
             t.copy_(torch.randn(shape, dtype=torch.float32).to(dtype))
         elif dtype == torch.bool:
             t.copy_(torch.zeros(shape, dtype=torch.bool))
-        elif distinct:
+        elif position in distinct:
             t.copy_(torch.randperm(max(t.numel(), 1))[:t.numel()].reshape(shape).to(dtype))
         else:
             t.copy_(torch.randint(0, 2, shape, dtype=dtype))

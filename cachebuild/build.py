@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cachebuild import rng
+from cachebuild import keep
 from cachebuild.backends import BuildRequest, get_backend
 from cachebuild.backends.base import DeviceBound
 from cachebuild.config import CompileConfig
@@ -181,7 +181,7 @@ class Builder:
             layout = job.target.manifest.get("distributed")
             gpu = on_device(device_of(job.input_metas))
             try:
-                with quiet_compiler_warnings(), local_groups(layout), gpu, rng.kept():
+                with quiet_compiler_warnings(), local_groups(layout), gpu, keep.rng():
                     artifact = self.backend.compile(BuildRequest(
                         gm=data_to_module(job.nodes),
                         input_metas=list(job.input_metas),
@@ -200,7 +200,7 @@ class Builder:
                 raise BuildError(f"{where} failed to compile: {type(e).__name__}: {first}{hint}") from e
             seconds = time.perf_counter() - start
             with phase("verify"), local_groups(layout), on_device(device_of(job.input_metas)), \
-                    rng.kept():
+                    keep.rng():
                 self._prove(job, artifact, where)
             self.store.put(key, artifact.payload, kind=artifact.kind, manifest=job.target.manifest)
             if artifact.fallback:

@@ -245,38 +245,44 @@ def mutated_sources() -> list[str] | None:
 
 
 def _tensor_value(variable: Any) -> Any:
-    realize = getattr(variable, "realize", None)
-    if realize is not None:
-        variable = realize()
-    proxy = getattr(variable, "as_proxy", None)
-    if proxy is None or not getattr(variable, "is_tensor", lambda: False)():
+    """The fake tensor a realized tensor variable holds (None for anything else: an
+    unrealized lazy one is never realized here, which would add graph inputs after the
+    backend has its graph)."""
+    if not getattr(variable, "is_realized", lambda: True)():
+        return None
+    if not getattr(variable, "is_tensor", lambda: False)():
         return None
     try:
-        return proxy().node.meta.get("example_value")
+        return variable.as_proxy().node.meta.get("example_value")
     except Exception:
         return None
 
 
 def _changed_items(variable: Any) -> list[Any] | None:
     """The keys of a dict the frame changed, where it is a dict whose every item kept
-    its tensor (an in-place update stored back under its own key, as ``self.buf += x``
-    does with a module's ``_buffers``); None where that cannot be told."""
+    its value: the same variable, or the same tensor (an in-place update stored back under
+    its own key, as ``self.buf += x`` does with a module's ``_buffers``); None where that
+    cannot be told."""
     items = getattr(variable, "items", None)
     original = getattr(variable, "original_items", None)
-    if not isinstance(items, dict) or not isinstance(original, dict):
+    if not isinstance(items, dict) or not isinstance(original, dict) or len(items) != len(original):
         return None
-    before = {getattr(k, "vt", k): v for k, v in original.items()}
-    if len(before) != len(items):
-        return None
+
+    def name(key: Any) -> Any:
+        key = getattr(key, "vt", key)
+        try:
+            return key.as_python_constant()
+        except Exception:
+            return None
+
+    before = {name(k): v for k, v in original.items()}
     changed = []
     for key, value in items.items():
-        old = next((v for k, v in before.items()
-                    if getattr(k, "as_python_constant", None) is not None
-                    and getattr(getattr(key, "vt", key), "as_python_constant", None) is not None
-                    and k.as_python_constant() == getattr(key, "vt", key).as_python_constant()),
-                   None)
-        new_value, old_value = _tensor_value(value), _tensor_value(old) if old is not None else None
-        if new_value is None or new_value is not old_value:
+        old = before.get(name(key))
+        if old is value:
+            continue
+        tensor = _tensor_value(value)
+        if tensor is None or old is None or tensor is not _tensor_value(old):
             changed.append(key)
     return changed
 

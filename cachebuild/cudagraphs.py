@@ -19,12 +19,15 @@ calls the function at replay), so another device's graph API plugs in beside the
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+
+log = logging.getLogger("cachebuild")
 
 
 class GraphCapture(Protocol):
@@ -126,6 +129,7 @@ class _Captured:
     copies: list[tuple[int, torch.Tensor]]  # (input index, static buffer) copied into at replay
     pinned: list[tuple[int, int]]  # (input index, address) of inputs read in place
     outputs: Any
+    written_back: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # after replay
 
 
 @dataclass(eq=False)  # identity, not field-wise comparison of captured tensors
@@ -134,9 +138,11 @@ class GraphedCallable:
 
     ``size_of(args)`` reads the dynamic size of a call; ``stable[i]`` marks inputs that
     are the same tensor at every call (weights), which need no copy; ``in_place[i]`` marks
-    inputs that ``fn`` writes in place (a KV cache): a graph reads and writes them at the
-    address they had at capture, and a call that passes another tensor there runs ``fn``
-    without the graph, so the write always lands in the caller's tensor.
+    inputs that ``fn`` writes in place (a KV cache). A written input at an address that
+    stays (``persistent``, as a cache the caller keeps; another graph's output) is read and
+    written there, and a call that passes another tensor in its place runs ``fn`` without
+    the graph (logged once); any other written input is copied into a static buffer before
+    the replay and back after it. Either way the write lands in the caller's tensor.
     """
 
     fn: Callable[..., Any]
@@ -147,28 +153,30 @@ class GraphedCallable:
     capturing: bool = False
     graphs: dict[int, _Captured] = field(default_factory=dict)
     replays: int = 0
+    persistent: set[int] = field(default_factory=set)  # addresses of written inputs that stay
+    misses: int = 0  # calls of a captured size that ran without the graph
 
     def _capture(self, size: int, args: tuple[Any, ...]) -> _Captured:
-        copies: list[tuple[int, torch.Tensor]] = []
-        pinned: list[tuple[int, int]] = []
+        captured = _Captured(None, [], [], None)
         inputs: list[Any] = []
         static = getattr(self.capture, "static_ptrs", set())
         written = self.in_place or [False] * len(args)
         for i, (a, keep) in enumerate(zip(args, self.stable, strict=True)):
             if keep or not isinstance(a, torch.Tensor):
                 inputs.append(a)
-            elif a.data_ptr() in static or written[i]:
-                # Another graph's output, or a model input already copied to a fixed address:
-                # the same address at every replay. Checked at replay.
-                pinned.append((i, a.data_ptr()))
+            elif a.data_ptr() in static or (written[i] and a.data_ptr() in self.persistent):
+                # Another graph's output, a model input already copied to a fixed address,
+                # or a cache the caller keeps: the same address at every replay. Checked.
+                captured.pinned.append((i, a.data_ptr()))
                 inputs.append(a)
             else:
                 buf = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
                 buf.copy_(a)
-                copies.append((i, buf))
+                captured.copies.append((i, buf))
+                if written[i]:
+                    captured.written_back.append((i, buf))
                 inputs.append(buf)
-        graph, outputs = self.capture.capture(self.fn, inputs)
-        captured = _Captured(graph, copies, pinned, outputs)
+        captured.graph, captured.outputs = self.capture.capture(self.fn, inputs)
         self.graphs[size] = captured
         return captured
 
@@ -181,12 +189,22 @@ class GraphedCallable:
             return self.fn(*args)
         for i, address in captured.pinned:
             if args[i].data_ptr() != address:  # not fed by the graph it was captured with
+                self._missed(i)
                 return self.fn(*args)
         for i, buf in captured.copies:
             buf.copy_(args[i])
         self.replays += 1
         result = self.capture.replay(captured.graph)
+        for i, buf in captured.written_back:
+            args[i].copy_(buf)
         return captured.outputs if result is None else result
+
+    def _missed(self, i: int) -> None:
+        self.misses += 1
+        if self.misses == 1 and self.in_place and self.in_place[i]:
+            log.warning("input %d, which the compiled model writes in place, is not the tensor "
+                        "its graphs were captured with: such calls run without graphs "
+                        "(capture with this tensor: prepare(*call) or capture(like=call))", i)
 
 
 def next_capture_size(size: int, sizes: Sequence[int]) -> int | None:

@@ -29,6 +29,8 @@ import torch
 import torch.fx as fx
 import torch.utils._pytree as pytree
 
+from cachebuild.facts import fake_mode_of
+
 #: ``node.meta`` key marking a node that writes a tensor in place.
 WRITES = "cachebuild_writes"
 
@@ -75,9 +77,10 @@ def _storage(t: torch.Tensor) -> Any:
     return StorageWeakRef(t.untyped_storage())
 
 
-def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any]) -> Effects:
+def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any], fake_mode: Any = None) -> Effects:
     """Run ``gm`` on ``fake_inputs`` and return what it writes and what aliases what;
-    writers are marked in their ``meta`` (``WRITES``)."""
+    writers are marked in their ``meta`` (``WRITES``). ``fake_mode``: the inputs' (found
+    from them where not given; a graph whose inputs are only sizes needs it given)."""
     effects = Effects()
     owner: dict[Any, fx.Node] = {}  # storage → the node whose value first held it
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -113,7 +116,8 @@ def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any]) -> Effects:
                         owner.setdefault(_storage(t), n)
             return result
 
-    fake_mode = next((t.fake_mode for t in fake_inputs if hasattr(t, "fake_mode")), None)
+    if fake_mode is None:
+        fake_mode = fake_mode_of(fake_inputs)
     from torch._dispatch.python import enable_python_dispatcher
 
     with fake_mode if fake_mode is not None else contextlib.nullcontext(), \

@@ -87,13 +87,18 @@ def meta_of(value: Any) -> InputMeta:
     raise UsageError(f"unsupported graph input of type {type(value).__name__}")
 
 
+def fake_mode_of(values: list[Any]) -> Any:
+    """The fake mode of the first fake tensor among ``values`` (None if there is none)."""
+    return next((v.fake_mode for v in values if hasattr(v, "fake_mode")), None)
+
+
 def record_example_values(gm: fx.GraphModule, fake_inputs: list[Any]) -> None:
     """Run ``gm`` on fake inputs and keep each node's fake value in ``meta["example_value"]``.
 
     Splitting needs what each piece receives; Inductor's caches need the values to
     accept a graph (its AOT-autograd cache refuses nodes without them).
     """
-    fake_mode = next((t.fake_mode for t in fake_inputs if hasattr(t, "fake_mode")), None)
+    fake_mode = fake_mode_of(fake_inputs)
 
     class Recorder(fx.Interpreter):
         def run_node(self, n: fx.Node) -> Any:

@@ -163,10 +163,11 @@ class CallCheck:
         return size
 
     def _check_unshared(self, args: tuple[Any, ...]) -> None:
-        memory = {i: args[i].untyped_storage().data_ptr() for i, _ in self.args}
+        memory = {i: _extent(args[i]) for i, _ in self.args}
         for i in self.written:
-            for j, address in memory.items():
-                if j != i and address == memory[i]:
+            lo, hi = memory[i]
+            for j, (start, end) in memory.items():
+                if j != i and start < hi and lo < end:
                     raise UsageError(
                         f"argument {i}, which the compiled model writes in place, shares "
                         f"memory with argument {j}; pass tensors that do not overlap "
@@ -200,6 +201,16 @@ class CallCheck:
         raise UsageError(f"argument {i} has strides {tuple(a.stride())}, but the compiled model "
                          f"reads it as {want} (an expanded or sliced view?); pass "
                          f"`.contiguous()` of it")
+
+
+def _extent(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes ``t`` can touch: [first, last + 1) (two views of one allocation that do
+    not overlap there, a key and a value cache side by side, are separate)."""
+    if t.numel() == 0:
+        return (0, 0)
+    start = t.data_ptr()  # strides are never negative in torch
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return (start, start + (last + 1) * t.element_size())
 
 
 class LayoutGuard:

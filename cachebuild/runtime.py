@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from cachebuild import rng, weights
+from cachebuild import keep, weights
 from cachebuild.config import CompileConfig
 from cachebuild.cudagraphs import (
     CudaGraphCapture,
@@ -202,6 +202,11 @@ class ModelRuntime:
         self.written_args = sorted({entry.bindings[i].arg for i in entry.written_inputs
                                     if entry.bindings[i].kind == "arg"})
         in_place = _flags(self.written_args, n_args)
+        if config.pad_to_capture_size and entry.written_inputs:
+            raise UsageError(
+                "pad_to_capture_size pads calls with rows of zeros, and this model writes in "
+                "place: the padding rows would write too (into a cache, at index 0). Pad in "
+                "the caller with rows that write nowhere, as examples/generate.py's Engine does")
         if mode == "full" and self.capture_api is not None:
             self.whole = GraphedCallable(self._forward, self._dynamic_size, [False] * n_args,
                                          self.capture_api, in_place)
@@ -290,7 +295,8 @@ class ModelRuntime:
         wanted = sorted({s for s in (sizes or self.config.capture_sizes) if self.in_buckets(s)},
                         reverse=True)
         args_for = make_args or (lambda size: self.dummy_args(size, like))
-        kept = self._written_state([args_for(s) for s in wanted[:1]])
+        kept = keep.Tensors(self._template[i] for i in self.entry.written_inputs
+                            if self.bindings[i].kind in ("param", "buffer"))
         cuda = isinstance(self.capture_api, CudaGraphCapture)
         before = torch.cuda.memory_allocated() if cuda else 0
         split_before = dict(getattr(self.capture_api, "seconds", {}))
@@ -302,9 +308,16 @@ class ModelRuntime:
         for g in capturing:
             g.capturing = True
         try:
-            with torch.no_grad(), rng.kept():
+            with torch.no_grad(), keep.rng():
                 for size in wanted:
-                    self._call(*args_for(size))
+                    args = args_for(size)
+                    # Written arguments without the dynamic dim are the caller's caches: the
+                    # graphs read and write them where they are, and capture puts them back.
+                    caches = [args[i] for i in self.written_args if i not in self.dynamic_dims]
+                    kept.add(caches)
+                    if self.whole is not None:
+                        self.whole.persistent.update(t.data_ptr() for t in caches)
+                    self._call(*args)
         finally:
             for g in capturing:
                 g.capturing = False
@@ -339,23 +352,9 @@ class ModelRuntime:
                 and size not in self.captured_sizes):
             padded = next_capture_size(size, self.captured_sizes)
             if padded is not None:
-                bigger = pad_args(args, self.dynamic_dims, padded)
-                out = self._call(*bigger)
-                for i in self.written_args:  # written into the padded copy: back to the caller's
-                    if bigger[i] is not args[i]:
-                        args[i].copy_(bigger[i].narrow(self.dynamic_dims[i], 0, size))
+                out = self._call(*pad_args(args, self.dynamic_dims, padded))
                 return unpad_outputs(out, padded, size)
         return self._call(*args)
-
-    def _written_state(self, calls: Sequence[tuple[Any, ...]]) -> _Kept:
-        """What capturing may write that outlives it: the model's parameters and buffers
-        the forward writes in place, and the written arguments of ``calls`` that are the
-        same tensors at every size (a cache, not a dummy)."""
-        tensors = [self._template[i] for i in self.entry.written_inputs
-                   if self.bindings[i].kind in ("param", "buffer")]
-        for call in calls:
-            tensors += [call[i] for i in self.written_args if i not in self.dynamic_dims]
-        return _Kept(tensors)
 
     def _rebind_if_replaced(self) -> None:
         """Use weights that replaced the model's tensors since the last call. Captured
@@ -386,19 +385,6 @@ class ModelRuntime:
             flat[position] = args[b.arg] if b.kind == "arg" else args[b.arg].shape[b.dim]
         return self.make_output(self._run_stitched(*flat))
 
-
-class _Kept:
-    """Copies of tensors, in host memory, to be put back into them later (``restore``):
-    host memory, because the tensors kept are caches that fill a GPU."""
-
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
-        unique = {id(t): t for t in tensors}
-        self.saved = [(t, t.detach().to("cpu", copy=True)) for t in unique.values()]
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for tensor, copy in self.saved:
-                tensor.copy_(copy)
 
 
 def _flags(positions: Sequence[int], count: int) -> list[bool]:

@@ -18,7 +18,13 @@ from torch.fx.passes.split_module import split_module
 
 from cachebuild.effects import Effects, eliminate_dead_code, graph_effects, might_write
 from cachebuild.errors import UsageError
-from cachebuild.facts import InputMeta, copy_graph, meta_of, record_example_values
+from cachebuild.facts import (
+    InputMeta,
+    copy_graph,
+    fake_mode_of,
+    meta_of,
+    record_example_values,
+)
 from cachebuild.trace import TracedGraph
 
 
@@ -142,7 +148,8 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
             + ", ".join(graph_op_names(graph))
         )
 
-    effects = graph_effects(gm, traced.fake_inputs)
+    fake_mode = fake_mode_of(traced.fake_inputs)
+    effects = graph_effects(gm, traced.fake_inputs, fake_mode)
     _check_writes(gm, effects)
     for node, argument in effects.same.items():
         if not is_splitting(node, wanted):
@@ -164,6 +171,7 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
     if _take_views_where_used(graph, effects, part, tail, wanted):
         eager_parts.add(tail)
     eliminate_dead_code(graph)
+    graph.lint()  # every node after what it reads
     gm.recompile()
 
     stitch = split_module(gm, None, lambda n: part[n], keep_original_order=True)
@@ -190,7 +198,7 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
             input_metas=metas,
             single_output=not isinstance(node.meta["example_value"], (tuple, list)),
             size_input=_size_input(metas),
-            written=graph_effects(sub, fake_args).written_inputs,
+            written=graph_effects(sub, fake_args, fake_mode).written_inputs,
         ))
     stitch.recompile()
     return SplitPlan(stitch=stitch, pieces=pieces, written_inputs=effects.written_inputs)
@@ -237,32 +245,42 @@ def _take_views_where_used(graph: fx.Graph, effects: Effects, part: dict[fx.Node
         return (base.op == "placeholder" or base in written
                 or (to_output and returned.get(base, 0) > 1))
 
-    clones: dict[tuple[fx.Node, int], fx.Node] = {}
-
-    def clone(node: fx.Node, where: int, before: fx.Node) -> fx.Node:
-        found = clones.get((node, where))
-        if found is not None:
-            return found
+    def clone(node: fx.Node, where: int, before: fx.Node, made: dict[fx.Node, fx.Node]
+              ) -> fx.Node:
+        """A copy of ``node`` in part ``where`` right before ``before``, with the views it
+        is taken from (those of other parts) copied there too."""
+        if node in made:
+            return made[node]
 
         def arg(a: fx.Node) -> fx.Node:
-            return clone(a, where, before) if retake(a) and part.get(a) != where else a
+            return clone(a, where, before, made) if retake(a) and part.get(a) != where else a
 
         with graph.inserting_before(before):
             copy = graph.node_copy(node, arg)
         part[copy] = where
         effects.base[copy] = effects.base[node]
-        clones[(node, where)] = copy
+        made[node] = copy
         return copy
 
     used_tail = False
     for node in list(graph.nodes):
-        if node in part and retake(node):
-            for user in list(node.users):
-                where = tail if user is output else part[user]
-                if where == part[node] or not matters(node, user is output):
-                    continue
-                used_tail |= where == tail
-                user.replace_input_with(node, clone(node, where, user))
+        if node not in part or not retake(node):
+            continue
+        crossing: dict[int, list[fx.Node]] = {}
+        for user in node.users:
+            where = tail if user is output else part[user]
+            if where != part[node] and matters(node, user is output):
+                crossing.setdefault(where, []).append(user)
+        if not crossing:
+            continue
+        order = {n: i for i, n in enumerate(graph.nodes)}
+        for where, users in crossing.items():
+            # Before the part's first user in graph order (the order of ``users`` is the
+            # order uses were added in, which rewriting changes).
+            copy = clone(node, where, min(users, key=order.__getitem__), {})
+            used_tail |= where == tail
+            for user in users:
+                user.replace_input_with(node, copy)
     return used_tail
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from cachebuild import rng
+from cachebuild import keep
 from cachebuild.codehash import ast_hash, has_source_file, sourceless_classes
 from cachebuild.codehash import code_objects as code_objects_of
 from cachebuild.effects import graph_effects, might_write
@@ -184,7 +184,7 @@ def trace_model(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
                 compile_ranges: Sequence[tuple[int, int]] = ()) -> TracedGraph:
     """See ``_trace``: the same, with cachebuild's own weight hooks out of the way (Dynamo
     would record them as globals the trace read)."""
-    with hooks_hidden(), rng.kept():  # the trace's run of the forward is not the caller's
+    with hooks_hidden(), keep.rng():  # the trace's run of the forward is not the caller's
         return _trace(model, args, dynamic_dims, compile_ranges)
 
 
@@ -239,10 +239,9 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
                 fakes = [n.meta.get("example_value", v) for n, v in zip(
                     [n for n in gm.graph.nodes if n.op == "placeholder"], inputs, strict=True)]
                 written = graph_effects(gm, fakes).written_inputs
-            saved = [(inputs[i], inputs[i].clone()) for i in written]
+            saved = keep.Tensors(inputs[i] for i in written)
             captured["outputs"] = out = gm.forward(*inputs)
-            for tensor, before in saved:
-                tensor.copy_(before)
+            saved.restore()
             return out
 
         return run

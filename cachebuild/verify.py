@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from cachebuild import rng
+from cachebuild import keep
 from cachebuild.backends.base import Artifact, bucket_bounds, example_inputs, size_hint
 from cachebuild.facts import InputMeta, device_of
 from cachebuild.fxjson import data_to_module
@@ -93,16 +93,20 @@ def check(fn: Any, nodes: list[dict[str, Any]], metas: list[InputMeta],
     on the same random inputs; raise Mismatch at the first difference, in an output or in
     an input after the call (what each wrote in place). Returns the sizes.
 
-    Integer inputs are distinct values first (indices that never repeat, so writes through
-    them have one right result), else 0s and 1s where the piece rejects those. A size at
-    which the piece itself rejects both (an index out of range) proves nothing either way
-    and is skipped.
+    Integer inputs hold distinct values first (indices that never repeat, so writes through
+    them have one right result); where the piece rejects that, one input at a time holds
+    0s and 1s instead, then all of them. A size at which the piece rejects every one of
+    those (an index out of range) proves nothing either way and is skipped.
     """
     reference = data_to_module(nodes)
     sizes = verify_sizes(bucket)
-    with rng.kept():
+    ints = [i for i, m in enumerate(metas)
+            if m.kind == "tensor" and not getattr(torch, m.dtype).is_floating_point
+            and m.dtype != "bool"]
+    regimes = [set(ints), *({*ints} - {i} for i in ints), set()] if ints else [set()]
+    with keep.rng():
         for size in sizes:
-            for distinct in (True, False):
+            for distinct in regimes:
                 torch.manual_seed(seed + (size or 0))
                 inputs = example_inputs(metas, bucket, size, distinct=distinct)
                 ref_inputs, out_inputs = _clone(inputs), _clone(inputs)

@@ -121,6 +121,17 @@ class WrittenBySplittingOp(Base):
         return self.o(cache[:8].sum(0) + x)
 
 
+class WritesAnOpsOutput(Base):
+    """A compiled piece writes the attention op's output in place; the splitting op after
+    it and the piece after that read it."""
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> Any:
+        a = attend(self.q(x), x, x)
+        a.mul_(2.0)
+        b = attend(a, a, a)
+        return self.o(b) + a + cache[slots]
+
+
 class AliasingOutputs(Base):
     """Returns a view of an input it wrote and two outputs that share memory."""
 
@@ -155,7 +166,7 @@ class AllPatterns(Base):
 
 
 PATTERNS = [MutatedInput, MutatedBuffer, ViewReadLater, ReadBySplittingOp, ReadInNextPiece,
-            WrittenBySplittingOp, AliasingOutputs]
+            WrittenBySplittingOp, WritesAnOpsOutput, AliasingOutputs]
 
 
 def make(cls: type[nn.Module], seed: int = 0) -> nn.Module:
