@@ -2,12 +2,14 @@
 
 A size is captured by a **capture pass**: a real call of the forward at that size, exact
 (its result is that call's answer, its writes are that call's writes), during which every
-graph is recorded right after the code it records has run on the same stream. The run is
-the capture's warm-up; the capture itself runs nothing. So a pass can ride along a user's
-call (``lazy``), or run in a thread beside a live server on dummy inputs (``background``,
-for models whose forward writes no state and draws no random numbers), and no size ever
-waits for another to be captured: a size without graphs runs the compiled pieces directly,
-exactly, only slower. Once a pass ends, its size's graphs are published in one step.
+graph is recorded right after the code it records has run, in the same thread, at the same
+size. The run is the capture's warm-up (kernels loaded, library handles made, per-shape
+heuristics done); the capture itself runs nothing (``cudagraphs``). So a pass can ride along
+a user's call (``lazy``), or run in a thread beside a live server on dummy inputs
+(``background``, for models whose forward writes no state and draws no random numbers),
+and no size ever waits for another to be captured: a size without graphs runs the
+compiled pieces directly, exactly, only slower. Once a pass ends, its size's graphs are
+published in one step.
 
 Policies (``CompileConfig.capture``):
 
@@ -32,11 +34,13 @@ come from one ``Arena`` per model.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -234,6 +238,17 @@ class CaptureState:
     per_size: dict[int, float] = field(default_factory=dict)  # seconds of each size's pass
 
 
+#: Capturers whose background thread may be running: stopped at exit, so that no thread is
+#: in the middle of a capture while the interpreter tears CUDA down.
+_RUNNING: weakref.WeakSet[Capturer] = weakref.WeakSet()
+
+
+@atexit.register
+def _stop_all() -> None:
+    for capturer in list(_RUNNING):
+        capturer.stop()
+
+
 class Capturer:
     """A model's graphs: which sizes are served from them, and the passes that make them.
 
@@ -305,9 +320,8 @@ class Capturer:
     # -- capture ---------------------------------------------------------------------------
 
     def _capture_call(self, size: int, args: tuple[Any, ...]) -> Any:
-        """Capture ``size`` beside this call, on the capture stream; the call's result."""
-        with self._on_capture_stream() as finish:
-            return finish(self._capture_size(size, args))
+        """Capture ``size`` beside this call; the call's result."""
+        return self._capture_size(size, args)
 
     def capture_now(self, sizes: Sequence[int], args_for: Callable[[int], tuple[Any, ...]],
                     kept: keep.Tensors) -> list[int]:
@@ -320,10 +334,9 @@ class Capturer:
                     done.append(size)
                     continue
                 try:
-                    with self._on_capture_stream() as finish:
-                        args = args_for(size)
-                        kept.add(args[i] for i in range(len(args)) if self.shape.keeps(i))
-                        finish(self._capture_size(size, args))
+                    args = args_for(size)
+                    kept.add(args[i] for i in range(len(args)) if self.shape.keeps(i))
+                    self._capture_size(size, args)
                     done.append(size)
                 except Exception as e:
                     self._failed(size, e)
@@ -345,24 +358,25 @@ class Capturer:
         COUNTERS.sizes_pending += len(self.pending)
         if not self.pending:
             return
-        start_after: Any = None
-        if self.device.type == "cuda":
-            self._stream = self._stream or torch.cuda.Stream(self.device)
-            start_after = torch.cuda.current_stream(self.device)
-            self._stream.wait_stream(start_after)  # the weights are ready on the caller's stream
+        if self.device.type == "cuda":  # the passes' real runs: a stream of the thread's own
+            self._stream = torch.cuda.Stream(self.device)
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))  # the weights
         self._thread = threading.Thread(target=self._background, args=(args_for,),
                                         name="cachebuild-capture", daemon=True)
         self._thread.start()
 
     def _background(self, args_for: Callable[[int], tuple[Any, ...]]) -> None:
+        _RUNNING.add(self)
         from cachebuild.facts import on_device
 
-        with on_device(str(self.device)), torch.no_grad():
+        streams = (torch.cuda.stream(self._stream) if self._stream is not None
+                   else contextlib.nullcontext())
+        with on_device(str(self.device)), torch.no_grad(), streams:
             while self.pending and not self._stop.is_set():
                 size = self.pending[0]
                 try:
-                    with self._lock, self._on_capture_stream(join=False) as finish:
-                        finish(self._capture_size(size, args_for(size)))
+                    with self._lock:
+                        self._capture_size(size, args_for(size))
                 except Exception as e:
                     self._failed(size, e)
                 finally:
@@ -381,32 +395,6 @@ class Capturer:
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-
-    @contextlib.contextmanager
-    def _on_capture_stream(self, join: bool = True) -> Iterator[Callable[[Any], Any]]:
-        """Run the block on the capture stream (a device with streams). ``join``: the
-        caller's stream waits for it after, and tensors the block returns through
-        ``finish`` are marked as used there (the caching allocator then never hands
-        their memory to the capture stream while the caller still reads it)."""
-        if self.device.type != "cuda":
-            yield lambda result: result
-            return
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(self.device)
-        caller = torch.cuda.current_stream(self.device)
-        if join:
-            self._stream.wait_stream(caller)
-
-        def finish(result: Any) -> Any:
-            if join:
-                for t in flat_tensors(result):
-                    t.record_stream(caller)
-            return result
-
-        with torch.cuda.stream(self._stream):
-            yield finish
-        if join:
-            caller.wait_stream(self._stream)
 
     def _capture_size(self, size: int, args: tuple[Any, ...]) -> Any:
         """One capture pass: the call's result. ``size`` is published when the pass

@@ -24,6 +24,7 @@ serves them all.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,9 +63,12 @@ class GraphCapture(Protocol):
 class CudaGraphCapture:
     """CUDA graphs in one memory pool shared by every capture of a model.
 
-    Captures use the ``thread_local`` error mode, so another thread's CUDA calls (a server
-    serving while sizes are captured beside it) neither break a capture nor are refused.
-    ``seconds`` splits capture time into stream capture and graph instantiation.
+    Graphs are recorded on a stream of their own on which nothing is ever run: the
+    workspaces CUDA libraries keep per stream (cuBLAS's) that a graph records are then
+    touched by its replays alone, never by work running beside them (a background
+    capture's real runs, a server's calls). Captures use the ``thread_local`` error mode,
+    so another thread's CUDA calls neither break a capture nor are refused. ``seconds``
+    splits capture time into stream capture and graph instantiation.
     """
 
     records = True
@@ -72,26 +76,43 @@ class CudaGraphCapture:
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(self.device)
         self.seconds = {"capture": 0.0, "instantiate": 0.0}
         self.graphs = 0
+        self._primed: set[int] = set()
 
     def capture(self, fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, Any]:
         from cachebuild import compat
 
         start = time.perf_counter()
         graph, separate = compat.cuda_graph_for_capture()
-        graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
-        try:
-            outputs = fn(*inputs)
-        finally:
-            graph.capture_end()
-        captured = time.perf_counter()
-        if separate:
-            graph.instantiate()
+        with torch.cuda.stream(self.stream):
+            self._prime()
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
+            try:
+                outputs = fn(*inputs)
+            finally:
+                graph.capture_end()
+            captured = time.perf_counter()
+            if separate:
+                graph.instantiate()
         self.seconds["capture"] += captured - start
         self.seconds["instantiate"] += time.perf_counter() - captured
         self.graphs += 1
         return graph, outputs
+
+    def _prime(self) -> None:
+        """Once per thread, before its first capture: give this thread's cuBLAS handle its
+        workspaces for the capture stream outside any capture (one tiny product each way
+        cuBLAS is called), so no capture allocates them."""
+        thread = threading.get_ident()
+        if thread in self._primed:
+            return
+        a = torch.ones(16, 16, device=self.device)
+        torch.mm(a, a)
+        torch.addmm(a[0], a, a)  # the cuBLASLt path (a product with a bias)
+        self.stream.synchronize()
+        self._primed.add(thread)
 
     def replay(self, graph: Any) -> None:
         graph.replay()
