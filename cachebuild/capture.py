@@ -254,7 +254,9 @@ class Capturer:
 
     ``make_forward(calls)`` is the runtime's forward over call arguments with the stitched
     graph calling ``calls``; ``calls`` the exact callables by piece name; ``pieces`` the
-    compiled ones with their specs (piecewise mode; empty: full mode).
+    compiled ones with their specs (piecewise mode; empty: full mode). ``not_beside``: why
+    passes on dummy inputs may not run beside the caller, if they may not (the
+    ``background`` policy then captures ``lazy``).
     """
 
     def __init__(self, api: GraphCapture, device: torch.device, policy: str, sizes: Sequence[int],
@@ -262,7 +264,7 @@ class Capturer:
                  make_forward: Callable[[dict[str, Callable[..., Any]]],
                                         Callable[[tuple[Any, ...]], Any]],
                  calls: dict[str, Callable[..., Any]], pieces: dict[str, PieceSpec],
-                 stateless: bool) -> None:
+                 not_beside: str | None = None) -> None:
         self.api = api
         self.device = device
         self.policy = resolve_policy(policy, device)
@@ -280,17 +282,13 @@ class Capturer:
         self.pending: list[int] = []
         self.seconds = 0.0
         self.per_size: dict[int, float] = {}
-        self._stateless = stateless
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one pass at a time: they share the arena and pool
         self._warned_miss = False
         self._stream: Any = None
-        if self.policy == "background" and not stateless:
-            log.info("graphs are captured at each size's first call, not in the background: "
-                     "the forward writes state (a cache, a buffer) that a pass on dummy inputs "
-                     "would change")
-            self.policy = "lazy"
+        if self.policy == "background" and not_beside is not None:
+            self._not_in_background(not_beside)
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -350,9 +348,8 @@ class Capturer:
         if self.policy != "background" or self._thread is not None:
             return
         if draws_random:
-            log.info("graphs are captured at each size's first call, not in the background: "
-                     "the forward draws random numbers")
-            self.policy = "lazy"
+            self._not_in_background("the forward draws random numbers, which a pass beside "
+                                    "the caller would take from its generators")
             return
         self.pending = [s for s in capture_order(self.sizes) if s not in self.ready]
         COUNTERS.sizes_pending += len(self.pending)
@@ -382,6 +379,11 @@ class Capturer:
                 finally:
                     self.pending.pop(0)
                     COUNTERS.sizes_pending -= 1
+
+    def _not_in_background(self, why: str) -> None:
+        log.info("graphs are captured at each size's first call, not in the background: %s",
+                 why)
+        self.policy = "lazy"
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for background capture to finish; True when nothing is pending."""

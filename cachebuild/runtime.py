@@ -208,7 +208,7 @@ class ModelRuntime:
                 [s for s in config.capture_sizes if self.in_buckets(s)], shape,
                 self._dynamic_size, self.forward_over, self.stitched.calls,
                 self.stitched.compiled if mode == "piecewise" else {},
-                stateless=not entry.written_inputs)
+                not_beside=_not_beside(entry))
 
     def rebind(self) -> None:
         """Look up the model's parameters and buffers again (after they were replaced).
@@ -402,6 +402,17 @@ class ModelRuntime:
             return make_output(run(*flat))
 
         return forward
+
+
+def _not_beside(entry: Entry) -> str | None:
+    """Why capture passes on dummy inputs may not run beside the caller's calls, if so."""
+    if entry.written_inputs:
+        return ("the forward writes state (a cache, a buffer) that a pass on dummy inputs "
+                "would change")
+    if entry.layouts():
+        return ("the forward runs collectives, which every rank must issue in one order: "
+                "a thread of its own would interleave them differently on each rank")
+    return None
 
 
 def _rng_state(device: torch.device) -> tuple[Any, ...]:

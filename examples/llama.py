@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 import cachebuild
 
+
 @torch.library.custom_op("cachebuild_examples::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention over one sequence: q [T, H, D], k/v [T, KV, D] → [T, H, D].
