@@ -192,16 +192,21 @@ class CapturePass:
             replayer.outputs = weak(outputs)
         self.replayers[name] = replayer
 
-    def owned(self, result: Any) -> dict[int, torch.Tensor]:
-        """The static tensors whose memory the call's result uses, by address: their
+    def owned(self, result: Any) -> dict[tuple[Any, ...], torch.Tensor]:
+        """The static tensors whose memory the call's result uses, by ``_view_key``: their
         replayers hand out these owning tensors instead of unowned ones."""
         wanted = {t.untyped_storage().data_ptr() for t in flat_tensors(result)}
         out = {}
         for r in self._reals:
             static = self.statics[id(r)]
             if r.untyped_storage().data_ptr() in wanted and static is not r:
-                out[static.data_ptr()] = static
+                out[_view_key(static)] = static
         return out
+
+
+def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    """What makes two tensors the same view of memory."""
+    return (t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
 def _check_no_overlap(name: str, outputs: Any, buffers: list[torch.Tensor]) -> None:
@@ -214,10 +219,10 @@ def _check_no_overlap(name: str, outputs: Any, buffers: list[torch.Tensor]) -> N
             raise RuntimeError(f"{name}: an output of its graph lies in a static input buffer")
 
 
-def _own(outputs: Any, owned: dict[int, torch.Tensor]) -> Any:
+def _own(outputs: Any, owned: dict[tuple[Any, ...], torch.Tensor]) -> Any:
     import torch.utils._pytree as pytree
 
-    return pytree.tree_map_only(torch.Tensor, lambda t: owned.get(t.data_ptr(), t), outputs)
+    return pytree.tree_map_only(torch.Tensor, lambda t: owned.get(_view_key(t), t), outputs)
 
 
 @dataclass
