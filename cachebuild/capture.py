@@ -274,6 +274,7 @@ class Capturer:
         self.device = device
         self.policy = resolve_policy(policy, device)
         self.sizes = sorted(set(sizes))
+        self._wanted = frozenset(self.sizes)
         self.shape = shape
         self.size_of = size_of
         self._make_forward = make_forward
@@ -304,7 +305,7 @@ class Capturer:
         graphs = self.ready.get(size) if size is not None else None
         if graphs is not None:
             return graphs(*args)
-        if (self.policy == "lazy" and size in self.sizes and size not in self.failed
+        if (self.policy == "lazy" and size in self._wanted and size not in self.failed
                 and self._lock.acquire(blocking=False)):
             try:
                 return self._capture_call(size, args)
