@@ -308,7 +308,7 @@ class Capturer:
         if (self.policy == "lazy" and size in self._wanted and size not in self.failed
                 and self._lock.acquire(blocking=False)):
             try:
-                return self._capture_call(size, args)
+                return self._capture_size(size, args)
             finally:
                 self._lock.release()
         return self.exact(args)
@@ -317,15 +317,11 @@ class Capturer:
         if not self._warned_miss:
             self._warned_miss = True
             log.warning("a call passed another tensor where the graphs read a cache in place "
-                        "(an argument the model writes): such calls run without graphs "
-                        "(capture with this tensor: prepare(*call))")
+                        "(an argument the model writes, read at the address of the call its "
+                        "size was captured with): such calls run without graphs")
         return self.exact(args)
 
     # -- capture ---------------------------------------------------------------------------
-
-    def _capture_call(self, size: int, args: tuple[Any, ...]) -> Any:
-        """Capture ``size`` beside this call; the call's result."""
-        return self._capture_size(size, args)
 
     def capture_now(self, sizes: Sequence[int], args_for: Callable[[int], tuple[Any, ...]],
                     kept: keep.Tensors) -> list[int]:
@@ -351,7 +347,7 @@ class Capturer:
         """Capture every size not yet captured in a thread (``background``); idempotent.
         ``draws_random``: the forward was seen to draw random numbers, which passes beside
         the caller would take from its generators: such a model is captured ``lazy``."""
-        if self.policy != "background" or self._thread is not None:
+        if self.policy != "background" or self.in_background:
             return
         if draws_random:
             self._not_in_background("the forward draws random numbers, which a pass beside "
@@ -390,6 +386,11 @@ class Capturer:
         log.info("graphs are captured at each size's first call, not in the background: %s",
                  why)
         self.policy = "lazy"
+
+    @property
+    def in_background(self) -> bool:
+        """Whether background capture has started (it may have finished)."""
+        return self._thread is not None
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait for background capture to finish; True when nothing is pending."""

@@ -357,7 +357,7 @@ class ModelRuntime:
         before = _rng_state(self.device)
         out = self._call(*args)
         capturer = self._capturer()
-        if capturer.policy == "background" and capturer._thread is None:
+        if capturer.policy == "background" and not capturer.in_background:
             self.start_capture(draws_random=_rng_state(self.device) != before)
         return out
 

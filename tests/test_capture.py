@@ -112,7 +112,7 @@ def test_background_on_a_model_that_writes_state_captures_lazily(tmp_path):
     im.assert_same(im.run_sequence(compiled, model, cls, (5, 4, 1, 4, 1)),
                    im.run_sequence(eager, eager, cls, (5, 4, 1, 4, 1)))
     capturer = compiled.runtime.capturer
-    assert capturer.policy == "lazy" and capturer._thread is None
+    assert capturer.policy == "lazy" and not capturer.in_background
     assert capturer.captured_sizes == [1, 4]
     assert all(r.replays == 1 for r in capturer.ready.values())
 
@@ -139,7 +139,7 @@ def test_background_on_a_model_that_draws_random_numbers_captures_lazily(tmp_pat
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
     assert compiled.runtime.capturer.policy == "lazy"
-    assert compiled.runtime.capturer._thread is None
+    assert not compiled.runtime.capturer.in_background
 
 
 def test_eager_policy_captures_every_size_before_the_first_call_returns(model, store):
