@@ -28,12 +28,24 @@ def _has_cuda() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    _group_shared_fixtures(items)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def _group_shared_fixtures(items):
+    """With ``pytest -n N --dist loadgroup`` (what CI runs), each module whose tests share a
+    module-scoped fixture (a compiled model, a warmed store) runs on one worker, so that
+    fixture is built once; every other test goes to whichever worker is free."""
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        defs = info.name2fixturedefs.values() if info is not None else ()
+        if any(d[-1].scope in ("module", "package") for d in defs if d):
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))
 
 
 @pytest.fixture
