@@ -294,7 +294,7 @@ class Capturer:
         self._warned_miss = False
         self._stream: Any = None
         if self.policy == "background" and not_beside is not None:
-            self._not_in_background(not_beside)
+            self.not_in_background(not_beside)
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -350,7 +350,7 @@ class Capturer:
         if self.policy != "background" or self.in_background:
             return
         if draws_random:
-            self._not_in_background("the forward draws random numbers, which a pass beside "
+            self.not_in_background("the forward draws random numbers, which a pass beside "
                                     "the caller would take from its generators")
             return
         self.pending = [s for s in capture_order(self.sizes) if s not in self.ready]
@@ -377,12 +377,18 @@ class Capturer:
                     with self._lock:
                         self._capture_size(size, args_for(size))
                 except Exception as e:
-                    self._failed(size, e)
-                finally:
-                    self.pending.pop(0)
-                    COUNTERS.sizes_pending -= 1
+                    # A pass on dummy inputs that fails once fails for every size: the rest
+                    # ride along their first real calls instead.
+                    self.not_in_background(f"a pass on dummy inputs failed at size {size} "
+                                            f"({type(e).__name__}: {e})")
+                    COUNTERS.sizes_pending -= len(self.pending)
+                    self.pending.clear()
+                    return
+                self.pending.pop(0)
+                COUNTERS.sizes_pending -= 1
 
-    def _not_in_background(self, why: str) -> None:
+    def not_in_background(self, why: str) -> None:
+        """Capture ``lazy`` from now on, saying why in the log."""
         log.info("graphs are captured at each size's first call, not in the background: %s",
                  why)
         self.policy = "lazy"

@@ -252,7 +252,7 @@ class ModelRuntime:
         """
         by_arg = {b.arg: m for b, m in self._arg_metas}
         n_args = 1 + max(by_arg, default=-1)
-        if set(by_arg) != set(range(n_args)):
+        if not self._args_from_metas():
             raise UsageError("some call arguments are not graph inputs; pass make_args= to capture()")
         args = []
         for i in range(n_args):
@@ -263,6 +263,11 @@ class ModelRuntime:
             shape = [size if isinstance(s, str) else s for s in m.shape]
             args.append(torch.zeros(shape, dtype=getattr(torch, m.dtype), device=self.device))
         return tuple(args)
+
+    def _args_from_metas(self) -> bool:
+        """Whether every call argument is a graph input (so a dummy call can be made)."""
+        by_arg = {b.arg for b, _ in self._arg_metas}
+        return by_arg == set(range(1 + max(by_arg, default=-1)))
 
     def _capturer(self) -> Capturer:
         if self.capturer is None:
@@ -307,7 +312,11 @@ class ModelRuntime:
         if capturer.policy == "eager":
             self.capture(like=like)
         elif capturer.policy == "background":
-            capturer.start_background(lambda size: self.dummy_args(size, like), draws_random)
+            if self._args_from_metas():
+                capturer.start_background(lambda size: self.dummy_args(size, like), draws_random)
+            else:
+                capturer.not_in_background("some call arguments are not graph inputs, so no "
+                                            "dummy call can be made")
 
     def capture_state(self) -> CaptureState | None:
         """Sizes captured and pending, time spent and graph memory (None without a graph

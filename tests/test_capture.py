@@ -275,3 +275,23 @@ def test_a_warm_process_calls_a_custom_op_splitting_op_without_importing_dynamo(
     assert warm["stats"]["traced"] == 0 and warm["stats"]["built"] == 0
     assert warm["replays"][0] == 1  # size 4: captured by its first call, replayed by the next
     assert warm["dynamo"] is False
+
+
+def test_a_background_pass_that_fails_hands_the_rest_to_lazy_capture(model, store, monkeypatch):
+    """Dummy inputs this model cannot run on (as an index past a table would be): the
+    first background pass fails, nothing is left pending, and sizes are then captured at
+    their first real call."""
+    from cachebuild.runtime import ModelRuntime
+
+    def unusable(self, size, like=None):
+        raise IndexError("index 0 is out of bounds for dimension 0 with size 0")
+
+    monkeypatch.setattr(ModelRuntime, "dummy_args", unusable)
+    compiled = compiled_llama(model, store, "piecewise", "background")
+    check(compiled, model, 5)
+    assert compiled.wait_captured(timeout=600)
+    capturer = compiled.runtime.capturer
+    assert capturer.policy == "lazy" and capturer.pending == [] and capturer.ready == {}
+    check(compiled, model, 4)
+    check(compiled, model, 4)
+    assert capturer.captured_sizes == [4] and capturer.ready[4].replays == 1
