@@ -62,3 +62,27 @@ def tiny_fs(tmp_path):
 
     with tmpfs(tmp_path / "mnt", "1m") as mnt:
         yield mnt
+
+
+@pytest.fixture(scope="module")
+def example_llama():
+    """The example Llama (examples/llama.py) at its small default shape, seeded."""
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
+    import llama
+
+    torch.manual_seed(0)
+    return llama.make_model()
+
+
+@pytest.fixture(scope="module")
+def module_store(tmp_path_factory):
+    """One store per test module: graph modes and capture policies are run-time settings,
+    so a module's tests load the one entry its first test built."""
+    from cachebuild.store import LocalStore
+
+    return LocalStore(tmp_path_factory.mktemp("module") / "store")

@@ -27,18 +27,6 @@ import llama  # noqa: E402
 SIZES = (2, 4, 8, 16)
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return llama.make_model()
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """One store: policies and graph modes are run-time settings, one entry serves all."""
-    return LocalStore(tmp_path_factory.mktemp("capture") / "store")
-
-
 def compiled_llama(model, store, mode="piecewise", policy="auto", **extra):
     cfg = cachebuild.CompileConfig(
         splitting_ops=("cachebuild_examples::attention",), compile_ranges=((1, 64),),
@@ -65,52 +53,58 @@ def test_policy_resolution_and_order():
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_lazy_captures_a_size_at_its_first_call_and_replays_it_after(model, store, mode):
-    compiled = compiled_llama(model, store, mode, "lazy")
-    check(compiled, model, 4)  # loads, then captures 4 beside this exact call
+def test_lazy_captures_a_size_at_its_first_call_and_replays_it_after(example_llama, module_store, mode):
+    compiled = compiled_llama(example_llama, module_store, mode, "lazy")
+    check(compiled, example_llama, 4)  # loads, then captures 4 beside this exact call
     capturer = compiled.runtime.capturer
     assert capturer.captured_sizes == [4] and capturer.ready[4].replays == 0
-    check(compiled, model, 4)
-    check(compiled, model, 3)  # not a capture size: runs the pieces directly
+    check(compiled, example_llama, 4)
+    check(compiled, example_llama, 3)  # not a capture size: runs the pieces directly
     assert capturer.captured_sizes == [4] and capturer.ready[4].replays == 1
     for tokens in SIZES:
-        check(compiled, model, tokens)
+        check(compiled, example_llama, tokens)
     assert capturer.captured_sizes == list(SIZES) and capturer.failed == {}
     state = compiled.capture_state()
     assert state.policy == "lazy" and state.pending == [] and set(state.per_size) == set(SIZES)
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_background_captures_every_size_after_the_first_output(model, store, mode):
-    compiled = compiled_llama(model, store, mode, "background")
-    check(compiled, model, 5)  # the first output: no graph needed, none waited for
+def test_background_captures_every_size_after_the_first_output(example_llama, module_store, mode):
+    compiled = compiled_llama(example_llama, module_store, mode, "background")
+    check(compiled, example_llama, 5)  # the first output: no graph needed, none waited for
     assert compiled.runtime.capturer.policy == "background"
     # served while the thread captures: every answer exact, from graphs or not
     for tokens in (2, 16, 7, 4, 8, 2):
-        check(compiled, model, tokens)
+        check(compiled, example_llama, tokens)
     assert compiled.wait_captured(timeout=600)
     state = compiled.capture_state()
     assert state.captured == list(SIZES) and state.pending == [] and state.failed == {}
     ready = compiled.runtime.capturer.ready
     before = {s: r.replays for s, r in ready.items()}
     for tokens in SIZES:
-        check(compiled, model, tokens)
+        check(compiled, example_llama, tokens)
     assert {s: r.replays - before[s] for s, r in ready.items()} == dict.fromkeys(SIZES, 1)
     names = [t.name for t in threading.enumerate()]
     assert "cachebuild-capture" not in names  # the thread ends when every size is done
 
 
+def sequence_matches_eager(cls, policy, sizes, store_dir):
+    """``cls`` (an in-place pattern) compiled piecewise with ``policy``, called on ``sizes``
+    in turn: outputs and state after each call equal eager's. The compiled module."""
+    config = im.config(cudagraph_mode="piecewise", capture=policy, capture_sizes=(1, 4))
+    model = im.make(cls)
+    compiled = cachebuild.compile(model, config, im.dynamic_dims(cls), store=LocalStore(store_dir))
+    eager = im.make(cls)
+    im.assert_same(im.run_sequence(compiled, model, cls, sizes),
+                   im.run_sequence(eager, eager, cls, sizes))
+    return compiled
+
+
 def test_background_on_a_model_that_writes_state_captures_lazily(tmp_path):
     """A pass on dummy inputs beside the caller would write its cache: not in the
     background, then; each size rides along its first real call instead."""
-    cls = im.MutatedBuffer
-    config = im.config(cudagraph_mode="piecewise", capture="background", capture_sizes=(1, 4))
-    model = im.make(cls)
-    compiled = cachebuild.compile(model, config, im.dynamic_dims(cls),
-                                  store=LocalStore(tmp_path / "store"))
-    eager = im.make(cls)
-    im.assert_same(im.run_sequence(compiled, model, cls, (5, 4, 1, 4, 1)),
-                   im.run_sequence(eager, eager, cls, (5, 4, 1, 4, 1)))
+    compiled = sequence_matches_eager(im.MutatedBuffer, "background", (5, 4, 1, 4, 1),
+                                      tmp_path / "store")
     capturer = compiled.runtime.capturer
     assert capturer.policy == "lazy" and not capturer.in_background
     assert capturer.captured_sizes == [1, 4]
@@ -142,15 +136,14 @@ def test_background_on_a_model_that_draws_random_numbers_captures_lazily(tmp_pat
     assert not compiled.runtime.capturer.in_background
 
 
-def test_eager_policy_captures_every_size_before_the_first_call_returns(model, store):
-    compiled = compiled_llama(model, store, "piecewise", "eager")
-    check(compiled, model, 5)
+def test_eager_policy_captures_every_size_before_the_first_call_returns(example_llama, module_store):
+    compiled = compiled_llama(example_llama, module_store, "piecewise", "eager")
+    check(compiled, example_llama, 5)
     assert compiled.runtime.captured_sizes == list(SIZES)
     assert compiled.capture_report.sizes == sorted(SIZES, reverse=True)
 
 
-def test_a_failed_capture_leaves_the_call_exact_and_its_size_without_graphs(tmp_path,
-                                                                           monkeypatch):
+def test_a_failed_capture_leaves_the_call_exact_and_its_size_without_graphs(tmp_path, monkeypatch):
     """Recording fails at size 4 (as a device refusing a capture would): the call that
     rode along still writes its state exactly once and answers as eager does; 4 then runs
     without graphs, said once, and other sizes are captured as usual."""
@@ -162,15 +155,8 @@ def test_a_failed_capture_leaves_the_call_exact_and_its_size_without_graphs(tmp_
         return real(self, fn, inputs)
 
     monkeypatch.setattr(ReplayCapture, "capture", refuse_at_4)
-    cls = im.AllPatterns
-    config = im.config(cudagraph_mode="piecewise", capture="lazy", capture_sizes=(1, 4))
-    model = im.make(cls)
-    compiled = cachebuild.compile(model, config, im.dynamic_dims(cls),
-                                  store=LocalStore(tmp_path / "store"))
-    eager = im.make(cls)
-    sizes = (5, 4, 1, 4, 1, 3)
-    im.assert_same(im.run_sequence(compiled, model, cls, sizes),
-                   im.run_sequence(eager, eager, cls, sizes))
+    compiled = sequence_matches_eager(im.AllPatterns, "lazy", (5, 4, 1, 4, 1, 3),
+                                      tmp_path / "store")
     capturer = compiled.runtime.capturer
     assert capturer.captured_sizes == [1] and list(capturer.failed) == [4]
     assert "not permitted" in capturer.failed[4]
@@ -277,8 +263,8 @@ def test_a_warm_process_calls_a_custom_op_splitting_op_without_importing_dynamo(
     assert warm["dynamo"] is False
 
 
-def test_a_background_pass_that_fails_hands_the_rest_to_lazy_capture(model, store, monkeypatch):
-    """Dummy inputs this model cannot run on (as an index past a table would be): the
+def test_a_background_pass_that_fails_hands_the_rest_to_lazy_capture(example_llama, module_store, monkeypatch):
+    """Dummy inputs this example_llama cannot run on (as an index past a table would be): the
     first background pass fails, nothing is left pending, and sizes are then captured at
     their first real call."""
     from cachebuild.runtime import ModelRuntime
@@ -287,11 +273,11 @@ def test_a_background_pass_that_fails_hands_the_rest_to_lazy_capture(model, stor
         raise IndexError("index 0 is out of bounds for dimension 0 with size 0")
 
     monkeypatch.setattr(ModelRuntime, "dummy_args", unusable)
-    compiled = compiled_llama(model, store, "piecewise", "background")
-    check(compiled, model, 5)
+    compiled = compiled_llama(example_llama, module_store, "piecewise", "background")
+    check(compiled, example_llama, 5)
     assert compiled.wait_captured(timeout=600)
     capturer = compiled.runtime.capturer
     assert capturer.policy == "lazy" and capturer.pending == [] and capturer.ready == {}
-    check(compiled, model, 4)
-    check(compiled, model, 4)
+    check(compiled, example_llama, 4)
+    check(compiled, example_llama, 4)
     assert capturer.captured_sizes == [4] and capturer.ready[4].replays == 1

@@ -15,7 +15,6 @@ import torch
 import cachebuild
 from cachebuild.config import default_capture_sizes
 from cachebuild.cudagraphs import next_capture_size, pad_args, unpad_outputs
-from cachebuild.store import LocalStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import llama  # noqa: E402
@@ -57,31 +56,18 @@ def test_load_threads_from_environment(monkeypatch):
             load_threads()
 
 
-@pytest.fixture(scope="module")
-def model():
-    torch.manual_seed(0)
-    return llama.make_model()
-
-
-@pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """One store for the module: graph modes and capture policies are run-time settings,
-    so every test here loads the one entry the first built."""
-    return LocalStore(tmp_path_factory.mktemp("graphs") / "store")
-
-
 @pytest.mark.parametrize("mode", ["none", "piecewise", "full"])
-def test_modes_match_eager(model, mode, store):
+def test_modes_match_eager(example_llama, mode, module_store):
     cfg = cachebuild.CompileConfig(
         splitting_ops=("cachebuild_examples::attention",), compile_ranges=((1, 64),),
         backend="eager_fusion", cudagraph_mode=mode, capture="eager",
         capture_sizes=(2, 4, 8, 16), pad_to_capture_size=True)
-    compiled = cachebuild.compile(model, cfg, {0: 0, 1: 0}, store=store)
+    compiled = cachebuild.compile(example_llama, cfg, {0: 0, 1: 0}, store=module_store)
     with torch.no_grad():
         for tokens in (16, 4, 3, 9, 40):
-            ids, pos = llama.example_inputs(model, tokens)
+            ids, pos = llama.example_inputs(example_llama, tokens)
             out = compiled(ids, pos).clone()
-            torch.testing.assert_close(out, model(ids, pos), rtol=1e-4, atol=1e-4)
+            torch.testing.assert_close(out, example_llama(ids, pos), rtol=1e-4, atol=1e-4)
     runtime = compiled.runtime
     if mode == "none":
         assert runtime.replayers() == [] and runtime.captured_sizes == []
@@ -96,10 +82,10 @@ def test_modes_match_eager(model, mode, store):
     assert all(r.misses == 0 for r in runtime.replayers())
 
 
-def test_capture_refused_without_graph_mode(model, store):
+def test_capture_refused_without_graph_mode(example_llama, module_store):
     cfg = cachebuild.CompileConfig(splitting_ops=("cachebuild_examples::attention",),
                                    compile_ranges=((1, 64),), backend="eager_fusion")
-    compiled = cachebuild.compile(model, cfg, {0: 0, 1: 0}, store=store)
-    compiled(*llama.example_inputs(model, 4))
+    compiled = cachebuild.compile(example_llama, cfg, {0: 0, 1: 0}, store=module_store)
+    compiled(*llama.example_inputs(example_llama, 4))
     with pytest.raises(cachebuild.errors.UsageError):
         compiled.runtime.capture([4])
