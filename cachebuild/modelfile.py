@@ -38,10 +38,14 @@ def _where(path: Path, error: BaseException) -> str:
 
 
 def import_model(path: str | Path) -> ModuleType:
-    """Import a model file as a module (its custom ops get registered)."""
+    """Import a model file as a module (its custom ops get registered), with its folder
+    first on ``sys.path`` as ``python MODEL.py`` has it, so that it imports the modules
+    beside it."""
     path = Path(path).resolve()
     if not path.is_file():
         raise UsageError(f"{path}: no such model file")
+    if str(path.parent) not in sys.path:
+        sys.path.insert(0, str(path.parent))
     name = module_name(path)
     if name in sys.modules:
         return sys.modules[name]

@@ -21,13 +21,14 @@ import torch
 import torch.fx as fx
 
 from cachebuild import keep
-from cachebuild.codehash import ast_hash, has_source_file, sourceless_classes
 from cachebuild.codehash import code_objects as code_objects_of
+from cachebuild.codehash import has_source, sourceless_classes
 from cachebuild.effects import graph_effects, might_write
 from cachebuild.errors import UsageError
 from cachebuild.facts import SYMBOL, InputMeta, device_of, meta_of, torch_dir, unpin_device
 from cachebuild.guards import GuardRecord, GuardSet
 from cachebuild.outputs import output_recipe
+from cachebuild.sources import digest_of
 from cachebuild.weights import hooks_hidden
 
 
@@ -68,14 +69,18 @@ class TracedGraph:
 
 
 def _traced_files(code_objects: list[Any], more: Sequence[str] = ()) -> dict[str, str]:
-    """Files whose code Dynamo traced (and ``more``), outside torch itself (its version is
-    in every key)."""
+    """Sources whose code Dynamo traced (and ``more``), outside torch itself (its version is
+    in every key): files by their absolute path, code compiled from linecache text (a
+    notebook cell) by its linecache name; each with the hash of its syntax tree."""
     files: dict[str, str] = {}
     for path in [code.co_filename for code in code_objects] + list(more):
-        path = os.path.abspath(path)
-        if path in files or path.startswith(torch_dir()) or not os.path.isfile(path):
+        if os.path.isfile(path):
+            path = os.path.abspath(path)
+            if path.startswith(torch_dir()):
+                continue
+        if path in files:
             continue
-        digest = ast_hash(path)
+        digest = digest_of(path)
         if digest is not None:
             files[path] = digest
     return dict(sorted(files.items()))
@@ -332,7 +337,7 @@ def _unkeyed_code(model: torch.nn.Module, code_objects: list[Any]) -> tuple[str 
     file is then checked too. Frozen standard-library code comes with the Python version.
     """
     sourceless = [c for c in code_objects
-                  if not has_source_file(c) and not c.co_filename.startswith("<frozen ")]
+                  if not has_source(c) and not c.co_filename.startswith("<frozen ")]
     if not sourceless:
         return None, []
     known = {id(c) for cls in sourceless_classes(model) for c in code_objects_of(cls)}

@@ -24,6 +24,7 @@ LAYERS = [
      "cachebuild.metrics"],
     ["cachebuild.facts", "cachebuild.effects", "cachebuild.fxjson", "cachebuild.graphdiff",
      "cachebuild.inputs", "cachebuild.weights", "cachebuild.outputs", "cachebuild.codehash",
+     "cachebuild.sources",
      "cachebuild.store.*", "cachebuild.backends.*", "cachebuild.passes.*"],
     ["cachebuild.trace", "cachebuild.split", "cachebuild.targets", "cachebuild.guards",
      "cachebuild.guard_export", "cachebuild.distributed"],

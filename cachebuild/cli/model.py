@@ -494,8 +494,9 @@ def _explain_entry(planned: Planned, records: list[Any], console: Console) -> No
     data = planned.planner.store.get(key, touch=False)
     if data is not None:
         spec = planned.spec
-        reasons += [m.describe() for m in Entry.from_bytes(data).guard_set().mismatches(
-            spec.model, spec.example_inputs)]
+        stored = Entry.from_bytes(data)
+        reasons += [m.describe() for m in stored.guard_set().mismatches(
+            spec.model, spec.example_inputs, known=stored.sources)]
     console.print(f"{head}; nearest entry {key[:16]}: " + "; ".join(reasons or ["identical"]))
 
 
