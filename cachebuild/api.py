@@ -27,7 +27,7 @@ from cachebuild.counters import COUNTERS, phase, snapshot
 from cachebuild.dynamo_backend import GraphForward
 from cachebuild.errors import UsageError
 from cachebuild.facts import device_of
-from cachebuild.plan import Planner
+from cachebuild.planner import Planner
 from cachebuild.runtime import ModelRuntime, direct_forward, on_device_forward, stitch
 from cachebuild.store.base import Store
 from cachebuild.trace import TracedGraph

@@ -90,7 +90,7 @@ def load_spec(path: str | Path) -> ModelSpec:
 def entry_key(path: str | Path, store: Store) -> str:
     """The key of the entry that serves the model MODEL.py defines (the one whose guards
     hold on it, among the variants stored), from its spec alone: no tracing."""
-    from cachebuild.plan import Planner
+    from cachebuild.planner import Planner
 
     spec = load_spec(path)
     planner = Planner(spec.model, spec.config, spec.dynamic_dims, store, touch=False)

@@ -24,7 +24,7 @@ from cachebuild.explain import explain
 from cachebuild.facts import InputMeta, unpin_device
 from cachebuild.keys import make_key
 from cachebuild.modelfile import load_spec
-from cachebuild.plan import Planner
+from cachebuild.planner import Planner
 from cachebuild.store import LocalStore
 
 
