@@ -153,7 +153,8 @@ def verdict(device: str, folder: Path | None = None) -> Verdict:
     """
     from filelock import FileLock
 
-    from cachebuild.store.layout import make_private_dir
+    from cachebuild.errors import StoreError
+    from cachebuild.store.layout import check_readable_dir, make_private_dir, writable_here
 
     kind = device.split(":")[0]
     candidates = candidate_compilers()
@@ -161,8 +162,20 @@ def verdict(device: str, folder: Path | None = None) -> Verdict:
     if fingerprint in _VERDICTS:
         return _VERDICTS[fingerprint]
     folder = probe_dir(folder)
-    make_private_dir(folder)
     verdict_file = folder / f"aoti-{kind}-{fingerprint}.json"
+    if folder.exists() and not writable_here(folder):
+        # A read-only store's folder (an image's): its verdict is used where it has one
+        # and the folder is safe to read; else this process probes and keeps the verdict.
+        try:
+            check_readable_dir(folder)
+            found = _read(verdict_file)
+        except StoreError:
+            found = None
+        if found is None:
+            found = _probe_all(device, candidates)
+        _VERDICTS[fingerprint] = found
+        return found
+    make_private_dir(folder)
     with FileLock(str(verdict_file) + ".lock"):
         found = _read(verdict_file)
         if found is None:

@@ -197,7 +197,7 @@ class LocalStore(Store):
         if signing_key is not None and not isinstance(signing_key, bytes | bytearray):
             raise TypeError("signing_key must be bytes")
         self.path = Path(path).expanduser()
-        self._layout = prepare(self.path)
+        self._layout = self._open_layout(self.path)
         self.root: Path = self._layout.root
         self._index = self._open_index()
         self.ensure_reserve()
@@ -209,6 +209,13 @@ class LocalStore(Store):
         self._scratch: dict[tuple[int, bool], Scratch] = {}
         self._memfiles: dict[str, int] = {}  # materialized in memory (full disk): name → fd
         self._finalizer = weakref.finalize(self, self._usage.flush, self._index)
+
+    #: False: a store this process writes. ``ReadOnlyLocalStore`` only reads.
+    read_only = False
+
+    def _open_layout(self, path: Path) -> Layout:
+        """Create (0700) and check the store's directories (``layout.prepare``)."""
+        return prepare(path)
 
     # -- a full disk --------------------------------------------------------------------
 

@@ -86,7 +86,7 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     table.add_column("what")
     table.add_column("value")
     rate = "–" if stats["hit_rate"] is None else f"{stats['hit_rate']:.1%}"
-    rows = [("store", stats["path"]),
+    rows = [("store", stats["path"] + (" (read-only here)" if stats.get("read_only") else "")),
             ("records", str(stats["records"])),
             ("payload", format_size(stats["bytes"])),
             ("on disk", format_size(stats["disk_bytes"])),
@@ -112,6 +112,9 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
                  ("remote rejected", str(tiers["remote_rejected"])),
                  ("remote incomplete", str(tiers["remote_incomplete"])),
                  ("remote errors", str(tiers["remote_errors"]))]
+    overlay = stats.get("overlay")
+    if overlay is not None:  # a read-only store: where this user's builds go
+        rows.append(("overlay", f"{overlay['path']} ({overlay['records']} records)"))
     for v in verdicts:  # which flavour and compiler this machine builds with, and why
         rows.append((f"toolchain ({v.device})", v.describe().split(": ", 1)[1]))
     for what, value in rows:
