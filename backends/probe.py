@@ -233,12 +233,19 @@ def _probe_all(device: str, candidates: list[str]) -> Verdict:
 
 
 def _probe_one(device: str, compiler: str) -> tuple[bool, str]:
-    """Build, load and run the tiny package with ``compiler`` in a child process."""
-    try:
-        proc = subprocess.run([sys.executable, "-m", "cachebuild.backends.probe", device, compiler],
-                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return False, f"timed out after {PROBE_TIMEOUT_S:.0f} s"
+    """Build, load and run the tiny package with ``compiler`` in a child process, whose
+    compilers write (caches, precompiled headers, temp files) into a folder removed after."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="cachebuild-probe-") as work:
+        env = {**os.environ, "TMPDIR": work, "TORCHINDUCTOR_CACHE_DIR": work,
+               "TRITON_CACHE_DIR": work}
+        try:
+            proc = subprocess.run([sys.executable, "-m", "cachebuild.backends.probe", device,
+                                   compiler], capture_output=True, text=True,
+                                  timeout=PROBE_TIMEOUT_S, env=env)
+        except subprocess.TimeoutExpired:
+            return False, f"timed out after {PROBE_TIMEOUT_S:.0f} s"
     if proc.returncode == 0 and proc.stdout.strip().endswith("ok"):
         return True, "ok"
     if proc.returncode < 0:

@@ -13,6 +13,9 @@
       scratch/      one private directory per live process, for files a loader hands to
                     another library by path (Inductor's kernels); removed at exit
       probe/        the AOTI toolchain verdicts
+      work/         what compilers write while a target builds (Inductor's and Triton's
+                    caches and precompiled headers, temp files): ``gc`` removes it
+                    when no build is running
       reserve       1 MiB kept free for a full disk (see LocalStore)
 
 ``ab`` is the first two hex digits of the key, so no directory grows past a few
@@ -84,6 +87,7 @@ class Layout:
         self.tmp = root / "tmp"
         self.probe = root / "probe"  # the AOTI toolchain verdicts (created when first probed)
         self.scratch = root / "scratch"  # per-process private directories (made on use)
+        self.work = root / "work"  # compilers' working files during builds (made on use)
         self.reserve = root / "reserve"
         self._objects_str = str(self.objects)
 

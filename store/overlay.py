@@ -34,8 +34,11 @@ log = logging.getLogger("cachebuild.store")
 class OverlayStore:
     """``base`` (read-only) below an overlay made on first write (see the module doc)."""
 
-    def __init__(self, base: ReadOnlyLocalStore, overlay_dir: Path | None = None) -> None:
+    def __init__(self, base: ReadOnlyLocalStore, overlay_dir: Path | None = None,
+                 work_dir: Path | None = None) -> None:
+        """``work_dir``: where builds' compilers write (default: the overlay's ``work/``)."""
         self.base = base
+        self._work_dir = work_dir
         self.root = base.root
         self.overlay_dir = Path(overlay_dir).expanduser() if overlay_dir else None
         self._overlay: LocalStore | None = None
@@ -74,7 +77,7 @@ class OverlayStore:
     def _open(self, path: Path) -> LocalStore:
         return LocalStore(path, signing_key=self.base.signing_key,
                           require_signature=self.base.require_signature,
-                          lock_timeout=self.base.lock_timeout)
+                          lock_timeout=self.base.lock_timeout, work_dir=self._work_dir)
 
     def _layers(self) -> list[LocalStore]:
         overlay = self.overlay
@@ -102,6 +105,11 @@ class OverlayStore:
         verdicts are read, never written: a probe here keeps its verdict in memory)."""
         overlay = self.overlay
         return overlay.probe_dir if overlay is not None else self.base.probe_dir
+
+    @property
+    def work_dir(self) -> Path:
+        """Where builds' compilers write: a build makes the overlay anyway."""
+        return self.writable().work_dir
 
     @property
     def signing_key(self) -> bytes | None:

@@ -21,12 +21,12 @@ import pwd
 import shutil
 import subprocess
 import sys
-import tempfile
 import textwrap
 from pathlib import Path
 
 import models
 import pytest
+from trust import public_dir
 
 #: The model file: a wrapper module around an inner one, split at an op of its own.
 MODEL = '''
@@ -313,9 +313,7 @@ def other_user():
 def test_a_store_root_owns_serves_another_user_warm(deployed, other_user):
     # The image: root warmed the store and made it readable (its checks refuse only
     # writes by others); the app's files are readable as an image's are.
-    image = Path(tempfile.mkdtemp(prefix="cachebuild-deploy-image-"))
-    try:
-        os.chmod(image, 0o755)
+    with public_dir() as image:
         shutil.copytree(deployed["store"], image / "store")
         shutil.copytree(deployed["app"], image / "app")
         subprocess.run(["chmod", "-R", "a+rX", str(image)], check=True)
@@ -343,5 +341,3 @@ def test_a_store_root_owns_serves_another_user_warm(deployed, other_user):
         proc = subprocess.run(argv, env=env, cwd=image / "app", capture_output=True,
                               text=True, timeout=600, **kwargs)
         assert proc.returncode != 0 and "writable by others" in proc.stderr, proc.stderr
-    finally:
-        shutil.rmtree(image, ignore_errors=True)
