@@ -6,10 +6,10 @@ and traces nothing. ``plan(model)`` says what ``warm`` would do, changing nothin
 return a typed report; the ``warm`` and ``plan`` commands print one.
 
 ``model`` is a MODEL.py path (a file whose ``build()`` returns a ``ModelSpec``), a
-``build`` function, or a ``ModelSpec``. Targets build in worker processes (each under the
-key's lock, so a concurrent ``warm`` or server never builds one twice) when the workers
-can import the code that defines the model's ops: a model file, or the file of a ``build``
-function or of the model's class; otherwise one after another in this process. With
+``build`` function, or a ``ModelSpec``. A model file's targets build in worker processes
+(each under the key's lock, so a concurrent ``warm`` or server never builds one twice),
+which import the file to have its ops; a spec or a function builds in this process, one
+target after another, with whatever this process registered (ops, backends, passes). With
 ``world_size``, ``build()`` is called once per rank under torch's fake process group
 (``distributed.fake_world``: no GPUs, no other processes) and every rank's entry recorded.
 """
@@ -124,8 +124,8 @@ class WarmReport(PlanReport):
 
 @dataclass
 class Source:
-    """A model to warm: how to get its spec, and the file worker processes import to have
-    its ops (None: build in this process)."""
+    """A model to warm: how to get its spec, and the model file worker processes import to
+    have its ops (None: build in this process)."""
 
     build: Callable[[], ModelSpec]
     file: Path | None
@@ -137,7 +137,7 @@ def source_of(model: ModelSource) -> Source:
     from cachebuild.modelfile import load_spec
 
     if isinstance(model, ModelSpec):
-        return Source(lambda: model, _code_file(type(model.model)), type(model.model).__name__)
+        return Source(lambda: model, None, type(model.model).__name__)
     if isinstance(model, str | os.PathLike):
         path = Path(model)
         return Source(lambda: load_spec(path), path.resolve(), path.name)
@@ -149,22 +149,9 @@ def source_of(model: ModelSource) -> Source:
                                  f"{type(spec).__name__}, not a cachebuild.ModelSpec")
             return spec
 
-        return Source(build, _code_file(model), getattr(model, "__qualname__", "build"))
+        return Source(build, None, getattr(model, "__qualname__", "build"))
     raise UsageError(f"cannot warm {type(model).__name__}: give a MODEL.py path, a build() "
                      "function or a cachebuild.ModelSpec")
-
-
-def _code_file(obj: Any) -> Path | None:
-    """The file defining ``obj`` if worker processes may import it as a model file: a
-    Python file outside installed libraries (else None: build in this process)."""
-    from cachebuild.codehash import code_file
-    from cachebuild.sources import is_library_file
-
-    path = code_file(obj)
-    if not path or not os.path.isfile(path) or not path.endswith(".py") or \
-            is_library_file(path):
-        return None
-    return Path(path).resolve()
 
 
 def check_device(device: str) -> str:

@@ -262,7 +262,7 @@ def test_a_store_on_a_read_only_mount_serves_warm_and_a_miss_builds_in_memory(de
         assert len(gc.stderr.strip().splitlines()) == 1, gc.stderr
         assert _snapshot(deployed["store"]) == before
     finally:
-        subprocess.run(["umount", str(view)], check=False)
+        subprocess.run(["umount", "-l", str(view)], check=False)
 
 
 # -- a store root owns, served to another user ------------------------------------------
