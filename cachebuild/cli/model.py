@@ -149,7 +149,7 @@ def _plan_table(report: PlanReport, console: Console) -> None:
     ranks), and its state."""
     if report.world_size is None:
         entry = report.entries[0]
-        state = ("stored" if entry.why == "fresh" else "not stored" if entry.why == "no entry"
+        state = ("stored" if entry.why == "fresh" else "none yet" if entry.why == "no entry"
                  else f"not used: {entry.why}")
         title = f"entry {entry.key} ({state})"
     else:
@@ -262,7 +262,7 @@ def _explain_entry(planned: Planned, records: list[Any], model: str, console: Co
                 stored = Entry.from_bytes(data)
                 reasons += [m.describe() for m in stored.guard_set().mismatches(
                     spec.model, spec.example_inputs, known=stored.sources)]
-            said += f"; the nearest stored entry {key[:16]} differs: " + "; ".join(
+            said += f"; the nearest entry {key[:16]} differs: " + "; ".join(
                 reasons or ["in nothing explain can name"])
     console.print(said, markup=False, emoji=False, highlight=False)
 
