@@ -30,7 +30,7 @@ from cachebuild.facts import InputMeta, device_of, meta_of
 from cachebuild.fxjson import graph_to_data
 from cachebuild.guards import GuardSet
 from cachebuild.keys import make_key
-from cachebuild.sources import changed, digest_of, labels_in, source_data
+from cachebuild.sources import changed, digest_of, labels_in, loaded_files, source_data
 from cachebuild.split import SplitPlan
 from cachebuild.targets import Target, piece_data
 from cachebuild.trace import Binding, TracedGraph
@@ -92,6 +92,8 @@ class Entry:
     #: What the tracing process knew of each source label its guards name (file name,
     #: module name, hash): how ``explain`` names a change of code.
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Each traced file's size and time as of its hash (``sources.stamp``).
+    source_stamps: dict[str, list[int]] = field(default_factory=dict)
 
     def target_keys(self) -> list[str]:
         keys: list[str] = []
@@ -124,7 +126,9 @@ class Entry:
     def stale_files(self) -> list[str]:
         """Traced sources whose code is not the code of this process (``sources.changed``:
         found by content, wherever the file lies now), each named where it differs."""
-        found = (changed(path, digest) for path, digest in self.source_files.items())
+        loaded = loaded_files()
+        found = (changed(path, digest, self.source_stamps.get(path), loaded)
+                 for path, digest in self.source_files.items())
         return [where for where in found if where is not None]
 
     def to_bytes(self) -> bytes:
@@ -145,6 +149,7 @@ class Entry:
             "out_spec": self.out_spec, "source_files": self.source_files,
             "manifests": self.manifests, "guards": self.guards,
             "written_inputs": self.written_inputs, "sources": self.sources,
+            "source_stamps": self.source_stamps,
         }
         return json.dumps(data, separators=(",", ":")).encode()
 
@@ -170,6 +175,7 @@ class Entry:
             source_files=raw["source_files"], manifests=raw["manifests"], guards=raw["guards"],
             written_inputs=[int(i) for i in raw["written_inputs"]],
             sources={str(k): dict(v) for k, v in raw["sources"].items()},
+            source_stamps={str(k): [int(x) for x in v] for k, v in raw["source_stamps"].items()},
         )
 
 
@@ -295,6 +301,7 @@ def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,
         guards=[g.to_data() for g in traced.guards],
         written_inputs=list(plan.written_inputs),
         sources=source_data(labels_in([g.to_data() for g in traced.guards])),
+        source_stamps=dict(traced.source_stamps),
     )
 
 

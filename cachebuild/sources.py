@@ -16,6 +16,7 @@ path at trace time and its hash) the code this process runs?
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import linecache
@@ -23,6 +24,7 @@ import os
 import re
 import sys
 import types
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,21 +64,36 @@ def is_label(name: Any) -> bool:
 
 @functools.cache
 def library_roots() -> tuple[str, ...]:
-    """Where installed code lives (site-packages, the standard library): a module there has
-    one name in every process."""
+    """Where installed code lives (site-packages, the standard library), as given and as
+    real paths: a module there has one name in every process."""
     import site
-    import sysconfig
 
-    roots = {*site.getsitepackages(), site.getusersitepackages()}
-    roots |= {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    return tuple(os.path.realpath(r) + os.sep for r in roots if r)
+    # The standard library (lib-dynload lies under it) and every site-packages; not
+    # through sysconfig, whose import a warm start would pay.
+    roots = {*site.getsitepackages(), site.getusersitepackages(), os.path.dirname(os.__file__)}
+    found = {os.path.abspath(r) for r in roots if r} | {os.path.realpath(r) for r in roots if r}
+    return tuple(sorted(r + os.sep for r in found))
 
 
+@functools.lru_cache(maxsize=65536)
 def is_library_file(path: str) -> bool:
-    return os.path.realpath(path).startswith(library_roots())
+    """True for a file of installed code (``library_roots``), by its path or its real
+    path (cached: asked for every loaded module at a warm start)."""
+    roots = library_roots()
+    return path.startswith(roots) or os.path.realpath(path).startswith(roots)
 
 
 _FILE_DIGESTS: dict[str, tuple[tuple[int, int, int], str | None]] = {}
+
+
+def stamp(path: str) -> list[int] | None:
+    """A file's size and modification time in ns: equal stamps, equal contents (as make
+    and git take it). None if there is no such file."""
+    try:
+        st = os.stat(path)
+    except (OSError, ValueError):
+        return None
+    return [st.st_size, st.st_mtime_ns]
 
 
 def file_digest(path: str) -> str | None:
@@ -86,17 +103,25 @@ def file_digest(path: str) -> str | None:
         st = os.stat(path)
     except (OSError, ValueError):
         return None
-    stamp = (st.st_mtime_ns, st.st_size, st.st_ino)
+    key = (st.st_mtime_ns, st.st_size, st.st_ino)
     known = _FILE_DIGESTS.get(path)
-    if known is not None and known[0] == stamp:
+    if known is not None and known[0] == key:
         return known[1]
     try:
         with open(path, "rb") as f:
             digest = ast_hash_text(f.read())
     except OSError:
         digest = None
-    _FILE_DIGESTS[path] = (stamp, digest)
+    _FILE_DIGESTS[path] = (key, digest)
     return digest
+
+
+def stamped_digest(path: str) -> tuple[str | None, list[int] | None]:
+    """A file's digest and its stamp (``stamp``) as of that digest: None for the stamp
+    if the file changed while it was read (then only the digest can tell it again)."""
+    before = stamp(path)
+    digest = file_digest(path)
+    return digest, before if before is not None and stamp(path) == before else None
 
 
 _TEXT_DIGESTS: dict[str, tuple[int, str | None]] = {}
@@ -158,10 +183,26 @@ def module_label(module: str) -> str:
     return _label_file(path, module) or module
 
 
+#: Labels of classes and functions, computed once per object: the code an object runs is
+#: the code it was compiled from, whatever its file says later.
+_OBJECT_LABELS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
 def object_label(obj: Any) -> str:
     """The label of the module a class or function was defined in: by the source its own
     code was compiled from (so a class run from a notebook cell's text is named as in the
     file holding that text), else by its module (``module_label``)."""
+    try:
+        return _OBJECT_LABELS[obj]
+    except (KeyError, TypeError):
+        pass
+    label = _object_label(obj)
+    with contextlib.suppress(TypeError):
+        _OBJECT_LABELS[obj] = label
+    return label
+
+
+def _object_label(obj: Any) -> str:
     module = getattr(obj, "__module__", None) or ""
     if isinstance(obj, (type, types.FunctionType)):
         filename = code_file(obj)
@@ -263,7 +304,7 @@ def _short_digest(info: dict[str, Any]) -> str:
 
 # -- is a traced file's code here? -------------------------------------------------------
 
-def _loaded_files() -> dict[str, list[str]]:
+def loaded_files() -> dict[str, list[str]]:
     """The files of the loaded modules outside installed libraries, by file name."""
     out: dict[str, list[str]] = {}
     for module in list(sys.modules.values()):
@@ -273,23 +314,33 @@ def _loaded_files() -> dict[str, list[str]]:
     return out
 
 
-def changed(path: str, digest: str) -> str | None:
-    """None if the code that a trace read from ``path`` (with ``digest``) is the code
-    here; else the source that differs, in words (``/srv/app/layers.py``, or the recorded
-    path with ``(not found)``).
+def _same(path: str, digest: str, recorded: list[int] | None) -> bool:
+    """Is the file at ``path`` the traced code? By its stamp where it equals the recorded
+    one (a file of installed code, unchanged since: not read), else by its digest."""
+    return (recorded is not None and stamp(path) == list(recorded)) or digest_of(path) == digest
+
+
+def changed(path: str, digest: str, recorded: list[int] | None = None,
+            loaded: dict[str, list[str]] | None = None) -> str | None:
+    """None if the code that a trace read from ``path`` (with ``digest``, and the file's
+    stamp then, ``recorded``) is the code here; else the source that differs, in words
+    (``/srv/app/layers.py``, or the recorded path with ``(not found)``). ``loaded``: the
+    loaded modules' files (``loaded_files()``), computed once for many calls.
 
     Decided by the loaded modules from a file of that name where there are any (run from
     any folder, under any module name); else by the file at ``path`` itself (a module not
-    imported yet); else by any loaded source or linecache text with that hash (the same
-    text run from a notebook cell, or from a file of another name). Code that is in none
-    of those places counts as changed.
+    imported yet, or installed code); else by any loaded source or linecache text with
+    that hash (the same text run from a notebook cell, or from a file of another name).
+    Code that is in none of those places counts as changed.
     """
     name = os.path.basename(path) if os.sep in path else path
-    files = _loaded_files()
-    loaded = files.get(name, [])
-    if loaded:
-        return None if any(digest_of(p) == digest for p in loaded) else loaded[0]
-    if digest_of(path) == digest:
+    files = loaded_files() if loaded is None else loaded
+    candidates = files.get(name, [])
+    if candidates:
+        if any(_same(p, digest, recorded) for p in candidates):
+            return None
+        return candidates[0]
+    if _same(path, digest, recorded):
         return None
     if any(digest_of(p) == digest for paths in files.values() for p in paths):
         return None

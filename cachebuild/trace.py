@@ -28,7 +28,7 @@ from cachebuild.errors import UsageError
 from cachebuild.facts import SYMBOL, InputMeta, device_of, meta_of, torch_dir, unpin_device
 from cachebuild.guards import GuardRecord, GuardSet
 from cachebuild.outputs import output_recipe
-from cachebuild.sources import digest_of
+from cachebuild.sources import digest_of, stamped_digest
 from cachebuild.weights import hooks_hidden
 
 
@@ -66,13 +66,18 @@ class TracedGraph:
     fake_inputs: list[Any] = field(default_factory=list)
     guards: list[GuardRecord] = field(default_factory=list)  # what the trace read
     unrecordable: str | None = None  # why no entry may be stored for this trace
+    source_stamps: dict[str, list[int]] = field(default_factory=dict)  # size, time per file
 
 
-def _traced_files(code_objects: list[Any], more: Sequence[str] = ()) -> dict[str, str]:
+def _traced_files(code_objects: list[Any], more: Sequence[str] = ()
+                  ) -> tuple[dict[str, str], dict[str, list[int]]]:
     """Sources whose code Dynamo traced (and ``more``), outside torch itself (its version is
     in every key): files by their absolute path, code compiled from linecache text (a
-    notebook cell) by its linecache name; each with the hash of its syntax tree."""
+    notebook cell) by its linecache name; each with the hash of its syntax tree. And each
+    file's stamp (size, time) as of that hash, so that a warm start need not read an
+    unchanged file again."""
     files: dict[str, str] = {}
+    stamps: dict[str, list[int]] = {}
     for path in [code.co_filename for code in code_objects] + list(more):
         if os.path.isfile(path):
             path = os.path.abspath(path)
@@ -80,10 +85,15 @@ def _traced_files(code_objects: list[Any], more: Sequence[str] = ()) -> dict[str
                 continue
         if path in files:
             continue
-        digest = digest_of(path)
+        if os.path.isfile(path):
+            digest, stamp = stamped_digest(path)
+            if stamp is not None:
+                stamps[path] = stamp
+        else:
+            digest = digest_of(path)
         if digest is not None:
             files[path] = digest
-    return dict(sorted(files.items()))
+    return dict(sorted(files.items())), {p: stamps[p] for p in sorted(stamps) if p in files}
 
 
 def _bind(model: torch.nn.Module, args: list[Any], inputs: list[Any],
@@ -314,11 +324,13 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         wrong = GuardSet.of(guards).mismatches(model, args)
         if wrong:
             unrecordable = f"{wrong[0].describe()} right after tracing"
+    files, stamps = _traced_files(captured["code"], generated_from)
     return TracedGraph(
         gm=gm,
         bindings=bindings,
         input_metas=metas,
-        source_files=_traced_files(captured["code"], generated_from),
+        source_files=files,
+        source_stamps=stamps,
         out_spec=output_recipe(output, list(captured.get("outputs", ()))),
         num_outputs=num_outputs,
         fake_inputs=fakes,

@@ -27,10 +27,15 @@ tempfile.tempdir = _SESSION_TMP
 
 
 def pytest_sessionfinish(session, exitstatus):
-    if exitstatus == 0:
-        shutil.rmtree(_SESSION_TMP, ignore_errors=True)
-    else:
+    if exitstatus != 0:
         print(f"\nthis run's files are kept in {_SESSION_TMP}")
+        return
+    # Removed at exit, after multiprocessing removes its own folder in there (its
+    # finalizers run in priority order; its folder's is -100).
+    import multiprocessing.util
+
+    multiprocessing.util.Finalize(None, shutil.rmtree, args=(_SESSION_TMP,),
+                                  kwargs={"ignore_errors": True}, exitpriority=-101)
 
 
 def _has_cuda() -> bool:
