@@ -225,14 +225,23 @@ def module_root(module: str) -> list[Any]:
     return ["module", label, os.path.basename(sys.modules[module].__file__)]
 
 
+_FOUND: dict[str, types.ModuleType] = {}
+
+
 def find_module(label: str, file_name: str | None = None) -> types.ModuleType | None:
     """The loaded module whose source has ``label`` (those from a file named ``file_name``
-    looked at first); None if no loaded module has it."""
+    looked at first); None if no loaded module has it. Remembered while that module stays
+    loaded under its name."""
+    found = _FOUND.get(label)
+    if found is not None and sys.modules.get(found.__name__) is found:
+        return found
     modules = [m for m in list(sys.modules.values()) if isinstance(m, types.ModuleType)
-               and isinstance(getattr(m, "__file__", None), str)]
+               and isinstance(getattr(m, "__file__", None), str)
+               and not is_library_file(m.__file__)]
     named = [m for m in modules if os.path.basename(m.__file__) == file_name]
     for module in named + [m for m in modules if m not in named]:
         if _label_file(module.__file__, module.__name__) == label:
+            _FOUND[label] = module
             return module
     return None
 
