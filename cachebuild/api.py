@@ -91,11 +91,13 @@ class CompiledModule(torch.nn.Module):
     def prepare(self, *args: Any, capture: bool = True) -> ModelRuntime | None:
         """Load (warm) or build (cold) the compiled forward for calls shaped like ``args``.
 
-        With a graph mode, graphs are captured too, unless ``capture`` is False (then
-        ``runtime.capture()`` does it later). A model that cannot be compiled raises, and
-        raises again at once for every later call like it in this process (``CompileFailed``,
-        without tracing again); with ``on_failure="eager"`` it runs eagerly instead, after
-        one warning, and this returns None.
+        With a graph mode and the ``eager`` capture policy, every size is captured too,
+        unless ``capture`` is False (``runtime.capture()`` does it later); the ``lazy`` and
+        ``background`` policies capture as calls come (background: after the first one).
+        A model that cannot be compiled raises, and raises again at once for every later
+        call like it in this process (``CompileFailed``, without tracing again); with
+        ``on_failure="eager"`` it runs eagerly instead, after one warning, and this returns
+        None.
         """
         start = time.perf_counter()
         # About this call or this process (an op library imported later), never remembered:
@@ -118,13 +120,14 @@ class CompiledModule(torch.nn.Module):
             return self._failed(e, first=True)
         self._runtime = ModelRuntime(entry, loaded, self.model, self.config, self.dynamic_dims)
         COUNTERS.add_time("prepare", time.perf_counter() - start)
-        if self.config.cudagraph_mode != "none" and capture:
+        runtime = self._runtime
+        if capture and runtime.capturer is not None and runtime.capturer.policy == "eager":
             with phase("capture"):
-                self.capture_report = self._runtime.capture(like=args)
+                self.capture_report = runtime.capture(like=args)
             log.info("captured %d sizes in %.2f s (%d bytes of graph memory)",
                      len(self.capture_report.sizes), self.capture_report.seconds,
                      self.capture_report.pool_bytes)
-        return self._runtime
+        return runtime
 
     def _load_or_build(self, planner: Planner, builder: Builder, found: Lookup, store: Store,
                        args: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
@@ -168,6 +171,18 @@ class CompiledModule(torch.nn.Module):
                             f"and nothing it depends on changed (the same code, config, "
                             f"input shapes and values), so it is not traced again: "
                             f"{one_line(error)}", error) from error
+
+    def wait_captured(self, timeout: float | None = None) -> bool:
+        """Wait until background capture has captured every size (True), or ``timeout``
+        seconds passed (False). Without background capture: at once, True."""
+        capturer = self._runtime.capturer if self._runtime is not None else None
+        return capturer.wait(timeout) if capturer is not None else True
+
+    def capture_state(self) -> Any:
+        """Where graph capture stands (``capture.CaptureState``: sizes captured, pending and
+        failed, seconds, graph memory), or None before the first call or without a graph
+        mode."""
+        return self._runtime.capture_state() if self._runtime is not None else None
 
     def forward(self, *args: Any) -> Any:
         if self._runtime is None and not self._eager:

@@ -113,6 +113,54 @@ def cuda_graph_for_capture() -> tuple[Any, bool]:
         return torch.cuda.CUDAGraph(), False
 
 
+def unowned_alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor at ``t``'s address, shape and strides whose storage does not own the memory
+    (what torch's CUDA graph trees build for graph outputs: the pool keeps the memory, and a
+    later capture may reuse it)."""
+    storage = t.untyped_storage()
+    unowned = torch._C._construct_storage_from_data_pointer(storage.data_ptr(), t.device,
+                                                            storage.nbytes())
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        unowned, t.storage_offset(), t.size(), t.stride())
+
+
+def custom_ops_without_dynamo() -> None:
+    """Let kernels of ops made with ``torch.library.custom_op`` run without importing Dynamo.
+
+    torch wraps each such kernel in ``torch._disable_dynamo``, whose first call imports
+    ``torch._dynamo`` (0.5 s and more) to build the wrapper it caches on the function as
+    ``__dynamo_disable``. Where Dynamo is not imported, nothing can be tracing, so the
+    kernel may run as it is: the wrapper cached here does that until Dynamo is imported,
+    then removes itself and lets torch build its own. Ops registered later, and kernels
+    registered through ``torch.library.impl(..., disable_dynamo=True)``, keep torch's.
+    """
+    import sys
+
+    try:
+        from torch._library.custom_ops import OPDEFS
+    except ImportError:
+        return
+    for opdef in list(OPDEFS.values()):
+        for wrapped in list(getattr(opdef, "_backend_fns", {}).values()):
+            raw = getattr(wrapped, "__wrapped__", None)
+            if raw is not None and "__dynamo_disable" not in getattr(raw, "__dict__", {}):
+                setattr(raw, "__dynamo_disable", _until_dynamo(raw, wrapped, sys.modules))
+
+
+def _until_dynamo(raw: Callable[..., Any], wrapped: Callable[..., Any],
+                  modules: dict[str, Any]) -> Callable[..., Any]:
+    """``raw`` itself while ``torch._dynamo`` is not in ``modules``; from then on torch's
+    own wrapper ``wrapped`` (this one removes itself from ``raw``)."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if "torch._dynamo" in modules:
+            vars(raw).pop("__dynamo_disable", None)
+            return wrapped(*args, **kwargs)
+        return raw(*args, **kwargs)
+
+    return call
+
+
 def process_group_ranks(group_name: str) -> list[int]:
     """The global ranks of the process group registered under ``group_name`` (the name a
     functional collective carries in a graph)."""

@@ -23,11 +23,13 @@ OP_NAME = re.compile(r"^[A-Za-z_]\w*::[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
 
 FLAVOURS = ("auto", "aoti", "standalone")
 CUDAGRAPH_MODES = ("none", "piecewise", "full")
+#: When sizes are captured (``capture.py``): ``auto`` is background on CUDA, lazy elsewhere.
+CAPTURE_POLICIES = ("auto", "eager", "background", "lazy")
 OUT_OF_RANGE = ("error", "eager")
 ON_FAILURE = ("error", "eager")
 #: Fields that decide how a loaded model runs, not what is built or stored.
-RUNTIME_ONLY = ("cudagraph_mode", "capture_sizes", "pad_to_capture_size", "out_of_range",
-                "on_failure")
+RUNTIME_ONLY = ("cudagraph_mode", "capture", "capture_sizes", "pad_to_capture_size",
+                "out_of_range", "on_failure")
 
 
 def default_capture_sizes() -> tuple[int, ...]:
@@ -88,6 +90,10 @@ class CompileConfig:
     - ``passes``: a ``PassConfig`` of fusion-pass flags.
     - ``inductor_options``: Inductor config patches, e.g. ``{"max_autotune": True}``.
     - ``cudagraph_mode``: ``"none"``, ``"piecewise"`` or ``"full"``.
+    - ``capture``: when sizes are captured: ``"eager"`` (all of them before the first
+      call returns), ``"background"`` (a thread captures them after the first output),
+      ``"lazy"`` (each at its first call), or ``"auto"`` (background on CUDA, lazy
+      elsewhere). A size without graphs yet runs the compiled pieces directly, exactly.
     - ``capture_sizes``: sizes captured as CUDA graphs (default: 51 sizes up to 512).
     - ``pad_to_capture_size``: run a call whose size was not captured at the next captured
       size, zero-padding the dynamic dim and slicing outputs back (token-parallel models).
@@ -106,6 +112,7 @@ class CompileConfig:
     passes: PassConfig = field(default_factory=PassConfig)
     inductor_options: tuple[tuple[str, Any], ...] = ()
     cudagraph_mode: str = "none"
+    capture: str = "auto"
     capture_sizes: tuple[int, ...] = field(default_factory=default_capture_sizes)
     pad_to_capture_size: bool = False
     out_of_range: str = "error"
@@ -179,6 +186,9 @@ class CompileConfig:
             raise ConfigError(
                 f"unknown cudagraph_mode {self.cudagraph_mode!r}: choose one of {CUDAGRAPH_MODES}"
             )
+        if self.capture not in CAPTURE_POLICIES:
+            raise ConfigError(
+                f"unknown capture policy {self.capture!r}: choose one of {CAPTURE_POLICIES}")
         if self.out_of_range not in OUT_OF_RANGE:
             raise ConfigError(f"out_of_range must be one of {OUT_OF_RANGE}")
         if self.on_failure not in ON_FAILURE:

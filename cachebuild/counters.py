@@ -27,6 +27,8 @@ class Counters:
     traced: int = 0   # models traced with Dynamo
     entries_loaded: int = 0  # model entries loaded (warm starts)
     vanished: int = 0  # targets removed from the store (gc) while being loaded: misses
+    sizes_captured: int = 0  # sizes whose graphs were captured (every model, every policy)
+    sizes_pending: int = 0   # sizes a background capture has yet to capture
     seconds: dict[str, float] = field(default_factory=dict)  # per phase
 
     def add_time(self, phase: str, seconds: float) -> None:

@@ -1,78 +1,94 @@
-"""Graph capture after load: ``none``, ``piecewise`` or ``full``.
+"""Device graphs: capture a callable once per size, replay it later.
 
-``piecewise``: every compiled piece is captured once per capture size, and splitting
-ops run eagerly between the replays. ``full``: the whole forward is captured per size.
-Sizes are captured largest first into one shared memory pool. Each captured callable
-keeps static input buffers: at replay, inputs that are not the model's own weights are
-copied into them, so callers may pass any tensors; inputs the graph writes in place (a
-KV cache) are read at their own address instead, so the write lands where eager's does.
-Outputs of a replay are the graph's
-static tensors: **valid until the next call** of the compiled model. Sizes that were not
-captured run the compiled pieces without graphs, or, with ``pad_to_capture_size``, are
-padded up to the next captured size (for token-parallel models, where padding rows is
-safe) and the outputs sliced back.
+``GraphCapture`` is a device's graph API: ``CudaGraphCapture`` for CUDA (one memory pool
+shared by every graph of a model), ``ReplayCapture`` for devices without one (it keeps
+the static-buffer discipline and calls the function at replay), so another device's
+graph API plugs in beside them.
 
-The device graph API sits behind ``GraphCapture``: ``CudaGraphCapture`` for CUDA, and
-``ReplayCapture`` for devices without one (it keeps the static-buffer discipline but
-calls the function at replay), so another device's graph API plugs in beside them.
+A capture here only *records*: nothing runs, nothing is written. The function has run for
+real just before, on the same stream and at the same size, which is both the answer of
+that call and the warm-up a capture needs (lazy initialisation, kernel loading, library
+heuristics happen there, never inside the capture). That is what lets a capture happen
+beside a live model (``capture.py``).
+
+A ``Replayer`` is one captured callable at one size: inputs that are not the model's
+weights and have no fixed address are copied into static buffers before the replay;
+inputs with a fixed address (another graph's output, a cache the caller keeps, a static
+argument buffer) are read in place and checked; inputs written in place that had to be
+copied are copied back after. Its outputs are the graph's static tensors: **valid until
+the next call**. Static buffers come from an ``Arena`` shared by every callable and size of
+a model: replays run one after another on one stream, so one buffer per input position
+serves them all.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
+import torch.utils._pytree as pytree
 
 log = logging.getLogger("cachebuild")
 
 
 class GraphCapture(Protocol):
-    """A device's graph API: capture ``fn(*inputs)`` once, replay it later."""
+    """A device's graph API: record ``fn(*inputs)`` once, replay it later.
+
+    ``records`` is True where a capture runs nothing (a device graph) and its outputs are
+    static tensors; False where ``replay`` calls ``fn`` again (``ReplayCapture``).
+    """
+
+    records: bool
+    seconds: dict[str, float]
+    graphs: int
 
     def capture(self, fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, Any]:
-        """Warm ``fn`` up, capture it on ``inputs``; returns (graph, static outputs)."""
+        """Record ``fn(*inputs)``; returns (graph, static outputs or None)."""
         ...
 
-    def replay(self, graph: Any) -> None: ...
+    def replay(self, graph: Any) -> Any:
+        """Replay ``graph``; returns fresh outputs, or None where the static ones hold them."""
+        ...
+
+    def pool_bytes(self) -> int:
+        """Device memory the graphs' pool holds (0 where there is none)."""
+        ...
 
 
 class CudaGraphCapture:
     """CUDA graphs in one memory pool shared by every capture of a model.
 
-    ``seconds`` splits the time spent into warm-up runs, stream capture and graph
-    instantiation (summed over every capture). Unlike ``torch.cuda.graph``, a capture does
-    not empty the allocator's cache first: a model captures hundreds of piece graphs, and
-    doing that each time costs more than it frees.
+    Graphs are recorded on a stream of their own on which nothing is ever run: the
+    workspaces CUDA libraries keep per stream (cuBLAS's) that a graph records are then
+    touched by its replays alone, never by work running beside them (a background
+    capture's real runs, a server's calls). Captures use the ``thread_local`` error mode,
+    so another thread's CUDA calls neither break a capture nor are refused. ``seconds``
+    splits capture time into stream capture and graph instantiation.
     """
+
+    records = True
 
     def __init__(self, device: torch.device | str) -> None:
         self.device = torch.device(device)
         self.pool = torch.cuda.graph_pool_handle()
-        self.stream = torch.cuda.Stream(self.device)  # warm-up runs and captures happen here
-        # Addresses of every captured graph's outputs: a later piece that reads one of them
-        # reads the same address at every replay, so it needs no copy.
-        self.static_ptrs: set[int] = set()
-        self.seconds = {"warmup": 0.0, "capture": 0.0, "instantiate": 0.0}
+        self.stream = torch.cuda.Stream(self.device)
+        self.seconds = {"capture": 0.0, "instantiate": 0.0}
         self.graphs = 0
+        self._primed: set[int] = set()
 
     def capture(self, fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, Any]:
         from cachebuild import compat
 
-        current = torch.cuda.current_stream(self.device)
         start = time.perf_counter()
-        self.stream.wait_stream(current)
+        graph, separate = compat.cuda_graph_for_capture()
         with torch.cuda.stream(self.stream):
-            # One run first: lazy initialisation (cuBLAS workspaces, kernel loading) must
-            # not happen inside the capture.
-            fn(*inputs)
-            torch.cuda.synchronize(self.device)
-            warm = time.perf_counter()
-            graph, separate = compat.cuda_graph_for_capture()
-            graph.capture_begin(pool=self.pool)
+            self._prime()
+            graph.capture_begin(pool=self.pool, capture_error_mode="thread_local")
             try:
                 outputs = fn(*inputs)
             finally:
@@ -80,40 +96,56 @@ class CudaGraphCapture:
             captured = time.perf_counter()
             if separate:
                 graph.instantiate()
-            done = time.perf_counter()
-        current.wait_stream(self.stream)
-        self.seconds["warmup"] += warm - start
-        self.seconds["capture"] += captured - warm
-        self.seconds["instantiate"] += done - captured
+        self.seconds["capture"] += captured - start
+        self.seconds["instantiate"] += time.perf_counter() - captured
         self.graphs += 1
-        flat = outputs if isinstance(outputs, (tuple, list)) else [outputs]
-        self.static_ptrs.update(t.data_ptr() for t in flat if isinstance(t, torch.Tensor))
         return graph, outputs
+
+    def _prime(self) -> None:
+        """Once per thread, before its first capture: give this thread's cuBLAS handle its
+        workspaces for the capture stream outside any capture (one tiny product each way
+        cuBLAS is called), so no capture allocates them."""
+        thread = threading.get_ident()
+        if thread in self._primed:
+            return
+        a = torch.ones(16, 16, device=self.device)
+        torch.mm(a, a)
+        torch.addmm(a[0], a, a)  # the cuBLASLt path (a product with a bias)
+        self.stream.synchronize()
+        self._primed.add(thread)
 
     def replay(self, graph: Any) -> None:
         graph.replay()
+
+    def pool_bytes(self) -> int:
+        """Bytes the allocator has reserved for this pool (its segments)."""
+        pool = tuple(self.pool)
+        return sum(s["total_size"] for s in torch.cuda.memory_snapshot()
+                   if tuple(s.get("segment_pool_id", ())) == pool)
 
 
 class ReplayCapture:
     """For devices without a graph API: "replay" calls the function on the static inputs.
 
-    Outputs follow the same contract (valid until the next call); used on CPU. With
-    ``pin_into`` (a ``CudaGraphCapture``'s ``static_ptrs``) it gives a call's arguments
-    fixed addresses for the graphs captured inside it: in piecewise mode the model's inputs
-    are copied once per call rather than once per piece that reads them.
+    Outputs follow the same contract (valid until the next call); used on CPU.
     """
 
-    def __init__(self, pin_into: set[int] | None = None) -> None:
-        self.pin_into = pin_into
+    records = False
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+        self.graphs = 0
 
     def capture(self, fn: Callable[..., Any], inputs: Sequence[Any]) -> tuple[Any, Any]:
-        if self.pin_into is not None:
-            self.pin_into.update(t.data_ptr() for t in inputs if isinstance(t, torch.Tensor))
-        return (fn, list(inputs)), fn(*inputs)
+        self.graphs += 1
+        return (fn, list(inputs)), None
 
     def replay(self, graph: Any) -> Any:
         fn, inputs = graph
         return fn(*inputs)
+
+    def pool_bytes(self) -> int:
+        return 0
 
 
 def capture_for(device: str) -> GraphCapture:
@@ -123,88 +155,85 @@ def capture_for(device: str) -> GraphCapture:
     return ReplayCapture()
 
 
-@dataclass
-class _Captured:
-    graph: Any
-    copies: list[tuple[int, torch.Tensor]]  # (input index, static buffer) copied into at replay
-    pinned: list[tuple[int, int]]  # (input index, address) of inputs read in place
-    outputs: Any
-    written_back: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # after replay
+class Arena:
+    """Static input buffers, one per (input position, dtype, device), grown as needed.
 
-
-@dataclass(eq=False)  # identity, not field-wise comparison of captured tensors
-class GraphedCallable:
-    """``fn`` captured per size; sizes seen while ``capturing`` are captured.
-
-    ``size_of(args)`` reads the dynamic size of a call; ``stable[i]`` marks inputs that
-    are the same tensor at every call (weights), which need no copy; ``in_place[i]`` marks
-    inputs that ``fn`` writes in place (a KV cache). A written input at an address that
-    stays (``persistent``, as a cache the caller keeps; another graph's output) is read and
-    written there, and a call that passes another tensor in its place runs ``fn`` without
-    the graph (logged once); any other written input is copied into a static buffer before
-    the replay and back after it. Either way the write lands in the caller's tensor.
+    A buffer is handed out as a view of the shape and strides asked for; a request larger
+    than the buffer replaces it with one at least twice as large (graphs captured on the
+    old one keep it alive through the views they hold). Sharing is safe because replays run
+    one after another on one stream and every graph reads its buffer only while it runs.
     """
 
-    fn: Callable[..., Any]
-    size_of: Callable[[tuple[Any, ...]], int | None]
-    stable: list[bool]
-    capture: GraphCapture
-    in_place: list[bool] | None = None
-    capturing: bool = False
-    graphs: dict[int, _Captured] = field(default_factory=dict)
-    replays: int = 0
-    persistent: set[int] = field(default_factory=set)  # addresses of written inputs that stay
-    misses: int = 0  # calls of a captured size that ran without the graph
+    def __init__(self) -> None:
+        self._flat: dict[tuple[Any, ...], torch.Tensor] = {}
+        self.nbytes = 0  # every buffer ever allocated, outgrown ones included
 
-    def _capture(self, size: int, args: tuple[Any, ...]) -> _Captured:
-        captured = _Captured(None, [], [], None)
-        inputs: list[Any] = []
-        static = getattr(self.capture, "static_ptrs", set())
-        written = self.in_place or [False] * len(args)
-        for i, (a, keep) in enumerate(zip(args, self.stable, strict=True)):
-            if keep or not isinstance(a, torch.Tensor):
-                inputs.append(a)
-            elif a.data_ptr() in static or (written[i] and a.data_ptr() in self.persistent):
-                # Another graph's output, a model input already copied to a fixed address,
-                # or a cache the caller keeps: the same address at every replay. Checked.
-                captured.pinned.append((i, a.data_ptr()))
-                inputs.append(a)
-            else:
-                buf = torch.empty_strided(a.size(), a.stride(), dtype=a.dtype, device=a.device)
-                buf.copy_(a)
-                captured.copies.append((i, buf))
-                if written[i]:
-                    captured.written_back.append((i, buf))
-                inputs.append(buf)
-        captured.graph, captured.outputs = self.capture.capture(self.fn, inputs)
-        self.graphs[size] = captured
-        return captured
+    def buffer(self, slot: Any, like: torch.Tensor) -> torch.Tensor:
+        """A tensor shaped and strided like ``like``, at the address of ``slot``'s buffer."""
+        need = _extent(like)
+        key = (slot, like.dtype, like.device)
+        flat = self._flat.get(key)
+        if flat is None or flat.numel() < need:
+            size = max(need, 2 * flat.numel() if flat is not None else need, 1)
+            flat = torch.empty(size, dtype=like.dtype, device=like.device)
+            self._flat[key] = flat
+            self.nbytes += flat.numel() * flat.element_size()
+        return flat.as_strided(like.size(), like.stride())
+
+
+def _extent(t: torch.Tensor) -> int:
+    """Elements a tensor of ``t``'s shape and strides spans from its first one."""
+    if t.numel() == 0:
+        return 0
+    return 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride(), strict=True))
+
+
+@dataclass(eq=False)
+class Replayer:
+    """One callable captured at one size; ``replayer(*args)`` is ``fn(*args)``.
+
+    ``copies``: (input position, static buffer) filled before each replay; ``pinned``:
+    (input position, address) read in place, and checked: a call with another tensor there
+    runs ``fallback`` instead (counted in ``misses``); ``written_back``: buffers copied
+    back into the caller's tensor after the replay (inputs written in place).
+    """
+
+    api: GraphCapture
+    graph: Any
+    outputs: Any
+    fallback: Callable[..., Any]
+    copies: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    pinned: list[tuple[int, int]] = field(default_factory=list)
+    written_back: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    replays: int = 0
+    misses: int = 0
 
     def __call__(self, *args: Any) -> Any:
-        size = self.size_of(args)
-        captured = self.graphs.get(size) if size is not None else None
-        if captured is None:
-            if self.capturing and size is not None:
-                return self._capture(size, args).outputs
-            return self.fn(*args)
-        for i, address in captured.pinned:
-            if args[i].data_ptr() != address:  # not fed by the graph it was captured with
-                self._missed(i)
-                return self.fn(*args)
-        for i, buf in captured.copies:
+        for i, address in self.pinned:
+            if args[i].data_ptr() != address:
+                self.misses += 1
+                return self.fallback(*args)
+        for i, buf in self.copies:
             buf.copy_(args[i])
         self.replays += 1
-        result = self.capture.replay(captured.graph)
-        for i, buf in captured.written_back:
+        result = self.api.replay(self.graph)
+        for i, buf in self.written_back:
             args[i].copy_(buf)
-        return captured.outputs if result is None else result
+        return self.outputs if result is None else result
 
-    def _missed(self, i: int) -> None:
-        self.misses += 1
-        if self.misses == 1 and self.in_place and self.in_place[i]:
-            log.warning("input %d, which the compiled model writes in place, is not the tensor "
-                        "its graphs were captured with: such calls run without graphs "
-                        "(capture with this tensor: prepare(*call) or capture(like=call))", i)
+
+def weak(outputs: Any) -> Any:
+    """``outputs`` with every tensor replaced by one at the same address that does not keep
+    its memory: the pool may hand it to later captures, which is safe because a graph
+    writes it only when it replays, and then in the order the capture saw."""
+    from cachebuild import compat
+
+    return pytree.tree_map_only(torch.Tensor, compat.unowned_alias, outputs)
+
+
+def flat_tensors(value: Any) -> list[torch.Tensor]:
+    """Every tensor in a nest of tuples, lists and dicts."""
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor)]
 
 
 def next_capture_size(size: int, sizes: Sequence[int]) -> int | None:
@@ -228,7 +257,6 @@ def pad_args(args: tuple[Any, ...], dynamic_dims: dict[int, int], size: int) -> 
 
 def unpad_outputs(outputs: Any, padded: int, size: int) -> Any:
     """Slice every output tensor whose first dim is ``padded`` back to ``size`` rows."""
-    import torch.utils._pytree as pytree
 
     def cut(t: Any) -> Any:
         if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == padded:

@@ -16,18 +16,10 @@ from typing import Any
 
 import torch
 
-from cachebuild import keep, weights
+from cachebuild import compat, keep, weights
+from cachebuild.capture import CallShape, Capturer, CaptureState, PieceSpec
 from cachebuild.config import CompileConfig
-from cachebuild.cudagraphs import (
-    CudaGraphCapture,
-    GraphCapture,
-    GraphedCallable,
-    ReplayCapture,
-    capture_for,
-    next_capture_size,
-    pad_args,
-    unpad_outputs,
-)
+from cachebuild.cudagraphs import capture_for, next_capture_size, pad_args, unpad_outputs
 from cachebuild.entry import Entry
 from cachebuild.errors import UsageError
 from cachebuild.facts import InputMeta, device_of, on_device
@@ -93,25 +85,19 @@ class PieceRunner:
 
 @dataclass
 class Stitched:
-    """The stitched forward of an entry: a GraphModule over the pieces, and each piece's
-    callable by name (a PieceRunner, its GraphedCallable, or an eager splitting-op graph's
-    forward)."""
+    """The stitched forward of an entry: a GraphModule over the pieces, each piece's
+    callable by name (a PieceRunner or an eager splitting-op graph's forward), and how a
+    capture pass wraps the compiled ones."""
 
     gm: torch.fx.GraphModule
     calls: dict[str, Callable[..., Any]]
-
-    @property
-    def graphed(self) -> list[GraphedCallable]:
-        return [c for c in self.calls.values() if isinstance(c, GraphedCallable)]
+    compiled: dict[str, PieceSpec] = field(default_factory=dict)
 
 
-def stitch(entry: Entry, loaded: dict[str, Any],
-           capture: GraphCapture | None = None) -> Stitched:
-    """The stitched forward of ``entry`` over loaded targets; takes the graph's inputs.
-
-    With ``capture`` (piecewise graph mode) every compiled piece is a GraphedCallable.
-    """
+def stitch(entry: Entry, loaded: dict[str, Any]) -> Stitched:
+    """The stitched forward of ``entry`` over loaded targets; takes the graph's inputs."""
     calls: dict[str, Any] = {}
+    compiled: dict[str, PieceSpec] = {}
     # Splitting-op pieces are small stateless graphs, most of them alike (one attention
     # call per layer): each distinct one becomes a module once, shared by its copies.
     eager: dict[str, torch.fx.GraphModule] = {}
@@ -119,18 +105,16 @@ def stitch(entry: Entry, loaded: dict[str, Any],
         if piece.compiled:
             table = [(t.bucket, loaded[t.key]) for t in piece.targets]
             layout = LayoutGuard(piece.input_metas, piece.inner)
-            runner: Any = PieceRunner(piece.name, piece.size_input, piece.single_output, table,
-                                      layout, piece.written)
-            if capture is not None:
-                runner = GraphedCallable(runner, runner.size_of, piece.weights, capture,
-                                         _flags(piece.written, len(piece.input_metas)))
-            calls[piece.name] = runner
+            calls[piece.name] = PieceRunner(piece.name, piece.size_input, piece.single_output,
+                                            table, layout, piece.written)
+            compiled[piece.name] = PieceSpec(list(piece.weights),
+                                             _flags(piece.written, len(piece.input_metas)))
         else:
             shape = canonical_json(canonical_graph(piece.nodes, [])["nodes"])
             if shape not in eager:
                 eager[shape] = data_to_module(piece.nodes)
             calls[piece.name] = eager[shape].forward
-    return Stitched(data_to_module(entry.stitch, calls), calls)
+    return Stitched(data_to_module(entry.stitch, calls), calls, compiled)
 
 
 class _Direct:
@@ -138,17 +122,19 @@ class _Direct:
     the raw piece callables: a call then skips ``nn.Module.__call__`` twice per piece,
     microseconds that a piecewise replay pays on the CPU at every layer."""
 
-    def __init__(self, stitched: Stitched) -> None:
-        self._gm = stitched.gm
-        self.__dict__.update(stitched.calls)
+    def __init__(self, gm: torch.fx.GraphModule, calls: dict[str, Callable[..., Any]]) -> None:
+        self._gm = gm
+        self.__dict__.update(calls)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._gm, name)
 
 
-def direct_forward(stitched: Stitched) -> Callable[..., Any]:
-    """The stitched forward, calling each piece's callable directly."""
-    return type(stitched.gm).forward.__get__(_Direct(stitched))
+def direct_forward(stitched: Stitched,
+                   calls: dict[str, Callable[..., Any]] | None = None) -> Callable[..., Any]:
+    """The stitched forward, calling each piece's callable (``calls``, default the
+    stitched ones) directly."""
+    return type(stitched.gm).forward.__get__(_Direct(stitched.gm, calls or stitched.calls))
 
 
 def on_device_forward(forward: Callable[..., Any], device: str) -> Callable[..., Any]:
@@ -179,8 +165,9 @@ class CaptureReport:
 class ModelRuntime:
     """A stitched forward bound to a live model: ``runtime(*args)`` is ``model(*args)``.
 
-    With a graph mode, ``capture()`` records graphs for the capture sizes; the outputs of
-    a call are then valid until the next call.
+    With a graph mode, sizes are captured as the config's ``capture`` policy says
+    (``capture.py``); a call of a size without graphs runs the compiled pieces directly,
+    exactly. The outputs of a call are then valid until the next call.
     """
 
     def __init__(self, entry: Entry, loaded: dict[str, Any], model: torch.nn.Module,
@@ -189,33 +176,17 @@ class ModelRuntime:
         self.device = live_device(model, entry)
         self._on_device = on_device(self.device)
         mode = config.cudagraph_mode
-        self.capture_api = capture_for(str(self.device)) if mode != "none" else None
-        self.stitched = stitch(entry, loaded, self.capture_api if mode == "piecewise" else None)
-        self._run_stitched = direct_forward(self.stitched)
-        self.graphed: list[GraphedCallable] = self.stitched.graphed
-        # full: the whole forward is one graph per size. piecewise: the call's arguments get
-        # fixed addresses per size first (copied once), which the pieces then read in place.
-        self.whole: GraphedCallable | None = None
+        self.stitched = stitch(entry, loaded)
         n_args = 1 + max((b.arg for b in entry.bindings if b.kind in ("arg", "size")
                           and b.arg is not None), default=-1)
         #: call arguments the forward writes in place (a KV cache passed in): never copied
         self.written_args = sorted({entry.bindings[i].arg for i in entry.written_inputs
                                     if entry.bindings[i].kind == "arg"})
-        in_place = _flags(self.written_args, n_args)
         if config.pad_to_capture_size and entry.written_inputs:
             raise UsageError(
                 "pad_to_capture_size pads calls with rows of zeros, and this model writes in "
                 "place: the padding rows would write too (into a cache, at index 0). Pad in "
                 "the caller with rows that write nowhere, as examples/generate.py's Engine does")
-        if mode == "full" and self.capture_api is not None:
-            self.whole = GraphedCallable(self._forward, self._dynamic_size, [False] * n_args,
-                                         self.capture_api, in_place)
-            self.graphed.append(self.whole)
-        elif mode == "piecewise" and self.capture_api is not None:
-            pin = ReplayCapture(getattr(self.capture_api, "static_ptrs", None))
-            self.whole = GraphedCallable(self._forward, self._dynamic_size, [False] * n_args, pin,
-                                         in_place)
-        self.captured_sizes: list[int] = []
         self.model = model
         self.config = config
         self.dynamic_dims = dict(dynamic_dims)
@@ -223,8 +194,21 @@ class ModelRuntime:
         self.metas = list(entry.input_metas)
         self.make_output = output_builder(entry.out_spec)
         self._warned_eager = False
+        self._first_call = True
         weights.watch(model, [b.path for b in self.bindings if b.kind in ("param", "buffer")])
         self.rebind()
+        self._exact = self.forward_over(self.stitched.calls)
+        compat.custom_ops_without_dynamo()  # splitting ops run eagerly at every call
+        self.capturer: Capturer | None = None
+        if mode != "none":
+            shape = CallShape(n_args, frozenset(self.written_args),
+                              frozenset(self.dynamic_dims))
+            self.capturer = Capturer(
+                capture_for(str(self.device)), self.device, config.capture,
+                [s for s in config.capture_sizes if self.in_buckets(s)], shape,
+                self._dynamic_size, self.forward_over, self.stitched.calls,
+                self.stitched.compiled if mode == "piecewise" else {},
+                not_beside=_not_beside(entry))
 
     def rebind(self) -> None:
         """Look up the model's parameters and buffers again (after they were replaced).
@@ -280,56 +264,64 @@ class ModelRuntime:
             args.append(torch.zeros(shape, dtype=getattr(torch, m.dtype), device=self.device))
         return tuple(args)
 
+    def _capturer(self) -> Capturer:
+        if self.capturer is None:
+            raise UsageError("cudagraph_mode is 'none': nothing to capture")
+        return self.capturer
+
     def capture(self, sizes: Sequence[int] | None = None,
                 make_args: Callable[[int], tuple[Any, ...]] | None = None,
                 like: Sequence[Any] | None = None) -> CaptureReport:
-        """Capture graphs for ``sizes`` (default: the config's), largest first.
+        """Capture graphs for ``sizes`` (default: the config's) now, in this thread, largest
+        first, whatever the policy.
 
-        Arguments come from ``make_args(size)``, else ``dummy_args(size, like)``. Capturing
-        runs the forward on them, and whatever it writes in place that outlives the call
-        (the model's written buffers, caches passed in) is put back as it was afterwards:
-        capturing changes no state of the model or the caller.
+        Arguments come from ``make_args(size)``, else ``dummy_args(size, like)``. Each size
+        is a real run of the forward on them, and whatever it writes in place that outlives
+        the call (the model's written buffers, caches passed in) is put back as it was
+        afterwards: capturing changes no state of the model or the caller.
         """
-        if self.capture_api is None:
-            raise UsageError("cudagraph_mode is 'none': nothing to capture")
+        capturer = self._capturer()
         wanted = sorted({s for s in (sizes or self.config.capture_sizes) if self.in_buckets(s)},
                         reverse=True)
         args_for = make_args or (lambda size: self.dummy_args(size, like))
         kept = keep.Tensors(self._template[i] for i in self.entry.written_inputs
                             if self.bindings[i].kind in ("param", "buffer"))
-        cuda = isinstance(self.capture_api, CudaGraphCapture)
-        before = torch.cuda.memory_allocated() if cuda else 0
-        split_before = dict(getattr(self.capture_api, "seconds", {}))
-        graphs_before = getattr(self.capture_api, "graphs", 0)
+        split_before = dict(capturer.api.seconds)
+        graphs_before = capturer.api.graphs
         start = time.perf_counter()
-        capturing = list(self.graphed)
-        if self.whole is not None and not any(g is self.whole for g in capturing):
-            capturing.append(self.whole)
-        for g in capturing:
-            g.capturing = True
         try:
-            with torch.no_grad(), keep.rng():
-                for size in wanted:
-                    args = args_for(size)
-                    # Written arguments without the dynamic dim are the caller's caches: the
-                    # graphs read and write them where they are, and capture puts them back.
-                    caches = [args[i] for i in self.written_args if i not in self.dynamic_dims]
-                    kept.add(caches)
-                    if self.whole is not None:
-                        self.whole.persistent.update(t.data_ptr() for t in caches)
-                    self._call(*args)
+            with self._on_device:
+                capturer.capture_now(wanted, args_for, kept)
         finally:
-            for g in capturing:
-                g.capturing = False
             kept.restore()
-        if cuda:
-            torch.cuda.synchronize()
-        self.captured_sizes = sorted(set(self.captured_sizes) | set(wanted))
-        pool = (torch.cuda.memory_allocated() - before) if cuda else 0
-        split = {k: v - split_before.get(k, 0.0)
-                 for k, v in getattr(self.capture_api, "seconds", {}).items()}
-        return CaptureReport(wanted, time.perf_counter() - start, pool,
-                             getattr(self.capture_api, "graphs", 0) - graphs_before, split)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        split = {k: v - split_before.get(k, 0.0) for k, v in capturer.api.seconds.items()}
+        return CaptureReport(wanted, time.perf_counter() - start, capturer.api.pool_bytes(),
+                             capturer.api.graphs - graphs_before, split)
+
+    def start_capture(self, like: Sequence[Any] | None = None, draws_random: bool = False) -> None:
+        """Begin capturing as the policy says: ``eager`` captures every size now,
+        ``background`` starts its thread, ``lazy`` waits for calls."""
+        capturer = self._capturer()
+        if capturer.policy == "eager":
+            self.capture(like=like)
+        elif capturer.policy == "background":
+            capturer.start_background(lambda size: self.dummy_args(size, like), draws_random)
+
+    def capture_state(self) -> CaptureState | None:
+        """Sizes captured and pending, time spent and graph memory (None without a graph
+        mode)."""
+        return self.capturer.state() if self.capturer is not None else None
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return self.capturer.captured_sizes if self.capturer is not None else []
+
+    def replayers(self) -> list[Any]:
+        """Every size's replayers (``cudagraphs.Replayer``: ``replays``, ``misses``), none
+        without a graph mode."""
+        return self.capturer.replayers() if self.capturer is not None else []
 
     def in_buckets(self, size: int) -> bool:
         return size in self.config.compile_sizes or any(
@@ -354,7 +346,20 @@ class ModelRuntime:
             if padded is not None:
                 out = self._call(*pad_args(args, self.dynamic_dims, padded))
                 return unpad_outputs(out, padded, size)
+        if self._first_call and self.capturer is not None:
+            return self._first(args)
         return self._call(*args)
+
+    def _first(self, args: tuple[Any, ...]) -> Any:
+        """The first call: served first, then background capture starts (a first output
+        never waits for graphs). Whether the forward draws random numbers is seen here."""
+        self._first_call = False
+        before = _rng_state(self.device)
+        out = self._call(*args)
+        capturer = self._capturer()
+        if capturer.policy == "background" and not capturer.in_background:
+            self.start_capture(draws_random=_rng_state(self.device) != before)
+        return out
 
     def _rebind_if_replaced(self) -> None:
         """Use weights that replaced the model's tensors since the last call. Captured
@@ -375,16 +380,46 @@ class ModelRuntime:
         if self._generation != weights.GENERATION[0]:
             self._rebind_if_replaced()
         with self._on_device:  # graphs name the GPU by type: run on the model's
-            if self.whole is not None:
-                return self.whole(*args)
+            if self.capturer is not None:
+                return self.capturer(args)
             return self._forward(*args)
 
     def _forward(self, *args: Any) -> Any:
-        flat = list(self._template)  # weights and constants in place; fill in the call
-        for position, b in self._from_call:
-            flat[position] = args[b.arg] if b.kind == "arg" else args[b.arg].shape[b.dim]
-        return self.make_output(self._run_stitched(*flat))
+        return self._exact(args)
 
+    def forward_over(self, calls: dict[str, Callable[..., Any]]
+                     ) -> Callable[[tuple[Any, ...]], Any]:
+        """The forward over call arguments, with the stitched graph calling ``calls`` (the
+        pieces as they are, a capture pass's wrapped ones, a size's replayers)."""
+        run = direct_forward(self.stitched, calls)
+        from_call = self._from_call
+        make_output = self.make_output
+
+        def forward(args: tuple[Any, ...]) -> Any:
+            flat = list(self._template)  # weights and constants in place; fill in the call
+            for position, b in from_call:
+                flat[position] = args[b.arg] if b.kind == "arg" else args[b.arg].shape[b.dim]
+            return make_output(run(*flat))
+
+        return forward
+
+
+def _not_beside(entry: Entry) -> str | None:
+    """Why capture passes on dummy inputs may not run beside the caller's calls, if so."""
+    if entry.written_inputs:
+        return ("the forward writes state (a cache, a buffer) that a pass on dummy inputs "
+                "would change")
+    if entry.layouts():
+        return ("the forward runs collectives, which every rank must issue in one order: "
+                "a thread of its own would interleave them differently on each rank")
+    return None
+
+
+def _rng_state(device: torch.device) -> tuple[Any, ...]:
+    """torch's generator states that a forward on ``device`` could draw from, comparable."""
+    cpu = torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return (bytes(cpu.numpy()), None if cuda is None else bytes(cuda.numpy()))
 
 
 def _flags(positions: Sequence[int], count: int) -> list[bool]:

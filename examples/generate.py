@@ -304,7 +304,7 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     reference = Engine(model).generate(batch, new_tokens)
     s = cachebuild.stats()
-    replays = sum(g.replays for g in compiled.runtime.graphed) if compiled.runtime else 0
+    replays = sum(r.replays for r in compiled.runtime.replayers()) if compiled.runtime else 0
     same = tokens == reference
     print(f"{len(batch)} prompts x {new_tokens} tokens in {seconds:.2f} s (process "
           f"{time.perf_counter() - start:.2f} s); targets built {s['built']}, loaded "

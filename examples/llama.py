@@ -31,12 +31,8 @@ import torch.nn.functional as F
 
 import cachebuild
 
-# Defined through torch.library.Library rather than @custom_op: the latter's wrapper
-# imports torch._dynamo on first call, seconds a warm server need not spend.
-_LIB = torch.library.Library("cachebuild_examples", "DEF")
-_LIB.define("attention(Tensor q, Tensor k, Tensor v) -> Tensor")
 
-
+@torch.library.custom_op("cachebuild_examples::attention", mutates_args=())
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     """Causal attention over one sequence: q [T, H, D], k/v [T, KV, D] → [T, H, D].
 
@@ -50,10 +46,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor
     return out[0].transpose(0, 1).contiguous()
 
 
-_LIB.impl("attention", attention, "CompositeExplicitAutograd")
-
-
-@torch.library.register_fake("cachebuild_examples::attention", lib=_LIB)
+@attention.register_fake
 def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(q)
 

@@ -14,13 +14,7 @@ import torch
 
 import cachebuild
 from cachebuild.config import default_capture_sizes
-from cachebuild.cudagraphs import (
-    GraphedCallable,
-    ReplayCapture,
-    next_capture_size,
-    pad_args,
-    unpad_outputs,
-)
+from cachebuild.cudagraphs import next_capture_size, pad_args, unpad_outputs
 from cachebuild.store import LocalStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
@@ -50,62 +44,6 @@ def test_pad_and_unpad():
     assert out[0].shape == (5, 3) and out[1].shape == (3,)
 
 
-def test_graphed_callable_copies_inputs_into_static_buffers():
-    weight = torch.randn(4, 4)
-    calls = []
-
-    def fn(x, w):
-        calls.append(x.data_ptr())
-        return x @ w
-
-    g = GraphedCallable(fn, lambda args: args[0].shape[0], [False, True], ReplayCapture())
-    g.capturing = True
-    x1 = torch.randn(3, 4)
-    torch.testing.assert_close(g(x1, weight), x1 @ weight)
-    g.capturing = False
-    x2 = torch.randn(3, 4)
-    torch.testing.assert_close(g(x2, weight), x2 @ weight)  # replay sees the new values
-    assert calls[0] == calls[1] != x2.data_ptr()  # through the one static buffer
-    assert g.replays == 1
-    x3 = torch.randn(5, 4)  # a size never captured runs without a graph
-    torch.testing.assert_close(g(x3, weight), x3 @ weight)
-    assert g.replays == 1 and calls[-1] == x3.data_ptr()
-
-
-class _PinningReplay(ReplayCapture):
-    """ReplayCapture plus the address registry that CudaGraphCapture keeps."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.static_ptrs: set[int] = set()
-
-
-def test_inputs_with_fixed_addresses_are_read_in_place():
-    # piecewise mode: the call's arguments get a buffer per size (outer), registered in the
-    # pieces' capture; a piece (inner) then reads them in place instead of copying them
-    inner_api = _PinningReplay()
-    seen = []
-
-    def piece(x):
-        seen.append(x.data_ptr())
-        return x * 2
-
-    inner = GraphedCallable(piece, lambda args: args[0].shape[0], [False], inner_api)
-    outer = GraphedCallable(inner, lambda args: args[0].shape[0], [False],
-                            ReplayCapture(pin_into=inner_api.static_ptrs))
-    inner.capturing = outer.capturing = True
-    outer(torch.ones(3))
-    inner.capturing = outer.capturing = False
-    captured = inner.graphs[3]
-    assert captured.copies == [] and [i for i, _ in captured.pinned] == [0]
-    x = torch.arange(3.0)
-    torch.testing.assert_close(outer(x), x * 2)
-    assert inner.replays == 1 and seen[-1] == captured.pinned[0][1]
-    # called directly with a tensor elsewhere, the piece runs without its graph, correctly
-    torch.testing.assert_close(inner(x), x * 2)
-    assert inner.replays == 1 and seen[-1] == x.data_ptr()
-
-
 def test_load_threads_from_environment(monkeypatch):
     from cachebuild.build import LOAD_THREADS, load_threads
 
@@ -125,13 +63,20 @@ def model():
     return llama.make_model()
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One store for the module: graph modes and capture policies are run-time settings,
+    so every test here loads the one entry the first built."""
+    return LocalStore(tmp_path_factory.mktemp("graphs") / "store")
+
+
 @pytest.mark.parametrize("mode", ["none", "piecewise", "full"])
-def test_modes_match_eager(model, mode, tmp_path):
+def test_modes_match_eager(model, mode, store):
     cfg = cachebuild.CompileConfig(
         splitting_ops=("cachebuild_examples::attention",), compile_ranges=((1, 64),),
-        backend="eager_fusion", cudagraph_mode=mode, capture_sizes=(2, 4, 8, 16),
-        pad_to_capture_size=True)
-    compiled = cachebuild.compile(model, cfg, {0: 0, 1: 0}, store=LocalStore(tmp_path / "s"))
+        backend="eager_fusion", cudagraph_mode=mode, capture="eager",
+        capture_sizes=(2, 4, 8, 16), pad_to_capture_size=True)
+    compiled = cachebuild.compile(model, cfg, {0: 0, 1: 0}, store=store)
     with torch.no_grad():
         for tokens in (16, 4, 3, 9, 40):
             ids, pos = llama.example_inputs(model, tokens)
@@ -139,23 +84,22 @@ def test_modes_match_eager(model, mode, tmp_path):
             torch.testing.assert_close(out, model(ids, pos), rtol=1e-4, atol=1e-4)
     runtime = compiled.runtime
     if mode == "none":
-        assert runtime.graphed == [] and runtime.captured_sizes == []
+        assert runtime.replayers() == [] and runtime.captured_sizes == []
         return
     assert runtime.captured_sizes == [2, 4, 8, 16]
-    # piecewise: one graphed callable per compiled piece (3 for 2 layers); full: one.
-    assert len(runtime.graphed) == (3 if mode == "piecewise" else 1)
-    # both modes give the call's arguments one buffer per captured size
-    assert sorted(runtime.whole.graphs) == [2, 4, 8, 16]
-    for g in runtime.graphed:
-        assert sorted(g.graphs) == [2, 4, 8, 16]
-        # 16 and 4 replay; 3 and 9 are padded to 4 and 16; 40 is beyond every capture size
-        assert g.replays == 4
+    capturer = runtime.capturer
+    # 16 and 4 replay; 3 and 9 are padded to 4 and 16; 40 is beyond every capture size
+    assert {s: r.replays for s, r in capturer.ready.items()} == {2: 0, 4: 2, 8: 0, 16: 2}
+    # piecewise: each size replays the 3 compiled pieces of 2 layers; full: the forward
+    pieces = {s: len(p) for s, p in capturer.pieces_at.items()}
+    assert pieces == ({2: 3, 4: 3, 8: 3, 16: 3} if mode == "piecewise" else {s: 0 for s in pieces})
+    assert all(r.misses == 0 for r in runtime.replayers())
 
 
-def test_capture_refused_without_graph_mode(model, tmp_path):
+def test_capture_refused_without_graph_mode(model, store):
     cfg = cachebuild.CompileConfig(splitting_ops=("cachebuild_examples::attention",),
                                    compile_ranges=((1, 64),), backend="eager_fusion")
-    compiled = cachebuild.compile(model, cfg, {0: 0, 1: 0}, store=LocalStore(tmp_path / "s"))
+    compiled = cachebuild.compile(model, cfg, {0: 0, 1: 0}, store=store)
     compiled(*llama.example_inputs(model, 4))
     with pytest.raises(cachebuild.errors.UsageError):
         compiled.runtime.capture([4])

@@ -19,8 +19,9 @@ from cachebuild.errors import BuildError, UsageError
 from cachebuild.store import LocalStore
 
 MODES = ("none", "piecewise", "full")
-#: Calls of a sequence: 4 and 1 are captured sizes, 5 and 3 are not.
-SIZES = (5, 4, 1, 3)
+#: Calls of a sequence: 4 and 1 are capture sizes (captured at their first call, replayed
+#: at their second), 5 and 3 are not.
+SIZES = (5, 4, 1, 3, 4, 1)
 
 
 def mode_config(mode: str, **overrides: object) -> cachebuild.CompileConfig:
@@ -42,9 +43,10 @@ def test_pattern_through_cachebuild_compile_in_every_graph_mode(cls, tmp_path):
         compiled = cachebuild.compile(model, mode_config(mode), im.dynamic_dims(cls), store=store)
         im.assert_same(im.run_sequence(compiled, model, cls, SIZES), want)
         if mode != "none":  # sizes 4 and 1 replayed from graphs, in every piece
-            graphed = compiled.runtime.graphed
-            assert all(g.misses == 0 for g in graphed)
-            assert all(g.replays >= 2 for g in graphed if g.graphs), [g.replays for g in graphed]
+            replayers = compiled.runtime.replayers()
+            assert compiled.runtime.captured_sizes == [1, 4]
+            assert all(r.misses == 0 for r in replayers)
+            assert all(r.replays == 1 for r in replayers), [r.replays for r in replayers]
 
 
 @pytest.mark.parametrize("cls", im.PATTERNS, ids=lambda c: c.__name__)
@@ -113,7 +115,8 @@ for mode in os.environ["MODES"].split(","):
     model = im.make(im.AllPatterns)
     config = im.config(backend=backend, flavour=flavour, **graphs)
     compiled = cachebuild.compile(model, config, {0: 0, 1: 0}, store=store)
-    got = im.run_sequence(compiled, model, im.AllPatterns, (5, 4, 1, 3))
+    sizes = tuple(map(int, os.environ["SIZES"].split(",")))
+    got = im.run_sequence(compiled, model, im.AllPatterns, sizes)
     results[mode] = [[t.tolist() for t in step] for step in got]
 print(json.dumps({"results": results, "stats": cachebuild.stats()}))
 """
@@ -126,7 +129,8 @@ def run_children(tmp_path):
     """One child per backend, side by side."""
     found = models.run_pythons(CHILD, [
         {"STORE": str(tmp_path / f"store-{flavour}"), "BACKEND": backend, "FLAVOUR": flavour,
-         "MODES": ",".join(MODES)} for backend, flavour in BACKENDS])
+         "MODES": ",".join(MODES), "SIZES": ",".join(map(str, SIZES))}
+        for backend, flavour in BACKENDS])
     return {flavour: child for (_, flavour), child in zip(BACKENDS, found, strict=True)}
 
 

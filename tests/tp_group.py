@@ -65,7 +65,8 @@ tol = ({"rtol": 3e-2, "atol": 5e-2} if low_precision else
        {"rtol": 1e-3, "atol": 1e-3} if cuda else {"rtol": 1e-4, "atol": 1e-4})
 worst = 0.0
 with torch.no_grad():
-    for tokens in json.loads(os.environ["SIZES"]):
+    # with graphs, twice: a size's first call captures it, the second replays its graphs
+    for tokens in json.loads(os.environ["SIZES"]) * (2 if os.environ.get("CUDAGRAPHS") else 1):
         torch.manual_seed(tokens)  # the same tokens on every rank
         ids, pos = tp.example_inputs(model, tokens)
         out = compiled(ids, pos).clone()
@@ -78,7 +79,8 @@ keys = runtime.entry.target_keys() if runtime else sorted(
 report = {"rank": dist.get_rank(), "world": dist.get_world_size(), "stats": cachebuild.stats(),
           "entry": runtime.entry.key if runtime else None, "keys": keys, "worst": worst,
           "kinds": sorted({store.get_record(k).kind for k in keys}),
-          "captured": list(runtime.captured_sizes) if runtime else []}
+          "captured": list(runtime.captured_sizes) if runtime else [],
+          "replays": sum(r.replays for r in runtime.replayers()) if runtime else 0}
 dist.barrier()
 dist.destroy_process_group()
 print(json.dumps(report))

@@ -12,7 +12,9 @@ graphs for the decode batch sizes (1, 2, 4, 8, 16, 32), then serve:
   captured the same way as eager's;
 - ``cb_build_<flavour>``: ``cachebuild warm examples/generate.py`` on an empty store (timed);
 - ``cb_warm_<flavour>`` / ``cb_full_<flavour>``: a server on that store, its graphs
-  captured piecewise / whole by cachebuild.
+  captured piecewise / whole by cachebuild, with the default capture policy (a model that
+  writes its cache is captured ``lazy``: each decode size by its first step) or the one
+  named after a ``+`` (``cb_full_aoti+eager``: every size in ``prepare``).
 
 Per mode: seconds from process start to the model built, to ready (compiled and
 captured) and to the first token of one request (a 64-token prompt); then, per decode batch
@@ -40,6 +42,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_serve import build, primed  # noqa: E402
+from benchlib import Graphed  # noqa: E402
 
 DEFAULT_MODES = "eager,torch_cold,torch_warm,cb_build_aoti,cb_warm_aoti,cb_full_aoti"
 DECODE_SIZES = (1, 2, 4, 8, 16, 32)
@@ -56,7 +59,6 @@ def child(mode: str, started: float) -> dict[str, Any]:
     import generate
 
     import cachebuild
-    from cachebuild.cudagraphs import CudaGraphCapture, GraphedCallable
 
     t["import"] = time.time() - started
     torch.manual_seed(0)
@@ -67,12 +69,15 @@ def child(mode: str, started: float) -> dict[str, Any]:
     call_start = time.time()
     with torch.no_grad():
         if mode.startswith("cb_"):
+            mode, _, policy = mode.partition("+")
             flavour = mode.rsplit("_", 1)[-1]
             graphs = "full" if mode.startswith("cb_full") else "piecewise"
             config = dataclasses.replace(generate.config(), flavour=flavour,
-                                         cudagraph_mode=graphs)
+                                         cudagraph_mode=graphs, capture=policy or "auto")
             compiled = cachebuild.compile(model, config, dynamic_dims=generate.DYNAMIC)
-            compiled.prepare(*generate.example_inputs(model))  # load and capture
+            # load; the model writes its cache, so each decode size is captured by its
+            # first step (the "lazy" policy "auto" turns into for such a model)
+            compiled.prepare(*generate.example_inputs(model))
             forward: Any = compiled
         else:
             fn: Any = model
@@ -82,8 +87,7 @@ def child(mode: str, started: float) -> dict[str, Any]:
                 for a in args:
                     torch._dynamo.mark_dynamic(a, 0)
                 fn(*args)
-            forward = GraphedCallable(fn, lambda a: a[0].shape[0], [False] * 4,
-                                      CudaGraphCapture("cuda"), capturing=True)
+            forward = Graphed(fn, lambda a: a[0].shape[0])
             engine = generate.Engine(model, forward, DECODE_SIZES)
             for size in sorted(DECODE_SIZES, reverse=True):
                 engine._step([(generate.Sequence([0]), 0, 0)] * size)  # captures the size
@@ -99,6 +103,13 @@ def child(mode: str, started: float) -> dict[str, Any]:
         t["compile_call_to_first_token"] = time.time() - call_start
         for batch in BATCHES:
             t[f"batch_{batch}"] = _decode(generate, model, forward, batch, vocab)
+        runtime = getattr(forward, "runtime", None)
+        if runtime is not None:
+            replayers = runtime.replayers()
+            t["graph_replays"] = sum(r.replays for r in runtime.capturer.ready.values())
+            t["graph_misses"] = sum(r.misses for r in replayers)
+            t["capture"] = {k: v for k, v in forward.capture_state().__dict__.items()
+                            if k != "per_size"}
     t["compilers_imported"] = sorted({".".join(m.split(".")[:2]) for m in sys.modules
                                       if m.startswith(("torch._dynamo", "torch._inductor"))})
     t["stats"] = cachebuild.stats() if mode.startswith("cb_") else None
@@ -186,7 +197,7 @@ def main() -> None:
     results: dict[str, Any] = {"toolchain": primed(env, work)}
     for mode in args.modes.split(","):
         menv = dict(env)
-        flavour = mode.rsplit("_", 1)[-1]
+        flavour = mode.partition("+")[0].rsplit("_", 1)[-1]
         menv["TORCHINDUCTOR_CACHE_DIR"] = str(work / ("inductor-torch" if mode.startswith("torch")
                                                       else f"inductor-{mode}"))
         if mode.startswith("cb_"):

@@ -67,7 +67,8 @@ def child(variant: str) -> dict[str, Any]:
 
     out: dict[str, Any] = {"variant": variant}
     with torch.no_grad():
-        compiled(*llama.example_inputs(model, 8))  # load and capture
+        compiled(*llama.example_inputs(model, 8))  # load; graphs are captured behind
+        compiled.wait_captured()
         a, b = llama.example_inputs(model, 1)
         out["replay_ms_1"] = median_ms(lambda: compiled(a, b))
         q = torch.randn(1, model.layers[0].heads, model.layers[0].head_dim, device="cuda",
@@ -78,9 +79,8 @@ def child(variant: str) -> dict[str, Any]:
         q4, k4 = q.transpose(0, 1)[None], k.transpose(0, 1)[None]
         sdpa = torch.nn.functional.scaled_dot_product_attention
         out["sdpa_cpu_us"] = cpu_us(lambda: sdpa(q4, k4, k4, is_causal=True, enable_gqa=True))
-        graphed = compiled.runtime.graphed[1]
-        captured = graphed.graphs[1]
-        out["piece_launch_cpu_us"] = cpu_us(lambda: graphed.capture.replay(captured.graph))
+        piece = compiled.runtime.capturer.pieces_at[1][1]  # a piece's graph at 1 token
+        out["piece_launch_cpu_us"] = cpu_us(lambda: piece.api.replay(piece.graph))
         out["empty_cpu_us"] = cpu_us(lambda: torch.empty(1, 32, 64, device="cuda",
                                                          dtype=torch.bfloat16))
     return out

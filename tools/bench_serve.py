@@ -4,7 +4,9 @@ Each mode runs in a fresh process that does what a server does: import, build th
 (examples/llama.py, TinyLlama-shaped by default: hidden 2048, 22 layers, 32 heads, 4 KV
 heads, MLP 5632, bf16), compile, capture CUDA graphs for the 51 default sizes, serve.
 
-- ``eager``: no compile; the eager forward captured as full CUDA graphs;
+- ``eager``: no compile; the eager forward captured as full CUDA graphs, one per size,
+  largest first into one pool, each size run twice before its capture (first and second
+  run timed apart: what a first run at a new shape costs);
 - ``torch_cold`` / ``torch_warm``: ``torch.compile(model, fullgraph=True)`` with the
   token dim dynamic, an empty / a warm Inductor cache; graphs captured the same way;
 - ``aot_load``: torch's AOT precompile, loaded by ``torch.compiler.load_compiled_function``
@@ -12,9 +14,11 @@ heads, MLP 5632, bf16), compile, capture CUDA graphs for the 51 default sizes, s
 - ``cb_build_<flavour>``: ``cachebuild warm`` on an empty store (the cold build, timed);
 - ``cb_cold_<flavour>``: a server on an empty store of its own: it builds in-process (the
   "building process"), then captures and replays;
-- ``cb_warm_<flavour>``: a server on the store ``cb_build_<flavour>`` filled. The
-  ``aoti`` flavour calls no ``cachebuild.preload()`` (what a user who has not read the
-  README does); ``standalone`` does, as the README says;
+- ``cb_warm_<flavour>``: a server on the store ``cb_build_<flavour>`` filled, with the
+  graph mode and capture policy given (``cb_warm_aoti/full+lazy``; default
+  ``--graph-mode piecewise``, ``--capture background``). The ``aoti`` flavour calls no
+  ``cachebuild.preload()`` (what a user who has not read the README does); ``standalone``
+  does, as the README says;
 - ``cb_profile``: ``cb_warm_aoti`` under cProfile, loading in the calling thread (written
   next to ``--json-out``; its timings are inflated by the profiler).
 
@@ -23,14 +27,16 @@ Before the modes, one throwaway process fills a shared bytecode cache
 an install that carries its ``.pyc`` files; then the AOTI toolchain probe runs once.
 
 Per mode the timeline (seconds from process start): import done, model built, first
-output (and "compile call → first output"), capture of 51 sizes (split into warm-up runs,
-stream capture and graph instantiation), ready to serve; replay latency (median of CUDA
-events) at 1 and 512 tokens in the mode's graph mode; and, after the timeline, the replay
-latency of the other graph mode captured in the same process (cachebuild modes). Every
+output (and "compile call → first output"), capture of the 51 default sizes (for
+cachebuild: until every size is served from graphs, whatever the policy; a ``lazy`` mode
+calls each size once), ready to serve (every size from graphs), the graph pool's size and
+the static buffers'; replay latency (median of CUDA events) at 1 and 512 tokens. Every
 output is checked against eager at bf16 tolerance. Also recorded: which compiler modules
-the process imported and which threads are alive when it serves.
+the process imported, which threads are alive when it serves, and per size the first and
+second run (eager, torch.compile) or the capture pass (cachebuild).
 
-    python tools/bench_serve.py [--layers 22] [--graph-mode piecewise] [--modes ...]
+    python tools/bench_serve.py [--layers 22] [--graph-mode piecewise] [--capture background]
+                                [--modes ...]
 """
 
 from __future__ import annotations
@@ -48,8 +54,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES_NOTE = "51 default capture sizes (1, 2, 4, 8..248 by 8, 256..512 by 16)"
-DEFAULT_MODES = ("eager,torch_cold,torch_warm,cb_build_aoti,cb_warm_aoti,cb_cold_aoti,"
-                 "cb_build_standalone,cb_warm_standalone")
+DEFAULT_MODES = ("eager,torch_cold,torch_warm,cb_build_aoti,cb_warm_aoti,cb_warm_aoti/full,"
+                 "cb_warm_aoti+eager,cb_warm_aoti/full+eager,cb_warm_aoti+lazy")
 
 
 def _profiled(profile_to: Path | None) -> Any:
@@ -105,9 +111,12 @@ def _replay_ms(served: Any, example_inputs: Any, model: Any) -> dict[str, float]
 
 
 def _replays(served: Any) -> int:
-    """Graph replays so far in a cachebuild model (a fall-back to uncaptured runs shows)."""
+    """Graph replays so far (calls served from graphs: a fall-back to uncaptured runs
+    shows)."""
     runtime = getattr(served, "runtime", None)
-    return sum(g.replays for g in runtime.graphed) if runtime is not None else 0
+    if runtime is not None:
+        return sum(r.replays for r in runtime.capturer.ready.values())
+    return served.replays()
 
 
 def _check(served: Any, model: Any, example_inputs: Any) -> float:
@@ -124,7 +133,59 @@ def _check(served: Any, model: Any, example_inputs: Any) -> float:
     return worst
 
 
-def child(mode: str, work: Path, graph_mode: str, started: float,
+def parse_mode(mode: str, graph_mode: str, policy: str) -> tuple[str, str, str]:
+    """``cb_warm_aoti/full+lazy`` → (``cb_warm_aoti``, ``full``, ``lazy``); the defaults
+    where a suffix is left out."""
+    name, _, given_policy = mode.partition("+")
+    base, _, given_mode = name.partition("/")
+    return base, given_mode or graph_mode, given_policy or policy
+
+
+def capture_full_graphs(fn: Any, model: Any, example_inputs: Any, sizes: list[int]
+                        ) -> tuple[Any, dict[str, Any]]:
+    """What a server without cachebuild does: ``fn`` captured as one CUDA graph per size,
+    largest first, into one pool; each size run twice before its capture (the first run
+    and the second timed apart: what a first run at a new shape costs). The served
+    callable and the capture's figures."""
+    import torch
+
+    from cachebuild.cudagraphs import CudaGraphCapture, Replayer
+
+    api = CudaGraphCapture("cuda")
+    stream = torch.cuda.Stream()
+    before = torch.cuda.memory_allocated()
+    graphs, first, second = {}, {}, {}
+    start = time.time()
+    for n in sorted(sizes, reverse=True):
+        a, b = example_inputs(model, n)
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for runs in (first, second):
+                t0 = time.perf_counter()
+                fn(a, b)
+                torch.cuda.synchronize()
+                runs[n] = time.perf_counter() - t0
+            graph, out = api.capture(fn, (a, b))
+        torch.cuda.current_stream().wait_stream(stream)
+        graphs[n] = Replayer(api, graph, out, fn, copies=[(0, a), (1, b)])
+    torch.cuda.synchronize()
+    figures = {"capture": time.time() - start, "graphs_captured": api.graphs,
+               "capture_split": {"first_runs": sum(first.values()),
+                                 "second_runs": sum(second.values()), **api.seconds},
+               "first_run_ms": {n: round(v * 1e3, 2) for n, v in sorted(first.items())},
+               "second_run_ms": {n: round(v * 1e3, 2) for n, v in sorted(second.items())},
+               "pool_bytes": api.pool_bytes(),
+               "memory_bytes": torch.cuda.memory_allocated() - before}
+
+    def served(x: Any, y: Any) -> Any:
+        graph = graphs.get(x.shape[0])
+        return graph(x, y) if graph is not None else fn(x, y)
+
+    served.replays = lambda: sum(g.replays for g in graphs.values())  # type: ignore[attr-defined]
+    return served, figures
+
+
+def child(mode: str, work: Path, graph_mode: str, policy: str, started: float,
           profile: Path | None = None) -> dict[str, Any]:
     """One server start in this process; returns its timeline."""
     t: dict[str, Any] = {"loadavg_at_start": os.getloadavg()}
@@ -139,7 +200,6 @@ def child(mode: str, work: Path, graph_mode: str, started: float,
 
     import cachebuild
     from cachebuild.config import default_capture_sizes
-    from cachebuild.cudagraphs import CudaGraphCapture, GraphedCallable
 
     flavour = mode.rsplit("_", 1)[-1] if mode.startswith("cb_") else None
     if mode == "cb_warm_standalone":
@@ -151,28 +211,38 @@ def child(mode: str, work: Path, graph_mode: str, started: float,
     t["model_built"] = time.time() - started
     ids, pos = llama.example_inputs(model, 8)
     dyn = {0: 0, 1: 0}
+    sizes = list(default_capture_sizes())
 
-    def cb_config(cudagraph_mode: str) -> Any:
+    def cb_config(cudagraph_mode: str, capture: str) -> Any:
         return dataclasses.replace(llama.config(), cudagraph_mode=cudagraph_mode,
+                                   capture=capture,
                                    flavour="aoti" if flavour == "profile" else flavour)
 
     call_start = time.time()
     with torch.no_grad():
-        capture = CudaGraphCapture("cuda")
         if mode.startswith("cb"):
-            # One compile call: load (or build), the first output, then capture every size.
-            served = cachebuild.compile(model, cb_config(graph_mode), dyn)
+            # One compile call: load (or build), the first output; graphs as the policy says.
+            served = cachebuild.compile(model, cb_config(graph_mode, policy), dyn)
             with _profiled(profile and profile.with_name(profile.name + ".load.txt")):
-                runtime = served.prepare(ids, pos, capture=False)
-                out = runtime(ids, pos)
+                out = served(ids, pos)
             torch.cuda.synchronize()
             t["first_output"] = time.time() - started
             t["compile_to_first_output"] = time.time() - call_start
             with _profiled(profile and profile.with_name(profile.name + ".capture.txt")):
-                report = runtime.capture()
-            t["capture"] = report.seconds
-            t["capture_split"] = report.split
-            t["graphs_captured"] = report.graphs
+                if policy == "lazy":  # each size's first call captures it: serve each once
+                    for n in sizes:
+                        served(*llama.example_inputs(model, n))
+                served.wait_captured()
+                torch.cuda.synchronize()
+            state = served.capture_state()
+            t["capture"] = time.time() - started - t["first_output"]
+            t["capture_split"] = {"passes": state.seconds, **state.split}
+            t["graphs_captured"] = state.graphs
+            t["sizes_captured"] = len(state.captured)
+            t["sizes_failed"] = state.failed
+            t["pool_bytes"] = state.pool_bytes
+            t["buffer_bytes"] = state.buffer_bytes
+            t["pass_ms"] = {n: round(v * 1e3, 2) for n, v in sorted(state.per_size.items())}
         else:
             if mode == "eager":
                 fn = model
@@ -190,18 +260,11 @@ def child(mode: str, work: Path, graph_mode: str, started: float,
             torch.cuda.synchronize()
             t["first_output"] = time.time() - started
             t["compile_to_first_output"] = time.time() - call_start
-            cap_start = time.time()
-            served = GraphedCallable(fn, lambda a: a[0].shape[0], [False, False], capture,
-                                     capturing=True)
-            for n in sorted(default_capture_sizes(), reverse=True):
-                served(*llama.example_inputs(model, n))
-            served.capturing = False
-            torch.cuda.synchronize()
-            t["capture"] = time.time() - cap_start
-            t["capture_split"] = dict(capture.seconds)
-            t["graphs_captured"] = capture.graphs
+            served, figures = capture_full_graphs(fn, model, llama.example_inputs, sizes)
+            t.update(figures)
         torch.cuda.synchronize()
         t["ready"] = time.time() - started
+        t["ready_after_model_built"] = t["ready"] - t["model_built"]
         torch.testing.assert_close(out, model(ids, pos), rtol=3e-2, atol=5e-2)
         t["compilers_imported"] = sorted({".".join(m.split(".")[:2]) for m in sys.modules
                                           if m.startswith(("torch._dynamo", "torch._inductor"))})
@@ -215,14 +278,6 @@ def child(mode: str, work: Path, graph_mode: str, started: float,
 
             phases = {k: round(sum(v), 2) for k, v in compilation_time_metrics.items()}
             t["compile_phases_s"] = dict(sorted(phases.items(), key=lambda kv: -kv[1])[:14])
-        if mode.startswith("cb") and mode != "cb_profile":
-            # The other graph mode, captured in this same process (not part of the timeline).
-            other = "full" if graph_mode == "piecewise" else "piecewise"
-            again = cachebuild.compile(model, cb_config(other), dyn)
-            again(ids, pos)
-            _check(again, model, llama.example_inputs)
-            t[other] = _replay_ms(again, llama.example_inputs, model)
-            t["again"] = _replay_ms(served, llama.example_inputs, model)  # the first, later
         if profile is not None:
             a, b = llama.example_inputs(model, 1)
             with _profiled(profile.with_name(profile.name + ".replay1.txt")):
@@ -290,12 +345,13 @@ def primed(env: dict[str, str], work: Path) -> str:
     return toolchain
 
 
-def run_mode(mode: str, work: Path, env: dict[str, str], graph_mode: str,
+def run_mode(mode: str, work: Path, env: dict[str, str], graph_mode: str, policy: str,
              profile: Path | None = None) -> dict[str, Any]:
     started = time.time()
     extra = ["--profile", str(profile)] if profile is not None else []
     proc = subprocess.run([sys.executable, __file__, "--child", mode, "--work", str(work),
-                           "--graph-mode", graph_mode, "--started", repr(started), *extra],
+                           "--graph-mode", graph_mode, "--capture", policy,
+                           "--started", repr(started), *extra],
                           capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         return {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:300]}
@@ -336,7 +392,11 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=2048)
     p.add_argument("--graph-mode", choices=["piecewise", "full"], default="piecewise",
                    help="how cachebuild captures graphs in the timeline (default: piecewise)")
-    p.add_argument("--modes", default=DEFAULT_MODES)
+    p.add_argument("--capture", choices=["background", "eager", "lazy"], default="background",
+                   help="cachebuild's capture policy in the timeline (default: background)")
+    p.add_argument("--modes", default=DEFAULT_MODES,
+                   help="comma-separated; a cachebuild mode may name its graph mode and "
+                        "capture policy: cb_warm_aoti/full+lazy")
     p.add_argument("--json-out", type=Path, help="write all results here as JSON")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--work", type=Path, help=argparse.SUPPRESS)
@@ -344,8 +404,8 @@ def main() -> None:
     p.add_argument("--profile", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        print(json.dumps(child(args.child, args.work, args.graph_mode, args.started,
-                               args.profile)))
+        print(json.dumps(child(args.child, args.work, args.graph_mode, args.capture,
+                               args.started, args.profile)))
         return
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     env = {**os.environ, "LLAMA_DEVICE": "cuda", "LLAMA_LAYERS": str(args.layers),
@@ -354,7 +414,8 @@ def main() -> None:
            "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-prime")}
     # Shared with other runs on this machine where set (a probe verdict, torch's bytecode).
     results: dict[str, Any] = {"toolchain": primed(env, work)}
-    for mode in args.modes.split(","):
+    for spec in args.modes.split(","):
+        mode, graph_mode, policy = parse_mode(spec, args.graph_mode, args.capture)
         menv = dict(env)
         flavour = mode.rsplit("_", 1)[-1]
         menv["TORCHINDUCTOR_CACHE_DIR"] = str(work / f"inductor-{mode}")
@@ -370,27 +431,28 @@ def main() -> None:
         if mode == "aot_load":
             why = prepare_aot(work)
             if why:
-                results[mode] = {"error": f"AOT precompile failed: {why}"}
-                print(mode, results[mode], flush=True)
+                results[spec] = {"error": f"AOT precompile failed: {why}"}
+                print(spec, results[spec], flush=True)
                 continue
         if mode.startswith("cb_build"):
-            results[mode] = build(work, menv, flavour)
+            results[spec] = build(work, menv, flavour)
         else:
             profile = None
             if mode == "cb_profile":
                 profile = (args.json_out or work / "serve.json").with_name("profile")
-            results[mode] = run_mode(mode, work, menv, args.graph_mode, profile)
-        print(mode, json.dumps(results[mode]), flush=True)
+            results[spec] = run_mode(mode, work, menv, graph_mode, policy, profile)
+        print(spec, json.dumps(results[spec]), flush=True)
         if args.json_out:  # after every mode: a run cut short keeps what it measured
             args.json_out.write_text(json.dumps(results, indent=1))
     keys = ["import", "model_built", "compile_to_first_output", "capture", "ready",
-            "replay_ms_1", "replay_ms_512"]
+            "ready_after_model_built", "pool_bytes", "replay_ms_1", "replay_ms_512"]
     print("| mode | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for mode, r in results.items():
         if not isinstance(r, dict):
             continue
-        cells = [f"{r[k]:.3f}" if isinstance(r.get(k), float) else str(r.get(k, "-")) for k in keys]
+        cells = [f"{r[k]:.3f}" if isinstance(r.get(k), float) else str(r.get(k, "-"))
+                 for k in keys]
         print(f"| {mode} | " + " | ".join(cells) + " |")
 
 

@@ -54,3 +54,45 @@ def present(args: argparse.Namespace, measure: Callable[[], dict[str, Any]],
         print(json.dumps(result, indent=1))
         return
     show(result, args.markdown)
+
+
+class Graphed:
+    """``fn`` served from one CUDA graph per size, the way a server without cachebuild
+    captures its model: while ``capturing``, a call of a new size runs ``fn`` for real on a
+    side stream (its answer, and the warm-up) and then records it on static copies of its
+    arguments (all graphs in one pool); later calls of that size copy their arguments in
+    and replay. ``size_of(args)`` reads a call's size."""
+
+    def __init__(self, fn: Callable[..., Any], size_of: Callable[..., int]) -> None:
+        import torch
+
+        from cachebuild.cudagraphs import CudaGraphCapture
+
+        self.fn, self.size_of = fn, size_of
+        self.api = CudaGraphCapture("cuda")
+        self.stream = torch.cuda.Stream()
+        self.graphs: dict[int, Any] = {}
+        self.capturing = True
+
+    def __call__(self, *args: Any) -> Any:
+        import torch
+
+        from cachebuild.cudagraphs import Replayer
+
+        graph = self.graphs.get(self.size_of(args))
+        if graph is not None:
+            return graph(*args)
+        if not self.capturing:
+            return self.fn(*args)
+        statics = [a.clone() for a in args]
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            out = self.fn(*args)
+            recorded, static_out = self.api.capture(self.fn, statics)
+        torch.cuda.current_stream().wait_stream(self.stream)
+        self.graphs[self.size_of(args)] = Replayer(self.api, recorded, static_out, self.fn,
+                                                   copies=list(enumerate(statics)))
+        return out
+
+    def replays(self) -> int:
+        return sum(g.replays for g in self.graphs.values())

@@ -6,7 +6,8 @@
 #   SERVE_ARGS="--modes eager,cb_build_aoti,cb_warm_aoti" bash tools/gpu_run.sh
 #
 # Time limits in seconds: TEST_S (default 300), SERVE_S (420), GEN_S (420), PASSES_S (0:
-# skipped); 0 skips a part. SERVE_FIRST=1 runs the benchmarks before the tests.
+# skipped); 0 skips a part. SERVE_FIRST=1 runs the benchmarks before the tests. TESTS: the
+# test files (default: every GPU test file but the tensor-parallel ones).
 set -uo pipefail
 OUT=${OUT:-/tmp/cachebuild-gpu-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -23,9 +24,11 @@ unset PYTHONDONTWRITEBYTECODE
 tests() {
     [ "${TEST_S:-300}" = 0 ] && return
     TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-tests timeout "${TEST_S:-300}" \
-        python3 -m pytest -m cuda -q -s -p no:cacheprovider tests/test_gpu.py tests/test_kernels.py \
-        tests/test_generate_gpu.py -k "gpu or capture or aoti or cuda" >"$OUT/pytest_cuda.txt" 2>&1
-    grep -E "passed|failed|error|AOTInductor|capture of|cold " "$OUT/pytest_cuda.txt" | tail -20
+        python3 -m pytest -m cuda -q -s -p no:cacheprovider \
+        ${TESTS:-tests/test_gpu.py tests/test_kernels.py tests/test_generate_gpu.py} \
+        >"$OUT/pytest_cuda.txt" 2>&1
+    grep -E "passed|failed|error|Error|AOTInductor|capture of|cold |first output|pools" \
+        "$OUT/pytest_cuda.txt" | tail -30
 }
 serve() {
     [ "${SERVE_S:-420}" = 0 ] && return
