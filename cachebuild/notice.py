@@ -42,30 +42,33 @@ def hint(model: Any) -> str:
     return HINT
 
 
-def must_trace(model: Any, why: str, store: Any = None, factors: Any = None) -> None:
-    """The start will trace ``model`` with Dynamo and build what is missing: say why.
-
-    Where no entry is stored under the model's key, ``store`` and the key's ``factors``
-    find the nearest stored entry of the same class, to say what changed since it was
-    warmed (the model's source, a config value) instead of "not warmed"."""
+def reason(why: str, store: Any = None, factors: Any = None) -> str:
+    """Why a model must be traced, in words, from a lookup's ``why``. Where no entry is
+    stored under the model's key, ``store`` and the key's ``factors`` find the nearest
+    stored entry of the same class, to say what changed since it was warmed (the model's
+    source, a config value) instead of "not warmed"."""
     if why == "no entry":
         changes = _changes(store, factors)
         if not changes:
-            reason = ("it was not warmed (no stored entry for this model, config and input "
-                      "shapes)")
-        elif any(c.startswith("the file defining") for c in changes):
-            reason = f"its source changed since it was warmed: {'; '.join(changes)}"
-        else:
-            reason = f"it was warmed with other settings: {'; '.join(changes)}"
-    elif why.startswith("traced source changed"):
-        reason = f"its stored entry is stale: {why}"
-    elif why.startswith("a value the trace read differs"):
-        reason = f"its stored entry was traced for other values: {why.split(': ', 1)[-1]}"
-    else:
-        reason = why
+            return ("it was not warmed (no stored entry for this model, config and input "
+                    "shapes)")
+        if any(c.startswith("the file defining") for c in changes):
+            return f"its source changed since it was warmed: {'; '.join(changes)}"
+        return f"it was warmed with other settings: {'; '.join(changes)}"
+    if why.startswith("traced source changed"):
+        return f"its stored entry is stale: {why}"
+    if why.startswith("a value the trace read differs"):
+        return f"its stored entry was traced for other values: {why.split(': ', 1)[-1]}"
+    return why
+
+
+def must_trace(model: Any, why: str, store: Any = None, factors: Any = None) -> None:
+    """The start will trace ``model`` with Dynamo and build what is missing: say why
+    (``reason``), and what avoids it."""
     log.warning("cachebuild: compiling %s (defined in %s) from scratch because %s; tracing "
                 "and building what is missing can take minutes; %s",
-                type(model).__name__, _model_file(model), reason, hint(model))
+                type(model).__name__, _model_file(model), reason(why, store, factors),
+                hint(model))
 
 
 def _changes(store: Any, factors: Any) -> list[str]:

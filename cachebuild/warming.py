@@ -218,8 +218,10 @@ def plan_model(source: Source, store: Store, device: str | None = None,
     entry = found.entry
     if entry is None:
         if say is not None:
+            from cachebuild.notice import reason
+
             who = f" as rank {rank}" if rank is not None else ""
-            say(f"tracing {source.name}{who} ({found.why})")
+            say(f"tracing {source.name}{who}: {reason(found.why, store, found.factors)}")
         entry = planner.trace(spec.example_inputs, found)
     return Planned(spec, planner, entry, found.why, found, rank)
 
@@ -281,7 +283,10 @@ def _previous_targets(store: Store, entry: Entry) -> dict[tuple[int, str], str]:
     data = store.get(best.key, touch=False)
     if data is None:
         return {}
-    old = Entry.from_bytes(data)
+    try:
+        old = Entry.from_bytes(data)
+    except (ValueError, KeyError, TypeError):  # an entry of another format: no history
+        return {}
     return {(t.piece, bucket_label(t.bucket)): t.key for t in old.targets()}
 
 

@@ -86,7 +86,7 @@ def test_a_traced_file_is_found_where_it_lies_now(monkeypatch, tmp_path):
 
 
 def test_code_found_nowhere_is_changed_and_a_cell_with_its_text_is_found(monkeypatch, tmp_path):
-    recorded = str(tmp_path / "gone" / "m.py")
+    recorded = str(tmp_path / "gone" / "cb_sources_gone.py")
     digest = ast_hash_text(CODE.encode())
     assert sources.changed(recorded, digest) == f"{recorded} (not found)"
     _cell(monkeypatch, "<cell-9>", CODE)

@@ -257,9 +257,12 @@ def _explain_entry(planned: Planned, records: list[Any], model: str, console: Co
         else:
             key, reasons = nearest
             data = planned.planner.store.get(key, touch=False)
-            if data is not None:
+            try:
+                stored = Entry.from_bytes(data) if data is not None else None
+            except (ValueError, KeyError, TypeError):  # an entry of another format
+                stored = None
+            if stored is not None:
                 spec = planned.spec
-                stored = Entry.from_bytes(data)
                 reasons += [m.describe() for m in stored.guard_set().mismatches(
                     spec.model, spec.example_inputs, known=stored.sources)]
             said += f"; the nearest entry {key[:16]} differs: " + "; ".join(
