@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -101,3 +102,50 @@ def write_file(root: Path, name: str, data: bytes) -> Path:
     with _written_lock:
         _written[str(path)] = digest
     return path
+
+
+# -- where a build's compilers write ------------------------------------------------------
+
+_BUILD_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR")
+
+
+@contextlib.contextmanager
+def build_work_dir(store: Any) -> Iterator[Path]:
+    """Point the compilers of a build at the store's work folder (``store.work_dir``:
+    the store's ``work/``, or the folder the operator set) while the block runs, and put
+    everything back after: Inductor's cache and precompiled headers, Triton's cache and
+    the temp files both make. ``cachebuild stats`` counts that folder; ``gc`` empties it
+    when no build holds it (each build holds it shared, by flock, while it runs)."""
+    import tempfile
+
+    from cachebuild.store.layout import make_private_dir
+    from cachebuild.store.locking import flocked_shared
+
+    root = Path(store.work_dir)
+    make_private_dir(root)
+    folders = {"TORCHINDUCTOR_CACHE_DIR": root / "inductor", "TRITON_CACHE_DIR": root / "triton",
+               "TMPDIR": root / "tmp"}
+    for folder in folders.values():
+        folder.mkdir(mode=0o700, exist_ok=True)
+    with flocked_shared(root / ".builds"):
+        inductor_loaded = "torch._inductor.codecache" in sys.modules
+        saved_env = {name: os.environ.get(name) for name in _BUILD_ENV}
+        saved_tempdir = tempfile.tempdir
+        os.environ.update({name: str(folder) for name, folder in folders.items()})
+        tempfile.tempdir = None  # read TMPDIR again
+        undo_headers = compat.point_header_dir(str(folders["TORCHINDUCTOR_CACHE_DIR"] /
+                                                   "precompiled_headers"))
+        try:
+            yield root
+        finally:
+            undo_headers()
+            for name, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+            tempfile.tempdir = saved_tempdir
+            if not inductor_loaded:
+                # Imported during the build, Inductor took its header folder from ours:
+                # back to where it keeps them by default, for whatever compiles after.
+                compat.point_header_dir(None)

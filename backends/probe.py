@@ -153,7 +153,8 @@ def verdict(device: str, folder: Path | None = None) -> Verdict:
     """
     from filelock import FileLock
 
-    from cachebuild.store.layout import make_private_dir
+    from cachebuild.errors import StoreError
+    from cachebuild.store.layout import check_readable_dir, make_private_dir, writable_here
 
     kind = device.split(":")[0]
     candidates = candidate_compilers()
@@ -161,8 +162,20 @@ def verdict(device: str, folder: Path | None = None) -> Verdict:
     if fingerprint in _VERDICTS:
         return _VERDICTS[fingerprint]
     folder = probe_dir(folder)
-    make_private_dir(folder)
     verdict_file = folder / f"aoti-{kind}-{fingerprint}.json"
+    if folder.exists() and not writable_here(folder):
+        # A read-only store's folder (an image's): its verdict is used where it has one
+        # and the folder is safe to read; else this process probes and keeps the verdict.
+        try:
+            check_readable_dir(folder)
+            found = _read(verdict_file)
+        except StoreError:
+            found = None
+        if found is None:
+            found = _probe_all(device, candidates)
+        _VERDICTS[fingerprint] = found
+        return found
+    make_private_dir(folder)
     with FileLock(str(verdict_file) + ".lock"):
         found = _read(verdict_file)
         if found is None:
@@ -220,12 +233,19 @@ def _probe_all(device: str, candidates: list[str]) -> Verdict:
 
 
 def _probe_one(device: str, compiler: str) -> tuple[bool, str]:
-    """Build, load and run the tiny package with ``compiler`` in a child process."""
-    try:
-        proc = subprocess.run([sys.executable, "-m", "cachebuild.backends.probe", device, compiler],
-                              capture_output=True, text=True, timeout=PROBE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return False, f"timed out after {PROBE_TIMEOUT_S:.0f} s"
+    """Build, load and run the tiny package with ``compiler`` in a child process, whose
+    compilers write (caches, precompiled headers, temp files) into a folder removed after."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="cachebuild-probe-") as work:
+        env = {**os.environ, "TMPDIR": work, "TORCHINDUCTOR_CACHE_DIR": work,
+               "TRITON_CACHE_DIR": work}
+        try:
+            proc = subprocess.run([sys.executable, "-m", "cachebuild.backends.probe", device,
+                                   compiler], capture_output=True, text=True,
+                                  timeout=PROBE_TIMEOUT_S, env=env)
+        except subprocess.TimeoutExpired:
+            return False, f"timed out after {PROBE_TIMEOUT_S:.0f} s"
     if proc.returncode == 0 and proc.stdout.strip().endswith("ok"):
         return True, "ok"
     if proc.returncode < 0:

@@ -6,8 +6,8 @@ store commands of the CLI) never import torch.
 
 from typing import Any
 
-__all__ = ["CompileConfig", "ModelSpec", "backend", "compile", "preload", "prometheus_text",
-           "stats"]
+__all__ = ["CompileConfig", "ModelSpec", "PlanReport", "WarmReport", "backend", "compile",
+           "plan", "preload", "prometheus_text", "stats", "warm"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -18,6 +18,10 @@ _LAZY = {
     "preload": "cachebuild.api",
     "stats": "cachebuild.api",
     "prometheus_text": "cachebuild.api",
+    "warm": "cachebuild.warming",
+    "plan": "cachebuild.warming",
+    "WarmReport": "cachebuild.warming",
+    "PlanReport": "cachebuild.warming",
 }
 
 

@@ -25,12 +25,14 @@ from cachebuild.build import Builder, needs_inductor, resolve_all
 from cachebuild.config import CompileConfig, check_config, check_dynamic_dims
 from cachebuild.counters import COUNTERS, phase, snapshot
 from cachebuild.dynamo_backend import GraphForward
-from cachebuild.errors import UsageError
+from cachebuild.errors import CompileFailed, StoreError, UsageError, transient
 from cachebuild.facts import device_of
-from cachebuild.plan import Planner
+from cachebuild.planner import Lookup, Planner
 from cachebuild.runtime import ModelRuntime, direct_forward, on_device_forward, stitch
+from cachebuild.split import check_splitting_ops
 from cachebuild.store.base import Store
 from cachebuild.trace import TracedGraph
+from cachebuild.trace import check_dynamic_dims as check_call_dims
 
 log = logging.getLogger("cachebuild")
 
@@ -79,25 +81,57 @@ class CompiledModule(torch.nn.Module):
         self._store = store
         self._passes = passes
         self._runtime: ModelRuntime | None = None
+        self._eager = False  # cannot be compiled and on_failure="eager": runs the model
         self.capture_report: Any = None  # CaptureReport of the latest capture, if any
 
     @property
     def runtime(self) -> ModelRuntime | None:
         return self._runtime
 
-    def prepare(self, *args: Any, capture: bool = True) -> ModelRuntime:
+    def prepare(self, *args: Any, capture: bool = True) -> ModelRuntime | None:
         """Load (warm) or build (cold) the compiled forward for calls shaped like ``args``.
 
         With a graph mode and the ``eager`` capture policy, every size is captured too,
         unless ``capture`` is False (``runtime.capture()`` does it later); the ``lazy`` and
         ``background`` policies capture as calls come (background: after the first one).
+        A model that cannot be compiled raises, and raises again at once for every later
+        call like it in this process (``CompileFailed``, without tracing again); with
+        ``on_failure="eager"`` it runs eagerly instead, after one warning, and this returns
+        None.
         """
         start = time.perf_counter()
+        # About this call or this process (an op library imported later), never remembered:
+        check_call_dims(list(args), self.dynamic_dims)
+        check_splitting_ops(self.config.splitting_ops)
         store = open_default_store(self._store)
         planner = Planner(self.model, self.config, self.dynamic_dims, store, self._passes)
         builder = Builder(store, self.config, planner.passes,
                           device_of([*args, *self.model.parameters()]))
         found = planner.lookup(args)
+        failed = FAILED.get(found.key)
+        if failed is not None:
+            return self._failed(failed, first=False)
+        try:
+            entry, loaded = self._load_or_build(planner, builder, found, store, args)
+        except Exception as e:
+            if isinstance(e, StoreError) or transient(e):
+                raise  # the machine's or the store's trouble: another start may succeed
+            FAILED[found.key] = e
+            return self._failed(e, first=True)
+        self._runtime = ModelRuntime(entry, loaded, self.model, self.config, self.dynamic_dims)
+        COUNTERS.add_time("prepare", time.perf_counter() - start)
+        runtime = self._runtime
+        if capture and runtime.capturer is not None and runtime.capturer.policy == "eager":
+            with phase("capture"):
+                self.capture_report = runtime.capture(like=args)
+            log.info("captured %d sizes in %.2f s (%d bytes of graph memory)",
+                     len(self.capture_report.sizes), self.capture_report.seconds,
+                     self.capture_report.pool_bytes)
+        return runtime
+
+    def _load_or_build(self, planner: Planner, builder: Builder, found: Lookup, store: Store,
+                       args: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
+        """The entry (stored, or traced now) and its targets, loaded or built."""
         entry, why = found.entry, found.why
         slow_loads = False
         if entry is not None:
@@ -110,7 +144,7 @@ class CompiledModule(torch.nn.Module):
             COUNTERS.unique += len(entry.target_keys())
             log.info("warm start from entry %s", entry.key[:12])
         else:
-            notice.must_trace(self.model, why)
+            notice.must_trace(self.model, why, store, found.factors)
             entry = planner.trace(args, found)
         warm = found.entry is not None
         loaded = resolve_all(entry, builder, parallel=slow_loads,
@@ -118,16 +152,25 @@ class CompiledModule(torch.nn.Module):
                                                                            warm))
         if why != "fresh":
             planner.record(entry)
-        self._runtime = ModelRuntime(entry, loaded, self.model, self.config, self.dynamic_dims)
-        COUNTERS.add_time("prepare", time.perf_counter() - start)
-        runtime = self._runtime
-        if capture and runtime.capturer is not None and runtime.capturer.policy == "eager":
-            with phase("capture"):
-                self.capture_report = runtime.capture(like=args)
-            log.info("captured %d sizes in %.2f s (%d bytes of graph memory)",
-                     len(self.capture_report.sizes), self.capture_report.seconds,
-                     self.capture_report.pool_bytes)
-        return runtime
+        return entry, loaded
+
+    def _failed(self, error: BaseException, first: bool) -> None:
+        """A model that cannot be compiled: raise (the error itself the first time, then
+        ``CompileFailed`` at once), or with ``on_failure="eager"`` run eagerly from now on,
+        saying so once per model and process."""
+        name = type(self.model).__name__
+        if self.config.on_failure == "eager":
+            self._eager = True
+            if first:
+                log.warning("cachebuild: %s cannot be compiled, so it runs eagerly "
+                            "(on_failure='eager'): %s", name, one_line(error))
+            return None
+        if first:
+            raise error
+        raise CompileFailed(f"{name} cannot be compiled: it failed earlier in this process "
+                            f"and nothing it depends on changed (the same code, config, "
+                            f"input shapes and values), so it is not traced again: "
+                            f"{one_line(error)}", error) from error
 
     def wait_captured(self, timeout: float | None = None) -> bool:
         """Wait until background capture has captured every size (True), or ``timeout``
@@ -142,10 +185,22 @@ class CompiledModule(torch.nn.Module):
         return self._runtime.capture_state() if self._runtime is not None else None
 
     def forward(self, *args: Any) -> Any:
-        if self._runtime is None:
+        if self._runtime is None and not self._eager:
             self.prepare(*args)
+        if self._eager:
+            return self.model(*args)
         assert self._runtime is not None
         return self._runtime(*args)
+
+
+#: Models that failed to compile in this process, by the key of the entry they would have
+#: had (their code, config, input shapes and the values their trace read): not tried again.
+FAILED: dict[str, BaseException] = {}
+
+
+def one_line(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def compile(model: torch.nn.Module, config: CompileConfig | None = None,

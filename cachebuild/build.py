@@ -30,6 +30,7 @@ import torch
 from cachebuild import keep
 from cachebuild.backends import BuildRequest, get_backend
 from cachebuild.backends.base import DeviceBound
+from cachebuild.backends.kernel_dir import build_work_dir
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase
 from cachebuild.distributed import local_groups
@@ -181,7 +182,8 @@ class Builder:
             layout = job.target.manifest.get("distributed")
             gpu = on_device(device_of(job.input_metas))
             try:
-                with quiet_compiler_warnings(), local_groups(layout), gpu, keep.rng():
+                with quiet_compiler_warnings(), local_groups(layout), gpu, keep.rng(), \
+                        build_work_dir(self.store):
                     artifact = self.backend.compile(BuildRequest(
                         gm=data_to_module(job.nodes),
                         input_metas=list(job.input_metas),
@@ -200,7 +202,7 @@ class Builder:
                 raise BuildError(f"{where} failed to compile: {type(e).__name__}: {first}{hint}") from e
             seconds = time.perf_counter() - start
             with phase("verify"), local_groups(layout), on_device(device_of(job.input_metas)), \
-                    keep.rng():
+                    keep.rng(), build_work_dir(self.store):
                 self._prove(job, artifact, where)
             self.store.put(key, artifact.payload, kind=artifact.kind, manifest=job.target.manifest)
             if artifact.fallback:

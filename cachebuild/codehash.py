@@ -1,8 +1,9 @@
-"""Hashes of code: of a source file by its syntax tree (``ast_hash``), and of code that
-has no source file: a class defined in ``python -c``, through ``exec`` or in a notebook
-cell.
+"""Hashes of code: of a source by its syntax tree (``ast_hash``: a file, or the text
+``linecache`` holds for code compiled from a string, as notebooks register their cells),
+and of code that has no source at all: a class defined in ``python -c`` or through an
+``exec`` that registered no text.
 
-Such code cannot be checked by hashing its file, so it is keyed by what its code objects
+Such code cannot be checked by hashing its source, so it is keyed by what its code objects
 contain: bytecode, constants (nested code objects recursively), names, and the defaults of
 its functions. Two classes hash equal exactly when they run the same bytecode on the same
 constants.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import ast
 import functools
 import inspect
+import linecache
 import os
 import types
 from typing import Any
@@ -24,27 +26,59 @@ def ast_hash(path: str) -> str | None:
     """Hash of a Python file's syntax tree: comments and blank lines do not change it."""
     try:
         with open(path, "rb") as f:
-            tree = ast.parse(f.read(), filename=path)
-    except (OSError, SyntaxError, ValueError):
+            return ast_hash_text(f.read())
+    except OSError:
+        return None
+
+
+def ast_hash_text(source: bytes) -> str | None:
+    """``ast_hash`` of source text (None if it is not Python)."""
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
         return None
     return xxhash.xxh3_128_hexdigest(
         ast.dump(tree, annotate_fields=False, include_attributes=False).encode())
 
 
-def has_source_file(obj: Any) -> bool:
-    """True if ``obj`` (a class, function or code object) comes from a file on disk."""
+def linecache_text(name: str) -> str | None:
+    """The text ``linecache`` holds for code compiled from a string under ``name`` (a
+    notebook cell, an ``exec`` that registered its source); None for files and unknowns."""
+    entry = linecache.cache.get(name)
+    if not isinstance(entry, tuple) or len(entry) != 4 or entry[1] is not None:
+        return None  # a file's cached lines (checked through the file), or a lazy entry
+    lines = entry[2]
+    return "".join(lines) if isinstance(lines, list) else None
+
+
+def code_file(obj: Any) -> str | None:
+    """The file (or linecache name) the code of a class, function or code object was
+    compiled from: for a class, that of a function in its body (its module's file may be
+    another: a class exec'd in a script's ``__main__`` namespace), else its module's."""
     if isinstance(obj, types.CodeType):
-        return os.path.isfile(obj.co_filename)
+        return obj.co_filename
+    if isinstance(obj, types.FunctionType):
+        return obj.__code__.co_filename
+    if isinstance(obj, type):
+        for value in vars(obj).values():
+            for fn in _functions(value):
+                return fn.__code__.co_filename
     try:
-        path = inspect.getsourcefile(obj)
+        return inspect.getsourcefile(obj)
     except (OSError, TypeError):
-        return False
-    return bool(path) and os.path.isfile(path)
+        return None
+
+
+def has_source(obj: Any) -> bool:
+    """True if ``obj`` (a class, function or code object) comes from a source that can be
+    hashed: a file on disk, or text linecache holds for it."""
+    path = code_file(obj)
+    return bool(path) and (os.path.isfile(path) or linecache_text(path) is not None)
 
 
 @functools.lru_cache(maxsize=4096)
-def _class_has_source_file(cls: type) -> bool:
-    return has_source_file(cls)
+def _class_has_source(cls: type) -> bool:
+    return has_source(cls)
 
 
 def _const(value: Any, h: Any) -> None:
@@ -134,12 +168,12 @@ def class_hash(cls: type) -> str:
 
 
 def sourceless_classes(model: Any) -> list[type]:
-    """The classes of ``model``'s modules (and their bases) that have no source file, in a
-    stable order."""
+    """The classes of ``model``'s modules (and their bases) that have no source (no file,
+    no linecache text), in a stable order."""
     classes = dict.fromkeys(type(m) for m in model.modules())
     seen: dict[type, None] = {}
     for module_class in classes:
         for cls in module_class.__mro__:
-            if cls not in seen and cls.__module__ != "builtins" and not _class_has_source_file(cls):
+            if cls not in seen and cls.__module__ != "builtins" and not _class_has_source(cls):
                 seen[cls] = None
     return list(seen)

@@ -5,6 +5,7 @@ Code elsewhere never tests ``torch.__version__``; it asks this module.
 
 from __future__ import annotations
 
+import os
 import platform
 from collections.abc import Callable
 from typing import Any
@@ -353,3 +354,35 @@ def _changed_attributes(variable: Any, pending: dict[str, Any] | None) -> list[s
                 before is final or (type(before) is type(final) and before == final)):
             changed.append(name)
     return changed
+
+
+def point_header_dir(folder: str | None) -> Callable[[], None]:
+    """Make Inductor keep its precompiled C++ headers under ``folder`` (None: where it
+    would keep them by default); returns a function that puts the previous folder back.
+
+    torch 2.11-2.13 computes that folder once, at import, from the system's temp folder
+    (``codecache._HEADER_DIR``), ignoring ``TORCHINDUCTOR_CACHE_DIR``: hundreds of MB per
+    compiler flag set land in ``/tmp/torchinductor_<user>`` wherever the cache is pointed.
+    Where Inductor is not imported yet, it computes the folder from the temp folder when
+    it is, which ``build_work_dir`` points at the work folder too.
+    """
+    import sys
+
+    codecache = sys.modules.get("torch._inductor.codecache")
+    if codecache is None or not hasattr(codecache, "_HEADER_DIR"):
+        return lambda: None
+    saved = codecache._HEADER_DIR, getattr(codecache, "_HEADER_LOCK_DIR", None)
+    if folder is None:
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+        folder = os.path.join(default_cache_dir(), "precompiled_headers")
+    codecache._HEADER_DIR = folder
+    if saved[1] is not None:
+        codecache._HEADER_LOCK_DIR = os.path.join(folder, "locks")
+
+    def undo() -> None:
+        codecache._HEADER_DIR = saved[0]
+        if saved[1] is not None:
+            codecache._HEADER_LOCK_DIR = saved[1]
+
+    return undo

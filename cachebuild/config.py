@@ -26,9 +26,10 @@ CUDAGRAPH_MODES = ("none", "piecewise", "full")
 #: When sizes are captured (``capture.py``): ``auto`` is background on CUDA, lazy elsewhere.
 CAPTURE_POLICIES = ("auto", "eager", "background", "lazy")
 OUT_OF_RANGE = ("error", "eager")
+ON_FAILURE = ("error", "eager")
 #: Fields that decide how a loaded model runs, not what is built or stored.
 RUNTIME_ONLY = ("cudagraph_mode", "capture", "capture_sizes", "pad_to_capture_size",
-                "out_of_range")
+                "out_of_range", "on_failure")
 
 
 def default_capture_sizes() -> tuple[int, ...]:
@@ -98,6 +99,9 @@ class CompileConfig:
       size, zero-padding the dynamic dim and slicing outputs back (token-parallel models).
     - ``out_of_range``: a call whose size is outside every range raises (``"error"``)
       or runs the model eagerly with a one-time warning (``"eager"``).
+    - ``on_failure``: a model that cannot be compiled (its trace, split or a build
+      fails) raises (``"error"``), and raises again at once at every later call, with
+      no new attempt; or runs eagerly from then on with one warning (``"eager"``).
     """
 
     splitting_ops: tuple[str, ...] = ()
@@ -112,6 +116,7 @@ class CompileConfig:
     capture_sizes: tuple[int, ...] = field(default_factory=default_capture_sizes)
     pad_to_capture_size: bool = False
     out_of_range: str = "error"
+    on_failure: str = "error"
 
     def __post_init__(self) -> None:
         # Normalise containers so equal configs hash equal and are immutable; refuse any
@@ -186,6 +191,8 @@ class CompileConfig:
                 f"unknown capture policy {self.capture!r}: choose one of {CAPTURE_POLICIES}")
         if self.out_of_range not in OUT_OF_RANGE:
             raise ConfigError(f"out_of_range must be one of {OUT_OF_RANGE}")
+        if self.on_failure not in ON_FAILURE:
+            raise ConfigError(f"on_failure must be one of {ON_FAILURE}, not {_show(self.on_failure)}")
         if any(s < 1 for s in self.capture_sizes):
             raise ConfigError("capture sizes must be positive")
 

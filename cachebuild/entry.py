@@ -16,7 +16,6 @@ failing entry's key and the live values (``variant_key``).
 
 from __future__ import annotations
 
-import inspect
 import json
 import math
 from dataclasses import dataclass, field
@@ -24,20 +23,21 @@ from typing import Any
 
 import torch
 
-from cachebuild.codehash import ast_hash, class_hash, sourceless_classes
+from cachebuild.codehash import class_hash, code_file, sourceless_classes
 from cachebuild.config import CompileConfig
 from cachebuild.env import SCHEMA_VERSION, env_factors
 from cachebuild.facts import InputMeta, device_of, meta_of
 from cachebuild.fxjson import graph_to_data
 from cachebuild.guards import GuardSet
 from cachebuild.keys import make_key
+from cachebuild.sources import changed, digest_of, labels_in, loaded_files, source_data
 from cachebuild.split import SplitPlan
 from cachebuild.targets import Target, piece_data
 from cachebuild.trace import Binding, TracedGraph
 
 #: The layout of a stored entry; bumped when it changes, so older entries are never misread
 #: (it is an entry-key factor: an old entry is simply not found, and the model retraced).
-ENTRY_FORMAT = 3  # 3: the inputs each piece writes in place
+ENTRY_FORMAT = 4  # 4: code named by its source, wherever it was loaded from
 
 
 @dataclass(frozen=True)
@@ -89,6 +89,11 @@ class Entry:
     manifests: dict[str, dict[str, Any]]  # target key → its manifest, once per unique key
     guards: list[list[Any]]  # GuardSet data: what the trace read besides tensors
     written_inputs: list[int] = field(default_factory=list)  # graph inputs written in place
+    #: What the tracing process knew of each source label its guards name (file name,
+    #: module name, hash): how ``explain`` names a change of code.
+    sources: dict[str, dict[str, Any]] = field(default_factory=dict)
+    #: Each traced file's size and time as of its hash (``sources.stamp``).
+    source_stamps: dict[str, list[int]] = field(default_factory=dict)
 
     def target_keys(self) -> list[str]:
         keys: list[str] = []
@@ -119,8 +124,12 @@ class Entry:
         return GuardSet.from_data(self.guards)
 
     def stale_files(self) -> list[str]:
-        """Traced files whose code changed (or vanished) since the entry was recorded."""
-        return [path for path, digest in self.source_files.items() if ast_hash(path) != digest]
+        """Traced sources whose code is not the code of this process (``sources.changed``:
+        found by content, wherever the file lies now), each named where it differs."""
+        loaded = loaded_files()
+        found = (changed(path, digest, self.source_stamps.get(path), loaded)
+                 for path, digest in self.source_files.items())
+        return [where for where in found if where is not None]
 
     def to_bytes(self) -> bytes:
         data = {
@@ -139,7 +148,8 @@ class Entry:
             } for p in self.pieces],
             "out_spec": self.out_spec, "source_files": self.source_files,
             "manifests": self.manifests, "guards": self.guards,
-            "written_inputs": self.written_inputs,
+            "written_inputs": self.written_inputs, "sources": self.sources,
+            "source_stamps": self.source_stamps,
         }
         return json.dumps(data, separators=(",", ":")).encode()
 
@@ -164,6 +174,8 @@ class Entry:
             stitch=raw["stitch"], pieces=pieces, out_spec=raw["out_spec"],
             source_files=raw["source_files"], manifests=raw["manifests"], guards=raw["guards"],
             written_inputs=[int(i) for i in raw["written_inputs"]],
+            sources={str(k): dict(v) for k, v in raw["sources"].items()},
+            source_stamps={str(k): [int(x) for x in v] for k, v in raw["source_stamps"].items()},
         )
 
 
@@ -173,20 +185,19 @@ def _tensor_table(items: Any) -> list[list[Any]]:
 
 
 def model_factor(model: torch.nn.Module) -> dict[str, Any]:
-    """The model class by name and by the syntax tree of the file defining it, and the
-    code of every module class that has no source file (defined in ``python -c``, through
-    ``exec`` or in a notebook), by what its code objects contain.
+    """The model class by name and by the syntax tree of the source defining it (a file,
+    or the text linecache holds for a notebook cell), and the code of every module class
+    that has no source at all (defined in ``python -c``, or through an ``exec`` that
+    registered no text), by what its code objects contain.
 
-    Not by module name: the same file is ``__main__`` in a server and something else when
-    ``cachebuild warm`` imports it, and both must find one entry.
+    Not by module name nor path: the same file is ``__main__`` in a server and something
+    else when ``cachebuild warm`` imports it, in another folder in an image, and all must
+    find one entry.
     """
     cls = type(model)
-    try:
-        source = inspect.getsourcefile(cls)
-    except (OSError, TypeError):
-        source = None
+    filename = code_file(cls)
     factor: dict[str, Any] = {"class": cls.__qualname__,
-                              "source": ast_hash(source) if source else None}
+                              "source": digest_of(filename) if filename else None}
     code = {c.__qualname__: class_hash(c) for c in sourceless_classes(model)}
     if code:
         factor["code"] = code
@@ -289,6 +300,8 @@ def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,
         manifests={t.key: t.manifest for ts in targets.values() for t in ts},
         guards=[g.to_data() for g in traced.guards],
         written_inputs=list(plan.written_inputs),
+        sources=source_data(labels_in([g.to_data() for g in traced.guards])),
+        source_stamps=dict(traced.source_stamps),
     )
 
 

@@ -39,6 +39,17 @@ class BuildError(CachebuildError):
     """A target failed to compile; the message names its piece, bucket and key."""
 
 
+class CompileFailed(CachebuildError):
+    """A model failed to compile earlier in this process and nothing it depends on
+    changed, so it is not tried again; ``original`` is the first failure (also the
+    ``__cause__``), whose exit code this one keeps."""
+
+    def __init__(self, message: str, original: BaseException) -> None:
+        super().__init__(message)
+        self.original = original
+        self.exit_code = getattr(original, "exit_code", 1)
+
+
 #: errno values of a machine that is short of something (not of a piece that is wrong).
 _TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EIO, errno.EROFS,
                      errno.EMFILE, errno.ENFILE, errno.EAGAIN}

@@ -154,7 +154,9 @@ def describe_entry(d: Difference) -> list[str]:
         kind = "parameter" if d.path == "params" else "buffer"
         return _tensor_changes(kind, d.old, d.new) or [f"the {kind}s differ"]
     if d.path == "model.source":
-        return ["the file defining the model's class was edited"]
+        change = (f" (source {str(d.old)[:8]} → {str(d.new)[:8]})"
+                  if isinstance(d.old, str) and isinstance(d.new, str) else "")
+        return [f"the file defining the model's class was edited{change}"]
     if d.path.startswith("model_config."):
         return [f"{d.path.removeprefix('model_config.')}: {_value(d.old)} → {_value(d.new)}"]
     if d.path.startswith("model.code"):
@@ -177,6 +179,20 @@ def _tensor_table_changes(kind: str, old: list[Any], new: list[Any]) -> list[str
     if len(changes) > 3:
         changes = changes[:3] + [f"and {len(changes) - 3} more {kind}s"]
     return changes or [f"{kind}s differ"]
+
+
+def entries_of(store: Any, model_class: str) -> list[Any]:
+    """The records (manifests included) of the stored entries of ``model_class``: the
+    local tier's, without reading a target's manifest."""
+    out = []
+    for record in store.records(manifests=False):
+        if record.kind == "entry":
+            full = store.get_record(record.key)
+            manifest = full.manifest if full is not None else None
+            if isinstance(manifest, dict) and isinstance(manifest.get("model"), dict) and \
+                    manifest["model"].get("class") == model_class:
+                out.append(full)
+    return out
 
 
 def nearest_entry(factors: dict[str, Any], records: list[Any]) -> tuple[str, list[str]] | None:

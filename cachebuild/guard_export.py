@@ -39,6 +39,7 @@ from cachebuild.guards import (
     process_state,
     resolve,
 )
+from cachebuild.sources import module_root
 
 #: Guard kind → the check that compares the same thing plainly.
 CHECK_OF = {
@@ -179,7 +180,7 @@ def source_path(source: Any, frame: Frame) -> list[list[Any]]:
         if module is None and _INSTALLED.match(name):
             module = _installed_module(name)
         if module is not None:
-            return [["module", module]]
+            return [module_root(module)]
         if name.startswith("__builtins_dict__"):
             return [["module", "builtins"], ["attr", "__dict__"]]
         # The frame's own globals: forward's, which may be a module's or an exec namespace.

@@ -15,7 +15,6 @@ path. Turning Dynamo's guards into records is ``guard_export.py``'s job.
 from __future__ import annotations
 
 import enum
-import functools
 import os
 import sys
 import types
@@ -25,7 +24,8 @@ from typing import Any
 
 import torch
 
-from cachebuild.codehash import ast_hash, code_hash
+from cachebuild.codehash import code_hash
+from cachebuild.sources import code_change, find_module, is_label, module_label, object_label
 from cachebuild.weights import hooks_hidden
 
 #: A path step: ``["attr", name]``, ``["item", key]``, ``["nthkey", i]`` (the i-th key of a
@@ -72,9 +72,10 @@ def plain(value: Any) -> Any:
 
 
 def qualname(obj: Any) -> str:
-    """``module.QualName`` of a class or function; a model file's module by its file name
-    (``model_label``)."""
-    module = model_label(getattr(obj, "__module__", None) or "")
+    """``module.QualName`` of a class or function; code outside installed libraries by the
+    label of its source (``sources.object_label``: ``<src:1a2b3c4d5e6f7a8b>.Served``)."""
+    module = object_label(obj) if isinstance(obj, (type, types.FunctionType)) else \
+        module_label(getattr(obj, "__module__", None) or "")
     name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
     return f"{module}.{name}" if module else name
 
@@ -83,51 +84,12 @@ def qualname(obj: Any) -> str:
 MODEL_MODULE_PREFIX = "cachebuild_model_"
 
 
-@functools.cache
-def _library_roots() -> tuple[str, ...]:
-    """Where installed code lives (site-packages, the standard library): a module there has
-    one name in every process."""
-    import site
-    import sysconfig
-
-    roots = {*site.getsitepackages(), site.getusersitepackages()}
-    roots |= {sysconfig.get_paths()[k] for k in ("stdlib", "platstdlib", "purelib", "platlib")}
-    return tuple(os.path.realpath(r) + os.sep for r in roots if r)
-
-
-def model_label(module: str) -> str:
-    """A module name as guards compare it: an installed module by its name; any other
-    module by its file's name and the hash of its syntax tree (``<llama.py:1a2b3c4d5e6f>``).
-
-    A model file has as many names as ways to start it: ``__main__`` when run as a script,
-    ``cachebuild_model_<hash>`` when ``cachebuild warm`` imports it, ``m`` or
-    ``pkg.models.m`` when a server imports it, from whichever directory. Its code is the
-    same: an entry recorded by one is found by all, and a change of its code is a change of
-    its name.
-    """
-    path = getattr(sys.modules.get(module), "__file__", None)
-    if not isinstance(path, str):
-        return module
-    return _file_label(path) or module
-
-
-@functools.cache
-def _file_label(path: str) -> str | None:
-    """The label of the module at ``path`` (None: an installed module, named by name)."""
-    real = os.path.realpath(path)
-    if real.startswith(_library_roots()):
-        return None
-    digest = ast_hash(real)
-    name = os.path.basename(real)
-    return f"<{name}:{digest[:12]}>" if digest else f"<{name}>"
-
-
 def identity(value: Any) -> Any:
     """What an identity check (Dynamo's ID_MATCH) compares, in a form that holds across
     processes: a module, class or function by its qualified name, a builtin by name, an
     enum member, a singleton or plain constant by value. Raises Unplain otherwise."""
     if isinstance(value, types.ModuleType):
-        return {"module": value.__name__}
+        return {"module": module_label(value.__name__)}
     if isinstance(value, type):
         return {"class": qualname(value)}
     if isinstance(value, types.FunctionType):
@@ -304,6 +266,13 @@ def _arg_text(arg: Any) -> str:
     return key.decode(errors="replace") if isinstance(key, bytes) else str(key)
 
 
+def _module_name(root: Sequence[Any]) -> str:
+    """A module root in words: an installed module by name, any other by its file's."""
+    if is_label(root[1]) and len(root) > 2:
+        return str(root[2]).removesuffix(".py")
+    return str(root[1])
+
+
 def path_name(path: Sequence[Sequence[Any]]) -> str:
     """A readable dotted name for a path, with module containers and parameter dicts
     folded (``hf.model.layers.0.mlp.act_fn``)."""
@@ -314,8 +283,9 @@ def path_name(path: Sequence[Sequence[Any]]) -> str:
         return f"environment variable {root[1]}"
     if kind == "state":
         return f"torch {root[1].replace('_', ' ')}"
-    out = {"model": "", "arg": f"argument {root[-1]}", "module": str(root[-1]),
-           "varargs": "args", "kwargs": "kwargs"}.get(kind, kind)
+    out = _module_name(root) if kind == "module" else {
+        "model": "", "arg": f"argument {root[-1]}", "varargs": "args",
+        "kwargs": "kwargs"}.get(kind, kind)
     if steps[:3] == [["type"], ["attr", "forward"], ["attr", "__globals__"]]:
         steps = steps[3:]  # forward's globals: name the global plainly
         out = "globals"
@@ -346,11 +316,34 @@ class Mismatch:
     name: str
     old: Any
     new: Any
+    #: What the recording process knew of the source labels in ``old`` (``Entry.sources``).
+    known: dict[str, dict[str, Any]] | None = None
 
     def describe(self) -> str:
         if self.name.startswith("environment variable"):
             return f"{self.name}: {_env_text(self.old)} → {_env_text(self.new)}"
+        code = _code_change(self.old, self.new, self.known)
+        if code is not None:
+            return f"{self.name}: {code}"
         return f"{self.name}: {short(self.old)} → {short(self.new)}"
+
+
+#: The fingerprint tags that name code: a class, a type check's class, a function, a module.
+_CODE_TAGS = ("type", "class", "function", "module")
+
+
+def _code_change(old: Any, new: Any, known: dict[str, dict[str, Any]] | None) -> str | None:
+    """Two fingerprints naming code outside installed libraries, in words that say which
+    part differs (``sources.code_change``); None for anything else."""
+    if not (isinstance(old, dict) and isinstance(new, dict)):
+        return None
+    for tag in _CODE_TAGS:
+        a, b = old.get(tag), new.get(tag)
+        if isinstance(a, str) and isinstance(b, str):
+            if a == b and tag == "function" and old.get("code") != new.get("code"):
+                return f"{short(old)}: code {str(old.get('code'))[:8]} → {str(new.get('code'))[:8]}"
+            return code_change(a, b, known) if a != b else None
+    return None
 
 
 def _env_text(value: Any) -> str:
@@ -391,6 +384,11 @@ def root_value(root: Sequence[Any], model: Any, args: Sequence[Any]) -> Any:
     if kind == "kwargs":
         return {}
     if kind == "module":
+        if is_label(root[1]):  # code outside installed libraries: found by its source
+            found = find_module(root[1], root[2] if len(root) > 2 else None)
+            if found is None:
+                raise KeyError(f"no loaded module has the source {root[1]}")
+            return found
         module = sys.modules.get(root[1])
         if module is None:
             import importlib
@@ -504,11 +502,12 @@ class GuardSet:
                     pass
             self._walk(child, nxt, out)
 
-    def mismatches(self, model: Any, args: Sequence[Any],
-                   values: list[Any] | None = None) -> list[Mismatch]:
-        """Every record whose value differs in this process from the one traced."""
+    def mismatches(self, model: Any, args: Sequence[Any], values: list[Any] | None = None,
+                   known: dict[str, dict[str, Any]] | None = None) -> list[Mismatch]:
+        """Every record whose value differs in this process from the one traced (``known``:
+        what the tracing process knew of the code it named, ``Entry.sources``)."""
         now = self.values(model, args) if values is None else values
-        return [Mismatch(GuardRecord.from_data(list(self.data[i])).name(), want, v)
+        return [Mismatch(GuardRecord.from_data(list(self.data[i])).name(), want, v, known)
                 for i, (want, v) in enumerate(zip(self.expected, now, strict=True))
                 if v != want]
 

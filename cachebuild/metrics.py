@@ -118,5 +118,8 @@ def store_metrics(stats: dict) -> str:
                kind="gauge"),
         Metric("store_disk_bytes", float(stats.get("disk_bytes", 0)),
                "Bytes the store takes on disk.", kind="gauge"),
+        Metric("store_work_bytes", float((stats.get("work") or {}).get("bytes", 0)),
+               "Bytes compilers wrote while building targets (gc removes them).",
+               kind="gauge"),
     ]
     return render(metrics)

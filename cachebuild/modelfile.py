@@ -37,20 +37,52 @@ def _where(path: Path, error: BaseException) -> str:
     return f"{path}:{line}" if line else str(path)
 
 
+def package_of(path: Path) -> tuple[Path, str] | None:
+    """For a file inside a package (folders with ``__init__.py`` up from it): the folder
+    the package lies in and the file's dotted name (``pkg/models/m.py`` → ``pkg.models.m``,
+    as ``python -m`` names it). None for a file that is not in a package."""
+    parts = [path.stem]
+    folder = path.parent
+    while (folder / "__init__.py").is_file():
+        parts.insert(0, folder.name)
+        folder = folder.parent
+    if len(parts) == 1 or not all(p.isidentifier() for p in parts):
+        return None
+    return folder, ".".join(parts)
+
+
 def import_model(path: str | Path) -> ModuleType:
-    """Import a model file as a module (its custom ops get registered)."""
+    """Import a model file as a module (its custom ops get registered) the way a server
+    would: a file inside a package under its dotted name, with the folder holding the
+    package first on ``sys.path`` (as ``python -m pkg.models.m`` has it, so that it
+    imports its package's modules, relatively too); any other with its own folder first
+    on ``sys.path`` (as ``python MODEL.py`` has it, so that it imports the modules
+    beside it)."""
     path = Path(path).resolve()
     if not path.is_file():
         raise UsageError(f"{path}: no such model file")
-    name = module_name(path)
-    if name in sys.modules:
-        return sys.modules[name]
-    # Imported already under another name (``import llama``, or run as ``__main__``):
-    # running it twice would register its custom ops twice, which torch refuses.
+    # Imported already (``import llama``, or run as ``__main__``): running it twice would
+    # register its custom ops twice, which torch refuses.
     for module in list(sys.modules.values()):
         file = getattr(module, "__file__", None)
         if isinstance(file, str) and Path(file).name == path.name and Path(file).resolve() == path:
             return module
+    package = package_of(path)
+    folder = package[0] if package else path.parent
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
+    if package is not None:
+        try:
+            module = importlib.import_module(package[1])
+        except Exception as e:
+            raise UsageError(f"{_where(path, e)}: the model file failed to import as "
+                             f"{package[1]}: {type(e).__name__}: {e}") from e
+        if Path(getattr(module, "__file__", "") or "").resolve() == path:
+            return module
+        # Another package of that name comes first on sys.path: the file by itself.
+    name = module_name(path)
+    if name in sys.modules:
+        return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise UsageError(f"{path}: not a Python file")
@@ -86,7 +118,7 @@ def load_spec(path: str | Path) -> ModelSpec:
 def entry_key(path: str | Path, store: Store) -> str:
     """The key of the entry that serves the model MODEL.py defines (the one whose guards
     hold on it, among the variants stored), from its spec alone: no tracing."""
-    from cachebuild.plan import Planner
+    from cachebuild.planner import Planner
 
     spec = load_spec(path)
     planner = Planner(spec.model, spec.config, spec.dynamic_dims, store, touch=False)

@@ -9,8 +9,8 @@ per target, so a log shows what the start is doing.
 
 from __future__ import annotations
 
-import inspect
 import logging
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -19,31 +19,71 @@ from typing import Any
 
 log = logging.getLogger("cachebuild")
 
-#: What to run instead, said with every notice.
+#: What to run instead, said with every notice where the model file is not known.
 HINT = ("`cachebuild warm MODEL.py` (a file whose build() returns this model's ModelSpec) "
         "before the server starts avoids this")
 
 
 def _model_file(model: Any) -> str:
-    try:
-        return inspect.getsourcefile(type(model)) or "its file"
-    except (OSError, TypeError):
-        return "its file"
+    from cachebuild.codehash import code_file
+
+    return code_file(type(model)) or "its file"
 
 
-def must_trace(model: Any, why: str) -> None:
-    """The start will trace ``model`` with Dynamo and build what is missing: say why."""
+def hint(model: Any) -> str:
+    """The command that would have avoided a cold start: ``cachebuild warm`` with the
+    model file where it is known (the file defining the model's class, or the script
+    running, if it has a ``build()``), else the generic form."""
+    for module in (sys.modules.get(type(model).__module__), sys.modules.get("__main__")):
+        path = getattr(module, "__file__", None)
+        if callable(getattr(module, "build", None)) and isinstance(path, str) and \
+                os.path.isfile(path):
+            return f"`cachebuild warm {path}` before the server starts avoids this"
+    return HINT
+
+
+def reason(why: str, store: Any = None, factors: Any = None) -> str:
+    """Why a model must be traced, in words, from a lookup's ``why``. Where no entry is
+    stored under the model's key, ``store`` and the key's ``factors`` find the nearest
+    stored entry of the same class, to say what changed since it was warmed (the model's
+    source, a config value) instead of "not warmed"."""
     if why == "no entry":
-        reason = "it was not warmed (no stored entry for this model, config and input shapes)"
-    elif why.startswith("traced source changed"):
-        reason = f"its stored entry is stale: {why}"
-    elif why.startswith("a value the trace read differs"):
-        reason = f"its stored entry was traced for other values: {why.split(': ', 1)[-1]}"
-    else:
-        reason = why
+        changes = _changes(store, factors)
+        if not changes:
+            return ("it was not warmed (no stored entry for this model, config and input "
+                    "shapes)")
+        if any(c.startswith("the file defining") for c in changes):
+            return f"its source changed since it was warmed: {'; '.join(changes)}"
+        return f"it was warmed with other settings: {'; '.join(changes)}"
+    if why.startswith("traced source changed"):
+        return f"its stored entry is stale: {why}"
+    if why.startswith("a value the trace read differs"):
+        return f"its stored entry was traced for other values: {why.split(': ', 1)[-1]}"
+    return why
+
+
+def must_trace(model: Any, why: str, store: Any = None, factors: Any = None) -> None:
+    """The start will trace ``model`` with Dynamo and build what is missing: say why
+    (``reason``), and what avoids it."""
     log.warning("cachebuild: compiling %s (defined in %s) from scratch because %s; tracing "
                 "and building what is missing can take minutes; %s",
-                type(model).__name__, _model_file(model), reason, HINT)
+                type(model).__name__, _model_file(model), reason(why, store, factors),
+                hint(model))
+
+
+def _changes(store: Any, factors: Any) -> list[str]:
+    """What differs from the nearest stored entry of the model's class, in words (none:
+    nothing of that class is stored)."""
+    if store is None or not isinstance(factors, dict):
+        return []
+    from cachebuild.explain import entries_of, nearest_entry
+
+    try:
+        nearest = nearest_entry(factors, entries_of(store, factors["model"]["class"]))
+    except Exception as e:  # a damaged record explains nothing; the start goes on
+        log.debug("no nearest entry: %s", e)
+        return []
+    return nearest[1][:3] if nearest else []
 
 
 def must_build(model: Any, missing: int, total: int, warm: bool) -> None:
@@ -52,7 +92,7 @@ def must_build(model: Any, missing: int, total: int, warm: bool) -> None:
     if warm:
         log.warning("cachebuild: %d of %d targets of %s's stored entry are missing (evicted "
                     "by gc, or damaged and quarantined); building them; %s",
-                    missing, total, type(model).__name__, HINT)
+                    missing, total, type(model).__name__, hint(model))
 
 
 @contextmanager

@@ -21,13 +21,14 @@ import torch
 import torch.fx as fx
 
 from cachebuild import keep
-from cachebuild.codehash import ast_hash, has_source_file, sourceless_classes
 from cachebuild.codehash import code_objects as code_objects_of
+from cachebuild.codehash import has_source, sourceless_classes
 from cachebuild.effects import graph_effects, might_write
 from cachebuild.errors import UsageError
 from cachebuild.facts import SYMBOL, InputMeta, device_of, meta_of, torch_dir, unpin_device
 from cachebuild.guards import GuardRecord, GuardSet
 from cachebuild.outputs import output_recipe
+from cachebuild.sources import digest_of, stamped_digest
 from cachebuild.weights import hooks_hidden
 
 
@@ -65,20 +66,34 @@ class TracedGraph:
     fake_inputs: list[Any] = field(default_factory=list)
     guards: list[GuardRecord] = field(default_factory=list)  # what the trace read
     unrecordable: str | None = None  # why no entry may be stored for this trace
+    source_stamps: dict[str, list[int]] = field(default_factory=dict)  # size, time per file
 
 
-def _traced_files(code_objects: list[Any], more: Sequence[str] = ()) -> dict[str, str]:
-    """Files whose code Dynamo traced (and ``more``), outside torch itself (its version is
-    in every key)."""
+def _traced_files(code_objects: list[Any], more: Sequence[str] = ()
+                  ) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """Sources whose code Dynamo traced (and ``more``), outside torch itself (its version is
+    in every key): files by their absolute path, code compiled from linecache text (a
+    notebook cell) by its linecache name; each with the hash of its syntax tree. And each
+    file's stamp (size, time) as of that hash, so that a warm start need not read an
+    unchanged file again."""
     files: dict[str, str] = {}
+    stamps: dict[str, list[int]] = {}
     for path in [code.co_filename for code in code_objects] + list(more):
-        path = os.path.abspath(path)
-        if path in files or path.startswith(torch_dir()) or not os.path.isfile(path):
+        if os.path.isfile(path):
+            path = os.path.abspath(path)
+            if path.startswith(torch_dir()):
+                continue
+        if path in files:
             continue
-        digest = ast_hash(path)
+        if os.path.isfile(path):
+            digest, stamp = stamped_digest(path)
+            if stamp is not None:
+                stamps[path] = stamp
+        else:
+            digest = digest_of(path)
         if digest is not None:
             files[path] = digest
-    return dict(sorted(files.items()))
+    return dict(sorted(files.items())), {p: stamps[p] for p in sorted(stamps) if p in files}
 
 
 def _bind(model: torch.nn.Module, args: list[Any], inputs: list[Any],
@@ -309,11 +324,13 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         wrong = GuardSet.of(guards).mismatches(model, args)
         if wrong:
             unrecordable = f"{wrong[0].describe()} right after tracing"
+    files, stamps = _traced_files(captured["code"], generated_from)
     return TracedGraph(
         gm=gm,
         bindings=bindings,
         input_metas=metas,
-        source_files=_traced_files(captured["code"], generated_from),
+        source_files=files,
+        source_stamps=stamps,
         out_spec=output_recipe(output, list(captured.get("outputs", ()))),
         num_outputs=num_outputs,
         fake_inputs=fakes,
@@ -332,7 +349,7 @@ def _unkeyed_code(model: torch.nn.Module, code_objects: list[Any]) -> tuple[str 
     file is then checked too. Frozen standard-library code comes with the Python version.
     """
     sourceless = [c for c in code_objects
-                  if not has_source_file(c) and not c.co_filename.startswith("<frozen ")]
+                  if not has_source(c) and not c.co_filename.startswith("<frozen ")]
     if not sourceless:
         return None, []
     known = {id(c) for cls in sourceless_classes(model) for c in code_objects_of(cls)}

@@ -31,6 +31,13 @@ class Store(Protocol):
         """A private folder where backends keep per-environment probe verdicts."""
         ...
 
+    @property
+    def work_dir(self) -> Path:
+        """Where compilers write while a target builds (``kernel_dir.build_work_dir``):
+        the store's ``work/`` folder or the operator's; ``stats`` counts it, ``gc``
+        empties it when no build runs."""
+        ...
+
     def scratch_dir(self, *, in_memory: bool = False) -> Path:
         """A directory only this process uses (0700, made by us and checked like the
         store, removed at exit), for files a loader must hand to another library by path.

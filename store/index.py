@@ -19,10 +19,12 @@ from __future__ import annotations
 import json
 import logging
 import sqlite3
+import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import diskcache
 
@@ -89,10 +91,78 @@ def parse_row(key: str, raw: Any) -> dict[str, Any]:
     return fields
 
 
-class Index:
-    """Records keyed by store key, in a diskcache database at ``directory``."""
+class ReadOnlyStore(StoreError):
+    """A write to a store this process may only read (exit code 2: the store given)."""
+
+    exit_code = 2
+
+
+class _ReadOnlyCache:
+    """The reads ``Index`` makes of a diskcache database, through a read-only SQLite
+    connection that writes nothing (no settings, no journal, no statistics): for a store
+    in an image layer, on a read-only mount, or owned by root and served to another user.
+
+    Rows and value files are decoded by the same ``Disk`` as for writing (no pickles)."""
 
     def __init__(self, directory: Path) -> None:
+        db = directory / diskcache.core.DBNAME
+        if not db.is_file():
+            raise StoreError(f"no store index in {directory}")
+        self._directory = directory
+        self._disk = _PlainDisk(str(directory))
+        path = quote(str(db))
+        try:  # a database another process may change (root's shared store)
+            self._con = sqlite3.connect(f"file:{path}?mode=ro", uri=True,
+                                        check_same_thread=False)
+            self._con.execute("SELECT 1 FROM Cache LIMIT 1").fetchall()
+        except sqlite3.Error:
+            # A WAL database without its shared-memory file, which a reader cannot make on
+            # a read-only file system: read it as it stands (an image layer changes never).
+            self._con = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True,
+                                        check_same_thread=False)
+        self._lock = threading.Lock()
+
+    def get(self, key: str, default: Any = None) -> Any:
+        db_key, raw = self._disk.put(key)
+        with self._lock:
+            rows = self._con.execute("SELECT mode, filename, value FROM Cache WHERE key = ? "
+                                     "AND raw = ?", (db_key, raw)).fetchall()
+        if not rows:
+            return default
+        mode, filename, value = rows[0]
+        try:
+            return self._disk.fetch(mode, filename, value, False)
+        except OSError:
+            return default
+
+    def iterkeys(self) -> Iterator[Any]:
+        with self._lock:
+            rows = self._con.execute("SELECT key, raw FROM Cache ORDER BY key, raw").fetchall()
+        for key, raw in rows:
+            yield self._disk.get(key, raw)
+
+    def close(self) -> None:
+        self._con.close()
+
+    def _refuse(self, *args: Any, **kwargs: Any) -> Any:
+        raise ReadOnlyStore(f"the store index in {self._directory} is read-only here")
+
+    transact = set = delete = incr = _refuse
+
+
+class Index:
+    """Records keyed by store key, in a diskcache database at ``directory`` (opened to
+    read only, writing nothing, with ``read_only``)."""
+
+    def __init__(self, directory: Path, *, read_only: bool = False) -> None:
+        self.read_only = read_only
+        if read_only:
+            try:
+                self._db: Any = _ReadOnlyCache(directory)
+            except INDEX_ERRORS as e:
+                raise StoreError(f"cannot read the store index in {directory}: {e}") from None
+            self._warned: set[str] = set()
+            return
         try:
             # No eviction and no culling: the store decides what goes (GC), not the cache.
             self._db = diskcache.Cache(str(directory), timeout=60, disk=_PlainDisk,

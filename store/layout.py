@@ -13,6 +13,9 @@
       scratch/      one private directory per live process, for files a loader hands to
                     another library by path (Inductor's kernels); removed at exit
       probe/        the AOTI toolchain verdicts
+      work/         what compilers write while a target builds (Inductor's and Triton's
+                    caches and precompiled headers, temp files): ``gc`` removes it
+                    when no build is running
       reserve       1 MiB kept free for a full disk (see LocalStore)
 
 ``ab`` is the first two hex digits of the key, so no directory grows past a few
@@ -84,6 +87,7 @@ class Layout:
         self.tmp = root / "tmp"
         self.probe = root / "probe"  # the AOTI toolchain verdicts (created when first probed)
         self.scratch = root / "scratch"  # per-process private directories (made on use)
+        self.work = root / "work"  # compilers' working files during builds (made on use)
         self.reserve = root / "reserve"
         self._objects_str = str(self.objects)
 
@@ -192,4 +196,75 @@ def prepare(path: Path) -> Layout:
     for name in SUBDIRS:
         make_private_dir(layout.root / name)
     make_private_dir(layout.entry_lock("00").parent)
+    return layout
+
+
+# -- a store this process may only read --------------------------------------------------
+
+def writable_here(path: Path) -> bool:
+    """True unless ``path`` exists and this process cannot write it: a read-only mount
+    (an image layer, a ``ro`` bind), a directory another user (root) owns, or one whose
+    mode lets no one write. A store that does not exist yet is writable (it is made)."""
+    path = path.expanduser().absolute()
+    try:
+        st = os.stat(path)
+        ro_mount = bool(os.statvfs(path).f_flag & os.ST_RDONLY)
+    except FileNotFoundError:
+        return True
+    except OSError:
+        return False  # cannot even look: the read-only checks say why
+    if ro_mount:
+        return False
+    if st.st_uid != os.geteuid():
+        return False
+    return os.access(path, os.W_OK)
+
+
+def check_readable_dir(path: Path) -> None:
+    """Refuse ``path`` unless it is a directory owned by us or root that no one else can
+    write: what a store served read-only must be (root built it into an image; anyone
+    else writing there could change what this process runs)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        raise UnsafeStore(f"store directory {path} does not exist") from None
+    except PermissionError as e:
+        raise UnsafeStore(f"cannot access store directory {path}: {e.strerror}; a store "
+                          "built by another user must be made readable to be served "
+                          "(e.g. chmod -R a+rX on it after warming)") from None
+    if stat.S_ISLNK(st.st_mode):
+        raise UnsafeStore(f"refusing store path {path}: it is a symlink; give the directory "
+                         "it points to")
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeStore(f"store path {path} is not a directory")
+    euid = os.geteuid()
+    if st.st_uid not in (0, euid):
+        raise UnsafeStore(
+            f"refusing store directory {path}: it is owned by uid {st.st_uid}, neither you "
+            f"(uid {euid}) nor root; stored artifacts contain code that runs when loaded, so "
+            "a store must belong to you, or to root for a store you only read")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise UnsafeStore(
+            f"refusing store directory {path}: it is writable by others (mode "
+            f"{stat.S_IMODE(st.st_mode):o}); stored artifacts contain code that runs when "
+            f"loaded, so only its owner may write there")
+    if not os.access(path, os.R_OK | os.X_OK):
+        raise UnsafeStore(f"cannot read store directory {path} (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}, owner uid {st.st_uid}): a store "
+                          "built by another user must be made readable to be served (e.g. "
+                          "chmod -R a+rX on it after warming)")
+
+
+def open_read_only(path: Path) -> Layout:
+    """Check a store this process only reads, creating nothing; return its Layout.
+
+    The store, its format folder, its index and its objects folder must each be a
+    directory owned by us or root and writable by no one else, and every directory above
+    it must pass ``check_parents``. Blobs are checked as they are read, like any store's."""
+    path = Path(os.path.realpath(path.expanduser().absolute()))
+    check_readable_dir(path)
+    check_parents(path)
+    layout = Layout(path / FORMAT_DIR)
+    for folder in (layout.root, layout.index, layout.objects):
+        check_readable_dir(folder)
     return layout

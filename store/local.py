@@ -185,20 +185,23 @@ class LocalStore(Store):
     directory above it (``store.options`` decides the path from the environment).
     With ``signing_key`` every blob written is signed (HMAC-SHA256) and signed blobs are
     checked on read; ``require_signature`` also rejects unsigned ones. ``lock_timeout``
-    is the default wait of ``lock`` in seconds.
+    is the default wait of ``lock`` in seconds. ``work_dir``: where compilers write while
+    a target builds (default ``v1/work``; ``stats`` counts it, ``gc`` empties it).
     """
 
     def __init__(self, path: str | os.PathLike[str], *,
                  signing_key: bytes | None = None, require_signature: bool = False,
-                 lock_timeout: float = 600.0) -> None:
+                 lock_timeout: float = 600.0,
+                 work_dir: str | os.PathLike[str] | None = None) -> None:
         if require_signature and not signing_key:
             raise StoreError("require_signature needs a signing key "
                              "(set CACHEBUILD_SIGNING_KEY)")
         if signing_key is not None and not isinstance(signing_key, bytes | bytearray):
             raise TypeError("signing_key must be bytes")
         self.path = Path(path).expanduser()
-        self._layout = prepare(self.path)
+        self._layout = self._open_layout(self.path)
         self.root: Path = self._layout.root
+        self._work_dir = Path(work_dir) if work_dir else self._layout.work
         self._index = self._open_index()
         self.ensure_reserve()
         self._signing_key = bytes(signing_key) if signing_key else None
@@ -209,6 +212,13 @@ class LocalStore(Store):
         self._scratch: dict[tuple[int, bool], Scratch] = {}
         self._memfiles: dict[str, int] = {}  # materialized in memory (full disk): name → fd
         self._finalizer = weakref.finalize(self, self._usage.flush, self._index)
+
+    #: False: a store this process writes. ``ReadOnlyLocalStore`` only reads.
+    read_only = False
+
+    def _open_layout(self, path: Path) -> Layout:
+        """Create (0700) and check the store's directories (``layout.prepare``)."""
+        return prepare(path)
 
     # -- a full disk --------------------------------------------------------------------
 
@@ -313,6 +323,11 @@ class LocalStore(Store):
     @property
     def layout(self) -> Layout:
         return self._layout
+
+    @property
+    def work_dir(self) -> Path:
+        """Where compilers write while a target builds (see ``Store.work_dir``)."""
+        return self._work_dir
 
     @property
     def probe_dir(self) -> Path:
@@ -808,6 +823,7 @@ class LocalStore(Store):
             "warm_starts": counters["warm_starts"],
             "by_kind": dict(sorted(by_kind.items())),
             "tmp_files": maintenance.count_files(self._layout.tmp),
+            "work": maintenance.work_usage(self.work_dir),
             "quarantine_files": maintenance.count_files(self._layout.quarantine),
         }
 

@@ -52,6 +52,18 @@ def flocked(path: Path) -> Iterator[None]:
         os.close(fd)  # closing the last descriptor releases the flock
 
 
+@contextlib.contextmanager
+def flocked_shared(path: Path) -> Iterator[None]:
+    """Hold a shared flock on ``path`` (created if needed) while the block runs: many
+    holders at once, none while someone holds it exclusively (``try_flock``)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        yield
+    finally:
+        os.close(fd)
+
+
 def try_flock(fd: int) -> bool:
     """Take an exclusive flock on ``fd`` without waiting; False if someone else holds it."""
     try:

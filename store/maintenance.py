@@ -12,7 +12,7 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from .files import remove_abandoned_scratch, remove_any
 from .layout import Layout, check_key
@@ -58,6 +58,47 @@ def disk_usage(layout: Layout) -> dict[str, int]:
         with contextlib.suppress(FileNotFoundError):
             usage[key] = usage.get(key, 0) + entry.stat(follow_symlinks=False).st_size
     return usage
+
+
+#: The file a build holds shared (flock) in the work folder while it runs: ``gc`` empties
+#: the folder only when it can hold it alone.
+WORK_LOCK = ".builds"
+
+
+def work_usage(folder: Path) -> dict[str, Any]:
+    """The build work folder: ``{"path", "bytes", "files"}`` (0 if it is missing)."""
+    size = files = 0
+    for dirpath, _, names in os.walk(folder):
+        for name in names:
+            if name == WORK_LOCK and dirpath == str(folder):
+                continue
+            with contextlib.suppress(OSError):
+                size += os.lstat(os.path.join(dirpath, name)).st_size
+                files += 1
+    return {"path": str(folder), "bytes": size, "files": files}
+
+
+def clean_work(folder: Path, dry_run: bool) -> tuple[int, bool]:
+    """Empty the build work folder unless a build holds it: ``(bytes, emptied)`` (with
+    ``dry_run``, what would go)."""
+    size = work_usage(folder)["bytes"]
+    if size == 0 or not folder.is_dir():
+        return 0, True
+    lock = folder / WORK_LOCK
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return 0, False
+    try:
+        if not try_flock(fd):
+            return 0, False  # a build is running: its files stay
+        if not dry_run:
+            for entry in os.scandir(folder):
+                if entry.name != WORK_LOCK:
+                    remove_any(entry.path)
+        return size, True
+    finally:
+        os.close(fd)
 
 
 def count_files(directory: Path) -> int:
@@ -200,6 +241,8 @@ def collect(store: LocalStore, *, max_size: int | None, older_than: float | None
         report.tmp_removed, report.orphans_removed = clean_leftovers(store)
         report.quarantine_removed = _clean_old_files(store.layout, now)
         _clean_lock_files(store, now)
+    report.work_bytes, emptied = clean_work(store.work_dir, dry_run)
+    report.work_busy = not emptied
     records = {r.key: r for r in store.index.records(manifest=False)}
     usage = disk_usage(store.layout)
     protected = reachable(records, [k for k, r in records.items() if r.pinned])

@@ -13,6 +13,12 @@ is opened. The settings, with their variables:
 - ``require_signature`` (``CACHEBUILD_REQUIRE_SIGNATURE``): also refuse unsigned blobs.
 - ``allow_unsigned`` (``CACHEBUILD_ALLOW_UNSIGNED``): use a remote without a signing key
   (anyone who can write to it can then run code here).
+- ``work_dir`` (``CACHEBUILD_WORK_DIR``): where compilers write while a target builds
+  (Inductor's and Triton's caches, precompiled headers, temp files); default the store's
+  ``work/`` folder. ``stats`` counts it and ``gc`` empties it when no build runs.
+- ``overlay_dir`` (``CACHEBUILD_OVERLAY_DIR``): where this user's builds go when
+  ``cache_dir`` is read-only here (an image layer, a read-only mount, a store root owns):
+  a store of its own, read before the read-only one. Unset: in memory, gone at exit.
 
 Options are plain values, so worker processes open the very same store from them.
 """
@@ -55,12 +61,22 @@ class StoreOptions:
     signing_key: bytes | None = None
     require_signature: bool = False
     allow_unsigned: bool = False
+    overlay_dir: Path | str | None = None
+    work_dir: Path | str | None = None
 
     def __post_init__(self) -> None:
         if not str(self.cache_dir).strip():
             raise UsageError("the cache directory is empty: give a path (--cache-dir or "
                              "CACHEBUILD_DIR)")
         object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
+        if self.overlay_dir is not None:
+            if not str(self.overlay_dir).strip():
+                raise UsageError("CACHEBUILD_OVERLAY_DIR is empty: give a path, or unset it")
+            object.__setattr__(self, "overlay_dir", Path(self.overlay_dir).expanduser())
+        if self.work_dir is not None:
+            if not str(self.work_dir).strip():
+                raise UsageError("CACHEBUILD_WORK_DIR is empty: give a path, or unset it")
+            object.__setattr__(self, "work_dir", Path(self.work_dir).expanduser().absolute())
         mode = self.remote_mode.strip().lower()
         if mode not in REMOTE_MODES:
             raise UsageError(f"the remote mode (--remote-mode, CACHEBUILD_REMOTE_MODE) must be "
@@ -81,6 +97,10 @@ class StoreOptions:
             env["remote"] = os.environ["CACHEBUILD_REMOTE"]
         if os.environ.get("CACHEBUILD_REMOTE_MODE"):
             env["remote_mode"] = os.environ["CACHEBUILD_REMOTE_MODE"]
+        if os.environ.get("CACHEBUILD_WORK_DIR") is not None:
+            env["work_dir"] = os.environ["CACHEBUILD_WORK_DIR"]
+        if os.environ.get("CACHEBUILD_OVERLAY_DIR") is not None:
+            env["overlay_dir"] = os.environ["CACHEBUILD_OVERLAY_DIR"]
         if os.environ.get("CACHEBUILD_SIGNING_KEY"):
             env["signing_key"] = os.environ["CACHEBUILD_SIGNING_KEY"].encode("utf-8")
         env["require_signature"] = env_flag("CACHEBUILD_REQUIRE_SIGNATURE")
@@ -100,16 +120,32 @@ class StoreOptions:
 
 def open_store(options: StoreOptions | None = None) -> Store:
     """The store ``options`` describe (default: the environment's): a ``LocalStore``, or
-    a ``TieredStore`` (L1 + Redis) when a remote is configured and not off.
+    a ``TieredStore`` (L1 + Redis) when a remote is configured and not off, or, where the
+    directory is read-only here, an ``OverlayStore`` (that store read-only, this user's
+    builds in ``overlay_dir`` or in memory).
 
     Raises StoreError (exit 1) for an unsafe or unusable directory, UsageError (exit 2)
     for a bad remote URL, or a remote without a signing key unless ``allow_unsigned``.
     """
+    from cachebuild.store.layout import writable_here
     from cachebuild.store.local import LocalStore
 
     options = options or StoreOptions.from_env()
+    if not writable_here(options.cache_dir):
+        if options.uses_remote:
+            raise UsageError(f"the store at {options.cache_dir} is read-only here, and a "
+                             "remote tier needs a local store it can write: give one "
+                             "(--cache-dir, CACHEBUILD_DIR) or turn the remote off "
+                             "(CACHEBUILD_REMOTE_MODE=off)")
+        from cachebuild.store.overlay import OverlayStore
+        from cachebuild.store.readonly import ReadOnlyLocalStore
+
+        base = ReadOnlyLocalStore(options.cache_dir, signing_key=options.signing_key,
+                                  require_signature=options.require_signature)
+        return OverlayStore(base, options.overlay_dir,  # type: ignore[return-value]
+                            work_dir=options.work_dir)
     local = LocalStore(options.cache_dir, signing_key=options.signing_key,
-                       require_signature=options.require_signature)
+                       require_signature=options.require_signature, work_dir=options.work_dir)
     if not options.uses_remote:
         return local
     from cachebuild.store.remote import RedisRemote

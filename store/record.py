@@ -153,6 +153,8 @@ class GCReport:
     tmp_removed: int = 0
     orphans_removed: int = 0
     quarantine_removed: int = 0
+    work_bytes: int = 0  # compilers' working files of builds removed (or that would be)
+    work_busy: bool = False  # a build was running, so they were left
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

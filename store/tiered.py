@@ -191,6 +191,10 @@ class TieredStore(Store):
     def probe_dir(self) -> Path:
         return self.local.probe_dir
 
+    @property
+    def work_dir(self) -> Path:
+        return self.local.work_dir
+
     def scratch_dir(self, *, in_memory: bool = False) -> Path:
         return self.local.scratch_dir(in_memory=in_memory)
 

@@ -341,6 +341,33 @@ def run_pythons(code: str, envs: list[dict[str, str]], timeout: float = 900
         return results
 
 
+def run_side_by_side(commands: list[tuple[list[str], dict[str, str], Path | str | None]],
+                     timeout: float = 900) -> list[subprocess.CompletedProcess[str]]:
+    """Run ``commands`` (argv, environment replacing this one's, working directory) all
+    at once, output to files (no child waits on a full pipe); each one's exit code,
+    stdout and stderr, in order."""
+    with tempfile.TemporaryDirectory(prefix="cachebuild-children-") as folder:
+        procs = []
+        for i, (argv, env, cwd) in enumerate(commands):
+            out, err = (open(Path(folder) / f"{i}.{k}", "w+") for k in ("out", "err"))
+            procs.append((subprocess.Popen(argv, env=env, cwd=cwd, stdout=out, stderr=err,
+                                           text=True), out, err))
+        done = []
+        for proc, out, err in procs:
+            try:
+                proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+            out.seek(0)
+            err.seek(0)
+            done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out.read(),
+                                                    err.read()))
+            out.close()
+            err.close()
+        return done
+
+
 def start_python(code: str, *, env: dict[str, str] | None = None) -> subprocess.Popen:
     """Start ``code`` in a fresh interpreter (see ``run_python``); collect with ``finish``."""
     child_env = dict(os.environ)

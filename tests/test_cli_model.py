@@ -99,6 +99,34 @@ def test_a_model_file_imported_already_is_not_run_twice(tmp_path, monkeypatch):
     assert import_model(str(path)) is sys.modules["mf_ops_once"]
 
 
+def test_a_model_file_imports_the_modules_beside_it_and_its_package(tmp_path, monkeypatch):
+    """As ``python m.py`` and ``python -m pkg.models.m`` import them: a file's siblings by
+    their own names; a file inside a package under its dotted name, relative imports and
+    all, the very module a server importing ``pkg.models.m`` gets."""
+    from cachebuild.modelfile import import_model
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    loaded = set(sys.modules)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    (plain / "mf_sibling.py").write_text("VALUE = 3\n")
+    (plain / "mf_plain.py").write_text("import mf_sibling\nVALUE = mf_sibling.VALUE\n")
+    assert import_model(plain / "mf_plain.py").VALUE == 3
+    models_dir = tmp_path / "root" / "mfpkg" / "models"
+    models_dir.mkdir(parents=True)
+    (models_dir.parent / "__init__.py").write_text("")
+    (models_dir / "__init__.py").write_text("")
+    (models_dir / "parts.py").write_text("VALUE = 5\n")
+    (models_dir / "m.py").write_text("from . import parts\nVALUE = parts.VALUE\n")
+    module = import_model(models_dir / "m.py")
+    assert module.__name__ == "mfpkg.models.m" and module.VALUE == 5
+    import mfpkg.models.m  # noqa: F401 (what a server does)
+
+    assert sys.modules["mfpkg.models.m"] is module
+    for name in set(sys.modules) - loaded:  # the test's files, gone with its folder
+        del sys.modules[name]
+
+
 def test_dry_run_plan_and_explain_change_nothing(tmp_path, model):
     """Looking is not using: ``warm --dry-run``, ``plan`` and ``explain`` store nothing and
     count no hit, so they change nothing GC goes by."""

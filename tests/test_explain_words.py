@@ -103,6 +103,15 @@ def test_a_traced_source_file_edited_is_named(warmed):
         out = words(cli(store, "explain", str(model)))
     finally:
         model.write_text(original)
-    assert re.search(r"entry [0-9a-f]{16} not used \(no entry\); nearest entry [0-9a-f]{16}: "
-                     r"the file defining the model's class was edited", out), out
+    assert re.search(r"entry [0-9a-f]{16}: none is stored for this model, config and input "
+                     r"shapes; the nearest entry [0-9a-f]{16} differs: the file defining "
+                     r"the model's class was edited", out), out
     assert re.search(rf"silu → gelu at node \d+ \({model}:\d+\)", out), out
+
+
+def test_a_model_never_warmed_is_said_so_with_the_command(warmed, tmp_path):
+    _, model = warmed
+    out = words(cli(tmp_path / "empty-store", "explain", str(model)))
+    assert re.search(r"entry [0-9a-f]{16}: none is stored for this model, config and input "
+                     rf"shapes \(not warmed: run `cachebuild warm {re.escape(str(model))}`\)",
+                     out), out

@@ -19,6 +19,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
+pytest.importorskip("triton", reason="the kernels need Triton (pip install -e '.[test]')")
+
 from cachebuild.passes.ops import (  # noqa: E402
     kernels,
     op,  # noqa: E402

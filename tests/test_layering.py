@@ -24,13 +24,15 @@ LAYERS = [
      "cachebuild.metrics"],
     ["cachebuild.facts", "cachebuild.effects", "cachebuild.fxjson", "cachebuild.graphdiff",
      "cachebuild.inputs", "cachebuild.weights", "cachebuild.outputs", "cachebuild.codehash",
+     "cachebuild.sources",
      "cachebuild.store.*", "cachebuild.backends.*", "cachebuild.passes.*"],
     ["cachebuild.trace", "cachebuild.split", "cachebuild.targets", "cachebuild.guards",
      "cachebuild.guard_export", "cachebuild.distributed"],
-    ["cachebuild.entry", "cachebuild.plan", "cachebuild.explain"],
+    ["cachebuild.entry", "cachebuild.planner", "cachebuild.explain"],
     ["cachebuild.build", "cachebuild.verify", "cachebuild.notice"],
     ["cachebuild.runtime", "cachebuild.capture", "cachebuild.cudagraphs"],
-    ["cachebuild.api", "cachebuild.dynamo_backend", "cachebuild.modelfile"],
+    ["cachebuild.api", "cachebuild.dynamo_backend", "cachebuild.modelfile",
+     "cachebuild.warming"],
     ["cachebuild.cli.*"],
 ]
 

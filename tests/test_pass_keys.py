@@ -12,7 +12,7 @@ import cachebuild
 from cachebuild.explain import explain
 from cachebuild.passes import PassConfig
 from cachebuild.passes.rewrites.fusions import RMSNormQuantFusion
-from cachebuild.plan import Planner
+from cachebuild.planner import Planner
 from cachebuild.store import LocalStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))

@@ -6,7 +6,9 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+import tempfile
 import textwrap
+from pathlib import Path
 from typing import ClassVar
 
 import pytest
@@ -257,3 +259,34 @@ def test_loading_the_framework_imports_no_compiler():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_cpu_install_without_triton_compiles_with_every_fusion():
+    """Triton is an extra: with it absent, the ops, the passes and a build with every fusion
+    enabled work on CPU (the fused ops run their torch references there)."""
+    code = (
+        "import sys\n"
+        "sys.modules['triton'] = None  # as if it were not installed: importing it fails\n"
+        "import torch, cachebuild\n"
+        "from cachebuild.passes import PassConfig\n"
+        "from cachebuild.store import LocalStore\n"
+        "class M(torch.nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.w = torch.nn.Parameter(torch.ones(16))\n"
+        "    def forward(self, x):\n"
+        "        h = torch.ops.cachebuild.rms_norm(x, self.w, 1e-6)\n"
+        "        return torch.ops.cachebuild.silu_and_mul(torch.cat([h, h], -1))\n"
+        "config = cachebuild.CompileConfig(backend='eager_fusion', compile_ranges=((1, 16),),\n"
+        "                                  passes=PassConfig.all_fusions())\n"
+        "model = M().eval()\n"
+        "compiled = cachebuild.compile(model, config, {0: 0}, store=LocalStore(sys.argv[1]))\n"
+        "x = torch.randn(5, 16)\n"
+        "torch.testing.assert_close(compiled(x), model(x))\n"
+        "assert 'triton' not in [m.split('.')[0] for m, v in sys.modules.items() if v]\n"
+        "print('ok')\n"
+    )
+    with tempfile.TemporaryDirectory() as folder:
+        done = subprocess.run([sys.executable, "-c", code, str(Path(folder) / "store")],
+                              capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]

@@ -13,7 +13,7 @@ import cachebuild
 import cachebuild.env
 from cachebuild.keys import diff_manifests
 from cachebuild.passes import PassConfig, PassManager
-from cachebuild.plan import Planner
+from cachebuild.planner import Planner
 from cachebuild.store import LocalStore
 from cachebuild.trace import trace_model
 

@@ -18,7 +18,7 @@ import pytest
 from cachebuild.backends import probe
 from cachebuild.errors import ConfigError
 from cachebuild.keys import diff_manifests
-from cachebuild.plan import Planner
+from cachebuild.planner import Planner
 from cachebuild.trace import trace_model
 
 DYN = {0: 0, 1: 0}

@@ -7,8 +7,6 @@ name the model's GPU by type."""
 from __future__ import annotations
 
 import json
-import sys
-import types
 
 import models
 import pytest
@@ -24,10 +22,9 @@ from cachebuild.build import Builder, BuildJob, device_copy, jobs_of
 from cachebuild.distributed import fake_world, local_groups
 from cachebuild.explain import explain
 from cachebuild.facts import InputMeta, unpin_device
-from cachebuild.guards import model_label
 from cachebuild.keys import make_key
 from cachebuild.modelfile import load_spec
-from cachebuild.plan import Planner
+from cachebuild.planner import Planner
 from cachebuild.store import LocalStore
 
 
@@ -196,27 +193,6 @@ def test_standalone_artifact_refuses_another_gpu_before_writing(tmp_path):
     with pytest.raises(DeviceBound, match="built for cuda:0 and cannot run on cuda:1") as e:
         load_standalone("k" * 32, OneBlob(), "cuda:1")
     assert e.value.built_for == "cuda:0"
-
-
-def test_guards_name_a_model_file_by_its_file_name_and_code(monkeypatch, tmp_path):
-    labels = []
-    for name, folder in [("cachebuild_model_0123456789abcdef", "a"), ("llama", "b"),
-                         ("pkg.models.llama", "c")]:
-        (tmp_path / folder).mkdir()
-        path = tmp_path / folder / "llama.py"
-        path.write_text("x = 1  # the same code wherever it lies\n")
-        module = types.ModuleType(name)
-        module.__file__ = str(path)
-        monkeypatch.setitem(sys.modules, module.__name__, module)
-        labels.append(model_label(name))
-    assert len(set(labels)) == 1 and labels[0].startswith("<llama.py:")
-    (tmp_path / "d").mkdir()
-    (tmp_path / "d" / "llama.py").write_text("x = 2\n")
-    other = types.ModuleType("other")
-    other.__file__ = str(tmp_path / "d" / "llama.py")
-    monkeypatch.setitem(sys.modules, "other", other)
-    assert model_label("other") not in labels  # other code, another name
-    assert model_label("torch.nn") == "torch.nn"
 
 
 def test_cli_plans_and_explains_a_world_size(tmp_path):

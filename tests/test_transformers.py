@@ -16,7 +16,7 @@ import pytest
 import torch
 
 import cachebuild
-from cachebuild.plan import Planner
+from cachebuild.planner import Planner
 from cachebuild.store import LocalStore
 from cachebuild.trace import trace_model
 

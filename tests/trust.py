@@ -85,7 +85,9 @@ def public_dir() -> Iterator[Path]:
     (pytest's own are private to root), removed afterwards."""
     import tempfile
 
-    path = Path(tempfile.mkdtemp(prefix="cachebuild-trust-"))
+    from conftest import SYSTEM_TMP
+
+    path = Path(tempfile.mkdtemp(prefix="cachebuild-trust-", dir=SYSTEM_TMP))
     os.chmod(path, 0o755)
     try:
         yield path

@@ -68,11 +68,37 @@ class _Group(click.Group):
             ctx.exit(e.exit_code)
 
 
+#: The handler the command line logs through (one per process, however often it runs).
+_HANDLER: list[logging.Handler] = []
+
+
+class _Stderr(logging.StreamHandler):  # type: ignore[type-arg]
+    """Plain lines to whatever ``sys.stderr`` is when a record comes (a test runner swaps
+    it between commands)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
 def _setup_logging(verbose: bool) -> None:
+    """Log lines on stderr: rich's on a terminal; plain, one line each, when stderr is a
+    pipe or a file (rich would pad every line to the width piped output is given)."""
     logger = logging.getLogger("cachebuild")
     logger.setLevel(logging.DEBUG if verbose else logging.WARNING)
-    if not any(isinstance(h, RichHandler) for h in logger.handlers):
-        logger.addHandler(RichHandler(console=stderr(), show_time=False, show_path=False))
+    if not _HANDLER:
+        if sys.stderr.isatty():
+            handler: logging.Handler = RichHandler(console=stderr(), show_time=False,
+                                                   show_path=False)
+        else:
+            handler = _Stderr()
+            handler.setFormatter(logging.Formatter("%(message)s"))
+        _HANDLER.append(handler)
+        logger.addHandler(handler)
     logger.propagate = False
 
 

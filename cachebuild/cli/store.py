@@ -86,7 +86,7 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     table.add_column("what")
     table.add_column("value")
     rate = "–" if stats["hit_rate"] is None else f"{stats['hit_rate']:.1%}"
-    rows = [("store", stats["path"]),
+    rows = [("store", stats["path"] + (" (read-only here)" if stats.get("read_only") else "")),
             ("records", str(stats["records"])),
             ("payload", format_size(stats["bytes"])),
             ("on disk", format_size(stats["disk_bytes"])),
@@ -112,6 +112,13 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
                  ("remote rejected", str(tiers["remote_rejected"])),
                  ("remote incomplete", str(tiers["remote_incomplete"])),
                  ("remote errors", str(tiers["remote_errors"]))]
+    work = stats.get("work")
+    if work is not None:  # what compilers wrote during builds: gc empties it
+        rows.append(("build work files", f"{format_size(work['bytes'])} in "
+                                         f"{plural(work['files'], 'file')} ({work['path']})"))
+    overlay = stats.get("overlay")
+    if overlay is not None:  # a read-only store: where this user's builds go
+        rows.append(("overlay", f"{overlay['path']} ({overlay['records']} records)"))
     for v in verdicts:  # which flavour and compiler this machine builds with, and why
         rows.append((f"toolchain ({v.device})", v.describe().split(": ", 1)[1]))
     for what, value in rows:
@@ -152,6 +159,11 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
     out.print(f"{verb} {plural(len(report.removed), 'record')} ({format_size(report.freed_bytes)}); "
               f"store {'would be' if dry_run else 'is now'} {format_size(report.bytes_after)} "
               f"in {plural(report.records_after, 'record')}, {report.kept_pinned} kept by pins")
+    if report.work_bytes:
+        out.print(f"{verb} {format_size(report.work_bytes)} of build work files "
+                  "(compilers' caches and precompiled headers)")
+    elif report.work_busy:
+        out.print("build work files kept: a build is running")
     if report.tmp_removed or report.orphans_removed:
         out.print(f"cleaned {report.tmp_removed} abandoned temp files and "
                   f"{report.orphans_removed} unrecorded blobs")

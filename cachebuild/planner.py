@@ -124,7 +124,7 @@ class Planner:
             with phase("guards"):
                 guards = entry.guard_set()
                 values = guards.values(self.model, args)
-                wrong = guards.mismatches(self.model, args, values)
+                wrong = guards.mismatches(self.model, args, values, entry.sources)
                 layouts = entry.layouts()
                 if layouts:  # a tensor-parallel model: its process groups as traced?
                     moved, live = layout_mismatches(layouts)

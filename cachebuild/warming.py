@@ -1,0 +1,541 @@
+"""Warming and planning as library calls: ``cachebuild.warm`` and ``cachebuild.plan``.
+
+``warm(model)`` traces a model once (or finds its stored entry), plans its targets, builds
+every missing one and records the entry, so that a server started later loads everything
+and traces nothing. ``plan(model)`` says what ``warm`` would do, changing nothing. Both
+return a typed report; the ``warm`` and ``plan`` commands print one.
+
+``model`` is a MODEL.py path (a file whose ``build()`` returns a ``ModelSpec``), a
+``build`` function, or a ``ModelSpec``. A model file's targets build in worker processes
+(each under the key's lock, so a concurrent ``warm`` or server never builds one twice),
+which import the file to have its ops; a spec or a function builds in this process, one
+target after another, with whatever this process registered (ops, backends, passes). With
+``world_size``, ``build()`` is called once per rank under torch's fake process group
+(``distributed.fake_world``: no GPUs, no other processes) and every rank's entry recorded.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+import warnings
+from collections.abc import Callable, Iterator
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeAlias
+
+from cachebuild.api import ModelSpec
+from cachebuild.errors import UsageError
+
+if TYPE_CHECKING:
+    from cachebuild.build import BuildJob
+    from cachebuild.entry import Entry
+    from cachebuild.planner import Lookup, Planner
+    from cachebuild.store.base import Store
+    from cachebuild.store.options import StoreOptions
+
+#: What ``warm`` and ``plan`` take: a MODEL.py path, a ``build`` function, or a spec.
+ModelSource: TypeAlias = "ModelSpec | str | os.PathLike | Callable[[], ModelSpec]"
+
+#: The words ``plan`` and ``explain`` use for a target: ``stored``; ``stale`` (not stored,
+#: but the same piece and bucket of the model's previous entry is: something it depends on
+#: changed); ``missing`` (not stored, never built). ``warm`` reports ``stored``, ``built``
+#: or ``failed``.
+STATES = ("stored", "stale", "missing")
+
+
+# -- reports -------------------------------------------------------------------------------
+
+@dataclass
+class TargetReport:
+    """One unique target: its key, the pieces and ranks using it, and its state."""
+
+    key: str
+    bucket: str  # "range 1-64", "size 8"
+    pieces: list[int]
+    state: str  # plan: stored / stale / missing; warm: stored / built / failed
+    ranks: list[int] = field(default_factory=list)  # ranks using it (with a world size)
+    seconds: float = 0.0  # building it (warm)
+    error: str | None = None  # why it failed (warm)
+
+    @property
+    def label(self) -> str:
+        return f"piece {self.pieces[0]} {self.bucket}"
+
+
+@dataclass
+class EntryReport:
+    """One model entry: its key, the ranks it serves, and whether it was stored already
+    (``why`` is ``"fresh"``) or why it was traced."""
+
+    key: str
+    why: str
+    ranks: list[int] = field(default_factory=list)
+    recorded: bool | None = None  # warm: stored now (False: the trace cannot be recorded)
+    unrecordable: str | None = None  # why not
+
+
+@dataclass
+class PlanReport:
+    """What a model needs: its entries (one, or one per distinct rank) and every unique
+    target with its state."""
+
+    entries: list[EntryReport]
+    targets: list[TargetReport]
+    world_size: int | None = None
+
+    @property
+    def entry_key(self) -> str:
+        """The key of the model's entry (with a world size: rank 0's)."""
+        return self.entries[0].key
+
+    def with_state(self, state: str) -> list[TargetReport]:
+        return [t for t in self.targets if t.state == state]
+
+
+@dataclass
+class WarmReport(PlanReport):
+    """What ``warm`` did: each target ``stored`` (already there), ``built`` or
+    ``failed``, the entries recorded, and the seconds it took."""
+
+    seconds: float = 0.0
+    dry_run: bool = False
+
+    @property
+    def built(self) -> list[TargetReport]:
+        return self.with_state("built")
+
+    @property
+    def stored(self) -> list[TargetReport]:
+        return self.with_state("stored")
+
+    @property
+    def failed(self) -> list[TargetReport]:
+        return self.with_state("failed")
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed
+
+
+# -- models ----------------------------------------------------------------------------------
+
+@dataclass
+class Source:
+    """A model to warm: how to get its spec, and the model file worker processes import to
+    have its ops (None: build in this process)."""
+
+    build: Callable[[], ModelSpec]
+    file: Path | None
+    name: str  # for messages: the file's name, or the model class's
+
+
+def source_of(model: ModelSource) -> Source:
+    """``model`` (a MODEL.py path, a ``build`` function or a spec) as a Source."""
+    from cachebuild.modelfile import load_spec
+
+    if isinstance(model, ModelSpec):
+        return Source(lambda: model, None, type(model.model).__name__)
+    if isinstance(model, str | os.PathLike):
+        path = Path(model)
+        return Source(lambda: load_spec(path), path.resolve(), path.name)
+    if callable(model):
+        def build() -> ModelSpec:
+            spec = model()
+            if not isinstance(spec, ModelSpec):
+                raise UsageError(f"{getattr(model, '__qualname__', model)!r} returned "
+                                 f"{type(spec).__name__}, not a cachebuild.ModelSpec")
+            return spec
+
+        return Source(build, None, getattr(model, "__qualname__", "build"))
+    raise UsageError(f"cannot warm {type(model).__name__}: give a MODEL.py path, a build() "
+                     "function or a cachebuild.ModelSpec")
+
+
+def check_device(device: str) -> str:
+    """``device`` if this machine can place tensors on it, else a UsageError saying why."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise UsageError(f"--device {device!r} is not a device: write e.g. cpu, cuda or "
+                         "cuda:0") from None
+    if dev.type == "meta":
+        raise UsageError("--device meta holds no data to run a model with; use cpu or cuda")
+    try:
+        torch.empty(1, device=dev)
+    except (RuntimeError, AssertionError, ValueError) as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise UsageError(f"--device {device!r} is not usable here: {first}") from None
+    return device
+
+
+def _spec_on(spec: ModelSpec, device: str | None) -> ModelSpec:
+    if device is None:
+        return spec
+    import torch
+
+    check_device(device)
+    args = tuple(a.to(device) if isinstance(a, torch.Tensor) else a for a in spec.example_inputs)
+    return ModelSpec(spec.model.to(device), args, spec.dynamic_dims, spec.config)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+# -- planning ----------------------------------------------------------------------------------
+
+@dataclass
+class Planned:
+    spec: ModelSpec
+    planner: Planner
+    entry: Entry
+    why: str  # "fresh" when the stored (or pending) entry was used, else why it was traced
+    found: Lookup  # what the lookup of the stored entry found
+    rank: int | None = None  # the rank it was planned as (``world_size``), else None
+
+
+Say = Callable[[str], None]
+
+
+def plan_model(source: Source, store: Store, device: str | None = None,
+               pending: dict[str, Entry] | None = None, rank: int | None = None,
+               say: Say | None = None) -> Planned:
+    """Build the model's spec and find its entry: the stored one (or one in ``pending``,
+    planned for another rank) if fresh, else a new trace (``say`` is told why)."""
+    from cachebuild.planner import Planner
+
+    spec = _spec_on(source.build(), device)
+    planner = Planner(spec.model, spec.config, spec.dynamic_dims, store, touch=False)
+    found = planner.lookup(spec.example_inputs, pending)
+    entry = found.entry
+    if entry is None:
+        if say is not None:
+            from cachebuild.notice import reason
+
+            who = f" as rank {rank}" if rank is not None else ""
+            say(f"tracing {source.name}{who}: {reason(found.why, store, found.factors)}")
+        entry = planner.trace(spec.example_inputs, found)
+    return Planned(spec, planner, entry, found.why, found, rank)
+
+
+def plan_group(source: Source, store: Store, device: str | None = None,
+               world_size: int | None = None, say: Say | None = None) -> Iterator[Planned]:
+    """``plan_model(...)``, or with ``world_size`` one Planned per rank, each planned in
+    this process under torch's fake process group as that rank, and handed out while that
+    rank's group is up (what the caller checks on the rank's model sees it as the rank).
+    A rank whose model equals an earlier rank's (an equal shard) takes that rank's entry
+    without tracing."""
+    if world_size is None:
+        yield plan_model(source, store, device, say=say)
+        return
+    from cachebuild.distributed import fake_world
+
+    pending: dict[str, Entry] = {}
+    for rank in range(world_size):
+        with fake_world(rank, world_size):
+            p = plan_model(source, store, device, pending, rank, say)
+            if p.found.entry is None:
+                pending[p.entry.key] = p.entry
+            yield p
+
+
+def target_states(planned: Planned, store: Store) -> dict[str, str]:
+    """The state of each target key of the planned entry (see ``STATES``)."""
+    from cachebuild.targets import bucket_label
+
+    previous = _previous_targets(store, planned.entry)
+    states: dict[str, str] = {}
+    for t in planned.entry.targets():
+        if t.key in states:
+            continue
+        if store.contains(t.key):
+            states[t.key] = "stored"
+            continue
+        old = previous.get((t.piece, bucket_label(t.bucket)))
+        states[t.key] = "stale" if old and old != t.key and store.contains(old) else "missing"
+    return states
+
+
+def _previous_targets(store: Store, entry: Entry) -> dict[tuple[int, str], str]:
+    """Target keys of the newest other stored entry of the same model class."""
+    from cachebuild.entry import Entry
+    from cachebuild.targets import bucket_label
+
+    best = None
+    for record in store.records():
+        if record.kind != "entry" or record.key == entry.key:
+            continue
+        model = (record.manifest or {}).get("model")
+        if not isinstance(model, dict) or model.get("class") != entry.factors["model"]["class"]:
+            continue
+        if best is None or record.created > best.created:
+            best = record
+    if best is None:
+        return {}
+    data = store.get(best.key, touch=False)
+    if data is None:
+        return {}
+    try:
+        old = Entry.from_bytes(data)
+    except (ValueError, KeyError, TypeError):  # an entry of another format: no history
+        return {}
+    return {(t.piece, bucket_label(t.bucket)): t.key for t in old.targets()}
+
+
+def per_entry(group: list[Planned]) -> list[Planned]:
+    """One Planned per distinct entry (ranks with equal shards share one), in order."""
+    first: dict[str, Planned] = {}
+    for p in group:
+        first.setdefault(p.entry.key, p)
+    return list(first.values())
+
+
+def target_users(group: list[Planned]) -> dict[str, list[int]]:
+    """Target key → the ranks whose entry uses it, in order of first use."""
+    users: dict[str, list[int]] = {}
+    for p in group:
+        for t in p.entry.targets():
+            ranks = users.setdefault(t.key, [])
+            if (p.rank or 0) not in ranks:
+                ranks.append(p.rank or 0)
+    return users
+
+
+def _report(group: list[Planned], store: Store, world_size: int | None) -> PlanReport:
+    """The plan of a planned group: its entries, and each unique target's state."""
+    from cachebuild.targets import bucket_label
+
+    entries: dict[str, EntryReport] = {}
+    for p in group:
+        report = entries.setdefault(p.entry.key, EntryReport(p.entry.key, p.why))
+        if p.rank is not None:
+            report.ranks.append(p.rank)
+    users = target_users(group) if world_size is not None else {}
+    targets: dict[str, TargetReport] = {}
+    for p in per_entry(group):
+        states = target_states(p, store)
+        for t in p.entry.targets():
+            found = targets.get(t.key)
+            if found is None:
+                targets[t.key] = TargetReport(t.key, bucket_label(t.bucket), [t.piece],
+                                              states[t.key], users.get(t.key, []))
+            elif t.piece not in found.pieces:
+                found.pieces.append(t.piece)
+    return PlanReport(list(entries.values()), list(targets.values()), world_size)
+
+
+@dataclass
+class OpenedStore:
+    """A store already open, with the options that open it again in worker processes."""
+
+    store: Store
+    options: StoreOptions
+
+
+#: Where ``warm`` and ``plan`` look: a store, an open store with its options, the options,
+#: a store directory, or None (the environment's: ``CACHEBUILD_DIR``).
+StoreArg: TypeAlias = "Store | OpenedStore | StoreOptions | str | os.PathLike | None"
+
+
+def _open(store: Any) -> tuple[Store, StoreOptions | None, bool]:
+    """The store to use, the options worker processes open it with (None: they cannot),
+    and whether it was opened here (and is to be closed here)."""
+    from cachebuild.store.local import LocalStore
+    from cachebuild.store.options import StoreOptions, open_store
+
+    if isinstance(store, OpenedStore):
+        return store.store, store.options, False
+    if store is None or isinstance(store, str | os.PathLike):
+        options = StoreOptions.from_env(cache_dir=store)
+        return open_store(options), options, True
+    if isinstance(store, StoreOptions):
+        return open_store(store), store, True
+    if isinstance(store, LocalStore):
+        return store, StoreOptions(cache_dir=store.path, signing_key=store.signing_key,
+                                   require_signature=store.require_signature), False
+    return store, None, False
+
+
+def plan(model: ModelSource, *, store: StoreArg = None,
+         device: str | None = None, world_size: int | None = None,
+         say: Say | None = None) -> PlanReport:
+    """Every target ``model`` needs and its state (``STATES``), without building or
+    storing anything and without counting a use of the store.
+
+    ``store``: a store, its options, or a store directory (default: the environment's,
+    ``CACHEBUILD_DIR``). ``device``: move the model and its example inputs there first.
+    ``world_size``: plan each rank of a tensor-parallel model. ``say``: told, in words,
+    when the model is traced (its entry is not stored).
+    """
+    opened, _, owned = _open(store)
+    try:
+        group = list(plan_group(source_of(model), opened, device, world_size, say))
+        return _report(group, opened, world_size)
+    finally:
+        if owned:
+            opened.close()
+
+
+# -- building in worker processes ---------------------------------------------------------------
+
+_WORKER: dict[str, Any] = {}
+
+#: Warning classes (by name) a worker hands to the parent instead of printing: the parent
+#: says each once, not once per worker.
+_FORWARDED_WARNINGS = ("RemoteDownWarning", "UnsignedRemoteWarning")
+
+
+def _worker_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
+                    file: Any = None, line: str | None = None) -> None:
+    if category.__name__ in _FORWARDED_WARNINGS:
+        _WORKER.setdefault("warnings", []).append((category.__name__, str(message)))
+    else:
+        _WORKER["showwarning"](message, category, filename, lineno, file, line)
+
+
+def _worker_init(model_path: str, options: StoreOptions) -> None:
+    from cachebuild.modelfile import import_model
+    from cachebuild.store.options import open_store
+
+    import_model(model_path)  # registers the model file's custom ops
+    _WORKER["showwarning"] = warnings.showwarning
+    warnings.showwarning = _worker_warning
+    # The store the caller uses: with a remote, builds are single-flight across machines
+    # (the lock is in Redis too) and what a worker builds is uploaded.
+    _WORKER["store"] = open_store(options)
+
+
+def _worker_build(job: BuildJob) -> tuple[str, bool, float, str | None, list[tuple[str, str]]]:
+    from cachebuild.build import Builder
+
+    start = time.perf_counter()
+    try:
+        built = Builder(_WORKER["store"], job.config).build(job)
+        error = None
+    except Exception as e:  # reported per target; the other targets go on
+        built, error = False, str(e)
+    said = _WORKER.pop("warnings", [])
+    return job.target.key, built, time.perf_counter() - start, error, said
+
+
+def _warning_classes() -> dict[str, type[Warning]]:
+    from cachebuild.store.remote import RemoteDownWarning
+    from cachebuild.store.tiered import UnsignedRemoteWarning
+
+    return {"RemoteDownWarning": RemoteDownWarning,
+            "UnsignedRemoteWarning": UnsignedRemoteWarning}
+
+
+Done = Callable[["BuildJob", bool, float, "str | None"], None]
+
+
+def build_jobs(jobs: list[BuildJob], workers: int, model_path: str,
+               options: StoreOptions, on_done: Done) -> None:
+    """Build ``jobs`` in ``workers`` processes, calling ``on_done(job, built, s, error)``.
+
+    ``options``: what each worker opens its store with. Remote-tier warnings raised in a
+    worker are raised again here, so that a remote that goes down is reported once for the
+    run, not once per worker.
+    """
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_init,
+                             initargs=(model_path, options)) as pool:
+        futures = {pool.submit(_worker_build, job): job for job in jobs}
+        for future in as_completed(futures):
+            _, built, seconds, error, said = future.result()
+            for name, message in said:
+                warnings.warn(message, _warning_classes()[name], stacklevel=1)
+            on_done(futures[future], built, seconds, error)
+
+
+def _build_here(jobs: list[BuildJob], store: Store, on_done: Done) -> None:
+    """Build ``jobs`` one after another in this process (no file for workers to import)."""
+    from cachebuild.build import Builder
+
+    for job in jobs:
+        start = time.perf_counter()
+        try:
+            built, error = Builder(store, job.config).build(job), None
+        except Exception as e:  # reported per target; the other targets go on
+            built, error = False, str(e)
+        on_done(job, built, time.perf_counter() - start, error)
+
+
+def warm(model: ModelSource, *, store: StoreArg = None,
+         jobs: int | None = None, device: str | None = None, world_size: int | None = None,
+         dry_run: bool = False, say: Say | None = None,
+         on_target: Callable[[TargetReport, int, int], None] | None = None) -> WarmReport:
+    """Build every target ``model`` needs that is not stored, and record its entry.
+
+    ``model``: a MODEL.py path, a ``build`` function or a ``ModelSpec``. ``store`` as for
+    ``plan``. ``jobs``: worker processes (default: the CPUs this process may use).
+    ``device``, ``world_size``: as for ``plan``. ``dry_run``: build and record nothing
+    (the report's states are then ``plan``'s). ``say``: told, in words, when the model is
+    traced; ``on_target(target, done, total)``: called as each target finishes.
+
+    A target that fails is reported (state ``failed``, with its error) and the others
+    still build; the entry is recorded all the same, and a server then builds what
+    failed. Bad input (no such file, a ``build()`` that raises) is a UsageError.
+    """
+    from cachebuild.build import jobs_of
+
+    start = time.perf_counter()
+    opened, options, owned = _open(store)
+    try:
+        source = source_of(model)
+        group = list(plan_group(source, opened, device, world_size, say))
+        report = _report(group, opened, world_size)
+        if dry_run:
+            return WarmReport(report.entries, report.targets, world_size,
+                              seconds=time.perf_counter() - start, dry_run=True)
+        all_jobs: dict[str, BuildJob] = {}
+        for p in group:
+            for key, job in jobs_of(p.entry, p.spec.config).items():
+                all_jobs.setdefault(key, job)
+        by_key = {t.key: t for t in report.targets}
+        missing = [job for key, job in all_jobs.items() if by_key[key].state != "stored"]
+        for t in report.targets:
+            t.state = "stored" if t.state == "stored" else "missing"
+        done = [0]
+
+        def finished(job: BuildJob, built: bool, seconds: float, error: str | None) -> None:
+            target = by_key[job.target.key]
+            target.state, target.seconds, target.error = ("failed" if error else
+                                                          "built" if built else "stored",
+                                                          seconds, error)
+            done[0] += 1
+            if on_target is not None:
+                on_target(target, done[0], len(missing))
+
+        if missing:
+            workers = min(jobs or usable_cpus(), len(missing))
+            if source.file is not None and options is not None:
+                build_jobs(missing, workers, str(source.file), options, finished)
+            else:
+                _build_here(missing, opened, finished)
+        for p in _new_entries(group):
+            entry = next(e for e in report.entries if e.key == p.entry.key)
+            entry.recorded = p.planner.record(p.entry)
+            entry.unrecordable = p.planner.unrecordable
+        return WarmReport(report.entries, report.targets, world_size,
+                          seconds=time.perf_counter() - start)
+    finally:
+        if owned:
+            opened.close()
+
+
+def _new_entries(group: list[Planned]) -> list[Planned]:
+    """The planned entries that are new (traced here), each once."""
+    out: dict[str, Planned] = {}
+    for p in group:
+        if p.found.entry is None:
+            out.setdefault(p.entry.key, p)
+    return list(out.values())

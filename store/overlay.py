@@ -1,0 +1,230 @@
+"""A read-only store with a writable overlay: what a server uses when the configured store
+is baked into its image or mounted read-only.
+
+Reads look in the overlay first (what this user built since: a newer entry there shadows
+a stale one below) and then in the read-only store; a warm start that finds everything
+below never makes the overlay, so it writes nothing and says nothing. The first write (a
+build after a miss) makes the overlay and says so on one line: in ``overlay_dir``
+(``CACHEBUILD_OVERLAY_DIR``), a store of this user's that later starts read too, or else
+in a private folder in memory (``/dev/shm``) that is gone at exit.
+
+Counters of the read-only store (hits, warm starts, loads) stay in this process's memory.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .base import Progress
+from .local import LocalStore
+from .readonly import ReadOnlyLocalStore
+from .record import GCReport, Record, VerifyReport
+
+log = logging.getLogger("cachebuild.store")
+
+
+class OverlayStore:
+    """``base`` (read-only) below an overlay made on first write (see the module doc)."""
+
+    def __init__(self, base: ReadOnlyLocalStore, overlay_dir: Path | None = None,
+                 work_dir: Path | None = None) -> None:
+        """``work_dir``: where builds' compilers write (default: the overlay's ``work/``)."""
+        self.base = base
+        self._work_dir = work_dir
+        self.root = base.root
+        self.overlay_dir = Path(overlay_dir).expanduser() if overlay_dir else None
+        self._overlay: LocalStore | None = None
+        self._memory: str | None = None
+
+    # -- the overlay ------------------------------------------------------------------
+
+    @property
+    def overlay(self) -> LocalStore | None:
+        """The overlay if it exists (an ``overlay_dir`` from an earlier process counts),
+        without making it."""
+        if self._overlay is None and self.overlay_dir is not None and \
+                (self.overlay_dir / "v1").is_dir():
+            self._overlay = self._open(self.overlay_dir)
+        return self._overlay
+
+    def writable(self) -> LocalStore:
+        """The overlay, made now if it is not there yet (and said so, once)."""
+        if self.overlay is not None:
+            return self._overlay  # type: ignore[return-value]
+        if self.overlay_dir is not None:
+            where = f"{self.overlay_dir} (CACHEBUILD_OVERLAY_DIR)"
+            self._overlay = self._open(self.overlay_dir)
+        else:
+            parent = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._memory = tempfile.mkdtemp(prefix=f"cachebuild-overlay-{os.getpid()}-",
+                                            dir=parent)
+            atexit.register(shutil.rmtree, self._memory, True)
+            where = ("memory, gone when this process exits (set CACHEBUILD_OVERLAY_DIR to a "
+                     "folder of yours to keep it)")
+            self._overlay = self._open(Path(self._memory) / "store")
+        log.warning("cachebuild: the store at %s is read-only here, so what this process "
+                    "builds goes to %s", self.base.path, where)
+        return self._overlay
+
+    def _open(self, path: Path) -> LocalStore:
+        return LocalStore(path, signing_key=self.base.signing_key,
+                          require_signature=self.base.require_signature,
+                          lock_timeout=self.base.lock_timeout, work_dir=self._work_dir)
+
+    def _layers(self) -> list[LocalStore]:
+        overlay = self.overlay
+        return [overlay, self.base] if overlay is not None else [self.base]
+
+    def _holder(self, key: str) -> LocalStore | None:
+        """The layer whose record of ``key`` a read uses: the overlay's, else the base's."""
+        for layer in self._layers():
+            if layer.get_record(key) is not None:
+                return layer
+        return None
+
+    # -- the Store protocol -------------------------------------------------------------
+
+    read_only = False  # writes go to the overlay
+
+    @property
+    def local(self) -> ReadOnlyLocalStore:
+        """The read-only store (what ``export`` reads)."""
+        return self.base
+
+    @property
+    def probe_dir(self) -> Path:
+        """The overlay's folder once there is an overlay, else the read-only store's (whose
+        verdicts are read, never written: a probe here keeps its verdict in memory)."""
+        overlay = self.overlay
+        return overlay.probe_dir if overlay is not None else self.base.probe_dir
+
+    @property
+    def work_dir(self) -> Path:
+        """Where builds' compilers write: a build makes the overlay anyway."""
+        return self.writable().work_dir
+
+    @property
+    def signing_key(self) -> bytes | None:
+        return self.base.signing_key
+
+    def scratch_dir(self, *, in_memory: bool = False) -> Path:
+        return self.base.scratch_dir(in_memory=True)
+
+    def contains(self, key: str) -> bool:
+        return any(layer.contains(key) for layer in self._layers())
+
+    __contains__ = contains
+
+    def get(self, key: str, *, touch: bool = True) -> bytes | None:
+        for layer in self._layers():
+            data = layer.get(key, touch=touch)
+            if data is not None:
+                return data
+        return None
+
+    def get_record(self, key: str) -> Record | None:
+        holder = self._holder(key)
+        return holder.get_record(key) if holder is not None else None
+
+    def materialize(self, key: str, suffix: str) -> Path | None:
+        for layer in self._layers():
+            path = layer.materialize(key, suffix)
+            if path is not None:
+                return path
+        return None
+
+    def put(self, key: str, data: bytes | bytearray | memoryview, *, kind: str,
+            manifest: dict[str, Any] | None = None, refs: Sequence[str] = ()) -> Record:
+        return self.writable().put(key, data, kind=kind, manifest=manifest, refs=refs)
+
+    def delete(self, key: str) -> bool:
+        """Remove ``key`` from the overlay (the read-only store keeps its copy, which a
+        newer one put in the overlay shadows)."""
+        overlay = self.overlay
+        return overlay.delete(key) if overlay is not None else False
+
+    @contextlib.contextmanager
+    def lock(self, key: str, timeout: float | None = None) -> Iterator[None]:
+        with self.writable().lock(key, timeout):
+            yield
+
+    def records(self, *, kind: str | None = None, manifests: bool = True,
+                shared: bool = False) -> Iterator[Record]:
+        seen: set[str] = set()
+        for layer in self._layers():
+            for record in layer.records(kind=kind, manifests=manifests):
+                if record.key not in seen:
+                    seen.add(record.key)
+                    yield record
+
+    def count(self, counter: str, amount: int = 1) -> None:
+        self.base.count(counter, amount)  # in memory
+
+    def pin(self, key: str) -> None:
+        self._overlay_holding(key, "pin").pin(key)
+
+    def unpin(self, key: str) -> None:
+        self._overlay_holding(key, "unpin").unpin(key)
+
+    def _overlay_holding(self, key: str, what: str) -> LocalStore:
+        overlay = self.overlay
+        if overlay is None or overlay.get_record(key) is None:
+            raise self.base._refuse(f"{what} {key}")
+        return overlay
+
+    def gc(self, max_size: int | None = None, older_than: float | None = None,
+           dry_run: bool = False) -> GCReport:
+        """Collect the overlay (the read-only store is left as it is)."""
+        overlay = self.overlay
+        if overlay is None:
+            raise self.base._refuse("collect garbage (and there is no overlay)")
+        return overlay.gc(max_size=max_size, older_than=older_than, dry_run=dry_run)
+
+    def verify(self, repair: bool = False, progress: Progress | None = None) -> VerifyReport:
+        """Check both layers; ``repair`` repairs the overlay only."""
+        report = self.base.verify(repair=False, progress=progress)
+        base_damaged = bool(report.damaged)
+        overlay = self.overlay
+        if overlay is not None:
+            more = overlay.verify(repair=repair, progress=progress)
+            report.checked += more.checked
+            report.ok += more.ok
+            report.damaged += more.damaged
+            report.tmp_removed, report.orphans_removed = more.tmp_removed, more.orphans_removed
+            report.repaired = more.repaired and not base_damaged
+        return report
+
+    def stats(self) -> dict[str, Any]:
+        out = self.base.stats()
+        overlay = self.overlay
+        if overlay is not None:
+            out["overlay"] = overlay.stats()
+        elif self.overlay_dir is not None:
+            out["overlay"] = {"path": str(self.overlay_dir), "records": 0}
+        return out
+
+    def flush(self) -> None:
+        if self._overlay is not None:
+            self._overlay.flush()
+
+    def close(self) -> None:
+        if self._overlay is not None:
+            self._overlay.close()
+        self.base.close()
+
+    def __enter__(self) -> OverlayStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"OverlayStore({self.base!r}, overlay_dir={self.overlay_dir!r})"

@@ -1,0 +1,147 @@
+"""A model that cannot be compiled fails once: the failure is remembered for that model in
+the process and raised again at once (no second trace), or, with
+``on_failure="eager"``, the model runs eagerly after one warning. A start that traces
+because the model's file changed says that its source changed."""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import sys
+
+import models
+import pytest
+import torch
+import torch.nn as nn
+
+import cachebuild
+from cachebuild.errors import CompileFailed, ConfigError, UsageError
+from cachebuild.store import LocalStore
+
+
+class NoSplit(nn.Module):
+    """Its forward never calls the splitting op the config names: the split refuses it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.proj(x)) + 1
+
+
+def _config(**overrides):
+    return cachebuild.CompileConfig(splitting_ops=("aten::softmax",), compile_ranges=((1, 16),),
+                                    backend="eager_fusion", **overrides)
+
+
+@pytest.fixture(autouse=True)
+def forget_failures():
+    from cachebuild import api
+
+    api.FAILED.clear()
+    yield
+    api.FAILED.clear()
+
+
+def test_a_failure_is_raised_at_once_after_the_first_time(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    model = NoSplit().eval()
+    compiled = cachebuild.compile(model, _config(), {0: 0}, store=store)
+    before = cachebuild.stats()
+    with pytest.raises(UsageError, match="not found in the traced graph"):
+        compiled(torch.randn(4, 8))
+    for size in (4, 6):  # the same model, other sizes of the range: no new attempt
+        with pytest.raises(CompileFailed, match="not found in the traced graph") as e:
+            compiled(torch.randn(size, 8))
+        assert isinstance(e.value.original, UsageError) and e.value.exit_code == 2
+    # A new compile of the same model (a server that retries) is refused at once too.
+    with pytest.raises(CompileFailed, match="NoSplit cannot be compiled"):
+        cachebuild.compile(model, _config(), {0: 0}, store=store)(torch.randn(4, 8))
+    assert models.counters_delta(before, cachebuild.stats())["traced"] == 1
+    # Call errors are about the call, not the model: said every time, never remembered.
+    with pytest.raises(UsageError, match="size 0"):
+        compiled(torch.randn(0, 8))
+
+
+def test_with_on_failure_eager_the_model_runs_eagerly_after_one_warning(tmp_path, caplog):
+    store = LocalStore(tmp_path / "store")
+    model = NoSplit().eval()
+    with caplog.at_level(logging.WARNING, logger="cachebuild"):
+        compiled = cachebuild.compile(model, _config(on_failure="eager"), {0: 0}, store=store)
+        for size in (3, 5, 3):
+            x = torch.randn(size, 8)
+            with torch.no_grad():
+                torch.testing.assert_close(compiled(x), model(x))
+        again = cachebuild.compile(model, _config(on_failure="eager"), {0: 0}, store=store)
+        with torch.no_grad():
+            x = torch.randn(7, 8)
+            torch.testing.assert_close(again(x), model(x))
+    said = [r.getMessage() for r in caplog.records if "runs eagerly" in r.getMessage()]
+    assert len(said) == 1, said
+    assert said[0].startswith("cachebuild: NoSplit cannot be compiled, so it runs eagerly "
+                              "(on_failure='eager'): UsageError: splitting op(s)"), said
+
+
+def test_another_config_is_tried_again(tmp_path):
+    """Remembered per model and config: the same model with a config that works compiles."""
+    store = LocalStore(tmp_path / "store")
+    model = NoSplit().eval()
+    with pytest.raises(UsageError):
+        cachebuild.compile(model, _config(), {0: 0}, store=store)(torch.randn(4, 8))
+    works = cachebuild.CompileConfig(compile_ranges=((1, 16),), backend="eager_fusion")
+    compiled = cachebuild.compile(model, works, {0: 0}, store=store)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), model(x), **models.TOL)
+
+
+def test_on_failure_is_checked():
+    with pytest.raises(ConfigError, match="on_failure must be one of"):
+        cachebuild.CompileConfig(on_failure="ignore")
+
+
+SOURCE = '''
+import torch
+import torch.nn as nn
+
+
+class Small(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.relu(self.proj(x))
+'''
+
+
+def _import(path, name):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_start_after_the_model_file_changed_says_the_source_changed(tmp_path, caplog,
+                                                                       monkeypatch):
+    store = LocalStore(tmp_path / "store")
+    config = cachebuild.CompileConfig(compile_ranges=((1, 16),), backend="eager_fusion")
+    (tmp_path / "small.py").write_text(SOURCE)
+    first = _import(tmp_path / "small.py", "small_before")
+    monkeypatch.delitem(sys.modules, "small_before")
+    model = first.Small().eval()
+    cachebuild.compile(model, config, {0: 0}, store=store)(torch.randn(4, 8))
+    # One line added at module level: the source changed, and the notice says so.
+    (tmp_path / "small.py").write_text(SOURCE + "\nEXTRA = 1\n")
+    second = _import(tmp_path / "small.py", "small_after")
+    monkeypatch.delitem(sys.modules, "small_after")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="cachebuild"):
+        cachebuild.compile(second.Small().eval(), config, {0: 0}, store=store)(torch.randn(4, 8))
+    said = [r.getMessage() for r in caplog.records if "from scratch" in r.getMessage()]
+    assert len(said) == 1, said
+    assert "because its source changed since it was warmed: the file defining the model's " \
+           "class was edited (source " in said[0], said[0]
+    assert "not warmed" not in said[0]

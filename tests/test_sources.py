@@ -1,0 +1,149 @@
+"""Code named by what it is: a model file's module has one label under every name, from
+every folder and from a notebook cell's text; a traced file's code is found wherever the
+file lies now, and an edit anywhere it is loaded is a change."""
+
+from __future__ import annotations
+
+import linecache
+import sys
+import types
+
+import pytest
+
+from cachebuild import sources
+from cachebuild.codehash import ast_hash_text
+from cachebuild.guards import qualname
+
+
+def _module(monkeypatch, name: str, path) -> types.ModuleType:
+    module = types.ModuleType(name)
+    module.__file__ = str(path)
+    monkeypatch.setitem(sys.modules, name, module)
+    return module
+
+
+def _cell(monkeypatch, name: str, text: str) -> None:
+    monkeypatch.setitem(linecache.cache, name, (len(text), None, text.splitlines(True), name))
+
+
+CODE = "class Served:\n    def forward(self):\n        return 1  # the same code anywhere\n"
+
+
+def test_a_module_is_labelled_by_its_code_under_every_name_and_folder(monkeypatch, tmp_path):
+    labels = []
+    for name, folder in [("cachebuild_model_0123456789abcdef", "a"), ("llama", "b"),
+                         ("pkg.models.llama", "c"), ("__main__", "d")]:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "llama.py").write_text(CODE)
+        labels.append(sources.module_label(_module(monkeypatch, name,
+                                                   tmp_path / folder / "llama.py").__name__))
+    assert len(set(labels)) == 1 and sources.is_label(labels[0])
+    (tmp_path / "e").mkdir()
+    (tmp_path / "e" / "llama.py").write_text(CODE.replace("return 1", "return 2"))
+    _module(monkeypatch, "other", tmp_path / "e" / "llama.py")
+    assert sources.module_label("other") not in labels  # other code, another label
+    # Installed code keeps its name; a module without a file too.
+    assert sources.module_label("torch.nn") == "torch.nn"
+    assert sources.module_label("no.such.module") == "no.such.module"
+
+
+def test_a_notebook_cell_holding_a_files_text_is_that_files_code(monkeypatch, tmp_path):
+    (tmp_path / "m.py").write_text(CODE)
+    _module(monkeypatch, "m_from_file", tmp_path / "m.py")
+    _cell(monkeypatch, "<cell-3>", CODE)
+    namespace = {"__name__": "__main__"}  # a script's name: its file is not the cell
+    exec(compile(CODE, "<cell-3>", "exec"), namespace)
+    cls = namespace["Served"]
+    assert sources.object_label(cls) == sources.module_label("m_from_file")
+    assert qualname(cls) == f"{sources.module_label('m_from_file')}.Served"
+    # Text without linecache (python -c, a bare exec) has no source: named by module.
+    bare = {"__name__": "bare_cell"}
+    exec(compile(CODE, "<string>", "exec"), bare)
+    assert sources.object_label(bare["Served"]) == "bare_cell"
+
+
+def test_a_traced_file_is_found_where_it_lies_now(monkeypatch, tmp_path):
+    build, serve = tmp_path / "build", tmp_path / "serve"
+    build.mkdir()
+    serve.mkdir()
+    (build / "layers.py").write_text(CODE)
+    digest = sources.file_digest(str(build / "layers.py"))
+    recorded = str(build / "layers.py")
+    assert sources.changed(recorded, digest) is None  # the file itself, not imported yet
+
+    # Served from a copy in another folder, under another name; the build folder gone.
+    (serve / "layers.py").write_text(CODE + "\n# a comment changes nothing\n")
+    (build / "layers.py").unlink()
+    _module(monkeypatch, "app.layers", serve / "layers.py")
+    assert sources.changed(recorded, digest) is None
+
+    # The copy this process loaded is edited: changed, named where it is.
+    (serve / "layers.py").write_text(CODE.replace("return 1", "return 3"))
+    assert sources.changed(recorded, digest) == str(serve / "layers.py")
+    # ... even while an unedited copy lies at the recorded path.
+    (build / "layers.py").write_text(CODE)
+    assert sources.changed(recorded, digest) == str(serve / "layers.py")
+
+
+def test_code_found_nowhere_is_changed_and_a_cell_with_its_text_is_found(monkeypatch, tmp_path):
+    recorded = str(tmp_path / "gone" / "cb_sources_gone.py")
+    digest = ast_hash_text(CODE.encode())
+    assert sources.changed(recorded, digest) == f"{recorded} (not found)"
+    _cell(monkeypatch, "<cell-9>", CODE)
+    assert sources.changed(recorded, digest) is None
+
+
+def test_a_module_root_is_found_by_its_source_under_another_name(monkeypatch, tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "helpers.py").write_text(CODE)
+    root = sources.module_root(_module(monkeypatch, "cachebuild_model_x",
+                                       tmp_path / "a" / "helpers.py").__name__)
+    assert root[0] == "module" and sources.is_label(root[1]) and root[2] == "helpers.py"
+    monkeypatch.delitem(sys.modules, "cachebuild_model_x")
+    assert sources.find_module(root[1], root[2]) is None
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "helpers.py").write_text(CODE)
+    served = _module(monkeypatch, "pkg.helpers", tmp_path / "b" / "helpers.py")
+    assert sources.find_module(root[1], root[2]) is served
+    assert sources.module_root("torch") == ["module", "torch"]
+
+
+@pytest.mark.parametrize("text", ["x = 1\n", "x = 1  # note\n\n"])
+def test_comments_do_not_change_a_label(monkeypatch, tmp_path, text):
+    (tmp_path / "c.py").write_text(text)
+    _module(monkeypatch, "c_mod", tmp_path / "c.py")
+    (tmp_path / "d.py").write_text("x = 1\n")
+    _module(monkeypatch, "d_mod", tmp_path / "d.py")
+    assert sources.module_label("c_mod") == sources.module_label("d_mod")
+
+
+def test_explain_names_the_part_of_code_identity_that_differs(monkeypatch, tmp_path):
+    """Never ``Served → Served``: the file, the module, the source's hash or the name."""
+    from cachebuild.guards import Mismatch
+
+    (tmp_path / "a").mkdir()
+    (tmp_path / "a" / "m.py").write_text(CODE)
+    _module(monkeypatch, "cachebuild_model_1a2b", tmp_path / "a" / "m.py")
+    before = sources.module_label("cachebuild_model_1a2b")
+    known = sources.source_data({before})
+    (tmp_path / "b").mkdir()
+    (tmp_path / "b" / "m.py").write_text(CODE.replace("return 1", "return 2"))
+    _module(monkeypatch, "m", tmp_path / "b" / "m.py")
+    after = sources.module_label("m")
+
+    said = Mismatch("the model", {"type": f"{before}.Served"}, {"type": f"{after}.Served"},
+                    known).describe()
+    old, new = known[before]["digest"][:8], after[len("<src:"):len("<src:") + 8]
+    assert said == (f"the model: Served: module cachebuild_model_1a2b → m, "
+                    f"source of m.py {old} → {new}"), said
+    assert "Served → Served" not in said
+
+    renamed = Mismatch("inner", {"type": f"{before}.Inner"}, {"type": f"{before}.Outer"},
+                       known).describe()
+    assert renamed == "inner: Inner → Outer", renamed
+    library = Mismatch("act", {"type": "torch.nn.modules.activation.SiLU"},
+                       {"type": "torch.nn.modules.activation.GELU"}).describe()
+    assert library == "act: SiLU → GELU"
+    function = Mismatch("globals.act", {"function": f"{before}.act", "code": "1" * 32},
+                        {"function": f"{before}.act", "code": "2" * 32}).describe()
+    assert function == "globals.act: act: code 11111111 → 22222222", function

@@ -1,0 +1,163 @@
+"""A store this process may only read: a read-only mount, or a store root owns served to
+another user. Reading works and writes nothing (no index write, no usage flushed, files
+loaders need made in memory); writes are refused in one line or go to an overlay made on
+first write; what may be read is checked like a writable store, root allowed as owner.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from cachebuild.errors import StoreError
+from cachebuild.keys import make_key
+from cachebuild.store import LocalStore
+from cachebuild.store.index import ReadOnlyStore
+from cachebuild.store.layout import UnsafeStore, writable_here
+from cachebuild.store.options import StoreOptions, open_store
+from cachebuild.store.overlay import OverlayStore
+from cachebuild.store.readonly import ReadOnlyLocalStore
+
+
+def key(name: str) -> str:
+    return make_key({"test": name})
+
+
+def snapshot(folder: Path) -> set[tuple[str, int, int]]:
+    return {(str(p.relative_to(folder)), p.stat().st_size, p.stat().st_mtime_ns)
+            for p in folder.rglob("*")}
+
+
+@pytest.fixture
+def written(tmp_path) -> Path:
+    """A store with a target (a large manifest: kept in a file of the index) and an entry
+    referring to it, closed."""
+    path = tmp_path / "store"
+    with LocalStore(path) as store:
+        store.put(key("target"), b"artifact bytes", kind="target",
+                  manifest={"graph": "x" * 100_000})
+        store.put(key("entry"), b"entry bytes", kind="entry", refs=[key("target")])
+        assert store.materialize(key("target"), ".so") is not None
+    return path
+
+
+@pytest.fixture
+def read_only(written, tmp_path) -> Path:
+    """``written`` on a read-only bind mount (root only; skipped where not allowed)."""
+    view = tmp_path / "view"
+    view.mkdir()
+    done = subprocess.run(["mount", "--bind", "-o", "ro", str(written), str(view)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot make a read-only bind mount here: {done.stderr.strip()}")
+    yield view
+    subprocess.run(["umount", "-l", str(view)], check=False)
+
+
+def test_a_read_only_mount_is_read_and_nothing_is_written(read_only, written):
+    before = snapshot(written)
+    assert not writable_here(read_only)
+    store = open_store(StoreOptions(cache_dir=read_only))
+    assert isinstance(store, OverlayStore)
+    assert store.get(key("target")) == b"artifact bytes"
+    assert store.get_record(key("target")).manifest == {"graph": "x" * 100_000}
+    assert store.contains(key("entry")) and store.get(key("nothing")) is None
+    # The file materialized when the store was written is used as it is.
+    assert store.materialize(key("target"), ".so").parent.parent == \
+        store.base.root / "objects"
+    # A file never materialized is made in memory.
+    made = store.materialize(key("entry"), ".bin")
+    assert str(made).startswith("/proc/self/fd/") and made.read_bytes() == b"entry bytes"
+    assert {r.key for r in store.records()} == {key("target"), key("entry")}
+    assert store.stats()["read_only"] and store.overlay is None
+    assert store.verify().clean
+    store.count("warm_starts")
+    store.close()
+    assert snapshot(written) == before  # no usage flushed, no index touched
+
+
+def test_writes_go_to_an_overlay_made_on_first_write(read_only, written, tmp_path, caplog):
+    before = snapshot(written)
+    overlay_dir = tmp_path / "overlay"
+    store = open_store(StoreOptions(cache_dir=read_only, overlay_dir=overlay_dir))
+    assert store.overlay is None and not overlay_dir.exists()
+    with caplog.at_level("WARNING", logger="cachebuild"):
+        store.put(key("new"), b"built here", kind="target")
+    said = [r.getMessage() for r in caplog.records]
+    assert said == [f"cachebuild: the store at {read_only} is read-only here, so what this "
+                    f"process builds goes to {overlay_dir} (CACHEBUILD_OVERLAY_DIR)"]
+    assert store.get(key("new")) == b"built here" and store.get(key("target"))
+    # A newer entry in the overlay shadows the read-only store's under the same key.
+    store.put(key("entry"), b"newer entry", kind="entry")
+    assert store.get(key("entry")) == b"newer entry"
+    assert store.delete(key("entry")) and store.get(key("entry")) == b"entry bytes"
+    with pytest.raises(ReadOnlyStore, match="cannot pin .* read-only here"):
+        store.pin(key("target"))
+    store.close()
+    # A later process reads the overlay too, without making anything.
+    again = open_store(StoreOptions(cache_dir=read_only, overlay_dir=overlay_dir))
+    assert again.get(key("new")) == b"built here"
+    again.close()
+    assert snapshot(written) == before
+
+
+def test_the_read_only_store_refuses_every_write_in_one_line(read_only):
+    store = ReadOnlyLocalStore(read_only)
+    for write in (lambda: store.put(key("x"), b"x", kind="target"),
+                  lambda: store.delete(key("target")), lambda: store.gc(),
+                  lambda: store.verify(repair=True), lambda: store.pin(key("target"))):
+        with pytest.raises(ReadOnlyStore) as e:
+            write()
+        assert e.value.exit_code == 2 and "\n" not in str(e.value)
+    with pytest.raises(ReadOnlyStore), store.lock(key("target")):
+        pass
+
+
+def test_a_store_root_owns_is_read_by_another_user_and_checked_for_writers(written):
+    """Root's store, served to uid 65534: read-only, accepted while only root may write;
+    refused once anyone else may (the checks for writing are unchanged)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to act as another user")
+    from trust import NOBODY, public_dir
+
+    with public_dir() as public:
+        subprocess.run(["cp", "-a", str(written), str(public / "store")], check=True)
+        subprocess.run(["chmod", "-R", "a+rX", str(public / "store")], check=True)
+        # Imports happen before the switch (this interpreter may live where others cannot
+        # read): the child loads the store modules, then becomes the other user.
+        code = ("import os, sys\n"
+                "from cachebuild.store.options import StoreOptions, open_store\n"
+                "import cachebuild.store.overlay, cachebuild.store.readonly, sqlite3, json\n"
+                f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
+                "store = open_store(StoreOptions(cache_dir=sys.argv[1]))\n"
+                "print(type(store).__name__, store.get(sys.argv[2]).decode())\n")
+        done = subprocess.run([sys.executable, "-c", code, str(public / "store"),
+                               key("target")], capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.split(maxsplit=1) == ["OverlayStore", "artifact bytes\n"]
+        os.chmod(public / "store" / "v1" / "index", 0o777)
+        done = subprocess.run([sys.executable, "-c", code, str(public / "store"),
+                               key("target")], capture_output=True, text=True, timeout=120)
+        assert done.returncode != 0 and "writable by others" in done.stderr, done.stderr
+    # Root itself keeps writing its store as before; another owner is refused for writing.
+    with pytest.raises(UnsafeStore, match="owned by uid 65534"):
+        os.chown(written, 65534, 65534)
+        LocalStore(written)
+
+
+def test_a_store_is_never_read_from_a_directory_another_user_owns(tmp_path):
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a directory to another user")
+    path = tmp_path / "theirs"
+    LocalStore(path).close()
+    os.chown(path, 65534, 65534)
+    from cachebuild.store.layout import check_readable_dir
+
+    with pytest.raises(UnsafeStore, match="neither you .* nor root"):
+        check_readable_dir(path)
+    with pytest.raises(StoreError):
+        ReadOnlyLocalStore(path)

@@ -1,0 +1,110 @@
+"""What a build writes lives where the operator looks: compilers' working files go to the
+store's ``work/`` folder (or ``CACHEBUILD_WORK_DIR``) while a target builds, and the
+caller's environment is put back after; ``stats`` counts them and ``gc`` empties the folder
+when no build holds it."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import models
+import pytest
+
+import cachebuild
+from cachebuild.backends.kernel_dir import build_work_dir
+from cachebuild.store import LocalStore
+from cachebuild.store.options import StoreOptions, open_store
+
+NAMES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR")
+
+
+def test_a_build_points_the_compilers_at_the_work_folder_and_back(tmp_path):
+    import torch._inductor.codecache as codecache
+
+    store = LocalStore(tmp_path / "store")
+    env_before = {n: os.environ.get(n) for n in NAMES}
+    tempdir_before, headers_before = tempfile.tempdir, codecache._HEADER_DIR
+    with build_work_dir(store) as work:
+        assert work == store.root / "work"
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(work / "inductor")
+        assert os.environ["TRITON_CACHE_DIR"] == str(work / "triton")
+        assert tempfile.gettempdir() == str(work / "tmp")
+        assert codecache._HEADER_DIR == str(work / "inductor" / "precompiled_headers")
+        (work / "inductor" / "kernel.so").write_bytes(b"x" * 1000)
+    assert {n: os.environ.get(n) for n in NAMES} == env_before
+    assert tempfile.tempdir == tempdir_before and codecache._HEADER_DIR == headers_before
+    work = store.stats()["work"]
+    assert work == {"path": str(store.root / "work"), "bytes": 1000, "files": 1}
+
+
+def test_compiling_leaves_the_environment_as_it_was(tmp_path):
+    before = dict(os.environ), tempfile.tempdir
+    model = models.make(models.LayerStack, layers=1)
+    compiled = cachebuild.compile(model, models.config(), {0: 0, 1: 0},
+                                  store=LocalStore(tmp_path / "store"))
+    models.assert_matches_eager(compiled, model, models.hidden_inputs(4))
+    assert (dict(os.environ), tempfile.tempdir) == before
+
+
+HOLD = textwrap.dedent("""
+    import fcntl, os, sys
+    fd = os.open(sys.argv[1], os.O_RDONLY | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)  # what a running build holds
+    print("held", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_gc_empties_the_work_folder_unless_a_build_runs(tmp_path):
+    store = LocalStore(tmp_path / "store")
+    with build_work_dir(store) as work:
+        (work / "tmp" / "pch.gch").write_bytes(b"y" * 4096)
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(work / ".builds")],
+                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        report = store.gc()
+        assert report.work_busy and report.work_bytes == 0
+        assert (work / "tmp" / "pch.gch").exists()
+    finally:
+        holder.stdin.close()
+        holder.wait(timeout=60)
+    dry = store.gc(dry_run=True)
+    assert dry.work_bytes == 4096 and (work / "tmp" / "pch.gch").exists()
+    report = store.gc()
+    assert report.work_bytes == 4096 and not report.work_busy
+    assert store.stats()["work"]["bytes"] == 0 and list(work.iterdir()) == [work / ".builds"]
+
+
+def test_the_operator_names_the_work_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("CACHEBUILD_WORK_DIR", str(tmp_path / "scratch-disk"))
+    store = open_store(StoreOptions.from_env(cache_dir=tmp_path / "store"))
+    assert store.work_dir == tmp_path / "scratch-disk"
+    with build_work_dir(store) as work:
+        assert work == tmp_path / "scratch-disk"
+    assert not (tmp_path / "store" / "v1" / "work").exists()
+    done = subprocess.run([sys.executable, "-m", "cachebuild.cli", "--cache-dir",
+                           str(tmp_path / "store"), "stats"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert f"({tmp_path / 'scratch-disk'})" in " ".join(done.stdout.split())
+
+
+@pytest.mark.slow
+def test_an_inductor_build_keeps_its_precompiled_headers_in_the_store():
+    """The session's AOTI store was built in this process: Inductor's headers are in its
+    work folder, and Inductor's own folder setting is as it was before."""
+    from torch._inductor import config
+
+    if not (config.aot_inductor.precompile_headers or config.cpp_cache_precompile_headers):
+        pytest.skip("Inductor precompiles no headers here")
+    warmed = models.aoti_store()
+    work = warmed["path"] / "v1" / "work"
+    headers = list(work.rglob("precompiled_headers/*.h"))
+    assert headers, sorted(str(p.relative_to(work)) for p in work.rglob("*"))[:20]
+    import torch._inductor.codecache as codecache
+
+    assert not codecache._HEADER_DIR.startswith(str(warmed["path"]))  # put back after
