@@ -8,21 +8,26 @@ silent different program.
 
 Stored graphs are data that becomes code (FX generates Python source from a graph and
 runs it), so a graph is rebuilt only from what could have been stored, checked before FX
-sees it: node names and placeholders are identifiers, methods are public ``Tensor``
-methods, constants are of the kinds ``encode_arg`` writes, and a callable is resolved
-only from an allow-list, without importing anything first:
+sees it: node names and placeholders are identifiers, constants are of the kinds
+``encode_arg`` writes (integers within 64 bits), and what a node calls must be pure tensor
+computation (``cachebuild.purity``: no file, path, storage, network, process or global
+state), without importing anything first:
 
-- operators registered with torch (``torch.ops``: ATen, the project's own ops, and the
-  ops a model's library registered, by name ``op:ns::name.overload``);
-- torch's functions that bind those operators (``torch.cat``, ``torch._C._nn.linear``,
-  ``torch.nn.functional.silu``, ...) and a few that Dynamo puts in graphs
-  (``torch.Size``, ``torch._C._set_grad_enabled``, ``torch.sym_*``);
+- operators registered with torch (``torch.ops``: ATen, the project's own ops, the ops a
+  model's library registered, by name ``op:ns::name.overload``) whose schemas pass
+  ``purity.op_impurity``; in-place writes to tensors are tensor computation;
+- torch's C functions that bind such an operator (``torch.cat``, ``torch._C._nn.linear``),
+  the public functions of ``torch.nn.functional`` and ``torch.functional``, and a few that
+  Dynamo puts in graphs (``torch.Size``, ``torch._C._set_grad_enabled``, ``torch.sym_*``);
+- tensor methods whose operator passes (``purity.method_impurity``), and ``getattr`` as a
+  read of a tensor's data attribute (``w.T``);
 - arithmetic, comparison and indexing from ``operator`` (not ``attrgetter`` and
-  friends), pure functions of ``math``, and a handful of number builtins;
+  friends), pure functions of ``math`` and a handful of number builtins; a loaded graph
+  calls bounded versions of those that could grow without end (``purity.bounded``);
 - callables a program registers with ``allow_callable``.
 
-Anything else (``os.system``, ``builtins.eval``) is a ``GraphFormatError``, at save and
-at load alike.
+Anything else (``os.system``, ``builtins.eval``, ``aten::from_file``, ``aten::save``) is a
+``GraphFormatError``, at save and at load alike.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from cachebuild import purity
 from cachebuild.errors import CachebuildError
 
 # Namespaces tried when a function's __module__ does not lead back to it (C functions
@@ -69,6 +75,9 @@ _MODULES = frozenset({"operator", "_operator", "builtins", "math", "torch", *_TO
                       *(f"torch._C.{m}" for m in _TORCH_C)})
 
 _REGISTERED: dict[int, Callable[..., Any]] = {}
+#: A stored graph has at most this many nodes, and its integers fit in 64 bits.
+MAX_NODES = 1 << 20
+_INT_RANGE = (-(1 << 63), 1 << 64)
 
 
 class GraphFormatError(CachebuildError, ValueError):
@@ -86,25 +95,37 @@ def allow_callable(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def allowed_callable(obj: Any) -> bool:
     """True if stored graphs may call ``obj`` (see the module doc)."""
+    return callable_impurity(obj) is None
+
+
+def callable_impurity(obj: Any) -> str | None:
+    """Why stored graphs may not call ``obj``; None if they may (see the module doc)."""
+    obj = purity.original(obj)
     if isinstance(obj, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
-        return True
+        return purity.op_impurity(obj)
     if _REGISTERED.get(id(obj)) is obj:
-        return True
+        return None
     name = getattr(obj, "__name__", None)
+    refused = ("not a torch operator, an operator's binding or an allowed function "
+               "(cachebuild.fxjson.allow_callable)")
     if not isinstance(name, str) or name.startswith("__"):
-        return False
+        return refused
     if getattr(operator, name, None) is obj:
-        return name in _OPERATOR
+        return None if name in _OPERATOR else refused
+    if obj is builtins.getattr:
+        return None  # only as a read of a tensor's data attribute: see _check_node
     if name in _BUILTINS and getattr(builtins, name, None) is obj:
-        return True
+        return None
     if getattr(math, name, None) is obj and not name.startswith("_"):
-        return True
+        return None
     if any(getattr(getattr(torch._C, m), name, None) is obj for m in _TORCH_C):
-        return True
+        return purity.binding_impurity(name)
     if inspect.isfunction(obj) and obj.__module__ in _TORCH_PY and not name.startswith("_") \
             and getattr(importlib.import_module(obj.__module__), name, None) is obj:
-        return True
-    return any(_torch_attr(path) is obj for path in _TORCH_EXTRA)
+        return None
+    if any(_torch_attr(path) is obj for path in _TORCH_EXTRA):
+        return None
+    return refused
 
 
 def _torch_attr(path: str) -> Any:
@@ -116,17 +137,23 @@ def _torch_attr(path: str) -> Any:
 
 def target_name(target: Any) -> str:
     """A name that ``resolve_target`` turns back into ``target``."""
+    target = purity.original(target)
+    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        why = purity.op_impurity(target)
+        if why is not None:
+            raise GraphFormatError(f"graph calls operator {why}, which stored graphs may "
+                                   "not call")
     if isinstance(target, torch._ops.OpOverload):
         return f"op:{target.name()}"  # ns::name.overload
     if isinstance(target, torch._ops.OpOverloadPacket):
         return f"op:{target._qualified_op_name}"
     if isinstance(target, str):
         return target
-    if not allowed_callable(target):
-        raise GraphFormatError(
-            f"graph calls {target!r}, which stored graphs may not call: only torch operators "
-            "and functions, operator, math and callables registered with "
-            "cachebuild.fxjson.allow_callable")
+    target = purity.original(target)
+    why = callable_impurity(target)
+    if why is not None:
+        raise GraphFormatError(f"graph calls {_short(target)}, which stored graphs may not "
+                               f"call: {why}")
     name = getattr(target, "__name__", None)
     module = getattr(target, "__module__", None)
     candidates = ([module] if module else []) + list(_FALLBACK_MODULES)
@@ -174,6 +201,10 @@ def resolve_target(name: str) -> Any:
             ) from e
         if not isinstance(found, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
             raise GraphFormatError(f"graph target {qual!r} is not an operator")
+        why = purity.op_impurity(found)
+        if why is not None:
+            raise GraphFormatError(f"graph calls operator {why}, which stored graphs may not "
+                                   "call")
         return found
     if name.startswith("fn:"):
         _, module, qual = name.split(":", 2) if name.count(":") >= 2 else ("", "", "")
@@ -185,10 +216,11 @@ def resolve_target(name: str) -> Any:
             found = _lookup(module, qual)
         except (ImportError, AttributeError) as e:
             raise GraphFormatError(f"function {module}.{qual} no longer exists") from e
-        if not allowed_callable(found):
+        why = callable_impurity(found)
+        if why is not None:
             raise GraphFormatError(f"graph calls {module}.{qual}, which stored graphs may not "
-                                   "call (not a torch operator or an allowed function)")
-        return found
+                                   f"call: {why}")
+        return purity.tensor_attribute if found is builtins.getattr else purity.bounded(found)
     return name
 
 
@@ -223,6 +255,9 @@ def decode_arg(data: Any, env: dict[str, fx.Node]) -> Any:
     """The FX argument ``encode_arg`` wrote; GraphFormatError for anything else."""
     if isinstance(data, list):
         return [decode_arg(v, env) for v in data]
+    if isinstance(data, int) and not isinstance(data, bool) and not (
+            _INT_RANGE[0] <= data < _INT_RANGE[1]):
+        raise GraphFormatError(f"stored graph constant {_short(data)} does not fit in 64 bits")
     if data is None or isinstance(data, bool | int | str):
         return data
     if not isinstance(data, dict) or len(data) != 1:
@@ -269,14 +304,39 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:59] + "…"
 
 
+def check_call(op: str, target: Any, args: Any, kwargs: Any) -> None:
+    """Refuse (GraphFormatError) a method call that is not pure tensor computation, and a
+    ``getattr`` that is not a read of a tensor's data attribute by a constant name. Run on
+    every node at save and at load."""
+    if op == "call_method":
+        if not isinstance(target, str) or not _tensor_method(target):
+            raise GraphFormatError(f"graph calls method {_short(target)}, which is not a "
+                                   "public Tensor method")
+        why = None if target in _OPERATOR_METHODS else purity.method_impurity(target)
+        if why is not None:
+            raise GraphFormatError(f"graph calls method {target}, which stored graphs may not "
+                                   f"call: {why}")
+    elif op == "call_function" and purity.original(target) in (builtins.getattr,
+                                                               purity.tensor_attribute):
+        attrs = purity.tensor_attributes()
+        if not (isinstance(args, tuple) and len(args) == 2 and isinstance(args[0], fx.Node)
+                and isinstance(args[1], str) and args[1] in attrs and not kwargs):
+            shown = _short(args[1]) if isinstance(args, tuple) and len(args) == 2 else "..."
+            raise GraphFormatError(f"graph calls getattr(..., {shown}), which stored graphs may "
+                                   "not call: only a tensor's data attributes (T, mT, shape, "
+                                   "dtype, ...) may be read")
+
+
 def graph_to_data(graph: fx.Graph) -> list[dict[str, Any]]:
-    """The nodes of ``graph`` in order, as JSON data (names, ops, targets, args)."""
+    """The nodes of ``graph`` in order, as JSON data (names, ops, targets, args); a node
+    that stored graphs may not hold is a GraphFormatError (see the module doc)."""
     nodes = []
     for node in graph.nodes:
         if node.op == "get_attr":
             raise GraphFormatError(
                 f"graph reads attribute {node.target!r}: pieces must take weights as inputs"
             )
+        check_call(node.op, node.target, node.args, node.kwargs)
         nodes.append({
             "name": node.name,
             "op": node.op,
@@ -299,6 +359,8 @@ def data_to_graph(nodes: list[dict[str, Any]]) -> fx.Graph:
 def _data_to_graph(nodes: Any) -> fx.Graph:
     if not isinstance(nodes, list):
         raise GraphFormatError("a stored graph must be a list of nodes")
+    if len(nodes) > MAX_NODES:
+        raise GraphFormatError(f"a stored graph has at most {MAX_NODES} nodes, not {len(nodes)}")
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     outputs = 0
@@ -317,9 +379,6 @@ def _data_to_graph(nodes: Any) -> fx.Graph:
             target = resolve_target(target)
         elif op == "placeholder" and not _is_identifier(target):
             raise GraphFormatError(f"graph input {_short(target)} is not an identifier")
-        elif op == "call_method" and not _tensor_method(target):
-            raise GraphFormatError(f"graph calls method {_short(target)}, which is not a "
-                                   "public Tensor method")
         elif op == "call_module" and not all(map(_is_identifier, target.split("."))):
             raise GraphFormatError(f"graph calls module {_short(target)}, which is not a "
                                    "module path")
@@ -329,6 +388,7 @@ def _data_to_graph(nodes: Any) -> fx.Graph:
             outputs += 1
             graph.output(args[0])
             continue
+        check_call(op, target, args, kwargs)
         node = graph.create_node(op, target, args, kwargs, name=name)
         env[name] = node
     return graph
