@@ -198,7 +198,7 @@ def _pieces(f: Any, size: int) -> Iterable[bytes]:
 
 
 def _import_entry(store: LocalStore, key: str, record: Record, f: Any, size: int,
-                  report: ImportReport, allow_unsigned: bool) -> None:
+                  report: ImportReport, allow_unsigned: bool, source: str) -> None:
     def accept(header: BlobHeader) -> None:
         if (header.kind, header.length, header.checksum) != (
                 record.kind, record.size, record.checksum):
@@ -210,12 +210,19 @@ def _import_entry(store: LocalStore, key: str, record: Record, f: Any, size: int
             raise CorruptBlob("unsigned, and this store has a signing key: import with "
                               "--allow-unsigned if you trust the bundle", key)
 
+    def origin(header: BlobHeader) -> str | None:
+        # A mark the bundle carries stays; a blob our key did not verify gets one.
+        if record.unsigned_from is not None:
+            return record.unsigned_from
+        return None if store.signing_key is not None and header.signed else source
+
     try:
         if store.contains(key):
             report.existing.append(key)
             return
         store.write_blob_chunks(key, _pieces(f, size), manifest=record.manifest,
-                                refs=record.refs, pinned=record.pinned, accept=accept)
+                                refs=record.refs, pinned=record.pinned, accept=accept,
+                                unsigned_from=origin)
     except CorruptBlob as e:
         report.refused.append((key, e.reason))
     else:
@@ -242,6 +249,7 @@ def import_bundle(store: LocalStore, path: str | os.PathLike[str], *,
     except _ARCHIVE_ERRORS as e:
         raise UsageError(f"{src} is not a cachebuild bundle: {e}") from None
     report = ImportReport()
+    source = f"bundle {_printable(src.name)[:200]}"
     with tar:
         first, header = _read_header(tar, src)
         expected = header["entries"]
@@ -269,7 +277,7 @@ def import_bundle(store: LocalStore, path: str | os.PathLike[str], *,
                         report.refused.append((key, record))
                     else:
                         _import_entry(store, key, record, f, member.size, report,
-                                      allow_unsigned)
+                                      allow_unsigned, source)
                     current = None
                     if progress is not None:
                         progress(len(seen), max(len(expected), len(seen)))

@@ -151,7 +151,8 @@ class Index:
         return Record(key=key, kind=small["kind"], size=small["size"],
                       checksum=small["checksum"], created=small["created"],
                       last_used=small["last_used"], hits=small["hits"],
-                      pinned=small["pinned"], manifest=man, refs=tuple(small["refs"]))
+                      pinned=small["pinned"], manifest=man, refs=tuple(small["refs"]),
+                      unsigned_from=small["unsigned_from"])
 
     def put(self, record: Record) -> None:
         """Write ``record`` (and its manifest); call inside ``transact()``."""
@@ -159,6 +160,8 @@ class Index:
                  "created": record.created, "last_used": record.last_used,
                  "hits": record.hits, "pinned": record.pinned, "refs": list(record.refs),
                  "has_manifest": record.manifest is not None}
+        if record.unsigned_from is not None:
+            small["unsigned_from"] = record.unsigned_from
         if record.manifest is not None:
             self._db.set(_MANIFEST + record.key, _dumps(record.manifest))
         else:

@@ -267,3 +267,67 @@ def test_names_in_redis_that_are_not_keys_are_skipped(tmp_path, server):
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.splitlines()[-1])
     assert counts["rejected"] == 1 and counts["missing"] == 1
+
+
+# -- issue 25, 2: laundering ---------------------------------------------------------------
+
+
+def test_an_artifact_pulled_unsigned_stays_marked_and_push_all_will_not_sign_it(tmp_path, server):
+    untrusted = server.url[:-1] + "1"  # another database: a remote the fleet does not trust
+    planted = new_key()
+    with pytest.warns(UserWarning, match="without a signing key"):
+        attacker = TieredStore(LocalStore(tmp_path / "attacker"), RedisRemote(untrusted),
+                               allow_unsigned=True)
+    attacker.put(planted, b"whoever wrote to the untrusted remote", kind="target")
+    l1 = tmp_path / "l1"
+    keyless = clean_env(CACHEBUILD_DIR=str(l1), CACHEBUILD_REMOTE=untrusted,
+                        CACHEBUILD_ALLOW_UNSIGNED="1")
+    proc = python("from cachebuild.store import open_store\n"
+                  f"print(open_store().get({planted!r}))", env=keyless)
+    assert proc.returncode == 0 and "whoever wrote" in proc.stdout, proc.stderr[-2000:]
+    # The machine also builds something of its own, before the fleet key is set.
+    own = new_key()
+    LocalStore(l1).put(own, b"built here", kind="target")
+    # ls and verify say where the pulled one came from.
+    local = clean_env(CACHEBUILD_DIR=str(l1))
+    listed = {r["key"]: r for r in json.loads(cli("ls", "--json", env=local).stdout)}
+    assert listed[planted]["unsigned_from"].startswith(f"remote {untrusted}")
+    assert listed[own]["unsigned_from"] is None
+    assert "entered unsigned from" in cli("ls", env=local).stdout
+    checked = cli("verify", env=local)
+    assert checked.returncode == 0 and f"unsigned {planted}: entered this store" in checked.stderr
+    # With the fleet key, push --all signs what was built here but not what was pulled.
+    fleet = env_for(l1, server.url)
+    pushed = cli("push", "--all", env=fleet)
+    assert pushed.returncode == 1, pushed.stdout + pushed.stderr
+    assert f"not pushed {planted}: it entered the local store unsigned" in pushed.stderr
+    assert "pushed 1 " in pushed.stdout
+    got = read(tmp_path / "server", server.url, [planted, own])
+    assert got[planted]["present"] is False and got[own]["data"] == "built here"
+    # Named with --vouch it is signed and pushed, and stays marked where it lands.
+    vouched = cli("push", "--vouch", planted, env=fleet)
+    assert vouched.returncode == 0, vouched.stdout + vouched.stderr
+    assert json.loads(server.client().get(record_key(planted)))["record"][
+        "unsigned_from"].startswith(f"remote {untrusted}")
+    again = tmp_path / "again"
+    assert read(again, server.url, [planted])[planted]["present"] is True
+    assert LocalStore(again, signing_key=KEY.encode()).get_record(planted).unsigned_from
+
+
+def test_a_bundle_keeps_the_mark_and_marks_what_no_key_verified(tmp_path):
+    keyless = LocalStore(tmp_path / "keyless")
+    k = new_key()
+    keyless.put(k, b"pulled from somewhere", kind="target", unsigned_from="remote redis://x/0")
+    built = new_key()
+    keyless.put(built, b"built on the keyless machine", kind="target")
+    keyless.close()
+    bundle = tmp_path / "b.tar"
+    assert cli("export", str(bundle), env=clean_env(CACHEBUILD_DIR=str(tmp_path / "keyless"))
+               ).returncode == 0
+    dest = tmp_path / "fleet"
+    proc = cli("import", str(bundle), "--allow-unsigned",
+               env=clean_env(CACHEBUILD_DIR=str(dest), CACHEBUILD_SIGNING_KEY=KEY))
+    assert proc.returncode == 0, proc.stderr
+    store = LocalStore(dest, signing_key=KEY.encode())
+    assert store.get_record(k).unsigned_from == "remote redis://x/0"
+    assert store.get_record(built).unsigned_from == "bundle b.tar"

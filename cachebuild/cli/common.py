@@ -27,6 +27,9 @@ from cachebuild.units import format_duration, parse_duration, parse_size
 
 #: Progress bars are shown only for operations on at least this many blobs.
 PROGRESS_MIN_ITEMS = 16
+#: A command lists at most this many items of one kind (refused bundle members, damaged
+#: blobs) one per line, then says how many more there are.
+MAX_LISTED = 50
 
 
 @dataclass

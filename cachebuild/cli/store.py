@@ -12,6 +12,7 @@ from rich import box
 from rich.table import Table
 
 from cachebuild.cli.common import (
+    MAX_LISTED,
     DurationParam,
     SizeParam,
     ago,
@@ -21,6 +22,7 @@ from cachebuild.cli.common import (
     printable,
     progress_bar,
     resolve_key,
+    safe_text,
     stdout,
 )
 from cachebuild.errors import UsageError
@@ -50,10 +52,16 @@ def ls_command(ctx: click.Context, as_json: bool, kind: str | None) -> None:
     table.add_column("hits", justify="right")
     table.add_column("pinned")
     table.add_column("refs", justify="right")
+    unsigned = any(r.unsigned_from for r in records)
+    if unsigned:  # where each artifact that entered unsigned came from
+        table.add_column("entered unsigned from")
     for r in records:
-        table.add_row(r.key, r.kind, format_size(r.size), ago(r.created, now),
-                      ago(r.last_used, now), str(r.hits), "yes" if r.pinned else "",
-                      str(len(r.refs)) if r.refs else "")
+        row = [r.key, r.kind, format_size(r.size), ago(r.created, now),
+               ago(r.last_used, now), str(r.hits), "yes" if r.pinned else "",
+               str(len(r.refs)) if r.refs else ""]
+        if unsigned:
+            row.append(safe_text(r.unsigned_from or ""))
+        table.add_row(*row)
     stdout().print(table)
 
 
@@ -168,9 +176,19 @@ def verify_command(ctx: click.Context, repair: bool) -> None:
     store = open_store(ctx)
     with progress_bar("verifying") as on_progress:
         report = store.verify(repair=repair, progress=on_progress)
-    for key, reason in report.damaged:
+    for key, reason in report.damaged[:MAX_LISTED]:
         click.echo(f"damaged {key}: {reason}" + (" (quarantined)" if repair else ""), err=True)
+    if len(report.damaged) > MAX_LISTED:
+        click.echo(f"damaged: and {len(report.damaged) - MAX_LISTED} more", err=True)
+    for key, origin in report.unsigned[:MAX_LISTED]:
+        click.echo(f"unsigned {key}: entered this store without a verified signature from "
+                   f"{printable(origin)}; push signs it only if named with --vouch", err=True)
+    if len(report.unsigned) > MAX_LISTED:
+        click.echo(f"unsigned: and {len(report.unsigned) - MAX_LISTED} more (ls shows them)",
+                   err=True)
     summary = f"checked {report.checked} blobs: {report.ok} ok, {len(report.damaged)} damaged"
+    if report.unsigned:
+        summary += f" ({len(report.unsigned)} of them entered unsigned)"
     if report.tmp_removed or report.orphans_removed:
         summary += (f"; cleaned {report.tmp_removed} abandoned temp files and "
                     f"{report.orphans_removed} unrecorded blobs")
