@@ -21,7 +21,6 @@ from redis_server import RedisServer, require_redis_server
 from trust import assert_one_line_error, clean_env, cli, fill, python, require_root, tmpfs
 
 from cachebuild.store.blob import encode_blob
-from cachebuild.store.local import LocalStore
 from cachebuild.store.remote import chunk_key, record_key
 
 pytestmark = pytest.mark.slow
@@ -167,29 +166,90 @@ def test_compile_refuses_unsigned_blobs_exactly_as_the_cli_does(tmp_path):
 # -- 6: stored graphs naming any callable ----------------------------------------------------
 
 
-def test_a_stored_graph_naming_os_system_never_runs(tmp_path):
+def _graph(*calls: tuple[str, str, list]) -> list[dict]:
+    """A stored graph of input ``x``: each call ``(name, target, args)`` in turn, the last
+    one's value returned. ``"x"`` and earlier names in ``args`` refer to those nodes."""
+    def arg(a: object) -> object:
+        return {"n": a} if isinstance(a, str) and a in names else a
+
+    names = {"x"}
+    nodes = [{"name": "x", "op": "placeholder", "target": "x", "args": {"t": []},
+              "kwargs": {"d": []}}]
+    for name, target, args in calls:
+        op = "call_method" if not target.startswith(("fn:", "op:")) else "call_function"
+        nodes.append({"name": name, "op": op, "target": target,
+                      "args": {"t": [arg(a) for a in args]}, "kwargs": {"d": []}})
+        names.add(name)
+    nodes.append({"name": "output", "op": "output", "target": "output",
+                  "args": {"t": [{"t": [{"n": calls[-1][0]}]}]}, "kwargs": {"d": []}})
+    return nodes
+
+
+def test_stored_graphs_that_run_commands_or_touch_files_never_run(tmp_path):
+    """Graphs naming only operators still cannot write or read files: the audit's
+    ``from_file(shared=True)`` + ``copy_`` that planted a ``.pth`` file, the same call
+    reading ``/etc/passwd`` into an output, ``aten::save``, and ``os.system``."""
     model = model_file(tmp_path)
     store_dir = tmp_path / "store"
     env = clean_env(CACHEBUILD_DIR=str(store_dir))
     assert warm(model, env)[2] == 2
-    canary = tmp_path / "canary"
-    nodes = [
-        {"name": "x", "op": "placeholder", "target": "x", "args": {"t": []}, "kwargs": {"d": []}},
-        {"name": "y", "op": "call_function", "target": "fn:os:system",
-         "args": {"t": [f"touch {canary}"]}, "kwargs": {"d": []}},
-        {"name": "output", "op": "output", "target": "output", "args": {"t": [{"t": []}]},
-         "kwargs": {"d": []}},
-    ]
-    store = LocalStore(store_dir)
-    for record in store.records(kind="fx-graph"):
-        store.delete(record.key)  # replaced by someone who can write the store
+    planted = tmp_path / "site-packages" / "evil.pth"
+    planted.parent.mkdir()
+    attacks = {
+        r"graph calls os\.system, which stored graphs may not call":
+            _graph(("y", "fn:os:system", [f"touch {planted}"])),
+        r"graph calls operator aten::from_file.*'filename' names a location":
+            _graph(("f", "op:aten::from_file", [str(planted), True, 64]),
+                   ("y", "copy_", ["f", "x"])),
+        r"graph calls torch\.from_file, which stored graphs may not call":
+            _graph(("y", "fn:torch:from_file", ["/etc/passwd", False, 64])),
+        r"graph calls operator aten::save.*returns nothing":
+            _graph(("y", "op:aten::save", ["x", str(planted)])),
+        r"graph calls method untyped_storage":
+            _graph(("s", "untyped_storage", ["x"]), ("y", "resize_", ["s", 0])),
+    }
+    (tmp_path / "attacks.json").write_text(json.dumps(list(attacks.values())))
+    proc = python(SERVE_EACH, str(model), str(tmp_path / "attacks.json"), env=env)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    errors = json.loads(proc.stdout.splitlines()[-1])
+    for why, error in zip(attacks, errors, strict=True):
+        assert re.search(r"stored graph of target [0-9a-f]+ was not loaded: " + why, error), error
+        assert "\n" not in error
+    assert not planted.exists() and not any(planted.parent.iterdir())
+
+
+#: A server started once per stored graph: for each graph in a JSON list, the store's
+#: graph targets are replaced by it (as someone who can write the store would), and the
+#: model is compiled afresh (nothing loaded earlier is reused); prints each one-line error.
+SERVE_EACH = r"""
+import json, sys
+import torch
+import cachebuild
+from cachebuild.build import LOADED
+from cachebuild.errors import CachebuildError
+from cachebuild.modelfile import load_spec
+from cachebuild.store import open_store
+
+spec = load_spec(sys.argv[1])
+errors = []
+for nodes in json.loads(open(sys.argv[2]).read()):
+    store = open_store()
+    for record in list(store.records(kind="fx-graph")):
+        store.delete(record.key)
         store.put(record.key, json.dumps({"nodes": nodes}).encode(), kind="fx-graph",
                   manifest=record.manifest)
+    LOADED.clear()
+    try:
+        compiled = cachebuild.compile(spec.model, spec.config, spec.dynamic_dims, store=store)
+        import models
+        with torch.no_grad():
+            compiled(*models.inputs(5))
+        errors.append("ran")
+    except CachebuildError as e:
+        errors.append(str(e))
     store.close()
-    proc = python(SERVER, str(model), env=env)
-    assert_one_line_error(proc, 1, r"stored graph of target [0-9a-f]+ was not loaded: graph "
-                                   r"calls os\.system, which stored graphs may not call")
-    assert not canary.exists()
+print(json.dumps(errors))
+"""
 
 
 # -- 8: a server on a full disk ---------------------------------------------------------------
