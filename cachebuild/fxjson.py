@@ -23,7 +23,9 @@ state), without importing anything first:
   read of a tensor's data attribute (``w.T``);
 - arithmetic, comparison and indexing from ``operator`` (not ``attrgetter`` and
   friends), pure functions of ``math`` and a handful of number builtins; a loaded graph
-  calls bounded versions of those that could grow without end (``purity.bounded``);
+  run as Python calls bounded versions of those that could grow without end
+  (``purity.bounded``; a graph handed to a compiler keeps the originals, which its
+  tracing needs);
 - callables a program registers with ``allow_callable``.
 
 Anything else (``os.system``, ``builtins.eval``, ``aten::from_file``, ``aten::save``) is a
@@ -179,9 +181,10 @@ def _is_identifier(name: Any) -> bool:
     return isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name)
 
 
-def resolve_target(name: str) -> Any:
+def resolve_target(name: str, *, bounded: bool = True) -> Any:
     """The callable (or method/module name) that ``target_name`` named, if stored graphs
-    may call it; GraphFormatError otherwise (nothing is imported to find out)."""
+    may call it; GraphFormatError otherwise (nothing is imported to find out).
+    ``bounded``: Python arithmetic as its ``purity.bounded`` version."""
     if not isinstance(name, str):
         raise GraphFormatError(f"graph target {name!r} is not a name")
     if name.startswith("op:"):
@@ -220,7 +223,7 @@ def resolve_target(name: str) -> Any:
         if why is not None:
             raise GraphFormatError(f"graph calls {module}.{qual}, which stored graphs may not "
                                    f"call: {why}")
-        return purity.tensor_attribute if found is builtins.getattr else purity.bounded(found)
+        return purity.bounded(found) if bounded else found
     return name
 
 
@@ -316,8 +319,7 @@ def check_call(op: str, target: Any, args: Any, kwargs: Any) -> None:
         if why is not None:
             raise GraphFormatError(f"graph calls method {target}, which stored graphs may not "
                                    f"call: {why}")
-    elif op == "call_function" and purity.original(target) in (builtins.getattr,
-                                                               purity.tensor_attribute):
+    elif op == "call_function" and target is builtins.getattr:
         attrs = purity.tensor_attributes()
         if not (isinstance(args, tuple) and len(args) == 2 and isinstance(args[0], fx.Node)
                 and isinstance(args[1], str) and args[1] in attrs and not kwargs):
@@ -347,16 +349,18 @@ def graph_to_data(graph: fx.Graph) -> list[dict[str, Any]]:
     return nodes
 
 
-def data_to_graph(nodes: list[dict[str, Any]]) -> fx.Graph:
+def data_to_graph(nodes: list[dict[str, Any]], *, bounded: bool = True) -> fx.Graph:
     """Rebuild the fx.Graph that ``graph_to_data`` described; GraphFormatError, naming
-    what is wrong, for anything ``graph_to_data`` could not have written."""
+    what is wrong, for anything ``graph_to_data`` could not have written. ``bounded``:
+    Python arithmetic calls its ``purity.bounded`` version (for a graph run as Python;
+    False for one handed to a compiler)."""
     try:
-        return _data_to_graph(nodes)
+        return _data_to_graph(nodes, bounded)
     except RecursionError:
         raise GraphFormatError("stored graph is nested too deeply") from None
 
 
-def _data_to_graph(nodes: Any) -> fx.Graph:
+def _data_to_graph(nodes: Any, bounded: bool) -> fx.Graph:
     if not isinstance(nodes, list):
         raise GraphFormatError("a stored graph must be a list of nodes")
     if len(nodes) > MAX_NODES:
@@ -376,7 +380,7 @@ def _data_to_graph(nodes: Any) -> fx.Graph:
                 _is_identifier(k) for k in kwargs):
             raise GraphFormatError(f"graph node {name} has malformed arguments")
         if op == "call_function":
-            target = resolve_target(target)
+            target = resolve_target(target, bounded=bounded)
         elif op == "placeholder" and not _is_identifier(target):
             raise GraphFormatError(f"graph input {_short(target)} is not an identifier")
         elif op == "call_module" and not all(map(_is_identifier, target.split("."))):
@@ -411,14 +415,16 @@ def _tensor_method(name: str) -> bool:
     return _is_identifier(name) and public and callable(getattr(torch.Tensor, name, None))
 
 
-def data_to_module(nodes: list[dict[str, Any]], modules: dict[str, Callable] | None = None) -> fx.GraphModule:
-    """A runnable GraphModule for stored nodes; ``modules`` supplies call_module targets."""
+def data_to_module(nodes: list[dict[str, Any]], modules: dict[str, Callable] | None = None,
+                   *, bounded: bool = True) -> fx.GraphModule:
+    """A runnable GraphModule for stored nodes; ``modules`` supplies call_module targets;
+    ``bounded`` as for ``data_to_graph``."""
     root = torch.nn.Module()
     for name, mod in (modules or {}).items():
         if not isinstance(mod, torch.nn.Module):
             mod = _CallableModule(mod)
         root.add_module(name, mod)
-    graph = data_to_graph(nodes)
+    graph = data_to_graph(nodes, bounded=bounded)
     try:
         return fx.GraphModule(root, graph)
     except (AttributeError, RuntimeError, SyntaxError, TypeError, ValueError) as e:

@@ -27,11 +27,12 @@ Tensor methods (``x.view(...)``) are judged by the operator of their name; a met
 no operator of its name is allowed only if it converts a tensor's dtype or device (its
 name is a dtype or a device type) or is one of the few plain reads and conversions in
 ``METHODS_WITHOUT_OP``. ``getattr`` is allowed only as a read of a tensor's public data
-attribute (Dynamo records ``w.T`` as ``getattr(w, 'T')``).
+attribute (Dynamo records ``w.T`` as ``getattr(w, 'T')``); no other value a graph holds
+(numbers, tuples, dtypes) has an attribute of those names that does more than read.
 
 Python arithmetic can be made to run for hours (``2 ** 2 ** 40``) or fill memory
-(``[0] * 2 ** 40``): ``bounded`` gives the versions of such functions that a loaded graph
-calls, which refuse operands past ``MAX_INT_BITS`` and ``MAX_ITEMS``.
+(``[0] * 2 ** 40``): ``bounded`` gives the versions of such functions that a graph run as
+Python calls, which refuse operands past ``MAX_INT_BITS`` and ``MAX_ITEMS``.
 """
 
 from __future__ import annotations
@@ -202,14 +203,6 @@ def tensor_attributes() -> frozenset[str]:
         and not callable(getattr(torch.Tensor, name, None)))
 
 
-def tensor_attribute(obj: Any, name: str) -> Any:
-    """``getattr(obj, name)`` for a loaded graph: only a tensor's data attribute."""
-    if not isinstance(obj, torch.Tensor) or name not in tensor_attributes():
-        raise Impure(f"a stored graph read {name!r} of a {type(obj).__name__}: only a "
-                     "tensor's data attributes may be read")
-    return getattr(obj, name)
-
-
 # -- bounded arithmetic ------------------------------------------------------------------
 
 def _bits(value: Any) -> int:
@@ -288,9 +281,6 @@ def bounded(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def original(fn: Any) -> Any:
-    """The function a loaded graph's stand-in (``bounded``, ``tensor_attribute``) stands
-    for, so that a loaded graph is stored under the names it was loaded from; anything
-    else as it is."""
-    if fn is tensor_attribute:
-        return builtins.getattr
+    """The function a ``bounded`` stand-in stands for (anything else as it is), so that a
+    loaded graph is stored, keyed and compiled under the names it was loaded from."""
     return _ORIGINAL.get(id(fn), fn)

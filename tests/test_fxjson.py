@@ -119,20 +119,6 @@ def test_getattr_reads_tensor_data_attributes_and_nothing_else():
         data_to_module(node_data("call_function", "fn:builtins:getattr", "x"))
 
 
-def test_a_loaded_graph_reads_attributes_of_tensors_only():
-    from cachebuild.purity import Impure
-
-    # getattr(getitem(x, 0), 'T'): x is a tuple here, so its item may be anything.
-    nodes = node_data("call_function", "fn:operator:getitem", "x", 0)
-    nodes.insert(2, {"name": "z", "op": "call_function", "target": "fn:builtins:getattr",
-                     "args": {"t": [{"n": "y"}, "real"]}, "kwargs": {"d": []}})
-    nodes[-1]["args"] = {"t": [{"n": "z"}]}
-    module = data_to_module(nodes)
-    assert module((torch.ones(2),)).tolist() == [1.0, 1.0]
-    with pytest.raises(Impure, match="only a tensor's data attributes"):
-        module((1 + 2j,))
-
-
 @pytest.mark.parametrize("target, args", [
     ("fn:operator:pow", ("x", 1 << 40)), ("fn:builtins:pow", ("x", 1 << 40)),
     ("fn:operator:lshift", ("x", 1 << 40)), ("fn:operator:mul", ("x", 1 << 40)),
@@ -143,6 +129,12 @@ def test_python_arithmetic_in_a_loaded_graph_is_bounded(target, args):
     module = data_to_module(node_data("call_function", target, *args))
     with pytest.raises(Impure, match="past its bounds"):
         module(12345 if "mul" not in target else [0])
+    # A graph handed to a compiler keeps the function itself (compilers check by name).
+    unbounded = data_to_module(node_data("call_function", target, "x", 3), bounded=False)
+    assert [n.target for n in unbounded.graph.nodes][1] is resolve_target(target,
+                                                                          bounded=False)
+    assert graph_to_data(unbounded.graph) == graph_to_data(
+        data_to_module(node_data("call_function", target, "x", 3)).graph)
 
 
 def test_integer_constants_beyond_64_bits_and_huge_graphs_are_refused():
