@@ -76,8 +76,9 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     (targets built and loaded and the time it took, traces, warm starts); with a remote,
     also by tier (L1/L2). --prometheus writes the same counters in the Prometheus text
     format, for a collector that reads files (node_exporter's textfile collector)."""
-    from cachebuild.backends.probe import cached_verdicts
+    from cachebuild.backends.probe import cached_verdicts, unusable
     from cachebuild.metrics import store_metrics, write
+    from cachebuild.store.layout import UnsafeStore
 
     store = open_store(ctx)
     stats = store.stats()
@@ -85,8 +86,14 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
         write(store_metrics(stats), prometheus)
         if prometheus == "-":
             return
-    verdicts = cached_verdicts(store.probe_dir)
-    stats["toolchains"] = [v.to_json() | {"summary": v.describe()} for v in verdicts]
+    try:
+        verdicts, probe_problem = cached_verdicts(store.probe_dir), None
+    except UnsafeStore as e:  # the verdicts there are not read, nor used by builds
+        verdicts, probe_problem = [], str(e)
+    stats["toolchains"] = [v.to_json() | {"summary": v.describe(), "unusable": unusable(v)}
+                           for v in verdicts]
+    if probe_problem is not None:
+        stats["toolchain_problem"] = probe_problem
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
@@ -121,7 +128,13 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
                  ("remote incomplete", str(tiers["remote_incomplete"])),
                  ("remote errors", str(tiers["remote_errors"]))]
     for v in verdicts:  # which flavour and compiler this machine builds with, and why
-        rows.append((f"toolchain ({v.device})", v.describe().split(": ", 1)[1]))
+        line = v.describe().split(": ", 1)[1]
+        why = unusable(v)
+        if why is not None:
+            line += f" (not used: {why}; the next build probes again)"
+        rows.append((f"toolchain ({v.device})", safe_text(line, 2000)))
+    if probe_problem is not None:
+        rows.append(("toolchain", safe_text(probe_problem, 500)))
     for what, value in rows:
         table.add_row(what, value)
     stdout().print(table)
