@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -47,7 +47,13 @@ from typing import TYPE_CHECKING, Any
 from cachebuild.errors import StoreError, UsageError
 from cachebuild.keys import canonical_json
 from cachebuild.store.base import Progress, Store
-from cachebuild.store.blob import CorruptBlob, check_blob, encode_blob, parse_header
+from cachebuild.store.blob import (
+    CorruptBlob,
+    StreamCheck,
+    check_blob,
+    encode_blob,
+    parse_header,
+)
 from cachebuild.store.layout import InvalidKey, check_key
 from cachebuild.store.local import LocalStore
 from cachebuild.store.record import MAX_ORIGIN, BadRecord, GCReport, Record, VerifyReport
@@ -248,11 +254,11 @@ class TieredStore(Store):
             return None, "missing"
         if key in self._rejected:
             return None, "rejected"
-        fetched = self.remote.get(key)
-        if fetched is None:
-            return None, "missing"
-        raw_record, framed = fetched
         try:
+            fetched = self.remote.get(key, self._early_check(key))
+            if fetched is None:
+                return None, "missing"
+            raw_record, framed = fetched
             header = check_blob(framed, expected_key=key, signing_key=self.signing_key,
                                 require_signature=self.signing_key is not None)
             record, authentic = self._shared(key, raw_record)
@@ -289,6 +295,29 @@ class TieredStore(Store):
                                          unsigned_from=origin)
         self._count("l2_hits")
         return payload, "pulled"
+
+    def _early_check(self, key: str) -> Callable[[memoryview, int], None]:
+        """A check of each chunk as it arrives (``RedisRemote.get``): the header, in the
+        first, must be for ``key``, declare the length the record does and, with a signing
+        key, be signed; otherwise the rest is never downloaded (CorruptBlob)."""
+        checker = StreamCheck(expected_key=key, signing_key=self.signing_key,
+                              require_signature=self.signing_key is not None)
+        checked = False
+
+        def check(chunk: memoryview, length: int) -> None:
+            nonlocal checked
+            checker.feed(chunk)
+            header = checker.header
+            if header is None or checked:
+                return
+            checked = True
+            if header.total_size != length:
+                raise CorruptBlob(f"its header declares {header.total_size} bytes, its "
+                                  f"record {length}", key)
+            if self.signing_key is not None and not header.signed:
+                raise CorruptBlob("unsigned, and this store has a signing key", key)
+
+        return check
 
     def _origin(self, record: Record | None) -> str | None:
         """``unsigned_from`` for a blob fetched from L2: the remote itself when nothing was
@@ -416,7 +445,8 @@ class TieredStore(Store):
             limit = timeout if timeout is not None else getattr(self.local, "lock_timeout", 600.0)
             # A negative timeout means wait forever, as for the local lock.
             remaining = None if limit < 0 else max(0.0, limit - (time.monotonic() - start))
-            with self.remote.lock(key, ttl=self.lock_ttl, timeout=remaining):
+            with self.remote.lock(key, ttl=self.lock_ttl, timeout=remaining,
+                                  signing_key=self.signing_key):
                 yield
 
     # -- deletes and local-only operations ------------------------------------------------

@@ -276,10 +276,12 @@ def import_command(ctx: click.Context, file: Path, allow_unsigned: bool) -> None
         report = import_bundle(store, file, progress=on_progress, allow_unsigned=allow_unsigned)
     click.echo(f"imported {plural(len(report.imported), 'record')} from {file}"
                + (f", {len(report.existing)} already present" if report.existing else ""))
-    for name, reason in report.refused:
+    for name, reason in report.refused[:MAX_LISTED]:
         click.echo(f"refused {printable(name)}: {printable(reason, 300)}", err=True)
-    if report.refused:
-        click.echo(f"error: refused {len(report.refused)} damaged or incomplete records",
+    if report.refused_count > MAX_LISTED:
+        click.echo(f"refused: and {report.refused_count - MAX_LISTED} more", err=True)
+    if report.refused_count:
+        click.echo(f"error: refused {report.refused_count} damaged or incomplete records",
                    err=True)
         ctx.exit(1)
 
