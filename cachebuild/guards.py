@@ -391,12 +391,9 @@ def root_value(root: Sequence[Any], model: Any, args: Sequence[Any]) -> Any:
     if kind == "kwargs":
         return {}
     if kind == "module":
-        module = sys.modules.get(root[1])
-        if module is None:
-            import importlib
-
-            module = importlib.import_module(root[1])
-        return module
+        # Guards are data: they read what is imported and never import anything (an
+        # entry naming a module this process lacks is a mismatch, not an import).
+        return sys.modules[root[1]]
     if kind == "env":
         return os.environ.get(root[1])
     if kind == "state":
@@ -436,6 +433,35 @@ def fingerprint(check: str, value: Any, arg: Any) -> Any:
 
 
 _UNRESOLVED = object()
+
+#: Path roots and steps as stored: their name and how many values follow it.
+_ROOTS = {"model": 0, "arg": 1, "varargs": 1, "kwargs": 0, "module": 1, "env": 1, "state": 1}
+_STEPS = {"attr": 1, "item": 1, "nthkey": 1, "itemkey": 1, "type": 0, "dict": 0}
+
+
+def check_data(data: Any) -> list[list[Any]]:
+    """``data`` if it is a guard list ``GuardSet`` can hold, else ValueError saying why:
+    records of ``[path, check, arg, expected]`` whose path starts at a known root with a
+    string or index, then known steps (an attribute by its name), and whose check is one
+    of ``CHECKS``."""
+    if not isinstance(data, list):
+        raise ValueError("guards must be a list")
+    for record in data:
+        if not (isinstance(record, list) and len(record) == 4 and isinstance(record[0], list)
+                and record[0] and record[1] in CHECKS):
+            raise ValueError(f"not a guard record: {str(record)[:80]}")
+        root, *steps = record[0]
+        if not (isinstance(root, list) and root and _ROOTS.get(root[0]) == len(root) - 1
+                and all(isinstance(v, str | int) and not isinstance(v, bool)
+                        for v in root[1:])):
+            raise ValueError(f"not a guard path root: {str(root)[:80]}")
+        for s in steps:
+            if not (isinstance(s, list) and s and isinstance(s[0], str)
+                    and _STEPS.get(s[0]) == len(s) - 1
+                    and (s[0] != "attr" or isinstance(s[1], str))
+                    and (s[0] not in ("nthkey", "itemkey") or type(s[1]) is int)):
+                raise ValueError(f"not a guard path step: {str(s)[:80]}")
+    return data
 
 
 @dataclass

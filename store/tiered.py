@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cachebuild.errors import StoreError, UsageError
-from cachebuild.keys import canonical_json
+from cachebuild.keys import canonical_json, guard_seal_key
 from cachebuild.store.base import Progress, Store
 from cachebuild.store.blob import (
     CorruptBlob,
@@ -132,13 +132,14 @@ def record_signed_by(signing_key: bytes, shared: dict[str, Any]) -> bool:
 
 def entry_refs(kind: str, payload: bytes) -> tuple[str, ...]:
     """The keys a verified payload refers to: for a model entry, the target keys its
-    pieces list; nothing for any other kind. Refs come only from here, never from a
-    shared record, because they decide what GC keeps."""
+    pieces list and the seal of its guards; nothing for any other kind. Refs come only
+    from here, never from a shared record, because they decide what GC keeps."""
     if kind != "entry":
         return ()
     try:
-        pieces = json.loads(payload).get("pieces", [])
-        keys = [t["key"] for p in pieces for t in p.get("targets", [])]
+        doc = json.loads(payload)
+        keys = [t["key"] for p in doc.get("pieces", []) for t in p.get("targets", [])]
+        keys.append(guard_seal_key(doc["key"], doc["guards"]))
         return tuple(dict.fromkeys(check_key(k) for k in keys))
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         log.warning("entry payload lists no readable targets; keeping it without refs")

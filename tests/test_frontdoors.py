@@ -115,7 +115,7 @@ def test_default_store_is_cachebuild_dir(tmp_path, monkeypatch):
     compiled = cachebuild.compile(model, models.config(), DYN)
     models.assert_matches_eager(compiled, model, models.inputs(3))
     kinds = sorted(r.kind for r in LocalStore(path).records())
-    assert kinds == ["entry", "fx-graph", "fx-graph"]
+    assert kinds == ["entry", "fx-graph", "fx-graph", "guards"]
 
 
 def test_model_spec_is_validated():

@@ -11,6 +11,7 @@ callable), 8 (a server on a full disk), 11 (bad input through the library and th
 from __future__ import annotations
 
 import json
+import os
 import re
 import secrets
 from pathlib import Path
@@ -21,6 +22,7 @@ from redis_server import RedisServer, require_redis_server
 from trust import assert_one_line_error, clean_env, cli, fill, python, require_root, tmpfs
 
 from cachebuild.store.blob import encode_blob
+from cachebuild.store.local import LocalStore
 from cachebuild.store.remote import chunk_key, record_key
 
 pytestmark = pytest.mark.slow
@@ -156,7 +158,8 @@ def test_compile_refuses_unsigned_blobs_exactly_as_the_cli_does(tmp_path):
                        CACHEBUILD_REQUIRE_SIGNATURE="1")
     proc = cli("verify", env=strict)
     assert proc.returncode == 1
-    assert proc.stderr.count("unsigned, but this store requires signed blobs") == 3  # 2 + entry
+    # Two targets, the entry and the seal of its guards.
+    assert proc.stderr.count("unsigned, but this store requires signed blobs") == 4
     # The library, from the same environment, refuses the same blobs: it rebuilds them.
     stats = serve(model, strict)
     assert stats["built"] == 2 and stats["traced"] == 1
@@ -313,3 +316,134 @@ def test_bad_config_values_are_one_line_config_errors(tmp_path):
                           r"--device 'nonsense!!' is not a device")
     assert_one_line_error(cli("warm", str(model), "--device", "cuda:0", env=env), 2,
                           r"--device 'cuda:0' is not usable here")
+
+
+# -- issue 25, 6: guards are data --------------------------------------------------------
+
+EPS_MODEL_PY = """
+import torch
+import cachebuild
+import models
+
+
+def build():
+    model = models.make(models.Decoder, layers=1)
+    for m in model.modules():
+        if isinstance(m, torch.nn.RMSNorm):
+            m.eps = %r
+    return cachebuild.ModelSpec(model, models.inputs(8), {0: 0, 1: 0}, models.config())
+"""
+
+
+def _edit_entry(store_dir: Path, edit) -> None:
+    """Re-store the model entry with ``edit(doc)`` applied to its JSON, as someone who can
+    write a store without a signing key could (the blob re-framed, its checksum right)."""
+    store = LocalStore(store_dir)
+    (record,) = [r for r in store.records(kind="entry")]
+    doc = json.loads(store.get(record.key))
+    edit(doc)
+    store.delete(record.key)
+    store.put(record.key, json.dumps(doc).encode(), kind="entry", manifest=record.manifest,
+              refs=record.refs)
+    store.close()
+
+
+def test_edited_or_deleted_guards_are_a_miss_and_never_import(tmp_path):
+    store_dir = tmp_path / "store"
+    env = clean_env(CACHEBUILD_DIR=str(store_dir), PYTHONPATH=os.pathsep.join(
+        [str(tmp_path / "lib"), clean_env()["PYTHONPATH"]]))
+    model = tmp_path / "model.py"
+    model.write_text(EPS_MODEL_PY % 1e-5)
+    assert warm(model, env)[2] == 2
+    # A guard that names a module this process never imported: reading it would import
+    # it, and importing it leaves a canary.
+    canary = tmp_path / "imported"
+    (tmp_path / "lib").mkdir()
+    (tmp_path / "lib" / "planted_guard_module.py").write_text(
+        f"open({str(canary)!r}, 'w').close()\nvalue = 1\n")
+    _edit_entry(store_dir, lambda doc: doc["guards"].append(
+        [[["module", "planted_guard_module"], ["attr", "value"]], "equals", None, 1]))
+    stats = serve(model, env)
+    assert not canary.exists()
+    assert stats["traced"] == 1  # the edited entry is a miss: traced again, and right
+    # Without its guards, the entry of eps 1e-5 would serve a model of eps 0.1.
+    _edit_entry(store_dir, lambda doc: doc.update(guards=[]))
+    model.write_text(EPS_MODEL_PY % 0.1)
+    stats = serve(model, env)  # checks every output against eager
+    assert stats["traced"] == 1
+    # A guard list that is not one (a path step no reader knows) is a miss too.
+    _edit_entry(store_dir, lambda doc: doc["guards"].append([[["model"], ["call", "x"]],
+                                                              "equals", None, 1]))
+    assert serve(model, env)["traced"] == 1
+    assert not canary.exists()
+
+
+# -- issue 25, 7: bad arguments ------------------------------------------------------------
+
+BAD_CONFIGS = r"""
+import json
+import cachebuild
+from cachebuild.config import check_inductor_options
+from cachebuild.errors import ConfigError
+
+# A config with options: checking them is left for later when Inductor is not loaded.
+import sys
+fine = cachebuild.CompileConfig(inductor_options={"max_autotune": True})
+imported = "torch._inductor.config" in sys.modules
+calls = {
+    "range to 2**70": lambda: cachebuild.CompileConfig(compile_ranges=((1, 2**70),)),
+    "capture size 10**12": lambda: cachebuild.CompileConfig(capture_sizes=(10**12,)),
+    "compile size 2**40": lambda: cachebuild.CompileConfig(
+        compile_ranges=((1, 2**31 - 1),), compile_sizes=(2**40,)),
+    "100k capture sizes": lambda: cachebuild.CompileConfig(capture_sizes=range(1, 100_001)),
+    "10k ranges": lambda: cachebuild.CompileConfig(
+        compile_ranges=[(2 * i + 1, 2 * i + 1) for i in range(10_000)]),
+    "NaN option": lambda: cachebuild.CompileConfig(inductor_options={"max_autotune": float("nan")}),
+    "inf in a list": lambda: cachebuild.CompileConfig(
+        inductor_options={"max_autotune_gemm_backends": [1, float("inf")]}),
+    "unknown option": lambda: check_inductor_options(
+        cachebuild.CompileConfig(inductor_options={"max_autotuen": True})),
+}
+out = {}
+for name, call in calls.items():
+    try:
+        call()
+        out[name] = "accepted"
+    except ConfigError as e:
+        out[name] = str(e)
+out["imported before"] = imported
+check_inductor_options(fine)  # a known option passes
+print(json.dumps(out))
+"""
+
+
+def test_configs_beyond_bounds_and_unknown_options_are_one_line_errors(tmp_path):
+    proc = python(BAD_CONFIGS, env=clean_env(CACHEBUILD_DIR=str(tmp_path / "store")))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out.pop("imported before") is False
+    for name, message in out.items():
+        assert message != "accepted" and "\n" not in message, (name, message)
+    assert "did you mean 'max_autotune'" in out["unknown option"]
+    # Through the command line: a model file whose config names an unknown option.
+    (tmp_path / "bad").mkdir()
+    bad = model_file(tmp_path / "bad", "inductor_options={'max_autotuen': True}")
+    env = clean_env(CACHEBUILD_DIR=str(tmp_path / "store"))
+    assert_one_line_error(cli("plan", str(bad), env=env), 2,
+                          r"Inductor has no setting 'max_autotuen'")
+
+
+def test_bad_command_line_values_are_one_line_usage_errors(tmp_path):
+    env = clean_env(CACHEBUILD_DIR=str(tmp_path / "store"))
+    model = model_file(tmp_path)
+    (tmp_path / "adir").mkdir()
+    for args, match in [
+        (["stats", "--prometheus", str(tmp_path / "adir")], r"is a directory"),
+        (["stats", "--prometheus", str(tmp_path / "missing" / "m.prom")], r"does not exist"),
+        (["warm", str(model), "--world-size", str(10**20)], r"not in the range 1<=x<=1024"),
+        (["plan", str(model), "--world-size", "20000"], r"not in the range 1<=x<=1024"),
+        (["explain", str(model), "--world-size", "0"], r"not in the range"),
+        (["warm", str(model), "--jobs", str(10**20)], r"not in the range 1<=x<=256"),
+    ]:
+        assert_one_line_error(cli(*args, env=env), 2, match)
+    assert not (tmp_path / "store").exists() or not any((tmp_path / "store").rglob("*.prom"))

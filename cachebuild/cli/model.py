@@ -30,7 +30,16 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from cachebuild.cli.common import open_store, printable, state_of, stderr, stdout
+from cachebuild.cli.common import (
+    MAX_JOBS,
+    MAX_WORLD_SIZE,
+    open_store,
+    printable,
+    safe_text,
+    state_of,
+    stderr,
+    stdout,
+)
 from cachebuild.errors import UsageError
 
 if TYPE_CHECKING:
@@ -229,11 +238,12 @@ def build_jobs(jobs: list[BuildJob], workers: int, model_path: str,
 
 @click.command("warm")
 @click.argument("model", type=click.Path(dir_okay=False))
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
+@click.option("--jobs", "-j", type=click.IntRange(min=1, max=MAX_JOBS), default=None,
               help="Worker processes building targets (default: the CPUs this process may use).")
 @click.option("--device", metavar="D", help="Move the model and inputs to D (e.g. cuda:0).")
 @click.option("--dry-run", is_flag=True, help="Show what would be built; build nothing.")
-@click.option("--world-size", type=click.IntRange(min=1), default=None, metavar="N",
+@click.option("--world-size", type=click.IntRange(min=1, max=MAX_WORLD_SIZE), default=None,
+              metavar="N",
               help="MODEL.py is tensor-parallel: plan each of N ranks in this process under "
                    "torch's fake process group (no GPUs, no other processes) and build "
                    "each unique target once for the whole group.")
@@ -350,8 +360,11 @@ def _previous_targets(store: Store, entry: Entry) -> dict[tuple[int, str], str]:
     data = store.get(best.key, touch=False)
     if data is None:
         return {}
-    old = Entry.from_bytes(data)
-    return {(t.piece, bucket_label(t.bucket)): t.key for t in old.targets()}
+    try:
+        old = Entry.from_bytes(data)
+        return {(t.piece, bucket_label(t.bucket)): t.key for t in old.targets()}
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return {}  # not an entry this version reads: nothing to compare with
 
 
 def _targets_table(planned: Planned, store: Store, console: Console) -> None:
@@ -415,7 +428,7 @@ def _group_table(group: list[Planned], store: Store, console: Console) -> None:
 
 
 _WORLD_SIZE = click.option(
-    "--world-size", type=click.IntRange(min=1), default=None, metavar="N",
+    "--world-size", type=click.IntRange(min=1, max=MAX_WORLD_SIZE), default=None, metavar="N",
     help="MODEL.py is tensor-parallel: plan each of N ranks under torch's fake process group.")
 
 
@@ -484,7 +497,8 @@ def _explain_entry(planned: Planned, records: list[Any], console: Console) -> No
     found = planned.found
     head = f"entry {found.key[:16]} not used ({found.why.split(':')[0]})"
     if found.mismatches:
-        console.print(f"{head}: " + "; ".join(m.describe() for m in found.mismatches))
+        console.print(f"{head}: " + "; ".join(safe_text(m.describe(), 300)
+                                              for m in found.mismatches))
         return
     nearest = nearest_entry(found.factors, records)
     if nearest is None:
@@ -492,9 +506,13 @@ def _explain_entry(planned: Planned, records: list[Any], console: Console) -> No
         return
     key, reasons = nearest
     data = planned.planner.store.get(key, touch=False)
-    if data is not None:
+    try:
+        stored = Entry.from_bytes(data) if data is not None else None
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        stored = None  # not an entry this version reads: its factors are all there is
+    if stored is not None:
         spec = planned.spec
-        reasons += [m.describe() for m in Entry.from_bytes(data).guard_set().mismatches(
+        reasons += [safe_text(m.describe(), 300) for m in stored.guard_set().mismatches(
             spec.model, spec.example_inputs)]
     console.print(f"{head}; nearest entry {key[:16]}: " + "; ".join(reasons or ["identical"]))
 

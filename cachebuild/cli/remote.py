@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from cachebuild.cli.common import MAX_LISTED, open_store, printable, state_of
+from cachebuild.cli.common import MAX_JOBS, MAX_LISTED, open_store, printable, state_of
 from cachebuild.errors import CachebuildError, UsageError
 from cachebuild.units import format_size
 
@@ -44,14 +44,14 @@ def _tiered(ctx: click.Context, command: str) -> TieredStore:
 
 
 def _entry_targets(store: TieredStore, key: str) -> list[str]:
-    """The target keys of the entry ``key`` held in L1."""
+    """The keys the entry ``key`` held in L1 needs beside it: its targets and its seal."""
     from cachebuild.entry import Entry
 
     data = store.local.get(key)
     if data is None:
         raise CachebuildError(f"entry {key} vanished from the local store")
     try:
-        return Entry.from_bytes(data).target_keys()
+        return Entry.from_bytes(data).stored_keys()
     except (ValueError, KeyError, TypeError) as e:
         raise CachebuildError(f"entry {key} cannot be read: {e}") from e
 
@@ -134,7 +134,8 @@ def push_command(ctx: click.Context, model: str | None, push_all: bool,
 
 @click.command("pull")
 @click.argument("model", type=click.Path(dir_okay=False))
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=4, show_default=True,
+@click.option("--jobs", "-j", type=click.IntRange(min=1, max=MAX_JOBS), default=4,
+              show_default=True,
               help="Blobs fetched and verified at once.")
 @click.pass_context
 def pull_command(ctx: click.Context, model: str, jobs: int) -> None:

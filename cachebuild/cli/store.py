@@ -77,9 +77,11 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     also by tier (L1/L2). --prometheus writes the same counters in the Prometheus text
     format, for a collector that reads files (node_exporter's textfile collector)."""
     from cachebuild.backends.probe import cached_verdicts, unusable
-    from cachebuild.metrics import store_metrics, write
+    from cachebuild.metrics import check_target, store_metrics, write
     from cachebuild.store.layout import UnsafeStore
 
+    if prometheus is not None:
+        check_target(prometheus)  # before the store is read: a bad path is bad usage
     store = open_store(ctx)
     stats = store.stats()
     if prometheus is not None:
