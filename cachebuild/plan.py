@@ -196,8 +196,10 @@ class Planner:
                 if fresh:
                     return True
                 self.store.delete(entry.key)
-            # The seal first: an entry is never stored without it.
-            self.store.put(entry.seal_key(), b"", kind="guards")
+            # The seal first: an entry is never stored without it (contains() verifies the
+            # one there, and moves a damaged or refused one out of the way of this put).
+            if not self.store.contains(entry.seal_key()):
+                self.store.put(entry.seal_key(), b"", kind="guards")
             self.store.put(entry.key, entry.to_bytes(), kind="entry", manifest=entry.factors,
                            refs=entry.stored_keys())
         return True
