@@ -9,10 +9,10 @@ operator's schema, the way the dispatcher declares it, rather than from a list o
   profiler records), a ``Future``, ``RRef``, ``Await``, capsule or Python object. A
   result may not be a ``Generator`` either. So a stored graph can neither make such an
   object nor hand one to an operator.
-- **Effects.** An operator either returns something or writes a tensor it is given
+- **Effects.** An operator either returns something or writes an argument it is given
   (``Tensor(a!)``, e.g. ``index_copy_`` into a KV cache). One that does neither exists for
-  an effect outside tensors (``aten::save``, ``aten::_print``, ``aten::manual_seed``,
-  ``aten::set_grad_enabled``, barriers, asserts) and is refused.
+  an effect outside the graph's data (``aten::save``, ``aten::_print``,
+  ``aten::manual_seed``, ``aten::set_grad_enabled``, barriers, asserts) and is refused.
 - **Strings.** A ``str`` argument may choose how tensors are computed (a rounding mode,
   an einsum equation, a reduction), never where data comes from or goes: an operator
   that makes a tensor from a string without taking a tensor (``aten::from_file``,
@@ -52,7 +52,7 @@ from cachebuild.errors import CachebuildError
 _CAPABILITY_KINDS = frozenset({
     "StorageType", "StreamObjType", "ClassType", "FutureType", "RRefType", "AwaitType",
     "CapsuleType", "PyObjectType", "AnyClassType", "InterfaceType", "FunctionType",
-    "EnumType", "AnyEnumType", "QuantizerType"})
+    "QuantizerType"})
 #: Words in a ``str`` argument's name that make it a location.
 _LOCATION_WORDS = ("file", "path", "dir", "url", "uri", "host", "socket", "command", "cmd")
 
@@ -112,11 +112,10 @@ def schema_impurity(schema: Any) -> str | None:
     for ret in schema.returns:
         if (why := _type_impurity(ret.real_type, result=True)) is not None:
             return f"it returns {why}"
-    writes_tensor = any(arg.alias_info is not None and arg.alias_info.is_write
-                        and _contains_kind(arg.real_type, ("TensorType",))
-                        for arg in schema.arguments)
-    if not schema.returns and not writes_tensor:
-        return "it returns nothing and writes no tensor: it exists for another effect"
+    writes = any(arg.alias_info is not None and arg.alias_info.is_write
+                 for arg in schema.arguments)
+    if not schema.returns and not writes:
+        return "it returns nothing and writes none of its arguments: it exists for another effect"
     strings = [a for a in schema.arguments if _contains_kind(a.real_type, ("StringType",))]
     for arg in strings:
         if any(word in arg.name.lower() for word in _LOCATION_WORDS):
