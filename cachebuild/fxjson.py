@@ -372,7 +372,8 @@ def _data_to_graph(nodes: Any, bounded: bool) -> fx.Graph:
         if not isinstance(item, dict):
             raise GraphFormatError(f"not a stored graph node: {_short(item)}")
         name, op, target = item.get("name"), item.get("op"), item.get("target")
-        if op not in _OPS or not _is_identifier(name) or not isinstance(target, str):
+        if not isinstance(op, str) or op not in _OPS or not _is_identifier(name) \
+                or not isinstance(target, str):
             raise GraphFormatError(f"not a stored graph node: {_short(item)}")
         args = decode_arg(item.get("args"), env)
         kwargs = decode_arg(item.get("kwargs"), env)

@@ -116,8 +116,8 @@ class Planner:
                 try:
                     entry = Entry.from_bytes(data)
                     seal = entry.seal_key()
-                except (ValueError, KeyError, TypeError, RecursionError) as e:
-                    # not an entry of this format
+                except (ValueError, KeyError, TypeError, AttributeError, IndexError,
+                        RecursionError) as e:  # not an entry of this format
                     return Lookup(None, f"stored entry unreadable ({type(e).__name__})", key,
                                   factors)
                 if entry.key != key or not self.store.contains(seal):

@@ -44,7 +44,7 @@ from .blob import BlobHeader, CorruptBlob
 from .layout import check_key
 from .local import LocalStore
 from .maintenance import reachable
-from .record import BadRecord, Record
+from .record import BadRecord, Record, loads_json
 
 BUNDLE_FORMAT = "cachebuild-bundle"
 BUNDLE_VERSION = 1
@@ -182,7 +182,7 @@ def _read_header(tar: tarfile.TarFile, path: Path) -> tuple[tarfile.TarInfo, dic
             raise UsageError(f"{not_bundle} ({HEADER_NAME} is {first.size} bytes)")
         f = tar.extractfile(first)
         assert f is not None
-        header = json.loads(f.read(MAX_RECORD_BYTES + 1))
+        header = loads_json(f.read(MAX_RECORD_BYTES + 1))
     except _ARCHIVE_ERRORS + (ValueError, RecursionError) as e:
         raise UsageError(f"{not_bundle}: {e}") from None
     if not isinstance(header, dict) or header.get("format") != BUNDLE_FORMAT \
@@ -202,7 +202,7 @@ def _read_record(tar: tarfile.TarFile, member: tarfile.TarInfo, key: str) -> Rec
     f = tar.extractfile(member)
     assert f is not None
     try:
-        return Record.from_json(json.loads(f.read(MAX_RECORD_BYTES + 1)), key=key)
+        return Record.from_json(loads_json(f.read(MAX_RECORD_BYTES + 1)), key=key)
     except (ValueError, RecursionError) as e:
         return f"index record is not JSON: {e}"
     except BadRecord as e:

@@ -28,7 +28,7 @@ import diskcache
 
 from cachebuild.errors import StoreError
 
-from .record import BadRecord, Record, check_fields
+from .record import BadRecord, Record, check_fields, loads_json
 
 log = logging.getLogger("cachebuild.store")
 
@@ -74,7 +74,7 @@ def parse_row(key: str, raw: Any) -> dict[str, Any]:
     if not isinstance(raw, str | bytes):
         raise BadRecord("index row is not JSON text")
     try:
-        small = json.loads(raw)
+        small = loads_json(raw)
     except (ValueError, RecursionError) as e:
         raise BadRecord(f"index row is not valid JSON ({e})") from None
     if not isinstance(small, dict):
@@ -143,7 +143,7 @@ class Index:
         if manifest and small.get("has_manifest"):
             raw = self._db.get(_MANIFEST + key)
             try:
-                man = json.loads(raw) if isinstance(raw, str | bytes) else None
+                man = loads_json(raw) if isinstance(raw, str | bytes) else None
             except (ValueError, RecursionError):
                 man = None
             if not isinstance(man, dict):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -75,6 +76,16 @@ MAX_ORIGIN = 300
 
 class BadRecord(StoreError):
     """A record (index row, bundle member, shared-tier record) that is not well formed."""
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def loads_json(text: str | bytes | bytearray) -> Any:
+    """JSON text as Python values, refusing ``NaN`` and ``Infinity`` (which Python's
+    ``json`` reads but nothing can store again): ValueError, as for any bad JSON."""
+    return json.loads(text, parse_constant=_no_constant)
 
 
 def _show(value: Any) -> str:

@@ -58,6 +58,7 @@ from redis.retry import Retry
 
 from cachebuild.errors import LockTimeout, UsageError
 from cachebuild.store.layout import InvalidKey, check_key
+from cachebuild.store.record import loads_json
 
 log = logging.getLogger(__name__)
 
@@ -157,7 +158,7 @@ class RemoteBlobMeta:
         if len(raw) > MAX_RECORD_BYTES:
             raise ValueError(f"record longer than {MAX_RECORD_BYTES} bytes")
         try:
-            doc = json.loads(raw)
+            doc = loads_json(raw)
         except RecursionError:
             raise ValueError("record nested too deeply") from None
         if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:

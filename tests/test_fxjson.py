@@ -159,3 +159,11 @@ def test_tensor_operator_methods_round_trip_and_other_dunders_are_refused():
         graph.output(graph.call_method(name, (graph.placeholder("x"), 2)))
         with pytest.raises(GraphFormatError, match="not a public Tensor method"):
             data_to_module(graph_to_data(graph))
+
+
+def test_nodes_of_any_shape_are_refused_in_one_line():
+    # Found by the store fuzzer: an op or a name that is a list or an object.
+    for node in ({"name": "y", "op": ["call_function"], "target": "x"},
+                 {"name": {"a": 1}, "op": "placeholder", "target": "x"}):
+        with pytest.raises(GraphFormatError, match="not a stored graph node"):
+            data_to_module([node])
