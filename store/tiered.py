@@ -140,7 +140,10 @@ def entry_refs(kind: str, payload: bytes) -> tuple[str, ...]:
         doc = json.loads(payload)
         keys = [t["key"] for p in doc.get("pieces", []) for t in p.get("targets", [])]
         if "key" in doc and "guards" in doc:  # an entry that has a seal
-            keys.append(guard_seal_key(doc["key"], doc["guards"]))
+            try:
+                keys.append(guard_seal_key(doc["key"], doc["guards"]))
+            except (ValueError, TypeError, RecursionError):
+                pass  # guards no key can be made of: the entry is a miss anyway
         return tuple(dict.fromkeys(check_key(k) for k in keys))
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         log.warning("entry payload lists no readable targets; keeping it without refs")
