@@ -1,4 +1,4 @@
-"""The fuzz driver of ``test_trust_fuzz.test_stored_data_fuzz``: stored graphs, guard lists,
+"""The fuzz driver of ``test_trust_fuzz_store.py``: stored graphs, guard lists,
 records, manifests and bundles, mutated, then read the way a server reads them.
 
 ``python store_fuzz.py CONFIG.json`` warms the tests' tiny model (one layer,

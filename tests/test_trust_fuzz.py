@@ -1,7 +1,6 @@
-"""Bounded fuzzers: mutated Redis records, manifests, chunks, index rows and bundle
+"""A bounded fuzzer: mutated Redis records, manifests, chunks, index rows and bundle
 members never stop a server with a traceback, never hang it, and never run anything
-unverified; mutated stored graphs, guard lists, records, manifests and bundles neither,
-and they never touch a file (``test_stored_data_fuzz``, quick enough for every CI run).
+unverified. (Stored graphs and guard lists: ``test_trust_fuzz_store.py``.)
 
 After a clean ``warm`` (real processes, a real redis-server), one server process
 (``tests/trust_fuzz.py``) runs ``CACHEBUILD_FUZZ_ROUNDS`` rounds (default 50) from seed
@@ -67,25 +66,3 @@ def test_fuzzed_state_never_stops_a_server_with_a_traceback(tmp_path):
     assert report["rounds"] == rounds
     assert report["failures"] == [], json.dumps(report["failures"], indent=1)[:8000]
 
-
-def test_stored_data_fuzz(tmp_path):
-    """``tests/store_fuzz.py``: ``CACHEBUILD_STORE_FUZZ_ROUNDS`` rounds (default 100) over
-    stored graphs, guard lists, records, manifests and bundles, from seed
-    ``CACHEBUILD_FUZZ_SEED``, in one process after one cold compile of the tiny model:
-    0 tracebacks, 0 hangs, 0 imports a guard or graph named, 0 file effects in the watched
-    folder, and nothing the signed store did not verify ever loads."""
-    rounds = int(os.environ.get("CACHEBUILD_STORE_FUZZ_ROUNDS", "100"))
-    seed = int(os.environ.get("CACHEBUILD_FUZZ_SEED", "12"))
-    work = tmp_path / "work"
-    work.mkdir()
-    config = {"work": str(work), "tests": str(TESTS), "rounds": rounds, "seed": seed}
-    (tmp_path / "fuzz.json").write_text(json.dumps(config))
-    done = subprocess.run([sys.executable, str(TESTS / "store_fuzz.py"),
-                           str(tmp_path / "fuzz.json")], env=clean_env(),
-                          capture_output=True, text=True, timeout=900, cwd=work)
-    assert done.returncode == 0, done.stderr[-5000:]
-    report = json.loads(done.stdout.splitlines()[-1])
-    print(f"store fuzz: {report['rounds']} rounds (seed {seed}) in {report['seconds']} s "
-          f"({report['setup_seconds']} s set-up): {report['by_surface']}")
-    assert report["rounds"] == rounds
-    assert report["failures"] == [], json.dumps(report["failures"], indent=1)[:8000]
