@@ -22,7 +22,6 @@ from redis_server import RedisServer, require_redis_server
 from trust import assert_one_line_error, clean_env, cli, fill, python, require_root, tmpfs
 
 from cachebuild.store.blob import encode_blob
-from cachebuild.store.local import LocalStore
 from cachebuild.store.remote import chunk_key, record_key
 
 pytestmark = pytest.mark.slow
@@ -335,46 +334,73 @@ def build():
 """
 
 
-def _edit_entry(store_dir: Path, edit) -> None:
-    """Re-store the model entry with ``edit(doc)`` applied to its JSON, as someone who can
-    write a store without a signing key could (the blob re-framed, its checksum right)."""
+#: A server that, three times, finds the model entry edited as someone who can write a
+#: store without a signing key could (the blob re-framed, its checksum right), then starts
+#: a model from that store (a fresh compile, nothing loaded earlier reused) and compares
+#: it with eager: a guard added that names a module whose import leaves a canary; no
+#: guards at all, for a model whose RMSNorm eps differs from the traced one's; a guard
+#: path step no reader knows. Prints how many traces each start took.
+GUARD_SERVER = r"""
+import json, sys
+import torch
+import cachebuild
+from cachebuild.build import LOADED
+from cachebuild.counters import COUNTERS
+from cachebuild.modelfile import load_spec
+from cachebuild.store import LocalStore
+
+store_dir, traced_model, other_model = sys.argv[1:4]
+edits = [
+    (lambda doc: doc["guards"].append(
+        [[["module", "planted_guard_module"], ["attr", "value"]], "equals", None, 1]),
+     traced_model),
+    (lambda doc: doc.update(guards=[]), other_model),
+    (lambda doc: doc["guards"].append([[["model"], ["call", "x"]], "equals", None, 1]),
+     other_model),
+]
+traces = []
+for edit, path in edits:
     store = LocalStore(store_dir)
-    (record,) = [r for r in store.records(kind="entry")]
+    (record,) = list(store.records(kind="entry"))
     doc = json.loads(store.get(record.key))
     edit(doc)
     store.delete(record.key)
     store.put(record.key, json.dumps(doc).encode(), kind="entry", manifest=record.manifest,
               refs=record.refs)
+    spec = load_spec(path)
+    LOADED.clear()
+    before = COUNTERS.traced
+    compiled = cachebuild.compile(spec.model, spec.config, spec.dynamic_dims, store=store)
+    import models
+    with torch.no_grad():
+        for tokens in (3, 9):
+            args = models.inputs(tokens)
+            torch.testing.assert_close(compiled(*args), spec.model(*args), rtol=1e-4, atol=1e-4)
+    traces.append(COUNTERS.traced - before)
     store.close()
+print(json.dumps({"traces": traces, "imported": "planted_guard_module" in sys.modules}))
+"""
 
 
 def test_edited_or_deleted_guards_are_a_miss_and_never_import(tmp_path):
     store_dir = tmp_path / "store"
+    (tmp_path / "lib").mkdir()
     env = clean_env(CACHEBUILD_DIR=str(store_dir), PYTHONPATH=os.pathsep.join(
         [str(tmp_path / "lib"), clean_env()["PYTHONPATH"]]))
-    model = tmp_path / "model.py"
-    model.write_text(EPS_MODEL_PY % 1e-5)
-    assert warm(model, env)[2] == 2
-    # A guard that names a module this process never imported: reading it would import
-    # it, and importing it leaves a canary.
+    traced, other = tmp_path / "model.py", tmp_path / "other.py"
+    traced.write_text(EPS_MODEL_PY % 1e-5)
+    other.write_text(EPS_MODEL_PY % 0.1)
+    assert warm(traced, env)[2] == 2
+    # A module whose import leaves a canary: a guard that names it must not import it.
     canary = tmp_path / "imported"
-    (tmp_path / "lib").mkdir()
     (tmp_path / "lib" / "planted_guard_module.py").write_text(
         f"open({str(canary)!r}, 'w').close()\nvalue = 1\n")
-    _edit_entry(store_dir, lambda doc: doc["guards"].append(
-        [[["module", "planted_guard_module"], ["attr", "value"]], "equals", None, 1]))
-    stats = serve(model, env)
-    assert not canary.exists()
-    assert stats["traced"] == 1  # the edited entry is a miss: traced again, and right
-    # Without its guards, the entry of eps 1e-5 would serve a model of eps 0.1.
-    _edit_entry(store_dir, lambda doc: doc.update(guards=[]))
-    model.write_text(EPS_MODEL_PY % 0.1)
-    stats = serve(model, env)  # checks every output against eager
-    assert stats["traced"] == 1
-    # A guard list that is not one (a path step no reader knows) is a miss too.
-    _edit_entry(store_dir, lambda doc: doc["guards"].append([[["model"], ["call", "x"]],
-                                                              "equals", None, 1]))
-    assert serve(model, env)["traced"] == 1
+    proc = python(GUARD_SERVER, str(store_dir), str(traced), str(other), env=env)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    # Each edited entry was a miss: traced again, and every output right (without its
+    # guards, the entry of eps 1e-5 would have served the model of eps 0.1).
+    assert out == {"traces": [1, 1, 1], "imported": False}
     assert not canary.exists()
 
 
