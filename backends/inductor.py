@@ -19,7 +19,6 @@ import glob
 import json
 import logging
 import os
-import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -39,6 +38,7 @@ from cachebuild.backends.base import (
     symbolic_fake_inputs,
 )
 from cachebuild.backends.pack import PackError, pack, unpack
+from cachebuild.backends.probe import UntrustedCompiler, trusted_compiler
 from cachebuild.errors import ConfigError, transient
 
 log = logging.getLogger("cachebuild.inductor")
@@ -66,7 +66,7 @@ class InductorBackend:
         Probes once per environment (``probe.py``). Raises ConfigError for flavour
         ``aoti`` where no compiler makes libraries that load.
         """
-        from cachebuild.backends.probe import compiler_version, verdict
+        from cachebuild.backends.probe import compiler_version, trusted_candidates, verdict
 
         found = verdict(device, probe_dir)
         if found.compiler is not None:
@@ -75,10 +75,12 @@ class InductorBackend:
             raise ConfigError(f"flavour 'aoti' needs a C++ compiler whose AOTInductor "
                               f"libraries load here, and none does ({found.describe()}); "
                               "use flavour 'auto' or 'standalone'")
-        # No compiler passes: standalone artifacts, built with Inductor's default compiler.
-        default = os.environ.get("CXX") or "g++"
-        return {"aoti": False, "cxx": shutil.which(default) or default,
-                "cxx_version": compiler_version(default)}
+        # No compiler passes: standalone artifacts, built with the first candidate that no
+        # other user could replace (Inductor's own default would be whatever PATH finds).
+        trusted, _ = trusted_candidates()
+        default = trusted[0] if trusted else None
+        return {"aoti": False, "cxx": default,
+                "cxx_version": compiler_version(default) if default else None}
 
     # -- compile -----------------------------------------------------------------------
 
@@ -89,6 +91,13 @@ class InductorBackend:
         if flavour == "auto":
             flavour = "aoti" if toolchain.get("aoti") else "standalone"
         compiler = toolchain.get("cxx")
+        if compiler is not None:
+            # Named by the target's manifest, which may come from a stored entry: run it
+            # only if no other user could replace it.
+            trusted_compiler(compiler)
+        else:  # Inductor would run whatever `g++` PATH finds
+            raise UntrustedCompiler("no C++ compiler here that only root or you can replace "
+                                    "(see `cachebuild stats`); Inductor needs one to build")
         if flavour == "aoti":
             try:
                 return self._compile_aoti(request, device, compiler)
@@ -311,7 +320,11 @@ def _load_standalone(key: str, store: Any, data: bytes, parts: dict[str, bytes] 
         # C++ preprocessor even when the kernel's library exists); every kernel is here.
         patches: dict[str, Any] = {"cpp_cache_precompile_headers": False}
         if build.get("cxx"):
-            patches["cpp.cxx"] = (None, build["cxx"])
+            try:
+                patches["cpp.cxx"] = (None, trusted_compiler(build["cxx"]))
+            except UntrustedCompiler as e:
+                raise PackError(f"standalone artifact {key} names a compiler that is not "
+                                f"run here: {e}") from None
         with config.patch(patches):
             return CompiledArtifact.load(path=str(artifact), format="binary")
 

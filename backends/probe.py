@@ -14,9 +14,19 @@ key, since it decides what a library contains. A crash of a child is a verdict o
 compiler, not a crash of ours. With no compiler that passes, ``auto`` builds ``standalone``
 artifacts and ``aoti`` is refused with the reasons.
 
+A compiler runs with this process's rights (often root), so no candidate is ever run,
+not even for ``--version``, if another user could replace it (``executables.replaceable``:
+the file, a symlink to it or a directory on the way not owned by root or us, or writable
+by others); it is refused with why. With ``$CXX`` set, the compiler ``PATH`` finds is not
+a candidate (``$CXX`` says which one to use; the system's ``/usr/bin`` ones remain).
+
 Verdicts are cached as one JSON file per environment fingerprint (the environment's key
 factors plus each candidate's path, size and modification time, so an upgraded compiler is
-probed again) in the store's ``probe/`` folder, or in ``$CACHEBUILD_PROBE_DIR``.
+probed again) in the store's ``probe/`` folder, or in ``$CACHEBUILD_PROBE_DIR``, which is
+checked like the store (ours, private, and no directory above it that another user could
+rename). A verdict records its compiler's SHA-256, and before every use the compiler is
+checked again (``unusable``: nobody else could replace it, and it still hashes the same);
+a verdict that fails is probed again.
 
 Run ``python -m cachebuild.backends.probe DEVICE [COMPILER]`` to probe by hand.
 """
@@ -34,6 +44,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from cachebuild.backends.executables import content_hash, replaceable
+from cachebuild.errors import CachebuildError
+
 log = logging.getLogger("cachebuild.probe")
 
 #: One candidate's build and load may take this long (a cold CPU build of the tiny
@@ -46,10 +59,17 @@ _VERDICTS: dict[str, Verdict] = {}
 
 @dataclass(frozen=True)
 class Compiler:
-    """A C++ compiler: the path Inductor is told to run, and what ``--version`` says."""
+    """A C++ compiler: the path Inductor is told to run, what ``--version`` says, and the
+    SHA-256 of the file it runs when it was probed."""
 
     path: str
     version: str
+    sha256: str = ""
+
+    @classmethod
+    def found(cls, path: str, version: str) -> Compiler:
+        """The compiler at ``path`` as it is now (its content hashed)."""
+        return cls(path, version, content_hash(path) or "")
 
     def factors(self) -> dict[str, str]:
         """What enters a target key: the real path and the version line."""
@@ -88,17 +108,52 @@ class Verdict:
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> Verdict:
         compiler = data.get("compiler")
+        if compiler is not None and not (isinstance(compiler, dict) and all(
+                isinstance(v, str) for v in compiler.values())):
+            raise TypeError("a verdict's compiler must be an object of strings")
         return cls(device=str(data["device"]),
                    compiler=Compiler(**compiler) if compiler else None,
                    refused=[(str(p), str(w)) for p, w in data.get("refused", [])])
 
 
+class UntrustedCompiler(CachebuildError):
+    """A C++ compiler that another user could replace was about to run."""
+
+
+def unusable(verdict: Verdict) -> str | None:
+    """Why ``verdict``'s compiler may not be used now (None if it may, or if there is none):
+    another user could replace it, or it is no longer the file that was probed."""
+    compiler = verdict.compiler
+    if compiler is None:
+        return None
+    why = replaceable(compiler.path)
+    if why is not None:
+        return f"{compiler.path} could be replaced by another user: {why}"
+    if not compiler.sha256 or content_hash(compiler.path) != compiler.sha256:
+        return f"{compiler.path} is not the file that was probed (its content changed)"
+    return None
+
+
+def trusted_compiler(path: str) -> str:
+    """``path`` if no other user could replace it; UntrustedCompiler saying why otherwise.
+    For a compiler named by anything but this process's own verdict (a target's manifest,
+    an artifact's build info)."""
+    why = replaceable(path)
+    if why is not None:
+        raise UntrustedCompiler(f"refusing to run the C++ compiler {path}: another user "
+                                f"could replace it ({why})")
+    return path
+
+
 def candidate_compilers() -> list[str]:
-    """The compilers to try, best first, each once (by the file it resolves to)."""
+    """The compilers to try, best first, each once (by the file it resolves to): ``$CXX``
+    if set, else the ``g++`` and ``c++`` on ``PATH``; then the system's. Some may be
+    ones another user could replace: ``trusted_candidates`` sorts them out."""
     names: list[str | None] = []
     if os.environ.get("CXX"):
         names.append(shutil.which(os.environ["CXX"]))
-    names += [shutil.which("g++"), shutil.which("c++")]
+    else:
+        names += [shutil.which("g++"), shutil.which("c++")]
     names += [p for p in SYSTEM_COMPILERS if os.access(p, os.X_OK)]
     out: list[str] = []
     seen: set[str] = set()
@@ -107,6 +162,18 @@ def candidate_compilers() -> list[str]:
             seen.add(os.path.realpath(name))
             out.append(name)
     return out
+
+
+def trusted_candidates() -> tuple[list[str], list[tuple[str, str]]]:
+    """The candidates that may be run, and the others with why they may not."""
+    trusted, refused = [], []
+    for path in candidate_compilers():
+        why = replaceable(path)
+        if why is None:
+            trusted.append(path)
+        else:
+            refused.append((path, f"not run: another user could replace it ({why})"))
+    return trusted, refused
 
 
 def compiler_version(path: str) -> str | None:
@@ -135,51 +202,72 @@ def _fingerprint(device: str, candidates: list[str]) -> str:
 
 def probe_dir(default: Path | None = None) -> Path:
     """Where verdicts are kept: ``$CACHEBUILD_PROBE_DIR``, else ``default`` (the store's
-    ``probe/`` folder), else the default store's."""
+    ``probe/`` folder), else the default store's. Not checked here: see ``checked_dir``."""
     if os.environ.get("CACHEBUILD_PROBE_DIR"):
         return Path(os.environ["CACHEBUILD_PROBE_DIR"])
     if default is not None:
         return default
-    from cachebuild.store.layout import FORMAT_DIR, default_path
+    from cachebuild.store.layout import FORMAT_DIR
+    from cachebuild.store.options import StoreOptions
 
-    return default_path() / FORMAT_DIR / "probe"
+    return Path(StoreOptions.from_env().cache_dir).expanduser() / FORMAT_DIR / "probe"
+
+
+def checked_dir(folder: Path | None = None) -> Path:
+    """``probe_dir(folder)``, made if missing and checked like the store (UnsafeStore,
+    exit 2, if another user owns it, could write it, or could rename it or a directory
+    above it); its real path."""
+    from cachebuild.store.layout import check_parents, check_private_dir, make_private_dir
+
+    path = probe_dir(folder).expanduser().absolute()
+    make_private_dir(path)
+    real = Path(os.path.realpath(path))
+    check_private_dir(real)
+    check_parents(real)
+    return real
 
 
 def verdict(device: str, folder: Path | None = None) -> Verdict:
     """The toolchain verdict for ``device`` ("cpu", "cuda:0", ...), probing if needed.
 
-    Probing runs each candidate in a child process, once per environment; later calls
-    (in any process sharing ``folder``) read the cached verdict.
+    Probing runs each trusted candidate in a child process, once per environment; later
+    calls (in any process sharing ``folder``) read the cached verdict. Every call checks
+    the verdict's compiler again (``unusable``) and probes again if it fails.
     """
     from filelock import FileLock
 
     from cachebuild.errors import StoreError
-    from cachebuild.store.layout import check_readable_dir, make_private_dir, writable_here
+    from cachebuild.store.layout import check_readable_dir, writable_here
 
     kind = device.split(":")[0]
-    candidates = candidate_compilers()
-    fingerprint = _fingerprint(device, candidates)
-    if fingerprint in _VERDICTS:
-        return _VERDICTS[fingerprint]
-    folder = probe_dir(folder)
-    verdict_file = folder / f"aoti-{kind}-{fingerprint}.json"
-    if folder.exists() and not writable_here(folder):
-        # A read-only store's folder (an image's): its verdict is used where it has one
-        # and the folder is safe to read; else this process probes and keeps the verdict.
+    candidates, untrusted = trusted_candidates()
+    fingerprint = _fingerprint(device, candidate_compilers())
+    found = _VERDICTS.get(fingerprint)
+    if found is not None and unusable(found) is None:
+        return found
+    given = probe_dir(folder).expanduser().absolute()
+    if given.exists() and not writable_here(given):
+        # A read-only store's folder (an image's): its verdict is used where it has one,
+        # the folder is safe to read and the compiler checks out; else this process probes
+        # and keeps the verdict in memory.
         try:
-            check_readable_dir(folder)
-            found = _read(verdict_file)
+            check_readable_dir(given)
+            found = _read(given / f"aoti-{kind}-{fingerprint}.json")
         except StoreError:
             found = None
-        if found is None:
-            found = _probe_all(device, candidates)
+        if found is None or unusable(found) is not None:
+            found = _probe_all(device, candidates, untrusted)
         _VERDICTS[fingerprint] = found
         return found
-    make_private_dir(folder)
+    folder = checked_dir(folder)
+    verdict_file = folder / f"aoti-{kind}-{fingerprint}.json"
     with FileLock(str(verdict_file) + ".lock"):
         found = _read(verdict_file)
-        if found is None:
-            found = _probe_all(device, candidates)
+        why = unusable(found) if found is not None else None
+        if why is not None:
+            log.warning("probing the C++ toolchain again: %s", why)
+        if found is None or why is not None:
+            found = _probe_all(device, candidates, untrusted)
             tmp = verdict_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(found.to_json()))
             os.replace(tmp, verdict_file)
@@ -193,24 +281,35 @@ def _read(path: Path) -> Verdict | None:
         return Verdict.from_json(json.loads(path.read_text()))
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError) as e:  # a damaged file: probe again
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # damaged: probe again
         log.warning("ignoring unreadable probe verdict %s (%s)", path, e)
         return None
 
 
 def cached_verdicts(folder: Path | None = None) -> list[Verdict]:
-    """Every verdict cached in ``folder`` (for ``cachebuild stats``); reads files only."""
+    """Every verdict cached in ``folder`` (for ``cachebuild stats``); reads files only,
+    from a folder checked like the store (UnsafeStore if it is not safe)."""
+    from cachebuild.store.layout import check_parents, check_private_dir
+
+    path = probe_dir(folder).expanduser().absolute()
+    if not path.exists():
+        return []
+    real = Path(os.path.realpath(path))
+    check_private_dir(real)
+    check_parents(real)
     out = []
-    for path in sorted(probe_dir(folder).glob("aoti-*.json")):
+    for path in sorted(real.glob("aoti-*.json")):
         found = _read(path)
         if found is not None:
             out.append(found)
     return out
 
 
-def _probe_all(device: str, candidates: list[str]) -> Verdict:
+def _probe_all(device: str, candidates: list[str],
+               untrusted: list[tuple[str, str]] | None = None) -> Verdict:
     """Probe every candidate at once (each in its own child); the first in order that
-    passes wins, and the ones before it are refused with why."""
+    passes wins, and the ones before it (and ``untrusted``, never run) are refused with
+    why."""
     from concurrent.futures import ThreadPoolExecutor
 
     kind = device.split(":")[0]
@@ -219,14 +318,14 @@ def _probe_all(device: str, candidates: list[str]) -> Verdict:
     with ThreadPoolExecutor(max_workers=max(1, len(runnable))) as pool:
         results = dict(zip(runnable, pool.map(lambda p: _probe_one(device, p), runnable),
                            strict=True))
-    refused: list[tuple[str, str]] = []
+    refused: list[tuple[str, str]] = list(untrusted or [])
     for path in candidates:
         if versions[path] is None:
             refused.append((path, "does not run (`--version` failed)"))
             continue
         ok, why = results[path]
         if ok:
-            return Verdict(kind, Compiler(path, versions[path] or ""), refused)
+            return Verdict(kind, Compiler.found(path, versions[path] or ""), refused)
         refused.append((path, why))
         log.warning("AOTInductor probe: %s refused for %s: %s", path, kind, why)
     return Verdict(kind, None, refused)

@@ -185,7 +185,9 @@ class Builder:
                 with quiet_compiler_warnings(), local_groups(layout), gpu, keep.rng(), \
                         build_work_dir(self.store):
                     artifact = self.backend.compile(BuildRequest(
-                        gm=data_to_module(job.nodes),
+                        # Compilers trace the graph and check what it calls by name:
+                        # the original arithmetic, not its bounded stand-ins.
+                        gm=data_to_module(job.nodes, bounded=False),
                         input_metas=list(job.input_metas),
                         bucket=job.target.bucket,
                         config=self.config,

@@ -5,12 +5,22 @@ is named and documented here; ``factors()`` is what enters the entry key, and th
 that decides a compiled piece enters every target key (``targets.py``). The backend name
 is checked where the backend is resolved (``cachebuild.backends.get_backend``), the only
 place that knows every registered one.
+
+Sizes are bounded (``MAX_SIZE``, and how many of each a config may list), and option
+values must be finite. ``inductor_options`` names are checked against Inductor's config
+(``check_inductor_options``) at once when Inductor's config module is loaded already, and
+otherwise before the first trace or build: importing it costs seconds (measured: about 3 s
+on top of ``import torch`` on a CPU machine), which a warm start must not pay.
 """
 
 from __future__ import annotations
 
+import difflib
+import functools
+import math
 import operator
 import re
+import sys
 from collections.abc import Mapping, Sequence, Set
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -30,6 +40,12 @@ ON_FAILURE = ("error", "eager")
 #: Fields that decide how a loaded model runs, not what is built or stored.
 RUNTIME_ONLY = ("cudagraph_mode", "capture", "capture_sizes", "pad_to_capture_size",
                 "out_of_range", "on_failure")
+#: The largest size of a dynamic dim a config may name (what a 32-bit index reaches).
+MAX_SIZE = 2**31 - 1
+#: How many ranges, exact sizes and capture sizes a config may list.
+MAX_RANGES = 256
+MAX_COMPILE_SIZES = 256
+MAX_CAPTURE_SIZES = 4096
 
 
 def default_capture_sizes() -> tuple[int, ...]:
@@ -128,16 +144,23 @@ class CompileConfig:
         set_(self, "splitting_ops", _sequence(ops, "splitting_ops", "op names, e.g. "
                                               "('mylib::attention',)"))
         ranges = []
-        for pair in _sequence(self.compile_ranges, "compile_ranges", "(lo, hi) pairs, e.g. "
-                              "((1, 8192),)"):
+        pairs_given = _sequence(self.compile_ranges, "compile_ranges", "(lo, hi) pairs, e.g. "
+                                "((1, 8192),)")
+        if len(pairs_given) > MAX_RANGES:
+            raise ConfigError(f"compile_ranges may list at most {MAX_RANGES} ranges, not "
+                              f"{len(pairs_given)}")
+        for pair in pairs_given:
             if isinstance(pair, str | bytes) or not isinstance(pair, Sequence) or len(pair) != 2 \
                     or not all(_is_whole(v) for v in pair):
                 raise ConfigError(f"compile_ranges must hold (lo, hi) pairs of whole numbers, "
                                   f"e.g. ((1, 8192),); got {_show(pair)}")
             ranges.append((operator.index(pair[0]), operator.index(pair[1])))
         set_(self, "compile_ranges", tuple(ranges))
-        for name in ("compile_sizes", "capture_sizes"):
+        for name, most in (("compile_sizes", MAX_COMPILE_SIZES),
+                           ("capture_sizes", MAX_CAPTURE_SIZES)):
             values = _sequence(getattr(self, name), name, "whole numbers, e.g. (1, 8)")
+            if len(values) > most:
+                raise ConfigError(f"{name} may list at most {most} sizes, not {len(values)}")
             set_(self, name, tuple(sorted({_whole(v, f"each of {name}") for v in values})))
         opts = self.inductor_options
         if isinstance(opts, dict):
@@ -148,12 +171,15 @@ class CompileConfig:
             if not (isinstance(pair, tuple | list) and len(pair) == 2 and isinstance(pair[0], str)):
                 raise ConfigError(f"inductor_options must map Inductor config names to values, "
                                   f"e.g. {{'max_autotune': True}}; got {_show(pair)}")
+            _check_value(pair[1], f"inductor_options[{pair[0]!r}]")
         set_(self, "inductor_options", tuple(sorted(((k, v) for k, v in pairs),
                                                    key=lambda kv: kv[0])))
         if not isinstance(self.pad_to_capture_size, bool):
             raise ConfigError(f"pad_to_capture_size must be True or False, got "
                               f"{_show(self.pad_to_capture_size)}")
         self._validate()
+        if "torch._inductor.config" in sys.modules:  # free to check now (see module doc)
+            check_inductor_options(self)
 
     def _validate(self) -> None:
         for op in self.splitting_ops:
@@ -168,6 +194,9 @@ class CompileConfig:
         for lo, hi in ranges:
             if lo < 1 or hi < lo:
                 raise ConfigError(f"compile range ({lo}, {hi}) is empty or starts below 1")
+            if hi > MAX_SIZE:
+                raise ConfigError(f"compile range ({lo}, {hi}) ends past {MAX_SIZE}, the "
+                                  "largest size a range may reach")
         for (_, hi1), (lo2, hi2) in zip(ranges, ranges[1:], strict=False):
             if lo2 <= hi1:
                 raise ConfigError(f"compile ranges overlap: ({lo2}, {hi2}) starts at or before {hi1}")
@@ -195,6 +224,10 @@ class CompileConfig:
             raise ConfigError(f"on_failure must be one of {ON_FAILURE}, not {_show(self.on_failure)}")
         if any(s < 1 for s in self.capture_sizes):
             raise ConfigError("capture sizes must be positive")
+        for name in ("compile_sizes", "capture_sizes"):
+            largest = max(getattr(self, name), default=0)
+            if largest > MAX_SIZE:
+                raise ConfigError(f"{name} holds {largest}: sizes go from 1 to {MAX_SIZE}")
 
     def inductor_options_dict(self) -> dict[str, Any]:
         return dict(self.inductor_options)
@@ -222,6 +255,44 @@ class CompileConfig:
                 value = {k: _plain(v) for k, v in value}
             out[f.name] = value
         return out
+
+
+def _check_value(value: Any, what: str, depth: int = 0) -> None:
+    """ConfigError for a NaN or infinite float anywhere in an option's value (and for
+    values nested past reason)."""
+    if depth > 32:
+        raise ConfigError(f"{what} is nested too deeply")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{what} must be a finite number, got {value!r}")
+    if isinstance(value, dict):
+        for v in value.values():
+            _check_value(v, what, depth + 1)
+    elif isinstance(value, list | tuple | set | frozenset):
+        for v in value:
+            _check_value(v, what, depth + 1)
+
+
+def check_inductor_options(config: CompileConfig) -> None:
+    """ConfigError if ``config.inductor_options`` names a setting that Inductor's config
+    does not have (imports ``torch._inductor.config``: seconds, once per process). Run
+    before a trace or a build, and at once by CompileConfig where it is loaded already."""
+    if not config.inductor_options:
+        return
+    known = _inductor_settings()
+    for name, _ in config.inductor_options:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ConfigError(f"inductor_options: Inductor has no setting {name!r}{hint} "
+                              "(the names of torch._inductor.config, e.g. 'max_autotune', "
+                              "'cpp.cxx')")
+
+
+@functools.cache
+def _inductor_settings() -> frozenset[str]:
+    import torch._inductor.config as inductor_config
+
+    return frozenset(inductor_config.get_config_copy())
 
 
 def _show(value: Any) -> str:

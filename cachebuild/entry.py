@@ -11,7 +11,10 @@ values), the call's input metadata with the dynamic dims, and the environment.
 
 The recorded guards are the source of truth: an entry whose guards fail on the live model
 is not used, and the model's own entry is then looked for under a key derived from the
-failing entry's key and the live values (``variant_key``).
+failing entry's key and the live values (``variant_key``). Guards are data: their list is
+checked for its shape when an entry is read, and covered by a seal stored beside the
+entry under a key made from the entry's key and that list (``seal_key``); an entry whose
+guards were edited or deleted has no seal, and is a miss.
 """
 
 from __future__ import annotations
@@ -28,8 +31,8 @@ from cachebuild.config import CompileConfig
 from cachebuild.env import SCHEMA_VERSION, env_factors
 from cachebuild.facts import InputMeta, device_of, meta_of
 from cachebuild.fxjson import graph_to_data
-from cachebuild.guards import GuardSet
-from cachebuild.keys import make_key
+from cachebuild.guards import GuardSet, check_data
+from cachebuild.keys import guard_seal_key, make_key
 from cachebuild.sources import changed, digest_of, labels_in, loaded_files, source_data
 from cachebuild.split import SplitPlan
 from cachebuild.targets import Target, piece_data
@@ -100,6 +103,15 @@ class Entry:
         for p in self.pieces:
             keys += [t.key for t in p.targets if t.key not in keys]
         return keys
+
+    def seal_key(self) -> str:
+        """Where the seal of this entry's guard list is stored (see the module doc)."""
+        return guard_seal_key(self.key, self.guards)
+
+    def stored_keys(self) -> list[str]:
+        """Everything besides the entry that a store must hold for it: its targets and
+        its seal (what its refs list, and what push and pull move with it)."""
+        return [*self.target_keys(), self.seal_key()]
 
     def targets(self) -> list[Target]:
         return [Target(t.key, i, t.bucket, self.manifests[t.key], tuple(p.sources))
@@ -172,7 +184,8 @@ class Entry:
             bindings=[Binding.from_data(b) for b in raw["bindings"]],
             input_metas=[InputMeta.from_data(m) for m in raw["input_metas"]],
             stitch=raw["stitch"], pieces=pieces, out_spec=raw["out_spec"],
-            source_files=raw["source_files"], manifests=raw["manifests"], guards=raw["guards"],
+            source_files=raw["source_files"], manifests=raw["manifests"],
+            guards=check_data(raw["guards"]),
             written_inputs=[int(i) for i in raw["written_inputs"]],
             sources={str(k): dict(v) for k, v in raw["sources"].items()},
             source_stamps={str(k): [int(x) for x in v] for k, v in raw["source_stamps"].items()},

@@ -8,21 +8,28 @@ silent different program.
 
 Stored graphs are data that becomes code (FX generates Python source from a graph and
 runs it), so a graph is rebuilt only from what could have been stored, checked before FX
-sees it: node names and placeholders are identifiers, methods are public ``Tensor``
-methods, constants are of the kinds ``encode_arg`` writes, and a callable is resolved
-only from an allow-list, without importing anything first:
+sees it: node names and placeholders are identifiers, constants are of the kinds
+``encode_arg`` writes (integers within 64 bits), and what a node calls must be pure tensor
+computation (``cachebuild.purity``: no file, path, storage, network, process or global
+state), without importing anything first:
 
-- operators registered with torch (``torch.ops``: ATen, the project's own ops, and the
-  ops a model's library registered, by name ``op:ns::name.overload``);
-- torch's functions that bind those operators (``torch.cat``, ``torch._C._nn.linear``,
-  ``torch.nn.functional.silu``, ...) and a few that Dynamo puts in graphs
-  (``torch.Size``, ``torch._C._set_grad_enabled``, ``torch.sym_*``);
+- operators registered with torch (``torch.ops``: ATen, the project's own ops, the ops a
+  model's library registered, by name ``op:ns::name.overload``) whose schemas pass
+  ``purity.op_impurity``; in-place writes to tensors are tensor computation;
+- torch's C functions that bind such an operator (``torch.cat``, ``torch._C._nn.linear``),
+  the public functions of ``torch.nn.functional`` and ``torch.functional``, and a few that
+  Dynamo puts in graphs (``torch.Size``, ``torch._C._set_grad_enabled``, ``torch.sym_*``);
+- tensor methods whose operator passes (``purity.method_impurity``), and ``getattr`` as a
+  read of a tensor's data attribute (``w.T``);
 - arithmetic, comparison and indexing from ``operator`` (not ``attrgetter`` and
-  friends), pure functions of ``math``, and a handful of number builtins;
+  friends), pure functions of ``math`` and a handful of number builtins; a loaded graph
+  run as Python calls bounded versions of those that could grow without end
+  (``purity.bounded``; a graph handed to a compiler keeps the originals, which its
+  tracing needs);
 - callables a program registers with ``allow_callable``.
 
-Anything else (``os.system``, ``builtins.eval``) is a ``GraphFormatError``, at save and
-at load alike.
+Anything else (``os.system``, ``builtins.eval``, ``aten::from_file``, ``aten::save``) is a
+``GraphFormatError``, at save and at load alike.
 """
 
 from __future__ import annotations
@@ -39,6 +46,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from cachebuild import purity
 from cachebuild.errors import CachebuildError
 
 # Namespaces tried when a function's __module__ does not lead back to it (C functions
@@ -69,6 +77,9 @@ _MODULES = frozenset({"operator", "_operator", "builtins", "math", "torch", *_TO
                       *(f"torch._C.{m}" for m in _TORCH_C)})
 
 _REGISTERED: dict[int, Callable[..., Any]] = {}
+#: A stored graph has at most this many nodes, and its integers fit in 64 bits.
+MAX_NODES = 1 << 20
+_INT_RANGE = (-(1 << 63), 1 << 64)
 
 
 class GraphFormatError(CachebuildError, ValueError):
@@ -86,25 +97,37 @@ def allow_callable(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 def allowed_callable(obj: Any) -> bool:
     """True if stored graphs may call ``obj`` (see the module doc)."""
+    return callable_impurity(obj) is None
+
+
+def callable_impurity(obj: Any) -> str | None:
+    """Why stored graphs may not call ``obj``; None if they may (see the module doc)."""
+    obj = purity.original(obj)
     if isinstance(obj, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
-        return True
+        return purity.op_impurity(obj)
     if _REGISTERED.get(id(obj)) is obj:
-        return True
+        return None
     name = getattr(obj, "__name__", None)
+    refused = ("not a torch operator, an operator's binding or an allowed function "
+               "(cachebuild.fxjson.allow_callable)")
     if not isinstance(name, str) or name.startswith("__"):
-        return False
+        return refused
     if getattr(operator, name, None) is obj:
-        return name in _OPERATOR
+        return None if name in _OPERATOR else refused
+    if obj is builtins.getattr:
+        return None  # only as a read of a tensor's data attribute: see _check_node
     if name in _BUILTINS and getattr(builtins, name, None) is obj:
-        return True
+        return None
     if getattr(math, name, None) is obj and not name.startswith("_"):
-        return True
+        return None
     if any(getattr(getattr(torch._C, m), name, None) is obj for m in _TORCH_C):
-        return True
+        return purity.binding_impurity(name)
     if inspect.isfunction(obj) and obj.__module__ in _TORCH_PY and not name.startswith("_") \
             and getattr(importlib.import_module(obj.__module__), name, None) is obj:
-        return True
-    return any(_torch_attr(path) is obj for path in _TORCH_EXTRA)
+        return None
+    if any(_torch_attr(path) is obj for path in _TORCH_EXTRA):
+        return None
+    return refused
 
 
 def _torch_attr(path: str) -> Any:
@@ -116,17 +139,23 @@ def _torch_attr(path: str) -> Any:
 
 def target_name(target: Any) -> str:
     """A name that ``resolve_target`` turns back into ``target``."""
+    target = purity.original(target)
+    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        why = purity.op_impurity(target)
+        if why is not None:
+            raise GraphFormatError(f"graph calls operator {why}, which stored graphs may "
+                                   "not call")
     if isinstance(target, torch._ops.OpOverload):
         return f"op:{target.name()}"  # ns::name.overload
     if isinstance(target, torch._ops.OpOverloadPacket):
         return f"op:{target._qualified_op_name}"
     if isinstance(target, str):
         return target
-    if not allowed_callable(target):
-        raise GraphFormatError(
-            f"graph calls {target!r}, which stored graphs may not call: only torch operators "
-            "and functions, operator, math and callables registered with "
-            "cachebuild.fxjson.allow_callable")
+    target = purity.original(target)
+    why = callable_impurity(target)
+    if why is not None:
+        raise GraphFormatError(f"graph calls {_short(target)}, which stored graphs may not "
+                               f"call: {why}")
     name = getattr(target, "__name__", None)
     module = getattr(target, "__module__", None)
     candidates = ([module] if module else []) + list(_FALLBACK_MODULES)
@@ -152,9 +181,10 @@ def _is_identifier(name: Any) -> bool:
     return isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name)
 
 
-def resolve_target(name: str) -> Any:
+def resolve_target(name: str, *, bounded: bool = True) -> Any:
     """The callable (or method/module name) that ``target_name`` named, if stored graphs
-    may call it; GraphFormatError otherwise (nothing is imported to find out)."""
+    may call it; GraphFormatError otherwise (nothing is imported to find out).
+    ``bounded``: Python arithmetic as its ``purity.bounded`` version."""
     if not isinstance(name, str):
         raise GraphFormatError(f"graph target {name!r} is not a name")
     if name.startswith("op:"):
@@ -174,6 +204,10 @@ def resolve_target(name: str) -> Any:
             ) from e
         if not isinstance(found, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
             raise GraphFormatError(f"graph target {qual!r} is not an operator")
+        why = purity.op_impurity(found)
+        if why is not None:
+            raise GraphFormatError(f"graph calls operator {why}, which stored graphs may not "
+                                   "call")
         return found
     if name.startswith("fn:"):
         _, module, qual = name.split(":", 2) if name.count(":") >= 2 else ("", "", "")
@@ -185,10 +219,11 @@ def resolve_target(name: str) -> Any:
             found = _lookup(module, qual)
         except (ImportError, AttributeError) as e:
             raise GraphFormatError(f"function {module}.{qual} no longer exists") from e
-        if not allowed_callable(found):
+        why = callable_impurity(found)
+        if why is not None:
             raise GraphFormatError(f"graph calls {module}.{qual}, which stored graphs may not "
-                                   "call (not a torch operator or an allowed function)")
-        return found
+                                   f"call: {why}")
+        return purity.bounded(found) if bounded else found
     return name
 
 
@@ -223,6 +258,9 @@ def decode_arg(data: Any, env: dict[str, fx.Node]) -> Any:
     """The FX argument ``encode_arg`` wrote; GraphFormatError for anything else."""
     if isinstance(data, list):
         return [decode_arg(v, env) for v in data]
+    if isinstance(data, int) and not isinstance(data, bool) and not (
+            _INT_RANGE[0] <= data < _INT_RANGE[1]):
+        raise GraphFormatError(f"stored graph constant {_short(data)} does not fit in 64 bits")
     if data is None or isinstance(data, bool | int | str):
         return data
     if not isinstance(data, dict) or len(data) != 1:
@@ -269,14 +307,38 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:59] + "…"
 
 
+def check_call(op: str, target: Any, args: Any, kwargs: Any) -> None:
+    """Refuse (GraphFormatError) a method call that is not pure tensor computation, and a
+    ``getattr`` that is not a read of a tensor's data attribute by a constant name. Run on
+    every node at save and at load."""
+    if op == "call_method":
+        if not isinstance(target, str) or not _tensor_method(target):
+            raise GraphFormatError(f"graph calls method {_short(target)}, which is not a "
+                                   "public Tensor method")
+        why = None if target in _OPERATOR_METHODS else purity.method_impurity(target)
+        if why is not None:
+            raise GraphFormatError(f"graph calls method {target}, which stored graphs may not "
+                                   f"call: {why}")
+    elif op == "call_function" and target is builtins.getattr:
+        attrs = purity.tensor_attributes()
+        if not (isinstance(args, tuple) and len(args) == 2 and isinstance(args[0], fx.Node)
+                and isinstance(args[1], str) and args[1] in attrs and not kwargs):
+            shown = _short(args[1]) if isinstance(args, tuple) and len(args) == 2 else "..."
+            raise GraphFormatError(f"graph calls getattr(..., {shown}), which stored graphs may "
+                                   "not call: only a tensor's data attributes (T, mT, shape, "
+                                   "dtype, ...) may be read")
+
+
 def graph_to_data(graph: fx.Graph) -> list[dict[str, Any]]:
-    """The nodes of ``graph`` in order, as JSON data (names, ops, targets, args)."""
+    """The nodes of ``graph`` in order, as JSON data (names, ops, targets, args); a node
+    that stored graphs may not hold is a GraphFormatError (see the module doc)."""
     nodes = []
     for node in graph.nodes:
         if node.op == "get_attr":
             raise GraphFormatError(
                 f"graph reads attribute {node.target!r}: pieces must take weights as inputs"
             )
+        check_call(node.op, node.target, node.args, node.kwargs)
         nodes.append({
             "name": node.name,
             "op": node.op,
@@ -287,18 +349,22 @@ def graph_to_data(graph: fx.Graph) -> list[dict[str, Any]]:
     return nodes
 
 
-def data_to_graph(nodes: list[dict[str, Any]]) -> fx.Graph:
+def data_to_graph(nodes: list[dict[str, Any]], *, bounded: bool = True) -> fx.Graph:
     """Rebuild the fx.Graph that ``graph_to_data`` described; GraphFormatError, naming
-    what is wrong, for anything ``graph_to_data`` could not have written."""
+    what is wrong, for anything ``graph_to_data`` could not have written. ``bounded``:
+    Python arithmetic calls its ``purity.bounded`` version (for a graph run as Python;
+    False for one handed to a compiler)."""
     try:
-        return _data_to_graph(nodes)
+        return _data_to_graph(nodes, bounded)
     except RecursionError:
         raise GraphFormatError("stored graph is nested too deeply") from None
 
 
-def _data_to_graph(nodes: Any) -> fx.Graph:
+def _data_to_graph(nodes: Any, bounded: bool) -> fx.Graph:
     if not isinstance(nodes, list):
         raise GraphFormatError("a stored graph must be a list of nodes")
+    if len(nodes) > MAX_NODES:
+        raise GraphFormatError(f"a stored graph has at most {MAX_NODES} nodes, not {len(nodes)}")
     graph = fx.Graph()
     env: dict[str, fx.Node] = {}
     outputs = 0
@@ -306,7 +372,8 @@ def _data_to_graph(nodes: Any) -> fx.Graph:
         if not isinstance(item, dict):
             raise GraphFormatError(f"not a stored graph node: {_short(item)}")
         name, op, target = item.get("name"), item.get("op"), item.get("target")
-        if op not in _OPS or not _is_identifier(name) or not isinstance(target, str):
+        if not isinstance(op, str) or op not in _OPS or not _is_identifier(name) \
+                or not isinstance(target, str):
             raise GraphFormatError(f"not a stored graph node: {_short(item)}")
         args = decode_arg(item.get("args"), env)
         kwargs = decode_arg(item.get("kwargs"), env)
@@ -314,12 +381,9 @@ def _data_to_graph(nodes: Any) -> fx.Graph:
                 _is_identifier(k) for k in kwargs):
             raise GraphFormatError(f"graph node {name} has malformed arguments")
         if op == "call_function":
-            target = resolve_target(target)
+            target = resolve_target(target, bounded=bounded)
         elif op == "placeholder" and not _is_identifier(target):
             raise GraphFormatError(f"graph input {_short(target)} is not an identifier")
-        elif op == "call_method" and not _tensor_method(target):
-            raise GraphFormatError(f"graph calls method {_short(target)}, which is not a "
-                                   "public Tensor method")
         elif op == "call_module" and not all(map(_is_identifier, target.split("."))):
             raise GraphFormatError(f"graph calls module {_short(target)}, which is not a "
                                    "module path")
@@ -329,6 +393,7 @@ def _data_to_graph(nodes: Any) -> fx.Graph:
             outputs += 1
             graph.output(args[0])
             continue
+        check_call(op, target, args, kwargs)
         node = graph.create_node(op, target, args, kwargs, name=name)
         env[name] = node
     return graph
@@ -351,14 +416,16 @@ def _tensor_method(name: str) -> bool:
     return _is_identifier(name) and public and callable(getattr(torch.Tensor, name, None))
 
 
-def data_to_module(nodes: list[dict[str, Any]], modules: dict[str, Callable] | None = None) -> fx.GraphModule:
-    """A runnable GraphModule for stored nodes; ``modules`` supplies call_module targets."""
+def data_to_module(nodes: list[dict[str, Any]], modules: dict[str, Callable] | None = None,
+                   *, bounded: bool = True) -> fx.GraphModule:
+    """A runnable GraphModule for stored nodes; ``modules`` supplies call_module targets;
+    ``bounded`` as for ``data_to_graph``."""
     root = torch.nn.Module()
     for name, mod in (modules or {}).items():
         if not isinstance(mod, torch.nn.Module):
             mod = _CallableModule(mod)
         root.add_module(name, mod)
-    graph = data_to_graph(nodes)
+    graph = data_to_graph(nodes, bounded=bounded)
     try:
         return fx.GraphModule(root, graph)
     except (AttributeError, RuntimeError, SyntaxError, TypeError, ValueError) as e:

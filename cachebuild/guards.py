@@ -15,7 +15,9 @@ path. Turning Dynamo's guards into records is ``guard_export.py``'s job.
 from __future__ import annotations
 
 import enum
+import json
 import os
+import reprlib
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -389,12 +391,9 @@ def root_value(root: Sequence[Any], model: Any, args: Sequence[Any]) -> Any:
             if found is None:
                 raise KeyError(f"no loaded module has the source {root[1]}")
             return found
-        module = sys.modules.get(root[1])
-        if module is None:
-            import importlib
-
-            module = importlib.import_module(root[1])
-        return module
+        # Guards are data: they read what is imported and never import anything (an
+        # entry naming a module this process lacks is a mismatch, not an import).
+        return sys.modules[root[1]]
     if kind == "env":
         return os.environ.get(root[1])
     if kind == "state":
@@ -435,10 +434,42 @@ def fingerprint(check: str, value: Any, arg: Any) -> Any:
 
 _UNRESOLVED = object()
 
+#: Path roots and steps as stored: their name and how many values follow it.
+_ROOTS = {"model": 0, "arg": 1, "varargs": 1, "kwargs": 0, "module": 1, "env": 1, "state": 1}
+_STEPS = {"attr": 1, "item": 1, "nthkey": 1, "itemkey": 1, "type": 0, "dict": 0}
+
+
+def check_data(data: Any) -> list[list[Any]]:
+    """``data`` if it is a guard list ``GuardSet`` can hold, else ValueError saying why:
+    records of ``[path, check, arg, expected]`` whose path starts at a known root with a
+    string or index, then known steps (an attribute by its name), and whose check is one
+    of ``CHECKS``."""
+    if not isinstance(data, list):
+        raise ValueError("guards must be a list")
+    for record in data:
+        if not (isinstance(record, list) and len(record) == 4 and isinstance(record[0], list)
+                and record[0] and isinstance(record[1], str) and record[1] in CHECKS):
+            raise ValueError(f"not a guard record: {reprlib.repr(record)}")
+        root, *steps = record[0]
+        if not (isinstance(root, list) and root and isinstance(root[0], str)
+                and _ROOTS.get(root[0]) == len(root) - 1
+                and all(isinstance(v, str | int) and not isinstance(v, bool)
+                        for v in root[1:])):
+            raise ValueError(f"not a guard path root: {reprlib.repr(root)}")
+        for s in steps:
+            if not (isinstance(s, list) and s and isinstance(s[0], str)
+                    and _STEPS.get(s[0]) == len(s) - 1
+                    and (s[0] != "attr" or isinstance(s[1], str))
+                    and (s[0] not in ("nthkey", "itemkey") or type(s[1]) is int)):
+                raise ValueError(f"not a guard path step: {reprlib.repr(s)}")
+    return data
+
 
 @dataclass
 class _Node:
-    children: dict[tuple[Any, ...], _Node] = field(default_factory=dict)
+    # step (as a tuple, or as canonical text where it holds an encoded key, a dict)
+    # → (step, node)
+    children: dict[Any, tuple[tuple[Any, ...], _Node]] = field(default_factory=dict)
     checks: list[tuple[int, str, Any]] = field(default_factory=list)  # (index, check, arg)
 
 
@@ -456,11 +487,15 @@ class GuardSet:
         for i, (path, check, arg, _) in enumerate(data):
             node = self.tree
             for s in path:
-                key = tuple(s)
-                child = node.children.get(key)
-                if child is None:
-                    child = node.children[key] = _Node()
-                node = child
+                key: Any = tuple(s)
+                try:
+                    found = node.children.get(key)
+                except TypeError:  # an encoded key (a dict) in the step
+                    key = json.dumps(s, sort_keys=True)
+                    found = node.children.get(key)
+                if found is None:
+                    found = node.children[key] = (tuple(s), _Node())
+                node = found[1]
             node.checks.append((i, check, arg))
 
     def __len__(self) -> int:
@@ -474,7 +509,7 @@ class GuardSet:
         """The fingerprint of every record in this process, in record order."""
         out: list[Any] = [None] * len(self.data)
         with hooks_hidden():  # traced without them, too
-            for root, child in self.tree.children.items():
+            for root, child in self.tree.children.values():
                 try:
                     value = root_value(root, model, args)
                 except Exception:
@@ -493,7 +528,7 @@ class GuardSet:
                 out[i] = {"unplain": type(value).__name__}
             except Exception:
                 out[i] = MISSING
-        for s, child in node.children.items():
+        for s, child in node.children.values():
             nxt = _UNRESOLVED
             if value is not _UNRESOLVED:
                 try:

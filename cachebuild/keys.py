@@ -82,6 +82,13 @@ class _Missing:
 MISSING: Any = _Missing()
 
 
+def guard_seal_key(entry_key: str, guards: Any) -> str:
+    """The key of the seal stored beside a model entry: it names the entry's key and its
+    guard list, so an entry whose guards were edited or deleted has no seal in the store
+    and is a miss (``plan.Planner.lookup``)."""
+    return make_key({"guard_seal": entry_key, "guards": guards})
+
+
 def _short(value: Any, limit: int = 60) -> str:
     text = value if isinstance(value, str) else canonical_json(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from cachebuild.errors import UsageError
+
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 
 
@@ -53,18 +55,45 @@ def render(metrics: Iterable[Metric], prefix: str = "cachebuild_") -> str:
     return "\n".join(lines) + "\n"
 
 
-def write(text: str, path: str | os.PathLike[str]) -> None:
-    """Write ``text`` to ``path`` atomically (``-`` is stdout)."""
+def check_target(path: str | os.PathLike[str]) -> Path | None:
+    """Where ``write`` would write ``path`` (None for ``-``, stdout), or UsageError saying
+    why it cannot: a directory, or a folder that does not exist or is not writable."""
     if str(path) == "-":
+        return None
+    target = Path(path)
+    if not str(path).strip():
+        raise UsageError("--prometheus needs a file name (or - for stdout)")
+    if target.is_dir():
+        raise UsageError(f"--prometheus {path} is a directory: give a file name in it, e.g. "
+                         f"{target / 'cachebuild.prom'}")
+    parent = target.parent
+    if not parent.is_dir():
+        raise UsageError(f"--prometheus {path}: the folder {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise UsageError(f"--prometheus {path}: the folder {parent} is not writable")
+    return target
+
+
+def write(text: str, path: str | os.PathLike[str]) -> None:
+    """Write ``text`` to ``path`` atomically (``-`` is stdout); UsageError where ``path``
+    cannot be written (``check_target``, or the write failed)."""
+    target = check_target(path)
+    if target is None:
         print(text, end="")
         return
-    target = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.",
+                                   suffix=".tmp")
+    except OSError as e:
+        raise UsageError(f"cannot write --prometheus {path}: {e.strerror or e}") from None
     try:
         with os.fdopen(fd, "w") as f:
             f.write(text)
         os.chmod(tmp, 0o644)
         os.replace(tmp, target)
+    except OSError as e:
+        Path(tmp).unlink(missing_ok=True)
+        raise UsageError(f"cannot write --prometheus {path}: {e.strerror or e}") from None
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise

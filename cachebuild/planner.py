@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from cachebuild.backends import Backend, get_backend
-from cachebuild.config import CompileConfig
+from cachebuild.config import CompileConfig, check_inductor_options
 from cachebuild.counters import COUNTERS, phase
 from cachebuild.distributed import layout_mismatches
 from cachebuild.entry import Entry, entry_factors, make_entry, variant_key
@@ -115,9 +115,14 @@ class Planner:
                     return Lookup(None, why, key, factors, wrong)
                 try:
                     entry = Entry.from_bytes(data)
-                except (ValueError, KeyError, TypeError) as e:  # not an entry of this format
+                    seal = entry.seal_key()
+                except (ValueError, KeyError, TypeError, AttributeError, IndexError,
+                        RecursionError) as e:  # not an entry of this format
                     return Lookup(None, f"stored entry unreadable ({type(e).__name__})", key,
                                   factors)
+                if entry.key != key or not self.store.contains(seal):
+                    return Lookup(None, "the stored entry's guards are not the ones recorded "
+                                  "with it (no seal for them)", key, factors)
             stale = entry.stale_files()
             if stale:
                 return Lookup(None, f"traced source changed: {', '.join(stale)}", key, factors)
@@ -143,6 +148,7 @@ class Planner:
         stored where ``found`` (the lookup that missed) says."""
         found = found or self.lookup(args)
         check_splitting_ops(self.config.splitting_ops)
+        check_inductor_options(self.config)
         with phase("trace"):
             traced = trace_model(self.model, args, self.dynamic_dims,
                                  self.config.compile_ranges)
@@ -152,6 +158,7 @@ class Planner:
         return self.plan(traced, found.factors, found.key)
 
     def plan(self, traced: TracedGraph, factors: dict[str, Any], key: str | None = None) -> Entry:
+        check_inductor_options(self.config)  # a trace has loaded Inductor's config
         with phase("split"):
             split = split_graph(traced, self.config.splitting_ops)
         with phase("plan"):
@@ -182,12 +189,17 @@ class Planner:
             data = self.store.get(entry.key)
             if data is not None:
                 try:
-                    fresh = not Entry.from_bytes(data).stale_files()
-                except (ValueError, KeyError, TypeError):
+                    stored = Entry.from_bytes(data)
+                    fresh = not stored.stale_files() and self.store.contains(stored.seal_key())
+                except (ValueError, KeyError, TypeError, RecursionError):
                     fresh = False
                 if fresh:
                     return True
                 self.store.delete(entry.key)
+            # The seal first: an entry is never stored without it (contains() verifies the
+            # one there, and moves a damaged or refused one out of the way of this put).
+            if not self.store.contains(entry.seal_key()):
+                self.store.put(entry.seal_key(), b"", kind="guards")
             self.store.put(entry.key, entry.to_bytes(), kind="entry", manifest=entry.factors,
-                           refs=entry.target_keys())
+                           refs=entry.stored_keys())
         return True

@@ -23,7 +23,7 @@ from cachebuild.cudagraphs import capture_for, next_capture_size, pad_args, unpa
 from cachebuild.entry import Entry
 from cachebuild.errors import UsageError
 from cachebuild.facts import InputMeta, device_of, on_device
-from cachebuild.fxjson import data_to_module
+from cachebuild.fxjson import GraphFormatError, data_to_module
 from cachebuild.inputs import CallCheck, LayoutGuard, same_layout
 from cachebuild.keys import canonical_json
 from cachebuild.outputs import output_builder
@@ -110,7 +110,11 @@ def stitch(entry: Entry, loaded: dict[str, Any]) -> Stitched:
             compiled[piece.name] = PieceSpec(list(piece.weights),
                                              _flags(piece.written, len(piece.input_metas)))
         else:
-            shape = canonical_json(canonical_graph(piece.nodes, [])["nodes"])
+            try:
+                shape = canonical_json(canonical_graph(piece.nodes, [])["nodes"])
+            except (KeyError, TypeError, ValueError, AttributeError, RecursionError):
+                data_to_module(piece.nodes)  # raises GraphFormatError saying what is wrong
+                raise GraphFormatError(f"stored piece {piece.name} is not a graph") from None
             if shape not in eager:
                 eager[shape] = data_to_module(piece.nodes)
             calls[piece.name] = eager[shape].forward

@@ -12,10 +12,13 @@ Blobs keep their own header and checksum (and signature), so an importer re-veri
 each one independently of the archive: nothing damaged is ever imported, and a damaged
 entry does not stop the others.
 
-A bundle is untrusted input. Its members are streamed, never read whole: a record member
-is refused past ``MAX_RECORD_BYTES``, and a blob is written to the store's temp space as
-it is verified, refused as soon as it runs past the length its own header, its record and
-its tar header declare. A record must be a well-formed record object. Into a store with a
+A bundle is untrusted input, bounded in total as well as per member. Its members are
+streamed, never read whole: a record member is refused past ``MAX_RECORD_BYTES``, records
+waiting for their blobs may hold ``MAX_PENDING_RECORD_BYTES`` together, a bundle is read
+up to ``MAX_MEMBERS`` members (the rest is refused unread), and a report keeps at most
+``MAX_REPORTED`` refusals by name (and counts the rest). A blob is written to the store's
+temp space as it is verified, refused as soon as it runs past the length its own header,
+its record and its tar header declare. A record must be a well-formed record object. Into a store with a
 signing key, unsigned blobs are refused unless the importer says otherwise
 (``allow_unsigned``; ``cachebuild import --allow-unsigned``). Bundles are written 0600.
 """
@@ -41,7 +44,7 @@ from .blob import BlobHeader, CorruptBlob
 from .layout import check_key
 from .local import LocalStore
 from .maintenance import reachable
-from .record import BadRecord, Record
+from .record import BadRecord, Record, loads_json
 
 BUNDLE_FORMAT = "cachebuild-bundle"
 BUNDLE_VERSION = 1
@@ -50,7 +53,14 @@ _RECORD_RE = re.compile(r"records/([0-9a-f]{16,128})\.json")
 _OBJECT_RE = re.compile(r"objects/([0-9a-f]{16,128})")
 _ARCHIVE_ERRORS = (tarfile.TarError, EOFError, OSError, zlib.error)
 #: A record or the bundle's header is never longer than this (manifests are kilobytes).
-MAX_RECORD_BYTES = 16 * 1024 * 1024
+MAX_RECORD_BYTES = 4 * 1024 * 1024
+#: Records read but not yet followed by their blobs hold at most this much together
+#: (an export writes each blob right after its record).
+MAX_PENDING_RECORD_BYTES = 32 * 1024 * 1024
+#: A bundle is read up to this many members (a record and a blob per entry).
+MAX_MEMBERS = 1 << 16
+#: A report names at most this many refused members; it counts the others.
+MAX_REPORTED = 1000
 _CHUNK = 1 << 20
 
 Progress = Callable[[int, int], None]
@@ -67,15 +77,28 @@ class ExportReport:
 
 @dataclass
 class ImportReport:
-    """Entries imported, entries already present, and entries refused with the reason."""
+    """Entries imported, entries already present, and entries refused with the reason
+    (the first ``MAX_REPORTED`` by name, the others counted in ``more_refused``)."""
 
     imported: list[str] = field(default_factory=list)
     existing: list[str] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
+    more_refused: int = 0
+
+    def refuse(self, name: str, why: str) -> None:
+        """Count ``name`` as refused, with ``why``."""
+        if len(self.refused) < MAX_REPORTED:
+            self.refused.append((name, why))
+        else:
+            self.more_refused += 1
+
+    @property
+    def refused_count(self) -> int:
+        return len(self.refused) + self.more_refused
 
     @property
     def ok(self) -> bool:
-        return not self.refused
+        return not self.refused_count
 
 
 def _select(store: LocalStore, keys: Iterable[str] | None, kinds: Iterable[str] | None,
@@ -159,7 +182,7 @@ def _read_header(tar: tarfile.TarFile, path: Path) -> tuple[tarfile.TarInfo, dic
             raise UsageError(f"{not_bundle} ({HEADER_NAME} is {first.size} bytes)")
         f = tar.extractfile(first)
         assert f is not None
-        header = json.loads(f.read(MAX_RECORD_BYTES + 1))
+        header = loads_json(f.read(MAX_RECORD_BYTES + 1))
     except _ARCHIVE_ERRORS + (ValueError, RecursionError) as e:
         raise UsageError(f"{not_bundle}: {e}") from None
     if not isinstance(header, dict) or header.get("format") != BUNDLE_FORMAT \
@@ -179,7 +202,7 @@ def _read_record(tar: tarfile.TarFile, member: tarfile.TarInfo, key: str) -> Rec
     f = tar.extractfile(member)
     assert f is not None
     try:
-        return Record.from_json(json.loads(f.read(MAX_RECORD_BYTES + 1)), key=key)
+        return Record.from_json(loads_json(f.read(MAX_RECORD_BYTES + 1)), key=key)
     except (ValueError, RecursionError) as e:
         return f"index record is not JSON: {e}"
     except BadRecord as e:
@@ -198,7 +221,7 @@ def _pieces(f: Any, size: int) -> Iterable[bytes]:
 
 
 def _import_entry(store: LocalStore, key: str, record: Record, f: Any, size: int,
-                  report: ImportReport, allow_unsigned: bool) -> None:
+                  report: ImportReport, allow_unsigned: bool, source: str) -> None:
     def accept(header: BlobHeader) -> None:
         if (header.kind, header.length, header.checksum) != (
                 record.kind, record.size, record.checksum):
@@ -210,14 +233,21 @@ def _import_entry(store: LocalStore, key: str, record: Record, f: Any, size: int
             raise CorruptBlob("unsigned, and this store has a signing key: import with "
                               "--allow-unsigned if you trust the bundle", key)
 
+    def origin(header: BlobHeader) -> str | None:
+        # A mark the bundle carries stays; a blob our key did not verify gets one.
+        if record.unsigned_from is not None:
+            return record.unsigned_from
+        return None if store.signing_key is not None and header.signed else source
+
     try:
         if store.contains(key):
             report.existing.append(key)
             return
         store.write_blob_chunks(key, _pieces(f, size), manifest=record.manifest,
-                                refs=record.refs, pinned=record.pinned, accept=accept)
+                                refs=record.refs, pinned=record.pinned, accept=accept,
+                                unsigned_from=origin)
     except CorruptBlob as e:
-        report.refused.append((key, e.reason))
+        report.refuse(key, e.reason)
     else:
         report.imported.append(key)
 
@@ -242,49 +272,65 @@ def import_bundle(store: LocalStore, path: str | os.PathLike[str], *,
     except _ARCHIVE_ERRORS as e:
         raise UsageError(f"{src} is not a cachebuild bundle: {e}") from None
     report = ImportReport()
+    source = f"bundle {_printable(src.name)[:200]}"
     with tar:
         first, header = _read_header(tar, src)
         expected = header["entries"]
-        records: dict[str, Record | str] = {}
+        records: dict[str, tuple[Record | str, int]] = {}
+        pending = 0  # bytes of the record members in ``records``
         seen: set[str] = set()
         current: str | None = None  # the blob being read, named if the archive breaks
+        members = 0
         try:
             for member in tar:  # (iteration starts again with the header member)
+                tar.members = []  # streamed: what was read is not kept
                 name = member.name
                 if member is first:
                     continue
+                members += 1
+                if members > MAX_MEMBERS:
+                    report.refuse("(rest of bundle)", f"more than {MAX_MEMBERS} members: "
+                                                      "the rest was not read")
+                    break
                 if m := _RECORD_RE.fullmatch(name):
                     key = m.group(1)
-                    records[key] = _read_record(tar, member, key)
+                    old = records.pop(key, None)
+                    pending -= old[1] if old is not None else 0
+                    size = max(member.size, 0)
+                    if pending + size > MAX_PENDING_RECORD_BYTES:
+                        report.refuse(key, "index records without their blobs would take "
+                                           f"more than {MAX_PENDING_RECORD_BYTES >> 20} MiB")
+                        continue
+                    records[key] = (_read_record(tar, member, key), size)
+                    pending += size
                 elif m := _OBJECT_RE.fullmatch(name):
                     key = current = m.group(1)
                     seen.add(key)
                     f = tar.extractfile(member) if member.isfile() else None
-                    record = records.pop(key, None)
+                    record, size = records.pop(key, (None, 0))
+                    pending -= size
                     if f is None:
-                        report.refused.append((key, "blob is not a regular file"))
+                        report.refuse(key, "blob is not a regular file")
                     elif record is None:
-                        report.refused.append((key, "blob without an index record before it"))
+                        report.refuse(key, "blob without an index record before it")
                     elif isinstance(record, str):
-                        report.refused.append((key, record))
+                        report.refuse(key, record)
                     else:
                         _import_entry(store, key, record, f, member.size, report,
-                                      allow_unsigned)
+                                      allow_unsigned, source)
                     current = None
                     if progress is not None:
                         progress(len(seen), max(len(expected), len(seen)))
                 else:
-                    report.refused.append((_printable(name), "unexpected member in bundle"))
+                    report.refuse(_printable(name), "unexpected member in bundle")
         except (*_ARCHIVE_ERRORS, CorruptBlob) as e:
-            report.refused.append((current or "(rest of bundle)",
-                                   f"bundle is damaged or truncated: {e}"))
+            report.refuse(current or "(rest of bundle)", f"bundle is damaged or truncated: {e}")
         for key in records:
             seen.add(key)
-            report.refused.append((key, "index record without a blob"))
-        for key in expected[:100_000]:
+            report.refuse(key, "index record without a blob")
+        for key in expected[:MAX_MEMBERS]:
             if isinstance(key, str) and key not in seen:
-                report.refused.append((_printable(key), "listed in the bundle but missing "
-                                                        "from it"))
+                report.refuse(_printable(key), "listed in the bundle but missing from it")
     return report
 
 

@@ -30,7 +30,7 @@ import diskcache
 
 from cachebuild.errors import StoreError
 
-from .record import BadRecord, Record, check_fields
+from .record import BadRecord, Record, check_fields, loads_json
 
 log = logging.getLogger("cachebuild.store")
 
@@ -76,7 +76,7 @@ def parse_row(key: str, raw: Any) -> dict[str, Any]:
     if not isinstance(raw, str | bytes):
         raise BadRecord("index row is not JSON text")
     try:
-        small = json.loads(raw)
+        small = loads_json(raw)
     except (ValueError, RecursionError) as e:
         raise BadRecord(f"index row is not valid JSON ({e})") from None
     if not isinstance(small, dict):
@@ -213,7 +213,7 @@ class Index:
         if manifest and small.get("has_manifest"):
             raw = self._db.get(_MANIFEST + key)
             try:
-                man = json.loads(raw) if isinstance(raw, str | bytes) else None
+                man = loads_json(raw) if isinstance(raw, str | bytes) else None
             except (ValueError, RecursionError):
                 man = None
             if not isinstance(man, dict):
@@ -221,7 +221,8 @@ class Index:
         return Record(key=key, kind=small["kind"], size=small["size"],
                       checksum=small["checksum"], created=small["created"],
                       last_used=small["last_used"], hits=small["hits"],
-                      pinned=small["pinned"], manifest=man, refs=tuple(small["refs"]))
+                      pinned=small["pinned"], manifest=man, refs=tuple(small["refs"]),
+                      unsigned_from=small["unsigned_from"])
 
     def put(self, record: Record) -> None:
         """Write ``record`` (and its manifest); call inside ``transact()``."""
@@ -229,6 +230,8 @@ class Index:
                  "created": record.created, "last_used": record.last_used,
                  "hits": record.hits, "pinned": record.pinned, "refs": list(record.refs),
                  "has_manifest": record.manifest is not None}
+        if record.unsigned_from is not None:
+            small["unsigned_from"] = record.unsigned_from
         if record.manifest is not None:
             self._db.set(_MANIFEST + record.key, _dumps(record.manifest))
         else:

@@ -53,7 +53,7 @@ from .files import OddFile, Scratch, is_regular, open_regular, remove_any
 from .index import INDEX_ERRORS, Index
 from .layout import Layout, check_key, check_private_dir, check_suffix, prepare
 from .locking import build_lock, flocked, open_temp
-from .record import GCReport, Record, VerifyReport
+from .record import GCReport, Record, VerifyReport, check_origin
 
 log = logging.getLogger("cachebuild.store")
 
@@ -341,13 +341,15 @@ class LocalStore(Store):
     # -- writing ------------------------------------------------------------------------
 
     def put(self, key: str, data: bytes | bytearray | memoryview, *, kind: str,
-            manifest: dict[str, Any] | None = None, refs: Sequence[str] = ()) -> Record:
+            manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
+            unsigned_from: str | None = None) -> Record:
         """Store ``data`` under ``key`` and return its record.
 
         Keys name immutable content, so putting a key that is already stored is a no-op
         that returns the existing record. When this returns, the blob is durable (fsync)
         and visible to every process. Raises StoreError with the cause when the disk is
-        full or read-only; the store is left as it was.
+        full or read-only; the store is left as it was. ``unsigned_from``: the data came
+        from there without a verified signature (``Record.unsigned_from``).
         """
         check_key(key)
         refs = tuple(check_key(r) for r in refs)
@@ -360,12 +362,12 @@ class LocalStore(Store):
         now = time.time()
         record = Record(key=key, kind=kind, size=len(data),
                         checksum=checksum, created=now, last_used=now, manifest=manifest,
-                        refs=refs)
+                        refs=refs, unsigned_from=check_origin(unsigned_from))
         return self._install(record, (header, data, trailer))
 
     def write_blob(self, key: str, blob: bytes | bytearray | memoryview, *,
                    manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
-                   pinned: bool = False) -> Record:
+                   pinned: bool = False, unsigned_from: str | None = None) -> Record:
         """Store a complete framed blob (as ``read_blob`` returns) under ``key``.
 
         The blob is verified first with this store's signing settings (CorruptBlob if it
@@ -382,7 +384,8 @@ class LocalStore(Store):
         now = time.time()
         record = Record(key=key, kind=header.kind, size=header.length,
                         checksum=header.checksum, created=now, last_used=now,
-                        pinned=pinned, manifest=manifest, refs=refs)
+                        pinned=pinned, manifest=manifest, refs=refs,
+                        unsigned_from=check_origin(unsigned_from))
         return self._install(record, (blob,))
 
     def _existing(self, key: str) -> Record | None:
@@ -417,13 +420,17 @@ class LocalStore(Store):
     def write_blob_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview], *,
                           manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
                           pinned: bool = False,
-                          accept: Callable[[BlobHeader], None] | None = None) -> Record:
+                          accept: Callable[[BlobHeader], None] | None = None,
+                          unsigned_from: Callable[[BlobHeader], str | None] | str | None = None,
+                          ) -> Record:
         """``write_blob`` for a blob that arrives in pieces, never held whole in memory.
 
         Each piece is verified as it is written to a temp file (StreamCheck): a blob that
         runs past the length its header declares is refused before more is read.
         ``accept(header)`` runs as soon as the header is known and may raise to refuse
         the blob. CorruptBlob if a check fails; nothing is stored then.
+        ``unsigned_from`` (``Record.unsigned_from``) may be a function of the verified
+        header (whether the blob was signed decides it).
         """
         check_key(key)
         refs = tuple(check_key(r) for r in refs)
@@ -446,9 +453,11 @@ class LocalStore(Store):
             if not accepted:
                 accept(header)  # type: ignore[misc]
             now = time.time()
+            origin = unsigned_from(header) if callable(unsigned_from) else unsigned_from
             record = Record(key=key, kind=header.kind, size=header.length,
                             checksum=header.checksum, created=now, last_used=now,
-                            pinned=pinned, manifest=manifest, refs=refs)
+                            pinned=pinned, manifest=manifest, refs=refs,
+                            unsigned_from=check_origin(origin))
             return self._commit(record, fd, tmp_path)
 
     def _commit(self, record: Record, fd: int, tmp_path: Path) -> Record:

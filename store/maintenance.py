@@ -295,6 +295,8 @@ def verify(store: LocalStore, *, repair: bool,
             reason, inode = store.check_blob_file(key, small)
             if reason is None:
                 report.ok += 1
+                if small["unsigned_from"] is not None:
+                    report.unsigned.append((key, small["unsigned_from"]))
             else:
                 report.damaged.append((key, reason))
                 if repair:

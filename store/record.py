@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -18,7 +19,11 @@ class Record:
     also in the blob header); ``created`` and ``last_used`` are Unix times; ``hits``
     counts verified reads; ``manifest`` is the dict of factors the key was made from;
     ``refs`` are keys this entry needs (a model entry lists its targets), which GC keeps
-    alive while this entry is pinned.
+    alive while this entry is pinned. ``unsigned_from`` is set when the artifact entered
+    this store without a signature verified with the fleet key (pulled from a remote used
+    without a key, imported unsigned): where it came from. It is never cleared, travels
+    with the record (bundles, signed shared records), and ``push`` will not sign such an
+    artifact unless it is named (``--vouch``).
     """
 
     key: str
@@ -31,6 +36,7 @@ class Record:
     pinned: bool = False
     manifest: dict[str, Any] | None = None
     refs: tuple[str, ...] = ()
+    unsigned_from: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict of every field."""
@@ -64,10 +70,22 @@ _KEY_RE = re.compile(r"[0-9a-f]{16,128}")
 MAX_SIZE = 1 << 48
 #: A record lists at most this many refs (a model entry lists its targets).
 MAX_REFS = 1 << 16
+#: ``unsigned_from`` names a place in at most this many characters.
+MAX_ORIGIN = 300
 
 
 class BadRecord(StoreError):
     """A record (index row, bundle member, shared-tier record) that is not well formed."""
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def loads_json(text: str | bytes | bytearray) -> Any:
+    """JSON text as Python values, refusing ``NaN`` and ``Infinity`` (which Python's
+    ``json`` reads but nothing can store again): ValueError, as for any bad JSON."""
+    return json.loads(text, parse_constant=_no_constant)
 
 
 def _show(value: Any) -> str:
@@ -126,7 +144,20 @@ def check_fields(data: dict[str, Any], *, key: Any = None,
     return {"kind": check_kind(data.get("kind")), "size": _int(data, "size"),
             "checksum": checksum, "created": created,
             "last_used": _time(data, "last_used", created), "hits": _int(data, "hits", 0),
-            "pinned": pinned, "manifest": manifest, "refs": tuple(refs)}
+            "pinned": pinned, "manifest": manifest, "refs": tuple(refs),
+            "unsigned_from": check_origin(data.get("unsigned_from"))}
+
+
+def check_origin(origin: Any) -> str | None:
+    """``origin`` if it can be a record's ``unsigned_from`` (None, or a short line of
+    printable text), else BadRecord."""
+    if origin is None:
+        return None
+    if not isinstance(origin, str) or not origin or len(origin) > MAX_ORIGIN \
+            or not origin.isprintable():
+        raise BadRecord(f"record field 'unsigned_from' must be a short line of text, "
+                        f"not {_show(origin)}")
+    return origin
 
 
 @dataclass
@@ -166,11 +197,14 @@ class VerifyReport:
 
     ``damaged`` lists ``(key, reason)`` for blobs that failed verification or are
     missing; ``repaired`` says whether they were quarantined and their records dropped.
+    ``unsigned`` lists ``(key, where from)`` for records that entered the store without a
+    verified signature (``Record.unsigned_from``): not damage, but not vouched for.
     """
 
     checked: int = 0
     ok: int = 0
     damaged: list[tuple[str, str]] = field(default_factory=list)
+    unsigned: list[tuple[str, str]] = field(default_factory=list)
     repaired: bool = False
     tmp_removed: int = 0
     orphans_removed: int = 0
@@ -183,5 +217,6 @@ class VerifyReport:
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["damaged"] = [{"key": k, "reason": r} for k, r in self.damaged]
+        data["unsigned"] = [{"key": k, "from": w} for k, w in self.unsigned]
         data["clean"] = self.clean
         return data

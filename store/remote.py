@@ -17,12 +17,15 @@ chunks were all written. A reader still checks the chunk count, length and diges
 blob that Redis half evicted (LRU) reads as a miss, never as damaged bytes.
 
 Anyone who can write to Redis can write anything there, so nothing read is trusted for its
-size or shape: a record is read only up to ``MAX_RECORD_BYTES`` and must parse into the
-expected types, and every chunk's length is asked for (``STRLEN``) before it is read, so
+size or shape, and what one call reads is bounded in total, not only per item: a record
+is read only up to ``MAX_RECORD_BYTES`` and must parse into the expected types; a blob
+longer than ``MAX_BLOB_BYTES`` is not read; every chunk's length is asked for (``STRLEN``)
+before it is read, so a chunk longer than any writer makes (``MAX_CHUNK_BYTES``) or
 chunks that do not add up to the length the record declares are refused before a byte
-of them is downloaded, and no more than that length is ever held in memory. A lock key
-without an expiry (no cachebuild process sets one) is waited on for one lock lifetime at
-most; then the build goes ahead under the local lock alone.
+of them is downloaded; the caller may check each chunk as it arrives (the blob's header
+is in the first) and stop the download; and ``records`` reads at most
+``MAX_SHARED_RECORDS`` records and ``MAX_SHARED_RECORD_BYTES`` of them per call, asking
+each one's length first.
 
 Health: the first Redis error marks the remote down for the life of this object. That
 emits one ``RemoteDownWarning``, and every later call is a fast miss or no-op. Nothing
@@ -31,6 +34,8 @@ here raises because Redis is slow, unreachable or dead; every socket has a timeo
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import logging
 import math
@@ -53,6 +58,7 @@ from redis.retry import Retry
 
 from cachebuild.errors import LockTimeout, UsageError
 from cachebuild.store.layout import InvalidKey, check_key
+from cachebuild.store.record import loads_json
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +67,15 @@ DEFAULT_CHUNK_SIZE = 4 * 1024 * 1024
 RECORD_FORMAT = 1
 #: A stored record (index record, manifest included) is never longer than this.
 MAX_RECORD_BYTES = 16 * 1024 * 1024
-#: Nor is a blob cut into more chunks than this.
+#: Nor is a blob cut into more chunks than this, or any chunk longer than this (the
+#: largest chunk size a writer may use).
 MAX_CHUNKS = 1 << 20
+MAX_CHUNK_BYTES = 16 * 1024 * 1024
+#: No blob read from Redis is longer than this (artifacts are megabytes).
+MAX_BLOB_BYTES = 1 << 30
+#: What one ``records`` call reads at most: how many records, and their bytes together.
+MAX_SHARED_RECORDS = 100_000
+MAX_SHARED_RECORD_BYTES = 32 * 1024 * 1024
 _DIGEST_RE = re.compile(r"[0-9a-f]{32}")
 Mode = Literal["rw", "ro"]
 T = TypeVar("T")
@@ -84,7 +97,8 @@ return 0
 """
 _RENEW_LUA = """
 if redis.call('get', KEYS[1]) == ARGV[1] then
-    return redis.call('pexpire', KEYS[1], ARGV[2])
+    redis.call('set', KEYS[1], ARGV[3], 'PX', ARGV[2])
+    return 1
 end
 return 0
 """
@@ -144,7 +158,7 @@ class RemoteBlobMeta:
         if len(raw) > MAX_RECORD_BYTES:
             raise ValueError(f"record longer than {MAX_RECORD_BYTES} bytes")
         try:
-            doc = json.loads(raw)
+            doc = loads_json(raw)
         except RecursionError:
             raise ValueError("record nested too deeply") from None
         if not isinstance(doc, dict) or doc.get("format") != RECORD_FORMAT:
@@ -161,6 +175,31 @@ class RemoteBlobMeta:
         if not isinstance(digest, str) or not _DIGEST_RE.fullmatch(digest):
             raise ValueError("malformed remote record: bad digest")
         return record, cls(chunks=chunks, length=length, digest=digest)
+
+
+@dataclass
+class _Budget:
+    """What is left of one ``records`` call's allowance."""
+
+    max_records: int
+    max_bytes: int
+    records: int = 0
+    bytes: int = 0
+    left_out: bool = False
+
+    def take(self, size: int) -> bool:
+        """Count one more record of ``size`` bytes; False (and it is left out) if it does
+        not fit."""
+        if self.records >= self.max_records or self.bytes + size > self.max_bytes:
+            self.left_out = True
+            return False
+        self.records += 1
+        self.bytes += size
+        return True
+
+    @property
+    def spent(self) -> bool:
+        return self.left_out
 
 
 class RedisRemote:
@@ -182,8 +221,9 @@ class RedisRemote:
     ) -> None:
         if mode not in ("rw", "ro"):
             raise UsageError(f"remote mode must be 'rw' or 'ro', not {mode!r}")
-        if chunk_size < 1:
-            raise UsageError(f"chunk size must be positive, not {chunk_size}")
+        if not 1 <= chunk_size <= MAX_CHUNK_BYTES:
+            raise UsageError(f"chunk size must be from 1 to {MAX_CHUNK_BYTES} bytes, "
+                             f"not {chunk_size}")
         self.url = url
         self.display_url = redact_url(url)
         self.mode: Mode = mode
@@ -296,14 +336,17 @@ class RedisRemote:
 
         return self._guard("get_record", read, None)
 
-    def get(self, key: str) -> tuple[dict[str, Any], bytes] | None:
+    def get(self, key: str, check: Callable[[memoryview, int], None] | None = None
+            ) -> tuple[dict[str, Any], bytes] | None:
         """``(record, framed_blob)`` for ``key``, or None if absent, incomplete or unreachable.
 
         The bytes are exactly what was put (length and xxh3-128 checked); whether they are
-        a valid, correctly signed blob is for the caller to decide.
+        a valid, correctly signed blob is for the caller to decide. ``check(chunk,
+        length)`` is called with each chunk as it arrives, in order, and the blob's
+        declared length; whatever it raises stops the download and leaves this call.
         """
         check_key(key)
-        return self._guard("get", lambda: self._read(key), None)
+        return self._guard("get", lambda: self._read(key, check), None)
 
     def _get_record_bytes(self, key: str) -> bytes | None:
         """The stored record of ``key``, or None; one longer than MAX_RECORD_BYTES is
@@ -318,7 +361,8 @@ class RedisRemote:
             return None
         return raw
 
-    def _read(self, key: str) -> tuple[dict[str, Any], bytearray] | None:
+    def _read(self, key: str, check: Callable[[memoryview, int], None] | None = None
+              ) -> tuple[dict[str, Any], bytearray] | None:
         raw = self._get_record_bytes(key)
         if raw is None:
             return None
@@ -326,6 +370,10 @@ class RedisRemote:
             record, meta = RemoteBlobMeta.parse(raw)
         except ValueError as exc:
             self._incomplete(key, f"unreadable record ({exc})")
+            return None
+        if meta.length > MAX_BLOB_BYTES:
+            self._incomplete(key, f"the record declares {meta.length} bytes, more than any "
+                             f"blob read from the remote ({MAX_BLOB_BYTES})")
             return None
         # Every chunk's length first: chunks that are missing or do not add up to the
         # declared length are refused before anything is downloaded.
@@ -343,6 +391,10 @@ class RedisRemote:
                     self._incomplete(key, f"chunk {start + offset // 2} of {meta.chunks} "
                                      "missing or not a string")
                     return None
+                if size > MAX_CHUNK_BYTES:
+                    self._incomplete(key, f"chunk {start + offset // 2} is {size} bytes, "
+                                     f"longer than any writer makes ({MAX_CHUNK_BYTES})")
+                    return None
                 sizes.append(size)
                 if sum(sizes) > meta.length:
                     self._incomplete(key, "chunks are longer than the record declares")
@@ -350,21 +402,24 @@ class RedisRemote:
         if sum(sizes) != meta.length:
             self._incomplete(key, "chunks are shorter than the record declares")
             return None
-        blob = bytearray(meta.length)
+        blob = bytearray()
         filled = 0
-        # Fetch in batches so a huge blob does not ask Redis for one giant reply; each
-        # chunk no longer than its length said (it may have changed since).
-        batch = 16
-        for start in range(0, meta.chunks, batch):
+        # Fetch in batches so a huge blob does not ask Redis for one giant reply (the
+        # first chunk alone: it holds the header the caller checks first); each chunk no
+        # longer than its length said (it may have changed since).
+        starts = [0, *range(1, meta.chunks, 16)]
+        for start, stop in zip(starts, [*starts[1:], meta.chunks], strict=True):
             pipe = self._client.pipeline(transaction=False)
-            for i in range(start, min(start + batch, meta.chunks)):
+            for i in range(start, stop):
                 if sizes[i]:
                     pipe.getrange(chunk_key(key, i), 0, sizes[i] - 1)
             for part in pipe.execute(raise_on_error=False):
                 if not isinstance(part, bytes) or filled + len(part) > meta.length:
                     self._incomplete(key, "chunks changed while they were read")
                     return None
-                blob[filled:filled + len(part)] = part
+                if check is not None:
+                    check(memoryview(part), meta.length)
+                blob += part
                 filled += len(part)
         if filled != meta.length or xxhash.xxh3_128_hexdigest(blob) != meta.digest:
             self._incomplete(key, "chunks do not match the record's length and digest")
@@ -403,35 +458,69 @@ class RedisRemote:
         except _REMOTE_ERRORS as exc:
             self._fail("scan", exc)
 
-    def records(self) -> Iterator[tuple[str, dict[str, Any]]]:
-        """``(key, record)`` for every stored index record (for ``explain`` on remote
-        entries); the records are parsed but not checked further."""
+    def records(self, max_records: int = MAX_SHARED_RECORDS,
+                max_bytes: int = MAX_SHARED_RECORD_BYTES) -> Iterator[tuple[str, dict[str, Any]]]:
+        """``(key, record)`` for the stored index records (for ``explain`` on remote
+        entries); the records are parsed but not checked further. At most ``max_records``
+        records of ``max_bytes`` together are read (each one's length is asked first);
+        the rest are left out, with one log line saying how many."""
+        budget = _Budget(max_records, max_bytes)
         batch: list[str] = []
         for key in self.keys():
             batch.append(key)
             if len(batch) >= 500:
-                yield from self._records_of(batch)
+                yield from self._records_of(batch, budget)
                 batch = []
-        if batch:
-            yield from self._records_of(batch)
+            if budget.spent:
+                break
+        if batch and not budget.spent:
+            yield from self._records_of(batch, budget)
+        if budget.left_out:
+            log.warning("read %d records of the remote %s and left the rest out: one command "
+                        "reads at most %d records and %d MiB of them", budget.records,
+                        self.display_url, max_records, max_bytes >> 20)
 
-    def _records_of(self, keys: list[str]) -> list[tuple[str, dict[str, Any]]]:
-        def read() -> list[Any]:
-            pipe = self._client.pipeline(transaction=False)
-            for k in keys:
-                pipe.getrange(record_key(k), 0, MAX_RECORD_BYTES)
-            return pipe.execute(raise_on_error=False)
-
+    def _records_of(self, keys: list[str], budget: _Budget) -> list[tuple[str, dict[str, Any]]]:
+        sizes = self._guard("read record sizes", lambda: self._strlens(keys), [])
+        wanted: list[tuple[str, int]] = []
+        for key, size in zip(keys, sizes, strict=False):
+            if not isinstance(size, int) or not 0 < size <= MAX_RECORD_BYTES:
+                continue  # absent, not a string, or longer than a record can be
+            if not budget.take(size):
+                break
+            wanted.append((key, size))
         out = []
-        for key, raw in zip(keys, self._guard("read records", read, []), strict=False):
-            if not isinstance(raw, bytes) or not raw:
-                continue
-            try:
-                record, _ = RemoteBlobMeta.parse(raw)
-            except ValueError:
-                continue
-            out.append((key, record))
+        # In slices of at most 16 MiB: never more than that in flight at once.
+        start = 0
+        while start < len(wanted):
+            end, flight = start, 0
+            while end < len(wanted) and (end == start or flight < 16 << 20):
+                flight += wanted[end][1]
+                end += 1
+            part = [key for key, _ in wanted[start:end]]
+
+            def read(part: list[str] = part) -> list[Any]:
+                pipe = self._client.pipeline(transaction=False)
+                for k in part:
+                    pipe.getrange(record_key(k), 0, MAX_RECORD_BYTES - 1)
+                return pipe.execute(raise_on_error=False)
+
+            for key, raw in zip(part, self._guard("read records", read, []), strict=False):
+                if not isinstance(raw, bytes) or not raw:
+                    continue
+                try:
+                    record, _ = RemoteBlobMeta.parse(raw)
+                except ValueError:
+                    continue
+                out.append((key, record))
+            start = end
         return out
+
+    def _strlens(self, keys: list[str]) -> list[Any]:
+        pipe = self._client.pipeline(transaction=False)
+        for k in keys:
+            pipe.strlen(record_key(k))
+        return pipe.execute(raise_on_error=False)
 
     # -- writes -----------------------------------------------------------------------
 
@@ -516,17 +605,25 @@ class RedisRemote:
     # -- cross-machine lock -------------------------------------------------------------
 
     @contextmanager
-    def lock(self, key: str, ttl: float = 60.0, timeout: float | None = 600.0) -> Iterator[bool]:
+    def lock(self, key: str, ttl: float = 60.0, timeout: float | None = 600.0,
+             signing_key: bytes | None = None) -> Iterator[bool]:
         """Hold ``key``'s build lock across machines; yields True if Redis holds it for us.
 
         Yields False (no lock taken, nothing written) when read-only or when the remote is
         down: the caller's local lock still gives single-flight on this machine. While held,
         a background thread extends the expiry every ``ttl/3`` seconds; if this process dies
-        the lock expires ``ttl`` seconds later and another machine takes over. Raises
-        ``LockTimeout`` if another holder keeps it for more than ``timeout`` seconds.
+        the lock expires ``ttl`` seconds later and another machine takes over.
+
+        A holder must prove it is a builder of this fleet, or it cannot stop a build: with
+        ``signing_key`` our token carries an HMAC of the lock's name, and a lock whose
+        token does not is waited on for ``FOREIGN_WAIT`` seconds at most; without a key no
+        holder can prove it, and any is waited on for one ``ttl`` at most. Then this yields
+        False (the build goes ahead under the local lock alone: a duplicate build is
+        better than none). Raises ``LockTimeout`` if a proven holder keeps it for more
+        than ``timeout`` seconds.
         """
         check_key(key)
-        held = RemoteLock(self, key, ttl)
+        held = RemoteLock(self, key, ttl, signing_key)
         acquired = held.acquire(timeout)
         try:
             yield acquired
@@ -535,32 +632,87 @@ class RedisRemote:
                 held.release()
 
 
-class RemoteLock:
-    """One acquisition of a build lock: SET NX PX with a random token, renewed while held."""
+_LOCK_DOMAIN = b"cachebuild-lock-v1\0"
+#: How long a lock held by someone who cannot prove to be a builder of the fleet (its
+#: token carries no valid HMAC) is waited on before building anyway.
+FOREIGN_WAIT = 2.0
 
-    def __init__(self, remote: RedisRemote, key: str, ttl: float) -> None:
+
+#: Slack for clocks that differ between machines, when a lock token's time is checked.
+CLOCK_SLACK_S = 30.0
+
+
+def lock_token(name: str, nonce: str, signing_key: bytes | None,
+               now_ms: int | None = None) -> str:
+    """The value a builder sets under lock ``name``: ``nonce``, and with a signing key the
+    time (ms) and an HMAC of both with the lock's name, proving that the holder has the
+    fleet's key now (renewals set a fresh one, so a copied value soon stops proving)."""
+    if signing_key is None:
+        return nonce
+    when = int(time.time() * 1000) if now_ms is None else now_ms
+    body = f"{nonce}.{when}"
+    mac = hmac.new(signing_key, _LOCK_DOMAIN + name.encode() + b"\0" + body.encode(),
+                   hashlib.sha256).hexdigest()[:32]
+    return f"{body}.{mac}"
+
+
+def proven(name: str, value: Any, signing_key: bytes, max_age_s: float) -> bool:
+    """True if ``value`` under lock ``name`` was set by a holder of ``signing_key`` within
+    the last ``max_age_s`` seconds (plus ``CLOCK_SLACK_S``)."""
+    if isinstance(value, bytes):
+        try:
+            value = value.decode("ascii")
+        except UnicodeDecodeError:
+            return False
+    if not isinstance(value, str) or value.count(".") != 2 or len(value) > 100:
+        return False
+    nonce, when, _ = value.split(".")
+    if not when.isdigit() or len(when) > 16:
+        return False
+    age = time.time() - int(when) / 1000
+    if not -CLOCK_SLACK_S <= age <= max_age_s + CLOCK_SLACK_S:
+        return False
+    return hmac.compare_digest(lock_token(name, nonce, signing_key, int(when)), value)
+
+
+class RemoteLock:
+    """One acquisition of a build lock: SET NX PX with a random token (with an HMAC when
+    the fleet has a key), renewed while held."""
+
+    def __init__(self, remote: RedisRemote, key: str, ttl: float,
+                 signing_key: bytes | None = None) -> None:
         if ttl <= 0:
             raise ValueError(f"lock ttl must be positive, not {ttl}")
         self.remote = remote
         self.name = lock_key(key)
         self.key = key
         self.ttl_ms = max(1, int(ttl * 1000))
-        self.token = secrets.token_hex(16)
+        self.signing_key = signing_key
+        self.nonce = secrets.token_hex(16)
+        self.token = lock_token(self.name, self.nonce, signing_key)
         self._stop = threading.Event()
         self._renewer: threading.Thread | None = None
         self.lost = False
 
-    def acquire(self, timeout: float | None) -> bool:
-        """True once held; False if the remote cannot hold locks; LockTimeout after ``timeout``.
+    def _unproven_wait(self, value: Any, pttl: Any) -> float | None:
+        """How long a holder with lock ``value`` (and expiry ``pttl``) may keep us waiting
+        at most, when it cannot prove to be a builder of this fleet; None if it can."""
+        if pttl == -1 or (isinstance(pttl, int) and pttl > max(10 * self.ttl_ms, 600_000)):
+            return self.ttl_ms / 1000  # no cachebuild process sets such an expiry
+        if self.signing_key is None:
+            return self.ttl_ms / 1000  # nobody can prove anything: one lock lifetime
+        if proven(self.name, value, self.signing_key, max_age_s=3 * self.ttl_ms / 1000):
+            return None
+        return min(FOREIGN_WAIT, self.ttl_ms / 1000)
 
-        A lock key that never expires, or expires later than any cachebuild holder sets it
-        to, was not set by cachebuild (which always sets a ttl and renews it): it is waited
-        on for one ttl at most, then this returns False (the build goes ahead under the
-        local lock), with a warning.
+    def acquire(self, timeout: float | None) -> bool:
+        """True once held; False if the remote cannot hold locks, or if the holder cannot
+        prove to be a builder of this fleet and has been waited on long enough (see
+        ``RedisRemote.lock``; with a warning); LockTimeout after ``timeout``.
         """
         remote = self.remote
         deadline = None if timeout is None else time.monotonic() + timeout
-        foreign_since: float | None = None
+        unproven_since: float | None = None
         delay = 0.02
         while True:
             if not remote.writable:
@@ -568,7 +720,10 @@ class RemoteLock:
             try:
                 if remote._client.set(self.name, self.token, nx=True, px=self.ttl_ms):
                     break
-                pttl = remote._client.pttl(self.name)
+                pipe = remote._client.pipeline(transaction=False)
+                pipe.get(self.name)
+                pipe.pttl(self.name)
+                value, pttl = pipe.execute()
             except (redis.ResponseError, redis.DataError) as exc:
                 remote._refuse_writes("lock", exc)
                 return False
@@ -576,16 +731,23 @@ class RemoteLock:
                 remote._fail("lock", exc)
                 return False
             now = time.monotonic()
-            if pttl == -1 or (isinstance(pttl, int) and pttl > max(10 * self.ttl_ms, 600_000)):
-                foreign_since = now if foreign_since is None else foreign_since
-                if now - foreign_since >= self.ttl_ms / 1000:
-                    log.warning("the build lock of %s in %s never expires, so no cachebuild "
-                                "process set it; building under the local lock alone (delete "
-                                "the key %s if it is stale)", self.key, remote.display_url,
+            limit = self._unproven_wait(value, pttl)
+            if limit is None:
+                unproven_since = None
+            else:
+                unproven_since = now if unproven_since is None else unproven_since
+                if now - unproven_since >= limit:
+                    who = ("its holder cannot prove to be a builder of this fleet (no "
+                           "CACHEBUILD_SIGNING_KEY here, so none can)" if self.signing_key is None
+                           else "its holder cannot prove to be a builder of this fleet "
+                           "(its token carries no HMAC made with CACHEBUILD_SIGNING_KEY)")
+                    if pttl == -1:
+                        who = "it never expires, so no cachebuild process set it"
+                    log.warning("the build lock of %s in %s is taken, but %s; building under "
+                                "the local lock alone after %.1f s (delete the key %s if it "
+                                "is stale)", self.key, remote.display_url, who, limit,
                                 self.name)
                     return False
-            else:
-                foreign_since = None
             if deadline is not None and now >= deadline:
                 raise LockTimeout(
                     f"build lock for {self.key} is held on another machine "
@@ -604,14 +766,17 @@ class RemoteLock:
         return True
 
     def _renew(self) -> None:
-        """Extend the expiry every third of the ttl until released, lost, or the remote dies."""
+        """Extend the expiry every third of the ttl until released, lost, or the remote dies;
+        each renewal sets a fresh token (with a key: a fresh time and HMAC)."""
         remote = self.remote
         interval = self.ttl_ms / 3000.0
         while not self._stop.wait(interval):
             if not remote.available:
                 return
+            fresh = lock_token(self.name, self.nonce, self.signing_key)
             try:
-                ok = remote._renew_script(keys=[self.name], args=[self.token, self.ttl_ms])
+                ok = remote._renew_script(keys=[self.name],
+                                          args=[self.token, self.ttl_ms, fresh])
             except _REMOTE_ERRORS as exc:
                 remote._fail("lock renewal", exc)
                 return
@@ -621,6 +786,7 @@ class RemoteLock:
                 self.lost = True
                 log.warning("remote build lock for %s expired while held", self.key)
                 return
+            self.token = fresh  # release compares with what is there now
 
     def release(self) -> None:
         """Stop renewing and delete the lock if it is still ours."""

@@ -37,7 +37,7 @@ import logging
 import threading
 import time
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,12 +45,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from cachebuild.errors import StoreError, UsageError
-from cachebuild.keys import canonical_json
+from cachebuild.keys import canonical_json, guard_seal_key
 from cachebuild.store.base import Progress, Store
-from cachebuild.store.blob import CorruptBlob, check_blob, encode_blob, parse_header
+from cachebuild.store.blob import (
+    CorruptBlob,
+    StreamCheck,
+    check_blob,
+    encode_blob,
+    parse_header,
+)
 from cachebuild.store.layout import InvalidKey, check_key
 from cachebuild.store.local import LocalStore
-from cachebuild.store.record import BadRecord, GCReport, Record, VerifyReport
+from cachebuild.store.record import MAX_ORIGIN, BadRecord, GCReport, Record, VerifyReport
 
 if TYPE_CHECKING:
     # Imported when a remote is opened: `import redis` costs a process that has no
@@ -61,7 +67,8 @@ log = logging.getLogger(__name__)
 
 # Index fields that describe the artifact and travel with it; last_used, hits and pinned
 # describe one machine's use of it and stay local (and refs are never trusted from L2).
-_SHARED_FIELDS = ("key", "kind", "size", "checksum", "created", "manifest", "refs")
+_SHARED_FIELDS = ("key", "kind", "size", "checksum", "created", "manifest", "refs",
+                  "unsigned_from")
 _RECORD_DOMAIN = b"cachebuild-record-v1\0"
 _SIGNATURE = "sig"
 
@@ -91,8 +98,10 @@ class TransferCounts:
     failed: int = 0  # remote down, refused, or another writer was uploading it
     bytes: int = 0  # payload bytes transferred
     signed: int = 0  # push only: held unsigned in L1, signed with the fleet key to upload
+    unvouched: int = 0  # push only: entered L1 unsigned from elsewhere, not named: not pushed
+    unvouched_keys: list[str] = dataclasses.field(default_factory=list)
 
-    def as_dict(self) -> dict[str, int]:
+    def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -123,13 +132,18 @@ def record_signed_by(signing_key: bytes, shared: dict[str, Any]) -> bool:
 
 def entry_refs(kind: str, payload: bytes) -> tuple[str, ...]:
     """The keys a verified payload refers to: for a model entry, the target keys its
-    pieces list; nothing for any other kind. Refs come only from here, never from a
-    shared record, because they decide what GC keeps."""
+    pieces list and the seal of its guards; nothing for any other kind. Refs come only
+    from here, never from a shared record, because they decide what GC keeps."""
     if kind != "entry":
         return ()
     try:
-        pieces = json.loads(payload).get("pieces", [])
-        keys = [t["key"] for p in pieces for t in p.get("targets", [])]
+        doc = json.loads(payload)
+        keys = [t["key"] for p in doc.get("pieces", []) for t in p.get("targets", [])]
+        if "key" in doc and "guards" in doc:  # an entry that has a seal
+            try:
+                keys.append(guard_seal_key(doc["key"], doc["guards"]))
+            except (ValueError, TypeError, RecursionError):
+                pass  # guards no key can be made of: the entry is a miss anyway
         return tuple(dict.fromkeys(check_key(k) for k in keys))
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
         log.warning("entry payload lists no readable targets; keeping it without refs")
@@ -249,11 +263,11 @@ class TieredStore(Store):
             return None, "missing"
         if key in self._rejected:
             return None, "rejected"
-        fetched = self.remote.get(key)
-        if fetched is None:
-            return None, "missing"
-        raw_record, framed = fetched
         try:
+            fetched = self.remote.get(key, self._early_check(key))
+            if fetched is None:
+                return None, "missing"
+            raw_record, framed = fetched
             header = check_blob(framed, expected_key=key, signing_key=self.signing_key,
                                 require_signature=self.signing_key is not None)
             record, authentic = self._shared(key, raw_record)
@@ -272,20 +286,56 @@ class TieredStore(Store):
             return payload, "pulled"
         manifest = record.manifest if record is not None and authentic else None
         refs = entry_refs(header.kind, payload)
+        origin = self._origin(record if authentic else None)
         try:
             if self._same_key_as_local:
                 # Keep the verified blob byte for byte (L1 re-checks it with the same key).
-                self.local.write_blob(key, framed, manifest=manifest, refs=refs)
+                self.local.write_blob(key, framed, manifest=manifest, refs=refs,
+                                      unsigned_from=origin)
             else:
-                self.local.put(key, payload, kind=header.kind, manifest=manifest, refs=refs)
+                self.local.put(key, payload, kind=header.kind, manifest=manifest, refs=refs,
+                               unsigned_from=origin)
         except StoreError as exc:
             # The payload is verified and usable; only the local copy failed (disk full).
             log.warning("could not copy remote blob %s into the local store: %s", key, exc)
             self._unstored[key] = Record(key=key, kind=header.kind, size=header.length,
                                          checksum=header.checksum, created=time.time(),
-                                         last_used=time.time(), manifest=manifest, refs=refs)
+                                         last_used=time.time(), manifest=manifest, refs=refs,
+                                         unsigned_from=origin)
         self._count("l2_hits")
         return payload, "pulled"
+
+    def _early_check(self, key: str) -> Callable[[memoryview, int], None]:
+        """A check of each chunk as it arrives (``RedisRemote.get``): the header, in the
+        first, must be for ``key``, declare the length the record does and, with a signing
+        key, be signed; otherwise the rest is never downloaded (CorruptBlob)."""
+        checker = StreamCheck(expected_key=key, signing_key=self.signing_key,
+                              require_signature=self.signing_key is not None)
+        checked = False
+
+        def check(chunk: memoryview, length: int) -> None:
+            nonlocal checked
+            checker.feed(chunk)
+            header = checker.header
+            if header is None or checked:
+                return
+            checked = True
+            if header.total_size != length:
+                raise CorruptBlob(f"its header declares {header.total_size} bytes, its "
+                                  f"record {length}", key)
+            if self.signing_key is not None and not header.signed:
+                raise CorruptBlob("unsigned, and this store has a signing key", key)
+
+        return check
+
+    def _origin(self, record: Record | None) -> str | None:
+        """``unsigned_from`` for a blob fetched from L2: the remote itself when nothing was
+        verified with a key; else whatever the authentic record says (an artifact that
+        entered some store unsigned and was pushed by name stays marked)."""
+        assert self.remote is not None
+        if self.signing_key is None:
+            return f"remote {self.remote.display_url} (no signing key)"[:MAX_ORIGIN]
+        return record.unsigned_from if record is not None else None
 
     def contains(self, key: str) -> bool:
         """True if ``key`` verifies in L1, or in L2 (fetched, verified, copied into L1)."""
@@ -353,9 +403,10 @@ class TieredStore(Store):
         framed = encode_blob(key, record.kind, payload, self.signing_key)
         return self.remote.put(key, self._outgoing(record), framed)
 
-    def _push_stored(self, key: str) -> str:
+    def _push_stored(self, key: str, vouched: bool = False) -> str:
         """Upload L1's ``key`` to L2: "pushed", "signed" (pushed, after signing a blob L1
-        holds unsigned), "present", "missing" or "failed"."""
+        holds unsigned), "present", "missing", "unvouched" (it entered L1 unsigned from
+        elsewhere and ``vouched`` is False) or "failed"."""
         remote = self.remote
         assert remote is not None
         if remote.contains(key):
@@ -363,6 +414,8 @@ class TieredStore(Store):
         record = self.local.get_record(key)
         if record is None:
             return "missing"
+        if record.unsigned_from is not None and not vouched:
+            return "unvouched"
         framed = self.local.read_blob(key)  # verified with L1's settings
         if framed is None:
             return "missing"
@@ -401,7 +454,8 @@ class TieredStore(Store):
             limit = timeout if timeout is not None else getattr(self.local, "lock_timeout", 600.0)
             # A negative timeout means wait forever, as for the local lock.
             remaining = None if limit < 0 else max(0.0, limit - (time.monotonic() - start))
-            with self.remote.lock(key, ttl=self.lock_ttl, timeout=remaining):
+            with self.remote.lock(key, ttl=self.lock_ttl, timeout=remaining,
+                                  signing_key=self.signing_key):
                 yield
 
     # -- deletes and local-only operations ------------------------------------------------
@@ -467,13 +521,18 @@ def _entry_keys(entries: Iterable[Any]) -> list[str]:
     return [e if isinstance(e, str) else e.key for e in entries]
 
 
-def push(tiered: TieredStore, keys: Iterable[str] | None = None) -> TransferCounts:
-    """Copy ``keys`` (default: every L1 entry) from L1 to L2; what happened, counted.
+def push(tiered: TieredStore, keys: Iterable[str] | None = None,
+         vouch: Iterable[str] = ()) -> TransferCounts:
+    """Copy ``keys`` (default: every L1 entry) and ``vouch`` from L1 to L2; what happened,
+    counted.
 
     With a signing key every uploaded blob is signed with it: one that L1 holds unsigned
-    is signed on the way (counted in ``signed`` as well as ``transferred``). Raises
-    UsageError without a remote or with a read-only one. A remote that goes down part-way
-    makes the remaining keys count as ``failed``; nothing raises.
+    because it was built here before the key was set is signed on the way (counted in
+    ``signed`` as well as ``transferred``). One that entered L1 unsigned from elsewhere
+    (``Record.unsigned_from``) is not pushed, and counted in ``unvouched``, unless it is
+    one of ``vouch``: signing it would vouch for what nobody verified. Raises UsageError
+    without a remote or with a read-only one. A remote that goes down part-way makes the
+    remaining keys count as ``failed``; nothing raises.
     """
     remote = tiered.remote
     if remote is None:
@@ -481,10 +540,15 @@ def push(tiered: TieredStore, keys: Iterable[str] | None = None) -> TransferCoun
     if remote.mode != "rw":
         raise UsageError(f"remote {remote.display_url} is read-only; push needs mode rw")
     counts = TransferCounts()
+    vouched = set(vouch)
     wanted = _entry_keys(tiered.local.records(manifests=False)) if keys is None else list(keys)
+    wanted = list(dict.fromkeys([*wanted, *vouched]))
     for key in wanted:
-        outcome = tiered._push_stored(key)
-        if outcome in ("pushed", "signed"):
+        outcome = tiered._push_stored(key, vouched=key in vouched)
+        if outcome == "unvouched":
+            counts.unvouched += 1
+            counts.unvouched_keys.append(key)
+        elif outcome in ("pushed", "signed"):
             counts.transferred += 1
             counts.signed += outcome == "signed"
             record = tiered.local.get_record(key)

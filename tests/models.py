@@ -127,6 +127,29 @@ class Decoder(nn.Module):
         return self.lm_head(self.norm(x))
 
 
+class TransposedWeights(nn.Module):
+    """Falcon's linear layers: ``x @ self.weight.T`` (Dynamo records ``w.T`` as
+    ``getattr(w, 'T')``), and a head tied to the embedding the same way.
+    forward(input_ids [T], positions [T]) -> logits [T, vocab]."""
+
+    def __init__(self, hidden: int = HIDDEN, heads: int = HEADS, vocab: int = VOCAB) -> None:
+        super().__init__()
+        self.heads = heads
+        self.embed = nn.Embedding(vocab, hidden)
+        self.qkv = nn.Parameter(torch.empty(3 * hidden, hidden))
+        self.dense = nn.Parameter(torch.empty(hidden, hidden))
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        t, d = x.shape[0], x.shape[1] // self.heads
+        q, k, v = (x @ self.qkv.T).chunk(3, dim=-1)
+        a = torch.ops.cachebuild_tests.attention(q.view(t, self.heads, d),
+                                                 k.view(t, self.heads, d),
+                                                 v.view(t, self.heads, d))
+        x = x + a.reshape(t, -1) @ self.dense.T
+        return x @ self.embed.weight.T
+
+
 class RenamedLayer(nn.Module):
     """``Layer`` with every attribute named differently; the same computation."""
 

@@ -136,7 +136,7 @@ def test_store_holds_entry_and_targets_with_manifests(tmp_path):
         assert canonical_json(target.manifest) == canonical_json(entry.manifests[key])
         assert make_key(target.manifest) == key
     kinds = sorted(r.kind for r in store.records())
-    assert kinds == ["entry"] + ["fx-graph"] * 6
+    assert kinds == ["entry"] + ["fx-graph"] * 6 + ["guards"]  # the seal of its guards
 
 
 def test_custom_pass_runs_enters_the_keys_and_matches_eager(tmp_path, monkeypatch):
@@ -242,7 +242,7 @@ def test_two_processes_at_once_build_each_target_once(tmp_path):
     assert sum(r["stats"]["built"] for r in results) == len(keys)
     assert all(r["stats"]["failed"] == 0 for r in results)
     store = LocalStore(path)
-    assert sorted(r.kind for r in store.records()) == ["entry"] + ["fx-graph"] * 6
+    assert sorted(r.kind for r in store.records()) == ["entry"] + ["fx-graph"] * 6 + ["guards"]
 
 
 # -- inductor (AOTInductor) ------------------------------------------------------------

@@ -115,7 +115,7 @@ def test_default_store_is_cachebuild_dir(tmp_path, monkeypatch):
     compiled = cachebuild.compile(model, models.config(), DYN)
     models.assert_matches_eager(compiled, model, models.inputs(3))
     kinds = sorted(r.kind for r in LocalStore(path).records())
-    assert kinds == ["entry", "fx-graph", "fx-graph"]
+    assert kinds == ["entry", "fx-graph", "fx-graph", "guards"]
 
 
 def test_model_spec_is_validated():
@@ -194,3 +194,25 @@ def test_inductor_recompile_for_a_new_shape_on_an_empty_store(tmp_path, flavour)
             ids = hf_families.ids(tokens)[0][None]
             hf_families.assert_close(compiled(input_ids=ids, use_cache=False).logits,
                                      model(input_ids=ids, use_cache=False).logits)
+
+
+def test_transposed_weights_compile_through_both_front_doors(tmp_path):
+    """``x @ self.weight.T`` (Falcon's linear layers): Dynamo records ``getattr(w, 'T')``,
+    a pure read that stored graphs allow. Each door builds, matches eager, and the other
+    door and a second compile load what was stored."""
+    model = models.make(models.TransposedWeights)
+    store = LocalStore(tmp_path / "store")
+    compiled = cachebuild.compile(model, models.config(), DYN, store=store)
+    for size in (5, 12):
+        models.assert_matches_eager(compiled, model, models.inputs(size))
+    built = len([r for r in store.records() if r.kind == "fx-graph"])
+    assert built >= 2
+    torch._dynamo.reset()
+    door = torch_compiled(model, models.config(), store, mark_dynamic=True)
+    before = cachebuild.stats()
+    for size in (5, 12):
+        models.assert_matches_eager(door, model, models.inputs(size))
+    assert models.counters_delta(before, cachebuild.stats())["failed"] == 0
+    again = cachebuild.compile(model, models.config(), DYN, store=store)
+    models.assert_matches_eager(again, model, models.inputs(7))
+    assert len([r for r in store.records() if r.kind == "fx-graph"]) == built

@@ -386,3 +386,20 @@ def test_guards_of_a_real_model_round_trip_and_hold():
     assert guards.mismatches(model, hf_families.ids(8)) == []
     model.hf.model.layers[0].input_layernorm.variance_epsilon = 1e-3  # a value the trace read
     assert guards.mismatches(model, hf_families.ids(8))
+
+
+def test_guard_lists_are_checked_as_data_and_never_import():
+    import sys
+
+    from cachebuild.guards import GuardSet, check_data
+
+    # A step holding an encoded key (bytes) is a dict: the set still holds it.
+    data = [[[["model"], ["item", {"bytes": "6869"}]], "exists", "x", False],
+            [[["module", "a_module_nobody_imported"], ["attr", "x"]], "equals", None, 1]]
+    values = GuardSet(check_data(data)).values(object(), ())
+    assert values == [False, {"missing": True}]
+    assert "a_module_nobody_imported" not in sys.modules
+    for bad in ([[[["module", ["os"]]], "id", None, None]], [[[["model"]], ["id"], None, 1]],
+                [[[["model"], ["call", "system"]], "id", None, 1]], {"guards": []}, [[]]):
+        with pytest.raises(ValueError):
+            check_data(bad)

@@ -28,6 +28,8 @@ SIGNING_KEY = "model-test-signing-key"
 TINY = {"LLAMA_LAYERS": "2", "LLAMA_HIDDEN": "64", "LLAMA_HEADS": "4", "LLAMA_KV_HEADS": "2",
         "LLAMA_MLP": "128", "LLAMA_VOCAB": "128"}
 UNIQUE_TARGETS = 3  # the pieces before, between and after the two attention calls
+STORED = UNIQUE_TARGETS + 2  # and the entry, and the seal of its guards
+KINDS = {"entry": 1, "fx-graph": UNIQUE_TARGETS, "guards": 1}
 
 MODEL_PY = """
 import dataclasses
@@ -146,9 +148,9 @@ def warmed(tmp_path_factory):
 
 def test_second_machine_runs_from_redis_without_building(warmed):
     s, model, folder = warmed["server"], warmed["model"], warmed["folder"]
-    # Every target and the entry are in Redis (a record per key).
+    # Every target, the entry and its seal are in Redis (a record per key).
     records = s.client().keys("cachebuild:v1:rec:*")
-    assert len(records) == UNIQUE_TARGETS + 1
+    assert len(records) == STORED
     l1 = folder / "b"
     child = run_child(model, env_for(l1, s.url))
     stats, tiers = child["stats"], child["tiers"]
@@ -156,7 +158,7 @@ def test_second_machine_runs_from_redis_without_building(warmed):
     assert stats["entries_loaded"] == 1 and stats["loaded"] == UNIQUE_TARGETS
     assert tiers["l2_hits"] >= UNIQUE_TARGETS + 1 and tiers["remote_rejected"] == 0
     # What came from Redis is in the second machine's L1 now.
-    assert l1_kinds(l1) == {"entry": 1, "fx-graph": UNIQUE_TARGETS}
+    assert l1_kinds(l1) == KINDS
 
 
 def test_pull_then_run_with_the_remote_off(warmed):
@@ -164,10 +166,12 @@ def test_pull_then_run_with_the_remote_off(warmed):
     l1 = folder / "c"
     proc = cli("pull", str(model), env=env_for(l1, s.url))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"pulled {UNIQUE_TARGETS + 1} " in proc.stdout and "MB/s" in proc.stdout
-    assert l1_kinds(l1) == {"entry": 1, "fx-graph": UNIQUE_TARGETS}
+    # Finding the entry's key fetched the entry's seal already (a lookup checks it).
+    counts = re.search(r"pulled (\d+) .*, (\d+) already there", proc.stdout)
+    assert counts and sum(map(int, counts.groups())) == STORED and "MB/s" in proc.stdout
+    assert l1_kinds(l1) == KINDS
     again = cli("pull", str(model), env=env_for(l1, s.url))
-    assert again.returncode == 0 and f"{UNIQUE_TARGETS + 1} already there" in again.stdout
+    assert again.returncode == 0 and f"{STORED} already there" in again.stdout
     child = run_child(model, env_for(l1, s.url, CACHEBUILD_REMOTE_MODE="off"))
     stats, tiers = child["stats"], child["tiers"]
     assert stats["built"] == 0 and stats["traced"] == 0 and stats["loaded"] == UNIQUE_TARGETS
@@ -180,8 +184,8 @@ def test_push_model_and_all(warmed, tmp_path):
     with RedisServer() as other:
         proc = cli("push", str(model), env=env_for(folder / "a", other.url))
         assert proc.returncode == 0, proc.stderr[-3000:]
-        assert f"pushed {UNIQUE_TARGETS + 1} " in proc.stdout
-        assert len(other.client().keys("cachebuild:v1:rec:*")) == UNIQUE_TARGETS + 1
+        assert f"pushed {STORED} " in proc.stdout
+        assert len(other.client().keys("cachebuild:v1:rec:*")) == STORED
         again = cli("push", "--all", env=env_for(folder / "a", other.url))
         assert again.returncode == 0 and "pushed 0 " in again.stdout
         stats = cli("stats", "--json", env=env_for(folder / "a", other.url))
@@ -206,7 +210,7 @@ def test_two_machines_warming_at_once_build_each_target_once(server, tmp_path):
     counts = [summary(err) for _, err in results]
     assert sum(c["built"] for c in counts) == UNIQUE_TARGETS, counts
     assert all(c["failed"] == 0 and c["total"] == UNIQUE_TARGETS for c in counts)
-    assert len(server.client().keys("cachebuild:v1:rec:*")) == UNIQUE_TARGETS + 1
+    assert len(server.client().keys("cachebuild:v1:rec:*")) == STORED
     assert not server.client().keys("cachebuild:v1:lock:*")  # every lock released
 
 
@@ -230,7 +234,7 @@ def test_read_only_warm_writes_nothing(server, tmp_path):
     assert not warning_lines(proc.stderr), proc.stderr
     assert server.client().dbsize() == size and server.client().keys("*") == keys
     assert write_calls(server) == writes  # not even a lock taken and released
-    assert l1_kinds(tmp_path / "l1") == {"entry": 1, "fx-graph": UNIQUE_TARGETS}
+    assert l1_kinds(tmp_path / "l1") == KINDS
 
 
 def test_redis_killed_mid_warm_completes_locally_with_one_warning(server, tmp_path):
@@ -252,11 +256,11 @@ def test_redis_killed_mid_warm_completes_locally_with_one_warning(server, tmp_pa
     assert elapsed < 120
     counts = summary(err)
     assert counts["failed"] == 0 and counts["stored"] + counts["built"] == UNIQUE_TARGETS
-    assert uploaded_before_kill < UNIQUE_TARGETS + 1  # the entry was not uploaded yet
+    assert uploaded_before_kill < STORED  # the entry was not uploaded yet
     warned = warning_lines(err)
     assert len(warned) == 1 and "unavailable" in warned[0], err
     assert "Traceback" not in err
-    assert l1_kinds(tmp_path / "l1") == {"entry": 1, "fx-graph": UNIQUE_TARGETS}
+    assert l1_kinds(tmp_path / "l1") == KINDS
 
 
 def test_remote_down_before_start_and_usage_errors(tmp_path):

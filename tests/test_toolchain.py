@@ -5,6 +5,7 @@ fails for want of disk space fails, and never changes the flavour."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -78,7 +79,10 @@ def test_probe_refuses_a_compiler_whose_libraries_crash_and_picks_the_next(tmp_p
 
 
 def _plant(folder: Path, compiler: probe.Compiler | None, refused=()) -> None:
-    """Write the verdict the probe would cache for this environment (no child runs)."""
+    """Write the verdict the probe would cache for this environment (no child runs), with
+    the hash of the compiler's file as it is now."""
+    if compiler is not None and not compiler.sha256:
+        compiler = dataclasses.replace(compiler, sha256=probe.content_hash(compiler.path))
     candidates = probe.candidate_compilers()
     fingerprint = probe._fingerprint("cpu", candidates)
     folder.mkdir(mode=0o700, parents=True, exist_ok=True)

@@ -1,6 +1,6 @@
 """A bounded fuzzer: mutated Redis records, manifests, chunks, index rows and bundle
 members never stop a server with a traceback, never hang it, and never run anything
-unverified.
+unverified. (Stored graphs and guard lists: ``test_trust_fuzz_store.py``.)
 
 After a clean ``warm`` (real processes, a real redis-server), one server process
 (``tests/trust_fuzz.py``) runs ``CACHEBUILD_FUZZ_ROUNDS`` rounds (default 50) from seed
@@ -65,3 +65,4 @@ def test_fuzzed_state_never_stops_a_server_with_a_traceback(tmp_path):
           f"{report['ok']} ok, {report['errors']} one-line errors; {report['by_surface']}")
     assert report["rounds"] == rounds
     assert report["failures"] == [], json.dumps(report["failures"], indent=1)[:8000]
+

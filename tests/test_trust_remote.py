@@ -18,6 +18,7 @@ import xxhash
 from redis_server import RedisServer, redis_server_fixture  # noqa: F401  (the `server` fixture)
 from trust import clean_env, cli, python
 
+from cachebuild.errors import LockTimeout
 from cachebuild.store.blob import encode_blob
 from cachebuild.store.local import LocalStore
 from cachebuild.store.remote import PREFIX, RedisRemote, chunk_key, lock_key, record_key
@@ -227,7 +228,8 @@ from cachebuild.store.tiered import TieredStore
 
 options = StoreOptions.from_env()
 store = TieredStore(LocalStore(options.cache_dir, signing_key=options.signing_key),
-                    RedisRemote(options.remote), lock_ttl=1.0)
+                    RedisRemote(options.remote), lock_ttl=1.0,
+                    allow_unsigned=options.allow_unsigned)
 start = time.monotonic()
 with store.lock(sys.argv[1]):
     store.put(sys.argv[1], b"built locally", kind="target")
@@ -267,3 +269,196 @@ def test_names_in_redis_that_are_not_keys_are_skipped(tmp_path, server):
     assert proc.returncode == 0, proc.stderr[-3000:]
     counts = json.loads(proc.stdout.splitlines()[-1])
     assert counts["rejected"] == 1 and counts["missing"] == 1
+
+
+# -- issue 25, 2: laundering ---------------------------------------------------------------
+
+
+def test_an_artifact_pulled_unsigned_stays_marked_and_push_all_will_not_sign_it(tmp_path, server):
+    untrusted = server.url[:-1] + "1"  # another database: a remote the fleet does not trust
+    planted = new_key()
+    with pytest.warns(UserWarning, match="without a signing key"):
+        attacker = TieredStore(LocalStore(tmp_path / "attacker"), RedisRemote(untrusted),
+                               allow_unsigned=True)
+    attacker.put(planted, b"whoever wrote to the untrusted remote", kind="target")
+    l1 = tmp_path / "l1"
+    keyless = clean_env(CACHEBUILD_DIR=str(l1), CACHEBUILD_REMOTE=untrusted,
+                        CACHEBUILD_ALLOW_UNSIGNED="1")
+    proc = python("from cachebuild.store import open_store\n"
+                  f"print(open_store().get({planted!r}))", env=keyless)
+    assert proc.returncode == 0 and "whoever wrote" in proc.stdout, proc.stderr[-2000:]
+    # The machine also builds something of its own, before the fleet key is set.
+    own = new_key()
+    LocalStore(l1).put(own, b"built here", kind="target")
+    # ls and verify say where the pulled one came from.
+    local = clean_env(CACHEBUILD_DIR=str(l1))
+    listed = {r["key"]: r for r in json.loads(cli("ls", "--json", env=local).stdout)}
+    assert listed[planted]["unsigned_from"].startswith(f"remote {untrusted}")
+    assert listed[own]["unsigned_from"] is None
+    assert "entered unsigned from" in cli("ls", env=local).stdout
+    checked = cli("verify", env=local)
+    assert checked.returncode == 0 and f"unsigned {planted}: entered this store" in checked.stderr
+    # With the fleet key, push --all signs what was built here but not what was pulled.
+    fleet = env_for(l1, server.url)
+    pushed = cli("push", "--all", env=fleet)
+    assert pushed.returncode == 1, pushed.stdout + pushed.stderr
+    assert f"not pushed {planted}: it entered the local store unsigned" in pushed.stderr
+    assert "pushed 1 " in pushed.stdout
+    got = read(tmp_path / "server", server.url, [planted, own])
+    assert got[planted]["present"] is False and got[own]["data"] == "built here"
+    # Named with --vouch it is signed and pushed, and stays marked where it lands.
+    vouched = cli("push", "--vouch", planted, env=fleet)
+    assert vouched.returncode == 0, vouched.stdout + vouched.stderr
+    assert json.loads(server.client().get(record_key(planted)))["record"][
+        "unsigned_from"].startswith(f"remote {untrusted}")
+    again = tmp_path / "again"
+    assert read(again, server.url, [planted])[planted]["present"] is True
+    assert LocalStore(again, signing_key=KEY.encode()).get_record(planted).unsigned_from
+
+
+def test_a_bundle_keeps_the_mark_and_marks_what_no_key_verified(tmp_path):
+    keyless = LocalStore(tmp_path / "keyless")
+    k = new_key()
+    keyless.put(k, b"pulled from somewhere", kind="target", unsigned_from="remote redis://x/0")
+    built = new_key()
+    keyless.put(built, b"built on the keyless machine", kind="target")
+    keyless.close()
+    bundle = tmp_path / "b.tar"
+    assert cli("export", str(bundle), env=clean_env(CACHEBUILD_DIR=str(tmp_path / "keyless"))
+               ).returncode == 0
+    dest = tmp_path / "fleet"
+    proc = cli("import", str(bundle), "--allow-unsigned",
+               env=clean_env(CACHEBUILD_DIR=str(dest), CACHEBUILD_SIGNING_KEY=KEY))
+    assert proc.returncode == 0, proc.stderr
+    store = LocalStore(dest, signing_key=KEY.encode())
+    assert store.get_record(k).unsigned_from == "remote redis://x/0"
+    assert store.get_record(built).unsigned_from == "bundle b.tar"
+
+
+# -- issue 25, 4: bounds on totals ---------------------------------------------------------
+
+SHARED = r"""
+import json, resource
+from cachebuild.store import open_store
+
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+records = list(open_store().records(shared=True))
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"records": len(records), "grew_kib": after - before}))
+"""
+
+
+def test_records_one_command_reads_are_bounded_in_total(tmp_path, server):
+    from cachebuild.store.remote import MAX_SHARED_RECORD_BYTES
+
+    # A keyless writer adds well-formed records, each within the per-record cap.
+    with pytest.warns(UserWarning, match="without a signing key"):
+        w = TieredStore(LocalStore(tmp_path / "w"), RedisRemote(server.url),
+                        allow_unsigned=True)
+    big = "m" * (12 << 20)
+    for i in range(8):  # 96 MiB of records
+        w.put(new_key(), b"x", kind="target", manifest={"graph": big, "i": i})
+    env = clean_env(CACHEBUILD_DIR=str(tmp_path / "r"), CACHEBUILD_REMOTE=server.url,
+                    CACHEBUILD_ALLOW_UNSIGNED="1")
+    proc = python(SHARED, env=env)
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["records"] == MAX_SHARED_RECORD_BYTES // (12 << 20)
+    assert out["grew_kib"] < 80 << 10, out  # what all of them would take, read and parsed
+    assert "left the rest out" in proc.stderr
+
+
+def test_junk_chunks_are_refused_before_the_rest_is_downloaded(tmp_path, server):
+    w = writer(tmp_path / "w", server.url)
+    huge, many = new_key(), new_key()
+    for k in (huge, many):
+        w.put(k, b"small", kind="target")
+    client = server.client()
+    # One chunk longer than any writer makes, with a record that agrees with it.
+    client.setrange(chunk_key(huge, 0), (64 << 20) - 1, b"!")
+    doc = doc_of(server, huge)
+    doc.update(length=64 << 20, xxh3_128="0" * 32)
+    set_doc(server, huge, doc)
+    # Eight chunks of 8 MiB, each within bounds, whose first holds no blob header.
+    client.delete(chunk_key(many, 0))
+    for i in range(8):
+        client.setrange(chunk_key(many, i), (8 << 20) - 1, b"!")
+    doc = doc_of(server, many)
+    doc.update(length=64 << 20, chunks=8, xxh3_128="0" * 32)
+    set_doc(server, many, doc)
+    proc = python(MEMORY, json.dumps([huge, many]), env=env_for(tmp_path / "r", server.url))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.splitlines()[-1])
+    assert out["misses"] == [True, True]
+    assert out["grew_kib"] < 32 << 10, out  # one 8 MiB chunk, not 64 MiB of them
+    assert "not a cachebuild blob" in proc.stderr
+
+
+# -- issue 25, 5: lock squatting -----------------------------------------------------------
+
+SQUAT = r"""
+import sys, time
+import redis
+client = redis.Redis.from_url(sys.argv[1])
+name, value = sys.argv[2], sys.argv[3]
+print("squatting", flush=True)
+while True:  # a keyless writer that keeps the lock alive, as a holder would
+    client.set(name, value, px=3000)
+    time.sleep(0.2)
+"""
+
+
+def squatter(server, key: str, value: str):
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", SQUAT, server.url, lock_key(key), value],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "squatting"
+    return proc
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_a_lock_held_by_someone_who_cannot_prove_to_be_a_builder_does_not_stop_a_build(
+        tmp_path, server, signed):
+    k = new_key()
+    # With a key: a token without the fleet's HMAC, or a builder's real token copied
+    # after it was made (it proves nothing once it is old).
+    from cachebuild.store.remote import lock_token
+
+    copied = lock_token(lock_key(k), "a" * 32, KEY.encode(), now_ms=1_000)
+    squat = squatter(server, k, copied if signed else "not a builder")
+    try:
+        env = env_for(tmp_path / "r", server.url) if signed else clean_env(
+            CACHEBUILD_DIR=str(tmp_path / "r"), CACHEBUILD_REMOTE=server.url,
+            CACHEBUILD_ALLOW_UNSIGNED="1")
+        # A builder with the default lock lifetime and timeout: it waits briefly (two
+        # seconds with a key, one lock lifetime without: 1 s here), never 600 s.
+        ttl = "60.0" if signed else "1.0"
+        proc = python(LOCK.replace("lock_ttl=1.0", f"lock_ttl={ttl}"), k, env=env, timeout=120)
+    finally:
+        squat.kill()
+        squat.wait()
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "cannot prove to be a builder of this fleet" in proc.stderr
+    assert LocalStore(tmp_path / "r", signing_key=KEY.encode() if signed else None).get(k) \
+        == b"built locally"
+
+
+def test_builders_of_the_fleet_still_wait_for_each_other(tmp_path, server):
+    from cachebuild.store.remote import RedisRemote
+
+    k = new_key()
+    holder = RedisRemote(server.url)
+    other = RedisRemote(server.url)
+    with holder.lock(k, ttl=0.6, signing_key=KEY.encode()) as held:
+        assert held
+        value = server.client().get(lock_key(k))
+        import time
+
+        time.sleep(0.5)  # renewed: a fresh token under the same lock
+        assert server.client().get(lock_key(k)) != value
+        with pytest.raises(LockTimeout):  # a proven holder is waited on, not overridden
+            with other.lock(k, ttl=0.6, timeout=1.0, signing_key=KEY.encode()):
+                pass
+    assert not server.client().exists(lock_key(k))

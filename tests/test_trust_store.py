@@ -446,3 +446,59 @@ def test_kernel_files_are_fsynced_before_they_are_used(tmp_path):
     # The temp file is synced before it is renamed to the name Inductor looks up.
     assert len(out["synced"]) == 1 and out["synced"][0].startswith(str(tmp_path / "kernels"))
     assert out["synced"][0] != out["path"] and ".tmp" in out["synced"][0]
+
+
+# -- issue 25, 4: bounds on totals --------------------------------------------------------
+
+
+def _write_members(path: Path, members: list[tuple[str, bytes]], entries: list[str]) -> None:
+    with tarfile.open(path, "w") as tar:
+        header = json.dumps({"format": "cachebuild-bundle", "version": 1,
+                             "entries": entries}).encode()
+        for name, data in [("cachebuild-bundle.json", header), *members]:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+def test_a_bundle_of_countless_members_is_read_up_to_a_bound_and_said_in_a_few_lines(tmp_path):
+    from cachebuild.cli.common import MAX_LISTED
+    from cachebuild.store.bundle import MAX_MEMBERS
+
+    # Every member is within every per-member cap: empty blobs without records.
+    names = [f"objects/{i:032x}" for i in range(MAX_MEMBERS + 2000)]
+    bundle = tmp_path / "many.tar"
+    _write_members(bundle, [(n, b"") for n in names], [])
+    if shutil.which("prlimit") is None:
+        pytest.skip("needs prlimit (util-linux) to run the importer with bounded memory")
+    proc = cli("import", str(bundle), env=env_for(tmp_path / "target"),
+               prefix=("prlimit", f"--as={384 << 20}"), timeout=600)
+    assert_one_line_error(proc, 1, rf"refused {MAX_MEMBERS + 1} damaged or incomplete")
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
+    assert len(lines) == MAX_LISTED + 2, lines[-5:]  # the first ones, "and N more", error
+    assert f"refused: and {MAX_MEMBERS + 1 - MAX_LISTED} more" in proc.stderr
+    from cachebuild.store.bundle import import_bundle
+
+    report = import_bundle(LocalStore(tmp_path / "direct"), bundle)
+    assert report.refused_count == MAX_MEMBERS + 1 and len(report.refused) < 2000
+
+
+def test_records_waiting_for_their_blobs_are_bounded_together(tmp_path):
+    from cachebuild.store.bundle import MAX_PENDING_RECORD_BYTES, MAX_RECORD_BYTES
+
+    members = []
+    filler = "x" * (MAX_RECORD_BYTES - 300)
+    count = MAX_PENDING_RECORD_BYTES // MAX_RECORD_BYTES + 2
+    for i in range(count):
+        k = key(f"pending {i}")
+        members.append((f"records/{k}.json", json.dumps({
+            "key": k, "kind": "target", "size": 1, "checksum": "0" * 32, "created": 1.0,
+            "manifest": {"filler": filler}}).encode()))
+    bundle = tmp_path / "records.tar"
+    _write_members(bundle, members, [])
+    proc = cli("import", str(bundle), env=env_for(tmp_path / "target"))
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count("index records without their blobs would take more than") == \
+        count - MAX_PENDING_RECORD_BYTES // MAX_RECORD_BYTES
+    assert proc.stderr.count("index record without a blob") == \
+        MAX_PENDING_RECORD_BYTES // MAX_RECORD_BYTES

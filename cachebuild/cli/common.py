@@ -27,6 +27,13 @@ from cachebuild.units import format_duration, parse_duration, parse_size
 
 #: Progress bars are shown only for operations on at least this many blobs.
 PROGRESS_MIN_ITEMS = 16
+#: A command lists at most this many items of one kind (refused bundle members, damaged
+#: blobs) one per line, then says how many more there are.
+MAX_LISTED = 50
+#: The most worker processes or threads a command starts, and the largest world size
+#: `--world-size` plans (one trace per distinct rank, in this process).
+MAX_JOBS = 256
+MAX_WORLD_SIZE = 1024
 
 
 @dataclass

@@ -25,7 +25,15 @@ from rich.progress import (
 )
 from rich.table import Table
 
-from cachebuild.cli.common import open_store, printable, state_of, stderr, stdout
+from cachebuild.cli.common import (
+    MAX_JOBS,
+    MAX_WORLD_SIZE,
+    open_store,
+    printable,
+    state_of,
+    stderr,
+    stdout,
+)
 
 if TYPE_CHECKING:
     from cachebuild.warming import Planned, PlanReport, TargetReport
@@ -79,11 +87,12 @@ def _progress(console: Console) -> Iterator[Callable[[TargetReport, int, int], N
 
 @click.command("warm")
 @click.argument("model", type=click.Path(dir_okay=False))
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=None,
+@click.option("--jobs", "-j", type=click.IntRange(min=1, max=MAX_JOBS), default=None,
               help="Worker processes building targets (default: the CPUs this process may use).")
 @click.option("--device", metavar="D", help="Move the model and inputs to D (e.g. cuda:0).")
 @click.option("--dry-run", is_flag=True, help="Show what would be built; build nothing.")
-@click.option("--world-size", type=click.IntRange(min=1), default=None, metavar="N",
+@click.option("--world-size", type=click.IntRange(min=1, max=MAX_WORLD_SIZE), default=None,
+              metavar="N",
               help="MODEL.py is tensor-parallel: plan each of N ranks in this process under "
                    "torch's fake process group (no GPUs, no other processes) and build "
                    "each unique target once for the whole group.")
@@ -169,7 +178,7 @@ def _plan_table(report: PlanReport, console: Console) -> None:
 
 
 _WORLD_SIZE = click.option(
-    "--world-size", type=click.IntRange(min=1), default=None, metavar="N",
+    "--world-size", type=click.IntRange(min=1, max=MAX_WORLD_SIZE), default=None, metavar="N",
     help="MODEL.py is tensor-parallel: plan each of N ranks under torch's fake process group.")
 
 
@@ -244,7 +253,7 @@ def _explain_entry(planned: Planned, records: list[Any], model: str, console: Co
     head = f"entry {found.key[:16]}"
     if found.mismatches:
         said = f"{head} was traced for other values: " + "; ".join(
-            m.describe() for m in found.mismatches)
+            printable(m.describe(), 300) for m in found.mismatches)
     elif found.why.startswith("traced source changed"):
         said = f"{head} is stale: {found.why}"
     elif found.why != "no entry":
@@ -259,11 +268,12 @@ def _explain_entry(planned: Planned, records: list[Any], model: str, console: Co
             data = planned.planner.store.get(key, touch=False)
             try:
                 stored = Entry.from_bytes(data) if data is not None else None
-            except (ValueError, KeyError, TypeError):  # an entry of another format
+            except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+                # not an entry this version reads: its factors are all there is
                 stored = None
             if stored is not None:
                 spec = planned.spec
-                reasons += [m.describe() for m in stored.guard_set().mismatches(
+                reasons += [printable(m.describe(), 300) for m in stored.guard_set().mismatches(
                     spec.model, spec.example_inputs, known=stored.sources)]
             said += f"; the nearest entry {key[:16]} differs: " + "; ".join(
                 reasons or ["in nothing explain can name"])

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import click
 
-from cachebuild.cli.common import open_store, state_of
+from cachebuild.cli.common import MAX_JOBS, MAX_LISTED, open_store, printable, state_of
 from cachebuild.errors import CachebuildError, UsageError
 from cachebuild.units import format_size
 
@@ -44,14 +44,14 @@ def _tiered(ctx: click.Context, command: str) -> TieredStore:
 
 
 def _entry_targets(store: TieredStore, key: str) -> list[str]:
-    """The target keys of the entry ``key`` held in L1."""
+    """The keys the entry ``key`` held in L1 needs beside it: its targets and its seal."""
     from cachebuild.entry import Entry
 
     data = store.local.get(key)
     if data is None:
         raise CachebuildError(f"entry {key} vanished from the local store")
     try:
-        return Entry.from_bytes(data).target_keys()
+        return Entry.from_bytes(data).stored_keys()
     except (ValueError, KeyError, TypeError) as e:
         raise CachebuildError(f"entry {key} cannot be read: {e}") from e
 
@@ -62,6 +62,8 @@ def _summary(verb: str, counts: Any, seconds: float, *, rate: bool = False) -> s
     for name in ("missing", "rejected", "failed"):
         if getattr(counts, name):
             parts.append(f"{getattr(counts, name)} {name}")
+    if getattr(counts, "unvouched", 0):
+        parts.append(f"{counts.unvouched} not pushed: they entered unsigned")
     if getattr(counts, "signed", 0):
         parts.append(f"{counts.signed} unsigned in the local store, signed with "
                      "CACHEBUILD_SIGNING_KEY to upload")
@@ -74,23 +76,37 @@ def _summary(verb: str, counts: Any, seconds: float, *, rate: bool = False) -> s
 @click.command("push")
 @click.argument("model", required=False, metavar="[MODEL.py]", type=click.Path(dir_okay=False))
 @click.option("--all", "push_all", is_flag=True, help="Push every entry of the local store.")
+@click.option("--vouch", "vouch", multiple=True, metavar="KEY",
+              help="Also push KEY although it entered the local store without a verified "
+                   "signature (pulled from a remote used without a key, imported unsigned), "
+                   "signing it with the fleet key: you vouch for it (repeatable).")
 @click.pass_context
-def push_command(ctx: click.Context, model: str | None, push_all: bool) -> None:
+def push_command(ctx: click.Context, model: str | None, push_all: bool,
+                 vouch: tuple[str, ...]) -> None:
     """Upload MODEL.py's entry and targets (or, with --all, everything in L1) to the remote.
 
     Entries the remote already holds are left alone. With CACHEBUILD_SIGNING_KEY every
-    blob uploaded is signed with it: one the local store holds unsigned (built before the
-    key was set) is signed on the way, and the summary says how many were. Exit 1 if any
-    could not be pushed.
+    blob uploaded is signed with it: one the local store holds unsigned because it was
+    built here before the key was set is signed on the way, and the summary says how many
+    were. One that entered the local store unsigned from elsewhere (`ls` and `verify` show
+    where from) is not pushed unless named with --vouch. Exit 1 if any could not be
+    pushed, or was not pushed for that reason.
     """
+    from cachebuild.cli.common import resolve_key
     from cachebuild.modelfile import entry_key as entry_key_of
     from cachebuild.store.tiered import push
 
-    if bool(model) == push_all:
+    if model and push_all:
         raise UsageError("push needs either MODEL.py or --all (not both)")
+    if not model and not push_all and not vouch:
+        raise UsageError("push needs MODEL.py, --all or --vouch KEY")
     store = _tiered(ctx, "push")
+    vouched = [resolve_key(ctx, k) for k in vouch]
     start = time.perf_counter()
-    if push_all:
+    if not model and not push_all:
+        keys: list[str] | None = []
+        what = f"{len(vouched)} vouched for"
+    elif push_all:
         keys = None
         what = "every local entry"
     else:
@@ -101,16 +117,25 @@ def push_command(ctx: click.Context, model: str | None, push_all: bool) -> None:
                              f"`cachebuild warm {model}` first")
         keys = [entry_key, *_entry_targets(store, entry_key)]
         what = f"entry {entry_key} and {len(keys) - 1} targets"
-    counts = push(store, keys)
+    counts = push(store, keys, vouch=vouched)
     click.echo(f"{what} → {store.remote.display_url}: "
                + _summary("pushed", counts, time.perf_counter() - start))
-    if counts.failed or counts.missing:
+    for key in counts.unvouched_keys[:MAX_LISTED]:
+        record = store.local.get_record(key)
+        origin = record.unsigned_from if record is not None else "elsewhere"
+        click.echo(f"not pushed {key}: it entered the local store unsigned from "
+                   f"{printable(origin)}; name it with --vouch {key} to sign and push it",
+                   err=True)
+    if counts.unvouched > MAX_LISTED:
+        click.echo(f"not pushed: and {counts.unvouched - MAX_LISTED} more", err=True)
+    if counts.failed or counts.missing or counts.unvouched:
         ctx.exit(1)
 
 
 @click.command("pull")
 @click.argument("model", type=click.Path(dir_okay=False))
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=4, show_default=True,
+@click.option("--jobs", "-j", type=click.IntRange(min=1, max=MAX_JOBS), default=4,
+              show_default=True,
               help="Blobs fetched and verified at once.")
 @click.pass_context
 def pull_command(ctx: click.Context, model: str, jobs: int) -> None:

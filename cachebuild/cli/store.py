@@ -12,6 +12,7 @@ from rich import box
 from rich.table import Table
 
 from cachebuild.cli.common import (
+    MAX_LISTED,
     DurationParam,
     SizeParam,
     ago,
@@ -21,6 +22,7 @@ from cachebuild.cli.common import (
     printable,
     progress_bar,
     resolve_key,
+    safe_text,
     stdout,
 )
 from cachebuild.errors import UsageError
@@ -50,10 +52,16 @@ def ls_command(ctx: click.Context, as_json: bool, kind: str | None) -> None:
     table.add_column("hits", justify="right")
     table.add_column("pinned")
     table.add_column("refs", justify="right")
+    unsigned = any(r.unsigned_from for r in records)
+    if unsigned:  # where each artifact that entered unsigned came from
+        table.add_column("entered unsigned from")
     for r in records:
-        table.add_row(r.key, r.kind, format_size(r.size), ago(r.created, now),
-                      ago(r.last_used, now), str(r.hits), "yes" if r.pinned else "",
-                      str(len(r.refs)) if r.refs else "")
+        row = [r.key, r.kind, format_size(r.size), ago(r.created, now),
+               ago(r.last_used, now), str(r.hits), "yes" if r.pinned else "",
+               str(len(r.refs)) if r.refs else ""]
+        if unsigned:
+            row.append(safe_text(r.unsigned_from or ""))
+        table.add_row(*row)
     stdout().print(table)
 
 
@@ -68,17 +76,26 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     (targets built and loaded and the time it took, traces, warm starts); with a remote,
     also by tier (L1/L2). --prometheus writes the same counters in the Prometheus text
     format, for a collector that reads files (node_exporter's textfile collector)."""
-    from cachebuild.backends.probe import cached_verdicts
-    from cachebuild.metrics import store_metrics, write
+    from cachebuild.backends.probe import cached_verdicts, unusable
+    from cachebuild.metrics import check_target, store_metrics, write
+    from cachebuild.store.layout import UnsafeStore
 
+    if prometheus is not None:
+        check_target(prometheus)  # before the store is read: a bad path is bad usage
     store = open_store(ctx)
     stats = store.stats()
     if prometheus is not None:
         write(store_metrics(stats), prometheus)
         if prometheus == "-":
             return
-    verdicts = cached_verdicts(store.probe_dir)
-    stats["toolchains"] = [v.to_json() | {"summary": v.describe()} for v in verdicts]
+    try:
+        verdicts, probe_problem = cached_verdicts(store.probe_dir), None
+    except UnsafeStore as e:  # the verdicts there are not read, nor used by builds
+        verdicts, probe_problem = [], str(e)
+    stats["toolchains"] = [v.to_json() | {"summary": v.describe(), "unusable": unusable(v)}
+                           for v in verdicts]
+    if probe_problem is not None:
+        stats["toolchain_problem"] = probe_problem
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
@@ -120,7 +137,13 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     if overlay is not None:  # a read-only store: where this user's builds go
         rows.append(("overlay", f"{overlay['path']} ({overlay['records']} records)"))
     for v in verdicts:  # which flavour and compiler this machine builds with, and why
-        rows.append((f"toolchain ({v.device})", v.describe().split(": ", 1)[1]))
+        line = v.describe().split(": ", 1)[1]
+        why = unusable(v)
+        if why is not None:
+            line += f" (not used: {why}; the next build probes again)"
+        rows.append((f"toolchain ({v.device})", safe_text(line, 2000)))
+    if probe_problem is not None:
+        rows.append(("toolchain", safe_text(probe_problem, 500)))
     for what, value in rows:
         table.add_row(what, value)
     stdout().print(table)
@@ -180,9 +203,19 @@ def verify_command(ctx: click.Context, repair: bool) -> None:
     store = open_store(ctx)
     with progress_bar("verifying") as on_progress:
         report = store.verify(repair=repair, progress=on_progress)
-    for key, reason in report.damaged:
+    for key, reason in report.damaged[:MAX_LISTED]:
         click.echo(f"damaged {key}: {reason}" + (" (quarantined)" if repair else ""), err=True)
+    if len(report.damaged) > MAX_LISTED:
+        click.echo(f"damaged: and {len(report.damaged) - MAX_LISTED} more", err=True)
+    for key, origin in report.unsigned[:MAX_LISTED]:
+        click.echo(f"unsigned {key}: entered this store without a verified signature from "
+                   f"{printable(origin)}; push signs it only if named with --vouch", err=True)
+    if len(report.unsigned) > MAX_LISTED:
+        click.echo(f"unsigned: and {len(report.unsigned) - MAX_LISTED} more (ls shows them)",
+                   err=True)
     summary = f"checked {report.checked} blobs: {report.ok} ok, {len(report.damaged)} damaged"
+    if report.unsigned:
+        summary += f" ({len(report.unsigned)} of them entered unsigned)"
     if report.tmp_removed or report.orphans_removed:
         summary += (f"; cleaned {report.tmp_removed} abandoned temp files and "
                     f"{report.orphans_removed} unrecorded blobs")
@@ -257,10 +290,12 @@ def import_command(ctx: click.Context, file: Path, allow_unsigned: bool) -> None
         report = import_bundle(store, file, progress=on_progress, allow_unsigned=allow_unsigned)
     click.echo(f"imported {plural(len(report.imported), 'record')} from {file}"
                + (f", {len(report.existing)} already present" if report.existing else ""))
-    for name, reason in report.refused:
+    for name, reason in report.refused[:MAX_LISTED]:
         click.echo(f"refused {printable(name)}: {printable(reason, 300)}", err=True)
-    if report.refused:
-        click.echo(f"error: refused {len(report.refused)} damaged or incomplete records",
+    if report.refused_count > MAX_LISTED:
+        click.echo(f"refused: and {report.refused_count - MAX_LISTED} more", err=True)
+    if report.refused_count:
+        click.echo(f"error: refused {report.refused_count} damaged or incomplete records",
                    err=True)
         ctx.exit(1)
 
