@@ -285,7 +285,7 @@ def _previous_targets(store: Store, entry: Entry) -> dict[tuple[int, str], str]:
         return {}
     try:
         old = Entry.from_bytes(data)
-    except (ValueError, KeyError, TypeError):  # an entry of another format: no history
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # another format
         return {}
     return {(t.piece, bucket_label(t.bucket)): t.key for t in old.targets()}
 
