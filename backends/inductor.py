@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from cachebuild import compat
+from cachebuild import clock, compat
 from cachebuild.backends import aoti, kernel_dir
 from cachebuild.backends.base import (
     Artifact,
@@ -135,7 +135,7 @@ class InductorBackend:
         def dim(sym: str) -> Any:
             return Dim(f"d_{sym}", min=bounds[0], max=bounds[1])
 
-        with torch.no_grad():
+        with torch.no_grad(), clock.phase("export"):
             try:
                 ep = export(dim)
             except Exception as e:
@@ -146,11 +146,11 @@ class InductorBackend:
                 # program runs, and the range the program then accepts is checked here.
                 ep = export(dim, prefer_deferred_runtime_asserts_over_guards=True)
                 _check_range_kept(ep, dynamic, bounds)
-            with tempfile.TemporaryDirectory(prefix="cachebuild-aoti-") as tmp:
-                path = aoti.build_package(ep, os.path.join(tmp, "piece.pt2"),
-                                          _inductor_options(request), compiler)
-                with open(path, "rb") as f:
-                    payload = f.read()
+        with torch.no_grad(), tempfile.TemporaryDirectory(prefix="cachebuild-aoti-") as tmp:
+            path = aoti.build_package(ep, os.path.join(tmp, "piece.pt2"),
+                                      _inductor_options(request), compiler)
+            with clock.phase("packaging"), open(path, "rb") as f:
+                payload = f.read()
         kind = "aoti-cuda" if device.startswith("cuda") else "aoti-cpu"
         return Artifact(kind, payload)
 
@@ -178,25 +178,28 @@ class InductorBackend:
             with torch._guards.tracing(torch._guards.TracingContext(fake_mode)):
                 art = standalone_compile(request.gm, fake_args,
                                          dynamic_shapes="from_tracing_context", options=options)
-            with tempfile.TemporaryDirectory(prefix="cachebuild-sa-") as tmp:
+            with clock.phase("packaging"), \
+                    tempfile.TemporaryDirectory(prefix="cachebuild-sa-") as tmp:
                 path = os.path.join(tmp, "artifact.bin")
                 art.save(path=path, format="binary")
                 with open(path, "rb") as f:
                     payload = f.read()
-            if cpu:
-                # The compiler and the vector ISA (its name and its compiler flags) enter
-                # the kernels' cache keys: a loading process must use the same ones to find
-                # them, and takes the ISA from here rather than compiling Inductor's ISA
-                # checks (see kernel_dir).
-                build = json.dumps({"cxx": compiler, **compat.vec_isa()}).encode()
-                payload = pack({"artifact.bin": payload, "build.json": build,
-                                **_built_files(cache_dir())})
-            elif device.type == "cuda":
-                # Inductor's Python wrapper names the GPU it was built on (its device guard,
-                # set_device, get_raw_stream, and the Triton kernels' DeviceProperties): the
-                # artifact says which, and loads on that index only (see load_standalone).
-                build = json.dumps({"device": str(device)}).encode()
-                payload = pack({"artifact.bin": payload, "build.json": build})
+            with clock.phase("packaging"):
+                if cpu:
+                    # The compiler and the vector ISA (its name and its compiler flags)
+                    # enter the kernels' cache keys: a loading process must use the same
+                    # ones to find them, and takes the ISA from here rather than compiling
+                    # Inductor's ISA checks (see kernel_dir).
+                    build = json.dumps({"cxx": compiler, **compat.vec_isa()}).encode()
+                    payload = pack({"artifact.bin": payload, "build.json": build,
+                                    **_built_files(cache_dir())})
+                elif device.type == "cuda":
+                    # Inductor's Python wrapper names the GPU it was built on (its device
+                    # guard, set_device, get_raw_stream, and the Triton kernels'
+                    # DeviceProperties): the artifact says which, and loads on that index
+                    # only (see load_standalone).
+                    build = json.dumps({"device": str(device)}).encode()
+                    payload = pack({"artifact.bin": payload, "build.json": build})
         return Artifact("standalone", payload)
 
     # -- load --------------------------------------------------------------------------

@@ -114,10 +114,12 @@ def build_work_dir(store: Any) -> Iterator[Path]:
     """Point the compilers of a build at the store's work folder (``store.work_dir``:
     the store's ``work/``, or the folder the operator set) while the block runs, and put
     everything back after: Inductor's cache and precompiled headers, Triton's cache and
-    the temp files both make. ``cachebuild stats`` counts that folder; ``gc`` empties it
+    the temp files both make, and the C++ objects builds reuse (``compilers.watch``, which
+also times the compilers' phases). ``cachebuild stats`` counts that folder; ``gc`` empties it
     when no build holds it (each build holds it shared, by flock, while it runs)."""
     import tempfile
 
+    from cachebuild.backends.compilers import watch
     from cachebuild.store.layout import make_private_dir
     from cachebuild.store.locking import flocked_shared
 
@@ -136,7 +138,8 @@ def build_work_dir(store: Any) -> Iterator[Path]:
         undo_headers = compat.point_header_dir(str(folders["TORCHINDUCTOR_CACHE_DIR"] /
                                                    "precompiled_headers"))
         try:
-            yield root
+            with watch(root):
+                yield root
         finally:
             undo_headers()
             for name, value in saved_env.items():

@@ -31,6 +31,7 @@ from cachebuild import keep
 from cachebuild.backends import BuildRequest, get_backend
 from cachebuild.backends.base import DeviceBound
 from cachebuild.backends.kernel_dir import build_work_dir
+from cachebuild.clock import BuildClock, measuring, summary
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase
 from cachebuild.distributed import local_groups
@@ -98,6 +99,9 @@ class Builder:
         self.device = device
         self.backend = get_backend(config.backend)
         self._passes: Any = passes
+        #: Where each target this builder built went, by key: seconds per phase
+        #: (``clock.PHASES``) and counts (``cxx_reused``).
+        self.phases: dict[str, dict[str, Any]] = {}
 
     @property
     def passes(self) -> Any:
@@ -181,9 +185,10 @@ class Builder:
             where = f"piece {job.target.piece} ({bucket_label(job.target.bucket)}, key {key})"
             layout = job.target.manifest.get("distributed")
             gpu = on_device(device_of(job.input_metas))
+            clock = BuildClock()
             try:
-                with quiet_compiler_warnings(), local_groups(layout), gpu, keep.rng(), \
-                        build_work_dir(self.store):
+                with measuring(clock), clock.phase("lowering"), quiet_compiler_warnings(), \
+                        local_groups(layout), gpu, keep.rng(), build_work_dir(self.store):
                     artifact = self.backend.compile(BuildRequest(
                         # Compilers trace the graph and check what it calls by name:
                         # the original arithmetic, not its bounded stand-ins.
@@ -203,10 +208,12 @@ class Builder:
                         if machine else "")
                 raise BuildError(f"{where} failed to compile: {type(e).__name__}: {first}{hint}") from e
             seconds = time.perf_counter() - start
-            with phase("verify"), local_groups(layout), on_device(device_of(job.input_metas)), \
-                    keep.rng(), build_work_dir(self.store):
+            with measuring(clock), clock.phase("proof"), phase("verify"), local_groups(layout), \
+                    on_device(device_of(job.input_metas)), keep.rng(), build_work_dir(self.store):
                 self._prove(job, artifact, where)
-            self.store.put(key, artifact.payload, kind=artifact.kind, manifest=job.target.manifest)
+            with measuring(clock), clock.phase("store"):
+                self.store.put(key, artifact.payload, kind=artifact.kind,
+                               manifest=job.target.manifest)
             if artifact.fallback:
                 COUNTERS.fallbacks += 1
                 log.warning("piece %d (%s) built as %s: %s", job.target.piece,
@@ -215,9 +222,12 @@ class Builder:
             COUNTERS.add_time("build", seconds)
             self.store.count("builds")
             self.store.count("build_ms", round(seconds * 1000))
-            log.info("built piece %d %s as %s in %.1f s (%s, %d bytes)", job.target.piece,
+            self.phases[key] = {"seconds": clock.report(), "counts": dict(clock.counts)}
+            reused = clock.counts.get("cxx_reused", 0)
+            log.info("built piece %d %s as %s in %.1f s (%s, %d bytes): %s%s", job.target.piece,
                      bucket_label(job.target.bucket), artifact.kind, seconds, key[:12],
-                     len(artifact.payload))
+                     len(artifact.payload), summary(clock.seconds),
+                     f"; {reused} C++ objects reused" if reused else "")
             return True
 
     def _prove(self, job: BuildJob, artifact: Any, where: str) -> None:

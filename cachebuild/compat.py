@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import platform
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -386,3 +387,86 @@ def point_header_dir(folder: str | None) -> Callable[[], None]:
             codecache._HEADER_LOCK_DIR = saved[1]
 
     return undo
+
+
+# -- what Inductor's compilers do, seen from outside (``backends/compilers.py``) ------------
+
+@dataclass(frozen=True)
+class CxxBuild:
+    """One C++ compiler run of Inductor's: its command line, its sources, the file it
+    makes, and which step it is (``header``: a precompiled or preprocessed header;
+    ``object``: a source compiled, not linked; ``library``: linked, from sources or
+    objects)."""
+
+    command: str
+    sources: tuple[str, ...]
+    target: str
+    step: str
+
+
+_HOOKED: dict[str, bool] = {}
+
+
+def hook_compilers(cxx: Callable[[CxxBuild, Callable[[], None]], None],
+                   mark: Callable[[str], Any]) -> None:
+    """Route Inductor's compiler work in this process through cachebuild (once; later
+    calls do nothing): every C++ build Inductor runs becomes ``cxx(build, run)``, where
+    ``run()`` does it; its vector-ISA checks run inside ``mark("cxx_isa")``, Triton
+    compiles (and waits for them) inside ``mark("triton")``, AOTInductor's packaging
+    inside ``mark("packaging")``. ``mark(name)`` returns a context manager.
+
+    torch 2.11-2.13 run every C++ build through ``CppBuilder.build``; a name this torch
+    lacks is left alone (its time then counts where it falls).
+    """
+    if _HOOKED.get("done"):
+        return
+    _HOOKED["done"] = True
+    import importlib
+
+    from torch._inductor import cpp_builder
+
+    original_build = cpp_builder.CppBuilder.build
+
+    def build(self: Any) -> None:
+        step = ("header" if getattr(self, "_precompiling", False)
+                or getattr(self, "_preprocessing", False)
+                else "object" if getattr(self, "_compile_only", False) else "library")
+        # The sources as given (fbcode remote builds keep them apart), else as the command
+        # line names them.
+        named = getattr(self, "_orig_source_paths", None) or [
+            w for w in str(getattr(self, "_sources_args", "")).split()
+            if w not in ("-x", "c++-header")]
+        sources = tuple(str(s) for s in named)
+        try:
+            command = self.get_command_line()
+            target = self.get_target_file_path()
+        except Exception:  # nothing to key it by: build as Inductor would
+            original_build(self)
+            return
+        cxx(CxxBuild(command, sources, target, step), lambda: original_build(self))
+
+    cpp_builder.CppBuilder.build = build
+
+    def wrap(module_name: str, owner: str | None, name: str, phase: str) -> None:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:  # no Triton here, say
+            return
+        holder = getattr(module, owner, None) if owner else module
+        fn = getattr(holder, name, None) if holder is not None else None
+        if fn is None:
+            return
+
+        def marked(*args: Any, **kwargs: Any) -> Any:
+            with mark(phase):
+                return fn(*args, **kwargs)
+
+        setattr(holder, name, marked)
+
+    wrap("torch._inductor.cpu_vec_isa", "VecISA", "check_build", "cxx_isa")
+    wrap("torch._inductor.package", None, "package_aoti", "packaging")
+    wrap("torch._inductor.async_compile", "AsyncCompile", "triton", "triton")
+    wrap("torch._inductor.async_compile", "AsyncCompile", "wait", "triton")
+    if importlib.util.find_spec("triton") is not None:
+        wrap("torch._inductor.runtime.triton_heuristics", "CachingAutotuner", "precompile",
+             "triton")

@@ -1,0 +1,146 @@
+"""What a build's compilers do: timed per phase, and no C++ object compiled twice.
+
+``watch(work)`` (called by ``kernel_dir.build_work_dir`` for every build) routes
+Inductor's compiler work through this module (``compat.hook_compilers``, once per
+process). Each C++ run is timed as the phase it is (``clock``: ``cxx_headers``,
+``cxx_wrapper``, ``cxx_kernels``, ``cxx_link``; the ISA checks as ``cxx_isa``), and
+each file compiled from one source (an AOTInductor package's wrapper or kernels, a
+standalone artifact's kernels) is kept in the work folder's ``cxx/`` cache under a key of everything that decides its bytes: the
+compiler (its path, size and modification time), torch's version and build, the command
+line with the source's and the object's own paths taken out, and the source text (less
+the comments Inductor appends to it after a build). A
+later compile with the same key, in any process using that work folder, copies the
+object instead of compiling it: a piece whose kernels did not change (an edit elsewhere
+in the model, another bucket with the same code, a build after a failed one) builds
+only what did. Every artifact made from such objects is still proven against its piece
+before it is stored (``Builder``), as a fresh compile is.
+
+The cache lives in the work folder, so it has the work folder's rules: private to the
+store's owner and checked like the store, counted by ``stats``, emptied by ``gc`` when
+no build runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import xxhash
+
+from cachebuild import clock, compat
+from cachebuild.compat import CxxBuild
+
+#: Bumped when what goes into a key changes.
+_KEY_VERSION = "1"
+
+_state = threading.Lock()
+_cache: dict[str, Path | None] = {"dir": None}
+
+
+@contextlib.contextmanager
+def watch(work: Path) -> Iterator[Path]:
+    """Time this process's compiler work and reuse C++ objects from ``work``'s ``cxx/``
+    cache while the block runs; yields the cache folder."""
+    compat.hook_compilers(_cxx, clock.phase)
+    folder = work / "cxx"
+    folder.mkdir(mode=0o700, exist_ok=True)
+    with _state:
+        saved, _cache["dir"] = _cache["dir"], folder
+    try:
+        yield folder
+    finally:
+        with _state:
+            _cache["dir"] = saved
+
+
+def phase_of(build: CxxBuild) -> str:
+    """The clock phase a C++ run belongs to."""
+    target = build.target
+    if build.step == "header":
+        return "cxx_headers"
+    if build.step == "object":
+        return "cxx_wrapper" if target.endswith("wrapper.o") else (
+            "cxx_kernels" if target.endswith(".o") and not target.endswith("weights.o")
+            else "cxx_link")
+    if all(s.endswith(".o") for s in build.sources):
+        return "cxx_link"
+    return "cxx_kernels"  # a library straight from sources: Inductor's kernels (standalone)
+
+
+def _cxx(build: CxxBuild, run: Callable[[], None]) -> None:
+    current = clock.current()
+    if current is not None and current.current == "cxx_isa":
+        run()  # an ISA check's compile is part of the check
+        return
+    with clock.phase(phase_of(build)):
+        folder = _cache["dir"]
+        key = object_key(build) if folder is not None and build.step != "header" else None
+        if key is None or folder is None:
+            run()
+            return
+        kept = folder / f"{key}{Path(build.target).suffix}"
+        if kept.is_file():
+            try:
+                _copy(kept, Path(build.target))
+            except OSError:
+                run()  # gone meanwhile (gc), or unreadable: compile
+                return
+            if current is not None:
+                current.count("cxx_reused")
+            return
+        run()
+        with contextlib.suppress(OSError):  # a full disk costs only the reuse
+            _copy(Path(build.target), kept)
+
+
+def object_key(build: CxxBuild) -> str | None:
+    """The key of an object file's bytes (see the module doc), or None where it cannot
+    be told (not one source file, or one that cannot be read)."""
+    if len(build.sources) != 1 or build.sources[0].endswith(".o"):
+        return None  # a link: cheap, and its inputs are objects made here
+    source = build.sources[0]
+    try:
+        text = _without_trailing_comments(Path(source).read_bytes())
+    except OSError:
+        return None
+    command = build.command.replace(build.target, "@OUT@").replace(source, "@SRC@")
+    words = command.split()
+    compiler = shutil.which(words[0]) if words else None
+    try:
+        info = os.stat(compiler) if compiler else None
+    except OSError:
+        info = None
+    h = xxhash.xxh3_128()
+    for part in (_KEY_VERSION, compiler or "", f"{info.st_size}:{info.st_mtime_ns}" if info else "",
+                 torch.__version__, compat.torch_git_version(), command):
+        h.update(part.encode())
+        h.update(b"\0")
+    h.update(text)
+    return h.hexdigest()
+
+
+def _without_trailing_comments(text: bytes) -> bytes:
+    """``text`` without the comment lines at its end: Inductor appends the compile and
+    link commands to a source after building it, so a source it finds written already
+    carries them; they change nothing the compiler makes."""
+    lines = text.split(b"\n")
+    while lines and (not lines[-1].strip() or lines[-1].lstrip().startswith(b"//")):
+        lines.pop()
+    return b"\n".join(lines)
+
+
+def _copy(src: Path, dst: Path) -> None:
+    """Copy ``src`` to ``dst`` by a temp file and a rename: no reader sees half a file."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
