@@ -15,6 +15,9 @@ in the model, another bucket with the same code, a build after a failed one) bui
 only what did. Every artifact made from such objects is still proven against its piece
 before it is stored (``Builder``), as a fresh compile is.
 
+Inductor's checks of the CPU's vector instructions are recorded there too, once per
+environment, and every later process takes the record instead of checking again.
+
 The cache lives in the work folder, so it has the work folder's rules: private to the
 store's owner and checked like the store, counted by ``stats``, emptied by ``gc`` when
 no build runs.
@@ -23,11 +26,14 @@ no build runs.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import os
 import shutil
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import torch
 import xxhash
@@ -45,8 +51,10 @@ _cache: dict[str, Path | None] = {"dir": None}
 @contextlib.contextmanager
 def watch(work: Path) -> Iterator[Path]:
     """Time this process's compiler work and reuse C++ objects from ``work``'s ``cxx/``
-    cache while the block runs; yields the cache folder."""
+    cache while the block runs, and Inductor's verdict on the CPU's vector ISAs; yields
+    the cache folder."""
     compat.hook_compilers(_cxx, clock.phase)
+    compat.hook_vec_isa_list(_vec_isas)
     folder = work / "cxx"
     folder.mkdir(mode=0o700, exist_ok=True)
     with _state:
@@ -56,6 +64,53 @@ def watch(work: Path) -> Iterator[Path]:
     finally:
         with _state:
             _cache["dir"] = saved
+
+
+_isas: dict[str, list[Any]] = {}
+
+
+def _vec_isas(check: Callable[[], list[Any]]) -> list[Any]:
+    """Inductor's usable vector ISAs: checked once per environment and work folder (a
+    compile and a load in a child process per ISA, seconds apiece on a busy machine) and
+    recorded in the cache as ``vec_isa-<key>.json``; every later process (every build
+    worker) takes the record. The key holds torch's build, the compiler Inductor uses and
+    the CPU's features, and a record naming a feature this CPU lacks is checked again."""
+    folder = _cache["dir"]
+    if folder is None:
+        return check()
+    compiler = compat.inductor_cxx()
+    found = shutil.which(compiler)
+    try:
+        info = os.stat(found) if found else None
+    except OSError:
+        info = None
+    h = xxhash.xxh3_128()
+    for part in (_KEY_VERSION, torch.__version__, compat.torch_git_version(), found or compiler,
+                 f"{info.st_size}:{info.st_mtime_ns}" if info else "", compat.cpu_features()):
+        h.update(part.encode())
+        h.update(b"\0")
+    key = h.hexdigest()
+    if key in _isas:
+        return _isas[key]
+    record = folder / f"vec_isa-{key}.json"
+    with open(folder / "vec_isa.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one process checks; the others read its verdict
+        isas = None
+        with contextlib.suppress(OSError, ValueError, TypeError):
+            data = json.loads(record.read_text())
+            if isinstance(data, list) and all(
+                    isinstance(r, list) and len(r) == 2 and all(isinstance(x, str) for x in r)
+                    for r in data):
+                isas = compat.vec_isas_from_record(data)
+        if isas is None:
+            with clock.phase("cxx_isa"):
+                isas = check()
+            with contextlib.suppress(OSError):
+                tmp = record.with_name(f".{record.name}.{os.getpid()}.tmp")
+                tmp.write_text(json.dumps(compat.vec_isa_record(isas)))
+                os.replace(tmp, record)
+    _isas[key] = isas
+    return isas
 
 
 def phase_of(build: CxxBuild) -> str:

@@ -118,3 +118,13 @@ def summary(seconds: dict[str, float]) -> str:
         if seconds.get(name, 0.0) >= 0.05:
             parts.append(f"{name} {seconds[name]:.1f} s")
     return ", ".join(parts)
+
+
+def detail(seconds: dict[str, float], reused: int = 0) -> str:
+    """Every phase of a build that took time, in order: ``export 0.3 s, lowering 3.0 s,
+    cxx_headers 12.0 s, cxx_wrapper 5.6 s, ...``, and the C++ objects it reused."""
+    order = {p: i for i, p in enumerate(PHASES)}
+    names = sorted((p for p, s in seconds.items() if s >= 0.05),
+                   key=lambda p: (order.get(p, len(order)), p))
+    text = ", ".join(f"{p} {seconds[p]:.1f} s" for p in names)
+    return text + (f"; {reused} C++ objects reused" if reused else "")

@@ -470,3 +470,70 @@ def hook_compilers(cxx: Callable[[CxxBuild, Callable[[], None]], None],
     if importlib.util.find_spec("triton") is not None:
         wrap("torch._inductor.runtime.triton_heuristics", "CachingAutotuner", "precompile",
              "triton")
+
+
+def hook_vec_isa_list(choose: Callable[[Callable[[], list[Any]]], list[Any]]) -> None:
+    """Once per process: Inductor's list of the vector ISAs usable here
+    (``cpu_vec_isa.valid_vec_isa_list``, which it computes by compiling and loading a
+    check program per ISA) becomes ``choose(original)``."""
+    if _HOOKED.get("vec_isa"):
+        return
+    _HOOKED["vec_isa"] = True
+    from torch._inductor import cpu_vec_isa
+
+    original = cpu_vec_isa.valid_vec_isa_list
+    cpu_vec_isa.valid_vec_isa_list = lambda: choose(original)
+
+
+def vec_isa_record(isas: list[Any]) -> list[list[str]]:
+    """Inductor's usable ISAs as data: ``[[name, flags], ...]``."""
+    return [[str(isa), isa.build_arch_flags()] for isa in isas]
+
+
+def vec_isas_from_record(record: list[list[str]]) -> list[Any] | None:
+    """The ISAs ``vec_isa_record`` wrote, as Inductor's objects that check nothing, or
+    None where this CPU lacks a feature of one of them (then Inductor must check)."""
+    from torch._inductor import cpu_vec_isa
+
+    try:
+        features = cpu_vec_isa.x86_isa_checker() if platform.machine() in (
+            "x86_64", "AMD64") else None
+    except Exception:
+        return None
+    out = []
+    for name, flags in record:
+        base = next((i for i in cpu_vec_isa.supported_vec_isa_list if str(i) == name), None)
+        if base is None or features is None or not all(f in features for f in name.split()):
+            return None
+
+        class AsChecked(type(base)):  # type: ignore[misc, valid-type]
+            __hash__ = type(base).__hash__
+
+            def build_arch_flags(self, _flags: str = flags) -> str:
+                return _flags
+
+            def __bool__(self) -> bool:
+                return True
+
+        out.append(AsChecked())
+    return out
+
+
+def cpu_features() -> str:
+    """The CPU's vector features as Inductor reads them (empty off x86)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return platform.machine()
+    from torch._inductor import cpu_vec_isa
+
+    try:
+        return " ".join(sorted(cpu_vec_isa.x86_isa_checker()))
+    except Exception:
+        return ""
+
+
+def inductor_cxx() -> str:
+    """The C++ compiler Inductor's config names now (``cpp.cxx``)."""
+    from torch._inductor import config
+
+    cxx = config.cpp.cxx
+    return str(cxx[-1] if isinstance(cxx, tuple | list) else cxx)

@@ -16,12 +16,10 @@ target after another, with whatever this process registered (ops, backends, pass
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 import warnings
 from collections.abc import Callable, Iterator
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -35,6 +33,7 @@ if TYPE_CHECKING:
     from cachebuild.planner import Lookup, Planner
     from cachebuild.store.base import Store
     from cachebuild.store.options import StoreOptions
+    from cachebuild.workers import BuildPool
 
 #: What ``warm`` and ``plan`` take: a MODEL.py path, a ``build`` function, or a spec.
 ModelSource: TypeAlias = "ModelSpec | str | os.PathLike | Callable[[], ModelSpec]"
@@ -59,6 +58,9 @@ class TargetReport:
     ranks: list[int] = field(default_factory=list)  # ranks using it (with a world size)
     seconds: float = 0.0  # building it (warm)
     error: str | None = None  # why it failed (warm)
+    #: where building it went (warm): seconds per phase (``clock.PHASES``)
+    phases: dict[str, float] = field(default_factory=dict)
+    reused: int = 0  # C++ objects its build took from the work folder's cache (warm)
 
     @property
     def label(self) -> str:
@@ -102,6 +104,8 @@ class WarmReport(PlanReport):
 
     seconds: float = 0.0
     dry_run: bool = False
+    #: the model's own phases in this process: ``trace`` and ``split`` (absent: not traced)
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def built(self) -> list[TargetReport]:
@@ -183,13 +187,6 @@ def _spec_on(spec: ModelSpec, device: str | None) -> ModelSpec:
     return ModelSpec(spec.model.to(device), args, spec.dynamic_dims, spec.config)
 
 
-def usable_cpus() -> int:
-    """CPUs this process may run on (its affinity mask where the OS has one)."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0)) or 1
-    return os.cpu_count() or 1
-
-
 # -- planning ----------------------------------------------------------------------------------
 
 @dataclass
@@ -207,9 +204,10 @@ Say = Callable[[str], None]
 
 def plan_model(source: Source, store: Store, device: str | None = None,
                pending: dict[str, Entry] | None = None, rank: int | None = None,
-               say: Say | None = None) -> Planned:
+               say: Say | None = None, on_trace: Callable[[], None] | None = None) -> Planned:
     """Build the model's spec and find its entry: the stored one (or one in ``pending``,
-    planned for another rank) if fresh, else a new trace (``say`` is told why)."""
+    planned for another rank) if fresh, else a new trace (``say`` is told why, and
+    ``on_trace()`` called first)."""
     from cachebuild.planner import Planner
 
     spec = _spec_on(source.build(), device)
@@ -222,26 +220,29 @@ def plan_model(source: Source, store: Store, device: str | None = None,
 
             who = f" as rank {rank}" if rank is not None else ""
             say(f"tracing {source.name}{who}: {reason(found.why, store, found.factors)}")
+        if on_trace is not None:
+            on_trace()
         entry = planner.trace(spec.example_inputs, found)
     return Planned(spec, planner, entry, found.why, found, rank)
 
 
 def plan_group(source: Source, store: Store, device: str | None = None,
-               world_size: int | None = None, say: Say | None = None) -> Iterator[Planned]:
+               world_size: int | None = None, say: Say | None = None,
+               on_trace: Callable[[], None] | None = None) -> Iterator[Planned]:
     """``plan_model(...)``, or with ``world_size`` one Planned per rank, each planned in
     this process under torch's fake process group as that rank, and handed out while that
     rank's group is up (what the caller checks on the rank's model sees it as the rank).
     A rank whose model equals an earlier rank's (an equal shard) takes that rank's entry
     without tracing."""
     if world_size is None:
-        yield plan_model(source, store, device, say=say)
+        yield plan_model(source, store, device, say=say, on_trace=on_trace)
         return
     from cachebuild.distributed import fake_world
 
     pending: dict[str, Entry] = {}
     for rank in range(world_size):
         with fake_world(rank, world_size):
-            p = plan_model(source, store, device, pending, rank, say)
+            p = plan_model(source, store, device, pending, rank, say, on_trace)
             if p.found.entry is None:
                 pending[p.entry.key] = p.entry
             yield p
@@ -360,7 +361,8 @@ def _open(store: Any) -> tuple[Store, StoreOptions | None, bool]:
         return open_store(store), store, True
     if isinstance(store, LocalStore):
         return store, StoreOptions(cache_dir=store.path, signing_key=store.signing_key,
-                                   require_signature=store.require_signature), False
+                                   require_signature=store.require_signature,
+                                   work_dir=store.work_dir), False
     return store, None, False
 
 
@@ -386,46 +388,6 @@ def plan(model: ModelSource, *, store: StoreArg = None,
 
 # -- building in worker processes ---------------------------------------------------------------
 
-_WORKER: dict[str, Any] = {}
-
-#: Warning classes (by name) a worker hands to the parent instead of printing: the parent
-#: says each once, not once per worker.
-_FORWARDED_WARNINGS = ("RemoteDownWarning", "UnsignedRemoteWarning")
-
-
-def _worker_warning(message: Warning | str, category: type[Warning], filename: str, lineno: int,
-                    file: Any = None, line: str | None = None) -> None:
-    if category.__name__ in _FORWARDED_WARNINGS:
-        _WORKER.setdefault("warnings", []).append((category.__name__, str(message)))
-    else:
-        _WORKER["showwarning"](message, category, filename, lineno, file, line)
-
-
-def _worker_init(model_path: str, options: StoreOptions) -> None:
-    from cachebuild.modelfile import import_model
-    from cachebuild.store.options import open_store
-
-    import_model(model_path)  # registers the model file's custom ops
-    _WORKER["showwarning"] = warnings.showwarning
-    warnings.showwarning = _worker_warning
-    # The store the caller uses: with a remote, builds are single-flight across machines
-    # (the lock is in Redis too) and what a worker builds is uploaded.
-    _WORKER["store"] = open_store(options)
-
-
-def _worker_build(job: BuildJob) -> tuple[str, bool, float, str | None, list[tuple[str, str]]]:
-    from cachebuild.build import Builder
-
-    start = time.perf_counter()
-    try:
-        built = Builder(_WORKER["store"], job.config).build(job)
-        error = None
-    except Exception as e:  # reported per target; the other targets go on
-        built, error = False, str(e)
-    said = _WORKER.pop("warnings", [])
-    return job.target.key, built, time.perf_counter() - start, error, said
-
-
 def _warning_classes() -> dict[str, type[Warning]]:
     from cachebuild.store.remote import RemoteDownWarning
     from cachebuild.store.tiered import UnsignedRemoteWarning
@@ -437,35 +399,57 @@ def _warning_classes() -> dict[str, type[Warning]]:
 Done = Callable[["BuildJob", bool, float, "str | None"], None]
 
 
-def build_jobs(jobs: list[BuildJob], workers: int, model_path: str,
-               options: StoreOptions, on_done: Done) -> None:
-    """Build ``jobs`` in ``workers`` processes, calling ``on_done(job, built, s, error)``.
+def start_pool(workers: int, model_path: str, options: StoreOptions) -> BuildPool:
+    """``workers`` build workers for a model file, started now (they import torch, Inductor
+    and the file while the caller traces)."""
+    from cachebuild.workers import BuildPool, WorkerSetup
+
+    return BuildPool(workers, WorkerSetup(options, model_file=model_path))
+
+
+def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
+               options: StoreOptions, on_done: Done,
+               phases: dict[str, dict[str, Any]] | None = None) -> None:
+    """Build ``jobs`` in ``workers`` processes (or a pool started already), calling
+    ``on_done(job, built, s, error)``, and filling ``phases`` with each build's.
 
     ``options``: what each worker opens its store with. Remote-tier warnings raised in a
     worker are raised again here, so that a remote that goes down is reported once for the
-    run, not once per worker.
+    run, not once per worker. Jobs go out longest first (the piece with most nodes), so
+    that the last one to finish is a short one.
     """
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=workers, mp_context=context, initializer=_worker_init,
-                             initargs=(model_path, options)) as pool:
-        futures = {pool.submit(_worker_build, job): job for job in jobs}
-        for future in as_completed(futures):
-            _, built, seconds, error, said = future.result()
-            for name, message in said:
-                warnings.warn(message, _warning_classes()[name], stacklevel=1)
-            on_done(futures[future], built, seconds, error)
+    from cachebuild.workers import BuildPool
+
+    pool = workers if isinstance(workers, BuildPool) else start_pool(workers, model_path, options)
+
+    def done(job: BuildJob, result: Any) -> None:
+        for name, message in result.warnings:
+            warnings.warn(message, _warning_classes()[name], stacklevel=1)
+        if phases is not None and result.phases:
+            phases[job.target.key] = result.phases
+        on_done(job, result.built, result.seconds, result.error)
+
+    try:
+        pool.run(sorted(jobs, key=lambda j: -len(j.nodes)), done)
+    finally:
+        if pool is not workers:
+            pool.close()
 
 
-def _build_here(jobs: list[BuildJob], store: Store, on_done: Done) -> None:
+def _build_here(jobs: list[BuildJob], store: Store, on_done: Done,
+                phases: dict[str, dict[str, Any]] | None = None) -> None:
     """Build ``jobs`` one after another in this process (no file for workers to import)."""
     from cachebuild.build import Builder
 
     for job in jobs:
         start = time.perf_counter()
+        builder = Builder(store, job.config)
         try:
-            built, error = Builder(store, job.config).build(job), None
+            built, error = builder.build(job), None
         except Exception as e:  # reported per target; the other targets go on
             built, error = False, str(e)
+        if phases is not None and job.target.key in builder.phases:
+            phases[job.target.key] = builder.phases[job.target.key]
         on_done(job, built, time.perf_counter() - start, error)
 
 
@@ -476,26 +460,45 @@ def warm(model: ModelSource, *, store: StoreArg = None,
     """Build every target ``model`` needs that is not stored, and record its entry.
 
     ``model``: a MODEL.py path, a ``build`` function or a ``ModelSpec``. ``store`` as for
-    ``plan``. ``jobs``: worker processes (default: the CPUs this process may use).
-    ``device``, ``world_size``: as for ``plan``. ``dry_run``: build and record nothing
-    (the report's states are then ``plan``'s). ``say``: told, in words, when the model is
-    traced; ``on_target(target, done, total)``: called as each target finishes.
+    ``plan``. ``jobs``: worker processes (default: as many as the CPUs this process may use
+    and the memory available allow, ``workers.jobs_here``). ``device``, ``world_size``: as
+    for ``plan``. ``dry_run``: build and record nothing (the report's states are then
+    ``plan``'s). ``say``: told, in words, when the model is traced; ``on_target(target,
+    done, total)``: called as each target finishes.
+
+    A model file's workers start as soon as the model is to be traced, so that their
+    imports overlap the trace. Each built target's report holds its build's phases
+    (``TargetReport.phases``), the report the model's own (``WarmReport.phases``: trace,
+    split).
 
     A target that fails is reported (state ``failed``, with its error) and the others
     still build; the entry is recorded all the same, and a server then builds what
     failed. Bad input (no such file, a ``build()`` that raises) is a UsageError.
     """
     from cachebuild.build import jobs_of
+    from cachebuild.counters import COUNTERS
+    from cachebuild.workers import jobs_here, usable_cpus
 
     start = time.perf_counter()
     opened, options, owned = _open(store)
+    pool: BuildPool | None = None
+    before = dict(COUNTERS.seconds)
     try:
         source = source_of(model)
-        group = list(plan_group(source, opened, device, world_size, say))
+
+        def start_workers() -> None:
+            nonlocal pool
+            if pool is None and not dry_run and source.file is not None and options is not None:
+                pool = start_pool(jobs or jobs_here(usable_cpus()), str(source.file), options)
+
+        group = list(plan_group(source, opened, device, world_size, say, start_workers))
         report = _report(group, opened, world_size)
+        model_phases = {name: round(COUNTERS.seconds.get(name, 0.0) - before.get(name, 0.0), 3)
+                        for name in ("trace", "split") if name in COUNTERS.seconds}
         if dry_run:
             return WarmReport(report.entries, report.targets, world_size,
-                              seconds=time.perf_counter() - start, dry_run=True)
+                              seconds=time.perf_counter() - start, dry_run=True,
+                              phases=model_phases)
         all_jobs: dict[str, BuildJob] = {}
         for p in group:
             for key, job in jobs_of(p.entry, p.spec.config).items():
@@ -505,29 +508,37 @@ def warm(model: ModelSource, *, store: StoreArg = None,
         for t in report.targets:
             t.state = "stored" if t.state == "stored" else "missing"
         done = [0]
+        phases: dict[str, dict[str, Any]] = {}
 
         def finished(job: BuildJob, built: bool, seconds: float, error: str | None) -> None:
             target = by_key[job.target.key]
             target.state, target.seconds, target.error = ("failed" if error else
                                                           "built" if built else "stored",
                                                           seconds, error)
+            built_how = phases.get(job.target.key, {})
+            target.phases = dict(built_how.get("seconds", {}))
+            target.reused = int(built_how.get("counts", {}).get("cxx_reused", 0))
             done[0] += 1
             if on_target is not None:
                 on_target(target, done[0], len(missing))
 
         if missing:
-            workers = min(jobs or usable_cpus(), len(missing))
             if source.file is not None and options is not None:
-                build_jobs(missing, workers, str(source.file), options, finished)
+                if pool is None:
+                    start_workers()
+                assert pool is not None
+                build_jobs(missing, pool, str(source.file), options, finished, phases)
             else:
-                _build_here(missing, opened, finished)
+                _build_here(missing, opened, finished, phases)
         for p in _new_entries(group):
             entry = next(e for e in report.entries if e.key == p.entry.key)
             entry.recorded = p.planner.record(p.entry)
             entry.unrecordable = p.planner.unrecordable
         return WarmReport(report.entries, report.targets, world_size,
-                          seconds=time.perf_counter() - start)
+                          seconds=time.perf_counter() - start, phases=model_phases)
     finally:
+        if pool is not None:
+            pool.close()
         if owned:
             opened.close()
 

@@ -30,7 +30,7 @@ LAYERS = [
     ["cachebuild.trace", "cachebuild.split", "cachebuild.targets", "cachebuild.guards",
      "cachebuild.guard_export", "cachebuild.distributed"],
     ["cachebuild.entry", "cachebuild.planner", "cachebuild.explain"],
-    ["cachebuild.build", "cachebuild.verify", "cachebuild.notice"],
+    ["cachebuild.build", "cachebuild.verify", "cachebuild.notice", "cachebuild.workers"],
     ["cachebuild.runtime", "cachebuild.capture", "cachebuild.cudagraphs"],
     ["cachebuild.api", "cachebuild.dynamo_backend", "cachebuild.modelfile",
      "cachebuild.warming"],

@@ -58,15 +58,29 @@ def rank_ranges(ranks: list[int]) -> str:
     return ("rank " if len(set(ranks)) == 1 else "ranks ") + ", ".join(parts)
 
 
+def _phases_line(target: TargetReport) -> str | None:
+    """``  export 0.3 s, lowering 3.0 s, ...``: where a built target's time went."""
+    from cachebuild.clock import detail
+
+    if target.state != "built" or not target.phases:
+        return None
+    return "  " + detail(target.phases, target.reused)
+
+
 @contextmanager
-def _progress(console: Console) -> Iterator[Callable[[TargetReport, int, int], None]]:
+def _progress(console: Console, verbose: bool = False
+              ) -> Iterator[Callable[[TargetReport, int, int], None]]:
     """A callback per target finished: a bar on a terminal; else one line per target, so
-    that a log shows what the build is doing."""
+    that a log shows what the build is doing. ``verbose``: each built target's phases
+    on a line of their own."""
     if not console.is_terminal:
         def line(target: TargetReport, done: int, total: int) -> None:
             what = {"built": "built", "failed": "failed", "stored": "found stored"}[target.state]
             console.print(f"{what} {target.label} in {target.seconds:.1f} s ({done} of "
                           f"{total})", markup=False, highlight=False)
+            phases = _phases_line(target) if verbose else None
+            if phases:
+                console.print(phases, markup=False, highlight=False)
 
         yield line
         return
@@ -81,6 +95,10 @@ def _progress(console: Console) -> Iterator[Callable[[TargetReport, int, int], N
                 task = progress.add_task("building", total=total)
             progress.update(task, completed=done,
                             description=f"{target.label} {target.seconds:.1f} s")
+            phases = _phases_line(target) if verbose else None
+            if phases:
+                progress.console.print(f"{target.label}:{phases}", markup=False,
+                                       highlight=False)
 
         yield advance
 
@@ -111,7 +129,8 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
 
     console = _console()
     say = _say(console)
-    with _progress(console) as on_target:
+    verbose = bool(getattr(ctx.obj, "verbose", False))
+    with _progress(console, verbose) as on_target:
         report = warm(model, store=_store_for(ctx), jobs=jobs, device=device,
                       world_size=world_size, dry_run=dry_run, say=say, on_target=on_target)
     if dry_run:
@@ -127,6 +146,9 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
         console.print(f"[red]failed[/red] {target.label} key {target.key}: "
                       f"{escape(target.error or '')}")
     total = len(report.targets)
+    if verbose and report.phases:
+        console.print("model: " + ", ".join(f"{k} {v:.1f} s" for k, v in report.phases.items()),
+                      markup=False, highlight=False)
     console.print(
         f"{total} targets: {len(report.stored)} already stored, {len(report.built)} built, "
         f"{len(report.failed)} failed, in {report.seconds:.1f} s; {_entries_said(report)}")

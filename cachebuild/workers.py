@@ -1,0 +1,386 @@
+"""Targets built in worker processes: ``BuildPool``, and how many workers fit here.
+
+A worker is ``python -m cachebuild.workers``, started at once (so that its imports of
+torch and Inductor overlap whatever the caller does meanwhile, a trace say); it imports
+what the jobs need to resolve their ops (a model file, or the modules that registered
+them), opens the caller's store by its options and builds one job at a time through
+``Builder.build`` (under the key's lock: a worker never builds what another process is
+building). Jobs and results travel pickled over the worker's stdin and a pipe of its
+own, so what the model file prints never mixes with them, and the caller's ``__main__``
+is never run again in a worker (``multiprocessing``'s spawn would run a server script's
+top level once per worker).
+
+Every worker builds into the same store, and so into the same work folder: one Inductor
+cache, one Triton cache, one set of precompiled headers and one cache of C++ objects
+(``backends/compilers.py``) for all of them. A worker that dies (killed, out of memory)
+fails the job it held, naming how it ended, and the next job starts a new worker.
+
+``jobs_here(n)``: how many workers ``n`` targets get by default: no more than the CPUs
+this process may use, nor than the memory available holds at ``CACHEBUILD_BUILD_MEMORY``
+(default 1.5 GiB) per build: a worker of the example model peaks at 0.5 GiB and its C++
+compiler at another 0.5 GiB (measured on CPU, torch 2.13).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from cachebuild.errors import UsageError
+
+if TYPE_CHECKING:
+    from cachebuild.build import BuildJob
+    from cachebuild.store.options import StoreOptions
+
+log = logging.getLogger("cachebuild.build")
+
+#: Memory one build takes at its peak, by default (see the module doc).
+BUILD_MEMORY = int(1.5 * 2**30)
+
+#: Operator namespaces every worker has without importing anything of the model's.
+BUILTIN_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d",
+                                "_c10d_functional_autograd", "cachebuild"})
+
+
+# -- how many ------------------------------------------------------------------------------
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new work (Linux's MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def build_memory() -> int:
+    """Bytes one build is expected to need (``CACHEBUILD_BUILD_MEMORY``: ``2G``, ``800M``)."""
+    value = os.environ.get("CACHEBUILD_BUILD_MEMORY", "").strip()
+    if not value:
+        return BUILD_MEMORY
+    from cachebuild.units import parse_size
+
+    try:
+        size = parse_size(value)
+    except ValueError as e:
+        raise UsageError(f"CACHEBUILD_BUILD_MEMORY={value!r}: {e}") from None
+    if size <= 0:
+        raise UsageError(f"CACHEBUILD_BUILD_MEMORY={value!r}: give a size above 0, e.g. 2G")
+    return size
+
+
+def jobs_here(targets: int) -> int:
+    """Worker processes for ``targets`` builds by default: at most one per usable CPU and
+    per ``build_memory()`` of available memory, at least one."""
+    jobs = min(usable_cpus(), max(targets, 1))
+    memory = available_memory()
+    if memory is not None:
+        jobs = min(jobs, max(1, memory // build_memory()))
+    return max(1, jobs)
+
+
+def cold_start_jobs(targets: int) -> int:
+    """Workers a cold start builds ``targets`` missing targets in: ``CACHEBUILD_BUILD_JOBS``
+    if set (1: in the calling process), else ``jobs_here``."""
+    value = os.environ.get("CACHEBUILD_BUILD_JOBS", "").strip()
+    if not value:
+        return jobs_here(targets)
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"CACHEBUILD_BUILD_JOBS={value!r}: give a whole number of worker "
+                         "processes, 1 or more (1 builds in this process)")
+    return min(int(value), max(targets, 1))
+
+
+# -- which modules a worker imports -------------------------------------------------------
+
+def op_modules(jobs: Iterable[BuildJob]) -> list[str] | None:
+    """The modules a worker must import so that every op the jobs' pieces call is
+    registered, or None where some op's module cannot be imported by name (defined in
+    ``__main__``, a notebook, ``exec``): such jobs build in the calling process."""
+    modules: list[str] = []
+    for job in jobs:
+        for node in job.nodes:
+            target = node.get("target")
+            if not isinstance(target, str) or not target.startswith("op:"):
+                continue
+            qualname = target[3:].split(".")[0]
+            if qualname.split("::")[0] in BUILTIN_NAMESPACES:
+                continue
+            module = _module_of_op(qualname)
+            if module is None:
+                return None
+            if module not in modules:
+                modules.append(module)
+    return modules
+
+
+def _module_of_op(qualname: str) -> str | None:
+    """The importable module that registered operator ``qualname`` (``ns::name``)."""
+    from torch._library import custom_ops, simple_registry
+
+    opdef = custom_ops.OPDEFS.get(qualname)
+    if opdef is not None:
+        name = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+        return name if _importable(name) else None
+    entry = simple_registry.singleton.find(qualname)
+    kernel = getattr(getattr(entry, "fake_impl", None), "kernel", None)
+    source = str(getattr(kernel, "source", "") or "")
+    path = source.rsplit(":", 1)[0]
+    if not path:
+        return None
+    for name, module in list(sys.modules.items()):
+        if getattr(module, "__file__", None) == path and _importable(name):
+            return name
+    return None
+
+
+def _importable(name: str | None) -> bool:
+    if not name or name in ("__main__", "__mp_main__") or name.startswith("<"):
+        return False
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    return module is not None and spec is not None and spec.name == name
+
+
+# -- the pool --------------------------------------------------------------------------------
+
+@dataclass
+class WorkerSetup:
+    """What each worker does before its first job: import ``model_file`` (a MODEL.py, by
+    path, as the command line does) and ``modules`` (by name), with ``sys_path`` first on
+    its path, then open the store ``options`` name."""
+
+    options: StoreOptions
+    model_file: str | None = None
+    modules: list[str] = field(default_factory=list)
+    sys_path: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    """One job's outcome: built (True) or found stored (False), its seconds, its error,
+    the warnings a worker hands on (class name, message), and the build's phases."""
+
+    key: str
+    built: bool
+    seconds: float
+    error: str | None = None
+    warnings: list[tuple[str, str]] = field(default_factory=list)
+    phases: dict[str, Any] = field(default_factory=dict)
+
+
+class _Worker:
+    def __init__(self, setup: WorkerSetup) -> None:
+        read, write = os.pipe()
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        try:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "cachebuild.workers", str(write)],
+                stdin=subprocess.PIPE, pass_fds=(write,), env=env, close_fds=True)
+        finally:
+            os.close(write)
+        self.results: BinaryIO = os.fdopen(read, "rb")
+        assert self.proc.stdin is not None
+        self.jobs: BinaryIO = self.proc.stdin
+        _send(self.jobs, setup)
+
+    def run(self, job: BuildJob) -> Result:
+        try:
+            _send(self.jobs, job)
+            result = _receive(self.results)
+        except (OSError, EOFError, pickle.UnpicklingError, struct.error):
+            result = None
+        if not isinstance(result, Result):
+            code = self.proc.wait()
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            return Result(job.target.key, False, 0.0, f"the build worker {how} while building it")
+        return result
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.jobs.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.results.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class BuildPool:
+    """``workers`` build worker processes, started now; ``run`` hands them jobs."""
+
+    def __init__(self, workers: int, setup: WorkerSetup) -> None:
+        self.setup = setup
+        self._idle = [_Worker(setup) for _ in range(max(1, workers))]
+
+    @property
+    def size(self) -> int:
+        return len(self._idle)
+
+    def run(self, jobs: list[BuildJob], on_done: Callable[[BuildJob, Result], None]) -> None:
+        """Build ``jobs``, each in the first free worker, calling ``on_done(job, result)``
+        on this thread as each finishes; returns when all are done."""
+        pending = list(jobs)
+        lock = threading.Lock()
+        finished: list[tuple[BuildJob, Result]] = []
+        ready = threading.Condition(lock)
+
+        def serve(worker: _Worker) -> None:
+            while True:
+                with lock:
+                    if not pending:
+                        self._idle.append(worker)
+                        ready.notify_all()
+                        return
+                    job = pending.pop(0)
+                try:
+                    if not worker.alive:  # died after its last job: a new one takes this
+                        worker.close()
+                        worker = _Worker(self.setup)
+                    result = worker.run(job)
+                except Exception as e:  # a worker that cannot start: the job fails, said why
+                    result = Result(job.target.key, False, 0.0,
+                                    f"no build worker could run it: {type(e).__name__}: {e}")
+                with lock:
+                    finished.append((job, result))
+                    ready.notify_all()
+
+        workers, self._idle = self._idle, []
+        threads = [threading.Thread(target=serve, args=(w,), daemon=True,
+                                    name="cachebuild-build-worker") for w in workers]
+        for t in threads:
+            t.start()
+        done = 0
+        while done < len(jobs):
+            with lock:
+                while not finished:
+                    ready.wait()
+                batch, finished[:] = list(finished), []
+            for job, result in batch:
+                done += 1
+                on_done(job, result)
+        for t in threads:
+            t.join()
+
+    def close(self) -> None:
+        """End the workers (each after the job it holds)."""
+        workers, self._idle = self._idle, []
+        for worker in workers:
+            worker.close()
+
+    def __enter__(self) -> BuildPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- framing -----------------------------------------------------------------------------------
+
+def _send(stream: BinaryIO, value: Any) -> None:
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("!Q", len(data)) + data)
+    stream.flush()
+
+
+def _receive(stream: BinaryIO) -> Any:
+    head = stream.read(8)
+    if len(head) < 8:
+        raise EOFError
+    (size,) = struct.unpack("!Q", head)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)
+
+
+# -- the worker process ---------------------------------------------------------------------
+
+_FORWARDED_WARNINGS = ("RemoteDownWarning", "UnsignedRemoteWarning")
+
+
+def _serve(results_fd: int) -> None:
+    """The worker: set up, then build each job sent until stdin closes."""
+    import warnings
+
+    jobs = sys.stdin.buffer
+    results = os.fdopen(results_fd, "wb")
+    setup: WorkerSetup = _receive(jobs)
+    said: list[tuple[str, str]] = []
+    show = warnings.showwarning
+
+    def forward(message: Any, category: type[Warning], filename: str, lineno: int,
+                file: Any = None, line: str | None = None) -> None:
+        if category.__name__ in _FORWARDED_WARNINGS:
+            said.append((category.__name__, str(message)))
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    for path in reversed(setup.sys_path):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    # What every build needs, imported now: it overlaps whatever the caller does meanwhile.
+    import torch._inductor.compile_fx  # noqa: F401
+    import torch.export  # noqa: F401
+
+    import cachebuild.passes.ops  # noqa: F401  # the fusion passes' ops
+    from cachebuild.build import Builder
+    from cachebuild.store.options import open_store
+
+    if setup.model_file:
+        from cachebuild.modelfile import import_model
+
+        import_model(setup.model_file)  # registers the model file's ops
+    for name in setup.modules:
+        importlib.import_module(name)
+    warnings.showwarning = forward
+    store = open_store(setup.options)
+    while True:
+        try:
+            job = _receive(jobs)
+        except EOFError:
+            return
+        start = time.perf_counter()
+        builder = Builder(store, job.config)
+        try:
+            built, error = builder.build(job), None
+        except Exception as e:  # reported per target; the other targets go on
+            built, error = False, str(e)
+        result = Result(job.target.key, built, time.perf_counter() - start, error, list(said),
+                        builder.phases.get(job.target.key, {}))
+        said.clear()
+        _send(results, result)
+
+
+if __name__ == "__main__":
+    # By its import name: what the worker pickles must name ``cachebuild.workers``'s
+    # classes, not this ``__main__``'s.
+    from cachebuild.workers import _serve as serve
+
+    serve(int(sys.argv[1]))
