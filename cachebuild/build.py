@@ -102,6 +102,8 @@ class Builder:
         #: Where each target this builder built went, by key: seconds per phase
         #: (``clock.PHASES``) and counts (``cxx_reused``).
         self.phases: dict[str, dict[str, Any]] = {}
+        #: The same, of targets worker processes built for this builder.
+        self.worker_phases: dict[str, dict[str, Any]] = {}
 
     @property
     def passes(self) -> Any:
@@ -312,6 +314,45 @@ def needs_inductor(keys: list[str], store: Store) -> bool:
     return False
 
 
+def _build_in_workers(jobs: list[BuildJob], builder: Builder,
+                      done: Callable[[str, float], None]) -> None:
+    """Build ``jobs`` in worker processes at once where that can be done exactly as here
+    (``workers.setup_for``) and more than one worker is to be had (``cold_start_jobs``);
+    else leave them to the caller, which builds them one after another. A job a worker
+    failed is left too: building it here raises its error, as a build here would."""
+    from cachebuild.workers import BuildPool, cold_start_jobs, setup_for
+
+    workers = cold_start_jobs(len(jobs))
+    if workers <= 1:
+        return
+    jobs = [builder.here(job) for job in jobs]
+    setup = setup_for(jobs, builder.store, builder.passes)
+    if setup is None:
+        log.info("building %d targets in this process: worker processes could not build "
+                 "them as it would (ops or passes of its own, or a store they cannot open)",
+                 len(jobs))
+        return
+    log.info("building %d targets in %d worker processes", len(jobs), workers)
+
+    def finished(job: BuildJob, result: Any) -> None:
+        target = job.target
+        if result.error:
+            log.warning("piece %d %s failed in a worker, building it here: %s", target.piece,
+                        bucket_label(target.bucket), result.error)
+            return
+        if result.built:
+            COUNTERS.built += 1
+            COUNTERS.misses += 1
+            COUNTERS.add_time("build", result.seconds)
+            VERIFIED.add(target.key)  # proven by the worker before it stored it
+        if result.phases:
+            builder.worker_phases[target.key] = result.phases
+        done(f"piece {target.piece} {bucket_label(target.bucket)}", result.seconds)
+
+    with BuildPool(workers, setup) as pool:
+        pool.run(sorted(jobs, key=lambda j: -len(j.nodes)), finished)
+
+
 def jobs_of(entry: Entry, config: CompileConfig) -> dict[str, BuildJob]:
     """One BuildJob per unique target key of an entry."""
     jobs: dict[str, BuildJob] = {}
@@ -344,11 +385,15 @@ def resolve_all(entry: Entry, builder: Builder, parallel: bool = False,
     if missing and on_missing is not None:
         on_missing(len(missing), len(jobs))
     with build_progress(len(missing)) as done:
+        if len(missing) > 1:
+            _build_in_workers([jobs[key] for key in missing], builder, done)
         for key in missing:
             start = time.perf_counter()
-            loaded[key] = builder.resolve(jobs[key])
+            loaded[key] = builder.resolve(jobs[key])  # built by a worker: a load
             target = jobs[key].target
-            done(f"piece {target.piece} {bucket_label(target.bucket)}", time.perf_counter() - start)
+            if target.key in builder.phases:  # built here after all
+                done(f"piece {target.piece} {bucket_label(target.bucket)}",
+                     time.perf_counter() - start)
     if verify_on_load():
         for key, fn in loaded.items():
             if key not in missing:

@@ -163,6 +163,40 @@ def _importable(name: str | None) -> bool:
     return module is not None and spec is not None and spec.name == name
 
 
+def store_options(store: Any) -> StoreOptions | None:
+    """The options that open ``store`` again in a worker, where there are such (a plain
+    local store; a store with a remote tier or an overlay builds in the calling process)."""
+    from cachebuild.store.local import LocalStore
+    from cachebuild.store.options import StoreOptions
+
+    if type(store) is not LocalStore:
+        return None
+    return StoreOptions(cache_dir=store.path, signing_key=store.signing_key,
+                        require_signature=store.require_signature, work_dir=store.work_dir)
+
+
+def setup_for(jobs: list[BuildJob], store: Any, passes: Any) -> WorkerSetup | None:
+    """How workers can build ``jobs`` exactly as this process would, or None where they
+    cannot: a store they cannot open, passes other than the config's own (custom ones
+    live in this process), a backend not built in, or ops registered by code they cannot
+    import."""
+    from cachebuild.passes import PassManager
+
+    options = store_options(store)
+    if options is None or not jobs:
+        return None
+    for job in jobs:
+        if job.config.backend not in ("inductor", "eager_fusion"):
+            return None
+        if passes is not None and passes.factors() != PassManager.from_config(
+                job.config.passes).factors():
+            return None
+    modules = op_modules(jobs)
+    if modules is None:
+        return None
+    return WorkerSetup(options, modules=modules, sys_path=[p for p in sys.path if p])
+
+
 # -- the pool --------------------------------------------------------------------------------
 
 @dataclass

@@ -4,7 +4,8 @@ Everything a test run writes goes under one session folder, removed when the run
 (kept, and named, when a test failed): pytest's own temporary folders, the temp files of
 every process the tests start (``TMPDIR``), one Inductor and Triton cache and one probe
 folder for the whole session (Inductor on CPU is slow to start: it probes the CPU and
-builds C++), shared with child processes through the environment. Only what other users
+builds C++), shared with child processes through the environment; cold starts build in
+the calling process (``CACHEBUILD_BUILD_JOBS=1``) unless a test asks for workers. Only what other users
 must enter (``trust.public_dir``) goes to the system's temp folder, removed by its test.
 """
 
@@ -22,6 +23,9 @@ _SESSION_TMP = tempfile.mkdtemp(prefix="cachebuild-tests-")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_SESSION_TMP, "inductor"))
 os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_SESSION_TMP, "triton"))
 os.environ.setdefault("CACHEBUILD_PROBE_DIR", os.path.join(_SESSION_TMP, "probe"))
+# Cold starts build in this process unless a test asks for workers: a worker's start
+# (torch and Inductor imported afresh) costs more than a tiny model's targets take.
+os.environ.setdefault("CACHEBUILD_BUILD_JOBS", "1")
 os.environ["TMPDIR"] = _SESSION_TMP
 tempfile.tempdir = _SESSION_TMP
 

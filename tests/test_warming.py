@@ -105,6 +105,8 @@ def build():
 
 
 def test_a_model_file_builds_in_workers_and_the_command_prints_a_line_per_target(tmp_path):
+    """With -v, each built target's line is followed by its phases, and the model's trace
+    and split are said before the summary."""
     path = tmp_path / "model.py"
     path.write_text(MODEL_FILE)
     store = tmp_path / "store"
@@ -113,7 +115,7 @@ def test_a_model_file_builds_in_workers_and_the_command_prints_a_line_per_target
     with LocalStore(store) as s:
         assert not any(r.kind == "entry" for r in s.records())
     cli = [str(Path(sys.executable).with_name("cachebuild")), "--cache-dir", str(store),
-           "warm", "--jobs", "2", str(path)]
+           "-v", "warm", "--jobs", "2", str(path)]
     done = subprocess.run(cli, capture_output=True, text=True, timeout=600,
                           env={**os.environ, "PYTHONPATH": str(models.TESTS_DIR)})
     assert done.returncode == 0, done.stderr
@@ -123,6 +125,10 @@ def test_a_model_file_builds_in_workers_and_the_command_prints_a_line_per_target
     assert len(built) == total, lines
     assert sorted(line.rsplit("(", 1)[1] for line in built) == [
         f"{i} of {total})" for i in range(1, total + 1)]
-    assert lines[-1].startswith(f"{total} targets: 0 already stored, {total} built, 0 failed")
+    phases = [lines[lines.index(line) + 1] for line in built]
+    assert all(p.startswith("  ") and "lowering" in p and "proof" in p for p in phases), phases
+    summary = [line for line in lines if line.startswith(f"{total} targets:")]
+    assert summary[0].startswith(f"{total} targets: 0 already stored, {total} built, 0 failed")
+    assert any(line.startswith("model: trace ") for line in lines), lines
     report = cachebuild.warm(path, store=store)
     assert report.built == [] and len(report.stored) == total

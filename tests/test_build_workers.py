@@ -1,0 +1,78 @@
+"""Targets built in worker processes: a cold start farms its missing targets out to
+workers that build them exactly as it would (the same store, the same ops, proven before
+stored) where they can, and builds them itself where they cannot; each build says where
+its time went."""
+
+from __future__ import annotations
+
+import logging
+
+import models
+import torch
+
+import cachebuild
+from cachebuild.build import BuildJob
+from cachebuild.clock import PHASES, BuildClock, measuring, phase
+from cachebuild.store import LocalStore
+from cachebuild.workers import jobs_here, op_modules
+
+
+def test_a_cold_start_builds_its_missing_targets_in_workers(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("CACHEBUILD_BUILD_JOBS", "2")
+    model = models.make(models.Decoder, layers=2)
+    before = cachebuild.stats()
+    with caplog.at_level(logging.INFO, logger="cachebuild.build"):
+        compiled = cachebuild.compile(model, models.config(), {0: 0, 1: 0},
+                                      store=LocalStore(tmp_path / "store"))
+        models.assert_matches_eager(compiled, model, models.inputs(7))
+    assert "targets in 2 worker processes" in caplog.text
+    unique = len(compiled.runtime.entry.target_keys())
+    delta = models.counters_delta(before, cachebuild.stats())
+    assert unique >= 2 and delta["built"] == unique and delta["loaded"] == unique
+    models.assert_matches_eager(compiled, model, models.inputs(19))
+
+
+def _job(target: str) -> BuildJob:
+    nodes = [{"op": "placeholder", "name": "x", "target": "x"},
+             {"op": "call_function", "name": "y", "target": target},
+             {"op": "output", "name": "output", "target": "output"}]
+    return BuildJob(None, nodes, [], models.config())  # type: ignore[arg-type]
+
+
+def test_workers_import_the_modules_that_registered_a_pieces_ops():
+    assert op_modules([_job("op:aten::mm.default"), _job("op:cachebuild::x.default")]) == []
+    assert op_modules([_job(f"op:{models.TRANSPOSED}.default")]) == ["models"]
+    # An op registered by code no worker can import (a script's __main__, a notebook).
+    cell = compile(
+        "lib = torch.library.Library('cachebuild_tests_main', 'DEF')\n"
+        "lib.define('twice(Tensor x) -> Tensor')\n"
+        "torch.library.register_fake('cachebuild_tests_main::twice',\n"
+        "                            lambda x: x.new_empty(x.shape), lib=lib)\n",
+        "<cell>", "exec")
+    scope: dict = {"torch": torch}
+    exec(cell, scope)
+    assert op_modules([_job("op:cachebuild_tests_main::twice.default")]) is None
+
+
+def test_the_job_count_never_exceeds_cpus_memory_or_targets(monkeypatch):
+    monkeypatch.setattr("cachebuild.workers.usable_cpus", lambda: 8)
+    monkeypatch.setattr("cachebuild.workers.available_memory", lambda: 5 * 2**30)
+    assert jobs_here(20) == 3  # 5 GiB at 1.5 GiB a build
+    assert jobs_here(2) == 2
+    monkeypatch.setenv("CACHEBUILD_BUILD_MEMORY", "512M")
+    assert jobs_here(20) == 8
+    monkeypatch.setattr("cachebuild.workers.available_memory", lambda: 100 * 2**20)
+    assert jobs_here(20) == 1
+
+
+def test_phases_count_each_second_once():
+    clock = BuildClock()
+    with measuring(clock), phase("lowering"):
+        with phase("cxx_wrapper"):
+            pass
+        with phase("packaging"):
+            pass
+    assert set(clock.seconds) == {"lowering", "cxx_wrapper", "packaging"}
+    assert list(clock.report()) == [p for p in PHASES if p in clock.seconds]
+    with phase("lowering"):  # no clock on this thread: nothing recorded anywhere
+        pass
