@@ -1,6 +1,6 @@
 """Targets built in worker processes: ``BuildPool``, and how many workers fit here.
 
-A worker is ``python -m cachebuild.workers``, started at once (so that its imports of
+A worker is ``python -m cachebuild.worker``, started at once (so that its imports of
 torch and Inductor overlap whatever the caller does meanwhile, a trace say); it imports
 what the jobs need to resolve their ops (a model file, or the modules that registered
 them), opens the caller's store by its options and builds one job at a time through
@@ -24,7 +24,6 @@ compiler at another 0.5 GiB (measured on CPU, torch 2.13).
 from __future__ import annotations
 
 import contextlib
-import importlib
 import logging
 import os
 import pickle
@@ -32,7 +31,6 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -230,19 +228,19 @@ class _Worker:
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cachebuild.workers", str(write)],
+                [sys.executable, "-m", "cachebuild.worker", str(write)],
                 stdin=subprocess.PIPE, pass_fds=(write,), env=env, close_fds=True)
         finally:
             os.close(write)
         self.results: BinaryIO = os.fdopen(read, "rb")
         assert self.proc.stdin is not None
         self.jobs: BinaryIO = self.proc.stdin
-        _send(self.jobs, setup)
+        send(self.jobs, setup)
 
     def run(self, job: BuildJob) -> Result:
         try:
-            _send(self.jobs, job)
-            result = _receive(self.results)
+            send(self.jobs, job)
+            result = receive(self.results)
         except (OSError, EOFError, pickle.UnpicklingError, struct.error):
             result = None
         if not isinstance(result, Result):
@@ -337,13 +335,13 @@ class BuildPool:
 
 # -- framing -----------------------------------------------------------------------------------
 
-def _send(stream: BinaryIO, value: Any) -> None:
+def send(stream: BinaryIO, value: Any) -> None:
     data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
     stream.write(struct.pack("!Q", len(data)) + data)
     stream.flush()
 
 
-def _receive(stream: BinaryIO) -> Any:
+def receive(stream: BinaryIO) -> Any:
     head = stream.read(8)
     if len(head) < 8:
         raise EOFError
@@ -352,69 +350,3 @@ def _receive(stream: BinaryIO) -> Any:
     if len(data) < size:
         raise EOFError
     return pickle.loads(data)
-
-
-# -- the worker process ---------------------------------------------------------------------
-
-_FORWARDED_WARNINGS = ("RemoteDownWarning", "UnsignedRemoteWarning")
-
-
-def _serve(results_fd: int) -> None:
-    """The worker: set up, then build each job sent until stdin closes."""
-    import warnings
-
-    jobs = sys.stdin.buffer
-    results = os.fdopen(results_fd, "wb")
-    setup: WorkerSetup = _receive(jobs)
-    said: list[tuple[str, str]] = []
-    show = warnings.showwarning
-
-    def forward(message: Any, category: type[Warning], filename: str, lineno: int,
-                file: Any = None, line: str | None = None) -> None:
-        if category.__name__ in _FORWARDED_WARNINGS:
-            said.append((category.__name__, str(message)))
-        else:
-            show(message, category, filename, lineno, file, line)
-
-    for path in reversed(setup.sys_path):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    # What every build needs, imported now: it overlaps whatever the caller does meanwhile.
-    import torch._inductor.compile_fx  # noqa: F401
-    import torch.export  # noqa: F401
-
-    import cachebuild.passes.ops  # noqa: F401  # the fusion passes' ops
-    from cachebuild.build import Builder
-    from cachebuild.store.options import open_store
-
-    if setup.model_file:
-        from cachebuild.modelfile import import_model
-
-        import_model(setup.model_file)  # registers the model file's ops
-    for name in setup.modules:
-        importlib.import_module(name)
-    warnings.showwarning = forward
-    store = open_store(setup.options)
-    while True:
-        try:
-            job = _receive(jobs)
-        except EOFError:
-            return
-        start = time.perf_counter()
-        builder = Builder(store, job.config)
-        try:
-            built, error = builder.build(job), None
-        except Exception as e:  # reported per target; the other targets go on
-            built, error = False, str(e)
-        result = Result(job.target.key, built, time.perf_counter() - start, error, list(said),
-                        builder.phases.get(job.target.key, {}))
-        said.clear()
-        _send(results, result)
-
-
-if __name__ == "__main__":
-    # By its import name: what the worker pickles must name ``cachebuild.workers``'s
-    # classes, not this ``__main__``'s.
-    from cachebuild.workers import _serve as serve
-
-    serve(int(sys.argv[1]))

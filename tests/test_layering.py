@@ -33,7 +33,7 @@ LAYERS = [
     ["cachebuild.build", "cachebuild.verify", "cachebuild.notice", "cachebuild.workers"],
     ["cachebuild.runtime", "cachebuild.capture", "cachebuild.cudagraphs"],
     ["cachebuild.api", "cachebuild.dynamo_backend", "cachebuild.modelfile",
-     "cachebuild.warming"],
+     "cachebuild.warming", "cachebuild.worker"],
     ["cachebuild.cli.*"],
 ]
 

@@ -1,0 +1,74 @@
+"""A build worker process (``python -m cachebuild.worker FD``), started by
+``workers.BuildPool``: set up as told, then build each job sent on stdin, one at a time,
+and send each result on file descriptor FD."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+import time
+from typing import Any
+
+from cachebuild.workers import Result, WorkerSetup, receive, send
+
+#: Warning classes (by name) a worker hands to the caller instead of printing: the caller
+#: says each once, not once per worker.
+_FORWARDED_WARNINGS = ("RemoteDownWarning", "UnsignedRemoteWarning")
+
+
+def serve(results_fd: int) -> None:
+    """Set up, then build each job sent until stdin closes."""
+    import warnings
+
+    jobs = sys.stdin.buffer
+    results = os.fdopen(results_fd, "wb")
+    setup: WorkerSetup = receive(jobs)
+    said: list[tuple[str, str]] = []
+    show = warnings.showwarning
+
+    def forward(message: Any, category: type[Warning], filename: str, lineno: int,
+                file: Any = None, line: str | None = None) -> None:
+        if category.__name__ in _FORWARDED_WARNINGS:
+            said.append((category.__name__, str(message)))
+        else:
+            show(message, category, filename, lineno, file, line)
+
+    for path in reversed(setup.sys_path):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    # What every build needs, imported now: it overlaps whatever the caller does meanwhile.
+    import torch._inductor.compile_fx  # noqa: F401
+    import torch.export  # noqa: F401
+
+    import cachebuild.passes.ops  # noqa: F401  # the fusion passes' ops
+    from cachebuild.build import Builder
+    from cachebuild.store.options import open_store
+
+    if setup.model_file:
+        from cachebuild.modelfile import import_model
+
+        import_model(setup.model_file)  # registers the model file's ops
+    for name in setup.modules:
+        importlib.import_module(name)
+    warnings.showwarning = forward
+    store = open_store(setup.options)
+    while True:
+        try:
+            job = receive(jobs)
+        except EOFError:
+            return
+        start = time.perf_counter()
+        builder = Builder(store, job.config)
+        try:
+            built, error = builder.build(job), None
+        except Exception as e:  # reported per target; the other targets go on
+            built, error = False, str(e)
+        result = Result(job.target.key, built, time.perf_counter() - start, error, list(said),
+                        builder.phases.get(job.target.key, {}))
+        said.clear()
+        send(results, result)
+
+
+if __name__ == "__main__":
+    serve(int(sys.argv[1]))
