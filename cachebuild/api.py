@@ -83,6 +83,9 @@ class CompiledModule(torch.nn.Module):
         self._runtime: ModelRuntime | None = None
         self._eager = False  # cannot be compiled and on_failure="eager": runs the model
         self.capture_report: Any = None  # CaptureReport of the latest capture, if any
+        #: The targets building in the background while interim ones serve
+        #: (``while_building``), if any: ``interim.Swap``.
+        self.swap: Any = None
 
     @property
     def runtime(self) -> ModelRuntime | None:
@@ -147,12 +150,96 @@ class CompiledModule(torch.nn.Module):
             notice.must_trace(self.model, why, store, found.factors)
             entry = planner.trace(args, found)
         warm = found.entry is not None
+        interim = self._serve_while_building(planner, builder, entry, store, why)
+        if interim is not None:
+            return interim
         loaded = resolve_all(entry, builder, parallel=slow_loads,
                              on_missing=lambda n, total: notice.must_build(self.model, n, total,
                                                                            warm))
         if why != "fresh":
             planner.record(entry)
         return entry, loaded
+
+    def _serve_while_building(self, planner: Planner, builder: Builder, entry: Any,
+                              store: Store, why: str) -> tuple[Any, dict[str, Any]] | None:
+        """With ``while_building`` and targets missing: start building them in worker
+        processes, build (or load) the interim targets here, and return the interim entry
+        and its targets; the next call after the missing targets are stored and loaded
+        swaps to ``entry`` (``interim.py``). None where there is nothing to do, or no
+        worker could build the missing targets as this process would (then the caller
+        builds them here)."""
+        from cachebuild.build import jobs_of
+        from cachebuild.interim import Swap, interim_config, interim_entry
+        from cachebuild.workers import cold_start_jobs, setup_for
+
+        config = interim_config(self.config)
+        missing = [key for key in entry.target_keys() if not store.contains(key)]
+        if config is None or not missing:
+            return None
+        swap = self.swap
+        if swap is None or not swap.pending or swap.entry.key != entry.key:
+            every = jobs_of(entry, self.config)
+            jobs = [builder.here(every[key]) for key in missing]
+            setup = setup_for(jobs, store, builder.passes)
+            if setup is None:
+                log.warning("cachebuild: %s builds its targets before serving "
+                            "(while_building=%r): worker processes could not build them as "
+                            "this process would (ops or passes of its own, or a store they "
+                            "cannot open)", type(self.model).__name__, self.config.while_building)
+                return None
+
+            def stored(loaded: dict[str, Any]) -> None:
+                if why != "fresh":
+                    planner.record(entry)  # its targets all stored: a later start is warm
+
+            # Started first, so the workers' start overlaps the interim builds here.
+            swap = self.swap = Swap(entry, builder, jobs, cold_start_jobs(len(jobs)), setup,
+                                    stored)
+        served = interim_entry(entry, config, builder.passes, store)
+        interim_builder = Builder(store, config, builder.passes, builder.device)
+        try:
+            loaded = resolve_all(served, interim_builder, workers=False)
+        except Exception as e:  # nothing to serve with meanwhile: wait for the real ones
+            log.warning("cachebuild: %s has no %s targets to serve with while it builds "
+                        "(%s); waiting for its own", type(self.model).__name__,
+                        self.config.while_building, one_line(e))
+            return entry, swap.take()
+        log.warning("cachebuild: %s serves with %s targets while its %d missing targets "
+                    "build in the background", type(self.model).__name__,
+                    self.config.while_building, len(missing))
+        return served, loaded
+
+    def _swap_in(self, args: tuple[Any, ...]) -> None:
+        """Before a call: run on the targets built in the background if they are ready
+        (``while_building``); the interim runtime and its graphs go. With the ``eager``
+        capture policy the new runtime captures its sizes first, here."""
+        swap = self.swap
+        loaded = swap.claim() if swap is not None else None
+        if loaded is None:
+            return
+        try:
+            runtime = ModelRuntime(swap.entry, loaded, self.model, self.config,
+                                   self.dynamic_dims)
+            if runtime.capturer is not None and runtime.capturer.policy == "eager":
+                with phase("capture"):
+                    self.capture_report = runtime.capture(like=args)
+        except Exception as e:  # keep serving with what runs
+            swap.error = f"{type(e).__name__}: {e}"
+            log.warning("cachebuild: %s keeps serving with its interim targets: its own "
+                        "could not take over: %s", type(self.model).__name__, one_line(e))
+            return
+        old, self._runtime = self._runtime, runtime
+        if old is not None and old.capturer is not None:
+            old.capturer.stop()  # its graphs replay the interim targets: they go with it
+        COUNTERS.swaps += 1
+        log.info("cachebuild: %s now serves with its %d targets, built in %.1f s in the "
+                 "background", type(self.model).__name__, len(loaded), swap.seconds)
+
+    def wait_built(self, timeout: float | None = None) -> bool:
+        """Wait until the targets building in the background (``while_building``) are
+        stored and loaded, or failed to build (``swap.error`` says why); True when nothing
+        is building any more. The next call then runs on them."""
+        return self.swap.wait(timeout) if self.swap is not None else True
 
     def _failed(self, error: BaseException, first: bool) -> None:
         """A model that cannot be compiled: raise (the error itself the first time, then
@@ -189,8 +276,11 @@ class CompiledModule(torch.nn.Module):
             self.prepare(*args)
         if self._eager:
             return self.model(*args)
-        assert self._runtime is not None
-        return self._runtime(*args)
+        if self.swap is not None and not self.swap.claimed and self.swap.done.is_set():
+            self._swap_in(args)
+        runtime = self._runtime  # read once: a call runs on one runtime from start to end
+        assert runtime is not None
+        return runtime(*args)
 
 
 #: Models that failed to compile in this process, by the key of the entry they would have

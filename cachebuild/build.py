@@ -364,13 +364,16 @@ def jobs_of(entry: Entry, config: CompileConfig) -> dict[str, BuildJob]:
 
 
 def resolve_all(entry: Entry, builder: Builder, parallel: bool = False,
-                on_missing: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+                on_missing: Callable[[int, int], None] | None = None,
+                workers: bool = True) -> dict[str, Any]:
     """Every unique target of ``entry``, loaded or built (one at a time).
 
     ``parallel``: load on up to ``load_threads()`` threads, for artifacts whose loading is
     slow (``standalone`` ones initialise Inductor); AOTI packages load in milliseconds,
     on the calling thread. ``on_missing(missing, total)`` is called before any build; the
-    builds then show progress (``notice.build_progress``).
+    builds then show progress (``notice.build_progress``). ``workers``: False builds
+    every missing target in this process (targets that build in seconds, while workers
+    build others).
     """
     from cachebuild.notice import build_progress
 
@@ -385,7 +388,7 @@ def resolve_all(entry: Entry, builder: Builder, parallel: bool = False,
     if missing and on_missing is not None:
         on_missing(len(missing), len(jobs))
     with build_progress(len(missing)) as done:
-        if len(missing) > 1:
+        if workers and len(missing) > 1:
             _build_in_workers([jobs[key] for key in missing], builder, done)
         for key in missing:
             start = time.perf_counter()

@@ -36,10 +36,12 @@ CUDAGRAPH_MODES = ("none", "piecewise", "full")
 #: When sizes are captured (``capture.py``): ``auto`` is background on CUDA, lazy elsewhere.
 CAPTURE_POLICIES = ("auto", "eager", "background", "lazy")
 OUT_OF_RANGE = ("error", "eager")
+#: What a cold start serves with while its targets build (``while_building``).
+WHILE_BUILDING = ("wait", "eager_fusion", "standalone")
 ON_FAILURE = ("error", "eager")
 #: Fields that decide how a loaded model runs, not what is built or stored.
 RUNTIME_ONLY = ("cudagraph_mode", "capture", "capture_sizes", "pad_to_capture_size",
-                "out_of_range", "on_failure")
+                "out_of_range", "on_failure", "while_building")
 #: The largest size of a dynamic dim a config may name (what a 32-bit index reaches).
 MAX_SIZE = 2**31 - 1
 #: How many ranges, exact sizes and capture sizes a config may list.
@@ -118,6 +120,14 @@ class CompileConfig:
     - ``on_failure``: a model that cannot be compiled (its trace, split or a build
       fails) raises (``"error"``), and raises again at once at every later call, with
       no new attempt; or runs eagerly from then on with one warning (``"eager"``).
+    - ``while_building``: what a cold start whose targets are not all stored serves with
+      until they are: nothing, it waits for them (``"wait"``); or targets of a backend that
+      builds in seconds (``"eager_fusion"``, or the inductor backend's ``"standalone"``
+      flavour), built first, while the missing targets build in worker processes; once all
+      are stored, the next call swaps to them (no call mixes the two). A model whose
+      targets workers cannot build as its process would (custom passes or ops defined in
+      ``__main__``) waits, with a warning; so do ``cachebuild warm`` and the torch.compile
+      front door (``cachebuild.backend``).
     """
 
     splitting_ops: tuple[str, ...] = ()
@@ -133,6 +143,7 @@ class CompileConfig:
     pad_to_capture_size: bool = False
     out_of_range: str = "error"
     on_failure: str = "error"
+    while_building: str = "wait"
 
     def __post_init__(self) -> None:
         # Normalise containers so equal configs hash equal and are immutable; refuse any
@@ -220,6 +231,9 @@ class CompileConfig:
                 f"unknown capture policy {self.capture!r}: choose one of {CAPTURE_POLICIES}")
         if self.out_of_range not in OUT_OF_RANGE:
             raise ConfigError(f"out_of_range must be one of {OUT_OF_RANGE}")
+        if self.while_building not in WHILE_BUILDING:
+            raise ConfigError(f"while_building must be one of {WHILE_BUILDING}, not "
+                              f"{_show(self.while_building)}")
         if self.on_failure not in ON_FAILURE:
             raise ConfigError(f"on_failure must be one of {ON_FAILURE}, not {_show(self.on_failure)}")
         if any(s < 1 for s in self.capture_sizes):

@@ -29,6 +29,7 @@ class Counters:
     vanished: int = 0  # targets removed from the store (gc) while being loaded: misses
     sizes_captured: int = 0  # sizes whose graphs were captured (every model, every policy)
     sizes_pending: int = 0   # sizes a background capture has yet to capture
+    swaps: int = 0    # models that swapped from interim targets to theirs (while_building)
     seconds: dict[str, float] = field(default_factory=dict)  # per phase
 
     def add_time(self, phase: str, seconds: float) -> None:

@@ -32,7 +32,7 @@ LAYERS = [
     ["cachebuild.entry", "cachebuild.planner", "cachebuild.explain"],
     ["cachebuild.build", "cachebuild.verify", "cachebuild.notice", "cachebuild.workers"],
     ["cachebuild.runtime", "cachebuild.capture", "cachebuild.cudagraphs"],
-    ["cachebuild.api", "cachebuild.dynamo_backend", "cachebuild.modelfile",
+    ["cachebuild.api", "cachebuild.interim", "cachebuild.dynamo_backend", "cachebuild.modelfile",
      "cachebuild.warming", "cachebuild.worker"],
     ["cachebuild.cli.*"],
 ]

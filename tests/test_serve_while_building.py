@@ -1,0 +1,197 @@
+"""Serving while the targets build (``while_building``), with real processes: a cold
+start serves at once with eager_fusion targets while its AOTI targets build in a worker
+process, then the next call after they are stored swaps to them. Every call matches
+eager, no call runs pieces of both kinds, the interim runtime's captured sizes do not
+carry over (the new runtime captures its own), and the entry recorded afterwards serves a
+second process warm with the AOTI targets."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import models
+import pytest
+
+from cachebuild.config import CompileConfig
+from cachebuild.errors import ConfigError
+from cachebuild.interim import interim_config
+
+SERVER = textwrap.dedent("""
+    import json, os, sys, time
+    import cachebuild
+    import cachebuild.api as api
+    import cachebuild.runtime as runtime
+    import models
+    from cachebuild.store import LocalStore
+
+    kinds = []  # of the pieces the call in progress ran
+    run_piece = runtime.PieceRunner.__call__
+
+    def watched(self, *args):
+        fn = self.select(self.size_of(args))
+        kinds.append("aoti" if hasattr(fn, "loader") else "interim")
+        return run_piece(self, *args)
+
+    runtime.PieceRunner.__call__ = watched
+    swap_in = api.CompiledModule._swap_in
+    at_swap = []  # sizes the new runtime had captured when it took over
+
+    def watched_swap(self, args):
+        old = self.runtime
+        swap_in(self, args)
+        if self.runtime is not old:
+            at_swap.append(list(self.runtime.captured_sizes))
+            at_swap.append(old.capturer._stop.is_set())
+
+    api.CompiledModule._swap_in = watched_swap
+    config = models.config(backend="inductor", flavour="aoti",
+                           compile_ranges=(models.AOTI_RANGE,), while_building="eager_fusion",
+                           cudagraph_mode="piecewise", capture="lazy", capture_sizes=(3, 8))
+    model = models.make(models.Decoder, layers=2)
+    store = LocalStore(sys.argv[1], work_dir=os.environ["CACHEBUILD_WORK_DIR"])
+    compiled = cachebuild.compile(model, config, {0: 0, 1: 0}, store=store)
+    start = time.perf_counter()
+    calls, runtimes = [], []
+    first_output = swapped = None
+    deadline = time.monotonic() + 500
+    after = 0
+    while after < 3 and time.monotonic() < deadline:
+        if compiled.swap is not None and compiled.swap.claimed:
+            after += 1
+        for size in (3, 8):
+            kinds.clear()
+            models.assert_matches_eager(compiled, model, models.inputs(size))
+            first_output = first_output or time.perf_counter() - start
+            if id(compiled.runtime) not in runtimes:
+                runtimes.append(id(compiled.runtime))
+                if len(runtimes) == 2:
+                    swapped = time.perf_counter() - start
+            calls.append([runtimes.index(id(compiled.runtime)), sorted(set(kinds))])
+        time.sleep(0.05)
+    s = cachebuild.stats()
+    print(json.dumps({"calls": calls, "swaps": s["swaps"], "built": s["built"],
+                      "error": compiled.swap.error if compiled.swap else "no swap",
+                      "at_swap": at_swap, "captured_now": compiled.runtime.captured_sizes,
+                      "targets": compiled.runtime.entry.target_keys(),
+                      "first_output_s": first_output, "swapped_s": swapped,
+                      "phases": compiled.swap.builder.worker_phases}))
+""")
+
+WARM = textwrap.dedent("""
+    import json, os, sys
+    import cachebuild, models
+    from cachebuild.store import LocalStore
+
+    model = models.make(models.Decoder, layers=2)
+    store = LocalStore(sys.argv[1], work_dir=os.environ["CACHEBUILD_WORK_DIR"])
+    compiled = cachebuild.compile(model, models.aoti_config(), {0: 0, 1: 0}, store=store)
+    models.assert_matches_eager(compiled, model, models.inputs(5))
+    s = cachebuild.stats()
+    print(json.dumps({"traced": s["traced"], "built": s["built"],
+                      "targets": compiled.runtime.entry.target_keys(),
+                      "kinds": sorted({store.get_record(k).kind
+                                       for k in compiled.runtime.entry.target_keys()})}))
+""")
+
+
+def _run(script: str, store, env) -> dict:
+    done = subprocess.run([sys.executable, "-c", script, str(store)], capture_output=True,
+                          text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def test_what_serves_while_building():
+    aoti = models.aoti_config()
+    assert interim_config(aoti) is None  # waits, by default
+    assert interim_config(CompileConfig(while_building="eager_fusion",
+                                        backend="eager_fusion")) is None
+    served = interim_config(CompileConfig(while_building="eager_fusion", flavour="aoti"))
+    assert (served.backend, served.while_building) == ("eager_fusion", "wait")
+    served = interim_config(CompileConfig(while_building="standalone", flavour="aoti"))
+    assert (served.backend, served.flavour) == ("inductor", "standalone")
+    assert interim_config(CompileConfig(while_building="standalone",
+                                        flavour="standalone")) is None
+    with pytest.raises(ConfigError, match="while_building"):
+        CompileConfig(while_building="eager")
+
+
+def test_a_cold_start_serves_interim_targets_then_swaps_between_calls(tmp_path):
+    # The session's AOTI build of this model left its work folder (C++ objects, headers,
+    # the ISA verdict): the background build here reuses it, as a second build would.
+    warmed = models.aoti_store()
+    env = {**os.environ, "PYTHONPATH": str(models.TESTS_DIR),
+           "CACHEBUILD_WORK_DIR": str(warmed["path"] / "v1" / "work")}
+    store = tmp_path / "store"
+    served = _run(SERVER, store, env)
+    assert served["error"] is None and served["swaps"] == 1, served
+    calls = served["calls"]
+    # Each call ran pieces of one kind only, on one runtime: the interim one, then its own.
+    assert all(len(kinds) == 1 for _, kinds in calls), calls
+    assert [kinds[0] for runtime, kinds in calls] == [
+        "interim" if runtime == 0 else "aoti" for runtime, _ in calls], calls
+    runtimes = [runtime for runtime, _ in calls]
+    assert runtimes == sorted(runtimes) and runtimes[0] == 0 and runtimes[-1] == 1, calls
+    # The interim runtime's graphs went with it; the new one captured its own.
+    assert served["at_swap"] == [[], True]
+    assert served["captured_now"] == [3, 8]
+    assert sorted(served["targets"]) == sorted(warmed["target_keys"])
+    assert served["first_output_s"] < served["swapped_s"]
+    # Built in a worker, each phase timed; the C++ objects the session's own build of
+    # these pieces compiled (in another store, the same work folder) were reused.
+    phases = served["phases"]
+    assert sorted(phases) == sorted(served["targets"])
+    assert all("lowering" in p["seconds"] and "proof" in p["seconds"] for p in phases.values())
+    assert sum(p["counts"].get("cxx_reused", 0) for p in phases.values()) > 0, phases
+    print(f"\nfirst output {served['first_output_s']:.2f} s, swapped at "
+          f"{served['swapped_s']:.2f} s, builds: " + "; ".join(
+              f"{k[:8]} {p['seconds']}" for k, p in phases.items()))
+    again = _run(WARM, store, env)
+    assert (again["traced"], again["built"]) == (0, 0)
+    assert again["targets"] == served["targets"]
+    assert again["kinds"] == warmed["kinds"]
+
+
+class _FailingPool:
+    """A build pool whose every build fails (a worker killed, say)."""
+
+    def __init__(self, workers, setup):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+    def run(self, jobs, on_done):
+        from cachebuild.workers import Result
+
+        for job in jobs:
+            on_done(job, Result(job.target.key, False, 0.0, "the build worker was killed"))
+
+
+def test_a_failed_background_build_keeps_serving_the_interim_targets(tmp_path, monkeypatch):
+    import cachebuild
+    from cachebuild.store import LocalStore
+
+    monkeypatch.setattr("cachebuild.workers.BuildPool", _FailingPool)
+    model = models.make(models.Decoder, layers=1)
+    config = models.config(backend="inductor", flavour="aoti", while_building="eager_fusion")
+    store = LocalStore(tmp_path / "store")
+    compiled = cachebuild.compile(model, config, {0: 0, 1: 0}, store=store)
+    before = cachebuild.stats()
+    models.assert_matches_eager(compiled, model, models.inputs(4))
+    assert compiled.wait_built(timeout=60)
+    assert "the build worker was killed" in compiled.swap.error
+    for size in (4, 9):  # still the interim targets, still right
+        models.assert_matches_eager(compiled, model, models.inputs(size))
+    assert {store.get_record(k).kind for k in compiled.runtime.entry.target_keys()} == {
+        "fx-graph"}
+    assert models.counters_delta(before, cachebuild.stats()).get("swaps", 0) == 0
+    # Nothing recorded: a later start looks for its own targets again.
+    assert not any(r.kind == "entry" for r in store.records())
