@@ -13,6 +13,7 @@ traces every process, but targets are still built once and loaded from then on.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -170,7 +171,7 @@ class CompiledModule(torch.nn.Module):
         builds them here)."""
         from cachebuild.build import jobs_of
         from cachebuild.interim import Swap, interim_config, interim_entry
-        from cachebuild.workers import cold_start_jobs, setup_for
+        from cachebuild.workers import cold_start_jobs, setup_for, usable_cpus
 
         config = interim_config(self.config)
         missing = [key for key in entry.target_keys() if not store.contains(key)]
@@ -192,9 +193,12 @@ class CompiledModule(torch.nn.Module):
                 if why != "fresh":
                     planner.record(entry)  # its targets all stored: a later start is warm
 
-            # Started first, so the workers' start overlaps the interim builds here.
-            swap = self.swap = Swap(entry, builder, jobs, cold_start_jobs(len(jobs)), setup,
-                                    stored)
+            # Started first, so the workers' start overlaps the interim builds here, and
+            # one CPU left to this process unless the environment says how many.
+            workers = cold_start_jobs(len(jobs))
+            if not os.environ.get("CACHEBUILD_BUILD_JOBS", "").strip():
+                workers = max(1, min(workers, usable_cpus() - 1))
+            swap = self.swap = Swap(entry, builder, jobs, workers, setup, stored)
         served = interim_entry(entry, config, builder.passes, store)
         interim_builder = Builder(store, config, builder.passes, builder.device)
         try:
