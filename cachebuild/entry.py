@@ -35,6 +35,7 @@ from cachebuild.guards import GuardSet, check_data
 from cachebuild.keys import guard_seal_key, make_key
 from cachebuild.sources import changed, digest_of, labels_in, loaded_files, source_data
 from cachebuild.split import SplitPlan
+from cachebuild.store.refs import register_refs
 from cachebuild.targets import Target, piece_data
 from cachebuild.trace import Binding, TracedGraph
 
@@ -190,6 +191,27 @@ class Entry:
             sources={str(k): dict(v) for k, v in raw["sources"].items()},
             source_stamps={str(k): [int(x) for x in v] for k, v in raw["source_stamps"].items()},
         )
+
+
+def payload_refs(payload: bytes) -> list[str]:
+    """The keys a stored entry needs beside it (its targets and the seal of its guards),
+    read from the payload's JSON without building the entry, so that an entry of an
+    older format still keeps its targets. ValueError, KeyError, TypeError or
+    AttributeError if the payload names none; an entry whose guards no key can be made
+    of has no seal ref (it is a miss anyway)."""
+    doc = json.loads(payload)
+    keys = [t["key"] for p in doc.get("pieces", []) for t in p.get("targets", [])]
+    if "key" in doc and "guards" in doc:  # an entry that has a seal
+        try:
+            keys.append(guard_seal_key(doc["key"], doc["guards"]))
+        except (ValueError, TypeError, RecursionError):
+            pass
+    return keys
+
+
+# The store reads what an entry refers to through this (also declared as the
+# ``cachebuild.refs`` entry point, for processes that never import this module).
+register_refs("entry", payload_refs)
 
 
 def _tensor_table(items: Any) -> list[list[Any]]:

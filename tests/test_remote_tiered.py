@@ -27,12 +27,8 @@ from cachebuild.store.blob import encode_blob
 from cachebuild.store.local import LocalStore
 from cachebuild.store.options import StoreOptions, open_store
 from cachebuild.store.remote import RedisRemote, RemoteDownWarning, chunk_key, record_key
-from cachebuild.store.tiered import (
-    TieredStore,
-    UnsignedRemoteWarning,
-    pull,
-    push,
-)
+from cachebuild.store.tiered import TieredStore, UnsignedRemoteWarning
+from cachebuild.store.transfer import pull, push
 
 pytestmark = pytest.mark.redis
 

@@ -254,7 +254,7 @@ def test_names_in_redis_that_are_not_keys_are_skipped(tmp_path, server):
     for name in ("zz-not-hex", "ABCDEF0123456789ABCDEF", "../../etc", "\x1b[31mred"):
         client.set(f"{PREFIX}rec:{name}", json.dumps({"format": 1}))
     code = ("import json\nfrom cachebuild.store import open_store\n"
-            "from cachebuild.store.tiered import pull\n"
+            "from cachebuild.store.transfer import pull\n"
             "counts = pull(open_store())\n"
             "print(json.dumps(counts.as_dict()))")
     proc = python(code, env=env_for(tmp_path / "r", server.url))
@@ -263,7 +263,7 @@ def test_names_in_redis_that_are_not_keys_are_skipped(tmp_path, server):
     assert counts["transferred"] == 1 and counts["failed"] == 0
     # And the library refuses a name that is not a key with a count, not an exception.
     code = ("import json\nfrom cachebuild.store import open_store\n"
-            "from cachebuild.store.tiered import pull\n"
+            "from cachebuild.store.transfer import pull\n"
             "print(json.dumps(pull(open_store(), ['zz', 'ab' * 16]).as_dict()))")
     proc = python(code, env=env_for(tmp_path / "r2", server.url))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -424,7 +424,7 @@ def test_a_lock_held_by_someone_who_cannot_prove_to_be_a_builder_does_not_stop_a
     k = new_key()
     # With a key: a token without the fleet's HMAC, or a builder's real token copied
     # after it was made (it proves nothing once it is old).
-    from cachebuild.store.remote import lock_token
+    from cachebuild.store.redis_lock import lock_token
 
     copied = lock_token(lock_key(k), "a" * 32, KEY.encode(), now_ms=1_000)
     squat = squatter(server, k, copied if signed else "not a builder")
