@@ -30,8 +30,10 @@ from cachebuild import compat
 from cachebuild.backends import aoti, kernel_dir
 from cachebuild.backends.base import (
     Artifact,
+    Backend,
     BuildRequest,
     DeviceBound,
+    LoadNeeds,
     bucket_bounds,
     dynamic_dims_of,
     example_inputs,
@@ -40,6 +42,7 @@ from cachebuild.backends.base import (
 from cachebuild.backends.pack import PackError, pack, unpack
 from cachebuild.backends.probe import UntrustedCompiler, trusted_compiler
 from cachebuild.errors import ConfigError, transient
+from cachebuild.store.base import ArtifactSource
 
 log = logging.getLogger("cachebuild.inductor")
 
@@ -53,7 +56,7 @@ def _inductor_options(request: BuildRequest) -> dict[str, Any]:
     return options
 
 
-class InductorBackend:
+class InductorBackend(Backend):
     name = "inductor"
 
     def factors(self, config: Any) -> dict[str, Any]:
@@ -201,12 +204,17 @@ class InductorBackend:
 
     # -- load --------------------------------------------------------------------------
 
-    def load(self, kind: str, key: str, store: Any, device: str) -> Any:
+    def load(self, kind: str, key: str, source: ArtifactSource, device: str) -> Any:
         if kind in ("aoti-cpu", "aoti-cuda"):
-            return _load_aoti(key, store, device)
+            return _load_aoti(key, source, device)
         if kind == "standalone":
-            return load_standalone(key, store, device)
+            return load_standalone(key, source, device)
         raise ValueError(f"inductor backend cannot load artifacts of kind {kind!r}")
+
+    def load_needs(self, kind: str) -> LoadNeeds:
+        """A ``standalone`` artifact initialises Inductor to load; an AOTI package loads
+        through torch's C++ loader, without it."""
+        return LoadNeeds(inductor=kind == "standalone")
 
 
 def indexed(device: str | torch.device) -> torch.device:
@@ -242,7 +250,7 @@ def vanished(key: str, why: str) -> None:
                 "and will be built again", key, why)
 
 
-def _load_aoti(key: str, store: Any, device: str) -> Any:
+def _load_aoti(key: str, store: ArtifactSource, device: str) -> Any:
     path = store.materialize(key, ".pt2")
     if path is None:
         return None
@@ -256,7 +264,7 @@ def _load_aoti(key: str, store: Any, device: str) -> Any:
         return None
 
 
-def load_standalone(key: str, store: Any, device: str | None = None) -> Any:
+def load_standalone(key: str, store: ArtifactSource, device: str | None = None) -> Any:
     """Load a standalone artifact from the store's verified bytes, and from nothing else.
 
     On CUDA the artifact runs on the GPU index it was built on only (Inductor's generated
@@ -301,7 +309,7 @@ def _build_info(parts: dict[str, bytes]) -> dict[str, str]:
     return {k: v for k, v in build.items() if v}
 
 
-def _load_standalone(key: str, store: Any, data: bytes, parts: dict[str, bytes] | None, *,
+def _load_standalone(key: str, store: ArtifactSource, data: bytes, parts: dict[str, bytes] | None, *,
                      in_memory: bool) -> Any:
     from torch._inductor import CompiledArtifact, config
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from cachebuild import notice
-from cachebuild.build import Builder, needs_inductor, resolve_all
+from cachebuild.build import Builder, load_needs, resolve_all
 from cachebuild.config import CompileConfig, check_config, check_dynamic_dims
 from cachebuild.counters import COUNTERS, phase, snapshot
 from cachebuild.dynamo_backend import GraphForward
@@ -135,7 +135,7 @@ class CompiledModule(torch.nn.Module):
         entry, why = found.entry, found.why
         slow_loads = False
         if entry is not None:
-            slow_loads = needs_inductor(entry.target_keys(), store)
+            slow_loads = load_needs(entry.target_keys(), builder).inductor
             if slow_loads:
                 preload()
             COUNTERS.entries_loaded += 1

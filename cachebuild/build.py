@@ -29,7 +29,7 @@ import torch
 
 from cachebuild import keep
 from cachebuild.backends import BuildRequest, get_backend
-from cachebuild.backends.base import DeviceBound
+from cachebuild.backends.base import DeviceBound, LoadNeeds
 from cachebuild.backends.kernel_dir import build_work_dir
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase
@@ -43,6 +43,7 @@ from cachebuild.verify import check, check_artifact, verify_on_load, verify_size
 
 if TYPE_CHECKING:
     from cachebuild.entry import Entry
+    from cachebuild.passes import PassManager
     from cachebuild.store.base import Store
 
 log = logging.getLogger("cachebuild.build")
@@ -88,7 +89,7 @@ class BuildJob:
 class Builder:
     """Resolves targets against one store with one config's backend and passes."""
 
-    def __init__(self, store: Any, config: CompileConfig, passes: Any = None,
+    def __init__(self, store: Store, config: CompileConfig, passes: PassManager | None = None,
                  device: str = "cpu") -> None:
         """``passes``: a ``PassManager`` to use instead of the one ``config.passes`` makes
         (custom passes); its factors enter every target key all the same. ``device``: where
@@ -97,10 +98,10 @@ class Builder:
         self.config = config
         self.device = device
         self.backend = get_backend(config.backend)
-        self._passes: Any = passes
+        self._passes = passes
 
     @property
-    def passes(self) -> Any:
+    def passes(self) -> PassManager:
         if self._passes is None:
             from cachebuild.passes import PassManager
 
@@ -293,13 +294,14 @@ def load_threads() -> int:
     return int(value)
 
 
-def needs_inductor(keys: list[str], store: Store) -> bool:
-    """True if loading these targets initialises Inductor (``standalone`` artifacts)."""
+def load_needs(keys: list[str], builder: Builder) -> LoadNeeds:
+    """What loading the ones of these targets that ``builder``'s store holds takes (its
+    backend says, per artifact kind)."""
     for key in keys:
-        record = store.get_record(key)
-        if record is not None and record.kind == "standalone":
-            return True
-    return False
+        record = builder.store.get_record(key)
+        if record is not None and builder.backend.load_needs(record.kind).inductor:
+            return LoadNeeds(inductor=True)
+    return LoadNeeds()
 
 
 def jobs_of(entry: Entry, config: CompileConfig) -> dict[str, BuildJob]:
