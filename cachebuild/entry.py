@@ -193,6 +193,19 @@ class Entry:
         )
 
 
+#: What reading a stored payload that is not an entry of this format raises.
+UNREADABLE = (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError)
+
+
+def read_entry(data: bytes) -> Entry | None:
+    """The entry stored as ``data``, or None if it is not one this version reads (an
+    older format, or not an entry at all)."""
+    try:
+        return Entry.from_bytes(data)
+    except UNREADABLE:
+        return None
+
+
 def payload_refs(payload: bytes) -> list[str]:
     """The keys a stored entry needs beside it (its targets and the seal of its guards),
     read from the payload's JSON without building the entry, so that an entry of an

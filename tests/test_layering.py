@@ -34,7 +34,7 @@ LAYERS = [
     ["cachebuild.build", "cachebuild.verify", "cachebuild.notice"],
     ["cachebuild.runtime", "cachebuild.capture", "cachebuild.cudagraphs"],
     ["cachebuild.api", "cachebuild.dynamo_backend", "cachebuild.modelfile",
-     "cachebuild.warming"],
+     "cachebuild.warming", "cachebuild.explaining"],
     ["cachebuild.cli.*"],
 ]
 
