@@ -139,16 +139,13 @@ class InductorBackend(Backend):
             return Dim(f"d_{sym}", min=bounds[0], max=bounds[1])
 
         with torch.no_grad():
-            try:
+            if bounds is None:
                 ep = export(dim)
-            except Exception as e:
-                if bounds is None or "Constraints violated" not in str(e):
-                    raise
-                # torch 2.11's export cannot prove some guards that hold over the whole
-                # range (``min(16*s, 32*s) == 16*s``): it may keep them as checks the
-                # program runs, and the range the program then accepts is checked here.
-                ep = export(dim, prefer_deferred_runtime_asserts_over_guards=True)
-                _check_range_kept(ep, dynamic, bounds)
+            else:
+                ep, deferred = compat.export_keeping_unproven_guards(
+                    lambda **options: export(dim, **options))
+                if deferred:  # guards kept as checks: the range accepted is checked here
+                    _check_range_kept(ep, dynamic, bounds)
             with tempfile.TemporaryDirectory(prefix="cachebuild-aoti-") as tmp:
                 path = aoti.build_package(ep, os.path.join(tmp, "piece.pt2"),
                                           _inductor_options(request), compiler)

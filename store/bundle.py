@@ -40,9 +40,9 @@ from typing import Any
 
 from cachebuild.errors import StoreError, UsageError
 
+from .base import LocalTier
 from .blob import BlobHeader, CorruptBlob
 from .layout import check_key
-from .base import LocalTier
 from .maintenance import reachable
 from .record import BadRecord, Record, loads_json
 
