@@ -15,7 +15,7 @@ _LAZY = {
     "ModelSpec": "cachebuild.api",
     "backend": "cachebuild.api",
     "compile": "cachebuild.api",
-    "preload": "cachebuild.api",
+    "preload": "cachebuild.build",
     "stats": "cachebuild.api",
     "prometheus_text": "cachebuild.api",
     "warm": "cachebuild.warming",

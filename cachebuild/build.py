@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
@@ -314,17 +315,21 @@ def jobs_of(entry: Entry, config: CompileConfig) -> dict[str, BuildJob]:
     return jobs
 
 
-def resolve_all(entry: Entry, builder: Builder, parallel: bool = False,
+def resolve_all(entry: Entry, builder: Builder, *, warm: bool = False,
                 on_missing: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Every unique target of ``entry``, loaded or built (one at a time).
 
-    ``parallel``: load on up to ``load_threads()`` threads, for artifacts whose loading is
-    slow (``standalone`` ones initialise Inductor); AOTI packages load in milliseconds,
-    on the calling thread. ``on_missing(missing, total)`` is called before any build; the
-    builds then show progress (``notice.build_progress``).
+    ``warm``: ``entry`` was found stored; if loading its targets initialises Inductor
+    (their backend says so: ``standalone`` artifacts), its import is started at once
+    (``preload``) and they load on up to ``load_threads()`` threads. AOTI packages load in
+    milliseconds, on the calling thread. ``on_missing(missing, total)`` is called before
+    any build; the builds then show progress (``notice.build_progress``).
     """
     from cachebuild.notice import build_progress
 
+    parallel = warm and load_needs(entry.target_keys(), builder).inductor
+    if parallel:
+        preload()
     jobs = jobs_of(entry, builder.config)
     threads = min(load_threads(), len(jobs)) if parallel else 1
     if threads <= 1:
@@ -346,3 +351,29 @@ def resolve_all(entry: Entry, builder: Builder, parallel: bool = False,
             if key not in missing:
                 builder.check_loaded(jobs[key], fn)
     return loaded
+
+
+_PRELOAD: threading.Thread | None = None
+
+
+def preload() -> threading.Thread:
+    """Start initialising Inductor's runtime in the background (idempotent).
+
+    Loading ``standalone`` artifacts needs Inductor, whose import takes seconds; a server
+    calls this first thing so that the import overlaps building its model and loading
+    weights. Loading ``aoti`` artifacts needs none of it. Only the import happens
+    here: also loading an artifact in the background, to pay Inductor's first-load set-up
+    early, made the warm start slower on an H200 (it contended with the foreground loads).
+    """
+    global _PRELOAD
+    if _PRELOAD is None:
+        _PRELOAD = threading.Thread(target=_preload, name="cachebuild-preload", daemon=True)
+        _PRELOAD.start()
+    return _PRELOAD
+
+
+def _preload() -> None:
+    with phase("preload"):
+        import torch._inductor.codecache  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401  # the first load imports it otherwise
+        from torch._inductor import CompiledArtifact  # noqa: F401

@@ -11,10 +11,14 @@ values), the call's input metadata with the dynamic dims, and the environment.
 
 The recorded guards are the source of truth: an entry whose guards fail on the live model
 is not used, and the model's own entry is then looked for under a key derived from the
-failing entry's key and the live values (``variant_key``). Guards are data: their list is
+failing entry's key and the live values (``keys.variant_key``). Guards are data: their list is
 checked for its shape when an entry is read, and covered by a seal stored beside the
 entry under a key made from the entry's key and that list (``seal_key``); an entry whose
 guards were edited or deleted has no seal, and is a miss.
+
+This module owns how an entry is kept in a store: ``put_entry`` writes one (its seal first),
+``stored_entry`` reads one back with every check but the guards', and ``payload_refs``
+tells the store what a stored entry refers to.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from cachebuild.guards import GuardSet, check_data
 from cachebuild.keys import guard_seal_key, make_key
 from cachebuild.sources import changed, digest_of, labels_in, loaded_files, source_data
 from cachebuild.split import SplitPlan
+from cachebuild.store.base import Store
 from cachebuild.store.refs import register_refs
 from cachebuild.targets import Target, piece_data
 from cachebuild.trace import Binding, TracedGraph
@@ -206,6 +211,52 @@ def read_entry(data: bytes) -> Entry | None:
         return None
 
 
+def stored_entry(store: Store, key: str, *, touch: bool = True
+                 ) -> tuple[Entry | None, str | None]:
+    """The entry stored under ``key`` if a warm start may use it: ``(entry, None)``;
+    else ``(None, why)``: not an entry this version reads, its guard list not the one
+    sealed with it, or a source its trace read changed since; ``(None, None)`` if none
+    is stored. Its guards are the caller's to check, on the live model. ``touch=False``:
+    a look, not a use of the store."""
+    data = store.get(key, touch=touch)
+    if data is None:
+        return None, None
+    try:
+        entry = Entry.from_bytes(data)
+    except UNREADABLE as e:  # not an entry of this format
+        return None, f"stored entry unreadable ({type(e).__name__})"
+    try:
+        seal = guard_seal_key(entry.key, entry.guards)
+    except UNREADABLE as e:  # guards no key can be made of
+        return None, f"stored entry unreadable ({type(e).__name__})"
+    if entry.key != key or not store.contains(seal):
+        return None, ("the stored entry's guards are not the ones recorded with it (no seal "
+                      "for them)")
+    stale = entry.stale_files()
+    if stale:
+        return None, f"traced source changed: {', '.join(stale)}"
+    return entry, None
+
+
+def put_entry(entry: Entry, store: Store) -> None:
+    """Store ``entry`` under its key, replacing a stale or unreadable one there; an entry
+    a warm start may use that is stored meanwhile (by another process, or with a shared
+    tier another machine) is kept. The seal of its guards is stored first: an entry is
+    never stored without it (``contains`` verifies the one there, and moves a damaged or
+    refused one out of the way of this put). Call under the key's build lock."""
+    payload = entry.to_bytes()
+    stored, why = stored_entry(store, entry.key)
+    if stored is not None:
+        return
+    if why is not None:
+        store.delete(entry.key)
+    seal = guard_seal_key(entry.key, entry.guards)
+    if not store.contains(seal):
+        store.put(seal, b"", kind="guards")
+    store.put(entry.key, payload, kind="entry", manifest=entry.factors,
+              refs=[*entry.target_keys(), seal])
+
+
 def payload_refs(payload: bytes) -> list[str]:
     """The keys a stored entry needs beside it (its targets and the seal of its guards),
     read from the payload's JSON without building the entry, so that an entry of an
@@ -372,10 +423,3 @@ def _piece_inputs(plan: SplitPlan, bindings: list[Binding]
         inner[node.target] = [i for i, a in enumerate(node.args)
                               if isinstance(a, torch.fx.Node) and a.op != "placeholder"]
     return weights, inner
-
-
-def variant_key(key: str, values: list[Any]) -> str:
-    """Where the entry of a model lives whose values differ from those the entry at ``key``
-    was traced with: derived from that key and the live values of its guards, so every
-    process with the same model finds it without tracing."""
-    return make_key({"variant_of": key, "guards": values})

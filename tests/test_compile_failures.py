@@ -37,11 +37,11 @@ def _config(**overrides):
 
 @pytest.fixture(autouse=True)
 def forget_failures():
-    from cachebuild import api
+    from cachebuild import start
 
-    api.FAILED.clear()
+    start.FAILED.clear()
     yield
-    api.FAILED.clear()
+    start.FAILED.clear()
 
 
 def test_a_failure_is_raised_at_once_after_the_first_time(tmp_path):

@@ -33,6 +33,7 @@ LAYERS = [
     ["cachebuild.entry", "cachebuild.planner", "cachebuild.explain"],
     ["cachebuild.build", "cachebuild.verify", "cachebuild.notice"],
     ["cachebuild.runtime", "cachebuild.capture", "cachebuild.cudagraphs"],
+    ["cachebuild.start"],
     ["cachebuild.api", "cachebuild.dynamo_backend", "cachebuild.modelfile",
      "cachebuild.warming", "cachebuild.explaining"],
     ["cachebuild.cli.*"],
