@@ -94,8 +94,8 @@ def worker_put_get(*args) -> None:
     _run(_put_get, *args)
 
 
-def test_eight_processes_put_and_get_same_and_different_keys(store_dir):
-    LocalStore(store_dir)
+def test_eight_processes_put_and_get_same_and_different_keys(open_local, store_dir):
+    open_local(store_dir)
     ctx = _ctx()
     shared = [key(f"shared-{i}") for i in range(15)]
     barrier = ctx.Barrier(8)
@@ -104,7 +104,7 @@ def test_eight_processes_put_and_get_same_and_different_keys(store_dir):
     for p in procs:
         p.start()
     assert _join_all(procs) == [0] * 8
-    store = LocalStore(store_dir)
+    store = open_local(store_dir)
     keys = shared + [key(f"own-{w}-{i}") for w in range(8) for i in range(15)]
     assert {r.key for r in store.records()} == set(keys)
     for k in keys:
@@ -168,8 +168,8 @@ def worker_checking_reader(*args) -> None:
 
 
 @pytest.mark.slow
-def test_writers_killed_at_random_points(store_dir):
-    LocalStore(store_dir)
+def test_writers_killed_at_random_points(open_local, store_dir):
+    open_local(store_dir)
     ctx = _ctx()
     stop, results = ctx.Event(), ctx.Queue()
     reader = ctx.Process(target=worker_checking_reader, args=(str(store_dir), stop, results))
@@ -191,7 +191,7 @@ def test_writers_killed_at_random_points(store_dir):
     assert reader.exitcode == 0
     assert hits > 0
 
-    store = LocalStore(store_dir)
+    store = open_local(store_dir)
     leftovers = list((store.root / "tmp").iterdir())
     report = store.verify()
     assert report.clean, report.damaged
@@ -223,8 +223,8 @@ def worker_single_flight(*args) -> None:
     _run(_single_flight, *args)
 
 
-def test_single_flight_exactly_one_builds(store_dir, tmp_path):
-    LocalStore(store_dir)
+def test_single_flight_exactly_one_builds(open_local, store_dir, tmp_path):
+    open_local(store_dir)
     ctx = _ctx()
     k = key("single-flight")
     log_path = tmp_path / "builds.log"
@@ -252,8 +252,8 @@ def worker_hold_lock(*args) -> None:
     _run(_hold_lock, *args)
 
 
-def test_lock_timeout_names_the_key_and_dead_holders_release(store_dir):
-    store = LocalStore(store_dir)
+def test_lock_timeout_names_the_key_and_dead_holders_release(open_local, store_dir):
+    store = open_local(store_dir)
     ctx = _ctx()
     k = key("held")
     held, release = ctx.Event(), ctx.Event()
@@ -305,8 +305,8 @@ def worker_gc_reader(*args) -> None:
     _run(_gc_reader, *args)
 
 
-def test_gc_while_another_process_reads(store_dir):
-    store = LocalStore(store_dir)
+def test_gc_while_another_process_reads(open_local, store_dir):
+    store = open_local(store_dir)
     for k in GC_KEYS:
         store.put(k, payload_for(k, 200_000), kind="target")
     ctx = _ctx()

@@ -128,7 +128,7 @@ def test_a_target_counts_as_present_only_once_its_bytes_verify(tmp_path, server)
     assert rotated[good]["present"] is False and rotated[good]["data"] is None
 
 
-def test_refs_from_redis_never_decide_what_gc_keeps(tmp_path, server):
+def test_refs_from_redis_never_decide_what_gc_keeps(open_local, tmp_path, server):
     w = writer(tmp_path / "w", server.url)
     targets = [new_key(), new_key()]
     for t in targets:
@@ -147,7 +147,7 @@ def test_refs_from_redis_never_decide_what_gc_keeps(tmp_path, server):
     assert cli("pin", entry, env=env).returncode == 0
     proc = cli("gc", "--max-size", "0", env=env)
     assert proc.returncode == 0 and "3 kept by pins" in proc.stdout, proc.stdout + proc.stderr
-    local = LocalStore(l1, signing_key=KEY.encode())
+    local = open_local(l1, signing_key=KEY.encode())
     assert all(local.contains(k) for k in (entry, *targets))
 
 
@@ -172,9 +172,9 @@ def test_forged_records_are_never_shown(tmp_path, server):
 # -- 3: push --all with unsigned blobs ----------------------------------------------------
 
 
-def test_push_all_signs_what_the_local_store_holds_unsigned(tmp_path, server):
+def test_push_all_signs_what_the_local_store_holds_unsigned(open_local, tmp_path, server):
     l1 = tmp_path / "l1"
-    before = LocalStore(l1)  # warmed before the fleet key was configured
+    before = open_local(l1)  # warmed before the fleet key was configured
     keys = [new_key(), new_key()]
     for k in keys:
         before.put(k, b"built unsigned " + k.encode(), kind="target")
@@ -274,11 +274,11 @@ def test_names_in_redis_that_are_not_keys_are_skipped(tmp_path, server):
 # -- issue 25, 2: laundering ---------------------------------------------------------------
 
 
-def test_an_artifact_pulled_unsigned_stays_marked_and_push_all_will_not_sign_it(tmp_path, server):
+def test_an_artifact_pulled_unsigned_stays_marked_and_push_all_will_not_sign_it(open_local, tmp_path, server):
     untrusted = server.url[:-1] + "1"  # another database: a remote the fleet does not trust
     planted = new_key()
     with pytest.warns(UserWarning, match="without a signing key"):
-        attacker = TieredStore(LocalStore(tmp_path / "attacker"), RedisRemote(untrusted),
+        attacker = TieredStore(open_local(tmp_path / "attacker"), RedisRemote(untrusted),
                                allow_unsigned=True)
     attacker.put(planted, b"whoever wrote to the untrusted remote", kind="target")
     l1 = tmp_path / "l1"
@@ -289,7 +289,7 @@ def test_an_artifact_pulled_unsigned_stays_marked_and_push_all_will_not_sign_it(
     assert proc.returncode == 0 and "whoever wrote" in proc.stdout, proc.stderr[-2000:]
     # The machine also builds something of its own, before the fleet key is set.
     own = new_key()
-    LocalStore(l1).put(own, b"built here", kind="target")
+    open_local(l1).put(own, b"built here", kind="target")
     # ls and verify say where the pulled one came from.
     local = clean_env(CACHEBUILD_DIR=str(l1))
     listed = {r["key"]: r for r in json.loads(cli("ls", "--json", env=local).stdout)}
@@ -313,11 +313,11 @@ def test_an_artifact_pulled_unsigned_stays_marked_and_push_all_will_not_sign_it(
         "unsigned_from"].startswith(f"remote {untrusted}")
     again = tmp_path / "again"
     assert read(again, server.url, [planted])[planted]["present"] is True
-    assert LocalStore(again, signing_key=KEY.encode()).get_record(planted).unsigned_from
+    assert open_local(again, signing_key=KEY.encode()).get_record(planted).unsigned_from
 
 
-def test_a_bundle_keeps_the_mark_and_marks_what_no_key_verified(tmp_path):
-    keyless = LocalStore(tmp_path / "keyless")
+def test_a_bundle_keeps_the_mark_and_marks_what_no_key_verified(open_local, tmp_path):
+    keyless = open_local(tmp_path / "keyless")
     k = new_key()
     keyless.put(k, b"pulled from somewhere", kind="target", unsigned_from="remote redis://x/0")
     built = new_key()
@@ -330,7 +330,7 @@ def test_a_bundle_keeps_the_mark_and_marks_what_no_key_verified(tmp_path):
     proc = cli("import", str(bundle), "--allow-unsigned",
                env=clean_env(CACHEBUILD_DIR=str(dest), CACHEBUILD_SIGNING_KEY=KEY))
     assert proc.returncode == 0, proc.stderr
-    store = LocalStore(dest, signing_key=KEY.encode())
+    store = open_local(dest, signing_key=KEY.encode())
     assert store.get_record(k).unsigned_from == "remote redis://x/0"
     assert store.get_record(built).unsigned_from == "bundle b.tar"
 
@@ -348,12 +348,12 @@ print(json.dumps({"records": len(records), "grew_kib": after - before}))
 """
 
 
-def test_records_one_command_reads_are_bounded_in_total(tmp_path, server):
+def test_records_one_command_reads_are_bounded_in_total(open_local, tmp_path, server):
     from cachebuild.store.remote import MAX_SHARED_RECORD_BYTES
 
     # A keyless writer adds well-formed records, each within the per-record cap.
     with pytest.warns(UserWarning, match="without a signing key"):
-        w = TieredStore(LocalStore(tmp_path / "w"), RedisRemote(server.url),
+        w = TieredStore(open_local(tmp_path / "w"), RedisRemote(server.url),
                         allow_unsigned=True)
     big = "m" * (12 << 20)
     for i in range(8):  # 96 MiB of records
@@ -420,7 +420,7 @@ def squatter(server, key: str, value: str):
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_a_lock_held_by_someone_who_cannot_prove_to_be_a_builder_does_not_stop_a_build(
-        tmp_path, server, signed):
+        open_local, tmp_path, server, signed):
     k = new_key()
     # With a key: a token without the fleet's HMAC, or a builder's real token copied
     # after it was made (it proves nothing once it is old).
@@ -441,7 +441,7 @@ def test_a_lock_held_by_someone_who_cannot_prove_to_be_a_builder_does_not_stop_a
         squat.wait()
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "cannot prove to be a builder of this fleet" in proc.stderr
-    assert LocalStore(tmp_path / "r", signing_key=KEY.encode() if signed else None).get(k) \
+    assert open_local(tmp_path / "r", signing_key=KEY.encode() if signed else None).get(k) \
         == b"built locally"
 
 

@@ -128,7 +128,7 @@ print(json.dumps({"stats": cachebuild.stats(), "entry": compiled.runtime.entry.k
 """
 
 
-def test_traced_files_decide_whether_the_entry_is_valid(tmp_path):
+def test_traced_files_decide_whether_the_entry_is_valid(open_local, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     layers, model_file = src / "edit_layers.py", src / "edit_model.py"
@@ -160,7 +160,7 @@ def test_traced_files_decide_whether_the_entry_is_valid(tmp_path):
     assert stale["stats"]["traced"] == 1 and stale["graphs"] >= 1
     assert stale["stats"]["built"] >= 1  # the piece holding the edited MLP changed
     assert stale["entry"] == cold["entry"]
-    store = LocalStore(path)
+    store = open_local(path)
     assert Entry.from_bytes(store.get(cold["entry"])).stale_files() == []
 
     # Code in the file that defines the model class: traced again too.
@@ -170,7 +170,7 @@ def test_traced_files_decide_whether_the_entry_is_valid(tmp_path):
     assert edited["stats"]["built"] >= 1
 
 
-def test_stale_entry_in_this_process(tmp_path, monkeypatch):
+def test_stale_entry_in_this_process(open_local, tmp_path, monkeypatch):
     """The same check in-process: a traced file that vanished makes the entry stale."""
     src = tmp_path / "src"
     src.mkdir()
@@ -191,7 +191,7 @@ def test_stale_entry_in_this_process(tmp_path, monkeypatch):
         def forward(self, ids, pos):
             return helpers.double(self.inner(ids, pos))
 
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     model = UsesHelper().eval()
     models.assert_matches_eager(cachebuild.compile(model, models.config(), DYN, store=store),
                                 model, models.inputs(4))
@@ -261,11 +261,11 @@ def test_size_outside_every_range_is_an_error(stack):
         compiled(*models.hidden_inputs(17))
 
 
-def test_size_outside_every_range_runs_eagerly_with_one_warning(tmp_path):
+def test_size_outside_every_range_runs_eagerly_with_one_warning(open_local, tmp_path):
     model = models.make(models.LayerStack, layers=2)
     compiled = cachebuild.compile(
         model, models.config(compile_ranges=((1, 16),), out_of_range="eager"), DYN,
-        store=LocalStore(tmp_path / "store"))
+        store=open_local(tmp_path / "store"))
     models.assert_matches_eager(compiled, model, models.hidden_inputs(4))
     with pytest.warns(UserWarning, match="size 20 is outside every compile range; running "
                                          "eagerly") as caught:
