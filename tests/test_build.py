@@ -4,6 +4,7 @@ same time), weights are bound live, and a failing piece is reported and stores n
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import models
@@ -186,25 +187,21 @@ def test_failing_piece_names_piece_bucket_and_key_and_stores_nothing_partial(ope
 
 def test_backend_artifact_kind_mismatch_is_refused():
     with pytest.raises(ValueError, match="cannot load artifacts of kind 'standalone'"):
-        EagerFusionBackend().load("standalone", "0" * 32, store=None, device="cpu")
+        EagerFusionBackend().load("standalone", "0" * 32, source=None, device="cpu")
 
 
 # -- other processes -------------------------------------------------------------------
 
 CHILD = """
-import json, os, time
-from pathlib import Path
+import json, os, sys
 
 import cachebuild
 import models
 from cachebuild.store import LocalStore
 
-barrier = os.environ.get("BARRIER")
-if barrier:
-    Path(barrier, f"ready-{os.getpid()}").touch()
-    deadline = time.monotonic() + 120  # a sibling that died must not hang this one
-    while len(list(Path(barrier).glob("ready-*"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+if os.environ.get("TOGETHER"):  # start with a sibling: say so, and wait for the word
+    print("ready", flush=True)
+    sys.stdin.readline()
 layers = int(os.environ.get("LAYERS", "2"))
 model = models.make(models.Decoder, layers=layers)
 store = LocalStore(os.environ["STORE"]) if "STORE" in os.environ else None  # else CACHEBUILD_DIR
@@ -231,10 +228,13 @@ def test_second_process_compiles_nothing(open_local, tmp_path):
 
 def test_two_processes_at_once_build_each_target_once(open_local, tmp_path):
     path = tmp_path / "store"
-    barrier = tmp_path / "barrier"
-    barrier.mkdir()
-    env = {"STORE": str(path), "BARRIER": str(barrier)}
-    procs = [models.start_python(CHILD, env=env) for _ in range(2)]
+    env = {"STORE": str(path), "TOGETHER": "1"}
+    procs = [models.start_python(CHILD, env=env, stdin=subprocess.PIPE) for _ in range(2)]
+    for p in procs:  # both are ready before either builds
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()[-3000:]
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
     results = [models.finish(p) for p in procs]
     keys = results[0]["keys"]
     assert results[1]["keys"] == keys and len(keys) == 6

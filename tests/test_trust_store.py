@@ -17,7 +17,6 @@ import shutil
 import stat
 import subprocess
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
@@ -391,12 +390,11 @@ def test_a_bundle_that_inflates_past_memory_is_streamed(tmp_path):
     if shutil.which("prlimit") is None:
         pytest.skip("needs prlimit (util-linux) to run the importer with bounded memory")
     limit = ("prlimit", f"--as={640 << 20}")
-    start = time.monotonic()
+    # An importer that hung on the bomb would run past the timeout, and fail here.
     proc = cli("import", str(bomb), env=env_for(tmp_path / "target"), prefix=limit,
-               timeout=300)
+               timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "MemoryError" not in proc.stderr and "not a cachebuild blob" in proc.stderr
-    assert time.monotonic() - start < 120
 
 
 def test_pack_names_that_leave_the_directory_are_refused_before_writing(open_local, tmp_path):
