@@ -319,18 +319,25 @@ def resolve_all(entry: Entry, builder: Builder, *, warm: bool = False,
                 on_missing: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Every unique target of ``entry``, loaded or built (one at a time).
 
-    ``warm``: ``entry`` was found stored; if loading its targets initialises Inductor
-    (their backend says so: ``standalone`` artifacts), its import is started at once
-    (``preload``) and they load on up to ``load_threads()`` threads. AOTI packages load in
-    milliseconds, on the calling thread. ``on_missing(missing, total)`` is called before
-    any build; the builds then show progress (``notice.build_progress``).
+    ``warm``: ``entry`` was found stored (a warm start, counted as such); if loading its
+    targets initialises Inductor (their backend says so: ``standalone`` artifacts), its
+    import is started at once (``preload``) and they load on up to ``load_threads()``
+    threads. AOTI packages load in milliseconds, on the calling thread.
+    ``on_missing(missing, total)`` is called before any build; the builds then show
+    progress (``notice.build_progress``).
     """
     from cachebuild.notice import build_progress
 
-    parallel = warm and load_needs(entry.target_keys(), builder).inductor
+    jobs = jobs_of(entry, builder.config)
+    parallel = warm and load_needs(list(jobs), builder).inductor
     if parallel:
         preload()
-    jobs = jobs_of(entry, builder.config)
+    if warm:
+        COUNTERS.entries_loaded += 1
+        builder.store.count("warm_starts")
+        COUNTERS.planned += len(entry.targets())
+        COUNTERS.unique += len(jobs)
+        log.info("warm start from entry %s", entry.key[:12])
     threads = min(load_threads(), len(jobs)) if parallel else 1
     if threads <= 1:
         loaded = {key: builder.load(key) for key in jobs}

@@ -13,7 +13,7 @@ The recorded guards are the source of truth: an entry whose guards fail on the l
 is not used, and the model's own entry is then looked for under a key derived from the
 failing entry's key and the live values (``keys.variant_key``). Guards are data: their list is
 checked for its shape when an entry is read, and covered by a seal stored beside the
-entry under a key made from the entry's key and that list (``seal_key``); an entry whose
+entry under a key made from the entry's key and that list (``Entry.seal``); an entry whose
 guards were edited or deleted has no seal, and is a miss.
 
 This module owns how an entry is kept in a store: ``put_entry`` writes one (its seal first),
@@ -37,7 +37,7 @@ from cachebuild.facts import InputMeta, device_of, meta_of
 from cachebuild.fxjson import graph_to_data
 from cachebuild.guards import GuardSet, check_data
 from cachebuild.keys import guard_seal_key, make_key
-from cachebuild.sources import changed, digest_of, labels_in, loaded_files, source_data
+from cachebuild.sources import digest_of, labels_in, source_data, stale
 from cachebuild.split import SplitPlan
 from cachebuild.store.base import Store
 from cachebuild.store.refs import register_refs
@@ -103,6 +103,12 @@ class Entry:
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Each traced file's size and time as of its hash (``sources.stamp``).
     source_stamps: dict[str, list[int]] = field(default_factory=dict)
+    #: Where the seal of its guard list is stored (made from its key and that list): an
+    #: entry whose guards no key can be made of is not made (ValueError, TypeError).
+    seal: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.seal = guard_seal_key(self.key, self.guards)
 
     def target_keys(self) -> list[str]:
         keys: list[str] = []
@@ -110,14 +116,10 @@ class Entry:
             keys += [t.key for t in p.targets if t.key not in keys]
         return keys
 
-    def seal_key(self) -> str:
-        """Where the seal of this entry's guard list is stored (see the module doc)."""
-        return guard_seal_key(self.key, self.guards)
-
     def stored_keys(self) -> list[str]:
         """Everything besides the entry that a store must hold for it: its targets and
         its seal (what its refs list, and what push and pull move with it)."""
-        return [*self.target_keys(), self.seal_key()]
+        return [*self.target_keys(), self.seal]
 
     def targets(self) -> list[Target]:
         return [Target(t.key, i, t.bucket, self.manifests[t.key], tuple(p.sources))
@@ -142,12 +144,9 @@ class Entry:
         return GuardSet.from_data(self.guards)
 
     def stale_files(self) -> list[str]:
-        """Traced sources whose code is not the code of this process (``sources.changed``:
+        """Traced sources whose code is not the code of this process (``sources.stale``:
         found by content, wherever the file lies now), each named where it differs."""
-        loaded = loaded_files()
-        found = (changed(path, digest, self.source_stamps.get(path), loaded)
-                 for path, digest in self.source_files.items())
-        return [where for where in found if where is not None]
+        return stale(self.source_files, self.source_stamps)
 
     def to_bytes(self) -> bytes:
         data = {
@@ -221,21 +220,29 @@ def stored_entry(store: Store, key: str, *, touch: bool = True
     data = store.get(key, touch=touch)
     if data is None:
         return None, None
+    entry, why = _decoded(data)
+    if entry is not None:
+        why = _unusable(store, entry, key)
+    return (entry, None) if why is None else (None, why)
+
+
+def _decoded(data: bytes) -> tuple[Entry | None, str | None]:
+    """The entry in a stored payload, or why there is none."""
     try:
-        entry = Entry.from_bytes(data)
-    except UNREADABLE as e:  # not an entry of this format
+        return Entry.from_bytes(data), None
+    except UNREADABLE as e:  # not an entry of this format, or guards no key can be made of
         return None, f"stored entry unreadable ({type(e).__name__})"
-    try:
-        seal = guard_seal_key(entry.key, entry.guards)
-    except UNREADABLE as e:  # guards no key can be made of
-        return None, f"stored entry unreadable ({type(e).__name__})"
-    if entry.key != key or not store.contains(seal):
-        return None, ("the stored entry's guards are not the ones recorded with it (no seal "
-                      "for them)")
-    stale = entry.stale_files()
-    if stale:
-        return None, f"traced source changed: {', '.join(stale)}"
-    return entry, None
+
+
+def _unusable(store: Store, entry: Entry, key: str) -> str | None:
+    """Why ``entry``, read from under ``key``, may not be used (None: it may): its guard
+    list is not the one sealed with it, or a source its trace read changed since."""
+    if entry.key != key or not store.contains(entry.seal):
+        return "the stored entry's guards are not the ones recorded with it (no seal for them)"
+    changed = stale(entry.source_files, entry.source_stamps)
+    if changed:
+        return f"traced source changed: {', '.join(changed)}"
+    return None
 
 
 def put_entry(entry: Entry, store: Store) -> None:
@@ -244,17 +251,15 @@ def put_entry(entry: Entry, store: Store) -> None:
     tier another machine) is kept. The seal of its guards is stored first: an entry is
     never stored without it (``contains`` verifies the one there, and moves a damaged or
     refused one out of the way of this put). Call under the key's build lock."""
-    payload = entry.to_bytes()
+    payload, refs = entry.to_bytes(), entry.stored_keys()
     stored, why = stored_entry(store, entry.key)
     if stored is not None:
         return
     if why is not None:
         store.delete(entry.key)
-    seal = guard_seal_key(entry.key, entry.guards)
-    if not store.contains(seal):
-        store.put(seal, b"", kind="guards")
-    store.put(entry.key, payload, kind="entry", manifest=entry.factors,
-              refs=[*entry.target_keys(), seal])
+    if not store.contains(entry.seal):
+        store.put(entry.seal, b"", kind="guards")
+    store.put(entry.key, payload, kind="entry", manifest=entry.factors, refs=refs)
 
 
 def payload_refs(payload: bytes) -> list[str]:

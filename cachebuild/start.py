@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from cachebuild import notice
 from cachebuild.build import Builder, resolve_all
-from cachebuild.counters import COUNTERS, phase
+from cachebuild.counters import phase
 from cachebuild.errors import StoreError, transient
 from cachebuild.facts import device_of
 from cachebuild.planner import Planner
@@ -33,7 +33,6 @@ if TYPE_CHECKING:
     import torch
 
     from cachebuild.config import CompileConfig
-    from cachebuild.entry import Entry
     from cachebuild.passes import PassManager
     from cachebuild.store.base import Store
 
@@ -73,8 +72,6 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
         if entry is None:
             notice.must_trace(model, found.why, store, found.factors)
             entry = planner.trace(args, found)
-        else:
-            _count_warm_start(entry, store)
         builder = Builder(store, config, planner.passes, device_of([*args, *model.parameters()]))
         loaded = resolve_all(entry, builder, warm=warm,
                              on_missing=lambda n, total: notice.must_build(model, n, total, warm))
@@ -94,10 +91,3 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
                  report.seconds, report.pool_bytes)
     return started
 
-
-def _count_warm_start(entry: Entry, store: Store) -> None:
-    COUNTERS.entries_loaded += 1
-    store.count("warm_starts")
-    COUNTERS.planned += len(entry.targets())
-    COUNTERS.unique += len(entry.target_keys())
-    log.info("warm start from entry %s", entry.key[:12])
