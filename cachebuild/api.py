@@ -25,17 +25,13 @@ from cachebuild.counters import COUNTERS, snapshot
 from cachebuild.dynamo_backend import GraphForward
 from cachebuild.errors import CompileFailed, UsageError
 from cachebuild.facts import device_of
+from cachebuild.inputs import layout_guards
 from cachebuild.passes import PassManager
 from cachebuild.planner import Planner
-from cachebuild.runtime import (
-    CaptureReport,
-    ModelRuntime,
-    direct_forward,
-    on_device_forward,
-    stitch,
-)
+from cachebuild.runtime import CaptureReport, ModelRuntime
 from cachebuild.split import check_splitting_ops
 from cachebuild.start import start
+from cachebuild.stitch import direct_forward, on_device_forward, stitch
 from cachebuild.store.base import Store
 from cachebuild.trace import TracedGraph
 from cachebuild.trace import check_dynamic_dims as check_call_dims
@@ -196,8 +192,8 @@ def backend(config: CompileConfig | None = None, store: Store | None = None,
             entry = planner.plan(traced, {"front_door": "torch.compile"})
             device = device_of(traced.input_metas)
             builder = Builder(planner.store, config, planner.passes, device)
-            return lambda: on_device_forward(
-                direct_forward(stitch(entry, resolve_all(entry, builder))), device)
+            return lambda: on_device_forward(direct_forward(
+                stitch(entry, resolve_all(entry, builder), layout_guards(entry.pieces))), device)
 
         return GraphForward(gm, example_inputs, plan)
 

@@ -16,14 +16,15 @@ checked for its shape when an entry is read, and covered by a seal stored beside
 entry under a key made from the entry's key and that list (``Entry.seal``); an entry whose
 guards were edited or deleted has no seal, and is a miss.
 
-This module owns how an entry is kept in a store: ``put_entry`` writes one (its seal first),
-``stored_entry`` reads one back with every check but the guards', and ``payload_refs``
-tells the store what a stored entry refers to.
+This module owns how an entry is kept in a store: ``record_entry`` writes one (its seal
+first), ``stored_entry`` reads one back with every check but the guards', and
+``payload_refs`` tells the store what a stored entry refers to.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -43,6 +44,8 @@ from cachebuild.store.base import Store
 from cachebuild.store.refs import register_refs
 from cachebuild.targets import Target, piece_data
 from cachebuild.trace import Binding, TracedGraph
+
+log = logging.getLogger("cachebuild")
 
 #: The layout of a stored entry; bumped when it changes, so older entries are never misread
 #: (it is an entry-key factor: an old entry is simply not found, and the model retraced).
@@ -106,6 +109,9 @@ class Entry:
     #: Where the seal of its guard list is stored (made from its key and that list): an
     #: entry whose guards no key can be made of is not made (ValueError, TypeError).
     seal: str = field(init=False)
+    #: Why this entry may not be stored (its trace read what a warm start cannot check
+    #: without Dynamo), or None; never stored itself.
+    unrecordable: str | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         self.seal = guard_seal_key(self.key, self.guards)
@@ -245,12 +251,27 @@ def _unusable(store: Store, entry: Entry, key: str) -> str | None:
     return None
 
 
-def put_entry(entry: Entry, store: Store) -> None:
-    """Store ``entry`` under its key, replacing a stale or unreadable one there; an entry
-    a warm start may use that is stored meanwhile (by another process, or with a shared
-    tier another machine) is kept. The seal of its guards is stored first: an entry is
-    never stored without it (``contains`` verifies the one there, and moves a damaged or
-    refused one out of the way of this put). Call under the key's build lock."""
+def record_entry(entry: Entry, store: Store) -> bool:
+    """Store ``entry`` under its key (under the key's build lock), replacing a stale or
+    unreadable one there; True. False, with one log line, where its trace cannot be
+    checked without Dynamo (``unrecordable``), so no entry may exist.
+
+    An entry a warm start may use that is stored meanwhile (by another process, or with a
+    shared tier another machine) is kept: deleting it would also take the fleet's shared
+    copy away. The seal of its guards is stored first: an entry is never stored without it
+    (``contains`` verifies the one there, and moves a damaged or refused one out of the
+    way of this put).
+    """
+    if entry.unrecordable is not None:
+        log.warning("compiled %s without recording an entry (no warm start): %s",
+                    entry.factors["model"]["class"].rsplit(".", 1)[-1], entry.unrecordable)
+        return False
+    with store.lock(entry.key):
+        _put(entry, store)
+    return True
+
+
+def _put(entry: Entry, store: Store) -> None:
     payload, refs = entry.to_bytes(), entry.stored_keys()
     stored, why = stored_entry(store, entry.key)
     if stored is not None:
@@ -406,6 +427,7 @@ def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,
         written_inputs=list(plan.written_inputs),
         sources=source_data(labels_in([g.to_data() for g in traced.guards])),
         source_stamps=dict(traced.source_stamps),
+        unrecordable=traced.unrecordable,
     )
 
 

@@ -3,13 +3,13 @@
 ``Planner.lookup`` finds the stored entry whose recorded guards hold on the live model
 (starting at the entry key, then the variants for other values the trace read); on a
 miss, ``Planner.trace`` runs Dynamo once and ``Planner.plan`` splits the graph, plans every
-target (piece × bucket, keyed by its factors) and makes the entry, which ``record`` stores.
+target (piece × bucket, keyed by its factors) and makes the entry, which
+``entry.record_entry`` stores.
 ``target_factors`` are the backend and pass factors every target of a config shares.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +21,7 @@ from cachebuild.backends import Backend, get_backend
 from cachebuild.config import CompileConfig, check_inductor_options
 from cachebuild.counters import COUNTERS, phase
 from cachebuild.distributed import layout_mismatches
-from cachebuild.entry import Entry, entry_factors, make_entry, put_entry, stored_entry
+from cachebuild.entry import Entry, entry_factors, make_entry, stored_entry
 from cachebuild.env import env_factors
 from cachebuild.facts import device_of
 from cachebuild.guards import Mismatch
@@ -30,8 +30,6 @@ from cachebuild.split import check_splitting_ops, split_graph
 from cachebuild.store.base import Store
 from cachebuild.targets import make_targets
 from cachebuild.trace import TracedGraph, trace_model
-
-log = logging.getLogger("cachebuild")
 
 
 def target_factors(backend: Backend, config: CompileConfig, passes: Any,
@@ -78,7 +76,6 @@ class Planner:
         self.store = store
         self.backend = get_backend(config.backend)
         self._passes = passes
-        self.unrecordable: str | None = None  # why the latest trace cannot be recorded
         self.touch = touch
 
     @property
@@ -159,23 +156,7 @@ class Planner:
             targets = make_targets(split.pieces, self.config.buckets(), backend=tf["backend"],
                                    passes=tf["passes"], env=env_factors(device))
             entry = make_entry(factors, traced, split, targets, key)
-            self.unrecordable = traced.unrecordable
         planned = sum(len(t) for t in targets.values())
         COUNTERS.planned += planned
         COUNTERS.unique += len(entry.target_keys())
         return entry
-
-    def record(self, entry: Entry) -> bool:
-        """Store ``entry``, replacing a stale one under the same key; False (and one log
-        line) where the trace cannot be checked without Dynamo, so no entry may exist.
-
-        A fresh entry stored meanwhile (by another process, or with a remote tier by another
-        machine) is kept: deleting it would also take the fleet's shared copy away.
-        """
-        if self.unrecordable is not None:
-            log.warning("compiled %s without recording an entry (no warm start): %s",
-                        type(self.model).__name__, self.unrecordable)
-            return False
-        with self.store.lock(entry.key):
-            put_entry(entry, self.store)
-        return True

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 from cachebuild import notice
 from cachebuild.build import Builder, resolve_all
 from cachebuild.counters import phase
+from cachebuild.entry import record_entry
 from cachebuild.errors import StoreError, transient
 from cachebuild.facts import device_of
 from cachebuild.planner import Planner
@@ -76,7 +77,7 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
         loaded = resolve_all(entry, builder, warm=warm,
                              on_missing=lambda n, total: notice.must_build(model, n, total, warm))
         if found.why != "fresh":
-            planner.record(entry)
+            record_entry(entry, store)
     except Exception as e:
         if isinstance(e, StoreError) or transient(e):
             raise  # the machine's or the store's trouble: another start may succeed

@@ -477,6 +477,7 @@ def warm(model: ModelSource, *, store: StoreArg = None,
     failed. Bad input (no such file, a ``build()`` that raises) is a UsageError.
     """
     from cachebuild.build import jobs_of
+    from cachebuild.entry import record_entry
 
     start = time.perf_counter()
     opened, options, owned = open_given(store)
@@ -514,8 +515,8 @@ def warm(model: ModelSource, *, store: StoreArg = None,
                 _build_here(missing, opened, finished)
         for p in _new_entries(group):
             entry = next(e for e in report.entries if e.key == p.entry.key)
-            entry.recorded = p.planner.record(p.entry)
-            entry.unrecordable = p.planner.unrecordable
+            entry.recorded = record_entry(p.entry, opened)
+            entry.unrecordable = p.entry.unrecordable
         return WarmReport(report.entries, report.targets, world_size,
                           seconds=time.perf_counter() - start)
     finally:

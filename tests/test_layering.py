@@ -32,7 +32,7 @@ LAYERS = [
      "cachebuild.guard_export", "cachebuild.distributed"],
     ["cachebuild.entry", "cachebuild.planner", "cachebuild.explain"],
     ["cachebuild.build", "cachebuild.verify", "cachebuild.notice"],
-    ["cachebuild.runtime", "cachebuild.capture", "cachebuild.cudagraphs"],
+    ["cachebuild.stitch", "cachebuild.runtime", "cachebuild.capture", "cachebuild.cudagraphs"],
     ["cachebuild.start"],
     ["cachebuild.api", "cachebuild.dynamo_backend", "cachebuild.modelfile",
      "cachebuild.warming", "cachebuild.explaining"],

@@ -20,6 +20,7 @@ from cachebuild import compat
 from cachebuild.backends.base import DeviceBound
 from cachebuild.build import Builder, BuildJob, device_copy, jobs_of
 from cachebuild.distributed import fake_world, local_groups
+from cachebuild.entry import record_entry
 from cachebuild.explain import explain
 from cachebuild.facts import InputMeta, unpin_device
 from cachebuild.keys import make_key
@@ -54,7 +55,7 @@ def plan_mlp(world: int, store, rank: int = 0, record: bool = False):
         found = planner.lookup(args)
         entry = found.entry or planner.trace(args, found)
         if record:
-            planner.record(entry)
+            record_entry(entry, store)
     return found, entry
 
 
