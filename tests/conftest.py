@@ -16,8 +16,10 @@ import tempfile
 
 import pytest
 
-#: The system's temp folder, where a folder other users can enter is made.
-SYSTEM_TMP = tempfile.gettempdir()
+#: The system's temp folder, where a folder other users can enter is made. Kept in the
+#: environment: pytest-xdist's workers inherit a ``TMPDIR`` already pointing into the
+#: session folder, which only its owner may enter.
+SYSTEM_TMP = os.environ.setdefault("CACHEBUILD_TESTS_SYSTEM_TMP", tempfile.gettempdir())
 _SESSION_TMP = tempfile.mkdtemp(prefix="cachebuild-tests-")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_SESSION_TMP, "inductor"))
 os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_SESSION_TMP, "triton"))
