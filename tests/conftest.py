@@ -108,3 +108,13 @@ def module_store(tmp_path_factory):
     from cachebuild.store import LocalStore
 
     return LocalStore(tmp_path_factory.mktemp("module") / "store")
+
+
+@pytest.fixture(autouse=True)
+def _forget_failed_models():
+    """Each test starts as a fresh process would: models that failed to compile in an
+    earlier test (on purpose, with a broken verifier or store) are not remembered."""
+    yield
+    from cachebuild.api import FAILED
+
+    FAILED.clear()
