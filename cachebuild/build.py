@@ -34,7 +34,7 @@ from cachebuild.backends.kernel_dir import build_work_dir
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase
 from cachebuild.distributed import local_groups
-from cachebuild.errors import BuildError, StoreError, StoredArtifactError, UsageError, transient
+from cachebuild.errors import BuildError, StoredArtifactError, StoreError, UsageError, transient
 from cachebuild.facts import InputMeta, device_of, on_device
 from cachebuild.fxjson import data_to_module
 from cachebuild.keys import make_key
