@@ -35,7 +35,7 @@ from cachebuild.backends.kernel_dir import build_work_dir
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase
 from cachebuild.distributed import local_groups
-from cachebuild.errors import BuildError, UsageError, transient
+from cachebuild.errors import BuildError, StoredArtifactError, StoreError, UsageError, transient
 from cachebuild.facts import InputMeta, device_of, on_device
 from cachebuild.fxjson import data_to_module
 from cachebuild.keys import make_key
@@ -130,6 +130,12 @@ class Builder:
             fn = self.backend.load(record.kind, key, self.store, self.device)
         except DeviceBound as bound:
             return self._device_copy(job, bound) if job is not None else None
+        except Exception as e:
+            if isinstance(e, StoreError) or transient(e):
+                raise
+            why = str(e) or type(e).__name__
+            raise StoredArtifactError(why if key in why else
+                                      f"stored artifact {key} was not loaded: {why}") from e
         if fn is None:  # vanished or failed verification (quarantined): a miss
             return None
         COUNTERS.hits += 1

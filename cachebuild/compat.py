@@ -378,16 +378,22 @@ def point_header_dir(folder: str | None) -> Callable[[], None]:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         folder = os.path.join(default_cache_dir(), "precompiled_headers")
+    _set_header_dir(codecache, folder, os.path.join(folder, "locks") if saved[1] else None)
+    return lambda: _set_header_dir(codecache, *saved)
+
+
+def _set_header_dir(codecache: Any, folder: str, lock_dir: str | None) -> None:
+    """Point ``codecache``'s precompiled headers at ``folder``. Inductor memoizes the path
+    of each header it precompiled (``_precompile_header``, keyed without the folder): a
+    path under another folder, which may be gone (an earlier store's work folder), must not
+    be handed out, so the memo is cleared whenever the folder changes."""
+    if codecache._HEADER_DIR != folder:
+        clear = getattr(getattr(codecache, "_precompile_header", None), "cache_clear", None)
+        if clear is not None:
+            clear()
     codecache._HEADER_DIR = folder
-    if saved[1] is not None:
-        codecache._HEADER_LOCK_DIR = os.path.join(folder, "locks")
-
-    def undo() -> None:
-        codecache._HEADER_DIR = saved[0]
-        if saved[1] is not None:
-            codecache._HEADER_LOCK_DIR = saved[1]
-
-    return undo
+    if lock_dir is not None:
+        codecache._HEADER_LOCK_DIR = lock_dir
 
 
 def export_keeping_unproven_guards(export: Callable[..., Any]) -> tuple[Any, bool]:

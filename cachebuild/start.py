@@ -10,8 +10,9 @@ entry is recorded, the stitched forward made (``runtime.ModelRuntime``), and, wi
 A model that cannot be compiled is remembered by the key of the entry it would have had
 (its code, config, input shapes and the values its trace read): a later start of the same
 model in this process gets the same error at once, without tracing again. The machine's
-or the store's trouble (``StoreError``, a transient error) is never remembered: another
-start may succeed.
+or the store's trouble is never remembered: another start may succeed. That is a
+``StoreError`` (a stored artifact that cannot be loaded, ``StoredArtifactError``, among
+them: the store may be repaired meanwhile) or a transient error.
 """
 
 from __future__ import annotations

@@ -16,8 +16,10 @@ import tempfile
 
 import pytest
 
-#: The system's temp folder, where a folder other users can enter is made.
-SYSTEM_TMP = tempfile.gettempdir()
+#: The system's temp folder, where a folder other users can enter is made. Kept in the
+#: environment: pytest-xdist's workers inherit a ``TMPDIR`` already pointing into the
+#: session folder, which only its owner may enter.
+SYSTEM_TMP = os.environ.setdefault("CACHEBUILD_TESTS_SYSTEM_TMP", tempfile.gettempdir())
 _SESSION_TMP = tempfile.mkdtemp(prefix="cachebuild-tests-")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_SESSION_TMP, "inductor"))
 os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_SESSION_TMP, "triton"))
@@ -153,3 +155,13 @@ def module_store(tmp_path_factory):
 
     with LocalStore(tmp_path_factory.mktemp("module") / "store") as shared:
         yield shared
+
+
+@pytest.fixture(autouse=True)
+def _forget_failed_models():
+    """Each test starts as a fresh process would: models that failed to compile in an
+    earlier test (on purpose, with a broken verifier or store) are not remembered."""
+    yield
+    from cachebuild.start import FAILED
+
+    FAILED.clear()

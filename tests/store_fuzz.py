@@ -330,7 +330,7 @@ class Driver:
 
         from cachebuild.build import LOADED, Builder
         from cachebuild.errors import CachebuildError
-        from cachebuild.plan import Planner
+        from cachebuild.planner import Planner
         from cachebuild.runtime import ModelRuntime
         from cachebuild.store import LocalStore
 

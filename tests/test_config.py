@@ -17,13 +17,13 @@ from cachebuild.passes.rewrites.manager import PassManager
 def test_defaults_and_normalisation():
     a = cachebuild.CompileConfig(splitting_ops=["mylib::attention"],
                                  compile_ranges=[[1, 64], [65, 256]], compile_sizes=[8, 4, 8],
-                                 inductor_options={"max_autotune": False, "b": 1})
+                                 inductor_options={"max_autotune": False, "cpp.threads": 1})
     b = cachebuild.CompileConfig(splitting_ops=("mylib::attention",),
                                  compile_ranges=((1, 64), (65, 256)), compile_sizes=(4, 8),
-                                 inductor_options=(("b", 1), ("max_autotune", False)))
+                                 inductor_options=(("cpp.threads", 1), ("max_autotune", False)))
     assert a == b and hash(a) == hash(b)
     assert a.compile_sizes == (4, 8)
-    assert a.inductor_options_dict() == {"b": 1, "max_autotune": False}
+    assert a.inductor_options_dict() == {"cpp.threads": 1, "max_autotune": False}
     assert make_key(a.factors()) == make_key(b.factors())
     default = cachebuild.CompileConfig()
     assert default.backend == "inductor" and default.compile_ranges == ((1, 8192),)
