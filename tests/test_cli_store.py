@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import time
 
 import pytest
 from click.testing import CliRunner
@@ -96,8 +95,8 @@ def test_gc_evicts_an_entry_with_its_targets_and_never_strands_one(open_local, s
               refs=[key("a1"), key("a2"), key("shared")])
     store.put(key("new-entry"), b"entry", kind="entry", refs=[key("shared"), key("b1")])
     store.close()
-    later = time.time() + 10
     with open_local(store_dir) as s:  # the newer entry and its targets were used later
+        later = s.clock.time() + 10
         for name in ("new-entry", "shared", "b1"):
             small = s.index.get_small(key(name))
             small["last_used"] = later
@@ -193,7 +192,8 @@ def test_main_owns_the_table_of_commands():
 
 
 def _blob(store_dir, k):
-    return LocalStore(store_dir).root / "objects" / k[:2] / k
+    with LocalStore(store_dir) as store:
+        return store.root / "objects" / k[:2] / k
 
 
 def test_verify_exit_codes(open_local, filled):

@@ -6,7 +6,6 @@ import json
 import os
 import secrets
 import threading
-import time
 import warnings
 
 import pytest
@@ -45,7 +44,7 @@ def record_for(key: str, size: int) -> dict:
         "kind": "test",
         "size": size,
         "checksum": "0" * 32,
-        "created": time.time(),
+        "created": 1_700_000_000.0,
         "manifest": {"graph": "g", "bucket": {"size": 4}},
         "refs": [],
     }

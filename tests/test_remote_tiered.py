@@ -17,8 +17,10 @@ from pathlib import Path
 import pytest
 import xxhash
 from clock import ManualClock
-from redis_server import (  # noqa: F401  (redis_server_fixture provides `server`)
+from redis_server import (  # noqa: F401  (the `server` fixture; stores closed after each test)
     RedisServer,
+    close_opened_stores,
+    closed_after_test,
     free_port,
     redis_server_fixture,
     require_redis_server,
@@ -56,23 +58,11 @@ def tiered(
     clock: Clock = SYSTEM_CLOCK,
 ) -> TieredStore:
     """A tiered store (closed when the test ends); ``clock``: the remote lock's."""
-    local = LocalStore(root, signing_key=signing_key, clock=clock)
-    _OPENED.append(local)
+    local = closed_after_test(LocalStore(root, signing_key=signing_key, clock=clock))
     remote = RedisRemote(url, mode=mode, chunk_size=chunk_size, clock=clock) if url else None
     return TieredStore(
         local, remote, signing_key=signing_key, allow_unsigned=allow_unsigned, lock_ttl=lock_ttl
     )
-
-
-_OPENED: list[LocalStore] = []
-
-
-@pytest.fixture(autouse=True)
-def close_stores():
-    """Every store ``tiered`` opened for a test is closed when it ends."""
-    yield
-    while _OPENED:
-        _OPENED.pop().close()
 
 
 def down_warnings(caught: list[warnings.WarningMessage]) -> list[warnings.WarningMessage]:

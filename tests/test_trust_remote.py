@@ -16,7 +16,12 @@ from pathlib import Path
 import pytest
 import xxhash
 from clock import ManualClock
-from redis_server import RedisServer, redis_server_fixture  # noqa: F401  (the `server` fixture)
+from redis_server import (  # noqa: F401  (the `server` fixture; stores closed after each test)
+    RedisServer,
+    close_opened_stores,
+    closed_after_test,
+    redis_server_fixture,
+)
 from trust import clean_env, cli, python
 
 from cachebuild.errors import LockTimeout
@@ -36,20 +41,8 @@ def new_key() -> str:
 
 def writer(root: Path, url: str) -> TieredStore:
     """A store of the fleet writing to ``url`` (closed when the test ends)."""
-    local = LocalStore(root, signing_key=KEY.encode())
-    _OPENED.append(local)
+    local = closed_after_test(LocalStore(root, signing_key=KEY.encode()))
     return TieredStore(local, RedisRemote(url))
-
-
-_OPENED: list[LocalStore] = []
-
-
-@pytest.fixture(autouse=True)
-def close_stores():
-    """Every store ``writer`` opened for a test is closed when it ends."""
-    yield
-    while _OPENED:
-        _OPENED.pop().close()
 
 
 def env_for(l1: Path, url: str, **extra: str) -> dict[str, str]:

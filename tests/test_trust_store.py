@@ -284,11 +284,11 @@ def test_bad_sizes_and_an_empty_cache_dir_are_usage_errors(tmp_path):
 
 
 def _bundle(tmp_path: Path, signing_key: bytes | None) -> Path:
-    store = LocalStore(tmp_path / "source", signing_key=signing_key)
-    store.put(key("t"), b"target bytes" * 100, kind="target", manifest={"graph": "g"})
-    store.put(key("e"), b"entry", kind="entry", refs=[key("t")])
     path = tmp_path / "bundle.tar"
-    export_bundle(store, path)
+    with LocalStore(tmp_path / "source", signing_key=signing_key) as store:
+        store.put(key("t"), b"target bytes" * 100, kind="target", manifest={"graph": "g"})
+        store.put(key("e"), b"entry", kind="entry", refs=[key("t")])
+        export_bundle(store, path)
     return path
 
 

@@ -210,13 +210,14 @@ def test_stale_entry_in_this_process(open_local, tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """A LayerStack (hidden states [T, 32], positions [T]) compiled for T in 1..16."""
+    """A LayerStack (hidden states [T, 32], positions [T]) compiled for T in 1..16; its
+    store closed after the module."""
     model = models.make(models.LayerStack, layers=2)
-    store = LocalStore(tmp_path_factory.mktemp("stack") / "store")
-    compiled = cachebuild.compile(model, models.config(compile_ranges=((1, 16),)), DYN,
-                                  store=store)
-    models.assert_matches_eager(compiled, model, models.hidden_inputs(8))
-    return model, compiled, store
+    with LocalStore(tmp_path_factory.mktemp("stack") / "store") as store:
+        compiled = cachebuild.compile(model, models.config(compile_ranges=((1, 16),)), DYN,
+                                      store=store)
+        models.assert_matches_eager(compiled, model, models.hidden_inputs(8))
+        yield model, compiled, store
 
 
 @pytest.mark.parametrize("args,message", ids=["dtype", "arg-dtype", "rank-up", "rank-down",
