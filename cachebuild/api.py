@@ -13,23 +13,25 @@ traces every process, but targets are still built once and loaded from then on.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from cachebuild import notice
-from cachebuild.build import Builder, needs_inductor, resolve_all
+from cachebuild.build import Builder, resolve_all
 from cachebuild.config import CompileConfig, check_config, check_dynamic_dims
-from cachebuild.counters import COUNTERS, phase, snapshot
+from cachebuild.counters import COUNTERS, snapshot
 from cachebuild.dynamo_backend import GraphForward
-from cachebuild.errors import CompileFailed, StoreError, UsageError, transient
+from cachebuild.errors import CompileFailed, UsageError
 from cachebuild.facts import device_of
-from cachebuild.planner import Lookup, Planner
-from cachebuild.runtime import ModelRuntime, direct_forward, on_device_forward, stitch
+from cachebuild.inputs import layout_guards
+from cachebuild.passes import PassManager
+from cachebuild.planner import Planner
+from cachebuild.runtime import CaptureReport, ModelRuntime
 from cachebuild.split import check_splitting_ops
+from cachebuild.start import start
+from cachebuild.stitch import direct_forward, on_device_forward, stitch
 from cachebuild.store.base import Store
 from cachebuild.trace import TracedGraph
 from cachebuild.trace import check_dynamic_dims as check_call_dims
@@ -73,7 +75,8 @@ class CompiledModule(torch.nn.Module):
     """Behaves like the model; compiled through cachebuild on the first call."""
 
     def __init__(self, model: torch.nn.Module, config: CompileConfig,
-                 dynamic_dims: dict[int, int], store: Any, passes: Any = None) -> None:
+                 dynamic_dims: dict[int, int], store: Store | None,
+                 passes: PassManager | None = None) -> None:
         super().__init__()
         self.model = model
         self.config = config
@@ -82,7 +85,7 @@ class CompiledModule(torch.nn.Module):
         self._passes = passes
         self._runtime: ModelRuntime | None = None
         self._eager = False  # cannot be compiled and on_failure="eager": runs the model
-        self.capture_report: Any = None  # CaptureReport of the latest capture, if any
+        self.capture_report: CaptureReport | None = None  # of the latest eager capture
 
     @property
     def runtime(self) -> ModelRuntime | None:
@@ -99,60 +102,20 @@ class CompiledModule(torch.nn.Module):
         ``on_failure="eager"`` it runs eagerly instead, after one warning, and this returns
         None.
         """
-        start = time.perf_counter()
+        began = time.perf_counter()
         # About this call or this process (an op library imported later), never remembered:
         check_call_dims(list(args), self.dynamic_dims)
         check_splitting_ops(self.config.splitting_ops)
-        store = open_default_store(self._store)
-        planner = Planner(self.model, self.config, self.dynamic_dims, store, self._passes)
-        builder = Builder(store, self.config, planner.passes,
-                          device_of([*args, *self.model.parameters()]))
-        found = planner.lookup(args)
-        failed = FAILED.get(found.key)
-        if failed is not None:
-            return self._failed(failed, first=False)
-        try:
-            entry, loaded = self._load_or_build(planner, builder, found, store, args)
-        except Exception as e:
-            if isinstance(e, StoreError) or transient(e):
-                raise  # the machine's or the store's trouble: another start may succeed
-            FAILED[found.key] = e
-            return self._failed(e, first=True)
-        self._runtime = ModelRuntime(entry, loaded, self.model, self.config, self.dynamic_dims)
-        COUNTERS.add_time("prepare", time.perf_counter() - start)
-        runtime = self._runtime
-        if capture and runtime.capturer is not None and runtime.capturer.policy == "eager":
-            with phase("capture"):
-                self.capture_report = runtime.capture(like=args)
-            log.info("captured %d sizes in %.2f s (%d bytes of graph memory)",
-                     len(self.capture_report.sizes), self.capture_report.seconds,
-                     self.capture_report.pool_bytes)
-        return runtime
-
-    def _load_or_build(self, planner: Planner, builder: Builder, found: Lookup, store: Store,
-                       args: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
-        """The entry (stored, or traced now) and its targets, loaded or built."""
-        entry, why = found.entry, found.why
-        slow_loads = False
-        if entry is not None:
-            slow_loads = needs_inductor(entry.target_keys(), store)
-            if slow_loads:
-                preload()
-            COUNTERS.entries_loaded += 1
-            store.count("warm_starts")
-            COUNTERS.planned += len(entry.targets())
-            COUNTERS.unique += len(entry.target_keys())
-            log.info("warm start from entry %s", entry.key[:12])
-        else:
-            notice.must_trace(self.model, why, store, found.factors)
-            entry = planner.trace(args, found)
-        warm = found.entry is not None
-        loaded = resolve_all(entry, builder, parallel=slow_loads,
-                             on_missing=lambda n, total: notice.must_build(self.model, n, total,
-                                                                           warm))
-        if why != "fresh":
-            planner.record(entry)
-        return entry, loaded
+        started = start(self.model, self.config, self.dynamic_dims,
+                        open_default_store(self._store), self._passes, args, capture=capture)
+        if started.runtime is None:
+            assert started.error is not None
+            return self._failed(started.error, first=started.first)
+        COUNTERS.add_time("prepare", started.ready_at - began)
+        self._runtime = started.runtime
+        if started.capture_report is not None:
+            self.capture_report = started.capture_report
+        return self._runtime
 
     def _failed(self, error: BaseException, first: bool) -> None:
         """A model that cannot be compiled: raise (the error itself the first time, then
@@ -193,19 +156,14 @@ class CompiledModule(torch.nn.Module):
         return self._runtime(*args)
 
 
-#: Models that failed to compile in this process, by the key of the entry they would have
-#: had (their code, config, input shapes and the values their trace read): not tried again.
-FAILED: dict[str, BaseException] = {}
-
-
 def one_line(error: BaseException) -> str:
     text = " ".join(str(error).split())
     return f"{type(error).__name__}: {text}" if text else type(error).__name__
 
 
 def compile(model: torch.nn.Module, config: CompileConfig | None = None,
-            dynamic_dims: dict[int, int] | None = None, store: Any = None,
-            passes: Any = None) -> CompiledModule:
+            dynamic_dims: dict[int, int] | None = None, store: Store | None = None,
+            passes: PassManager | None = None) -> CompiledModule:
     """A module that runs ``model`` through cachebuild's piecewise build graph.
 
     ``dynamic_dims`` maps a positional argument's index to its dynamic dim, e.g.
@@ -218,7 +176,8 @@ def compile(model: torch.nn.Module, config: CompileConfig | None = None,
                           passes)
 
 
-def backend(config: CompileConfig | None = None, store: Any = None, passes: Any = None) -> Any:
+def backend(config: CompileConfig | None = None, store: Store | None = None,
+            passes: PassManager | None = None) -> Any:
     """A torch.compile backend: ``torch.compile(model, backend=cachebuild.backend(cfg))``.
 
     Every graph Dynamo hands over is split and planned at once and its targets are built
@@ -233,38 +192,12 @@ def backend(config: CompileConfig | None = None, store: Any = None, passes: Any 
             entry = planner.plan(traced, {"front_door": "torch.compile"})
             device = device_of(traced.input_metas)
             builder = Builder(planner.store, config, planner.passes, device)
-            return lambda: on_device_forward(
-                direct_forward(stitch(entry, resolve_all(entry, builder))), device)
+            return lambda: on_device_forward(direct_forward(
+                stitch(entry, resolve_all(entry, builder), layout_guards(entry.pieces))), device)
 
         return GraphForward(gm, example_inputs, plan)
 
     return compile_graph
-
-
-_PRELOAD: threading.Thread | None = None
-
-
-def preload() -> threading.Thread:
-    """Start initialising Inductor's runtime in the background (idempotent).
-
-    Loading ``standalone`` artifacts needs Inductor, whose import takes seconds; a server
-    calls this first thing so that the import overlaps building its model and loading
-    weights. Loading ``aoti`` artifacts needs none of it. Only the import happens
-    here: also loading an artifact in the background, to pay Inductor's first-load set-up
-    early, made the warm start slower on an H200 (it contended with the foreground loads).
-    """
-    global _PRELOAD
-    if _PRELOAD is None:
-        _PRELOAD = threading.Thread(target=_preload, name="cachebuild-preload", daemon=True)
-        _PRELOAD.start()
-    return _PRELOAD
-
-
-def _preload() -> None:
-    with phase("preload"):
-        import torch._inductor.codecache  # noqa: F401
-        import torch._inductor.compile_fx  # noqa: F401  # the first load imports it otherwise
-        from torch._inductor import CompiledArtifact  # noqa: F401
 
 
 def stats() -> dict[str, Any]:

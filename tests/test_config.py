@@ -100,15 +100,14 @@ def test_size_outside_every_range(size):
         cachebuild.CompileConfig(compile_ranges=((1, 64), (100, 150)), compile_sizes=(8, size))
 
 
-def test_unknown_backend_lists_the_known_ones_where_it_is_resolved(tmp_path):
+def test_unknown_backend_lists_the_known_ones_where_it_is_resolved(open_local, tmp_path):
     from cachebuild.backends import get_backend
-    from cachebuild.store import LocalStore
 
     config = cachebuild.CompileConfig(backend="tvm")  # a plain value: nothing resolved yet
     with pytest.raises(ConfigError, match="unknown backend 'tvm'") as info:
         get_backend(config.backend)
     assert "eager_fusion" in str(info.value) and "inductor" in str(info.value)
-    compiled = cachebuild.compile(torch.nn.Linear(2, 2), config, store=LocalStore(tmp_path / "s"))
+    compiled = cachebuild.compile(torch.nn.Linear(2, 2), config, store=open_local(tmp_path / "s"))
     with pytest.raises(ConfigError, match="unknown backend 'tvm'"):
         compiled(torch.randn(3, 2))
 
