@@ -1,11 +1,13 @@
 """The backend protocol and what a build request carries.
 
 A backend has a ``name``, ``factors(config)`` and ``toolchain(config, device, probe_dir)``
-(what enters every target key besides the graph), ``compile(request) -> Artifact`` and
-``load(kind, key, store, device) -> callable``. The callable takes the piece's inputs
-positionally and returns a sequence of tensors. A backend whose artifact cannot run on
-``device``'s index raises ``DeviceBound`` from ``load`` (the builder then makes a copy for
-that index).
+(what enters every target key besides the graph), ``compile(request) -> Artifact``,
+``load(kind, key, source, device) -> callable`` and ``load_needs(kind)`` (what loading an
+artifact of its kind takes: the caller never reads a backend's kinds itself). The
+callable takes the piece's inputs positionally and returns a sequence of tensors. A
+backend whose artifact cannot run on ``device``'s index raises ``DeviceBound`` from
+``load`` (the builder then makes a copy for that index). A backend declares ``Backend``
+(subclasses it), which gives it the default ``load_needs``: nothing.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ if TYPE_CHECKING:
     import torch.fx as fx
 
     from cachebuild.config import CompileConfig
+    from cachebuild.store.base import ArtifactSource
 
 
 @dataclass
@@ -37,6 +40,15 @@ class Artifact:
     kind: str
     payload: bytes
     fallback: str | None = None
+
+
+@dataclass(frozen=True)
+class LoadNeeds:
+    """What loading an artifact takes besides its bytes."""
+
+    #: Loading initialises Inductor in this process (seconds, once): a warm start imports
+    #: it early (``cachebuild.preload``) and loads such artifacts on threads.
+    inductor: bool = False
 
 
 class DeviceBound(Exception):
@@ -65,7 +77,9 @@ class Backend(Protocol):
     """``factors``: what enters the entry key and every target key (cheap, no probing).
     ``toolchain``: what else enters target keys on ``device`` (may probe once per
     environment, keeping its verdict in ``probe_dir``). ``load`` returns a callable on
-    ``device``, or None if the store no longer holds ``key``."""
+    ``device`` from what ``source`` holds under ``key`` (a store, or the scratch store of
+    an artifact being proven), or None if it no longer holds it. ``load_needs``: what
+    loading an artifact of ``kind`` takes."""
 
     name: str
 
@@ -76,7 +90,10 @@ class Backend(Protocol):
 
     def compile(self, request: BuildRequest) -> Artifact: ...
 
-    def load(self, kind: str, key: str, store: Any, device: str) -> Any: ...
+    def load(self, kind: str, key: str, source: ArtifactSource, device: str) -> Any: ...
+
+    def load_needs(self, kind: str) -> LoadNeeds:
+        return LoadNeeds()
 
 
 def bucket_bounds(bucket: dict[str, Any]) -> tuple[int, int] | None:

@@ -15,6 +15,7 @@ import torch
 
 from cachebuild.backends.base import (
     Artifact,
+    Backend,
     BuildRequest,
     check_kept_symbolic,
     range_symbols,
@@ -22,11 +23,12 @@ from cachebuild.backends.base import (
 )
 from cachebuild.facts import device_of, unpin_device
 from cachebuild.fxjson import GraphFormatError, data_to_module, graph_to_data
+from cachebuild.store.base import ArtifactSource
 
 VERSION = "2"  # 2: lowered to aten before functionalisation (sizes stay symbolic)
 
 
-class EagerFusionBackend:
+class EagerFusionBackend(Backend):
     name = "eager_fusion"
 
     def factors(self, config: Any) -> dict[str, Any]:
@@ -59,10 +61,10 @@ class EagerFusionBackend:
         payload = json.dumps({"nodes": graph_to_data(lowered.graph)}).encode()
         return Artifact("fx-graph", payload)
 
-    def load(self, kind: str, key: str, store: Any, device: str) -> Any:
+    def load(self, kind: str, key: str, source: ArtifactSource, device: str) -> Any:
         if kind != "fx-graph":
             raise ValueError(f"eager_fusion cannot load artifacts of kind {kind!r}")
-        data = store.get(key)
+        data = source.get(key)
         if data is None:
             return None
         try:

@@ -30,8 +30,10 @@ from cachebuild import clock, compat
 from cachebuild.backends import aoti, kernel_dir
 from cachebuild.backends.base import (
     Artifact,
+    Backend,
     BuildRequest,
     DeviceBound,
+    LoadNeeds,
     bucket_bounds,
     dynamic_dims_of,
     example_inputs,
@@ -40,6 +42,7 @@ from cachebuild.backends.base import (
 from cachebuild.backends.pack import PackError, pack, unpack
 from cachebuild.backends.probe import UntrustedCompiler, trusted_compiler
 from cachebuild.errors import ConfigError, transient
+from cachebuild.store.base import ArtifactSource
 
 log = logging.getLogger("cachebuild.inductor")
 
@@ -53,7 +56,7 @@ def _inductor_options(request: BuildRequest) -> dict[str, Any]:
     return options
 
 
-class InductorBackend:
+class InductorBackend(Backend):
     name = "inductor"
 
     def factors(self, config: Any) -> dict[str, Any]:
@@ -135,22 +138,20 @@ class InductorBackend:
         def dim(sym: str) -> Any:
             return Dim(f"d_{sym}", min=bounds[0], max=bounds[1])
 
-        with torch.no_grad(), clock.phase("export"):
-            try:
-                ep = export(dim)
-            except Exception as e:
-                if bounds is None or "Constraints violated" not in str(e):
-                    raise
-                # torch 2.11's export cannot prove some guards that hold over the whole
-                # range (``min(16*s, 32*s) == 16*s``): it may keep them as checks the
-                # program runs, and the range the program then accepts is checked here.
-                ep = export(dim, prefer_deferred_runtime_asserts_over_guards=True)
-                _check_range_kept(ep, dynamic, bounds)
-        with torch.no_grad(), tempfile.TemporaryDirectory(prefix="cachebuild-aoti-") as tmp:
-            path = aoti.build_package(ep, os.path.join(tmp, "piece.pt2"),
-                                      _inductor_options(request), compiler)
-            with clock.phase("packaging"), open(path, "rb") as f:
-                payload = f.read()
+        with torch.no_grad():
+            with clock.phase("export"):
+                if bounds is None:
+                    ep = export(dim)
+                else:
+                    ep, deferred = compat.export_keeping_unproven_guards(
+                        lambda **options: export(dim, **options))
+                    if deferred:  # guards kept as checks: the range accepted is checked here
+                        _check_range_kept(ep, dynamic, bounds)
+            with tempfile.TemporaryDirectory(prefix="cachebuild-aoti-") as tmp:
+                path = aoti.build_package(ep, os.path.join(tmp, "piece.pt2"),
+                                          _inductor_options(request), compiler)
+                with clock.phase("packaging"), open(path, "rb") as f:
+                    payload = f.read()
         kind = "aoti-cuda" if device.startswith("cuda") else "aoti-cpu"
         return Artifact(kind, payload)
 
@@ -204,12 +205,17 @@ class InductorBackend:
 
     # -- load --------------------------------------------------------------------------
 
-    def load(self, kind: str, key: str, store: Any, device: str) -> Any:
+    def load(self, kind: str, key: str, source: ArtifactSource, device: str) -> Any:
         if kind in ("aoti-cpu", "aoti-cuda"):
-            return _load_aoti(key, store, device)
+            return _load_aoti(key, source, device)
         if kind == "standalone":
-            return load_standalone(key, store, device)
+            return load_standalone(key, source, device)
         raise ValueError(f"inductor backend cannot load artifacts of kind {kind!r}")
+
+    def load_needs(self, kind: str) -> LoadNeeds:
+        """A ``standalone`` artifact initialises Inductor to load; an AOTI package loads
+        through torch's C++ loader, without it."""
+        return LoadNeeds(inductor=kind == "standalone")
 
 
 def indexed(device: str | torch.device) -> torch.device:
@@ -245,7 +251,7 @@ def vanished(key: str, why: str) -> None:
                 "and will be built again", key, why)
 
 
-def _load_aoti(key: str, store: Any, device: str) -> Any:
+def _load_aoti(key: str, store: ArtifactSource, device: str) -> Any:
     path = store.materialize(key, ".pt2")
     if path is None:
         return None
@@ -259,7 +265,7 @@ def _load_aoti(key: str, store: Any, device: str) -> Any:
         return None
 
 
-def load_standalone(key: str, store: Any, device: str | None = None) -> Any:
+def load_standalone(key: str, store: ArtifactSource, device: str | None = None) -> Any:
     """Load a standalone artifact from the store's verified bytes, and from nothing else.
 
     On CUDA the artifact runs on the GPU index it was built on only (Inductor's generated
@@ -304,7 +310,7 @@ def _build_info(parts: dict[str, bytes]) -> dict[str, str]:
     return {k: v for k, v in build.items() if v}
 
 
-def _load_standalone(key: str, store: Any, data: bytes, parts: dict[str, bytes] | None, *,
+def _load_standalone(key: str, store: ArtifactSource, data: bytes, parts: dict[str, bytes] | None, *,
                      in_memory: bool) -> Any:
     from torch._inductor import CompiledArtifact, config
 

@@ -34,6 +34,7 @@ import xxhash
 
 from cachebuild import compat
 from cachebuild.backends.pack import check_name
+from cachebuild.store.base import ArtifactSource, Store
 
 _ENV = "TORCHINDUCTOR_CACHE_DIR"
 _state = threading.Condition()
@@ -44,7 +45,7 @@ _written_lock = threading.Lock()
 
 
 @contextlib.contextmanager
-def private_cache_dir(store: Any, *, in_memory: bool = False,
+def private_cache_dir(store: ArtifactSource, *, in_memory: bool = False,
                       vec_isa: tuple[str | None, str | None] = (None, None)) -> Iterator[Path]:
     """Point Inductor at this process's private directory of ``store`` while the block
     runs, and (the first of concurrent loads) at ``vec_isa`` (name, flags) the kernels
@@ -110,7 +111,7 @@ _BUILD_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR")
 
 
 @contextlib.contextmanager
-def build_work_dir(store: Any) -> Iterator[Path]:
+def build_work_dir(store: Store) -> Iterator[Path]:
     """Point the compilers of a build at the store's work folder (``store.work_dir``:
     the store's ``work/``, or the folder the operator set) while the block runs, and put
     everything back after: Inductor's cache and precompiled headers, Triton's cache and

@@ -6,8 +6,8 @@ store commands of the CLI) never import torch.
 
 from typing import Any
 
-__all__ = ["CompileConfig", "ModelSpec", "PlanReport", "WarmReport", "backend", "compile",
-           "plan", "preload", "prometheus_text", "stats", "warm"]
+__all__ = ["CompileConfig", "ExplainReport", "ModelSpec", "PlanReport", "WarmReport", "backend",
+           "compile", "plan", "preload", "prometheus_text", "stats", "warm"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -15,13 +15,16 @@ _LAZY = {
     "ModelSpec": "cachebuild.api",
     "backend": "cachebuild.api",
     "compile": "cachebuild.api",
-    "preload": "cachebuild.api",
+    "preload": "cachebuild.build",
     "stats": "cachebuild.api",
     "prometheus_text": "cachebuild.api",
     "warm": "cachebuild.warming",
     "plan": "cachebuild.warming",
     "WarmReport": "cachebuild.warming",
     "PlanReport": "cachebuild.warming",
+    # ``cachebuild.explain`` is the module of words for differences; the library call that
+    # explains a model is ``cachebuild.explaining.explain``.
+    "ExplainReport": "cachebuild.explaining",
 }
 
 

@@ -13,27 +13,31 @@ traces every process, but targets are still built once and loaded from then on.
 from __future__ import annotations
 
 import logging
-import os
-import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cachebuild import notice
-from cachebuild.build import Builder, needs_inductor, resolve_all
+from cachebuild.build import Builder, resolve_all
 from cachebuild.config import CompileConfig, check_config, check_dynamic_dims
-from cachebuild.counters import COUNTERS, phase, snapshot
+from cachebuild.counters import COUNTERS, snapshot
 from cachebuild.dynamo_backend import GraphForward
-from cachebuild.errors import CompileFailed, StoreError, UsageError, transient
+from cachebuild.errors import CompileFailed, UsageError
 from cachebuild.facts import device_of
-from cachebuild.planner import Lookup, Planner
-from cachebuild.runtime import ModelRuntime, direct_forward, on_device_forward, stitch
+from cachebuild.inputs import layout_guards
+from cachebuild.passes import PassManager
+from cachebuild.planner import Planner
+from cachebuild.runtime import CaptureReport, ModelRuntime
 from cachebuild.split import check_splitting_ops
+from cachebuild.start import one_line, start, take_over
+from cachebuild.stitch import direct_forward, on_device_forward, stitch
 from cachebuild.store.base import Store
 from cachebuild.trace import TracedGraph
 from cachebuild.trace import check_dynamic_dims as check_call_dims
+
+if TYPE_CHECKING:
+    from cachebuild.interim import Swap
 
 log = logging.getLogger("cachebuild")
 
@@ -74,7 +78,8 @@ class CompiledModule(torch.nn.Module):
     """Behaves like the model; compiled through cachebuild on the first call."""
 
     def __init__(self, model: torch.nn.Module, config: CompileConfig,
-                 dynamic_dims: dict[int, int], store: Any, passes: Any = None) -> None:
+                 dynamic_dims: dict[int, int], store: Store | None,
+                 passes: PassManager | None = None) -> None:
         super().__init__()
         self.model = model
         self.config = config
@@ -83,10 +88,10 @@ class CompiledModule(torch.nn.Module):
         self._passes = passes
         self._runtime: ModelRuntime | None = None
         self._eager = False  # cannot be compiled and on_failure="eager": runs the model
-        self.capture_report: Any = None  # CaptureReport of the latest capture, if any
+        self.capture_report: CaptureReport | None = None  # of the latest eager capture
         #: The targets building in the background while interim ones serve
-        #: (``while_building``), if any: ``interim.Swap``.
-        self.swap: Any = None
+        #: (``while_building``), if any.
+        self.swap: Swap | None = None
 
     @property
     def runtime(self) -> ModelRuntime | None:
@@ -103,141 +108,41 @@ class CompiledModule(torch.nn.Module):
         ``on_failure="eager"`` it runs eagerly instead, after one warning, and this returns
         None.
         """
-        start = time.perf_counter()
+        began = time.perf_counter()
         # About this call or this process (an op library imported later), never remembered:
         check_call_dims(list(args), self.dynamic_dims)
         check_splitting_ops(self.config.splitting_ops)
-        store = open_default_store(self._store)
-        planner = Planner(self.model, self.config, self.dynamic_dims, store, self._passes)
-        builder = Builder(store, self.config, planner.passes,
-                          device_of([*args, *self.model.parameters()]))
-        found = planner.lookup(args)
-        failed = FAILED.get(found.key)
-        if failed is not None:
-            return self._failed(failed, first=False)
-        try:
-            entry, loaded = self._load_or_build(planner, builder, found, store, args)
-        except Exception as e:
-            if isinstance(e, StoreError) or transient(e):
-                raise  # the machine's or the store's trouble: another start may succeed
-            FAILED[found.key] = e
-            return self._failed(e, first=True)
-        self._runtime = ModelRuntime(entry, loaded, self.model, self.config, self.dynamic_dims)
-        COUNTERS.add_time("prepare", time.perf_counter() - start)
-        runtime = self._runtime
-        if capture and runtime.capturer is not None and runtime.capturer.policy == "eager":
-            with phase("capture"):
-                self.capture_report = runtime.capture(like=args)
-            log.info("captured %d sizes in %.2f s (%d bytes of graph memory)",
-                     len(self.capture_report.sizes), self.capture_report.seconds,
-                     self.capture_report.pool_bytes)
-        return runtime
-
-    def _load_or_build(self, planner: Planner, builder: Builder, found: Lookup, store: Store,
-                       args: tuple[Any, ...]) -> tuple[Any, dict[str, Any]]:
-        """The entry (stored, or traced now) and its targets, loaded or built."""
-        entry, why = found.entry, found.why
-        slow_loads = False
-        if entry is not None:
-            slow_loads = needs_inductor(entry.target_keys(), store)
-            if slow_loads:
-                preload()
-            COUNTERS.entries_loaded += 1
-            store.count("warm_starts")
-            COUNTERS.planned += len(entry.targets())
-            COUNTERS.unique += len(entry.target_keys())
-            log.info("warm start from entry %s", entry.key[:12])
-        else:
-            notice.must_trace(self.model, why, store, found.factors)
-            entry = planner.trace(args, found)
-        warm = found.entry is not None
-        interim = self._serve_while_building(planner, builder, entry, store, why)
-        if interim is not None:
-            return interim
-        loaded = resolve_all(entry, builder, parallel=slow_loads,
-                             on_missing=lambda n, total: notice.must_build(self.model, n, total,
-                                                                           warm))
-        if why != "fresh":
-            planner.record(entry)
-        return entry, loaded
-
-    def _serve_while_building(self, planner: Planner, builder: Builder, entry: Any,
-                              store: Store, why: str) -> tuple[Any, dict[str, Any]] | None:
-        """With ``while_building`` and targets missing: start building them in worker
-        processes, build (or load) the interim targets here, and return the interim entry
-        and its targets; the next call after the missing targets are stored and loaded
-        swaps to ``entry`` (``interim.py``). None where there is nothing to do, or no
-        worker could build the missing targets as this process would (then the caller
-        builds them here)."""
-        from cachebuild.build import jobs_of
-        from cachebuild.interim import Swap, interim_config, interim_entry
-        from cachebuild.workers import cold_start_jobs, setup_for, usable_cpus
-
-        config = interim_config(self.config)
-        missing = [key for key in entry.target_keys() if not store.contains(key)]
-        if config is None or not missing:
-            return None
-        swap = self.swap
-        if swap is None or not swap.pending or swap.entry.key != entry.key:
-            every = jobs_of(entry, self.config)
-            jobs = [builder.here(every[key]) for key in missing]
-            setup = setup_for(jobs, store, builder.passes)
-            if setup is None:
-                log.warning("cachebuild: %s builds its targets before serving "
-                            "(while_building=%r): worker processes could not build them as "
-                            "this process would (ops or passes of its own, or a store they "
-                            "cannot open)", type(self.model).__name__, self.config.while_building)
-                return None
-
-            def stored(loaded: dict[str, Any]) -> None:
-                if why != "fresh":
-                    planner.record(entry)  # its targets all stored: a later start is warm
-
-            # Started first, so the workers' start overlaps the interim builds here, and
-            # one CPU left to this process unless the environment says how many.
-            workers = cold_start_jobs(len(jobs))
-            if not os.environ.get("CACHEBUILD_BUILD_JOBS", "").strip():
-                workers = max(1, min(workers, usable_cpus() - 1))
-            swap = self.swap = Swap(entry, builder, jobs, workers, setup, stored)
-        served = interim_entry(entry, config, builder.passes, store)
-        interim_builder = Builder(store, config, builder.passes, builder.device)
-        try:
-            loaded = resolve_all(served, interim_builder, workers=False)
-        except Exception as e:  # nothing to serve with meanwhile: wait for the real ones
-            log.warning("cachebuild: %s has no %s targets to serve with while it builds "
-                        "(%s); waiting for its own", type(self.model).__name__,
-                        self.config.while_building, one_line(e))
-            return entry, swap.take()
-        log.warning("cachebuild: %s serves with %s targets while its %d missing targets "
-                    "build in the background", type(self.model).__name__,
-                    self.config.while_building, len(missing))
-        return served, loaded
+        started = start(self.model, self.config, self.dynamic_dims,
+                        open_default_store(self._store), self._passes, args, capture=capture,
+                        swap=self.swap)
+        if started.runtime is None:
+            assert started.error is not None
+            return self._failed(started.error, first=started.first)
+        COUNTERS.add_time("prepare", started.ready_at - began)
+        self._runtime = started.runtime
+        if started.swap is not None:
+            self.swap = started.swap
+        if started.capture_report is not None:
+            self.capture_report = started.capture_report
+        return self._runtime
 
     def _swap_in(self, args: tuple[Any, ...]) -> None:
         """Before a call: run on the targets built in the background if they are ready
-        (``while_building``); the interim runtime and its graphs go. With the ``eager``
-        capture policy the new runtime captures its sizes first, here."""
+        (``while_building``, ``start.take_over``); the interim runtime and its graphs go."""
         swap = self.swap
-        loaded = swap.claim() if swap is not None else None
-        if loaded is None:
+        started = take_over(swap, self.model, self.config, self.dynamic_dims, args) \
+            if swap is not None else None
+        if started is None or started.runtime is None:
             return
-        try:
-            runtime = ModelRuntime(swap.entry, loaded, self.model, self.config,
-                                   self.dynamic_dims)
-            if runtime.capturer is not None and runtime.capturer.policy == "eager":
-                with phase("capture"):
-                    self.capture_report = runtime.capture(like=args)
-        except Exception as e:  # keep serving with what runs
-            swap.error = f"{type(e).__name__}: {e}"
-            log.warning("cachebuild: %s keeps serving with its interim targets: its own "
-                        "could not take over: %s", type(self.model).__name__, one_line(e))
-            return
-        old, self._runtime = self._runtime, runtime
+        if started.capture_report is not None:
+            self.capture_report = started.capture_report
+        old, self._runtime = self._runtime, started.runtime
         if old is not None and old.capturer is not None:
             old.capturer.stop()  # its graphs replay the interim targets: they go with it
         COUNTERS.swaps += 1
         log.info("cachebuild: %s now serves with its %d targets, built in %.1f s in the "
-                 "background", type(self.model).__name__, len(loaded), swap.seconds)
+                 "background", type(self.model).__name__,
+                 len(set(started.runtime.entry.target_keys())), swap.seconds)
 
     def wait_built(self, timeout: float | None = None) -> bool:
         """Wait until the targets building in the background (``while_building``) are
@@ -287,19 +192,9 @@ class CompiledModule(torch.nn.Module):
         return runtime(*args)
 
 
-#: Models that failed to compile in this process, by the key of the entry they would have
-#: had (their code, config, input shapes and the values their trace read): not tried again.
-FAILED: dict[str, BaseException] = {}
-
-
-def one_line(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
 def compile(model: torch.nn.Module, config: CompileConfig | None = None,
-            dynamic_dims: dict[int, int] | None = None, store: Any = None,
-            passes: Any = None) -> CompiledModule:
+            dynamic_dims: dict[int, int] | None = None, store: Store | None = None,
+            passes: PassManager | None = None) -> CompiledModule:
     """A module that runs ``model`` through cachebuild's piecewise build graph.
 
     ``dynamic_dims`` maps a positional argument's index to its dynamic dim, e.g.
@@ -312,7 +207,8 @@ def compile(model: torch.nn.Module, config: CompileConfig | None = None,
                           passes)
 
 
-def backend(config: CompileConfig | None = None, store: Any = None, passes: Any = None) -> Any:
+def backend(config: CompileConfig | None = None, store: Store | None = None,
+            passes: PassManager | None = None) -> Any:
     """A torch.compile backend: ``torch.compile(model, backend=cachebuild.backend(cfg))``.
 
     Every graph Dynamo hands over is split and planned at once and its targets are built
@@ -327,38 +223,12 @@ def backend(config: CompileConfig | None = None, store: Any = None, passes: Any 
             entry = planner.plan(traced, {"front_door": "torch.compile"})
             device = device_of(traced.input_metas)
             builder = Builder(planner.store, config, planner.passes, device)
-            return lambda: on_device_forward(
-                direct_forward(stitch(entry, resolve_all(entry, builder))), device)
+            return lambda: on_device_forward(direct_forward(
+                stitch(entry, resolve_all(entry, builder), layout_guards(entry.pieces))), device)
 
         return GraphForward(gm, example_inputs, plan)
 
     return compile_graph
-
-
-_PRELOAD: threading.Thread | None = None
-
-
-def preload() -> threading.Thread:
-    """Start initialising Inductor's runtime in the background (idempotent).
-
-    Loading ``standalone`` artifacts needs Inductor, whose import takes seconds; a server
-    calls this first thing so that the import overlaps building its model and loading
-    weights. Loading ``aoti`` artifacts needs none of it. Only the import happens
-    here: also loading an artifact in the background, to pay Inductor's first-load set-up
-    early, made the warm start slower on an H200 (it contended with the foreground loads).
-    """
-    global _PRELOAD
-    if _PRELOAD is None:
-        _PRELOAD = threading.Thread(target=_preload, name="cachebuild-preload", daemon=True)
-        _PRELOAD.start()
-    return _PRELOAD
-
-
-def _preload() -> None:
-    with phase("preload"):
-        import torch._inductor.codecache  # noqa: F401
-        import torch._inductor.compile_fx  # noqa: F401  # the first load imports it otherwise
-        from torch._inductor import CompiledArtifact  # noqa: F401
 
 
 def stats() -> dict[str, Any]:

@@ -17,33 +17,35 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from cachebuild import keep
 from cachebuild.backends import BuildRequest, get_backend
-from cachebuild.backends.base import DeviceBound
+from cachebuild.backends.base import DeviceBound, LoadNeeds
 from cachebuild.backends.kernel_dir import build_work_dir
 from cachebuild.clock import BuildClock, measuring, summary
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, phase
 from cachebuild.distributed import local_groups
-from cachebuild.errors import BuildError, UsageError, transient
-from cachebuild.facts import InputMeta, device_of, on_device
+from cachebuild.errors import BuildError, StoredArtifactError, StoreError, UsageError, transient
+from cachebuild.facts import device_of, on_device
 from cachebuild.fxjson import data_to_module
 from cachebuild.keys import make_key
-from cachebuild.targets import Target, bucket_label
+from cachebuild.targets import BuildJob, bucket_label
 from cachebuild.verify import check, check_artifact, verify_on_load, verify_sizes
 
 if TYPE_CHECKING:
     from cachebuild.entry import Entry
+    from cachebuild.passes import PassManager
     from cachebuild.store.base import Store
 
 log = logging.getLogger("cachebuild.build")
@@ -76,20 +78,10 @@ LOADED: dict[tuple[str, str], Any] = {}
 VERIFIED: set[str] = set()
 
 
-@dataclass
-class BuildJob:
-    """A target plus what is needed to compile it anywhere (picklable, no live graph)."""
-
-    target: Target
-    nodes: list[dict[str, Any]]
-    input_metas: list[InputMeta]
-    config: CompileConfig
-
-
 class Builder:
     """Resolves targets against one store with one config's backend and passes."""
 
-    def __init__(self, store: Any, config: CompileConfig, passes: Any = None,
+    def __init__(self, store: Store, config: CompileConfig, passes: PassManager | None = None,
                  device: str = "cpu") -> None:
         """``passes``: a ``PassManager`` to use instead of the one ``config.passes`` makes
         (custom passes); its factors enter every target key all the same. ``device``: where
@@ -98,7 +90,7 @@ class Builder:
         self.config = config
         self.device = device
         self.backend = get_backend(config.backend)
-        self._passes: Any = passes
+        self._passes = passes
         #: Where each target this builder built went, by key: seconds per phase
         #: (``clock.PHASES``) and counts (``cxx_reused``).
         self.phases: dict[str, dict[str, Any]] = {}
@@ -106,7 +98,7 @@ class Builder:
         self.worker_phases: dict[str, dict[str, Any]] = {}
 
     @property
-    def passes(self) -> Any:
+    def passes(self) -> PassManager:
         if self._passes is None:
             from cachebuild.passes import PassManager
 
@@ -134,6 +126,12 @@ class Builder:
             fn = self.backend.load(record.kind, key, self.store, self.device)
         except DeviceBound as bound:
             return self._device_copy(job, bound) if job is not None else None
+        except Exception as e:
+            if isinstance(e, StoreError) or transient(e):
+                raise
+            why = str(e) or type(e).__name__
+            raise StoredArtifactError(why if key in why else
+                                      f"stored artifact {key} was not loaded: {why}") from e
         if fn is None:  # vanished or failed verification (quarantined): a miss
             return None
         COUNTERS.hits += 1
@@ -305,13 +303,14 @@ def load_threads() -> int:
     return int(value)
 
 
-def needs_inductor(keys: list[str], store: Store) -> bool:
-    """True if loading these targets initialises Inductor (``standalone`` artifacts)."""
+def load_needs(keys: list[str], builder: Builder) -> LoadNeeds:
+    """What loading the ones of these targets that ``builder``'s store holds takes (its
+    backend says, per artifact kind)."""
     for key in keys:
-        record = store.get_record(key)
-        if record is not None and record.kind == "standalone":
-            return True
-    return False
+        record = builder.store.get_record(key)
+        if record is not None and builder.backend.load_needs(record.kind).inductor:
+            return LoadNeeds(inductor=True)
+    return LoadNeeds()
 
 
 def _build_in_workers(jobs: list[BuildJob], builder: Builder,
@@ -363,21 +362,33 @@ def jobs_of(entry: Entry, config: CompileConfig) -> dict[str, BuildJob]:
     return jobs
 
 
-def resolve_all(entry: Entry, builder: Builder, parallel: bool = False,
+def resolve_all(entry: Entry, builder: Builder, *, warm: bool = False,
                 on_missing: Callable[[int, int], None] | None = None,
                 workers: bool = True) -> dict[str, Any]:
-    """Every unique target of ``entry``, loaded or built (one at a time).
+    """Every unique target of ``entry``, loaded or built.
 
-    ``parallel``: load on up to ``load_threads()`` threads, for artifacts whose loading is
-    slow (``standalone`` ones initialise Inductor); AOTI packages load in milliseconds,
-    on the calling thread. ``on_missing(missing, total)`` is called before any build; the
-    builds then show progress (``notice.build_progress``). ``workers``: False builds
-    every missing target in this process (targets that build in seconds, while workers
-    build others).
+    ``warm``: ``entry`` was found stored (a warm start, counted as such); if loading its
+    targets initialises Inductor (their backend says so: ``standalone`` artifacts), its
+    import is started at once (``preload``) and they load on up to ``load_threads()``
+    threads. AOTI packages load in milliseconds, on the calling thread.
+    ``on_missing(missing, total)`` is called before any build; the builds then show
+    progress (``notice.build_progress``). Missing targets build in worker processes where
+    they can (``_build_in_workers``); ``workers``: False builds every missing target in
+    this process, one after another (targets that build in seconds, while workers build
+    others).
     """
     from cachebuild.notice import build_progress
 
     jobs = jobs_of(entry, builder.config)
+    parallel = warm and load_needs(list(jobs), builder).inductor
+    if parallel:
+        preload()
+    if warm:
+        COUNTERS.entries_loaded += 1
+        builder.store.count("warm_starts")
+        COUNTERS.planned += len(entry.targets())
+        COUNTERS.unique += len(jobs)
+        log.info("warm start from entry %s", entry.key[:12])
     threads = min(load_threads(), len(jobs)) if parallel else 1
     if threads <= 1:
         loaded = {key: builder.load(key) for key in jobs}
@@ -402,3 +413,29 @@ def resolve_all(entry: Entry, builder: Builder, parallel: bool = False,
             if key not in missing:
                 builder.check_loaded(jobs[key], fn)
     return loaded
+
+
+_PRELOAD: threading.Thread | None = None
+
+
+def preload() -> threading.Thread:
+    """Start initialising Inductor's runtime in the background (idempotent).
+
+    Loading ``standalone`` artifacts needs Inductor, whose import takes seconds; a server
+    calls this first thing so that the import overlaps building its model and loading
+    weights. Loading ``aoti`` artifacts needs none of it. Only the import happens
+    here: also loading an artifact in the background, to pay Inductor's first-load set-up
+    early, made the warm start slower on an H200 (it contended with the foreground loads).
+    """
+    global _PRELOAD
+    if _PRELOAD is None:
+        _PRELOAD = threading.Thread(target=_preload, name="cachebuild-preload", daemon=True)
+        _PRELOAD.start()
+    return _PRELOAD
+
+
+def _preload() -> None:
+    with phase("preload"):
+        import torch._inductor.codecache  # noqa: F401
+        import torch._inductor.compile_fx  # noqa: F401  # the first load imports it otherwise
+        from torch._inductor import CompiledArtifact  # noqa: F401

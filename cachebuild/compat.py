@@ -1,6 +1,8 @@
 """Every difference between the torch versions cachebuild supports (2.11 through 2.13).
 
-Code elsewhere never tests ``torch.__version__``; it asks this module.
+Code elsewhere never tests ``torch.__version__`` nor works around one version's behaviour
+itself (a retry, a match on a message, an allow-list): it asks this module, whose names
+say what each difference papers over.
 """
 
 from __future__ import annotations
@@ -377,16 +379,76 @@ def point_header_dir(folder: str | None) -> Callable[[], None]:
         from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
         folder = os.path.join(default_cache_dir(), "precompiled_headers")
+    _set_header_dir(codecache, folder, os.path.join(folder, "locks") if saved[1] else None)
+    return lambda: _set_header_dir(codecache, *saved)
+
+
+def _set_header_dir(codecache: Any, folder: str, lock_dir: str | None) -> None:
+    """Point ``codecache``'s precompiled headers at ``folder``. Inductor memoizes the path
+    of each header it precompiled (``_precompile_header``, keyed without the folder): a
+    path under another folder, which may be gone (an earlier store's work folder), must not
+    be handed out, so the memo is cleared whenever the folder changes."""
+    if codecache._HEADER_DIR != folder:
+        clear = getattr(getattr(codecache, "_precompile_header", None), "cache_clear", None)
+        if clear is not None:
+            clear()
     codecache._HEADER_DIR = folder
-    if saved[1] is not None:
-        codecache._HEADER_LOCK_DIR = os.path.join(folder, "locks")
+    if lock_dir is not None:
+        codecache._HEADER_LOCK_DIR = lock_dir
 
-    def undo() -> None:
-        codecache._HEADER_DIR = saved[0]
-        if saved[1] is not None:
-            codecache._HEADER_LOCK_DIR = saved[1]
 
-    return undo
+def export_keeping_unproven_guards(export: Callable[..., Any]) -> tuple[Any, bool]:
+    """``export()``, the program torch.export makes of a piece over a range of sizes;
+    ``(program, deferred)``.
+
+    torch 2.11's export cannot prove some guards that hold over the whole range
+    (``min(16*s, 32*s) == 16*s``) and raises "Constraints violated". It may keep such
+    guards as checks the program runs instead: then ``export`` is called again with
+    ``prefer_deferred_runtime_asserts_over_guards=True`` and ``deferred`` is True, and the
+    caller checks that the range the program accepts is still the whole range.
+    """
+    try:
+        return export(), False
+    except Exception as e:
+        if "Constraints violated" not in str(e):
+            raise
+    return export(prefer_deferred_runtime_asserts_over_guards=True), True
+
+
+def is_rebuilt_object_guard(error: BaseException) -> bool:
+    """True if ``error`` is torch 2.11 and 2.12's guard builder meeting, when asked for
+    the guards' values, an object the forward builds afresh at each read (transformers'
+    cache with ``use_cache=True``): an AssertionError "Guarded object must be identical".
+    """
+    return isinstance(error, AssertionError) and "Guarded object must be identical" in str(error)
+
+
+#: Tensor's operator methods (``x.__eq__(y)``): Dynamo on torch 2.11 and 2.12 keeps some
+#: comparisons as method calls where torch 2.13 records ``operator.eq``, so a stored graph
+#: may name them. Only these dunders are; ``__reduce_ex__``, ``__setstate__`` and the like
+#: never are.
+TENSOR_OPERATOR_METHODS = frozenset(
+    f"__{r}{name}__" for name in (
+        "eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul", "truediv", "floordiv", "mod",
+        "pow", "matmul", "and", "or", "xor", "lshift", "rshift")
+    for r in ("", "r", "i")) | frozenset(
+    ("__neg__", "__pos__", "__abs__", "__invert__", "__getitem__", "__setitem__",
+     "__bool__", "__len__", "__float__", "__int__", "__index__"))
+
+
+#: Guard kinds Dynamo puts on a process group: an ``ID_MATCH`` before torch 2.13, an opaque
+#: object's type and guard function from 2.13.
+PROCESS_GROUP_GUARD_KINDS = frozenset({"ID_MATCH", "TYPE_MATCH", "FAKE_SCRIPT_TYPE_MATCH",
+                                       "OPAQUE_OBJ_GUARD_FN_MATCH"})
+
+
+def composites_keep_symbolic_sizes() -> Any:
+    """A context in which composite ops (a linear on a 3-D input) run on fake values read
+    symbolic sizes as such, as they do under Dynamo: torch's Python dispatcher. Without it
+    torch 2.11 reads them as ints, which pins a dynamic dim to the traced size."""
+    from torch._dispatch.python import enable_python_dispatcher
+
+    return enable_python_dispatcher()
 
 
 # -- what Inductor's compilers do, seen from outside (``backends/compilers.py``) ------------

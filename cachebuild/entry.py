@@ -11,15 +11,20 @@ values), the call's input metadata with the dynamic dims, and the environment.
 
 The recorded guards are the source of truth: an entry whose guards fail on the live model
 is not used, and the model's own entry is then looked for under a key derived from the
-failing entry's key and the live values (``variant_key``). Guards are data: their list is
+failing entry's key and the live values (``keys.variant_key``). Guards are data: their list is
 checked for its shape when an entry is read, and covered by a seal stored beside the
-entry under a key made from the entry's key and that list (``seal_key``); an entry whose
+entry under a key made from the entry's key and that list (``Entry.seal``); an entry whose
 guards were edited or deleted has no seal, and is a miss.
+
+This module owns how an entry is kept in a store: ``record_entry`` writes one (its seal
+first), ``stored_entry`` reads one back with every check but the guards', and
+``payload_refs`` tells the store what a stored entry refers to.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -33,10 +38,14 @@ from cachebuild.facts import InputMeta, device_of, meta_of
 from cachebuild.fxjson import graph_to_data
 from cachebuild.guards import GuardSet, check_data
 from cachebuild.keys import guard_seal_key, make_key
-from cachebuild.sources import changed, digest_of, labels_in, loaded_files, source_data
+from cachebuild.sources import digest_of, labels_in, source_data, stale
 from cachebuild.split import SplitPlan
+from cachebuild.store.base import Store
+from cachebuild.store.refs import register_refs
 from cachebuild.targets import Target, piece_data
 from cachebuild.trace import Binding, TracedGraph
+
+log = logging.getLogger("cachebuild")
 
 #: The layout of a stored entry; bumped when it changes, so older entries are never misread
 #: (it is an entry-key factor: an old entry is simply not found, and the model retraced).
@@ -97,6 +106,15 @@ class Entry:
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Each traced file's size and time as of its hash (``sources.stamp``).
     source_stamps: dict[str, list[int]] = field(default_factory=dict)
+    #: Where the seal of its guard list is stored (made from its key and that list): an
+    #: entry whose guards no key can be made of is not made (ValueError, TypeError).
+    seal: str = field(init=False)
+    #: Why this entry may not be stored (its trace read what a warm start cannot check
+    #: without Dynamo), or None; never stored itself.
+    unrecordable: str | None = field(default=None, compare=False)
+
+    def __post_init__(self) -> None:
+        self.seal = guard_seal_key(self.key, self.guards)
 
     def target_keys(self) -> list[str]:
         keys: list[str] = []
@@ -104,14 +122,10 @@ class Entry:
             keys += [t.key for t in p.targets if t.key not in keys]
         return keys
 
-    def seal_key(self) -> str:
-        """Where the seal of this entry's guard list is stored (see the module doc)."""
-        return guard_seal_key(self.key, self.guards)
-
     def stored_keys(self) -> list[str]:
         """Everything besides the entry that a store must hold for it: its targets and
         its seal (what its refs list, and what push and pull move with it)."""
-        return [*self.target_keys(), self.seal_key()]
+        return [*self.target_keys(), self.seal]
 
     def targets(self) -> list[Target]:
         return [Target(t.key, i, t.bucket, self.manifests[t.key], tuple(p.sources))
@@ -136,12 +150,9 @@ class Entry:
         return GuardSet.from_data(self.guards)
 
     def stale_files(self) -> list[str]:
-        """Traced sources whose code is not the code of this process (``sources.changed``:
+        """Traced sources whose code is not the code of this process (``sources.stale``:
         found by content, wherever the file lies now), each named where it differs."""
-        loaded = loaded_files()
-        found = (changed(path, digest, self.source_stamps.get(path), loaded)
-                 for path, digest in self.source_files.items())
-        return [where for where in found if where is not None]
+        return stale(self.source_files, self.source_stamps)
 
     def to_bytes(self) -> bytes:
         data = {
@@ -190,6 +201,107 @@ class Entry:
             sources={str(k): dict(v) for k, v in raw["sources"].items()},
             source_stamps={str(k): [int(x) for x in v] for k, v in raw["source_stamps"].items()},
         )
+
+
+#: What reading a stored payload that is not an entry of this format raises.
+UNREADABLE = (ValueError, KeyError, TypeError, AttributeError, IndexError, RecursionError)
+
+
+def read_entry(data: bytes) -> Entry | None:
+    """The entry stored as ``data``, or None if it is not one this version reads (an
+    older format, or not an entry at all)."""
+    try:
+        return Entry.from_bytes(data)
+    except UNREADABLE:
+        return None
+
+
+def stored_entry(store: Store, key: str, *, touch: bool = True
+                 ) -> tuple[Entry | None, str | None]:
+    """The entry stored under ``key`` if a warm start may use it: ``(entry, None)``;
+    else ``(None, why)``: not an entry this version reads, its guard list not the one
+    sealed with it, or a source its trace read changed since; ``(None, None)`` if none
+    is stored. Its guards are the caller's to check, on the live model. ``touch=False``:
+    a look, not a use of the store."""
+    data = store.get(key, touch=touch)
+    if data is None:
+        return None, None
+    entry, why = _decoded(data)
+    if entry is not None:
+        why = _unusable(store, entry, key)
+    return (entry, None) if why is None else (None, why)
+
+
+def _decoded(data: bytes) -> tuple[Entry | None, str | None]:
+    """The entry in a stored payload, or why there is none."""
+    try:
+        return Entry.from_bytes(data), None
+    except UNREADABLE as e:  # not an entry of this format, or guards no key can be made of
+        return None, f"stored entry unreadable ({type(e).__name__})"
+
+
+def _unusable(store: Store, entry: Entry, key: str) -> str | None:
+    """Why ``entry``, read from under ``key``, may not be used (None: it may): its guard
+    list is not the one sealed with it, or a source its trace read changed since."""
+    if entry.key != key or not store.contains(entry.seal):
+        return "the stored entry's guards are not the ones recorded with it (no seal for them)"
+    changed = stale(entry.source_files, entry.source_stamps)
+    if changed:
+        return f"traced source changed: {', '.join(changed)}"
+    return None
+
+
+def record_entry(entry: Entry, store: Store) -> bool:
+    """Store ``entry`` under its key (under the key's build lock), replacing a stale or
+    unreadable one there; True. False, with one log line, where its trace cannot be
+    checked without Dynamo (``unrecordable``), so no entry may exist.
+
+    An entry a warm start may use that is stored meanwhile (by another process, or with a
+    shared tier another machine) is kept: deleting it would also take the fleet's shared
+    copy away. The seal of its guards is stored first: an entry is never stored without it
+    (``contains`` verifies the one there, and moves a damaged or refused one out of the
+    way of this put).
+    """
+    if entry.unrecordable is not None:
+        log.warning("compiled %s without recording an entry (no warm start): %s",
+                    entry.factors["model"]["class"].rsplit(".", 1)[-1], entry.unrecordable)
+        return False
+    with store.lock(entry.key):
+        _put(entry, store)
+    return True
+
+
+def _put(entry: Entry, store: Store) -> None:
+    payload, refs = entry.to_bytes(), entry.stored_keys()
+    stored, why = stored_entry(store, entry.key)
+    if stored is not None:
+        return
+    if why is not None:
+        store.delete(entry.key)
+    if not store.contains(entry.seal):
+        store.put(entry.seal, b"", kind="guards")
+    store.put(entry.key, payload, kind="entry", manifest=entry.factors, refs=refs)
+
+
+def payload_refs(payload: bytes) -> list[str]:
+    """The keys a stored entry needs beside it (its targets and the seal of its guards),
+    read from the payload's JSON without building the entry, so that an entry of an
+    older format still keeps its targets. ValueError, KeyError, TypeError or
+    AttributeError if the payload names none; an entry whose guards no key can be made
+    of has no seal ref (it is a miss anyway)."""
+    doc = json.loads(payload)
+    keys = [t["key"] for p in doc.get("pieces", []) for t in p.get("targets", [])]
+    if "key" in doc and "guards" in doc:  # an entry that has a seal
+        try:
+            keys.append(guard_seal_key(doc["key"], doc["guards"]))
+        except (ValueError, TypeError, RecursionError):
+            pass
+    return keys
+
+
+# The store reads what an entry refers to through this (also declared as the
+# ``cachebuild.refs`` entry point, for processes that never import this module).
+register_refs("entry", payload_refs)
 
 
 def _tensor_table(items: Any) -> list[list[Any]]:
@@ -315,6 +427,7 @@ def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,
         written_inputs=list(plan.written_inputs),
         sources=source_data(labels_in([g.to_data() for g in traced.guards])),
         source_stamps=dict(traced.source_stamps),
+        unrecordable=traced.unrecordable,
     )
 
 
@@ -337,10 +450,3 @@ def _piece_inputs(plan: SplitPlan, bindings: list[Binding]
         inner[node.target] = [i for i, a in enumerate(node.args)
                               if isinstance(a, torch.fx.Node) and a.op != "placeholder"]
     return weights, inner
-
-
-def variant_key(key: str, values: list[Any]) -> str:
-    """Where the entry of a model lives whose values differ from those the entry at ``key``
-    was traced with: derived from that key and the live values of its guards, so every
-    process with the same model finds it without tracing."""
-    return make_key({"variant_of": key, "guards": values})

@@ -31,6 +31,12 @@ class StoreError(CachebuildError):
     """The store could not do what was asked (unsafe directory, full disk, ...)."""
 
 
+class StoredArtifactError(StoreError):
+    """A stored artifact could not be loaded (damaged, refused by the checks on stored
+    graphs, or not runnable on this machine): the store's trouble, not the model's, so a
+    build is never remembered as failed for it (the store may be repaired meanwhile)."""
+
+
 class LockTimeout(StoreError):
     """A build lock was not acquired in time."""
 

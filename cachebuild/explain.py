@@ -10,14 +10,16 @@ its trace read, checked on the live model (``layers.0.mlp.act_fn: SiLU → GELUA
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from cachebuild.distributed import describe_change
 from cachebuild.graphdiff import diff_graphs, similarity
 from cachebuild.keys import MISSING, Difference, canonical_json, diff_manifests
-from cachebuild.targets import bucket_label
+from cachebuild.store.base import Store
+from cachebuild.store.record import Record
+from cachebuild.targets import Target, bucket_label
 
 
 @dataclass
@@ -114,7 +116,8 @@ def _graph_likeness(manifest: dict[str, Any], wanted: dict[str, Any]) -> float:
         return -1.0  # a malformed stored manifest: the least alike
 
 
-def label(target: Any) -> str:
+def label(target: Target) -> str:
+    """``piece 3 range 1-64``."""
     return f"piece {target.piece} {bucket_label(target.bucket)}"
 
 
@@ -181,21 +184,23 @@ def _tensor_table_changes(kind: str, old: list[Any], new: list[Any]) -> list[str
     return changes or [f"{kind}s differ"]
 
 
-def entries_of(store: Any, model_class: str) -> list[Any]:
+def entries_of(store: Store, model_class: str) -> list[Record]:
     """The records (manifests included) of the stored entries of ``model_class``: the
     local tier's, without reading a target's manifest."""
-    out = []
+    out: list[Record] = []
     for record in store.records(manifests=False):
         if record.kind == "entry":
             full = store.get_record(record.key)
             manifest = full.manifest if full is not None else None
-            if isinstance(manifest, dict) and isinstance(manifest.get("model"), dict) and \
+            if full is not None and isinstance(manifest, dict) and \
+                    isinstance(manifest.get("model"), dict) and \
                     manifest["model"].get("class") == model_class:
                 out.append(full)
     return out
 
 
-def nearest_entry(factors: dict[str, Any], records: list[Any]) -> tuple[str, list[str]] | None:
+def nearest_entry(factors: dict[str, Any], records: Iterable[Record]
+                  ) -> tuple[str, list[str]] | None:
     """The stored entry of the same model class whose key factors differ least from
     ``factors``, with those differences in words (None if there is none)."""
     best: tuple[int, str, list[Difference]] | None = None

@@ -106,13 +106,11 @@ def record_example_values(gm: fx.GraphModule, fake_inputs: list[Any]) -> None:
             n.meta["example_value"] = result
             return result
 
-    from torch._dispatch.python import enable_python_dispatcher
+    from cachebuild import compat
 
-    # As Dynamo runs ops on fake values: with the Python dispatcher, composite ops (linear)
-    # read symbolic sizes as such; without it torch 2.11 reads them as ints, which pins the
-    # dynamic dim to the traced size.
+    # As Dynamo runs ops on fake values, keeping symbolic sizes symbolic.
     with fake_mode if fake_mode is not None else contextlib.nullcontext(), \
-            enable_python_dispatcher():
+            compat.composites_keep_symbolic_sizes():
         Recorder(gm).run(*fake_inputs)
 
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from cachebuild import purity
+from cachebuild import compat, purity
 from cachebuild.errors import CachebuildError
 
 # Namespaces tried when a function's __module__ does not lead back to it (C functions
@@ -315,7 +315,7 @@ def check_call(op: str, target: Any, args: Any, kwargs: Any) -> None:
         if not isinstance(target, str) or not _tensor_method(target):
             raise GraphFormatError(f"graph calls method {_short(target)}, which is not a "
                                    "public Tensor method")
-        why = None if target in _OPERATOR_METHODS else purity.method_impurity(target)
+        why = None if target in compat.TENSOR_OPERATOR_METHODS else purity.method_impurity(target)
         if why is not None:
             raise GraphFormatError(f"graph calls method {target}, which stored graphs may not "
                                    f"call: {why}")
@@ -399,20 +399,8 @@ def _data_to_graph(nodes: Any, bounded: bool) -> fx.Graph:
     return graph
 
 
-#: Tensor's operator methods (``x.__eq__(y)``): Dynamo on torch 2.11 and 2.12 keeps some
-#: comparisons as method calls where torch 2.13 records ``operator.eq``. Only these dunders
-#: are allowed; ``__reduce_ex__``, ``__setstate__`` and the like never are.
-_OPERATOR_METHODS = frozenset(
-    f"__{r}{name}__" for name in (
-        "eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul", "truediv", "floordiv", "mod",
-        "pow", "matmul", "and", "or", "xor", "lshift", "rshift")
-    for r in ("", "r", "i")) | frozenset(
-    ("__neg__", "__pos__", "__abs__", "__invert__", "__getitem__", "__setitem__",
-     "__bool__", "__len__", "__float__", "__int__", "__index__"))
-
-
 def _tensor_method(name: str) -> bool:
-    public = not name.startswith("_") or name in _OPERATOR_METHODS
+    public = not name.startswith("_") or name in compat.TENSOR_OPERATOR_METHODS
     return _is_identifier(name) and public and callable(getattr(torch.Tensor, name, None))
 
 

@@ -57,11 +57,10 @@ CHECK_OF = {
     "HASATTR": "exists",
 }
 
-#: Guard kinds Dynamo puts on a process group (an ``ID_MATCH`` before torch 2.13, an
-#: opaque object's type and guard function from 2.13): each becomes one ``process_group``
-#: record, which checks what the graph bakes in of the group (its name and size).
-PROCESS_GROUP_KINDS = frozenset({"ID_MATCH", "TYPE_MATCH", "FAKE_SCRIPT_TYPE_MATCH",
-                                 "OPAQUE_OBJ_GUARD_FN_MATCH"})
+#: Guard kinds Dynamo puts on a process group (``compat``: they differ by version): each
+#: becomes one ``process_group`` record, which checks what the graph bakes in of the group
+#: (its name and size).
+PROCESS_GROUP_KINDS = compat.PROCESS_GROUP_GUARD_KINDS
 
 #: Guard kinds that need no record, and why.
 COVERED = {

@@ -435,7 +435,10 @@ def fingerprint(check: str, value: Any, arg: Any) -> Any:
 _UNRESOLVED = object()
 
 #: Path roots and steps as stored: their name and how many values follow it.
-_ROOTS = {"model": 0, "arg": 1, "varargs": 1, "kwargs": 0, "module": 1, "env": 1, "state": 1}
+#: How many values each root of a guard path holds (a module outside installed libraries is
+#: named by its source's label and its file's name: ``sources.module_root``).
+_ROOTS = {"model": {0}, "arg": {1}, "varargs": {1}, "kwargs": {0}, "module": {1, 2}, "env": {1},
+          "state": {1}}
 _STEPS = {"attr": 1, "item": 1, "nthkey": 1, "itemkey": 1, "type": 0, "dict": 0}
 
 
@@ -452,7 +455,7 @@ def check_data(data: Any) -> list[list[Any]]:
             raise ValueError(f"not a guard record: {reprlib.repr(record)}")
         root, *steps = record[0]
         if not (isinstance(root, list) and root and isinstance(root[0], str)
-                and _ROOTS.get(root[0]) == len(root) - 1
+                and len(root) - 1 in _ROOTS.get(root[0], ())
                 and all(isinstance(v, str | int) and not isinstance(v, bool)
                         for v in root[1:])):
             raise ValueError(f"not a guard path root: {reprlib.repr(root)}")

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import ast
 import functools
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -72,6 +72,26 @@ def same_layout(shape: Sequence[int], stride: Sequence[int], wanted: Sequence[in
     """True if ``stride`` addresses a tensor of ``shape`` as ``wanted`` does (dims of
     size 1 never move the pointer, so their strides do not matter)."""
     return all(s == w or n == 1 for n, s, w in zip(shape, stride, wanted, strict=True))
+
+
+def check_weight(what: str, tensor: torch.Tensor, meta: InputMeta,
+                 device: torch.device) -> None:
+    """Raise UsageError unless ``tensor`` (named ``what``: ``param layers.0.w``) is what
+    the compiled pieces were built for: device, dtype, shape and layout (they read it by
+    pointer)."""
+    want_dtype = getattr(torch, meta.dtype) if meta.dtype else tensor.dtype
+    problem = None
+    if tensor.device != device:
+        problem = f"is on {tensor.device}, not {device}"
+    elif tensor.dtype != want_dtype:
+        problem = f"is {tensor.dtype}, not {want_dtype}"
+    elif tuple(tensor.shape) != tuple(meta.shape):
+        problem = f"has shape {tuple(tensor.shape)}, not {tuple(meta.shape)}"
+    elif not same_layout(tensor.shape, tensor.stride(), meta.stride):
+        problem = f"has strides {tuple(tensor.stride())}, not {tuple(meta.stride)}"
+    if problem is not None:
+        raise UsageError(f"{what} {problem}, which the compiled model was built for; "
+                         "compile the model again after changing it")
 
 
 def _symbol_values(metas: Sequence[InputMeta], shapes: Sequence[Sequence[int] | None]) -> dict[str, int]:
@@ -255,3 +275,18 @@ class LayoutGuard:
                 out = list(args)
             out[i] = fixed
         return args if out is None else tuple(out)
+
+
+class PieceInputs(Protocol):
+    """What ``layout_guards`` reads of a piece (``entry.PieceRecord`` has it)."""
+
+    name: str
+    compiled: bool
+    input_metas: list[InputMeta]
+    inner: list[int]
+
+
+def layout_guards(pieces: Iterable[PieceInputs]) -> dict[str, LayoutGuard]:
+    """A ``LayoutGuard`` for each compiled piece, by name: the inputs it reads that are
+    made inside the model (``inner``) given the strides it was compiled for."""
+    return {p.name: LayoutGuard(p.input_metas, p.inner) for p in pieces if p.compiled}

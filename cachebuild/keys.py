@@ -89,6 +89,13 @@ def guard_seal_key(entry_key: str, guards: Any) -> str:
     return make_key({"guard_seal": entry_key, "guards": guards})
 
 
+def variant_key(entry_key: str, values: list[Any]) -> str:
+    """Where the entry of a model lives whose values differ from those the entry at
+    ``entry_key`` was traced with: derived from that key and the live values of its
+    guards, so every process with the same model finds it without tracing."""
+    return make_key({"variant_of": entry_key, "guards": values})
+
+
 def _short(value: Any, limit: int = 60) -> str:
     text = value if isinstance(value, str) else canonical_json(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"

@@ -15,7 +15,10 @@ import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cachebuild.store.base import Store
 
 log = logging.getLogger("cachebuild")
 
@@ -42,7 +45,8 @@ def hint(model: Any) -> str:
     return HINT
 
 
-def reason(why: str, store: Any = None, factors: Any = None) -> str:
+def reason(why: str, store: Store | None = None,
+           factors: dict[str, Any] | None = None) -> str:
     """Why a model must be traced, in words, from a lookup's ``why``. Where no entry is
     stored under the model's key, ``store`` and the key's ``factors`` find the nearest
     stored entry of the same class, to say what changed since it was warmed (the model's
@@ -62,7 +66,8 @@ def reason(why: str, store: Any = None, factors: Any = None) -> str:
     return why
 
 
-def must_trace(model: Any, why: str, store: Any = None, factors: Any = None) -> None:
+def must_trace(model: Any, why: str, store: Store | None = None,
+               factors: dict[str, Any] | None = None) -> None:
     """The start will trace ``model`` with Dynamo and build what is missing: say why
     (``reason``), and what avoids it."""
     log.warning("cachebuild: compiling %s (defined in %s) from scratch because %s; tracing "
@@ -71,7 +76,7 @@ def must_trace(model: Any, why: str, store: Any = None, factors: Any = None) -> 
                 hint(model))
 
 
-def _changes(store: Any, factors: Any) -> list[str]:
+def _changes(store: Store | None, factors: dict[str, Any] | None) -> list[str]:
     """What differs from the nearest stored entry of the model's class, in words (none:
     nothing of that class is stored)."""
     if store is None or not isinstance(factors, dict):

@@ -3,13 +3,13 @@
 ``Planner.lookup`` finds the stored entry whose recorded guards hold on the live model
 (starting at the entry key, then the variants for other values the trace read); on a
 miss, ``Planner.trace`` runs Dynamo once and ``Planner.plan`` splits the graph, plans every
-target (piece × bucket, keyed by its factors) and makes the entry, which ``record`` stores.
+target (piece × bucket, keyed by its factors) and makes the entry, which
+``entry.record_entry`` stores.
 ``target_factors`` are the backend and pass factors every target of a config shares.
 """
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,17 +21,15 @@ from cachebuild.backends import Backend, get_backend
 from cachebuild.config import CompileConfig, check_inductor_options
 from cachebuild.counters import COUNTERS, phase
 from cachebuild.distributed import layout_mismatches
-from cachebuild.entry import Entry, entry_factors, make_entry, variant_key
+from cachebuild.entry import Entry, entry_factors, make_entry, stored_entry
 from cachebuild.env import env_factors
 from cachebuild.facts import device_of
 from cachebuild.guards import Mismatch
-from cachebuild.keys import make_key
+from cachebuild.keys import make_key, variant_key
 from cachebuild.split import check_splitting_ops, split_graph
 from cachebuild.store.base import Store
 from cachebuild.targets import make_targets
 from cachebuild.trace import TracedGraph, trace_model
-
-log = logging.getLogger("cachebuild")
 
 
 def target_factors(backend: Backend, config: CompileConfig, passes: Any,
@@ -78,7 +76,6 @@ class Planner:
         self.store = store
         self.backend = get_backend(config.backend)
         self._passes = passes
-        self.unrecordable: str | None = None  # why the latest trace cannot be recorded
         self.touch = touch
 
     @property
@@ -108,24 +105,15 @@ class Planner:
         why = "no entry"
         wrong: list[Mismatch] = []
         for _ in range(MAX_VARIANTS):
+            # An entry planned for another rank is this process's own trace: its sources
+            # are this process's code.
             entry = (pending or {}).get(key)
             if entry is None:
-                data = self.store.get(key, touch=self.touch)
-                if data is None:
+                entry, unusable = stored_entry(self.store, key, touch=self.touch)
+                if unusable is not None:
+                    return Lookup(None, unusable, key, factors)
+                if entry is None:
                     return Lookup(None, why, key, factors, wrong)
-                try:
-                    entry = Entry.from_bytes(data)
-                    seal = entry.seal_key()
-                except (ValueError, KeyError, TypeError, AttributeError, IndexError,
-                        RecursionError) as e:  # not an entry of this format
-                    return Lookup(None, f"stored entry unreadable ({type(e).__name__})", key,
-                                  factors)
-                if entry.key != key or not self.store.contains(seal):
-                    return Lookup(None, "the stored entry's guards are not the ones recorded "
-                                  "with it (no seal for them)", key, factors)
-            stale = entry.stale_files()
-            if stale:
-                return Lookup(None, f"traced source changed: {', '.join(stale)}", key, factors)
             with phase("guards"):
                 guards = entry.guard_set()
                 values = guards.values(self.model, args)
@@ -168,38 +156,7 @@ class Planner:
             targets = make_targets(split.pieces, self.config.buckets(), backend=tf["backend"],
                                    passes=tf["passes"], env=env_factors(device))
             entry = make_entry(factors, traced, split, targets, key)
-            self.unrecordable = traced.unrecordable
         planned = sum(len(t) for t in targets.values())
         COUNTERS.planned += planned
         COUNTERS.unique += len(entry.target_keys())
         return entry
-
-    def record(self, entry: Entry) -> bool:
-        """Store ``entry``, replacing a stale one under the same key; False (and one log
-        line) where the trace cannot be checked without Dynamo, so no entry may exist.
-
-        A fresh entry stored meanwhile (by another process, or with a remote tier by another
-        machine) is kept: deleting it would also take the fleet's shared copy away.
-        """
-        if self.unrecordable is not None:
-            log.warning("compiled %s without recording an entry (no warm start): %s",
-                        type(self.model).__name__, self.unrecordable)
-            return False
-        with self.store.lock(entry.key):
-            data = self.store.get(entry.key)
-            if data is not None:
-                try:
-                    stored = Entry.from_bytes(data)
-                    fresh = not stored.stale_files() and self.store.contains(stored.seal_key())
-                except (ValueError, KeyError, TypeError, RecursionError):
-                    fresh = False
-                if fresh:
-                    return True
-                self.store.delete(entry.key)
-            # The seal first: an entry is never stored without it (contains() verifies the
-            # one there, and moves a damaged or refused one out of the way of this put).
-            if not self.store.contains(entry.seal_key()):
-                self.store.put(entry.seal_key(), b"", kind="guards")
-            self.store.put(entry.key, entry.to_bytes(), kind="entry", manifest=entry.factors,
-                           refs=entry.stored_keys())
-        return True

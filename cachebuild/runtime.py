@@ -1,9 +1,11 @@
-"""The stitched forward: compiled pieces dispatched by size, splitting ops run eagerly.
+"""A stitched forward bound to a live model: what a compiled model runs at each call.
 
-Built from an Entry alone (no Dynamo): the stitching graph becomes a GraphModule whose
-submodules are ``PieceRunner``s (compiled pieces) or small eager graphs (splitting ops).
-A PieceRunner picks its target by the runtime size of the dynamic dim: an exact compile
-size first, else the range that holds it.
+``ModelRuntime`` is made in one pass over what it needs: the live model's weights checked
+against what the pieces were built for and the checks of each call's arguments
+(``inputs``), the stitched forward (``stitch``), the output's structure (``outputs``),
+the model's weights watched for replacement (``weights``) and, with a graph mode, when
+each size is captured (``capture``). A call then checks its arguments, dispatches by size
+and runs graphs where a size has them, the compiled pieces directly where not.
 """
 
 from __future__ import annotations
@@ -17,142 +19,15 @@ from typing import Any
 import torch
 
 from cachebuild import compat, keep, weights
-from cachebuild.capture import CallShape, Capturer, CaptureState, PieceSpec
+from cachebuild.capture import CallShape, Capturer, CaptureState
 from cachebuild.config import CompileConfig
 from cachebuild.cudagraphs import capture_for, next_capture_size, pad_args, unpad_outputs
 from cachebuild.entry import Entry
 from cachebuild.errors import UsageError
-from cachebuild.facts import InputMeta, device_of, on_device
-from cachebuild.fxjson import GraphFormatError, data_to_module
-from cachebuild.inputs import CallCheck, LayoutGuard, same_layout
-from cachebuild.keys import canonical_json
+from cachebuild.facts import device_of, on_device
+from cachebuild.inputs import CallCheck, check_weight, layout_guards
 from cachebuild.outputs import output_builder
-from cachebuild.targets import canonical_graph
-from cachebuild.trace import Binding
-
-
-def _size_reader(size_input: tuple[int, int] | None) -> Callable[[tuple[Any, ...]], int | None]:
-    """Reads a call's dynamic size from input ``i``'s dim ``d`` (None: no dynamic size)."""
-    if size_input is None:
-        return lambda args: None
-    i, d = size_input
-    return lambda args: args[i].shape[d]
-
-
-class PieceRunner:
-    """One compiled piece over all its buckets.
-
-    ``layout`` gives the inputs that come from inside the model the strides the piece was
-    compiled for before it reads them (``inputs.LayoutGuard``); an input in ``written``
-    (written in place by the piece) that had to be copied for that is copied back after.
-    """
-
-    def __init__(self, name: str, size_input: tuple[int, int] | None, single_output: bool,
-                 table: list[tuple[dict[str, Any], Callable[..., Any]]],
-                 layout: LayoutGuard | None = None, written: Sequence[int] = ()) -> None:
-        self.name = name
-        self.written = list(written)
-        self.size_of = _size_reader(size_input)
-        self.single_output = single_output
-        self.layout = layout if layout is not None and layout.checked else None
-        self.exact = {b["size"]: fn for b, fn in table if "size" in b}
-        self.ranges = [(b["range"][0], b["range"][1], fn) for b, fn in table if "range" in b]
-        self.static = next((fn for b, fn in table if "static" in b), None)
-
-    def select(self, size: int | None) -> Callable[..., Any]:
-        if size is None:
-            assert self.static is not None
-            return self.static
-        fn = self.exact.get(size)
-        if fn is not None:
-            return fn
-        for lo, hi, fn in self.ranges:
-            if lo <= size <= hi:
-                return fn
-        raise UsageError(f"size {size} lies outside every compile range of {self.name}")
-
-    def __call__(self, *args: Any) -> Any:
-        given = args
-        if self.layout is not None:
-            args = self.layout(args)
-        out = self.select(self.size_of(args))(*args)
-        if args is not given:
-            for i in self.written:
-                if args[i] is not given[i]:
-                    given[i].copy_(args[i])
-        return out[0] if self.single_output else tuple(out)
-
-
-@dataclass
-class Stitched:
-    """The stitched forward of an entry: a GraphModule over the pieces, each piece's
-    callable by name (a PieceRunner or an eager splitting-op graph's forward), and how a
-    capture pass wraps the compiled ones."""
-
-    gm: torch.fx.GraphModule
-    calls: dict[str, Callable[..., Any]]
-    compiled: dict[str, PieceSpec] = field(default_factory=dict)
-
-
-def stitch(entry: Entry, loaded: dict[str, Any]) -> Stitched:
-    """The stitched forward of ``entry`` over loaded targets; takes the graph's inputs."""
-    calls: dict[str, Any] = {}
-    compiled: dict[str, PieceSpec] = {}
-    # Splitting-op pieces are small stateless graphs, most of them alike (one attention
-    # call per layer): each distinct one becomes a module once, shared by its copies.
-    eager: dict[str, torch.fx.GraphModule] = {}
-    for piece in entry.pieces:
-        if piece.compiled:
-            table = [(t.bucket, loaded[t.key]) for t in piece.targets]
-            layout = LayoutGuard(piece.input_metas, piece.inner)
-            calls[piece.name] = PieceRunner(piece.name, piece.size_input, piece.single_output,
-                                            table, layout, piece.written)
-            compiled[piece.name] = PieceSpec(list(piece.weights),
-                                             _flags(piece.written, len(piece.input_metas)))
-        else:
-            try:
-                shape = canonical_json(canonical_graph(piece.nodes, [])["nodes"])
-            except (KeyError, TypeError, ValueError, AttributeError, RecursionError):
-                data_to_module(piece.nodes)  # raises GraphFormatError saying what is wrong
-                raise GraphFormatError(f"stored piece {piece.name} is not a graph") from None
-            if shape not in eager:
-                eager[shape] = data_to_module(piece.nodes)
-            calls[piece.name] = eager[shape].forward
-    return Stitched(data_to_module(entry.stitch, calls), calls, compiled)
-
-
-class _Direct:
-    """Stands for a stitched GraphModule as ``self`` in its generated forward, handing out
-    the raw piece callables: a call then skips ``nn.Module.__call__`` twice per piece,
-    microseconds that a piecewise replay pays on the CPU at every layer."""
-
-    def __init__(self, gm: torch.fx.GraphModule, calls: dict[str, Callable[..., Any]]) -> None:
-        self._gm = gm
-        self.__dict__.update(calls)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._gm, name)
-
-
-def direct_forward(stitched: Stitched,
-                   calls: dict[str, Callable[..., Any]] | None = None) -> Callable[..., Any]:
-    """The stitched forward, calling each piece's callable (``calls``, default the
-    stitched ones) directly."""
-    return type(stitched.gm).forward.__get__(_Direct(stitched.gm, calls or stitched.calls))
-
-
-def on_device_forward(forward: Callable[..., Any], device: str) -> Callable[..., Any]:
-    """``forward`` run with ``device`` current (``facts.on_device``), where it has an index:
-    graphs name the model's GPU by type alone, so they run on whichever GPU is current."""
-    if torch.device(device).index is None:
-        return forward
-    scope = on_device(device)
-
-    def run(*args: Any) -> Any:
-        with scope:
-            return forward(*args)
-
-    return run
+from cachebuild.stitch import forward_over, stitch
 
 
 @dataclass
@@ -177,10 +52,14 @@ class ModelRuntime:
     def __init__(self, entry: Entry, loaded: dict[str, Any], model: torch.nn.Module,
                  config: CompileConfig, dynamic_dims: dict[int, int]) -> None:
         self.entry = entry
+        self.model = model
+        self.config = config
+        self.dynamic_dims = dict(dynamic_dims)
+        self.bindings = list(entry.bindings)
+        self.metas = list(entry.input_metas)
         self.device = live_device(model, entry)
         self._on_device = on_device(self.device)
         mode = config.cudagraph_mode
-        self.stitched = stitch(entry, loaded)
         n_args = 1 + max((b.arg for b in entry.bindings if b.kind in ("arg", "size")
                           and b.arg is not None), default=-1)
         #: call arguments the forward writes in place (a KV cache passed in): never copied
@@ -191,17 +70,21 @@ class ModelRuntime:
                 "pad_to_capture_size pads calls with rows of zeros, and this model writes in "
                 "place: the padding rows would write too (into a cache, at index 0). Pad in "
                 "the caller with rows that write nowhere, as examples/generate.py's Engine does")
-        self.model = model
-        self.config = config
-        self.dynamic_dims = dict(dynamic_dims)
-        self.bindings = list(entry.bindings)
-        self.metas = list(entry.input_metas)
-        self.make_output = output_builder(entry.out_spec)
+        self._from_call = [(i, b) for i, b in enumerate(self.bindings)
+                           if b.kind in ("arg", "size")]
+        self._arg_metas = [(b, m) for b, m in zip(self.bindings, self.metas, strict=True)
+                           if b.kind == "arg"]
+        not_beside = _not_beside(entry)
         self._warned_eager = False
         self._first_call = True
-        weights.watch(model, [b.path for b in self.bindings if b.kind in ("param", "buffer")])
+        # The inputs: weights and call arguments checked, then the layouts pieces expect.
         self.rebind()
-        self._exact = self.forward_over(self.stitched.calls)
+        layouts = layout_guards(entry.pieces)
+        self.make_output = output_builder(entry.out_spec)
+        self.stitched = stitch(entry, loaded, layouts)
+        self._exact = forward_over(self.stitched, self.stitched.calls, self._weights,
+                                   self._from_call, self.make_output)
+        weights.watch(model, [b.path for b in self.bindings if b.kind in ("param", "buffer")])
         compat.custom_ops_without_dynamo()  # splitting ops run eagerly at every call
         self.capturer: Capturer | None = None
         if mode != "none":
@@ -212,7 +95,7 @@ class ModelRuntime:
                 [s for s in config.capture_sizes if self.in_buckets(s)], shape,
                 self._dynamic_size, self.forward_over, self.stitched.calls,
                 self.stitched.compiled if mode == "piecewise" else {},
-                not_beside=_not_beside(entry))
+                not_beside=not_beside)
 
     def rebind(self) -> None:
         """Look up the model's parameters and buffers again (after they were replaced).
@@ -221,22 +104,25 @@ class ModelRuntime:
         shape, layout): they read it by pointer.
         """
         self._generation = weights.generation()
-        self._template: list[Any] = []
+        template: list[Any] = []
         for b, m in zip(self.bindings, self.metas, strict=True):
             if b.kind in ("param", "buffer"):
                 tensor = (self.model.get_parameter(b.path) if b.kind == "param"
                           else self.model.get_buffer(b.path))
-                _check_weight(b, tensor, m, self.device)
-                self._template.append(tensor)
+                check_weight(f"{b.kind} {b.path}", tensor, m, self.device)
+                template.append(tensor)
             elif b.kind == "const":
-                self._template.append(b.dim)
+                template.append(b.dim)
             else:
-                self._template.append(None)
-        self._from_call = [(i, b) for i, b in enumerate(self.bindings) if b.kind in ("arg", "size")]
-        self._arg_metas = [(b, m) for b, m in zip(self.bindings, self.metas, strict=True)
-                           if b.kind == "arg"]
+                template.append(None)
+        self._template = template
         self.check = CallCheck([(b.arg, m) for b, m in self._arg_metas], self.device,
                                self._dynamic_size, self.written_args)
+
+    def _weights(self) -> list[Any]:
+        """The graph inputs that come from the model (weights, constants) as bound now;
+        None where a call gives them."""
+        return self._template
 
     def _check(self, args: tuple[Any, ...]) -> int | None:
         return self.check(args)
@@ -404,17 +290,8 @@ class ModelRuntime:
                      ) -> Callable[[tuple[Any, ...]], Any]:
         """The forward over call arguments, with the stitched graph calling ``calls`` (the
         pieces as they are, a capture pass's wrapped ones, a size's replayers)."""
-        run = direct_forward(self.stitched, calls)
-        from_call = self._from_call
-        make_output = self.make_output
-
-        def forward(args: tuple[Any, ...]) -> Any:
-            flat = list(self._template)  # weights and constants in place; fill in the call
-            for position, b in from_call:
-                flat[position] = args[b.arg] if b.kind == "arg" else args[b.arg].shape[b.dim]
-            return make_output(run(*flat))
-
-        return forward
+        return forward_over(self.stitched, calls, self._weights, self._from_call,
+                            self.make_output)
 
 
 def _not_beside(entry: Entry) -> str | None:
@@ -422,7 +299,7 @@ def _not_beside(entry: Entry) -> str | None:
     if entry.written_inputs:
         return ("the forward writes state (a cache, a buffer) that a pass on dummy inputs "
                 "would change")
-    if entry.layouts():
+    if any(m.get("distributed") is not None for m in entry.manifests.values()):
         return ("the forward runs collectives, which every rank must issue in one order: "
                 "a thread of its own would interleave them differently on each rank")
     return None
@@ -433,29 +310,6 @@ def _rng_state(device: torch.device) -> tuple[Any, ...]:
     cpu = torch.random.get_rng_state()
     cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
     return (bytes(cpu.numpy()), None if cuda is None else bytes(cuda.numpy()))
-
-
-def _flags(positions: Sequence[int], count: int) -> list[bool]:
-    """``count`` flags, True at ``positions``."""
-    chosen = set(positions)
-    return [i in chosen for i in range(count)]
-
-
-def _check_weight(binding: Binding, tensor: torch.Tensor, meta: InputMeta,
-                  device: torch.device) -> None:
-    want_dtype = getattr(torch, meta.dtype) if meta.dtype else tensor.dtype
-    problem = None
-    if tensor.device != device:
-        problem = f"is on {tensor.device}, not {device}"
-    elif tensor.dtype != want_dtype:
-        problem = f"is {tensor.dtype}, not {want_dtype}"
-    elif tuple(tensor.shape) != tuple(meta.shape):
-        problem = f"has shape {tuple(tensor.shape)}, not {tuple(meta.shape)}"
-    elif not same_layout(tensor.shape, tensor.stride(), meta.stride):
-        problem = f"has strides {tuple(tensor.stride())}, not {tuple(meta.stride)}"
-    if problem is not None:
-        raise UsageError(f"{binding.kind} {binding.path} {problem}, which the compiled model "
-                         "was built for; compile the model again after changing it")
 
 
 def live_device(model: torch.nn.Module, entry: Entry) -> torch.device:

@@ -356,3 +356,11 @@ def changed(path: str, digest: str, recorded: list[int] | None = None,
     if any(text_digest(n) == digest for n in list(linecache.cache)):
         return None
     return path if has_source(path) else f"{path} (not found)"
+
+
+def stale(files: dict[str, str], stamps: dict[str, list[int]]) -> list[str]:
+    """The traced sources (``path`` → digest, with each file's stamp then) whose code is
+    not the code of this process, each named where it differs (``changed``)."""
+    loaded = loaded_files()
+    found = (changed(path, digest, stamps.get(path), loaded) for path, digest in files.items())
+    return [where for where in found if where is not None]

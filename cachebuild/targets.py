@@ -22,7 +22,7 @@ Weights never enter a key: they are inputs of the piece.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachebuild.distributed import layout_factors
 from cachebuild.facts import SYMBOL, InputMeta, torch_dir
@@ -30,6 +30,9 @@ from cachebuild.fxjson import graph_to_data
 from cachebuild.graphdiff import user_frame
 from cachebuild.keys import make_key
 from cachebuild.split import Piece
+
+if TYPE_CHECKING:
+    from cachebuild.config import CompileConfig
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,17 @@ class Target:
     bucket: dict[str, Any]
     manifest: dict[str, Any]
     sources: tuple[str | None, ...] = ()
+
+
+@dataclass
+class BuildJob:
+    """A target plus what is needed to compile it anywhere (picklable, no live graph): what
+    ``build.Builder`` builds, here or in a worker process (``workers``)."""
+
+    target: Target
+    nodes: list[dict[str, Any]]
+    input_metas: list[InputMeta]
+    config: CompileConfig
 
 
 def bucket_label(bucket: dict[str, Any]) -> str:

@@ -273,10 +273,8 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     except torch._dynamo.exc.Unsupported as e:
         raise UsageError(f"the model's forward does not trace as one graph: {str(e).splitlines()[0]}") from e
     except AssertionError as e:
-        if "Guarded object must be identical" not in str(e):
+        if not compat.is_rebuilt_object_guard(e):
             raise
-        # torch 2.11 and 2.12's guard builder, asked for the guards' values, meets an object the
-        # forward builds afresh at each read (transformers' cache with use_cache=True).
         raise UsageError(
             f"torch {torch.__version__}'s Dynamo cannot export the guards of this forward: "
             "it reads an object it builds afresh at each read (transformers' cache does "

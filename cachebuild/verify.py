@@ -20,9 +20,16 @@ from typing import Any
 import torch
 
 from cachebuild import keep
-from cachebuild.backends.base import Artifact, bucket_bounds, example_inputs, size_hint
+from cachebuild.backends.base import (
+    Artifact,
+    Backend,
+    bucket_bounds,
+    example_inputs,
+    size_hint,
+)
 from cachebuild.facts import InputMeta, device_of
 from cachebuild.fxjson import data_to_module
+from cachebuild.store.base import ArtifactSource
 
 #: Relative tolerance per output dtype: the rounding of reordered or fused arithmetic.
 #: The absolute tolerance is the same share of the reference's largest magnitude.
@@ -143,14 +150,15 @@ def _compare_all(out: list[Any], ref: list[Any], out_inputs: list[Any], ref_inpu
 
 
 @dataclass
-class ScratchStore:
+class ScratchStore(ArtifactSource):
     """One artifact in a private folder, readable the way backends read a store."""
 
     key: str
     artifact: Artifact
     folder: Path
 
-    def get(self, key: str) -> bytes | None:
+    def get(self, key: str, *, touch: bool = True) -> bytes | None:
+        """The artifact's payload (nothing else is held; nothing counts a use)."""
         return self.artifact.payload if key == self.key else None
 
     def contains(self, key: str) -> bool:
@@ -164,6 +172,7 @@ class ScratchStore:
         return path
 
     def materialize(self, key: str, suffix: str) -> Path | None:
+        """The payload in a file of the folder (0500), made on the first call."""
         if key != self.key:
             return None
         path = self.folder / f"{key}{suffix}"
@@ -173,7 +182,7 @@ class ScratchStore:
         return path
 
 
-def check_artifact(backend: Any, artifact: Artifact, key: str, nodes: list[dict[str, Any]],
+def check_artifact(backend: Backend, artifact: Artifact, key: str, nodes: list[dict[str, Any]],
                    metas: list[InputMeta], bucket: dict[str, Any]) -> list[int | None]:
     """Load ``artifact`` as the backend would from a store and ``check`` it."""
     device = device_of(metas)

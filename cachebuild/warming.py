@@ -267,26 +267,17 @@ def target_states(planned: Planned, store: Store) -> dict[str, str]:
 
 def _previous_targets(store: Store, entry: Entry) -> dict[tuple[int, str], str]:
     """Target keys of the newest other stored entry of the same model class."""
-    from cachebuild.entry import Entry
+    from cachebuild.entry import read_entry
+    from cachebuild.explain import entries_of
     from cachebuild.targets import bucket_label
 
-    best = None
-    for record in store.records():
-        if record.kind != "entry" or record.key == entry.key:
-            continue
-        model = (record.manifest or {}).get("model")
-        if not isinstance(model, dict) or model.get("class") != entry.factors["model"]["class"]:
-            continue
-        if best is None or record.created > best.created:
-            best = record
-    if best is None:
+    others = [r for r in entries_of(store, entry.factors["model"]["class"])
+              if r.key != entry.key]
+    if not others:
         return {}
-    data = store.get(best.key, touch=False)
-    if data is None:
-        return {}
-    try:
-        old = Entry.from_bytes(data)
-    except (ValueError, KeyError, TypeError, AttributeError, RecursionError):  # another format
+    data = store.get(max(others, key=lambda r: r.created).key, touch=False)
+    old = read_entry(data) if data is not None else None  # None: another format
+    if old is None:
         return {}
     return {(t.piece, bucket_label(t.bucket)): t.key for t in old.targets()}
 
@@ -346,9 +337,9 @@ class OpenedStore:
 StoreArg: TypeAlias = "Store | OpenedStore | StoreOptions | str | os.PathLike | None"
 
 
-def _open(store: Any) -> tuple[Store, StoreOptions | None, bool]:
-    """The store to use, the options worker processes open it with (None: they cannot),
-    and whether it was opened here (and is to be closed here)."""
+def open_given(store: StoreArg) -> tuple[Store, StoreOptions | None, bool]:
+    """The store a ``store`` argument names, the options worker processes open it with
+    (None: they cannot), and whether it was opened here (and is to be closed here)."""
     from cachebuild.store.local import LocalStore
     from cachebuild.store.options import StoreOptions, open_store
 
@@ -377,7 +368,7 @@ def plan(model: ModelSource, *, store: StoreArg = None,
     ``world_size``: plan each rank of a tensor-parallel model. ``say``: told, in words,
     when the model is traced (its entry is not stored).
     """
-    opened, _, owned = _open(store)
+    opened, _, owned = open_given(store)
     try:
         group = list(plan_group(source_of(model), opened, device, world_size, say))
         return _report(group, opened, world_size)
@@ -477,10 +468,11 @@ def warm(model: ModelSource, *, store: StoreArg = None,
     """
     from cachebuild.build import jobs_of
     from cachebuild.counters import COUNTERS
+    from cachebuild.entry import record_entry
     from cachebuild.workers import jobs_here, usable_cpus
 
     start = time.perf_counter()
-    opened, options, owned = _open(store)
+    opened, options, owned = open_given(store)
     pool: BuildPool | None = None
     before = dict(COUNTERS.seconds)
     try:
@@ -532,8 +524,8 @@ def warm(model: ModelSource, *, store: StoreArg = None,
                 _build_here(missing, opened, finished, phases)
         for p in _new_entries(group):
             entry = next(e for e in report.entries if e.key == p.entry.key)
-            entry.recorded = p.planner.record(p.entry)
-            entry.unrecordable = p.planner.unrecordable
+            entry.recorded = record_entry(p.entry, opened)
+            entry.unrecordable = p.entry.unrecordable
         return WarmReport(report.entries, report.targets, world_size,
                           seconds=time.perf_counter() - start, phases=model_phases)
     finally:

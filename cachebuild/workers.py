@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from cachebuild.errors import UsageError
 
 if TYPE_CHECKING:
-    from cachebuild.build import BuildJob
     from cachebuild.store.options import StoreOptions
+    from cachebuild.targets import BuildJob
 
 log = logging.getLogger("cachebuild.build")
 

@@ -1,9 +1,11 @@
 """The artifact store: a locked, content-addressed store of compiled artifacts.
 
-``Store`` is the protocol every store implements; ``open_store(StoreOptions.from_env())``
-opens the one a process is configured for: a ``LocalStore`` (blobs on local disk with a
-diskcache index, per-key build locks, verification on every read, GC and bundles), or a
-``TieredStore`` that adds a shared Redis tier. The blob format (``encode_blob`` /
+``Store`` is the protocol every store implements (``base.py`` has it, with the smaller
+``ArtifactSource`` backends load from and the local tier's ``LocalTier``);
+``open_store(StoreOptions.from_env())`` opens the one a process is configured for: a
+``LocalStore`` (blobs on local disk with a diskcache index, per-key build locks,
+verification on every read, GC and bundles), or a ``TieredStore`` that adds a shared
+Redis tier. The blob format (``encode_blob`` /
 ``decode_blob``) is shared by the tiers, which ship blobs as framed bytes and re-verify
 them on arrival.
 """
@@ -46,10 +48,14 @@ def __getattr__(name: str):
         from . import bundle
 
         return getattr(bundle, name)
-    if name in ("TieredStore", "push", "pull"):
+    if name == "TieredStore":
         from . import tiered
 
-        return getattr(tiered, name)
+        return tiered.TieredStore
+    if name in ("push", "pull", "TransferCounts"):
+        from . import transfer
+
+        return getattr(transfer, name)
     if name in ("RedisRemote", "RemoteDownWarning"):
         from . import remote
 

@@ -40,9 +40,9 @@ from typing import Any
 
 from cachebuild.errors import StoreError, UsageError
 
+from .base import LocalTier
 from .blob import BlobHeader, CorruptBlob
 from .layout import check_key
-from .local import LocalStore
 from .maintenance import reachable
 from .record import BadRecord, Record, loads_json
 
@@ -101,7 +101,7 @@ class ImportReport:
         return not self.refused_count
 
 
-def _select(store: LocalStore, keys: Iterable[str] | None, kinds: Iterable[str] | None,
+def _select(store: LocalTier, keys: Iterable[str] | None, kinds: Iterable[str] | None,
             with_refs: bool) -> list[Record]:
     records = {r.key: r for r in store.records()}
     if keys is None:
@@ -124,7 +124,7 @@ def _add(tar: tarfile.TarFile, name: str, data: bytes, mtime: float) -> None:
     tar.addfile(info, io.BytesIO(data))
 
 
-def export_bundle(store: LocalStore, path: str | os.PathLike[str], *,
+def export_bundle(store: LocalTier, path: str | os.PathLike[str], *,
                   keys: Iterable[str] | None = None, kinds: Iterable[str] | None = None,
                   with_refs: bool = True, progress: Progress | None = None) -> ExportReport:
     """Write the selected entries of ``store`` to a bundle at ``path``.
@@ -220,7 +220,7 @@ def _pieces(f: Any, size: int) -> Iterable[bytes]:
         yield piece
 
 
-def _import_entry(store: LocalStore, key: str, record: Record, f: Any, size: int,
+def _import_entry(store: LocalTier, key: str, record: Record, f: Any, size: int,
                   report: ImportReport, allow_unsigned: bool, source: str) -> None:
     def accept(header: BlobHeader) -> None:
         if (header.kind, header.length, header.checksum) != (
@@ -252,7 +252,7 @@ def _import_entry(store: LocalStore, key: str, record: Record, f: Any, size: int
         report.imported.append(key)
 
 
-def import_bundle(store: LocalStore, path: str | os.PathLike[str], *,
+def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
                   progress: Progress | None = None, allow_unsigned: bool = False) -> ImportReport:
     """Import every entry of the bundle at ``path`` into ``store``, re-verifying each blob.
 

@@ -2,7 +2,9 @@
 
 - ``open_regular`` opens only a regular file: a symlink is not followed and a FIFO is not
   waited on, so neither can redirect or hang a reader (``OddFile`` says what was there).
-- ``remove_any`` removes whatever sits at a path, a directory tree included.
+- ``remove_any`` removes whatever sits at a path, a directory tree included;
+  ``remove_stored_files`` a key's blob and the files materialized from it;
+  ``move_to_quarantine`` moves what sits at a path to ``quarantine/``, named by why.
 - ``Scratch``: a process's private directory (0700, ours, held by an flock while the
   process lives, removed at exit), for files a loader must hand to another library by
   path; ``remove_abandoned_scratch`` removes those of processes that are gone.
@@ -18,9 +20,10 @@ import shutil
 import stat
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
-from .layout import check_private_dir
+from .layout import Layout, check_private_dir
 from .locking import try_flock
 
 # No following symlinks, no blocking on a FIFO: what is opened is then checked to be a
@@ -91,6 +94,40 @@ def remove_any(path: str | os.PathLike[str]) -> bool:
             raise
     shutil.rmtree(path, ignore_errors=True)
     return True
+
+
+def write_all(fd: int, parts: Sequence[bytes | bytearray | memoryview]) -> None:
+    """Write every byte of ``parts`` to ``fd``, in order."""
+    for part in parts:
+        view = memoryview(part).cast("B")
+        while view:
+            written = os.write(fd, view)
+            view = view[written:]
+
+
+def remove_stored_files(layout: Layout, key: str) -> bool:
+    """Remove the blob of ``key`` and the files materialized from it (hold the key's entry
+    lock); True if the blob was there."""
+    blob_path = layout.blob(key)
+    removed = remove_any(blob_path)
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(blob_path.parent):
+            if entry.name.startswith(key + "."):
+                remove_any(entry.path)
+    return removed
+
+
+def move_to_quarantine(layout: Layout, path: Path, reason: str, now: float) -> None:
+    """Move whatever is at ``path`` (a blob, or an odd entry in its place) to quarantine/,
+    named by the time and the reason; removed outright if it cannot be moved."""
+    slug = "".join(c if c.isalnum() else "-" for c in reason)[:48].strip("-")
+    dest = layout.quarantine / f"{path.name}.{int(now)}.{slug}"
+    try:
+        os.replace(path, dest)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        remove_any(path)
 
 
 class Scratch:

@@ -22,38 +22,48 @@ Guarantees, and how they are kept:
   (recognised as abandoned because nobody holds its flock) or a blob without a record;
   ``gc`` and ``verify`` remove both.
 
-Hits and last-used times are buffered in memory and written to the index at most about
-once a second (and on ``flush``/``close``/exit), so a hit costs one index read and one
-file read. A process that is killed loses at most its last second of usage statistics.
+Hits and last-used times are buffered in memory (``usage.py``) and written to the index
+at most about once a second (and on ``flush``/``close``/exit), so a hit costs one index
+read and one file read. Files a loader needs by path and private directories are
+``materialize.py``'s; GC and verification are ``maintenance.py``'s, on this store's
+layout and index. Every time the store records comes from its ``clock`` (``clock.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import logging
 import os
 import threading
-import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import xxhash
-
 from cachebuild.errors import StoreError
 from cachebuild.units import format_size
 
 from . import maintenance
-from .base import Progress, Store
+from .base import LocalTier, Progress
 from .blob import BlobHeader, CorruptBlob, StreamCheck, check_blob, encode_parts, read_blob_fd
-from .files import OddFile, Scratch, is_regular, open_regular, remove_any
+from .clock import SYSTEM_CLOCK, Clock
+from .files import (
+    OddFile,
+    is_regular,
+    move_to_quarantine,
+    open_regular,
+    remove_stored_files,
+    write_all,
+)
 from .index import INDEX_ERRORS, Index
-from .layout import Layout, check_key, check_private_dir, check_suffix, prepare
+from .layout import Layout, check_key, check_suffix, prepare
 from .locking import build_lock, flocked, open_temp
+from .materialize import Materializer
 from .record import GCReport, Record, VerifyReport, check_origin
+from .usage import Usage
 
 log = logging.getLogger("cachebuild.store")
 
@@ -69,78 +79,6 @@ class UnknownKey(StoreError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
-
-
-class _Usage:
-    """Hits, last-used times and counters waiting to be written to the index."""
-
-    FLUSH_INTERVAL = 1.0
-    MAX_PENDING = 1024
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.uses: dict[str, list[float]] = {}
-        self.counts: dict[str, int] = {}
-        self.pid = os.getpid()
-        self.last_flush = time.monotonic()
-        self.warned = False
-
-    def _fork_check(self) -> None:
-        # A forked child must not write its parent's pending usage a second time.
-        if self.pid != os.getpid():
-            self.uses, self.counts, self.pid = {}, {}, os.getpid()
-
-    def note(self, key: str | None, counter: str) -> bool:
-        """Record one event; True when it is time to flush."""
-        with self.lock:
-            self._fork_check()
-            if key is not None:
-                use = self.uses.get(key)
-                if use is None:
-                    self.uses[key] = [time.time(), 1]
-                else:
-                    use[0] = time.time()
-                    use[1] += 1
-            self.counts[counter] = self.counts.get(counter, 0) + 1
-            return (time.monotonic() - self.last_flush > self.FLUSH_INTERVAL
-                    or len(self.uses) > self.MAX_PENDING)
-
-    def add(self, counter: str, amount: int) -> bool:
-        """Add ``amount`` to a counter; True when it is time to flush."""
-        with self.lock:
-            self._fork_check()
-            self.counts[counter] = self.counts.get(counter, 0) + amount
-            return time.monotonic() - self.last_flush > self.FLUSH_INTERVAL
-
-    def pending(self, key: str) -> tuple[float, int] | None:
-        with self.lock:
-            use = self.uses.get(key)
-            return None if use is None else (use[0], int(use[1]))
-
-    def flush(self, index: Index) -> None:
-        """Write pending usage to the index. Failures (read-only or full disk) only warn."""
-        with self.lock:
-            self._fork_check()
-            uses, counts = self.uses, self.counts
-            self.uses, self.counts = {}, {}
-            self.last_flush = time.monotonic()
-        if not uses and not counts:
-            return
-        try:
-            with index.transact():
-                for key, (when, hits) in uses.items():
-                    small = index.get_small(key)
-                    if small is None:
-                        continue
-                    small["last_used"] = max(small["last_used"], when)
-                    small["hits"] += int(hits)
-                    index.set_small(key, small)
-                for name, n in counts.items():
-                    index.incr(name, n)
-        except INDEX_ERRORS as e:
-            if not self.warned:
-                log.warning("could not record store usage statistics: %s", e)
-                self.warned = True
 
 
 def _fsync_dir(path: Path) -> None:
@@ -162,14 +100,6 @@ def _read_all(fd: int) -> bytes:
     return data
 
 
-def _write_all(fd: int, parts: Sequence[bytes | memoryview]) -> None:
-    for part in parts:
-        view = memoryview(part).cast("B")
-        while view:
-            written = os.write(fd, view)
-            view = view[written:]
-
-
 #: Bytes each store keeps in reserve, so that it can still be read and cleaned when the
 #: disk is full (opening the index writes a little).
 RESERVE_BYTES = 1 << 20
@@ -177,7 +107,7 @@ RESERVE_BYTES = 1 << 20
 RESERVE_MIN_FREE = 64 << 20
 
 
-class LocalStore(Store):
+class LocalStore(LocalTier):
     """A locked, content-addressed artifact store under ``path/v1`` (see the module doc).
 
     ``path`` is created 0700 and refused (StoreError) if another user owns it or
@@ -187,18 +117,21 @@ class LocalStore(Store):
     checked on read; ``require_signature`` also rejects unsigned ones. ``lock_timeout``
     is the default wait of ``lock`` in seconds. ``work_dir``: where compilers write while
     a target builds (default ``v1/work``; ``stats`` counts it, ``gc`` empties it).
+    ``clock``: where every time the store records comes from (``clock.SYSTEM_CLOCK``).
     """
 
     def __init__(self, path: str | os.PathLike[str], *,
                  signing_key: bytes | None = None, require_signature: bool = False,
                  lock_timeout: float = 600.0,
-                 work_dir: str | os.PathLike[str] | None = None) -> None:
+                 work_dir: str | os.PathLike[str] | None = None,
+                 clock: Clock = SYSTEM_CLOCK) -> None:
         if require_signature and not signing_key:
             raise StoreError("require_signature needs a signing key "
                              "(set CACHEBUILD_SIGNING_KEY)")
         if signing_key is not None and not isinstance(signing_key, bytes | bytearray):
             raise TypeError("signing_key must be bytes")
         self.path = Path(path).expanduser()
+        self.clock = clock
         self._layout = self._open_layout(self.path)
         self.root: Path = self._layout.root
         self._work_dir = Path(work_dir) if work_dir else self._layout.work
@@ -207,14 +140,20 @@ class LocalStore(Store):
         self._signing_key = bytes(signing_key) if signing_key else None
         self.require_signature = require_signature
         self.lock_timeout = lock_timeout
-        self._usage = _Usage()
+        self._usage = Usage(clock)
         self._held = threading.local()  # build locks this thread holds, for nesting
-        self._scratch: dict[tuple[int, bool], Scratch] = {}
-        self._memfiles: dict[str, int] = {}  # materialized in memory (full disk): name → fd
+        self._files = Materializer(self._layout, clock, read_only=self.read_only)
         self._finalizer = weakref.finalize(self, self._usage.flush, self._index)
 
     #: False: a store this process writes. ``ReadOnlyLocalStore`` only reads.
     read_only = False
+    #: A store of this machine only.
+    remote = None
+
+    @property
+    def local(self) -> LocalStore:
+        """This store: it is its own local tier."""
+        return self
 
     def _open_layout(self, path: Path) -> Layout:
         """Create (0700) and check the store's directories (``layout.prepare``)."""
@@ -260,7 +199,7 @@ class LocalStore(Store):
             try:
                 os.posix_fallocate(fd, 0, RESERVE_BYTES)
             except OSError:  # a file system without fallocate: write the bytes
-                _write_all(fd, (bytes(RESERVE_BYTES),))
+                write_all(fd, (bytes(RESERVE_BYTES),))
             os.fsync(fd)
             os.replace(tmp_path, path)
         except OSError:
@@ -277,26 +216,7 @@ class LocalStore(Store):
         library by path (Inductor's kernels): made 0700 by us, checked like the store,
         removed at exit (or by ``gc`` once its process is gone). ``in_memory``: under
         ``/dev/shm`` instead of the store (for a full disk)."""
-        slot = (os.getpid(), in_memory)
-        found = self._scratch.get(slot)
-        if found is not None and found.path.is_dir():
-            return found.path
-        if in_memory:
-            parent = Path("/dev/shm")
-            if not parent.is_dir():
-                raise StoreError("no memory-backed directory (/dev/shm) to load from while "
-                                 f"the disk holding {self.root} is full; free some space")
-        else:
-            parent = self._layout.scratch
-            parent.mkdir(mode=0o700, exist_ok=True)
-            check_private_dir(parent)
-        try:
-            made = Scratch(parent)
-        except OSError as e:
-            raise StoreError(f"cannot make a private directory in {parent}: "
-                             f"{e.strerror or e}") from None
-        self._scratch[slot] = made
-        return made.path
+        return self._files.scratch_dir(in_memory=in_memory)
 
     def __repr__(self) -> str:
         return f"LocalStore({str(self.path)!r})"
@@ -311,10 +231,7 @@ class LocalStore(Store):
         """Write pending usage statistics and close the index."""
         self.flush()
         self._index.close()
-        for fd in self._memfiles.values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self._memfiles.clear()
+        self._files.close()
 
     def flush(self) -> None:
         """Write this process's pending hits and last-used times to the index."""
@@ -322,7 +239,13 @@ class LocalStore(Store):
 
     @property
     def layout(self) -> Layout:
+        """Where the store's files are."""
         return self._layout
+
+    @property
+    def index(self) -> Index:
+        """The index of records (for maintenance and tests that age a record)."""
+        return self._index
 
     @property
     def work_dir(self) -> Path:
@@ -359,7 +282,7 @@ class LocalStore(Store):
         if existing is not None:
             return existing
         header, trailer, checksum = encode_parts(key, kind, data, self._signing_key)
-        now = time.time()
+        now = self.clock.time()
         record = Record(key=key, kind=kind, size=len(data),
                         checksum=checksum, created=now, last_used=now, manifest=manifest,
                         refs=refs, unsigned_from=check_origin(unsigned_from))
@@ -381,7 +304,7 @@ class LocalStore(Store):
         existing = self._existing(key)
         if existing is not None:
             return existing
-        now = time.time()
+        now = self.clock.time()
         record = Record(key=key, kind=header.kind, size=header.length,
                         checksum=header.checksum, created=now, last_used=now,
                         pinned=pinned, manifest=manifest, refs=refs,
@@ -414,7 +337,7 @@ class LocalStore(Store):
 
     def _install(self, record: Record, parts: Sequence[bytes | bytearray | memoryview]) -> Record:
         with self._temp_blob(record) as (fd, tmp_path):
-            _write_all(fd, parts)
+            write_all(fd, parts)
             return self._commit(record, fd, tmp_path)
 
     def write_blob_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview], *,
@@ -448,11 +371,11 @@ class LocalStore(Store):
                 if not accepted and checker.header is not None:
                     accept(checker.header)  # type: ignore[misc]
                     accepted = True
-                _write_all(fd, (piece,))
+                write_all(fd, (piece,))
             header = checker.finish()
             if not accepted:
                 accept(header)  # type: ignore[misc]
-            now = time.time()
+            now = self.clock.time()
             origin = unsigned_from(header) if callable(unsigned_from) else unsigned_from
             record = Record(key=key, kind=header.kind, size=header.length,
                             checksum=header.checksum, created=now, last_used=now,
@@ -473,7 +396,7 @@ class LocalStore(Store):
                 return current  # another process stored it first
             blob_path.parent.mkdir(mode=0o700, exist_ok=True)
             if os.path.lexists(blob_path) and not is_regular(blob_path):
-                self._move_to_quarantine(blob_path, "not-a-regular-file")
+                move_to_quarantine(self._layout, blob_path, "not-a-regular-file", self.clock.time())
             os.replace(tmp_path, blob_path)
             try:
                 _fsync_dir(blob_path.parent)
@@ -519,28 +442,8 @@ class LocalStore(Store):
         check_key(key)
         with flocked(self._layout.entry_lock(key)):
             had_record = self._index.delete(key)
-            had_blob = self._remove_files(key)
+            had_blob = remove_stored_files(self._layout, key)
         return had_record or had_blob
-
-    def evict_unpinned(self, key: str) -> bool:
-        """Delete ``key`` for GC unless it was pinned since GC planned; True if deleted."""
-        with flocked(self._layout.entry_lock(key)):
-            small = self._index.get_small(key)
-            if small is not None and small["pinned"]:
-                return False
-            had_record = self._index.delete(key)
-            had_blob = self._remove_files(key)
-        return had_record or had_blob
-
-    def _remove_files(self, key: str) -> bool:
-        """Remove the blob of ``key`` and files materialized from it (hold the entry lock)."""
-        blob_path = self._layout.blob(key)
-        removed = remove_any(blob_path)
-        with contextlib.suppress(FileNotFoundError):
-            for entry in os.scandir(blob_path.parent):
-                if entry.name.startswith(key + "."):
-                    remove_any(entry.path)
-        return removed
 
     # -- reading ------------------------------------------------------------------------
 
@@ -683,70 +586,15 @@ class LocalStore(Store):
         if small is None:
             self._usage.note(None, "misses")
             return None
-        path = self._layout.materialized(key, suffix)
-        if self._file_matches(path, small):
+        path = self._files.stored(key, suffix, small)
+        if path is not None:
             if self._usage.note(key, "hits"):
                 self.flush()
             return path
         payload = self.get(key)
         if payload is None:
             return None
-        try:
-            fd, tmp_path = open_temp(self._layout.tmp, key + suffix)
-        except OSError as e:
-            return self._materialize_in_memory(key, suffix, payload, e)
-        try:
-            _write_all(fd, (payload,))
-            os.fsync(fd)
-            os.fchmod(fd, 0o500)
-            with flocked(self._layout.entry_lock(key)):
-                if key not in self._index:  # deleted meanwhile: leave nothing behind
-                    return None
-                if os.path.lexists(path) and not is_regular(path):
-                    self._move_to_quarantine(path, "not-a-regular-file")
-                os.replace(tmp_path, path)
-            return path
-        except OSError as e:
-            return self._materialize_in_memory(key, suffix, payload, e)
-        finally:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_path)
-
-    def _materialize_in_memory(self, key: str, suffix: str, payload: bytes,
-                               error: OSError) -> Path:
-        """The payload in an anonymous memory file, when the disk is full."""
-        if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not hasattr(os, "memfd_create"):
-            raise StoreError(f"cannot materialize {key}: {error.strerror or error}") from None
-        name = key + suffix
-        fd = self._memfiles.get(name)
-        if fd is None:
-            fd = os.memfd_create(f"cachebuild-{name}", os.MFD_CLOEXEC)
-            _write_all(fd, (payload,))
-            self._memfiles[name] = fd
-            log.warning("the disk holding the store at %s is full: %s is loaded from memory; "
-                        "free space, e.g. with `cachebuild gc --max-size SIZE`", self.root, key)
-        return Path(f"/proc/self/fd/{fd}")
-
-    def _file_matches(self, path: Path, small: dict[str, Any]) -> bool:
-        try:
-            fd = open_regular(path)
-        except OddFile:
-            with flocked(self._layout.entry_lock(path.name.split(".", 1)[0])):
-                if os.path.lexists(path) and not is_regular(path):
-                    self._move_to_quarantine(path, "not-a-regular-file")
-            return False
-        if fd is None:
-            return False
-        with open(fd, "rb") as f:
-            if os.fstat(f.fileno()).st_size != small["size"]:
-                return False
-            h = xxhash.xxh3_128() if len(small["checksum"]) == 32 else xxhash.xxh3_64()
-            buf = bytearray(1 << 20)
-            view = memoryview(buf)
-            while n := f.readinto(buf):
-                h.update(view[:n])
-            return h.hexdigest() == small["checksum"]
+        return self._files.write(key, suffix, payload, self._index)
 
     # -- pins ---------------------------------------------------------------------------
 
@@ -845,8 +693,13 @@ class LocalStore(Store):
         removes leftovers of interrupted writes. With ``dry_run`` nothing is removed and
         the report says what would be.
         """
-        return maintenance.collect(self, max_size=max_size, older_than=older_than,
-                                   dry_run=dry_run)
+        self.flush()
+        report = maintenance.collect(self._layout, self._index, self.work_dir,
+                                     max_size=max_size, older_than=older_than,
+                                     dry_run=dry_run, now=self.clock.time())
+        if not dry_run:
+            self.ensure_reserve()  # given up on a full disk: back once there is room
+        return report
 
     def verify(self, repair: bool = False, progress: Progress | None = None) -> VerifyReport:
         """Read and check every blob; report the damaged ones (and missing blobs).
@@ -854,13 +707,12 @@ class LocalStore(Store):
         With ``repair`` damaged blobs are quarantined and their records dropped, so the
         next lookup misses and rebuilds. Always removes leftovers of interrupted writes.
         """
-        return maintenance.verify(self, repair=repair, progress=progress)
+        self.flush()
+        return maintenance.verify(self._layout, self._index, self.check_blob_file,
+                                  functools.partial(self.quarantine, quiet=True),
+                                  repair=repair, progress=progress)
 
-    # -- internals shared with maintenance ----------------------------------------------
-
-    @property
-    def index(self) -> Index:
-        return self._index
+    # -- checking blobs, and quarantine ---------------------------------------------------
 
     def check_blob_file(self, key: str, small: dict[str, Any]) -> tuple[str | None, int | None]:
         """``(reason, inode)``: reason None if the blob of ``key`` verifies against ``small``."""
@@ -913,19 +765,7 @@ class LocalStore(Store):
                 with self._index.transact():
                     self._index.delete(key)
                     self._index.incr("quarantined", 1)
-                self._move_to_quarantine(blob_path, reason)
-                self._remove_files(key)
+                move_to_quarantine(self._layout, blob_path, reason, self.clock.time())
+                remove_stored_files(self._layout, key)
         except (OSError, *INDEX_ERRORS) as e:
             log.warning("could not quarantine blob %s: %s", key, e)
-
-    def _move_to_quarantine(self, path: Path, reason: str) -> None:
-        """Move whatever is at ``path`` (a blob, or an odd entry in its place) to
-        quarantine/, named by the reason; removed outright if it cannot be moved."""
-        slug = "".join(c if c.isalnum() else "-" for c in reason)[:48].strip("-")
-        dest = self._layout.quarantine / f"{path.name}.{int(time.time())}.{slug}"
-        try:
-            os.replace(path, dest)
-        except FileNotFoundError:
-            pass
-        except OSError:
-            remove_any(path)

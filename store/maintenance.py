@@ -1,8 +1,16 @@
 """Store maintenance: garbage collection, verification and clean-up of leftovers.
 
-Everything here works on a live store: other processes may read, write and build while
-it runs. Removals go through the same striped entry lock as puts and deletes, and a
-reader whose blob disappears simply misses.
+Everything here works on a store's layout and index, live: other processes may read,
+write and build while it runs. Removals go through the same striped entry lock as puts
+and deletes, and a reader whose blob disappears simply misses. What it promises:
+
+- ``collect`` never removes a pinned record or anything a pinned record's refs reach, and
+  never leaves an entry whose targets are gone (an entry goes first, then the targets
+  only it referred to); with ``dry_run`` it removes nothing and says what would go;
+- ``verify`` reads every blob and reports each damaged one; with ``repair`` it
+  quarantines them (through the store's own ``quarantine``) and drops their records;
+- both remove only what is abandoned: temp files nobody holds, private directories of
+  processes that are gone, blobs no record points to.
 """
 
 from __future__ import annotations
@@ -12,15 +20,20 @@ import os
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .files import remove_abandoned_scratch, remove_any
+from .files import remove_abandoned_scratch, remove_any, remove_stored_files
+from .index import Index
 from .layout import Layout, check_key
 from .locking import flocked, remove_if_abandoned, try_flock
 from .record import GCReport, Record, VerifyReport
 
-if TYPE_CHECKING:
-    from .local import LocalStore
+#: ``(reason, inode)`` of the blob of a key checked against its index row: reason None if
+#: it verifies (the store's ``check_blob_file``).
+BlobCheck = Callable[[str, dict[str, Any]], tuple[str | None, int | None]]
+#: Moves the damaged blob of a key (that inode) to quarantine and drops its record, for a
+#: reason (the store's ``quarantine``).
+Quarantine = Callable[[str, int | None, str], None]
 
 #: Quarantined blobs are kept this long for inspection, then GC removes them.
 QUARANTINE_KEEP_S = 7 * 86400
@@ -109,7 +122,7 @@ def count_files(directory: Path) -> int:
         return 0
 
 
-def clean_leftovers(store: LocalStore) -> tuple[int, int]:
+def clean_leftovers(layout: Layout, index: Index) -> tuple[int, int]:
     """Remove abandoned temp files, private directories of processes that are gone, and
     blobs that no record points to.
 
@@ -118,7 +131,6 @@ def clean_leftovers(store: LocalStore) -> tuple[int, int]:
     are checked under the lock their writer would hold, so nothing in progress is
     touched. Returns ``(temp files removed, orphans removed)``.
     """
-    layout = store.layout
     tmp_removed = 0
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(layout.tmp):
@@ -126,13 +138,13 @@ def clean_leftovers(store: LocalStore) -> tuple[int, int]:
                 tmp_removed += 1
     tmp_removed += remove_abandoned_scratch(layout.scratch)
     orphans = 0
-    known = set(store.index.keys())
+    known = set(index.keys())
     for entry in list(_object_files(layout)):
         key = entry.name.split(".", 1)[0]
         if key in known or not _is_key(key):
             continue
         with flocked(layout.entry_lock(key)):
-            if key in store.index:  # stored meanwhile
+            if key in index:  # stored meanwhile
                 continue
             if remove_any(entry.path):
                 orphans += 1
@@ -151,7 +163,7 @@ def _clean_old_files(layout: Layout, now: float) -> int:
     return removed
 
 
-def _clean_lock_files(store: LocalStore, now: float) -> None:
+def _clean_lock_files(layout: Layout, index: Index, now: float) -> None:
     """Remove long-unused build lock files of keys that are no longer stored.
 
     Only files nobody holds are removed. A process that opened the file in the instant
@@ -160,11 +172,11 @@ def _clean_lock_files(store: LocalStore, now: float) -> None:
     makes it rare.
     """
     with contextlib.suppress(FileNotFoundError):
-        shards = [s for s in os.scandir(store.layout.locks) if len(s.name) == 2]
+        shards = [s for s in os.scandir(layout.locks) if len(s.name) == 2]
         for shard in shards:
             for entry in os.scandir(shard.path):
                 key = entry.name.removesuffix(".lock")
-                if not _is_key(key) or key in store.index:
+                if not _is_key(key) or key in index:
                     continue
                 with contextlib.suppress(FileNotFoundError):
                     if entry.stat().st_mtime > now - LOCK_FILE_KEEP_S:
@@ -227,24 +239,35 @@ def unit_of(head: Record, referrers: dict[str, set[str]], protected: set[str],
     return unit
 
 
-def collect(store: LocalStore, *, max_size: int | None, older_than: float | None,
-            dry_run: bool) -> GCReport:
-    """The work of ``LocalStore.gc`` (see there)."""
+def evict_unpinned(layout: Layout, index: Index, key: str) -> bool:
+    """Delete ``key`` for GC unless it was pinned since GC planned; True if deleted."""
+    with flocked(layout.entry_lock(key)):
+        small = index.get_small(key)
+        if small is not None and small["pinned"]:
+            return False
+        had_record = index.delete(key)
+        had_blob = remove_stored_files(layout, key)
+    return had_record or had_blob
+
+
+def collect(layout: Layout, index: Index, work_dir: Path, *, max_size: int | None,
+            older_than: float | None, dry_run: bool, now: float) -> GCReport:
+    """The work of ``LocalStore.gc`` (see there), with records aged at time ``now`` (the
+    store's clock); the caller writes its pending usage first."""
     if max_size is not None and max_size < 0:
         raise ValueError("max_size must be >= 0")
     if older_than is not None and older_than < 0:
         raise ValueError("older_than must be >= 0")
-    store.flush()
-    now = time.time()
     report = GCReport(dry_run=dry_run)
     if not dry_run:
-        report.tmp_removed, report.orphans_removed = clean_leftovers(store)
-        report.quarantine_removed = _clean_old_files(store.layout, now)
-        _clean_lock_files(store, now)
-    report.work_bytes, emptied = clean_work(store.work_dir, dry_run)
+        report.tmp_removed, report.orphans_removed = clean_leftovers(layout, index)
+        # Files are aged by their modification times, which the kernel's clock sets.
+        report.quarantine_removed = _clean_old_files(layout, time.time())
+        _clean_lock_files(layout, index, time.time())
+    report.work_bytes, emptied = clean_work(work_dir, dry_run)
     report.work_busy = not emptied
-    records = {r.key: r for r in store.index.records(manifest=False)}
-    usage = disk_usage(store.layout)
+    records = {r.key: r for r in index.records(manifest=False)}
+    usage = disk_usage(layout)
     protected = reachable(records, [k for k, r in records.items() if r.pinned])
     total = sum(usage.get(k, 0) for k in records)
     report.bytes_before, report.records_before = total, len(records)
@@ -260,7 +283,7 @@ def collect(store: LocalStore, *, max_size: int | None, older_than: float | None
         removed = []
         for key in unit_of(head, referrers, protected, evicted):
             # The entry first: no moment leaves a stored entry without its targets.
-            if not dry_run and not store.evict_unpinned(key):
+            if not dry_run and not evict_unpinned(layout, index, key):
                 break  # pinned while we planned: it keeps the rest of its unit
             removed.append(key)
         evicted.update(removed)
@@ -272,27 +295,25 @@ def collect(store: LocalStore, *, max_size: int | None, older_than: float | None
     report.over_cap = max_size is not None and remaining > max_size
     report.bytes_after = total - report.freed_bytes
     report.records_after = len(records) - len(report.removed)
-    if not dry_run:
-        store.ensure_reserve()  # given up on a full disk: back once there is room
     return report
 
 
-def verify(store: LocalStore, *, repair: bool,
-           progress: Callable[[int, int], None] | None) -> VerifyReport:
-    """The work of ``LocalStore.verify`` (see there)."""
-    store.flush()
+def verify(layout: Layout, index: Index, check: BlobCheck, quarantine: Quarantine, *,
+           repair: bool, progress: Callable[[int, int], None] | None) -> VerifyReport:
+    """The work of ``LocalStore.verify`` (see there): ``check`` each blob, ``quarantine``
+    the damaged ones with ``repair``; the caller writes its pending usage first."""
     report = VerifyReport()
-    keys = list(store.index.keys())
+    keys = list(index.keys())
     for done, key in enumerate(keys, 1):
-        small, damage = store.index.read_small(key)
+        small, damage = index.read_small(key)
         if damage is not None:
             report.checked += 1
             report.damaged.append((key, damage))
             if repair:
-                store.index.delete(key)  # its blob, now unrecorded, goes as litter below
+                index.delete(key)  # its blob, now unrecorded, goes as litter below
         if small is not None:  # else deleted since we listed it
             report.checked += 1
-            reason, inode = store.check_blob_file(key, small)
+            reason, inode = check(key, small)
             if reason is None:
                 report.ok += 1
                 if small["unsigned_from"] is not None:
@@ -300,9 +321,9 @@ def verify(store: LocalStore, *, repair: bool,
             else:
                 report.damaged.append((key, reason))
                 if repair:
-                    store.quarantine(key, inode, reason, quiet=True)
+                    quarantine(key, inode, reason)
         if progress is not None:
             progress(done, len(keys))
     report.repaired = repair and bool(report.damaged)
-    report.tmp_removed, report.orphans_removed = clean_leftovers(store)
+    report.tmp_removed, report.orphans_removed = clean_leftovers(layout, index)
     return report

@@ -142,8 +142,7 @@ def open_store(options: StoreOptions | None = None) -> Store:
 
         base = ReadOnlyLocalStore(options.cache_dir, signing_key=options.signing_key,
                                   require_signature=options.require_signature)
-        return OverlayStore(base, options.overlay_dir,  # type: ignore[return-value]
-                            work_dir=options.work_dir)
+        return OverlayStore(base, options.overlay_dir, work_dir=options.work_dir)
     local = LocalStore(options.cache_dir, signing_key=options.signing_key,
                        require_signature=options.require_signature, work_dir=options.work_dir)
     if not options.uses_remote:

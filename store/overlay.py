@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .base import Progress
+from .base import Progress, Store
 from .local import LocalStore
 from .readonly import ReadOnlyLocalStore
 from .record import GCReport, Record, VerifyReport
@@ -31,7 +31,7 @@ from .record import GCReport, Record, VerifyReport
 log = logging.getLogger("cachebuild.store")
 
 
-class OverlayStore:
+class OverlayStore(Store):
     """``base`` (read-only) below an overlay made on first write (see the module doc)."""
 
     def __init__(self, base: ReadOnlyLocalStore, overlay_dir: Path | None = None,
@@ -77,7 +77,8 @@ class OverlayStore:
     def _open(self, path: Path) -> LocalStore:
         return LocalStore(path, signing_key=self.base.signing_key,
                           require_signature=self.base.require_signature,
-                          lock_timeout=self.base.lock_timeout, work_dir=self._work_dir)
+                          lock_timeout=self.base.lock_timeout, work_dir=self._work_dir,
+                          clock=self.base.clock)
 
     def _layers(self) -> list[LocalStore]:
         overlay = self.overlay
@@ -93,10 +94,12 @@ class OverlayStore:
     # -- the Store protocol -------------------------------------------------------------
 
     read_only = False  # writes go to the overlay
+    #: A store of this machine only.
+    remote = None
 
     @property
     def local(self) -> ReadOnlyLocalStore:
-        """The read-only store (what ``export`` reads)."""
+        """The read-only store (what ``export`` reads, and ``import`` refuses to write)."""
         return self.base
 
     @property

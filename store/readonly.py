@@ -20,16 +20,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from .base import Progress
-from .blob import CorruptBlob, read_blob_fd
+from .blob import BlobHeader, CorruptBlob, read_blob_fd
 from .files import OddFile, open_regular
 from .index import Index, ReadOnlyStore
 from .layout import Layout, check_key, check_suffix, open_read_only
-from .local import LocalStore, _write_all
+from .local import LocalStore
 from .record import GCReport, Record, VerifyReport
 
 log = logging.getLogger("cachebuild.store")
@@ -90,52 +90,37 @@ class ReadOnlyLocalStore(LocalStore):
         if small is None:
             self._usage.note(None, "misses")
             return None
-        path = self._layout.materialized(key, suffix)
-        if self._file_matches(path, small):
+        path = self._files.stored(key, suffix, small)
+        if path is not None:
             self._usage.note(key, "hits")
             return path
         payload = self.get(key)
         if payload is None:
             return None
-        name = key + suffix
-        fd = self._memfiles.get(name)
-        if fd is None:
-            fd = os.memfd_create(f"cachebuild-{name}", os.MFD_CLOEXEC)
-            _write_all(fd, (payload,))
-            self._memfiles[name] = fd
-        return Path(f"/proc/self/fd/{fd}")
-
-    def _file_matches(self, path: Path, small: dict[str, Any]) -> bool:
-        try:
-            fd = open_regular(path)
-        except OddFile:
-            return False  # not a file: the payload goes to memory instead
-        if fd is None:
-            return False
-        os.close(fd)
-        return super()._file_matches(path, small)
+        return self._files.in_memory(key, suffix, payload)
 
     # -- what would write ---------------------------------------------------------------
 
     def put(self, key: str, data: bytes | bytearray | memoryview, *, kind: str,
-            manifest: dict[str, Any] | None = None, refs: Sequence[str] = ()) -> Record:
+            manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
+            unsigned_from: str | None = None) -> Record:
         raise self._refuse(f"store {key}")
 
     def write_blob(self, key: str, blob: bytes | bytearray | memoryview, *,
                    manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
-                   pinned: bool = False) -> Record:
+                   pinned: bool = False, unsigned_from: str | None = None) -> Record:
         raise self._refuse(f"store {key}")
 
     def write_blob_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview], *,
                           manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
-                          pinned: bool = False, accept: Any = None) -> Record:
+                          pinned: bool = False,
+                          accept: Callable[[BlobHeader], None] | None = None,
+                          unsigned_from: Callable[[BlobHeader], str | None] | str | None = None,
+                          ) -> Record:
         raise self._refuse(f"store {key}")
 
     def delete(self, key: str) -> bool:
         raise self._refuse(f"delete {key}")
-
-    def evict_unpinned(self, key: str) -> bool:
-        raise self._refuse(f"evict {key}")
 
     def pin(self, key: str) -> None:
         raise self._refuse(f"pin {key}")

@@ -30,20 +30,19 @@ each one's length first.
 Health: the first Redis error marks the remote down for the life of this object. That
 emits one ``RemoteDownWarning``, and every later call is a fast miss or no-op. Nothing
 here raises because Redis is slow, unreachable or dead; every socket has a timeout.
+
+Build locks are held here for ``redis_lock.RemoteLock``, which decides whom to wait for;
+this module only sets, renews and deletes their values (``take_lock`` and the rest).
 """
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import json
 import logging
 import math
-import random
 import re
 import secrets
 import threading
-import time
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -56,9 +55,13 @@ import xxhash
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from cachebuild.errors import LockTimeout, UsageError
-from cachebuild.store.layout import InvalidKey, check_key
-from cachebuild.store.record import loads_json
+from cachebuild.errors import UsageError
+
+from .base import RemoteTier
+from .clock import SYSTEM_CLOCK, Clock
+from .layout import InvalidKey, check_key
+from .record import loads_json
+from .redis_lock import Attempt, LockServer, RemoteLock
 
 log = logging.getLogger(__name__)
 
@@ -202,7 +205,7 @@ class _Budget:
         return self.left_out
 
 
-class RedisRemote:
+class RedisRemote(RemoteTier, LockServer):
     """A Redis server used as the shared L2 tier.
 
     ``mode="ro"`` makes this object write nothing at all to Redis: no blobs, no records,
@@ -218,6 +221,7 @@ class RedisRemote:
         connect_timeout: float = 1.0,
         op_timeout: float = 5.0,
         chunk_size: int = DEFAULT_CHUNK_SIZE,
+        clock: Clock = SYSTEM_CLOCK,
     ) -> None:
         if mode not in ("rw", "ro"):
             raise UsageError(f"remote mode must be 'rw' or 'ro', not {mode!r}")
@@ -229,6 +233,7 @@ class RedisRemote:
         self.mode: Mode = mode
         self.chunk_size = chunk_size
         self.op_timeout = op_timeout
+        self.clock = clock
         try:
             self._client = redis.Redis.from_url(
                 url,
@@ -609,21 +614,16 @@ class RedisRemote:
              signing_key: bytes | None = None) -> Iterator[bool]:
         """Hold ``key``'s build lock across machines; yields True if Redis holds it for us.
 
-        Yields False (no lock taken, nothing written) when read-only or when the remote is
-        down: the caller's local lock still gives single-flight on this machine. While held,
-        a background thread extends the expiry every ``ttl/3`` seconds; if this process dies
-        the lock expires ``ttl`` seconds later and another machine takes over.
-
-        A holder must prove it is a builder of this fleet, or it cannot stop a build: with
-        ``signing_key`` our token carries an HMAC of the lock's name, and a lock whose
-        token does not is waited on for ``FOREIGN_WAIT`` seconds at most; without a key no
-        holder can prove it, and any is waited on for one ``ttl`` at most. Then this yields
-        False (the build goes ahead under the local lock alone: a duplicate build is
-        better than none). Raises ``LockTimeout`` if a proven holder keeps it for more
-        than ``timeout`` seconds.
+        Yields False (no lock taken, nothing written) when read-only, when the remote is
+        down, or when the holder cannot prove to be a builder of this fleet and was waited
+        on long enough (``redis_lock``): the caller's local lock still gives single-flight
+        on this machine. While held, a background thread extends the expiry every
+        ``ttl/3`` seconds; if this process dies the lock expires ``ttl`` seconds later and
+        another machine takes over. Raises ``LockTimeout`` if a proven holder keeps it for
+        more than ``timeout`` seconds.
         """
         check_key(key)
-        held = RemoteLock(self, key, ttl, signing_key)
+        held = RemoteLock(self, key, lock_key(key), ttl, signing_key, self.clock)
         acquired = held.acquire(timeout)
         try:
             yield acquired
@@ -631,171 +631,36 @@ class RedisRemote:
             if acquired:
                 held.release()
 
-
-_LOCK_DOMAIN = b"cachebuild-lock-v1\0"
-#: How long a lock held by someone who cannot prove to be a builder of the fleet (its
-#: token carries no valid HMAC) is waited on before building anyway.
-FOREIGN_WAIT = 2.0
-
-
-#: Slack for clocks that differ between machines, when a lock token's time is checked.
-CLOCK_SLACK_S = 30.0
-
-
-def lock_token(name: str, nonce: str, signing_key: bytes | None,
-               now_ms: int | None = None) -> str:
-    """The value a builder sets under lock ``name``: ``nonce``, and with a signing key the
-    time (ms) and an HMAC of both with the lock's name, proving that the holder has the
-    fleet's key now (renewals set a fresh one, so a copied value soon stops proving)."""
-    if signing_key is None:
-        return nonce
-    when = int(time.time() * 1000) if now_ms is None else now_ms
-    body = f"{nonce}.{when}"
-    mac = hmac.new(signing_key, _LOCK_DOMAIN + name.encode() + b"\0" + body.encode(),
-                   hashlib.sha256).hexdigest()[:32]
-    return f"{body}.{mac}"
-
-
-def proven(name: str, value: Any, signing_key: bytes, max_age_s: float) -> bool:
-    """True if ``value`` under lock ``name`` was set by a holder of ``signing_key`` within
-    the last ``max_age_s`` seconds (plus ``CLOCK_SLACK_S``)."""
-    if isinstance(value, bytes):
+    def take_lock(self, name: str, token: str, ttl_ms: int) -> Attempt | None:
+        """Set lock ``name`` to ``token`` for ``ttl_ms`` if nobody holds it; else who does
+        (value and expiry). None if Redis failed or refused (marked so)."""
         try:
-            value = value.decode("ascii")
-        except UnicodeDecodeError:
-            return False
-    if not isinstance(value, str) or value.count(".") != 2 or len(value) > 100:
-        return False
-    nonce, when, _ = value.split(".")
-    if not when.isdigit() or len(when) > 16:
-        return False
-    age = time.time() - int(when) / 1000
-    if not -CLOCK_SLACK_S <= age <= max_age_s + CLOCK_SLACK_S:
-        return False
-    return hmac.compare_digest(lock_token(name, nonce, signing_key, int(when)), value)
-
-
-class RemoteLock:
-    """One acquisition of a build lock: SET NX PX with a random token (with an HMAC when
-    the fleet has a key), renewed while held."""
-
-    def __init__(self, remote: RedisRemote, key: str, ttl: float,
-                 signing_key: bytes | None = None) -> None:
-        if ttl <= 0:
-            raise ValueError(f"lock ttl must be positive, not {ttl}")
-        self.remote = remote
-        self.name = lock_key(key)
-        self.key = key
-        self.ttl_ms = max(1, int(ttl * 1000))
-        self.signing_key = signing_key
-        self.nonce = secrets.token_hex(16)
-        self.token = lock_token(self.name, self.nonce, signing_key)
-        self._stop = threading.Event()
-        self._renewer: threading.Thread | None = None
-        self.lost = False
-
-    def _unproven_wait(self, value: Any, pttl: Any) -> float | None:
-        """How long a holder with lock ``value`` (and expiry ``pttl``) may keep us waiting
-        at most, when it cannot prove to be a builder of this fleet; None if it can."""
-        if pttl == -1 or (isinstance(pttl, int) and pttl > max(10 * self.ttl_ms, 600_000)):
-            return self.ttl_ms / 1000  # no cachebuild process sets such an expiry
-        if self.signing_key is None:
-            return self.ttl_ms / 1000  # nobody can prove anything: one lock lifetime
-        if proven(self.name, value, self.signing_key, max_age_s=3 * self.ttl_ms / 1000):
+            if self._client.set(name, token, nx=True, px=ttl_ms):
+                return Attempt(taken=True)
+            pipe = self._client.pipeline(transaction=False)
+            pipe.get(name)
+            pipe.pttl(name)
+            value, pttl = pipe.execute()
+        except (redis.ResponseError, redis.DataError) as exc:
+            self._refuse_writes("lock", exc)
             return None
-        return min(FOREIGN_WAIT, self.ttl_ms / 1000)
-
-    def acquire(self, timeout: float | None) -> bool:
-        """True once held; False if the remote cannot hold locks, or if the holder cannot
-        prove to be a builder of this fleet and has been waited on long enough (see
-        ``RedisRemote.lock``; with a warning); LockTimeout after ``timeout``.
-        """
-        remote = self.remote
-        deadline = None if timeout is None else time.monotonic() + timeout
-        unproven_since: float | None = None
-        delay = 0.02
-        while True:
-            if not remote.writable:
-                return False
-            try:
-                if remote._client.set(self.name, self.token, nx=True, px=self.ttl_ms):
-                    break
-                pipe = remote._client.pipeline(transaction=False)
-                pipe.get(self.name)
-                pipe.pttl(self.name)
-                value, pttl = pipe.execute()
-            except (redis.ResponseError, redis.DataError) as exc:
-                remote._refuse_writes("lock", exc)
-                return False
-            except _REMOTE_ERRORS as exc:
-                remote._fail("lock", exc)
-                return False
-            now = time.monotonic()
-            limit = self._unproven_wait(value, pttl)
-            if limit is None:
-                unproven_since = None
-            else:
-                unproven_since = now if unproven_since is None else unproven_since
-                if now - unproven_since >= limit:
-                    who = ("its holder cannot prove to be a builder of this fleet (no "
-                           "CACHEBUILD_SIGNING_KEY here, so none can)" if self.signing_key is None
-                           else "its holder cannot prove to be a builder of this fleet "
-                           "(its token carries no HMAC made with CACHEBUILD_SIGNING_KEY)")
-                    if pttl == -1:
-                        who = "it never expires, so no cachebuild process set it"
-                    log.warning("the build lock of %s in %s is taken, but %s; building under "
-                                "the local lock alone after %.1f s (delete the key %s if it "
-                                "is stale)", self.key, remote.display_url, who, limit,
-                                self.name)
-                    return False
-            if deadline is not None and now >= deadline:
-                raise LockTimeout(
-                    f"build lock for {self.key} is held on another machine "
-                    f"({remote.display_url}) for more than {timeout:g}s"
-                )
-            # Exponential backoff with jitter so waiters on many machines do not poll in step.
-            pause = delay * (0.5 + random.random())
-            if deadline is not None:
-                pause = min(pause, max(0.0, deadline - now))
-            time.sleep(pause)
-            delay = min(delay * 2, 0.5)
-        self._renewer = threading.Thread(
-            target=self._renew, name=f"cachebuild-lock-{self.key[:8]}", daemon=True
-        )
-        self._renewer.start()
-        return True
-
-    def _renew(self) -> None:
-        """Extend the expiry every third of the ttl until released, lost, or the remote dies;
-        each renewal sets a fresh token (with a key: a fresh time and HMAC)."""
-        remote = self.remote
-        interval = self.ttl_ms / 3000.0
-        while not self._stop.wait(interval):
-            if not remote.available:
-                return
-            fresh = lock_token(self.name, self.nonce, self.signing_key)
-            try:
-                ok = remote._renew_script(keys=[self.name],
-                                          args=[self.token, self.ttl_ms, fresh])
-            except _REMOTE_ERRORS as exc:
-                remote._fail("lock renewal", exc)
-                return
-            if not ok:
-                # We stalled past the expiry and someone else may hold it now. The build
-                # carries on (puts are idempotent); at worst the target is built twice.
-                self.lost = True
-                log.warning("remote build lock for %s expired while held", self.key)
-                return
-            self.token = fresh  # release compares with what is there now
-
-    def release(self) -> None:
-        """Stop renewing and delete the lock if it is still ours."""
-        self._stop.set()
-        if self._renewer is not None:
-            self._renewer.join()
-        if not self.remote.available or self.lost:
-            return
-        try:
-            self.remote._release_script(keys=[self.name], args=[self.token])
         except _REMOTE_ERRORS as exc:
-            self.remote._fail("lock release", exc)
+            self._fail("lock", exc)
+            return None
+        return Attempt(taken=False, value=value, pttl=pttl)
+
+    def renew_lock(self, name: str, token: str, ttl_ms: int, fresh: str) -> bool | None:
+        """If lock ``name`` holds ``token``, set it to ``fresh`` for ``ttl_ms`` (True);
+        False if it holds something else; None if Redis failed (marked down)."""
+        try:
+            return bool(self._renew_script(keys=[name], args=[token, ttl_ms, fresh]))
+        except _REMOTE_ERRORS as exc:
+            self._fail("lock renewal", exc)
+            return None
+
+    def release_lock(self, name: str, token: str) -> None:
+        """Delete lock ``name`` if it still holds ``token``."""
+        try:
+            self._release_script(keys=[name], args=[token])
+        except _REMOTE_ERRORS as exc:
+            self._fail("lock release", exc)

@@ -17,8 +17,10 @@ import tempfile
 
 import pytest
 
-#: The system's temp folder, where a folder other users can enter is made.
-SYSTEM_TMP = tempfile.gettempdir()
+#: The system's temp folder, where a folder other users can enter is made. Kept in the
+#: environment: pytest-xdist's workers inherit a ``TMPDIR`` already pointing into the
+#: session folder, which only its owner may enter.
+SYSTEM_TMP = os.environ.setdefault("CACHEBUILD_TESTS_SYSTEM_TMP", tempfile.gettempdir())
 _SESSION_TMP = tempfile.mkdtemp(prefix="cachebuild-tests-")
 os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(_SESSION_TMP, "inductor"))
 os.environ.setdefault("TRITON_CACHE_DIR", os.path.join(_SESSION_TMP, "triton"))
@@ -103,10 +105,67 @@ def example_llama():
     return llama.make_model()
 
 
+@pytest.fixture
+def clock():
+    """The test's clock: the stores ``open_local`` opens keep time by it, and it moves only
+    when the test says (``clock.advance(seconds)``)."""
+    from clock import ManualClock
+
+    return ManualClock()
+
+
+@pytest.fixture
+def open_local(store_dir, clock):
+    """Opens ``LocalStore``s for a test and closes each one when the test ends: at
+    ``store_dir`` unless given a path, on the test's ``clock`` unless given another."""
+    from cachebuild.store import LocalStore
+
+    opened = []
+
+    def open_(path=None, **options):
+        options.setdefault("clock", clock)
+        store = LocalStore(store_dir if path is None else path, **options)
+        opened.append(store)
+        return store
+
+    yield open_
+    for store in reversed(opened):
+        store.close()
+
+
+@pytest.fixture
+def store(open_local):
+    """A fresh ``LocalStore`` at ``store_dir`` on the test's clock, closed when it ends."""
+    return open_local()
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """The test starts and ends with Dynamo's caches empty: models of a module share one
+    forward's code, which Dynamo would otherwise answer from its cache (a module uses it
+    for every test with ``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``)."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
 @pytest.fixture(scope="module")
 def module_store(tmp_path_factory):
     """One store per test module: graph modes and capture policies are run-time settings,
-    so a module's tests load the one entry its first test built."""
+    so a module's tests load the one entry its first test built. Closed after the module."""
     from cachebuild.store import LocalStore
 
-    return LocalStore(tmp_path_factory.mktemp("module") / "store")
+    with LocalStore(tmp_path_factory.mktemp("module") / "store") as shared:
+        yield shared
+
+
+@pytest.fixture(autouse=True)
+def _forget_failed_models():
+    """Each test starts as a fresh process would: models that failed to compile in an
+    earlier test (on purpose, with a broken verifier or store) are not remembered."""
+    yield
+    from cachebuild.start import FAILED
+
+    FAILED.clear()

@@ -391,13 +391,16 @@ def run_side_by_side(commands: list[tuple[list[str], dict[str, str], Path | str 
         return done
 
 
-def start_python(code: str, *, env: dict[str, str] | None = None) -> subprocess.Popen:
-    """Start ``code`` in a fresh interpreter (see ``run_python``); collect with ``finish``."""
+def start_python(code: str, *, env: dict[str, str] | None = None,
+                 stdin: int | None = None) -> subprocess.Popen:
+    """Start ``code`` in a fresh interpreter (see ``run_python``); collect with ``finish``.
+    ``stdin=subprocess.PIPE``: the test talks to it."""
     child_env = dict(os.environ)
     child_env.update(env or {})
     child_env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), child_env.get("PYTHONPATH", "")])
     return subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], env=child_env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> dict[str, Any]:

@@ -16,9 +16,13 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import redis
+
+if TYPE_CHECKING:
+    from cachebuild.store.local import LocalStore
 
 
 def redis_server_binary() -> str | None:
@@ -147,3 +151,21 @@ def redis_server_fixture() -> Iterator[RedisServer]:
         yield server
     finally:
         server.close()
+
+
+_OPENED: list[LocalStore] = []
+
+
+def closed_after_test(store: LocalStore) -> LocalStore:
+    """``store``, closed when the test that opened it ends (a module that opens stores so
+    imports ``close_opened_stores``)."""
+    _OPENED.append(store)
+    return store
+
+
+@pytest.fixture(autouse=True)
+def close_opened_stores() -> Iterator[None]:
+    """Closes every store ``closed_after_test`` was given during the test."""
+    yield
+    while _OPENED:
+        _OPENED.pop().close()

@@ -46,6 +46,9 @@ from typing import Any
 ROUND_SECONDS = 20
 SURFACES = ("graph", "guards", "record", "manifest", "bundle")
 KEY = b"store-fuzz-key"
+#: A time long past (2001): any read of a file stamped with it moves its access time
+#: (relatime moves one older than a day), so a read of the watched folder shows.
+LONG_AGO = 1_000_000_000
 
 
 class Hang(Exception):
@@ -239,8 +242,7 @@ class Driver:
         self.entry_key = next(k for k, (r, _) in self.golden.items() if r.kind == "entry")
         self.graph_keys = [k for k, (r, _) in self.golden.items() if r.kind == "fx-graph"]
         (self.watched / "secret").touch()
-        past = time.time() - 3 * 86400
-        os.utime(self.watched / "secret", (past, past))  # any read moves it (relatime)
+        os.utime(self.watched / "secret", (LONG_AGO, LONG_AGO))  # any read moves it (relatime)
         self.baseline = self._snapshot()
         self.secret_atime = (self.watched / "secret").stat().st_atime_ns
 
@@ -293,8 +295,7 @@ class Driver:
                 if path.name != "secret":
                     path.unlink() if path.is_file() else shutil.rmtree(path)
             self.reads.clear()
-            past = time.time() - 3 * 86400
-            os.utime(self.watched / "secret", (past, past))
+            os.utime(self.watched / "secret", (LONG_AGO, LONG_AGO))
             self.baseline = self._snapshot()
             self.secret_atime = (self.watched / "secret").stat().st_atime_ns
         return found
@@ -330,7 +331,7 @@ class Driver:
 
         from cachebuild.build import LOADED, Builder
         from cachebuild.errors import CachebuildError
-        from cachebuild.plan import Planner
+        from cachebuild.planner import Planner
         from cachebuild.runtime import ModelRuntime
         from cachebuild.store import LocalStore
 

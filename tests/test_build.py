@@ -4,6 +4,7 @@ same time), weights are bound live, and a failing piece is reported and stores n
 
 from __future__ import annotations
 
+import subprocess
 import sys
 
 import models
@@ -16,7 +17,6 @@ from cachebuild.backends.eager_fusion import EagerFusionBackend
 from cachebuild.errors import BuildError
 from cachebuild.keys import canonical_json, make_key
 from cachebuild.passes import PassManager
-from cachebuild.store import LocalStore
 
 DYN = {0: 0, 1: 0}
 
@@ -33,12 +33,12 @@ def runner(compiled, piece_index):
 
 
 @pytest.mark.parametrize("layers", [2, 4])
-def test_matches_eager_in_every_bucket(tmp_path, layers):
+def test_matches_eager_in_every_bucket(open_local, tmp_path, layers):
     # Each run has a fresh store: targets this process loaded earlier from another store
     # are built into this one all the same (counted below).
     model = models.make(models.Decoder, layers=layers)
     compiled = cachebuild.compile(model, models.config(**BUCKETED), DYN,
-                                  store=LocalStore(tmp_path / "store"))
+                                  store=open_local(tmp_path / "store"))
     before = cachebuild.stats()
     for size in SIZES:
         models.assert_matches_eager(compiled, model, models.inputs(size))
@@ -60,9 +60,9 @@ def test_matches_eager_in_every_bucket(tmp_path, layers):
         assert run.select(size) is LOADED[by_bucket[str(bucket)], "cpu"]
 
 
-def test_compiled_module_behaves_like_the_model(tmp_path):
+def test_compiled_module_behaves_like_the_model(open_local, tmp_path):
     model = models.make(models.Decoder, layers=2)
-    compiled = cachebuild.compile(model, models.config(), DYN, store=LocalStore(tmp_path / "s"))
+    compiled = cachebuild.compile(model, models.config(), DYN, store=open_local(tmp_path / "s"))
     assert compiled.runtime is None
     models.assert_matches_eager(compiled, model, models.inputs(7))
     assert compiled.runtime is not None
@@ -78,8 +78,8 @@ def test_compiled_module_behaves_like_the_model(tmp_path):
     assert models.counters_delta(before, cachebuild.stats())["built"] == 0
 
 
-def test_other_weights_load_the_same_entry_and_are_bound_live(tmp_path):
-    store = LocalStore(tmp_path / "store")
+def test_other_weights_load_the_same_entry_and_are_bound_live(open_local, tmp_path):
+    store = open_local(tmp_path / "store")
     first = models.make(models.Decoder, layers=2, seed=0)
     models.assert_matches_eager(cachebuild.compile(first, models.config(), DYN, store=store),
                                 first, models.inputs(5))
@@ -93,10 +93,10 @@ def test_other_weights_load_the_same_entry_and_are_bound_live(tmp_path):
         assert not torch.allclose(compiled(*models.inputs(5)), first(*models.inputs(5)))
 
 
-def test_bfloat16_model_matches_eager(tmp_path):
+def test_bfloat16_model_matches_eager(open_local, tmp_path):
     model = models.make(models.Decoder, layers=2).to(torch.bfloat16)
     compiled = cachebuild.compile(model, models.config(compile_sizes=(4,)), DYN,
-                                  store=LocalStore(tmp_path / "store"))
+                                  store=open_local(tmp_path / "store"))
     for size in (4, 1, 19):
         args = models.inputs(size)
         with torch.no_grad():
@@ -105,8 +105,8 @@ def test_bfloat16_model_matches_eager(tmp_path):
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
 
 
-def test_entry_whose_target_vanished_rebuilds_it_without_tracing(tmp_path):
-    store = LocalStore(tmp_path / "store")
+def test_entry_whose_target_vanished_rebuilds_it_without_tracing(open_local, tmp_path):
+    store = open_local(tmp_path / "store")
     model = models.make(models.Decoder, layers=2)
     first = cachebuild.compile(model, models.config(), DYN, store=store)
     models.assert_matches_eager(first, model, models.inputs(6))
@@ -120,8 +120,8 @@ def test_entry_whose_target_vanished_rebuilds_it_without_tracing(tmp_path):
     assert store.contains(gone)
 
 
-def test_store_holds_entry_and_targets_with_manifests(tmp_path):
-    store = LocalStore(tmp_path / "store")
+def test_store_holds_entry_and_targets_with_manifests(open_local, tmp_path):
+    store = open_local(tmp_path / "store")
     model = models.make(models.Decoder, layers=2)
     compiled = cachebuild.compile(model, models.config(compile_sizes=(4,)), DYN, store=store)
     models.assert_matches_eager(compiled, model, models.inputs(3))
@@ -139,13 +139,13 @@ def test_store_holds_entry_and_targets_with_manifests(tmp_path):
     assert kinds == ["entry"] + ["fx-graph"] * 6 + ["guards"]  # the seal of its guards
 
 
-def test_custom_pass_runs_enters_the_keys_and_matches_eager(tmp_path, monkeypatch):
+def test_custom_pass_runs_enters_the_keys_and_matches_eager(open_local, tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "cb_build_silu_pass", raising=False)
     fusion = models.load_silu_pass(tmp_path / "silu_pass.py", "cb_build_silu_pass")
     manager = PassManager([fusion])
     model = models.make(models.Decoder, layers=2)
     compiled = cachebuild.compile(model, models.config(), DYN,
-                                  store=LocalStore(tmp_path / "store"), passes=manager)
+                                  store=open_local(tmp_path / "store"), passes=manager)
     models.assert_matches_eager(compiled, model, models.inputs(6))
     # One SiLU per layer, in the two pieces that hold an MLP.
     assert manager.total_counts["silu_to_sigmoid"] == 2
@@ -165,9 +165,9 @@ class FailingBackend(EagerFusionBackend):
         return super().compile(request)
 
 
-def test_failing_piece_names_piece_bucket_and_key_and_stores_nothing_partial(tmp_path):
+def test_failing_piece_names_piece_bucket_and_key_and_stores_nothing_partial(open_local, tmp_path):
     register_backend(FailingBackend.name, FailingBackend)
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     model = models.make(models.Decoder, layers=2)
     compiled = cachebuild.compile(model, models.config(backend=FailingBackend.name), DYN,
                                   store=store)
@@ -187,25 +187,21 @@ def test_failing_piece_names_piece_bucket_and_key_and_stores_nothing_partial(tmp
 
 def test_backend_artifact_kind_mismatch_is_refused():
     with pytest.raises(ValueError, match="cannot load artifacts of kind 'standalone'"):
-        EagerFusionBackend().load("standalone", "0" * 32, store=None, device="cpu")
+        EagerFusionBackend().load("standalone", "0" * 32, source=None, device="cpu")
 
 
 # -- other processes -------------------------------------------------------------------
 
 CHILD = """
-import json, os, time
-from pathlib import Path
+import json, os, sys
 
 import cachebuild
 import models
 from cachebuild.store import LocalStore
 
-barrier = os.environ.get("BARRIER")
-if barrier:
-    Path(barrier, f"ready-{os.getpid()}").touch()
-    deadline = time.monotonic() + 120  # a sibling that died must not hang this one
-    while len(list(Path(barrier).glob("ready-*"))) < 2 and time.monotonic() < deadline:
-        time.sleep(0.01)
+if os.environ.get("TOGETHER"):  # start with a sibling: say so, and wait for the word
+    print("ready", flush=True)
+    sys.stdin.readline()
 layers = int(os.environ.get("LAYERS", "2"))
 model = models.make(models.Decoder, layers=layers)
 store = LocalStore(os.environ["STORE"]) if "STORE" in os.environ else None  # else CACHEBUILD_DIR
@@ -216,11 +212,11 @@ print(json.dumps({"stats": cachebuild.stats(), "keys": compiled.runtime.entry.ta
 """
 
 
-def test_second_process_compiles_nothing(tmp_path):
+def test_second_process_compiles_nothing(open_local, tmp_path):
     path = tmp_path / "store"
     model = models.make(models.Decoder, layers=2)
     compiled = cachebuild.compile(model, models.config(compile_sizes=(4,)), DYN,
-                                  store=LocalStore(path))
+                                  store=open_local(path))
     models.assert_matches_eager(compiled, model, models.inputs(11))
     child = models.run_python(CHILD, env={"CACHEBUILD_DIR": str(path)})
     stats = child["stats"]
@@ -230,25 +226,28 @@ def test_second_process_compiles_nothing(tmp_path):
     assert child["keys"] == compiled.runtime.entry.target_keys()
 
 
-def test_two_processes_at_once_build_each_target_once(tmp_path):
+def test_two_processes_at_once_build_each_target_once(open_local, tmp_path):
     path = tmp_path / "store"
-    barrier = tmp_path / "barrier"
-    barrier.mkdir()
-    env = {"STORE": str(path), "BARRIER": str(barrier)}
-    procs = [models.start_python(CHILD, env=env) for _ in range(2)]
+    env = {"STORE": str(path), "TOGETHER": "1"}
+    procs = [models.start_python(CHILD, env=env, stdin=subprocess.PIPE) for _ in range(2)]
+    for p in procs:  # both are ready before either builds
+        assert p.stdout.readline().strip() == "ready", p.stderr.read()[-3000:]
+    for p in procs:
+        p.stdin.write("go\n")
+        p.stdin.flush()
     results = [models.finish(p) for p in procs]
     keys = results[0]["keys"]
     assert results[1]["keys"] == keys and len(keys) == 6
     assert sum(r["stats"]["built"] for r in results) == len(keys)
     assert all(r["stats"]["failed"] == 0 for r in results)
-    store = LocalStore(path)
+    store = open_local(path)
     assert sorted(r.kind for r in store.records()) == ["entry"] + ["fx-graph"] * 6 + ["guards"]
 
 
 # -- inductor (AOTInductor) ------------------------------------------------------------
 
 @pytest.mark.slow
-def test_aoti_matches_eager_and_loads_back():
+def test_aoti_matches_eager_and_loads_back(open_local):
     """AOTInductor pieces (weights as inputs: one artifact per unique piece) match eager;
     a second compile of the same model in this process loads the entry and builds nothing."""
     warmed = models.aoti_store()
@@ -257,7 +256,7 @@ def test_aoti_matches_eager_and_loads_back():
     assert warmed["kinds"] == ["aoti-cpu"]
     model = models.make(models.Decoder, layers=2, seed=5)
     compiled = cachebuild.compile(model, models.aoti_config(), DYN,
-                                  store=LocalStore(warmed["path"]))
+                                  store=open_local(warmed["path"]))
     before = cachebuild.stats()
     for size in models.AOTI_SIZES + (2, 17):
         models.assert_matches_eager(compiled, model, models.inputs(size))

@@ -19,6 +19,8 @@ from cachebuild.workers import jobs_here, op_modules
 
 def test_a_cold_start_builds_its_missing_targets_in_workers(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CACHEBUILD_BUILD_JOBS", "2")
+    # As a fresh process: targets an earlier test loaded here would count as hits.
+    monkeypatch.setattr("cachebuild.build.LOADED", {})
     model = models.make(models.Decoder, layers=2)
     before = cachebuild.stats()
     with caplog.at_level(logging.INFO, logger="cachebuild.build"):

@@ -19,7 +19,6 @@ import torch
 import cachebuild
 from cachebuild.capture import capture_order, resolve_policy
 from cachebuild.cudagraphs import Arena, ReplayCapture, Replayer
-from cachebuild.store import LocalStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import llama  # noqa: E402
@@ -88,23 +87,23 @@ def test_background_captures_every_size_after_the_first_output(example_llama, mo
     assert "cachebuild-capture" not in names  # the thread ends when every size is done
 
 
-def sequence_matches_eager(cls, policy, sizes, store_dir):
+def sequence_matches_eager(cls, policy, sizes, store):
     """``cls`` (an in-place pattern) compiled piecewise with ``policy``, called on ``sizes``
     in turn: outputs and state after each call equal eager's. The compiled module."""
     config = im.config(cudagraph_mode="piecewise", capture=policy, capture_sizes=(1, 4))
     model = im.make(cls)
-    compiled = cachebuild.compile(model, config, im.dynamic_dims(cls), store=LocalStore(store_dir))
+    compiled = cachebuild.compile(model, config, im.dynamic_dims(cls), store=store)
     eager = im.make(cls)
     im.assert_same(im.run_sequence(compiled, model, cls, sizes),
                    im.run_sequence(eager, eager, cls, sizes))
     return compiled
 
 
-def test_background_on_a_model_that_writes_state_captures_lazily(tmp_path):
+def test_background_on_a_model_that_writes_state_captures_lazily(store):
     """A pass on dummy inputs beside the caller would write its cache: not in the
     background, then; each size rides along its first real call instead."""
     compiled = sequence_matches_eager(im.MutatedBuffer, "background", (5, 4, 1, 4, 1),
-                                      tmp_path / "store")
+                                      store)
     capturer = compiled.runtime.capturer
     assert capturer.policy == "lazy" and not capturer.in_background
     assert capturer.captured_sizes == [1, 4]
@@ -122,13 +121,13 @@ class Noisy(torch.nn.Module):
         return self.lin(x) + 0 * torch.rand_like(x)
 
 
-def test_background_on_a_model_that_draws_random_numbers_captures_lazily(tmp_path):
+def test_background_on_a_model_that_draws_random_numbers_captures_lazily(open_local, tmp_path):
     torch.manual_seed(0)
     model = Noisy().eval()
     cfg = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),),
                                    cudagraph_mode="full", capture="background",
                                    capture_sizes=(2, 4))
-    compiled = cachebuild.compile(model, cfg, {0: 0}, store=LocalStore(tmp_path / "store"))
+    compiled = cachebuild.compile(model, cfg, {0: 0}, store=open_local(tmp_path / "store"))
     x = torch.randn(4, 8)
     with torch.no_grad():
         torch.testing.assert_close(compiled(x), model(x))
@@ -143,7 +142,7 @@ def test_eager_policy_captures_every_size_before_the_first_call_returns(example_
     assert compiled.capture_report.sizes == sorted(SIZES, reverse=True)
 
 
-def test_a_failed_capture_leaves_the_call_exact_and_its_size_without_graphs(tmp_path, monkeypatch):
+def test_a_failed_capture_leaves_the_call_exact_and_its_size_without_graphs(store, monkeypatch):
     """Recording fails at size 4 (as a device refusing a capture would): the call that
     rode along still writes its state exactly once and answers as eager does; 4 then runs
     without graphs, said once, and other sizes are captured as usual."""
@@ -156,7 +155,7 @@ def test_a_failed_capture_leaves_the_call_exact_and_its_size_without_graphs(tmp_
 
     monkeypatch.setattr(ReplayCapture, "capture", refuse_at_4)
     compiled = sequence_matches_eager(im.AllPatterns, "lazy", (5, 4, 1, 4, 1, 3),
-                                      tmp_path / "store")
+                                      store)
     capturer = compiled.runtime.capturer
     assert capturer.captured_sizes == [1] and list(capturer.failed) == [4]
     assert "not permitted" in capturer.failed[4]

@@ -162,7 +162,7 @@ def test_two_warms_at_once_build_each_target_once(tmp_path, model):
     assert summary(cli(store, "warm", str(model)).stderr)[1:3] == (3, 0)
 
 
-def test_explain_names_what_changed_and_pin_keeps_the_entry(tmp_path, model):
+def test_explain_names_what_changed_and_pin_keeps_the_entry(open_local, tmp_path, model):
     store = tmp_path / "store"
     assert cli(store, "warm", str(model)).returncode == 0
     proc = cli(store, "explain", str(model), env={"LLAMA_MAX_TOKENS": "256"})
@@ -179,7 +179,7 @@ def test_explain_names_what_changed_and_pin_keeps_the_entry(tmp_path, model):
     assert "float32 [64, 128] → float32 [64, 192]" in changed  # the down projection
     assert "parameter layers.0.down.weight: float32 [64, 128] → float32 [64, 192]" in changed
     assert cli(store, "pin", str(model)).returncode == 0
-    with LocalStore(store) as s:
+    with open_local(store) as s:
         entries = [r for r in s.records() if r.kind == "entry"]
     assert len(entries) == 1 and entries[0].pinned
     gc = cli(store, "gc", "--max-size", "0")

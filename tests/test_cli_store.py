@@ -8,7 +8,6 @@ import shutil
 import subprocess
 import sys
 import tarfile
-import time
 
 import pytest
 from click.testing import CliRunner
@@ -25,13 +24,12 @@ def key(name: str) -> str:
 @pytest.fixture
 def filled(store_dir):
     """A store with a pinned model entry referring to two targets, and a loose target."""
-    store = LocalStore(store_dir)
-    store.put(key("t1"), b"a" * 3000, kind="target", manifest={"graph": "g1"})
-    store.put(key("t2"), b"b" * 2000, kind="target", manifest={"graph": "g2"})
-    store.put(key("entry"), b"entry", kind="entry", refs=[key("t1"), key("t2")])
-    store.put(key("loose"), b"c" * 5000, kind="target")
-    store.pin(key("entry"))
-    store.close()
+    with LocalStore(store_dir) as store:
+        store.put(key("t1"), b"a" * 3000, kind="target", manifest={"graph": "g1"})
+        store.put(key("t2"), b"b" * 2000, kind="target", manifest={"graph": "g2"})
+        store.put(key("entry"), b"entry", kind="entry", refs=[key("t1"), key("t2")])
+        store.put(key("loose"), b"c" * 5000, kind="target")
+        store.pin(key("entry"))
     return store_dir
 
 
@@ -72,33 +70,33 @@ def test_ls(filled):
         assert k in table.stdout  # full keys, never cut, so they can be pasted into pin
 
 
-def test_gc(filled):
+def test_gc(open_local, filled):
     dry = run(filled, "gc", "--max-size", "4K", "--dry-run")
     assert dry.exit_code == 0, dry.output
     assert key("loose") in dry.stdout and "would remove" in dry.stdout
-    assert LocalStore(filled).contains(key("loose"))
+    assert open_local(filled).contains(key("loose"))
     done = run(filled, "gc", "--max-size", "4K")
     assert done.exit_code == 0 and "removed 1 record" in done.stdout
     assert "pinned records alone" in done.stderr  # the pinned closure is over the cap
-    left = {r.key for r in LocalStore(filled).records()}
+    left = {r.key for r in open_local(filled).records()}
     assert left == {key("t1"), key("t2"), key("entry")}
     assert run(filled, "gc", "--older-than", "7d").exit_code == 0
-    assert len(list(LocalStore(filled).records())) == 3
+    assert len(list(open_local(filled).records())) == 3
 
 
-def test_gc_evicts_an_entry_with_its_targets_and_never_strands_one(store_dir):
+def test_gc_evicts_an_entry_with_its_targets_and_never_strands_one(open_local, store_dir):
     """Two unpinned model entries share a target. GC under a small cap takes the older
     entry first with the target only it refers to, then the newer one with the rest; at
     no point (and in the dry run's plan) is an entry left whose targets are gone."""
-    store = LocalStore(store_dir)
+    store = open_local(store_dir)
     for name, size in (("a1", 3000), ("a2", 3000), ("shared", 3000), ("b1", 3000)):
         store.put(key(name), bytes(size), kind="aoti-cpu")
     store.put(key("old-entry"), b"entry", kind="entry",
               refs=[key("a1"), key("a2"), key("shared")])
     store.put(key("new-entry"), b"entry", kind="entry", refs=[key("shared"), key("b1")])
     store.close()
-    later = time.time() + 10
-    with LocalStore(store_dir) as s:  # the newer entry and its targets were used later
+    with open_local(store_dir) as s:  # the newer entry and its targets were used later
+        later = s.clock.time() + 10
         for name in ("new-entry", "shared", "b1"):
             small = s.index.get_small(key(name))
             small["last_used"] = later
@@ -113,11 +111,11 @@ def test_gc_evicts_an_entry_with_its_targets_and_never_strands_one(store_dir):
 
     done = run(store_dir, "gc", "--max-size", "10K")
     assert done.exit_code == 0 and "removed 3 records" in done.stdout, done.output
-    left = {r.key for r in LocalStore(store_dir).records()}
+    left = {r.key for r in open_local(store_dir).records()}
     assert left == {key("new-entry"), key("shared"), key("b1")}
     assert run(store_dir, "gc", "--max-size", "1").exit_code == 0
-    assert list(LocalStore(store_dir).records()) == []  # the entry went first, then the rest
-    report = LocalStore(store_dir).gc(max_size=0, dry_run=True)
+    assert list(open_local(store_dir).records()) == []  # the entry went first, then the rest
+    report = open_local(store_dir).gc(max_size=0, dry_run=True)
     assert report.units == []
 
 
@@ -129,16 +127,16 @@ def test_bad_usage_exits_2(filled, args):
     assert "Traceback" not in result.output
 
 
-def test_pin_and_unpin(filled):
+def test_pin_and_unpin(open_local, filled):
     assert run(filled, "pin", key("loose")).exit_code == 0
-    assert LocalStore(filled).get_record(key("loose")).pinned
+    assert open_local(filled).get_record(key("loose")).pinned
     result = run(filled, "unpin", key("loose"))
     assert result.exit_code == 0 and f"unpinned {key('loose')}" in result.stdout
-    assert not LocalStore(filled).get_record(key("loose")).pinned
+    assert not open_local(filled).get_record(key("loose")).pinned
 
 
-def test_keys_like_gits_a_unique_prefix_of_eight_will_do(store_dir):
-    store = LocalStore(store_dir)
+def test_keys_like_gits_a_unique_prefix_of_eight_will_do(open_local, store_dir):
+    store = open_local(store_dir)
     store.put("abcdef0123" + "0" * 22, b"x", kind="target")
     store.put("abcdef0199" + "0" * 22, b"y", kind="target")
     store.close()
@@ -173,7 +171,7 @@ def test_pin_of_a_model_file_that_is_not_there(filled, tmp_path):
     assert result.stderr == f"error: {missing}: no such model file\n"
 
 
-def test_model_resolver_can_be_plugged_in(filled, monkeypatch):
+def test_model_resolver_can_be_plugged_in(open_local, filled, monkeypatch):
     seen = []
 
     def resolve(path, store):
@@ -183,7 +181,7 @@ def test_model_resolver_can_be_plugged_in(filled, monkeypatch):
     monkeypatch.setattr("cachebuild.modelfile.stored_entry_key", resolve)
     assert run(filled, "unpin", "model.py").exit_code == 0
     assert seen == ["model.py"]
-    assert not LocalStore(filled).get_record(key("entry")).pinned
+    assert not open_local(filled).get_record(key("entry")).pinned
 
 
 def test_main_owns_the_table_of_commands():
@@ -194,10 +192,11 @@ def test_main_owns_the_table_of_commands():
 
 
 def _blob(store_dir, k):
-    return LocalStore(store_dir).root / "objects" / k[:2] / k
+    with LocalStore(store_dir) as store:
+        return store.root / "objects" / k[:2] / k
 
 
-def test_verify_exit_codes(filled):
+def test_verify_exit_codes(open_local, filled):
     assert run(filled, "verify").exit_code == 0
     path = _blob(filled, key("t1"))
     data = bytearray(path.read_bytes())
@@ -210,7 +209,7 @@ def test_verify_exit_codes(filled):
     repaired = run(filled, "verify", "--repair")
     assert repaired.exit_code == 0 and "(quarantined)" in repaired.stderr
     assert run(filled, "verify").exit_code == 0
-    assert not LocalStore(filled).contains(key("t1"))
+    assert not open_local(filled).contains(key("t1"))
 
 
 def test_unsafe_or_unusable_store_directory_is_bad_input_exit_2(tmp_path):
@@ -239,7 +238,7 @@ def test_export_to_a_missing_directory_is_bad_input(filled, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["cache.tar", "cache.tar.gz"])
-def test_export_import_round_trip(filled, tmp_path, name):
+def test_export_import_round_trip(open_local, filled, tmp_path, name):
     bundle = tmp_path / name
     result = run(filled, "export", str(bundle))
     assert result.exit_code == 0 and "exported 4 records" in result.stdout
@@ -247,7 +246,7 @@ def test_export_import_round_trip(filled, tmp_path, name):
     result = run(target, "import", str(bundle))
     assert result.exit_code == 0, result.output
     assert "imported 4 records" in result.stdout
-    src, dst = LocalStore(filled), LocalStore(target)
+    src, dst = open_local(filled), open_local(target)
     for record in src.records():
         copy = dst.get_record(record.key)
         assert (copy.kind, copy.size, copy.checksum, copy.pinned, copy.refs, copy.manifest) == (
@@ -281,7 +280,7 @@ def _damage_member(bundle, k):
         f.write(bytes([byte[0] ^ 0xFF]))
 
 
-def test_import_refuses_damaged_entries_and_names_them(filled, tmp_path):
+def test_import_refuses_damaged_entries_and_names_them(open_local, filled, tmp_path):
     bundle = tmp_path / "cache.tar"
     assert run(filled, "export", str(bundle)).exit_code == 0
     _damage_member(bundle, key("t2"))
@@ -290,13 +289,13 @@ def test_import_refuses_damaged_entries_and_names_them(filled, tmp_path):
     assert result.exit_code == 1
     assert f"refused {key('t2')}: payload checksum mismatch" in result.stderr
     assert "imported 3 records" in result.stdout
-    dst = LocalStore(target)
+    dst = open_local(target)
     assert not dst.contains(key("t2"))
     assert {r.key for r in dst.records()} == {key("t1"), key("entry"), key("loose")}
     assert dst.verify().clean
 
 
-def test_import_truncated_bundle(filled, tmp_path):
+def test_import_truncated_bundle(open_local, filled, tmp_path):
     bundle = tmp_path / "cache.tar"
     assert run(filled, "export", str(bundle)).exit_code == 0
     data = bundle.read_bytes()
@@ -307,7 +306,7 @@ def test_import_truncated_bundle(filled, tmp_path):
     result = run(target, "import", str(bundle))
     assert result.exit_code == 1
     assert "bundle is damaged or truncated" in result.stderr
-    dst = LocalStore(target)
+    dst = open_local(target)
     assert len(list(dst.records())) == 2 and dst.verify().clean
     missing = third.name.split("/")[1]
     assert missing in result.stderr and not dst.contains(missing)

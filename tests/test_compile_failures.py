@@ -16,7 +16,6 @@ import torch.nn as nn
 
 import cachebuild
 from cachebuild.errors import CompileFailed, ConfigError, UsageError
-from cachebuild.store import LocalStore
 
 
 class NoSplit(nn.Module):
@@ -37,15 +36,15 @@ def _config(**overrides):
 
 @pytest.fixture(autouse=True)
 def forget_failures():
-    from cachebuild import api
+    from cachebuild import start
 
-    api.FAILED.clear()
+    start.FAILED.clear()
     yield
-    api.FAILED.clear()
+    start.FAILED.clear()
 
 
-def test_a_failure_is_raised_at_once_after_the_first_time(tmp_path):
-    store = LocalStore(tmp_path / "store")
+def test_a_failure_is_raised_at_once_after_the_first_time(open_local, tmp_path):
+    store = open_local(tmp_path / "store")
     model = NoSplit().eval()
     compiled = cachebuild.compile(model, _config(), {0: 0}, store=store)
     before = cachebuild.stats()
@@ -64,8 +63,8 @@ def test_a_failure_is_raised_at_once_after_the_first_time(tmp_path):
         compiled(torch.randn(0, 8))
 
 
-def test_with_on_failure_eager_the_model_runs_eagerly_after_one_warning(tmp_path, caplog):
-    store = LocalStore(tmp_path / "store")
+def test_with_on_failure_eager_the_model_runs_eagerly_after_one_warning(open_local, tmp_path, caplog):
+    store = open_local(tmp_path / "store")
     model = NoSplit().eval()
     with caplog.at_level(logging.WARNING, logger="cachebuild"):
         compiled = cachebuild.compile(model, _config(on_failure="eager"), {0: 0}, store=store)
@@ -83,9 +82,9 @@ def test_with_on_failure_eager_the_model_runs_eagerly_after_one_warning(tmp_path
                               "(on_failure='eager'): UsageError: splitting op(s)"), said
 
 
-def test_another_config_is_tried_again(tmp_path):
+def test_another_config_is_tried_again(open_local, tmp_path):
     """Remembered per model and config: the same model with a config that works compiles."""
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     model = NoSplit().eval()
     with pytest.raises(UsageError):
         cachebuild.compile(model, _config(), {0: 0}, store=store)(torch.randn(4, 8))
@@ -124,9 +123,9 @@ def _import(path, name):
     return module
 
 
-def test_a_start_after_the_model_file_changed_says_the_source_changed(tmp_path, caplog,
+def test_a_start_after_the_model_file_changed_says_the_source_changed(open_local, tmp_path, caplog,
                                                                        monkeypatch):
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     config = cachebuild.CompileConfig(compile_ranges=((1, 16),), backend="eager_fusion")
     (tmp_path / "small.py").write_text(SOURCE)
     first = _import(tmp_path / "small.py", "small_before")

@@ -17,13 +17,13 @@ from cachebuild.passes.rewrites.manager import PassManager
 def test_defaults_and_normalisation():
     a = cachebuild.CompileConfig(splitting_ops=["mylib::attention"],
                                  compile_ranges=[[1, 64], [65, 256]], compile_sizes=[8, 4, 8],
-                                 inductor_options={"max_autotune": False, "b": 1})
+                                 inductor_options={"max_autotune": False, "cpp.threads": 1})
     b = cachebuild.CompileConfig(splitting_ops=("mylib::attention",),
                                  compile_ranges=((1, 64), (65, 256)), compile_sizes=(4, 8),
-                                 inductor_options=(("b", 1), ("max_autotune", False)))
+                                 inductor_options=(("cpp.threads", 1), ("max_autotune", False)))
     assert a == b and hash(a) == hash(b)
     assert a.compile_sizes == (4, 8)
-    assert a.inductor_options_dict() == {"b": 1, "max_autotune": False}
+    assert a.inductor_options_dict() == {"cpp.threads": 1, "max_autotune": False}
     assert make_key(a.factors()) == make_key(b.factors())
     default = cachebuild.CompileConfig()
     assert default.backend == "inductor" and default.compile_ranges == ((1, 8192),)
@@ -100,15 +100,14 @@ def test_size_outside_every_range(size):
         cachebuild.CompileConfig(compile_ranges=((1, 64), (100, 150)), compile_sizes=(8, size))
 
 
-def test_unknown_backend_lists_the_known_ones_where_it_is_resolved(tmp_path):
+def test_unknown_backend_lists_the_known_ones_where_it_is_resolved(open_local, tmp_path):
     from cachebuild.backends import get_backend
-    from cachebuild.store import LocalStore
 
     config = cachebuild.CompileConfig(backend="tvm")  # a plain value: nothing resolved yet
     with pytest.raises(ConfigError, match="unknown backend 'tvm'") as info:
         get_backend(config.backend)
     assert "eager_fusion" in str(info.value) and "inductor" in str(info.value)
-    compiled = cachebuild.compile(torch.nn.Linear(2, 2), config, store=LocalStore(tmp_path / "s"))
+    compiled = cachebuild.compile(torch.nn.Linear(2, 2), config, store=open_local(tmp_path / "s"))
     with pytest.raises(ConfigError, match="unknown backend 'tvm'"):
         compiled(torch.randn(3, 2))
 

@@ -20,7 +20,6 @@ import pytest
 import torch
 
 import cachebuild
-from cachebuild.store import LocalStore
 
 # transformers (hf_families) is imported inside the tests: importing it imports Triton,
 # which must not happen while tests are collected (test_kernels sets Triton's interpreter
@@ -154,7 +153,7 @@ def test_default_use_cache_passes_output_and_cache_through(tmp_path, door):
         assert warm_delta["entries_loaded"] == 1 and warm_delta["traced"] == 0
 
 
-def test_eager_fusion_range_target_is_not_specialised_to_the_hint(tmp_path):
+def test_eager_fusion_range_target_is_not_specialised_to_the_hint(open_local, tmp_path):
     """A biased linear on ``[1, T, H]`` (Qwen2) was stored specialised to the range's hint
     (16): the first call at another size raised "shape '[16, 64]' is invalid"."""
     import hf_families
@@ -163,12 +162,12 @@ def test_eager_fusion_range_target_is_not_specialised_to_the_hint(tmp_path):
     model = family.model()
     config = cachebuild.CompileConfig(splitting_ops=(hf_families.SDPA,),
                                       compile_ranges=((1, 32),), backend="eager_fusion")
-    compiled = cachebuild.compile(model, config, {0: 0}, store=LocalStore(tmp_path / "store"))
+    compiled = cachebuild.compile(model, config, {0: 0}, store=open_local(tmp_path / "store"))
     hf_families.check_sizes(compiled, model, (16, 5, 1, 32))
 
 
 @pytest.mark.slow
-def test_phi3_aoti_matches_eager_past_one_token(tmp_path):
+def test_phi3_aoti_matches_eager_past_one_token(open_local, tmp_path):
     """Phi-3 hands the splitting op a fused-qkv view rotated through torch.cat: SDPA's
     output follows those strides, and the next AOTI piece reads its input with the strides
     it was compiled for only because the runtime copies it to them."""
@@ -177,7 +176,7 @@ def test_phi3_aoti_matches_eager_past_one_token(tmp_path):
     family = hf_families.FAMILIES["phi3"]
     model = family.model()
     compiled = cachebuild.compile(model, hf_families.compile_config(family, "inductor", "aoti"),
-                                  {0: 0}, store=LocalStore(tmp_path / "store"))
+                                  {0: 0}, store=open_local(tmp_path / "store"))
     with torch.no_grad():
         for size in (9, 24, 2):
             hf_families.assert_close(compiled(*hf_families.ids(size)),

@@ -10,21 +10,14 @@ import torch
 
 import cachebuild
 from cachebuild.errors import UsageError
-from cachebuild.store import LocalStore
+
+#: Models of this module share forward code that Dynamo would answer from its cache.
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
 
 DYN = {0: 0, 1: 0}
 BUCKETED = {"compile_ranges": ((1, 16), (17, 48)), "compile_sizes": (4, 24)}
 SIZES = (9, 1, 4, 16, 17, 24, 30, 48)
-
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    """Each test starts with Dynamo's caches empty (models share one forward's code)."""
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 def torch_compiled(model, config, store, mark_dynamic=False):
@@ -42,10 +35,10 @@ def torch_compiled(model, config, store, mark_dynamic=False):
 
 
 @pytest.mark.parametrize("layers", [2, 4])
-def test_torch_compile_matches_eager_in_every_bucket(tmp_path, layers):
+def test_torch_compile_matches_eager_in_every_bucket(open_local, tmp_path, layers):
     """Plain torch.compile usage: the first call is traced static, later sizes dynamic."""
     model = models.make(models.Decoder, layers=layers)
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     compiled = torch_compiled(model, models.config(**BUCKETED), store)
     before = cachebuild.stats()
     for size in SIZES:
@@ -58,8 +51,8 @@ def test_torch_compile_matches_eager_in_every_bucket(tmp_path, layers):
 
 
 def test_torch_compile_with_marked_dynamic_dim_plans_the_targets_cachebuild_compile_built(
-        tmp_path):
-    store = LocalStore(tmp_path / "store")
+        open_local, tmp_path):
+    store = open_local(tmp_path / "store")
     model = models.make(models.Decoder, layers=2)
     direct = cachebuild.compile(model, models.config(**BUCKETED), DYN, store=store)
     models.assert_matches_eager(direct, model, models.inputs(9))
@@ -76,7 +69,7 @@ def test_torch_compile_with_marked_dynamic_dim_plans_the_targets_cachebuild_comp
     assert {r.key for r in store.records() if r.kind == "fx-graph"} == keys
 
 
-def test_torch_compile_with_graph_breaks(tmp_path):
+def test_torch_compile_with_graph_breaks(open_local, tmp_path):
     """Without fullgraph, every graph Dynamo hands over goes through the build graph."""
 
     class Broken(torch.nn.Module):
@@ -92,7 +85,7 @@ def test_torch_compile_with_graph_breaks(tmp_path):
             return self.inner.lm_head(self.inner.norm(x))
 
     model = Broken().eval()
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     compiled = torch.compile(model, backend=cachebuild.backend(models.config(), store=store))
     before = cachebuild.stats()
     for size in (5, 12):
@@ -100,21 +93,21 @@ def test_torch_compile_with_graph_breaks(tmp_path):
     assert models.counters_delta(before, cachebuild.stats())["built"] > 0
 
 
-def test_first_call_with_one_token(tmp_path):
+def test_first_call_with_one_token(open_local, tmp_path):
     model = models.make(models.Decoder, layers=2)
-    compiled = cachebuild.compile(model, models.config(), DYN, store=LocalStore(tmp_path / "s"))
+    compiled = cachebuild.compile(model, models.config(), DYN, store=open_local(tmp_path / "s"))
     for size in (1, 2, 7):
         models.assert_matches_eager(compiled, model, models.inputs(size))
 
 
-def test_default_store_is_cachebuild_dir(tmp_path, monkeypatch):
+def test_default_store_is_cachebuild_dir(open_local, tmp_path, monkeypatch):
     path = tmp_path / "from-env"
     monkeypatch.setenv("CACHEBUILD_DIR", str(path))
     monkeypatch.delenv("CACHEBUILD_REMOTE", raising=False)
     model = models.make(models.Decoder, layers=1)
     compiled = cachebuild.compile(model, models.config(), DYN)
     models.assert_matches_eager(compiled, model, models.inputs(3))
-    kinds = sorted(r.kind for r in LocalStore(path).records())
+    kinds = sorted(r.kind for r in open_local(path).records())
     assert kinds == ["entry", "fx-graph", "fx-graph", "guards"]
 
 
@@ -129,12 +122,12 @@ def test_model_spec_is_validated():
 
 
 @pytest.mark.slow
-def test_torch_compile_aoti_loads_what_cachebuild_compile_built():
+def test_torch_compile_aoti_loads_what_cachebuild_compile_built(open_local):
     """The torch.compile front door with AOTInductor: the pieces of Dynamo's graph have the
     keys cachebuild.compile built (``models.aoti_store``), so nothing is compiled."""
     warmed = models.aoti_store()
     model = models.make(models.Decoder, layers=2, seed=9)
-    compiled = torch_compiled(model, models.aoti_config(), LocalStore(warmed["path"]),
+    compiled = torch_compiled(model, models.aoti_config(), open_local(warmed["path"]),
                               mark_dynamic=True)
     before = cachebuild.stats()
     for size in (5, 32, 2, 17):
@@ -145,12 +138,12 @@ def test_torch_compile_aoti_loads_what_cachebuild_compile_built():
 
 # -- the torch.compile front door takes what Dynamo gives ---------------------------------
 
-def test_dynamic_true_with_unspecialised_floats(tmp_path):
+def test_dynamic_true_with_unspecialised_floats(open_local, tmp_path):
     """``dynamic=True`` passes module floats (RMSNorm epsilons) as 0-d tensors read with
     ``.item()``; a piece built on one failed with DataDependentOutputException. They are
     baked in per value, and another value gets its own build."""
     model = models.make(models.Decoder, layers=2)
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     compiled = torch.compile(model, backend=cachebuild.backend(models.config(), store=store),
                              dynamic=True)
     for size in (5, 9, 17):
@@ -162,9 +155,9 @@ def test_dynamic_true_with_unspecialised_floats(tmp_path):
     assert cachebuild.stats()["built"] > built
 
 
-def test_guard_failure_recompiles_into_new_targets(tmp_path):
+def test_guard_failure_recompiles_into_new_targets(open_local, tmp_path):
     model = models.make(models.Decoder, layers=2)
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     compiled = torch_compiled(model, models.config(), store, mark_dynamic=True)
     models.assert_matches_eager(compiled, model, models.inputs(7))
     model.layers[1].input_norm.eps = 0.5  # a guarded constant: Dynamo compiles again
@@ -176,7 +169,7 @@ def test_guard_failure_recompiles_into_new_targets(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("flavour", ["auto", "aoti"])
-def test_inductor_recompile_for_a_new_shape_on_an_empty_store(tmp_path, flavour):
+def test_inductor_recompile_for_a_new_shape_on_an_empty_store(open_local, tmp_path, flavour):
     """Llama at 1×37, then 1×8 (Dynamo recompiles with a dynamic dim): under ``auto`` it
     raised "Guard failed on the same frame it was created", under ``aoti`` "Constraints
     violated", because pieces were exported inside Dynamo's compile."""
@@ -188,7 +181,7 @@ def test_inductor_recompile_for_a_new_shape_on_an_empty_store(tmp_path, flavour)
                                       compile_ranges=((1, 64),), backend="inductor",
                                       flavour=flavour)
     compiled = torch.compile(model, backend=cachebuild.backend(
-        config, store=LocalStore(tmp_path / "store")))
+        config, store=open_local(tmp_path / "store")))
     with torch.no_grad():
         for tokens in (37, 8, 20):
             ids = hf_families.ids(tokens)[0][None]
@@ -196,12 +189,12 @@ def test_inductor_recompile_for_a_new_shape_on_an_empty_store(tmp_path, flavour)
                                      model(input_ids=ids, use_cache=False).logits)
 
 
-def test_transposed_weights_compile_through_both_front_doors(tmp_path):
+def test_transposed_weights_compile_through_both_front_doors(open_local, tmp_path):
     """``x @ self.weight.T`` (Falcon's linear layers): Dynamo records ``getattr(w, 'T')``,
     a pure read that stored graphs allow. Each door builds, matches eager, and the other
     door and a second compile load what was stored."""
     model = models.make(models.TransposedWeights)
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     compiled = cachebuild.compile(model, models.config(), DYN, store=store)
     for size in (5, 12):
         models.assert_matches_eager(compiled, model, models.inputs(size))

@@ -20,11 +20,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_all_patterns_replay_eagers_outputs_and_state_on_cuda(mode, tmp_path):
+def test_all_patterns_replay_eagers_outputs_and_state_on_cuda(open_local, mode, tmp_path):
     import inplace_models as im
 
     import cachebuild
-    from cachebuild.store import LocalStore
 
     def on_gpu(cls):
         return im.make(cls).cuda()
@@ -48,7 +47,7 @@ def test_all_patterns_replay_eagers_outputs_and_state_on_cuda(mode, tmp_path):
     config = im.config(backend="inductor", flavour="aoti", cudagraph_mode=mode,
                        capture_sizes=(1, 4, 8))
     compiled = cachebuild.compile(model, config, {0: 0, 1: 0},
-                                  store=LocalStore(tmp_path / "store"))
+                                  store=open_local(tmp_path / "store"))
     got = sequence(compiled, model)
     im.assert_same(got, want)
     assert sum(r.replays for r in compiled.runtime.replayers()) >= 2  # 4 and 1, again

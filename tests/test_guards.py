@@ -23,19 +23,13 @@ import cachebuild
 from cachebuild.cli import main as cli
 from cachebuild.guard_export import Collected, Unrecordable, records_from
 from cachebuild.guards import GuardRecord, GuardSet, identity, plain
-from cachebuild.store import LocalStore
 from cachebuild.trace import trace_model
+
+#: Models of this module share forward code that Dynamo would answer from its cache.
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
 DYN = {0: 0, 1: 0}
 
-
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    import torch._dynamo
-
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
 
 
 class Tunable(nn.Module):
@@ -71,11 +65,11 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("which", list(VARIANTS))
-def test_models_differing_in_a_value_never_share_an_entry(tmp_path, which, caplog):
+def test_models_differing_in_a_value_never_share_an_entry(open_local, tmp_path, which, caplog):
     """The failure this fixes: the second model warm-started from the first's entry and
     silently computed the first model's function."""
     first, second, named = VARIANTS[which]
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     a, b = Tunable(**first).eval(), Tunable(**second).eval()
     b.load_state_dict(a.state_dict())
     with torch.no_grad():
@@ -100,7 +94,7 @@ def test_models_differing_in_a_value_never_share_an_entry(tmp_path, which, caplo
         assert delta["entries_loaded"] == 1 and delta["traced"] == 0 and delta["built"] == 0
 
 
-def test_environment_variable_read_while_tracing(tmp_path, monkeypatch, caplog):
+def test_environment_variable_read_while_tracing(open_local, tmp_path, monkeypatch, caplog):
     class EnvScaled(nn.Module):
         def __init__(self):
             super().__init__()
@@ -110,7 +104,7 @@ def test_environment_variable_read_while_tracing(tmp_path, monkeypatch, caplog):
             scale = 2.0 if os.environ.get("CACHEBUILD_TEST_SCALE") == "2" else 1.0
             return self.inner(ids, pos) * scale
 
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     model = EnvScaled().eval()
     monkeypatch.delenv("CACHEBUILD_TEST_SCALE", raising=False)
     models.assert_matches_eager(cachebuild.compile(model, models.config(), DYN, store=store),
@@ -267,7 +261,7 @@ def build():
     ("mistral", "sliding_window", "4", "6", ["config.sliding_window: 4 → 6",
                                              "sliding_window: 4 → 6"]),
 ])
-def test_explain_names_the_config_value(tmp_path, monkeypatch, name, field, first, second, said):
+def test_explain_names_the_config_value(open_local, tmp_path, monkeypatch, name, field, first, second, said):
     """A Hugging Face model's config is in the entry key; explain names the field and the
     module values the trace read from it."""
     import hf_families
@@ -288,7 +282,7 @@ def test_explain_names_the_config_value(tmp_path, monkeypatch, name, field, firs
     family = hf_families.FAMILIES[name]
     model = family.model(**{field: eval(first)})
     compiled = cachebuild.compile(model, hf_families.compile_config(family), {0: 0},
-                                  store=LocalStore(store))
+                                  store=open_local(store))
     hf_families.check_sizes(compiled, model, (9,))
     assert "every target is stored" in run("explain", str(path))
     monkeypatch.setenv("HF_VALUE", second)
@@ -298,7 +292,7 @@ def test_explain_names_the_config_value(tmp_path, monkeypatch, name, field, firs
         assert words in text
 
 
-def test_guards_alone_tell_config_values_apart(tmp_path, monkeypatch):
+def test_guards_alone_tell_config_values_apart(open_local, tmp_path, monkeypatch):
     """With the config left out of the key, the recorded guards still refuse the other
     model's entry: they are the source of truth."""
     import hf_families
@@ -307,7 +301,7 @@ def test_guards_alone_tell_config_values_apart(tmp_path, monkeypatch):
 
     monkeypatch.setattr(entry, "config_factor", lambda model: {})
     family = hf_families.FAMILIES["llama"]
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     a, b = family.model(rms_norm_eps=1e-6), family.model(rms_norm_eps=0.5)
     for model in (a, b):
         before = cachebuild.stats()
@@ -363,13 +357,13 @@ def test_a_model_without_a_source_file(tmp_path):
     assert edited["traced"] == 1 and edited["entries_loaded"] == 0
 
 
-def test_a_sourceless_helper_compiles_without_an_entry(tmp_path):
+def test_a_sourceless_helper_compiles_without_an_entry(open_local, tmp_path):
     store = tmp_path / "store"
     for _ in range(2):
         child = models.run_python(SOURCELESS, env={"STORE": str(store), "HELPER": "1",
                                                    "SCALE": "2.0"})
         assert child["traced"] == 1 and child["entries_loaded"] == 0
-    assert not [r for r in LocalStore(store).records() if r.kind == "entry"]
+    assert not [r for r in open_local(store).records() if r.kind == "entry"]
 
 
 # -- cost ------------------------------------------------------------------------------

@@ -16,7 +16,6 @@ import torch
 import cachebuild
 from cachebuild.effects import graph_effects
 from cachebuild.errors import BuildError, UsageError
-from cachebuild.store import LocalStore
 
 MODES = ("none", "piecewise", "full")
 #: Calls of a sequence: 4 and 1 are capture sizes (captured at their first call, replayed
@@ -35,9 +34,9 @@ def eager_results(cls: type) -> list[list[torch.Tensor]]:
 
 
 @pytest.mark.parametrize("cls", im.PATTERNS, ids=lambda c: c.__name__)
-def test_pattern_through_cachebuild_compile_in_every_graph_mode(cls, tmp_path):
+def test_pattern_through_cachebuild_compile_in_every_graph_mode(open_local, cls, tmp_path):
     want = eager_results(cls)
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     for mode in MODES:
         model = im.make(cls)
         compiled = cachebuild.compile(model, mode_config(mode), im.dynamic_dims(cls), store=store)
@@ -50,18 +49,18 @@ def test_pattern_through_cachebuild_compile_in_every_graph_mode(cls, tmp_path):
 
 
 @pytest.mark.parametrize("cls", im.PATTERNS, ids=lambda c: c.__name__)
-def test_pattern_through_torch_compile(cls, tmp_path):
+def test_pattern_through_torch_compile(open_local, cls, tmp_path):
     model = im.make(cls)
     config = im.config()
     compiled = torch.compile(model, backend=cachebuild.backend(
-        config, store=LocalStore(tmp_path / "store")))
+        config, store=open_local(tmp_path / "store")))
     im.assert_same(im.run_sequence(compiled, model, cls, SIZES), eager_results(cls))
 
 
-def test_outputs_alias_what_eager_outputs_alias(tmp_path):
+def test_outputs_alias_what_eager_outputs_alias(open_local, tmp_path):
     model = im.make(im.AliasingOutputs)
     compiled = cachebuild.compile(model, im.config(), {0: 0, 1: 0},
-                                  store=LocalStore(tmp_path / "store"))
+                                  store=open_local(tmp_path / "store"))
     x, slots, cache, _ = im.call_args(im.AliasingOutputs, 5)
     with torch.no_grad():
         out, flat, head = compiled(x, slots, cache)
@@ -162,17 +161,17 @@ class WritesAConstant(torch.nn.Module):
         return im.attend(x, x, x) + self.table.sum()
 
 
-def test_a_write_into_a_tensor_that_is_not_the_models_state_is_refused(tmp_path):
+def test_a_write_into_a_tensor_that_is_not_the_models_state_is_refused(open_local, tmp_path):
     compiled = cachebuild.compile(WritesAConstant().eval(), im.config(), {0: 0, 1: 0},
-                                  store=LocalStore(tmp_path / "store"))
+                                  store=open_local(tmp_path / "store"))
     with pytest.raises(UsageError, match="register"), torch.no_grad():
         compiled(torch.randn(3, im.H), torch.arange(3))
 
 
-def test_a_written_argument_that_shares_memory_with_another_is_refused(tmp_path):
+def test_a_written_argument_that_shares_memory_with_another_is_refused(open_local, tmp_path):
     model = im.make(im.MutatedInput)
     compiled = cachebuild.compile(model, im.config(), {0: 0, 1: 0},
-                                  store=LocalStore(tmp_path / "store"))
+                                  store=open_local(tmp_path / "store"))
     x, slots, cache, _ = im.call_args(im.MutatedInput, 4)
     with torch.no_grad():
         compiled(x, slots, cache)
@@ -182,7 +181,7 @@ def test_a_written_argument_that_shares_memory_with_another_is_refused(tmp_path)
     assert torch.equal(cache, before)  # refused before anything ran
 
 
-def test_proof_compares_what_pieces_write(monkeypatch, tmp_path):
+def test_proof_compares_what_pieces_write(open_local, monkeypatch, tmp_path):
     """An artifact that drops a write is caught before it is stored."""
     from cachebuild import verify
 
@@ -203,7 +202,7 @@ def test_proof_compares_what_pieces_write(monkeypatch, tmp_path):
 
     monkeypatch.setattr(verify, "check", check)
     compiled = cachebuild.compile(im.make(im.MutatedInput), im.config(), {0: 0, 1: 0},
-                                  store=LocalStore(tmp_path / "store"))
+                                  store=open_local(tmp_path / "store"))
     with pytest.raises(BuildError, match="written in place"), torch.no_grad():
         compiled(*im.call_args(im.MutatedInput, 4)[:3])
     assert failures and all("written in place" in f for f in failures)
@@ -211,7 +210,7 @@ def test_proof_compares_what_pieces_write(monkeypatch, tmp_path):
 
 # -- the caller's other state ---------------------------------------------------------------
 
-def test_compiling_leaves_the_callers_random_state_alone(tmp_path):
+def test_compiling_leaves_the_callers_random_state_alone(open_local, tmp_path):
     """Tracing, building, proving and capturing draw from copies of torch's generators: a
     seeded caller draws the same numbers whether the call it made compiled or not."""
     model = im.make(im.MutatedInput)
@@ -221,7 +220,7 @@ def test_compiling_leaves_the_callers_random_state_alone(tmp_path):
         model(*[a.clone() for a in args])
     want = torch.rand(4)
     compiled = cachebuild.compile(im.make(im.MutatedInput), mode_config("full"), {0: 0, 1: 0},
-                                  store=LocalStore(tmp_path / "store"))
+                                  store=open_local(tmp_path / "store"))
     torch.manual_seed(123)
     with torch.no_grad():
         compiled(*[a.clone() for a in args])  # cold: trace, build, prove, capture, run

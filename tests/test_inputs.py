@@ -16,7 +16,6 @@ import torch
 import cachebuild
 from cachebuild.errors import UsageError
 from cachebuild.inputs import LayoutGuard, eval_dim
-from cachebuild.store import LocalStore
 from cachebuild.trace import InputMeta
 
 DYN = {0: 0, 1: 0}
@@ -99,21 +98,21 @@ def test_layout_guard_copies_inputs_to_the_compiled_strides():
     assert cachebuild.stats()["layout_copies"] == before + 1
 
 
-def test_splitting_op_output_with_other_strides_is_copied_before_the_next_piece(tmp_path):
+def test_splitting_op_output_with_other_strides_is_copied_before_the_next_piece(open_local, tmp_path):
     """The splitting op's eager output is transposed in memory where its fake (traced)
     output is contiguous: the next piece gets a contiguous copy, once per call."""
     model = models.make(models.TransposedMix)
     config = models.config(splitting_ops=(models.TRANSPOSED,))
-    compiled = cachebuild.compile(model, config, {0: 0}, store=LocalStore(tmp_path / "store"))
+    compiled = cachebuild.compile(model, config, {0: 0}, store=open_local(tmp_path / "store"))
     before = cachebuild.stats()["layout_copies"]
     for tokens in (3, 9):
         models.assert_matches_eager(compiled, model, (torch.randn(tokens, models.HIDDEN),))
     assert cachebuild.stats()["layout_copies"] - before == 2
 
 
-def test_weights_are_checked_when_bound(tmp_path):
+def test_weights_are_checked_when_bound(open_local, tmp_path):
     model = models.make(models.Decoder, layers=1)
-    compiled = cachebuild.compile(model, models.config(), DYN, store=LocalStore(tmp_path / "s"))
+    compiled = cachebuild.compile(model, models.config(), DYN, store=open_local(tmp_path / "s"))
     models.assert_matches_eager(compiled, model, models.inputs(4))
     with torch.no_grad():
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().t().contiguous().t())

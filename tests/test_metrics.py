@@ -7,7 +7,6 @@ import models
 
 import cachebuild
 from cachebuild.metrics import Metric, render, write
-from cachebuild.store import LocalStore
 
 
 def test_render_follows_the_exposition_format():
@@ -37,8 +36,8 @@ def test_write_is_atomic_and_readable(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["cachebuild.prom"]
 
 
-def test_process_counters_count_hits_and_misses(tmp_path):
-    store = LocalStore(tmp_path / "store")
+def test_process_counters_count_hits_and_misses(open_local, tmp_path):
+    store = open_local(tmp_path / "store")
     model = models.make(models.Decoder, layers=1)
     before = cachebuild.stats()
     compiled = cachebuild.compile(model, models.config(), {0: 0, 1: 0}, store=store)

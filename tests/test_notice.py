@@ -11,8 +11,6 @@ import sys
 
 import models
 
-from cachebuild.store import LocalStore
-
 SERVER = """
 import logging, sys
 import cachebuild, models
@@ -38,7 +36,7 @@ def notices(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("cachebuild: ")]
 
 
-def test_a_start_that_must_build_says_so_and_a_warm_one_is_silent(tmp_path):
+def test_a_start_that_must_build_says_so_and_a_warm_one_is_silent(open_local, tmp_path):
     store = tmp_path / "store"
     cold = notices(start(store))
     assert re.fullmatch(
@@ -54,7 +52,7 @@ def test_a_start_that_must_build_says_so_and_a_warm_one_is_silent(tmp_path):
 
     assert notices(start(store)) == []  # warm: silent
 
-    with LocalStore(store) as s:  # a target lost (damaged and quarantined, say)
+    with open_local(store) as s:  # a target lost (damaged and quarantined, say)
         target = next(r.key for r in s.records() if r.kind != "entry")
         s.delete(target)
     lost = notices(start(store))

@@ -13,7 +13,6 @@ from cachebuild.explain import explain
 from cachebuild.passes import PassConfig
 from cachebuild.passes.rewrites.fusions import RMSNormQuantFusion
 from cachebuild.planner import Planner
-from cachebuild.store import LocalStore
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import llama  # noqa: E402
@@ -25,10 +24,10 @@ def _targets(model, config, store) -> dict:
     return {t.key: t.manifest for t in entry.targets()}
 
 
-def test_editing_a_pass_changes_only_the_targets_that_use_it(tmp_path, monkeypatch):
+def test_editing_a_pass_changes_only_the_targets_that_use_it(open_local, tmp_path, monkeypatch):
     torch.manual_seed(0)
     model = llama.make_model()
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     base = dataclasses.replace(llama.config(), backend="eager_fusion")
     with_pass = dataclasses.replace(base, passes=PassConfig(rms_quant=True))
     without = dataclasses.replace(base, passes=PassConfig())
@@ -47,10 +46,10 @@ def test_editing_a_pass_changes_only_the_targets_that_use_it(tmp_path, monkeypat
         assert why.reasons == ["pass rms_quant changed"], why.reasons
 
 
-def test_changing_the_pass_config_is_explained(tmp_path):
+def test_changing_the_pass_config_is_explained(open_local, tmp_path):
     torch.manual_seed(0)
     model = llama.make_model()
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     base = dataclasses.replace(llama.config(), backend="eager_fusion")
     old = _targets(model, base, store)
     new = _targets(model, dataclasses.replace(base, passes=PassConfig(act_quant=True)), store)

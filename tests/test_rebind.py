@@ -19,8 +19,10 @@ MODES = ["none", "piecewise", "full"]
 
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
-    """One store for the module: every mode loads the same three targets."""
-    return LocalStore(tmp_path_factory.mktemp("rebind") / "store")
+    """One store for the module: every mode loads the same three targets. Closed after
+    the module."""
+    with LocalStore(tmp_path_factory.mktemp("rebind") / "store") as shared:
+        yield shared
 
 
 def compiled_model(store, mode):

@@ -6,10 +6,10 @@ import json
 import os
 import secrets
 import threading
-import time
 import warnings
 
 import pytest
+from clock import ManualClock
 from redis_server import (  # noqa: F401  (redis_server_fixture provides `server`)
     RedisServer,
     free_port,
@@ -18,6 +18,7 @@ from redis_server import (  # noqa: F401  (redis_server_fixture provides `server
 )
 
 from cachebuild.errors import LockTimeout, UsageError
+from cachebuild.store.redis_lock import RemoteLock
 from cachebuild.store.remote import (
     PREFIX,
     RedisRemote,
@@ -43,7 +44,7 @@ def record_for(key: str, size: int) -> dict:
         "kind": "test",
         "size": size,
         "checksum": "0" * 32,
-        "created": time.time(),
+        "created": 1_700_000_000.0,
         "manifest": {"graph": "g", "bucket": {"size": 4}},
         "refs": [],
     }
@@ -173,7 +174,6 @@ def test_down_at_start_is_one_warning_and_fast():
     url = f"redis://127.0.0.1:{free_port()}/0"
     remote = RedisRemote(url)
     key = new_key()
-    start = time.monotonic()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert remote.get(key) is None
@@ -184,7 +184,8 @@ def test_down_at_start_is_one_warning_and_fast():
             assert held is False
         for _ in range(100):
             remote.get(key)
-    assert time.monotonic() - start < 5
+    # Only the first call went to the network: every later one was answered at once.
+    assert remote.errors == 1
     assert len(down_warnings(caught)) == 1
     assert not remote.available
 
@@ -198,12 +199,13 @@ def test_unresponsive_server_is_bounded_by_the_op_timeout():
         remote.put(key, record_for(key, 3), b"abc")
         os.kill(server.proc.pid, 19)  # SIGSTOP: the socket stays open, nothing answers
         try:
-            start = time.monotonic()
             with warnings.catch_warnings(record=True) as caught:
                 warnings.simplefilter("always")
                 for _ in range(20):
                     assert remote.get(key) is None
-            assert time.monotonic() - start < 3
+            # One call waited out the op timeout and marked the remote down; the other 19
+            # never went to the socket.
+            assert remote.errors == 1
             assert len(down_warnings(caught)) == 1
         finally:
             os.kill(server.proc.pid, 18)  # SIGCONT, so it can be stopped cleanly
@@ -243,37 +245,60 @@ def test_lock_is_released_only_by_its_owner(server):
 
 
 def test_lock_is_renewed_while_held(server):
+    """A renewal puts the expiry back to a full lock lifetime; a holder that renews keeps
+    everyone else waiting."""
     client = server.client()
     remote = RedisRemote(server.url)
     key = new_key()
-    with remote.lock(key, ttl=0.6) as held:
-        assert held
-        time.sleep(1.5)  # well past the ttl: only renewal keeps it
-        assert client.exists(lock_key(key))
-        other = RedisRemote(server.url)
+    held = RemoteLock(remote, key, lock_key(key), ttl=60)
+    assert held.acquire(timeout=None)
+    try:
+        client.pexpire(lock_key(key), 500)  # most of its lifetime gone
+        assert held.renew()
+        assert client.pttl(lock_key(key)) > 50_000
+        other = RedisRemote(server.url, clock=ManualClock())
         with pytest.raises(LockTimeout):
-            with other.lock(key, ttl=0.6, timeout=0.5):
+            with other.lock(key, ttl=60, timeout=5):
                 pass
+    finally:
+        held.release()
     assert not client.exists(lock_key(key))
+
+
+def test_a_lock_taken_by_someone_else_is_lost_not_renewed(server):
+    client = server.client()
+    remote = RedisRemote(server.url)
+    key = new_key()
+    held = RemoteLock(remote, key, lock_key(key), ttl=60)
+    assert held.acquire(timeout=None)
+    client.set(lock_key(key), b"someone-else", px=10_000)  # ours expired and was retaken
+    assert held.renew() is False and held.lost
+    held.release()
+    assert client.get(lock_key(key)) == b"someone-else"
 
 
 def test_lock_waits_for_the_holder(server):
     first = RedisRemote(server.url)
-    second = RedisRemote(server.url)
     key = new_key()
     order: list[str] = []
-    entered = threading.Event()
+    entered, release, released = threading.Event(), threading.Event(), threading.Event()
 
     def hold() -> None:
         with first.lock(key, ttl=5):
             order.append("first in")
             entered.set()
-            time.sleep(0.5)
+            release.wait(30)
             order.append("first out")
+        released.set()
+
+    def meanwhile(seconds: float) -> None:  # while the second waits, the first finishes
+        release.set()
+        released.wait(30)
 
     t = threading.Thread(target=hold)
     t.start()
-    entered.wait(5)
+    assert entered.wait(30)
+    second = RedisRemote(server.url, clock=ManualClock(on_sleep=meanwhile))
     with second.lock(key, ttl=5, timeout=10) as held:
         assert held
         order.append("second in")
@@ -285,10 +310,9 @@ def test_abandoned_lock_expires_and_is_taken_over(server):
     client = server.client()
     key = new_key()
     # A holder that died without releasing: its token stays until the expiry.
-    client.set(lock_key(key), b"dead-owner", px=800)
-    remote = RedisRemote(server.url)
-    start = time.monotonic()
+    client.set(lock_key(key), b"dead-owner", px=60_000)
+    clock = ManualClock(on_sleep=lambda seconds: client.delete(lock_key(key)))  # it expires
+    remote = RedisRemote(server.url, clock=clock)
     with remote.lock(key, ttl=5, timeout=10) as held:
         assert held
-        waited = time.monotonic() - start
-    assert 0.5 < waited < 3
+    assert clock.slept >= 1  # waited for it, then took it over

@@ -24,19 +24,19 @@ SERVER = textwrap.dedent("""
     import json, os, sys, time
     import cachebuild
     import cachebuild.api as api
-    import cachebuild.runtime as runtime
+    import cachebuild.stitch as stitch
     import models
     from cachebuild.store import LocalStore
 
     kinds = []  # of the pieces the call in progress ran
-    run_piece = runtime.PieceRunner.__call__
+    run_piece = stitch.PieceRunner.__call__
 
     def watched(self, *args):
         fn = self.select(self.size_of(args))
         kinds.append("aoti" if hasattr(fn, "loader") else "interim")
         return run_piece(self, *args)
 
-    runtime.PieceRunner.__call__ = watched
+    stitch.PieceRunner.__call__ = watched
     swap_in = api.CompiledModule._swap_in
     at_swap = []  # sizes the new runtime had captured when it took over
 

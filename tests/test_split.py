@@ -13,7 +13,6 @@ import torch.nn.functional as F
 import cachebuild
 from cachebuild.errors import ConfigError, UsageError
 from cachebuild.split import is_splitting, split_graph
-from cachebuild.store import LocalStore
 from cachebuild.trace import trace_model
 
 
@@ -127,8 +126,8 @@ def test_unknown_splitting_op_lists_the_ops_the_graph_contains(decoder):
         assert op in message
 
 
-def test_unknown_splitting_op_through_compile(tmp_path):
-    store = LocalStore(tmp_path / "store")
+def test_unknown_splitting_op_through_compile(open_local, tmp_path):
+    store = open_local(tmp_path / "store")
     model = models.make(models.Decoder, layers=1)
     # An op registered nowhere is refused before tracing.
     compiled = cachebuild.compile(model, models.config(splitting_ops=("mylib::attn",)),
@@ -230,7 +229,7 @@ class TokensTimesTwo(nn.Module):
         return self.out(y).view(2, tokens, -1).sum(0)
 
 
-def test_size_expressions_are_recomputed_inside_the_piece(tmp_path):
+def test_size_expressions_are_recomputed_inside_the_piece(open_local, tmp_path):
     model = models.make(TokensTimesTwo)
     x = torch.randn(8, models.HIDDEN)
     traced = trace_model(model, (x,), {0: 0})
@@ -240,6 +239,6 @@ def test_size_expressions_are_recomputed_inside_the_piece(tmp_path):
     assert [m.kind for m in last.input_metas] == ["tensor"] * len(last.input_metas)
     assert any(n.target is operator.mul for n in last.gm.graph.nodes)
     compiled = cachebuild.compile(model, models.config(), {0: 0},
-                                  store=LocalStore(tmp_path / "store"))
+                                  store=open_local(tmp_path / "store"))
     for tokens in (3, 8, 17):
         models.assert_matches_eager(compiled, model, (torch.randn(tokens, models.HIDDEN),))

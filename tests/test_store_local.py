@@ -7,7 +7,6 @@ import os
 import stat
 import subprocess
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -36,8 +35,8 @@ def blob_path(store: LocalStore, k: str):
 # -- basic API ------------------------------------------------------------------------
 
 
-def test_layout_and_permissions(store_dir):
-    store = LocalStore(store_dir)
+def test_layout_and_permissions(open_local, store_dir):
+    store = open_local(store_dir)
     assert store.root == store_dir / "v1"
     for name in ("index", "objects", "locks", "quarantine", "tmp"):
         assert (store.root / name).is_dir()
@@ -54,42 +53,41 @@ def test_default_path_from_env(tmp_path, monkeypatch):
     assert StoreOptions.from_env().cache_dir == Path("~/.cache/cachebuild").expanduser()
 
 
-def test_put_get_record(store_dir):
-    store = LocalStore(store_dir)
+def test_put_get_record(store, clock):
     k, ref = key(1), key(2)
-    before = time.time()
     record = store.put(k, b"payload", kind="target", manifest={"graph": [1, 2]}, refs=[ref])
     assert isinstance(record, Record)
     assert (record.key, record.kind, record.size, record.pinned, record.refs) == (
         k, "target", 7, False, (ref,))
     assert record.manifest == {"graph": [1, 2]}
-    assert before <= record.created == record.last_used <= time.time()
+    assert record.created == record.last_used == clock.time()  # the store's clock
+    clock.advance(5)
     assert store.get(k) == b"payload"
     assert store.contains(k) and k in store
     got = store.get_record(k)
-    assert got.hits == 1 and got.last_used >= record.last_used
+    assert got.hits == 1 and got.last_used == record.last_used + 5
     assert got.manifest == {"graph": [1, 2]}
     assert store.get(key(3)) is None and not store.contains(key(3))
     assert store.get_record(key(3)) is None
 
 
-def test_put_is_immutable(store_dir):
-    store = LocalStore(store_dir)
+def test_put_is_immutable(open_local, store_dir):
+    store = open_local(store_dir)
     first = store.put(key(1), b"first", kind="target")
     again = store.put(key(1), b"something else", kind="other")
     assert again.checksum == first.checksum and again.kind == "target"
     assert store.get(key(1)) == b"first"
 
 
-def test_put_accepts_memoryview_and_bytearray(store_dir):
-    store = LocalStore(store_dir)
+def test_put_accepts_memoryview_and_bytearray(open_local, store_dir):
+    store = open_local(store_dir)
     store.put(key(1), memoryview(b"abcdef")[1:4], kind="k")
     store.put(key(2), bytearray(b"xyz"), kind="k")
     assert store.get(key(1)) == b"bcd" and store.get(key(2)) == b"xyz"
 
 
-def test_bad_keys_are_refused(store_dir):
-    store = LocalStore(store_dir)
+def test_bad_keys_are_refused(open_local, store_dir):
+    store = open_local(store_dir)
     for bad in ("../../etc/passwd", "ABCDEF0123456789ABCDEF0123456789", "abc", ""):
         with pytest.raises(InvalidKey):
             store.put(bad, b"x", kind="k")
@@ -99,8 +97,8 @@ def test_bad_keys_are_refused(store_dir):
         store.put(key(1), b"x", kind="k", refs=["not a key"])
 
 
-def test_delete(store_dir):
-    store = LocalStore(store_dir)
+def test_delete(open_local, store_dir):
+    store = open_local(store_dir)
     store.put(key(1), b"x", kind="k")
     store.materialize(key(1), ".so")
     assert store.delete(key(1)) is True
@@ -109,8 +107,8 @@ def test_delete(store_dir):
     assert store.delete(key(1)) is False
 
 
-def test_pin_unpin(store_dir):
-    store = LocalStore(store_dir)
+def test_pin_unpin(open_local, store_dir):
+    store = open_local(store_dir)
     store.put(key(1), b"x", kind="k")
     store.pin(key(1))
     assert store.get_record(key(1)).pinned
@@ -123,8 +121,8 @@ def test_pin_unpin(store_dir):
         store.unpin(key(9))
 
 
-def test_entries_and_stats(store_dir):
-    store = LocalStore(store_dir)
+def test_entries_and_stats(open_local, store_dir):
+    store = open_local(store_dir)
     store.put(key(1), b"a" * 100, kind="target", manifest={"m": 1})
     store.put(key(2), b"b" * 50, kind="entry", refs=[key(1)])
     store.pin(key(2))
@@ -142,17 +140,17 @@ def test_entries_and_stats(store_dir):
     assert stats["disk_bytes"] > 150 and stats["puts"] == 2 and stats["quarantined"] == 0
 
 
-def test_usage_is_shared_with_other_store_objects(store_dir):
-    a = LocalStore(store_dir)
+def test_usage_is_shared_with_other_store_objects(open_local, store_dir):
+    a = open_local(store_dir)
     a.put(key(1), b"x", kind="k")
     for _ in range(3):
         a.get(key(1))
     a.close()
-    assert LocalStore(store_dir).get_record(key(1)).hits == 3
+    assert open_local(store_dir).get_record(key(1)).hits == 3
 
 
-def test_materialize(store_dir):
-    store = LocalStore(store_dir)
+def test_materialize(open_local, store_dir):
+    store = open_local(store_dir)
     payload = os.urandom(3 << 20)
     store.put(key(1), payload, kind="aoti")
     path = store.materialize(key(1), ".so")
@@ -161,7 +159,7 @@ def test_materialize(store_dir):
     assert stat.S_IMODE(path.stat().st_mode) == 0o500
     inode = path.stat().st_ino
     # reused by a later store object (another process would do the same)
-    assert LocalStore(store_dir).materialize(key(1), ".so").stat().st_ino == inode
+    assert open_local(store_dir).materialize(key(1), ".so").stat().st_ino == inode
     # a damaged file is replaced, never returned
     os.chmod(path, 0o700)
     with open(path, "r+b") as f:
@@ -174,11 +172,11 @@ def test_materialize(store_dir):
         store.materialize(key(1), "/../x")
 
 
-def test_read_and_write_blob(store_dir, tmp_path):
-    src = LocalStore(store_dir, signing_key=b"k")
+def test_read_and_write_blob(open_local, store_dir, tmp_path):
+    src = open_local(store_dir, signing_key=b"k")
     src.put(key(1), b"payload", kind="target", manifest={"a": 1})
     framed = src.read_blob(key(1))
-    dst = LocalStore(tmp_path / "other", signing_key=b"k", require_signature=True)
+    dst = open_local(tmp_path / "other", signing_key=b"k", require_signature=True)
     record = dst.write_blob(key(1), framed, manifest={"a": 1}, refs=[key(2)])
     assert (record.kind, record.size, record.refs) == ("target", 7, (key(2),))
     assert dst.get(key(1)) == b"payload"
@@ -204,8 +202,7 @@ def _truncate(path, keep=-100):
     path.write_bytes(data[:keep])
 
 
-def _damaged_store(store_dir) -> tuple[LocalStore, str, str, str]:
-    store = LocalStore(store_dir)
+def _damaged_store(store: LocalStore) -> tuple[LocalStore, str, str, str]:
     good, flipped, truncated = key("good"), key("flipped"), key("truncated")
     for k in (good, flipped, truncated):
         store.put(k, os.urandom(300_000), kind="target")
@@ -214,8 +211,8 @@ def _damaged_store(store_dir) -> tuple[LocalStore, str, str, str]:
     return store, good, flipped, truncated
 
 
-def test_get_detects_and_quarantines_damage(store_dir):
-    store, good, flipped, truncated = _damaged_store(store_dir)
+def test_get_detects_and_quarantines_damage(store):
+    store, good, flipped, truncated = _damaged_store(store)
     assert store.get(good) is not None
     assert store.get(flipped) is None
     assert store.get(truncated) is None
@@ -233,8 +230,8 @@ def test_get_detects_and_quarantines_damage(store_dir):
     assert store.get(flipped) == b"rebuilt"
 
 
-def test_verify_detects_and_repairs_damage(store_dir):
-    store, good, flipped, truncated = _damaged_store(store_dir)
+def test_verify_detects_and_repairs_damage(store):
+    store, good, flipped, truncated = _damaged_store(store)
     report = store.verify()
     assert report.checked == 3 and report.ok == 1 and not report.clean
     reasons = dict(report.damaged)
@@ -251,8 +248,8 @@ def test_verify_detects_and_repairs_damage(store_dir):
     assert store.get(good) is not None
 
 
-def test_missing_blob_is_a_miss_and_damage(store_dir):
-    store = LocalStore(store_dir)
+def test_missing_blob_is_a_miss_and_damage(open_local, store_dir):
+    store = open_local(store_dir)
     store.put(key(1), b"x", kind="k")
     os.unlink(blob_path(store, key(1)))
     assert store.get(key(1)) is None
@@ -262,17 +259,17 @@ def test_missing_blob_is_a_miss_and_damage(store_dir):
     assert store.get_record(key(1)) is None
 
 
-def test_blob_swapped_for_another_valid_blob_is_caught(store_dir):
-    store = LocalStore(store_dir)
+def test_blob_swapped_for_another_valid_blob_is_caught(open_local, store_dir):
+    store = open_local(store_dir)
     store.put(key(1), b"original", kind="k")
     blob_path(store, key(1)).write_bytes(encode_blob(key(1), "k", b"substitute"))
     assert store.get(key(1)) is None
     assert store.stats()["quarantined"] == 1
 
 
-def test_signed_store_rejects_unsigned_and_tampered_blobs(store_dir):
-    LocalStore(store_dir).put(key(1), b"unsigned", kind="k")
-    signed = LocalStore(store_dir, signing_key=b"secret", require_signature=True)
+def test_signed_store_rejects_unsigned_and_tampered_blobs(open_local, store_dir):
+    open_local(store_dir).put(key(1), b"unsigned", kind="k")
+    signed = open_local(store_dir, signing_key=b"secret", require_signature=True)
     signed.put(key(2), b"signed", kind="k")
     assert signed.get(key(2)) == b"signed"
     assert signed.get(key(1)) is None  # unsigned: quarantined
@@ -281,26 +278,25 @@ def test_signed_store_rejects_unsigned_and_tampered_blobs(store_dir):
     assert signed.get(key(2)) is None
     assert signed.stats()["quarantined"] == 2
     with pytest.raises(StoreError, match="signing key"):
-        LocalStore(store_dir, require_signature=True)
+        open_local(store_dir, require_signature=True)
 
 
 # -- GC -------------------------------------------------------------------------------
 
 
-def _lru_store(store_dir) -> tuple[LocalStore, list[str], int]:
+def _lru_store(store: LocalStore, clock) -> tuple[LocalStore, list[str], int]:
     """Ten 10 kB entries used in order 0..9 (0 least recently used)."""
-    store = LocalStore(store_dir)
     keys = [key(f"lru{i}") for i in range(10)]
     for k in keys:
         store.put(k, os.urandom(10_000), kind="target")
     for k in keys:
-        time.sleep(0.002)
+        clock.advance(1)
         assert store.get(k) is not None
     return store, keys, os.path.getsize(blob_path(store, keys[0]))
 
 
-def test_gc_max_size_evicts_least_recently_used_first(store_dir):
-    store, keys, per_entry = _lru_store(store_dir)
+def test_gc_max_size_evicts_least_recently_used_first(store, clock):
+    store, keys, per_entry = _lru_store(store, clock)
     report = store.gc(max_size=4 * per_entry + 10)
     assert set(report.removed) == set(keys[:6])
     assert report.removed == keys[:6]  # in LRU order
@@ -309,16 +305,16 @@ def test_gc_max_size_evicts_least_recently_used_first(store_dir):
     assert {r.key for r in store.records()} == set(keys[6:])
 
 
-def test_gc_keeps_pins_and_what_they_refer_to(store_dir):
-    store, keys, per_entry = _lru_store(store_dir)
+def test_gc_keeps_pins_and_what_they_refer_to(store, clock):
+    store, keys, per_entry = _lru_store(store, clock)
     # an entry (least recently used of all) that refers to two old targets, pinned
     root = key("model-entry")
     store.put(root, b"entry", kind="entry", refs=[keys[0], keys[1]])
     store.put(key("leaf"), b"leaf", kind="target")
-    with store._index.transact():  # make the entry the oldest without waiting
-        small = store._index.get_small(root)
+    with store.index.transact():  # make the entry the oldest of all
+        small = store.index.get_small(root)
         small["last_used"] = 0.0
-        store._index.set_small(root, small)
+        store.index.set_small(root, small)
     store.pin(root)
     store.pin(keys[2])
     report = store.gc(max_size=0)
@@ -330,8 +326,8 @@ def test_gc_keeps_pins_and_what_they_refer_to(store_dir):
     assert {r.key for r in store.records()} == {keys[2]}
 
 
-def test_gc_refs_are_followed_transitively(store_dir):
-    store = LocalStore(store_dir)
+def test_gc_refs_are_followed_transitively(open_local, store_dir):
+    store = open_local(store_dir)
     a, b, c, d = key("a"), key("b"), key("c"), key("d")
     store.put(c, b"c", kind="target")
     store.put(b, b"b", kind="entry", refs=[c])
@@ -342,10 +338,9 @@ def test_gc_refs_are_followed_transitively(store_dir):
     assert {r.key for r in store.records()} == {a, b, c}
 
 
-def test_gc_older_than_and_dry_run(store_dir):
-    store = LocalStore(store_dir)
+def test_gc_older_than_and_dry_run(store, clock):
     store.put(key("old"), b"x" * 100, kind="k")
-    time.sleep(0.3)
+    clock.advance(0.3)
     store.put(key("new"), b"y" * 100, kind="k")
     dry = store.gc(older_than=0.2, dry_run=True)
     assert dry.dry_run and dry.removed == [key("old")] and dry.freed_bytes > 100
@@ -357,8 +352,8 @@ def test_gc_older_than_and_dry_run(store_dir):
         store.gc(max_size=-1)
 
 
-def test_gc_and_verify_clean_leftovers(store_dir):
-    store = LocalStore(store_dir)
+def test_gc_and_verify_clean_leftovers(open_local, store_dir):
+    store = open_local(store_dir)
     store.put(key(1), b"kept", kind="k")
     tmp = store.root / "tmp"
     abandoned = tmp / f"{key(2)}.99999.dead.tmp"
@@ -388,37 +383,37 @@ def test_gc_and_verify_clean_leftovers(store_dir):
 
 @pytest.mark.parametrize("mode, who", [(0o777, "group and others"), (0o720, "group"),
                                        (0o702, "others")])
-def test_writable_by_others_is_refused(tmp_path, mode, who):
+def test_writable_by_others_is_refused(open_local, tmp_path, mode, who):
     d = tmp_path / "shared"
     d.mkdir()
     os.chmod(d, mode)
     with pytest.raises(StoreError) as info:
-        LocalStore(d)
+        open_local(d)
     msg = str(info.value)
     assert f"writable by {who}" in msg and "code that runs" in msg and f"chmod 700 {d}" in msg
 
 
-def test_subdirectory_made_writable_is_refused(store_dir):
-    LocalStore(store_dir)
+def test_subdirectory_made_writable_is_refused(open_local, store_dir):
+    open_local(store_dir)
     os.chmod(store_dir / "v1" / "objects", 0o777)
     with pytest.raises(StoreError, match="objects: it is writable"):
-        LocalStore(store_dir)
+        open_local(store_dir)
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a directory to another user")
-def test_directory_of_another_user_is_refused(tmp_path):
+def test_directory_of_another_user_is_refused(open_local, tmp_path):
     d = tmp_path / "theirs"
     d.mkdir(mode=0o700)
     os.chown(d, 65534, 65534)
     with pytest.raises(StoreError, match="owned by uid 65534, not by you"):
-        LocalStore(d)
+        open_local(d)
 
 
 # -- full and read-only disks -----------------------------------------------------------
 
 
-def test_full_disk_put_fails_cleanly(tiny_fs):
-    store = LocalStore(tiny_fs / "store")
+def test_full_disk_put_fails_cleanly(open_local, tiny_fs):
+    store = open_local(tiny_fs / "store")
     small = {key(i): os.urandom(20_000) for i in range(5)}
     for k, v in small.items():
         store.put(k, v, kind="target")
@@ -433,8 +428,8 @@ def test_full_disk_put_fails_cleanly(tiny_fs):
     assert store.get(key("fits")) == b"small again"
 
 
-def test_read_only_directory_put_fails_cleanly(tmp_path):
-    store = LocalStore(tmp_path / "store")
+def test_read_only_directory_put_fails_cleanly(open_local, tmp_path):
+    store = open_local(tmp_path / "store")
     store.put(key(1), b"earlier", kind="target")
     dirs = [store.root / "tmp", store.root / "objects"]
     if os.geteuid() != 0:
@@ -482,8 +477,8 @@ def _try_lock(store: LocalStore, k: str) -> str:
         return "timeout"
 
 
-def test_lock_nests_in_a_thread_and_excludes_other_threads(store_dir):
-    store = LocalStore(store_dir)
+def test_lock_nests_in_a_thread_and_excludes_other_threads(open_local, store_dir):
+    store = open_local(store_dir)
     k = key("lock")
     result: list[str] = []
     with store.lock(k):

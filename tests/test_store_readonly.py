@@ -117,7 +117,7 @@ def test_the_read_only_store_refuses_every_write_in_one_line(read_only):
         pass
 
 
-def test_a_store_root_owns_is_read_by_another_user_and_checked_for_writers(written):
+def test_a_store_root_owns_is_read_by_another_user_and_checked_for_writers(open_local, written):
     """Root's store, served to uid 65534: read-only, accepted while only root may write;
     refused once anyone else may (the checks for writing are unchanged)."""
     if os.geteuid() != 0:
@@ -146,14 +146,14 @@ def test_a_store_root_owns_is_read_by_another_user_and_checked_for_writers(writt
     # Root itself keeps writing its store as before; another owner is refused for writing.
     with pytest.raises(UnsafeStore, match="owned by uid 65534"):
         os.chown(written, 65534, 65534)
-        LocalStore(written)
+        open_local(written)
 
 
-def test_a_store_is_never_read_from_a_directory_another_user_owns(tmp_path):
+def test_a_store_is_never_read_from_a_directory_another_user_owns(open_local, tmp_path):
     if os.geteuid() != 0:
         pytest.skip("needs root to give a directory to another user")
     path = tmp_path / "theirs"
-    LocalStore(path).close()
+    open_local(path).close()
     os.chown(path, 65534, 65534)
     from cachebuild.store.layout import check_readable_dir
 

@@ -14,7 +14,6 @@ import cachebuild.env
 from cachebuild.keys import diff_manifests
 from cachebuild.passes import PassConfig, PassManager
 from cachebuild.planner import Planner
-from cachebuild.store import LocalStore
 from cachebuild.trace import trace_model
 
 DYN = {0: 0, 1: 0}
@@ -50,10 +49,10 @@ def base(decoder):
 
 # -- dedup -----------------------------------------------------------------------------
 
-def test_unique_targets_do_not_grow_with_depth(tmp_path):
+def test_unique_targets_do_not_grow_with_depth(open_local, tmp_path):
     """2, 4 and 8 layers plan 3 unique targets per bucket; the deeper models find every
     one of them already built."""
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     cfg = models.config(compile_sizes=(4,))
     seen = []
     for layers in (2, 4, 8):

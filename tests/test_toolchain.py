@@ -138,7 +138,7 @@ import cachebuild, models
 from cachebuild.errors import BuildError
 from cachebuild.store import LocalStore
 
-store = LocalStore(os.environ["STORE"])
+store = LocalStore(os.environ["STORE"], work_dir=os.environ["WORK"])
 model = models.make(models.Decoder, layers=1)
 compiled = cachebuild.compile(model, models.config(backend="inductor", flavour="auto",
                                                    compile_ranges=((1, 16),)),
@@ -157,12 +157,12 @@ print(json.dumps({"error": error, "stages": stages, "stats": cachebuild.stats(),
 
 @pytest.mark.slow
 def test_a_full_disk_fails_the_build_and_never_changes_the_flavour(tmp_path, tiny_fs):
-    """Inductor's cache and the temp dir on a 1 MiB tmpfs: the AOTI build runs out of
-    space. The build fails; no standalone artifact takes its place."""
+    """The store's build work folder (where Inductor's cache and the temp files of a build
+    go) on a 1 MiB tmpfs: the AOTI build runs out of space. The build fails; no standalone
+    artifact takes its place."""
     assert probe.verdict("cpu").aoti  # probed now (on a disk with room), cached for the child
     out = models.run_python(FULL_DISK_CHILD, env={
-        "STORE": str(tmp_path / "store"), "TORCHINDUCTOR_CACHE_DIR": str(tiny_fs / "inductor"),
-        "TMPDIR": str(tiny_fs)})
+        "STORE": str(tmp_path / "store"), "WORK": str(tiny_fs / "work")})
     assert out["error"] is not None and "failed to compile" in out["error"], out
     assert "No space left on device: the machine ran short" in out["error"], out
     # The AOTI build's own error: no standalone build was tried in its place.

@@ -20,12 +20,12 @@ from cachebuild import compat
 from cachebuild.backends.base import DeviceBound
 from cachebuild.build import Builder, BuildJob, device_copy, jobs_of
 from cachebuild.distributed import fake_world, local_groups
+from cachebuild.entry import record_entry
 from cachebuild.explain import explain
 from cachebuild.facts import InputMeta, unpin_device
 from cachebuild.keys import make_key
 from cachebuild.modelfile import load_spec
 from cachebuild.planner import Planner
-from cachebuild.store import LocalStore
 
 
 class ShardedMLP(nn.Module):
@@ -55,7 +55,7 @@ def plan_mlp(world: int, store, rank: int = 0, record: bool = False):
         found = planner.lookup(args)
         entry = found.entry or planner.trace(args, found)
         if record:
-            planner.record(entry)
+            record_entry(entry, store)
     return found, entry
 
 
@@ -73,8 +73,8 @@ def piece_targets(entry):
     return {t.piece: t for t in entry.targets()}
 
 
-def test_ranks_of_equal_shards_share_entry_and_targets(monkeypatch, tmp_path):
-    store = LocalStore(tmp_path / "store")
+def test_ranks_of_equal_shards_share_entry_and_targets(open_local, monkeypatch, tmp_path):
+    store = open_local(tmp_path / "store")
     rank0, rank1 = (plan_llama(monkeypatch, 2, r, store) for r in (0, 1))
     assert rank0.key == rank1.key
     assert rank0.target_keys() == rank1.target_keys()
@@ -87,10 +87,10 @@ def test_ranks_of_equal_shards_share_entry_and_targets(monkeypatch, tmp_path):
     assert "cpu:" not in text and '"rank"' not in text
 
 
-def test_world_sizes_share_the_targets_their_shards_allow(tmp_path):
+def test_world_sizes_share_the_targets_their_shards_allow(open_local, tmp_path):
     """A piece without collectives and the same shard shapes has one key at world sizes 2
     and 4; a piece with an all-reduce differs by the layout alone, and explain says so."""
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     _, two = plan_mlp(2, store)
     _, four = plan_mlp(4, store)
     a, b = piece_targets(two), piece_targets(four)
@@ -101,8 +101,8 @@ def test_world_sizes_share_the_targets_their_shards_allow(tmp_path):
     assert why.reasons == ["world size 2 → 4", "process group '0': 2 → 4 ranks"]
 
 
-def test_uneven_shard_has_its_own_targets_and_explain_says_why(monkeypatch, tmp_path):
-    store = LocalStore(tmp_path / "store")
+def test_uneven_shard_has_its_own_targets_and_explain_says_why(open_local, monkeypatch, tmp_path):
+    store = open_local(tmp_path / "store")
     ranks = [plan_llama(monkeypatch, 3, r, store, LLAMA_KV_HEADS="4") for r in range(3)]
     assert ranks[1].target_keys() == ranks[2].target_keys()
     assert set(ranks[0].target_keys()).isdisjoint(ranks[1].target_keys())
@@ -115,8 +115,8 @@ def test_uneven_shard_has_its_own_targets_and_explain_says_why(monkeypatch, tmp_
         assert not any("world size" in r for r in why.reasons)
 
 
-def test_an_entry_is_used_only_with_the_layout_it_was_traced_with(tmp_path):
-    store = LocalStore(tmp_path / "store")
+def test_an_entry_is_used_only_with_the_layout_it_was_traced_with(open_local, tmp_path):
+    store = open_local(tmp_path / "store")
     plan_mlp(2, store, record=True)
     found, four = plan_mlp(4, store, record=True)  # same parameter shapes, same entry key
     assert found.entry is None
@@ -159,10 +159,10 @@ def test_graphs_name_the_models_gpu_by_type():
     assert unpin_device(gm, "cpu") == 0
 
 
-def test_each_rank_builds_on_its_own_gpu_and_copies_have_their_own_keys(tmp_path):
+def test_each_rank_builds_on_its_own_gpu_and_copies_have_their_own_keys(open_local, tmp_path):
     """No GPU needed: what a rank on cuda:1 does with a job an entry traced on cuda:0
     holds, and the key of a standalone artifact's copy for another GPU index."""
-    _, entry = plan_mlp(2, LocalStore(tmp_path / "store"))
+    _, entry = plan_mlp(2, open_local(tmp_path / "store"))
     job = next(iter(jobs_of(entry, MLP_CONFIG).values()))
     on_gpu0 = BuildJob(job.target, job.nodes,
                        [InputMeta(m.kind, m.dtype, m.shape, m.stride, "cuda:0") for m in job.input_metas],

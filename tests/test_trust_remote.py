@@ -15,7 +15,13 @@ from pathlib import Path
 
 import pytest
 import xxhash
-from redis_server import RedisServer, redis_server_fixture  # noqa: F401  (the `server` fixture)
+from clock import ManualClock
+from redis_server import (  # noqa: F401  (the `server` fixture; stores closed after each test)
+    RedisServer,
+    close_opened_stores,
+    closed_after_test,
+    redis_server_fixture,
+)
 from trust import clean_env, cli, python
 
 from cachebuild.errors import LockTimeout
@@ -34,7 +40,9 @@ def new_key() -> str:
 
 
 def writer(root: Path, url: str) -> TieredStore:
-    return TieredStore(LocalStore(root, signing_key=KEY.encode()), RedisRemote(url))
+    """A store of the fleet writing to ``url`` (closed when the test ends)."""
+    local = closed_after_test(LocalStore(root, signing_key=KEY.encode()))
+    return TieredStore(local, RedisRemote(url))
 
 
 def env_for(l1: Path, url: str, **extra: str) -> dict[str, str]:
@@ -128,7 +136,7 @@ def test_a_target_counts_as_present_only_once_its_bytes_verify(tmp_path, server)
     assert rotated[good]["present"] is False and rotated[good]["data"] is None
 
 
-def test_refs_from_redis_never_decide_what_gc_keeps(tmp_path, server):
+def test_refs_from_redis_never_decide_what_gc_keeps(open_local, tmp_path, server):
     w = writer(tmp_path / "w", server.url)
     targets = [new_key(), new_key()]
     for t in targets:
@@ -147,7 +155,7 @@ def test_refs_from_redis_never_decide_what_gc_keeps(tmp_path, server):
     assert cli("pin", entry, env=env).returncode == 0
     proc = cli("gc", "--max-size", "0", env=env)
     assert proc.returncode == 0 and "3 kept by pins" in proc.stdout, proc.stdout + proc.stderr
-    local = LocalStore(l1, signing_key=KEY.encode())
+    local = open_local(l1, signing_key=KEY.encode())
     assert all(local.contains(k) for k in (entry, *targets))
 
 
@@ -172,9 +180,9 @@ def test_forged_records_are_never_shown(tmp_path, server):
 # -- 3: push --all with unsigned blobs ----------------------------------------------------
 
 
-def test_push_all_signs_what_the_local_store_holds_unsigned(tmp_path, server):
+def test_push_all_signs_what_the_local_store_holds_unsigned(open_local, tmp_path, server):
     l1 = tmp_path / "l1"
-    before = LocalStore(l1)  # warmed before the fleet key was configured
+    before = open_local(l1)  # warmed before the fleet key was configured
     keys = [new_key(), new_key()]
     for k in keys:
         before.put(k, b"built unsigned " + k.encode(), kind="target")
@@ -220,7 +228,7 @@ def test_junk_in_redis_is_refused_before_it_is_downloaded(tmp_path, server):
 # -- 10: a lock that never expires, names that are not keys ------------------------------
 
 LOCK = r"""
-import json, sys, time
+import sys
 from cachebuild.store import LocalStore, open_store
 from cachebuild.store.options import StoreOptions
 from cachebuild.store.remote import RedisRemote
@@ -230,20 +238,23 @@ options = StoreOptions.from_env()
 store = TieredStore(LocalStore(options.cache_dir, signing_key=options.signing_key),
                     RedisRemote(options.remote), lock_ttl=1.0,
                     allow_unsigned=options.allow_unsigned)
-start = time.monotonic()
 with store.lock(sys.argv[1]):
     store.put(sys.argv[1], b"built locally", kind="target")
-print(json.dumps({"seconds": time.monotonic() - start}))
 """
 
 
-def test_a_lock_key_that_never_expires_is_waited_on_briefly(tmp_path, server):
+def test_a_lock_key_that_never_expires_is_waited_on_briefly(open_local, tmp_path, server,
+                                                           caplog):
     k = new_key()
     server.client().set(lock_key(k), "not a cachebuild lock")  # no expiry
-    proc = python(LOCK, k, env=env_for(tmp_path / "r", server.url), timeout=60)
-    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-    assert json.loads(proc.stdout.splitlines()[-1])["seconds"] < 10
-    assert "never expires" in proc.stderr
+    clock = ManualClock()
+    store = TieredStore(open_local(tmp_path / "r", signing_key=KEY.encode(), clock=clock),
+                        RedisRemote(server.url, clock=clock), lock_ttl=1.0)
+    with caplog.at_level("WARNING"), store.lock(k):  # taken under the local lock alone
+        store.put(k, b"built locally", kind="target")
+    # Waited one lock lifetime (by the store's clock), not the 600 s a holder gets.
+    assert 1.0 <= clock.monotonic() < 2.0
+    assert "never expires" in caplog.text
 
 
 def test_names_in_redis_that_are_not_keys_are_skipped(tmp_path, server):
@@ -254,7 +265,7 @@ def test_names_in_redis_that_are_not_keys_are_skipped(tmp_path, server):
     for name in ("zz-not-hex", "ABCDEF0123456789ABCDEF", "../../etc", "\x1b[31mred"):
         client.set(f"{PREFIX}rec:{name}", json.dumps({"format": 1}))
     code = ("import json\nfrom cachebuild.store import open_store\n"
-            "from cachebuild.store.tiered import pull\n"
+            "from cachebuild.store.transfer import pull\n"
             "counts = pull(open_store())\n"
             "print(json.dumps(counts.as_dict()))")
     proc = python(code, env=env_for(tmp_path / "r", server.url))
@@ -263,7 +274,7 @@ def test_names_in_redis_that_are_not_keys_are_skipped(tmp_path, server):
     assert counts["transferred"] == 1 and counts["failed"] == 0
     # And the library refuses a name that is not a key with a count, not an exception.
     code = ("import json\nfrom cachebuild.store import open_store\n"
-            "from cachebuild.store.tiered import pull\n"
+            "from cachebuild.store.transfer import pull\n"
             "print(json.dumps(pull(open_store(), ['zz', 'ab' * 16]).as_dict()))")
     proc = python(code, env=env_for(tmp_path / "r2", server.url))
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -274,11 +285,11 @@ def test_names_in_redis_that_are_not_keys_are_skipped(tmp_path, server):
 # -- issue 25, 2: laundering ---------------------------------------------------------------
 
 
-def test_an_artifact_pulled_unsigned_stays_marked_and_push_all_will_not_sign_it(tmp_path, server):
+def test_an_artifact_pulled_unsigned_stays_marked_and_push_all_will_not_sign_it(open_local, tmp_path, server):
     untrusted = server.url[:-1] + "1"  # another database: a remote the fleet does not trust
     planted = new_key()
     with pytest.warns(UserWarning, match="without a signing key"):
-        attacker = TieredStore(LocalStore(tmp_path / "attacker"), RedisRemote(untrusted),
+        attacker = TieredStore(open_local(tmp_path / "attacker"), RedisRemote(untrusted),
                                allow_unsigned=True)
     attacker.put(planted, b"whoever wrote to the untrusted remote", kind="target")
     l1 = tmp_path / "l1"
@@ -289,7 +300,7 @@ def test_an_artifact_pulled_unsigned_stays_marked_and_push_all_will_not_sign_it(
     assert proc.returncode == 0 and "whoever wrote" in proc.stdout, proc.stderr[-2000:]
     # The machine also builds something of its own, before the fleet key is set.
     own = new_key()
-    LocalStore(l1).put(own, b"built here", kind="target")
+    open_local(l1).put(own, b"built here", kind="target")
     # ls and verify say where the pulled one came from.
     local = clean_env(CACHEBUILD_DIR=str(l1))
     listed = {r["key"]: r for r in json.loads(cli("ls", "--json", env=local).stdout)}
@@ -313,11 +324,11 @@ def test_an_artifact_pulled_unsigned_stays_marked_and_push_all_will_not_sign_it(
         "unsigned_from"].startswith(f"remote {untrusted}")
     again = tmp_path / "again"
     assert read(again, server.url, [planted])[planted]["present"] is True
-    assert LocalStore(again, signing_key=KEY.encode()).get_record(planted).unsigned_from
+    assert open_local(again, signing_key=KEY.encode()).get_record(planted).unsigned_from
 
 
-def test_a_bundle_keeps_the_mark_and_marks_what_no_key_verified(tmp_path):
-    keyless = LocalStore(tmp_path / "keyless")
+def test_a_bundle_keeps_the_mark_and_marks_what_no_key_verified(open_local, tmp_path):
+    keyless = open_local(tmp_path / "keyless")
     k = new_key()
     keyless.put(k, b"pulled from somewhere", kind="target", unsigned_from="remote redis://x/0")
     built = new_key()
@@ -330,7 +341,7 @@ def test_a_bundle_keeps_the_mark_and_marks_what_no_key_verified(tmp_path):
     proc = cli("import", str(bundle), "--allow-unsigned",
                env=clean_env(CACHEBUILD_DIR=str(dest), CACHEBUILD_SIGNING_KEY=KEY))
     assert proc.returncode == 0, proc.stderr
-    store = LocalStore(dest, signing_key=KEY.encode())
+    store = open_local(dest, signing_key=KEY.encode())
     assert store.get_record(k).unsigned_from == "remote redis://x/0"
     assert store.get_record(built).unsigned_from == "bundle b.tar"
 
@@ -348,12 +359,12 @@ print(json.dumps({"records": len(records), "grew_kib": after - before}))
 """
 
 
-def test_records_one_command_reads_are_bounded_in_total(tmp_path, server):
+def test_records_one_command_reads_are_bounded_in_total(open_local, tmp_path, server):
     from cachebuild.store.remote import MAX_SHARED_RECORD_BYTES
 
     # A keyless writer adds well-formed records, each within the per-record cap.
     with pytest.warns(UserWarning, match="without a signing key"):
-        w = TieredStore(LocalStore(tmp_path / "w"), RedisRemote(server.url),
+        w = TieredStore(open_local(tmp_path / "w"), RedisRemote(server.url),
                         allow_unsigned=True)
     big = "m" * (12 << 20)
     for i in range(8):  # 96 MiB of records
@@ -420,11 +431,11 @@ def squatter(server, key: str, value: str):
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_a_lock_held_by_someone_who_cannot_prove_to_be_a_builder_does_not_stop_a_build(
-        tmp_path, server, signed):
+        open_local, tmp_path, server, signed):
     k = new_key()
     # With a key: a token without the fleet's HMAC, or a builder's real token copied
     # after it was made (it proves nothing once it is old).
-    from cachebuild.store.remote import lock_token
+    from cachebuild.store.redis_lock import lock_token
 
     copied = lock_token(lock_key(k), "a" * 32, KEY.encode(), now_ms=1_000)
     squat = squatter(server, k, copied if signed else "not a builder")
@@ -441,24 +452,28 @@ def test_a_lock_held_by_someone_who_cannot_prove_to_be_a_builder_does_not_stop_a
         squat.wait()
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "cannot prove to be a builder of this fleet" in proc.stderr
-    assert LocalStore(tmp_path / "r", signing_key=KEY.encode() if signed else None).get(k) \
+    assert open_local(tmp_path / "r", signing_key=KEY.encode() if signed else None).get(k) \
         == b"built locally"
 
 
 def test_builders_of_the_fleet_still_wait_for_each_other(tmp_path, server):
+    from cachebuild.store.redis_lock import RemoteLock
     from cachebuild.store.remote import RedisRemote
 
     k = new_key()
-    holder = RedisRemote(server.url)
-    other = RedisRemote(server.url)
-    with holder.lock(k, ttl=0.6, signing_key=KEY.encode()) as held:
-        assert held
+    clock = ManualClock()
+    held = RemoteLock(RedisRemote(server.url), k, lock_key(k), ttl=0.6,
+                      signing_key=KEY.encode(), clock=clock)
+    assert held.acquire(timeout=None)
+    try:
         value = server.client().get(lock_key(k))
-        import time
-
-        time.sleep(0.5)  # renewed: a fresh token under the same lock
+        clock.advance(0.2)
+        assert held.renew()  # a fresh token under the same lock
         assert server.client().get(lock_key(k)) != value
+        other = RedisRemote(server.url, clock=clock)
         with pytest.raises(LockTimeout):  # a proven holder is waited on, not overridden
             with other.lock(k, ttl=0.6, timeout=1.0, signing_key=KEY.encode()):
                 pass
+    finally:
+        held.release()
     assert not server.client().exists(lock_key(k))

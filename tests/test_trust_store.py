@@ -17,7 +17,6 @@ import shutil
 import stat
 import subprocess
 import tarfile
-import time
 from pathlib import Path
 
 import pytest
@@ -52,7 +51,7 @@ def env_for(store: Path, **extra: str) -> dict[str, str]:
 # -- 5: a swapped parent directory --------------------------------------------------------
 
 
-def test_store_under_a_directory_others_can_write_is_refused(tmp_path):
+def test_store_under_a_directory_others_can_write_is_refused(open_local, tmp_path):
     prefix = as_nobody()
     with public_dir() as public:
         shared = public / "shared"
@@ -67,16 +66,16 @@ def test_store_under_a_directory_others_can_write_is_refused(tmp_path):
         assert_one_line_error(proc, 2, r"refusing store directory .*shared above it is "
                                        r"writable by others .*could rename store")
         with pytest.raises(StoreError, match="writable by others"):
-            LocalStore(shared / "store")
+            open_local(shared / "store")
 
 
-def test_store_in_a_sticky_directory_cannot_be_swapped_by_another_user(tmp_path):
+def test_store_in_a_sticky_directory_cannot_be_swapped_by_another_user(open_local, tmp_path):
     prefix = as_nobody()
     with public_dir() as public:
         shared = public / "sticky"
         shared.mkdir()
         os.chmod(shared, 0o1777)  # like /tmp: only an entry's owner may rename it
-        store = LocalStore(shared / "store")
+        store = open_local(shared / "store")
         store.put(key("a"), b"ours", kind="target")
         # Another user tries the attack: move our store away to put theirs in its place.
         moved = subprocess.run([*prefix, "mv", str(shared / "store"), str(shared / "stolen")],
@@ -91,12 +90,12 @@ def test_store_in_a_sticky_directory_cannot_be_swapped_by_another_user(tmp_path)
         assert_one_line_error(proc, 2, r"theirs above it is owned by uid 65534")
 
 
-def test_a_symlinked_store_path_is_resolved_once(tmp_path):
+def test_a_symlinked_store_path_is_resolved_once(open_local, tmp_path):
     real = tmp_path / "real"
-    LocalStore(real).put(key("a"), b"x", kind="target")
+    open_local(real).put(key("a"), b"x", kind="target")
     link = tmp_path / "link"
     link.symlink_to(real)
-    store = LocalStore(link)
+    store = open_local(link)
     assert store.root == real.resolve() / "v1"
     # Re-aiming the link later changes nothing for the open store.
     link.unlink()
@@ -131,10 +130,10 @@ print(json.dumps({"loaded": fn is not None, "vanished": COUNTERS.vanished,
 """
 
 
-def test_gc_between_materialize_and_read_is_a_counted_miss(tmp_path):
+def test_gc_between_materialize_and_read_is_a_counted_miss(open_local, tmp_path):
     store_dir = tmp_path / "store"
     k = key("aoti")
-    LocalStore(store_dir).put(k, b"not a real package, never read", kind="aoti-cpu")
+    open_local(store_dir).put(k, b"not a real package, never read", kind="aoti-cpu")
     proc = python(GC_RACE, str(store_dir), k)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
@@ -161,11 +160,11 @@ print(json.dumps({"got": got, "materialized": open(path, "rb").read().decode(),
 """
 
 
-def test_a_full_disk_can_still_be_read_verified_and_cleaned(tmp_path):
+def test_a_full_disk_can_still_be_read_verified_and_cleaned(open_local, tmp_path):
     require_root()
     with tmpfs(tmp_path / "disk", "80m") as disk:
         store_dir = disk / "store"
-        store = LocalStore(store_dir)
+        store = open_local(store_dir)
         assert (store.root / "reserve").stat().st_size == 1 << 20  # made while space is free
         blobs = {key(f"b{i}"): f"payload {i}" * 1000 for i in range(4)}
         for k, v in blobs.items():
@@ -208,9 +207,9 @@ print(json.dumps(out))
 """
 
 
-def test_fifo_directory_and_symlink_instead_of_blobs_are_misses(tmp_path):
+def test_fifo_directory_and_symlink_instead_of_blobs_are_misses(open_local, tmp_path):
     store_dir = tmp_path / "store"
-    store = LocalStore(store_dir)
+    store = open_local(store_dir)
     outside = tmp_path / "outside"
     outside.write_bytes(encode_blob(key("link"), "target", b"planted"))
     odd = {"fifo": os.mkfifo, "dir": os.mkdir, "link": lambda p: os.symlink(outside, p)}
@@ -233,8 +232,8 @@ def test_fifo_directory_and_symlink_instead_of_blobs_are_misses(tmp_path):
     assert cli("verify", env=env).returncode == 0
 
 
-def test_odd_files_where_a_materialized_file_should_be_are_replaced(tmp_path):
-    store = LocalStore(tmp_path / "store")
+def test_odd_files_where_a_materialized_file_should_be_are_replaced(open_local, tmp_path):
+    store = open_local(tmp_path / "store")
     secret = tmp_path / "secret"
     secret.write_text("not the store's")
     for i, make in enumerate((os.mkdir, os.mkfifo, lambda p: os.symlink(secret, p))):
@@ -246,9 +245,9 @@ def test_odd_files_where_a_materialized_file_should_be_are_replaced(tmp_path):
     assert secret.read_text() == "not the store's"
 
 
-def test_damaged_index_rows_and_a_wrong_kind_are_misses(tmp_path):
+def test_damaged_index_rows_and_a_wrong_kind_are_misses(open_local, tmp_path):
     store_dir = tmp_path / "store"
-    store = LocalStore(store_dir)
+    store = open_local(store_dir)
     for name in ("json", "types", "kind", "good"):
         store.put(key(name), name.encode(), kind="target")
     db = store.index._db
@@ -285,11 +284,11 @@ def test_bad_sizes_and_an_empty_cache_dir_are_usage_errors(tmp_path):
 
 
 def _bundle(tmp_path: Path, signing_key: bytes | None) -> Path:
-    store = LocalStore(tmp_path / "source", signing_key=signing_key)
-    store.put(key("t"), b"target bytes" * 100, kind="target", manifest={"graph": "g"})
-    store.put(key("e"), b"entry", kind="entry", refs=[key("t")])
     path = tmp_path / "bundle.tar"
-    export_bundle(store, path)
+    with LocalStore(tmp_path / "source", signing_key=signing_key) as store:
+        store.put(key("t"), b"target bytes" * 100, kind="target", manifest={"graph": "g"})
+        store.put(key("e"), b"entry", kind="entry", refs=[key("t")])
+        export_bundle(store, path)
     return path
 
 
@@ -391,15 +390,14 @@ def test_a_bundle_that_inflates_past_memory_is_streamed(tmp_path):
     if shutil.which("prlimit") is None:
         pytest.skip("needs prlimit (util-linux) to run the importer with bounded memory")
     limit = ("prlimit", f"--as={640 << 20}")
-    start = time.monotonic()
+    # An importer that hung on the bomb would run past the timeout, and fail here.
     proc = cli("import", str(bomb), env=env_for(tmp_path / "target"), prefix=limit,
-               timeout=300)
+               timeout=120)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "MemoryError" not in proc.stderr and "not a cachebuild blob" in proc.stderr
-    assert time.monotonic() - start < 120
 
 
-def test_pack_names_that_leave_the_directory_are_refused_before_writing(tmp_path):
+def test_pack_names_that_leave_the_directory_are_refused_before_writing(open_local, tmp_path):
     from cachebuild.backends.pack import PACK_MAGIC
 
     evil = tmp_path / "evil.so"
@@ -407,7 +405,7 @@ def test_pack_names_that_leave_the_directory_are_refused_before_writing(tmp_path
     payload = PACK_MAGIC + len(table).to_bytes(8, "little") + table + b"A" + b"EVIL"
     store_dir = tmp_path / "store"
     k = key("pack")
-    LocalStore(store_dir).put(k, payload, kind="standalone")
+    open_local(store_dir).put(k, payload, kind="standalone")
     code = ("import sys\nfrom cachebuild.backends.inductor import InductorBackend\n"
             "from cachebuild.cli.main import main\nfrom cachebuild.errors import CachebuildError\n"
             "from cachebuild.store import LocalStore\n"
@@ -461,7 +459,7 @@ def _write_members(path: Path, members: list[tuple[str, bytes]], entries: list[s
             tar.addfile(info, io.BytesIO(data))
 
 
-def test_a_bundle_of_countless_members_is_read_up_to_a_bound_and_said_in_a_few_lines(tmp_path):
+def test_a_bundle_of_countless_members_is_read_up_to_a_bound_and_said_in_a_few_lines(open_local, tmp_path):
     from cachebuild.cli.common import MAX_LISTED
     from cachebuild.store.bundle import MAX_MEMBERS
 
@@ -479,7 +477,7 @@ def test_a_bundle_of_countless_members_is_read_up_to_a_bound_and_said_in_a_few_l
     assert f"refused: and {MAX_MEMBERS + 1 - MAX_LISTED} more" in proc.stderr
     from cachebuild.store.bundle import import_bundle
 
-    report = import_bundle(LocalStore(tmp_path / "direct"), bundle)
+    report = import_bundle(open_local(tmp_path / "direct"), bundle)
     assert report.refused_count == MAX_MEMBERS + 1 and len(report.refused) < 2000
 
 

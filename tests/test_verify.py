@@ -17,7 +17,6 @@ import cachebuild
 from cachebuild.backends import BuildRequest, register_backend
 from cachebuild.backends.eager_fusion import EagerFusionBackend
 from cachebuild.errors import BuildError
-from cachebuild.store import LocalStore
 from cachebuild.trace import InputMeta
 from cachebuild.verify import check, compare, verify_sizes
 
@@ -60,8 +59,8 @@ register_backend(RightAtTheHintOnly.name, RightAtTheHintOnly)
 
 @pytest.mark.parametrize(("backend", "sizes"), [("silu_to_gelu", "1, 16, 32"),
                                                 ("hint_only", "1, 16, 32")])
-def test_a_wrong_artifact_is_a_build_error_and_is_not_stored(tmp_path, backend, sizes):
-    store = LocalStore(tmp_path / "store")
+def test_a_wrong_artifact_is_a_build_error_and_is_not_stored(open_local, tmp_path, backend, sizes):
+    store = open_local(tmp_path / "store")
     model = models.make(models.Decoder, layers=2)
     compiled = cachebuild.compile(model, models.config(backend=backend), DYN, store=store)
     before = cachebuild.stats()
@@ -150,9 +149,9 @@ print(json.dumps({"error": error, "compilers": compilers, "loaded": stats["loade
 """
 
 
-def test_verify_on_load_catches_a_stored_artifact_that_does_not_match(tmp_path):
+def test_verify_on_load_catches_a_stored_artifact_that_does_not_match(open_local, tmp_path):
     store_path = tmp_path / "store"
-    store = LocalStore(store_path)
+    store = open_local(store_path)
     model = models.make(models.Decoder, layers=2)
     models.assert_matches_eager(cachebuild.compile(model, models.config(), DYN, store=store),
                                 model, models.inputs(7))

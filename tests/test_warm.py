@@ -128,7 +128,7 @@ print(json.dumps({"stats": cachebuild.stats(), "entry": compiled.runtime.entry.k
 """
 
 
-def test_traced_files_decide_whether_the_entry_is_valid(tmp_path):
+def test_traced_files_decide_whether_the_entry_is_valid(open_local, tmp_path):
     src = tmp_path / "src"
     src.mkdir()
     layers, model_file = src / "edit_layers.py", src / "edit_model.py"
@@ -160,7 +160,7 @@ def test_traced_files_decide_whether_the_entry_is_valid(tmp_path):
     assert stale["stats"]["traced"] == 1 and stale["graphs"] >= 1
     assert stale["stats"]["built"] >= 1  # the piece holding the edited MLP changed
     assert stale["entry"] == cold["entry"]
-    store = LocalStore(path)
+    store = open_local(path)
     assert Entry.from_bytes(store.get(cold["entry"])).stale_files() == []
 
     # Code in the file that defines the model class: traced again too.
@@ -170,7 +170,7 @@ def test_traced_files_decide_whether_the_entry_is_valid(tmp_path):
     assert edited["stats"]["built"] >= 1
 
 
-def test_stale_entry_in_this_process(tmp_path, monkeypatch):
+def test_stale_entry_in_this_process(open_local, tmp_path, monkeypatch):
     """The same check in-process: a traced file that vanished makes the entry stale."""
     src = tmp_path / "src"
     src.mkdir()
@@ -191,7 +191,7 @@ def test_stale_entry_in_this_process(tmp_path, monkeypatch):
         def forward(self, ids, pos):
             return helpers.double(self.inner(ids, pos))
 
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     model = UsesHelper().eval()
     models.assert_matches_eager(cachebuild.compile(model, models.config(), DYN, store=store),
                                 model, models.inputs(4))
@@ -210,13 +210,14 @@ def test_stale_entry_in_this_process(tmp_path, monkeypatch):
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    """A LayerStack (hidden states [T, 32], positions [T]) compiled for T in 1..16."""
+    """A LayerStack (hidden states [T, 32], positions [T]) compiled for T in 1..16; its
+    store closed after the module."""
     model = models.make(models.LayerStack, layers=2)
-    store = LocalStore(tmp_path_factory.mktemp("stack") / "store")
-    compiled = cachebuild.compile(model, models.config(compile_ranges=((1, 16),)), DYN,
-                                  store=store)
-    models.assert_matches_eager(compiled, model, models.hidden_inputs(8))
-    return model, compiled, store
+    with LocalStore(tmp_path_factory.mktemp("stack") / "store") as store:
+        compiled = cachebuild.compile(model, models.config(compile_ranges=((1, 16),)), DYN,
+                                      store=store)
+        models.assert_matches_eager(compiled, model, models.hidden_inputs(8))
+        yield model, compiled, store
 
 
 @pytest.mark.parametrize("args,message", ids=["dtype", "arg-dtype", "rank-up", "rank-down",
@@ -261,11 +262,11 @@ def test_size_outside_every_range_is_an_error(stack):
         compiled(*models.hidden_inputs(17))
 
 
-def test_size_outside_every_range_runs_eagerly_with_one_warning(tmp_path):
+def test_size_outside_every_range_runs_eagerly_with_one_warning(open_local, tmp_path):
     model = models.make(models.LayerStack, layers=2)
     compiled = cachebuild.compile(
         model, models.config(compile_ranges=((1, 16),), out_of_range="eager"), DYN,
-        store=LocalStore(tmp_path / "store"))
+        store=open_local(tmp_path / "store"))
     models.assert_matches_eager(compiled, model, models.hidden_inputs(4))
     with pytest.warns(UserWarning, match="size 20 is outside every compile range; running "
                                          "eagerly") as caught:

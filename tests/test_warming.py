@@ -17,7 +17,6 @@ from cachebuild.backends import register_backend
 from cachebuild.backends.eager_fusion import EagerFusionBackend
 from cachebuild.entry import Entry
 from cachebuild.errors import UsageError
-from cachebuild.store import LocalStore
 
 DYN = {0: 0, 1: 0}
 
@@ -28,7 +27,7 @@ def spec(backend: str = "eager_fusion") -> cachebuild.ModelSpec:
                                 models.config(compile_ranges=((1, 16),), backend=backend))
 
 
-def test_warm_a_spec_then_a_server_starts_warm(tmp_path):
+def test_warm_a_spec_then_a_server_starts_warm(open_local, tmp_path):
     store = tmp_path / "store"
     planned = cachebuild.plan(spec(), store=store)
     assert isinstance(planned, cachebuild.PlanReport)
@@ -38,7 +37,7 @@ def test_warm_a_spec_then_a_server_starts_warm(tmp_path):
     assert isinstance(report, cachebuild.WarmReport) and report.ok
     assert [t.state for t in report.targets] == ["built"] * len(report.targets)
     assert report.entries[0].recorded and report.seconds > 0
-    with LocalStore(store) as s:
+    with open_local(store) as s:
         entry = Entry.from_bytes(s.get(report.entry_key))
         assert all(s.contains(t.key) for t in report.targets)
     # Each unique target once, with every compiled piece that uses it.
@@ -52,7 +51,7 @@ def test_warm_a_spec_then_a_server_starts_warm(tmp_path):
     # A server: traces nothing, builds nothing.
     served = spec()
     before = cachebuild.stats()
-    compiled = cachebuild.compile(served.model, served.config, DYN, store=LocalStore(store))
+    compiled = cachebuild.compile(served.model, served.config, DYN, store=open_local(store))
     models.assert_matches_eager(compiled, served.model, models.hidden_inputs(5))
     delta = models.counters_delta(before, cachebuild.stats())
     assert (delta["traced"], delta["built"], delta["entries_loaded"]) == (0, 0, 1)
@@ -104,7 +103,8 @@ def build():
 """
 
 
-def test_a_model_file_builds_in_workers_and_the_command_prints_a_line_per_target(tmp_path):
+def test_a_model_file_builds_in_workers_and_the_command_prints_a_line_per_target(open_local,
+                                                                                 tmp_path):
     """With -v, each built target's line is followed by its phases, and the model's trace
     and split are said before the summary."""
     path = tmp_path / "model.py"
@@ -112,7 +112,7 @@ def test_a_model_file_builds_in_workers_and_the_command_prints_a_line_per_target
     store = tmp_path / "store"
     dry = cachebuild.warm(path, store=store, dry_run=True)
     assert dry.dry_run and {t.state for t in dry.targets} == {"missing"}
-    with LocalStore(store) as s:
+    with open_local(store) as s:
         assert not any(r.kind == "entry" for r in s.records())
     cli = [str(Path(sys.executable).with_name("cachebuild")), "--cache-dir", str(store),
            "-v", "warm", "--jobs", "2", str(path)]
@@ -126,7 +126,8 @@ def test_a_model_file_builds_in_workers_and_the_command_prints_a_line_per_target
     assert sorted(line.rsplit("(", 1)[1] for line in built) == [
         f"{i} of {total})" for i in range(1, total + 1)]
     phases = [lines[lines.index(line) + 1] for line in built]
-    assert all(p.startswith("  ") and "lowering" in p and "proof" in p for p in phases), phases
+    # Phases under 0.05 s are not printed: a small piece's proof may be one of them.
+    assert all(p.startswith("  ") and "lowering" in p for p in phases), phases
     summary = [line for line in lines if line.startswith(f"{total} targets:")]
     assert summary[0].startswith(f"{total} targets: 0 already stored, {total} built, 0 failed")
     assert any(line.startswith("model: trace ") for line in lines), lines

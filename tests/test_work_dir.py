@@ -16,16 +16,15 @@ import pytest
 
 import cachebuild
 from cachebuild.backends.kernel_dir import build_work_dir
-from cachebuild.store import LocalStore
 from cachebuild.store.options import StoreOptions, open_store
 
 NAMES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR")
 
 
-def test_a_build_points_the_compilers_at_the_work_folder_and_back(tmp_path):
+def test_a_build_points_the_compilers_at_the_work_folder_and_back(open_local, tmp_path):
     import torch._inductor.codecache as codecache
 
-    store = LocalStore(tmp_path / "store")
+    store = open_local(tmp_path / "store")
     env_before = {n: os.environ.get(n) for n in NAMES}
     tempdir_before, headers_before = tempfile.tempdir, codecache._HEADER_DIR
     with build_work_dir(store) as work:
@@ -41,11 +40,11 @@ def test_a_build_points_the_compilers_at_the_work_folder_and_back(tmp_path):
     assert work == {"path": str(store.root / "work"), "bytes": 1000, "files": 1}
 
 
-def test_compiling_leaves_the_environment_as_it_was(tmp_path):
+def test_compiling_leaves_the_environment_as_it_was(open_local, tmp_path):
     before = dict(os.environ), tempfile.tempdir
     model = models.make(models.LayerStack, layers=1)
     compiled = cachebuild.compile(model, models.config(), {0: 0, 1: 0},
-                                  store=LocalStore(tmp_path / "store"))
+                                  store=open_local(tmp_path / "store"))
     models.assert_matches_eager(compiled, model, models.hidden_inputs(4))
     assert (dict(os.environ), tempfile.tempdir) == before
 
@@ -59,8 +58,8 @@ HOLD = textwrap.dedent("""
 """)
 
 
-def test_gc_empties_the_work_folder_unless_a_build_runs(tmp_path):
-    store = LocalStore(tmp_path / "store")
+def test_gc_empties_the_work_folder_unless_a_build_runs(open_local, tmp_path):
+    store = open_local(tmp_path / "store")
     with build_work_dir(store) as work:
         (work / "tmp" / "pch.gch").write_bytes(b"y" * 4096)
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(work / ".builds")],

@@ -44,7 +44,8 @@ from benchlib import cpu_model
 
 from cachebuild.store.local import LocalStore
 from cachebuild.store.remote import RedisRemote
-from cachebuild.store.tiered import TieredStore, pull
+from cachebuild.store.tiered import TieredStore
+from cachebuild.store.transfer import pull
 
 SIGNING_KEY = b"bench-signing-key"
 

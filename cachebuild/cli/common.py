@@ -71,12 +71,6 @@ def open_store(ctx: click.Context) -> Store:
     return state_of(ctx).open_store()
 
 
-def local_tier(store: Store) -> Any:
-    """The local store of ``store`` (itself, or a tiered store's L1): what bundles read
-    and write."""
-    return getattr(store, "local", store)
-
-
 def one_line(error: BaseException | str) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 

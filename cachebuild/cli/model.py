@@ -1,9 +1,10 @@
 """Model commands: ``warm``, ``plan``, ``explain``.
 
-``warm`` and ``plan`` print the reports of ``cachebuild.warming.warm`` and ``plan`` (the
-library does the work: trace once, build every missing target in worker processes under
-the key's lock, record the entry). ``explain`` says in words why a model's entry or
-targets are not stored. ``plan`` and ``explain`` change nothing in the store.
+They parse their arguments and print the library's reports: ``warm`` and ``plan`` those
+of ``cachebuild.warming.warm`` and ``plan`` (trace once, build every missing target in
+worker processes under the key's lock, record the entry), ``explain`` that of
+``cachebuild.explaining.explain`` (why a model's entry or targets are not stored, in
+words). ``plan`` and ``explain`` change nothing in the store.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from rich.table import Table
 from cachebuild.cli.common import (
     MAX_JOBS,
     MAX_WORLD_SIZE,
-    open_store,
     printable,
     state_of,
     stderr,
@@ -36,11 +36,11 @@ from cachebuild.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from cachebuild.warming import Planned, PlanReport, TargetReport
+    from cachebuild.explaining import EntryExplanation
+    from cachebuild.warming import OpenedStore, PlanReport, TargetReport
 
 # torch and the build graph are imported inside the commands: `cachebuild ls` and
-# `--help` should not pay for them. The work is the library's (``cachebuild.warming``);
-# these commands parse their arguments and print its reports.
+# `--help` should not pay for them.
 
 
 def _console() -> Console:
@@ -156,7 +156,7 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
         ctx.exit(1)
 
 
-def _store_for(ctx: click.Context) -> Any:
+def _store_for(ctx: click.Context) -> OpenedStore:
     """The command line's store, with the options its worker processes open it with."""
     from cachebuild.warming import OpenedStore
 
@@ -229,77 +229,38 @@ def explain_command(ctx: click.Context, model: str, device: str | None,
                     world_size: int | None) -> None:
     """For every missing target of MODEL.py, the nearest stored one and what differs
     (with --world-size: of every rank, naming the ranks a target serves)."""
-    from cachebuild.explain import explain, label
-    from cachebuild.warming import per_entry, plan_group, source_of, target_states, target_users
+    from cachebuild.explaining import explain
 
+    report = explain(model, store=_store_for(ctx), device=device, world_size=world_size)
     console = stdout()
-    store = open_store(ctx)
-    records: list[Any] | None = None
-    group: list[Planned] = []
-    for planned in plan_group(source_of(model), store, device, world_size):
-        group.append(planned)
-        if records is None:  # a shared tier's manifests explain too
-            records = list(store.records(shared=True))
-        if planned.why != "fresh" and planned.found.key not in {p.found.key for p in group[:-1]}:
-            _explain_entry(planned, records, model, console)  # with this rank's group up
-    stored = [(r.key, r.manifest) for r in records or [] if r.kind != "entry" and r.manifest]
-    users = target_users(group)
-    missing = 0
-    seen: set[str] = set()
-    for planned in per_entry(group):
-        states = target_states(planned, store)
-        for t in planned.entry.targets():
-            if t.key in seen or states[t.key] == "stored":
-                continue
-            seen.add(t.key)
-            missing += 1
-            why = explain(t.manifest, stored, t.sources)
-            nearest = f"nearest {why.nearest[:16]}" if why.nearest else "no stored target"
-            who = f" for {rank_ranges(users[t.key])}" if planned.rank is not None else ""
-            # Manifests may come from a shared tier: print them as plain, escaped text.
-            line = f"{label(t)} ({t.key[:16]}) {states[t.key]}{who}; {nearest}: " + "; ".join(
-                printable(r, 300) for r in why.reasons)
-            console.print(line, markup=False, emoji=False, highlight=False)
-    if not missing:
+    # Manifests may come from a shared tier: everything is printed as plain, escaped text.
+    for entry in report.entries:
+        console.print(_entry_said(entry, model), markup=False, emoji=False, highlight=False)
+    for t in report.targets:
+        nearest = f"nearest {t.nearest[:16]}" if t.nearest else "no stored target"
+        who = f" for {rank_ranges(t.ranks)}" if report.world_size is not None else ""
+        line = f"{t.label} ({t.key[:16]}) {t.state}{who}; {nearest}: " + "; ".join(
+            printable(r, 300) for r in t.reasons)
+        console.print(line, markup=False, emoji=False, highlight=False)
+    if not report.targets:
         console.print("every target is stored")
 
 
-def _explain_entry(planned: Planned, records: list[Any], model: str, console: Console) -> None:
-    """Why the model's entry was not used, in words: its traced source changed, a value
-    its trace read differs now, or none is stored for this model, config and input
-    shapes (and then the nearest stored entry of the same class and what differs)."""
-    from cachebuild.entry import Entry
-    from cachebuild.explain import nearest_entry
-
-    found = planned.found
-    head = f"entry {found.key[:16]}"
-    if found.mismatches:
-        said = f"{head} was traced for other values: " + "; ".join(
-            printable(m.describe(), 300) for m in found.mismatches)
-    elif found.why.startswith("traced source changed"):
-        said = f"{head} is stale: {found.why}"
-    elif found.why != "no entry":
-        said = f"{head} not used: {found.why}"
-    else:
-        said = f"{head}: none is stored for this model, config and input shapes"
-        nearest = nearest_entry(found.factors, records)
-        if nearest is None:
-            said += f" (not warmed: run `cachebuild warm {model}`)"
-        else:
-            key, reasons = nearest
-            data = planned.planner.store.get(key, touch=False)
-            try:
-                stored = Entry.from_bytes(data) if data is not None else None
-            except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-                # not an entry this version reads: its factors are all there is
-                stored = None
-            if stored is not None:
-                spec = planned.spec
-                reasons += [printable(m.describe(), 300) for m in stored.guard_set().mismatches(
-                    spec.model, spec.example_inputs, known=stored.sources)]
-            said += f"; the nearest entry {key[:16]} differs: " + "; ".join(
-                reasons or ["in nothing explain can name"])
-    console.print(said, markup=False, emoji=False, highlight=False)
+def _entry_said(entry: EntryExplanation, model: str) -> str:
+    """Why the model's entry was not used, in one line."""
+    head = f"entry {entry.key[:16]}"
+    if entry.mismatches:
+        return f"{head} was traced for other values: " + "; ".join(
+            printable(m, 300) for m in entry.mismatches)
+    if entry.why.startswith("traced source changed"):
+        return f"{head} is stale: {entry.why}"
+    if entry.why != "no entry":
+        return f"{head} not used: {entry.why}"
+    said = f"{head}: none is stored for this model, config and input shapes"
+    if entry.nearest is None:
+        return said + f" (not warmed: run `cachebuild warm {model}`)"
+    return said + f"; the nearest entry {entry.nearest[:16]} differs: " + "; ".join(
+        [printable(d, 300) for d in entry.differences] or ["in nothing explain can name"])
 
 
 COMMANDS = (warm_command, plan_command, explain_command)

@@ -14,7 +14,7 @@ Exit 0 when every key asked for is in the destination tier afterwards, 1 otherwi
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 
@@ -23,27 +23,26 @@ from cachebuild.errors import CachebuildError, UsageError
 from cachebuild.units import format_size
 
 if TYPE_CHECKING:
-    from cachebuild.store.tiered import TieredStore
+    from cachebuild.store.base import RemoteTier, Store
+    from cachebuild.store.transfer import TransferCounts
 
 # torch, the model and the Redis client are imported inside the commands: `--help` and
 # `push --all` should not pay for torch.
 
 
-def _tiered(ctx: click.Context, command: str) -> TieredStore:
-    """The command line's store, which must have a remote tier."""
-    from cachebuild.store.tiered import TieredStore
-
+def _tiered(ctx: click.Context, command: str) -> tuple[Store, RemoteTier]:
+    """The command line's store and its remote tier, which it must have."""
     store = open_store(ctx)
-    if not isinstance(store, TieredStore) or store.remote is None:
+    if store.remote is None:
         options = state_of(ctx).options
         why = ("the remote is off (--remote-mode off)" if options.remote else
                "no remote is configured")
         raise UsageError(f"{command} needs a remote tier, but {why}; use --remote URL "
                          "or CACHEBUILD_REMOTE")
-    return store
+    return store, store.remote
 
 
-def _entry_targets(store: TieredStore, key: str) -> list[str]:
+def _entry_targets(store: Store, key: str) -> list[str]:
     """The keys the entry ``key`` held in L1 needs beside it: its targets and its seal."""
     from cachebuild.entry import Entry
 
@@ -56,15 +55,15 @@ def _entry_targets(store: TieredStore, key: str) -> list[str]:
         raise CachebuildError(f"entry {key} cannot be read: {e}") from e
 
 
-def _summary(verb: str, counts: Any, seconds: float, *, rate: bool = False) -> str:
+def _summary(verb: str, counts: TransferCounts, seconds: float, *, rate: bool = False) -> str:
     parts = [f"{verb} {counts.transferred} ({format_size(counts.bytes)})",
              f"{counts.present} already there"]
     for name in ("missing", "rejected", "failed"):
         if getattr(counts, name):
             parts.append(f"{getattr(counts, name)} {name}")
-    if getattr(counts, "unvouched", 0):
+    if counts.unvouched:
         parts.append(f"{counts.unvouched} not pushed: they entered unsigned")
-    if getattr(counts, "signed", 0):
+    if counts.signed:
         parts.append(f"{counts.signed} unsigned in the local store, signed with "
                      "CACHEBUILD_SIGNING_KEY to upload")
     line = ", ".join(parts) + f" in {seconds:.2f} s"
@@ -94,13 +93,13 @@ def push_command(ctx: click.Context, model: str | None, push_all: bool,
     """
     from cachebuild.cli.common import resolve_key
     from cachebuild.modelfile import entry_key as entry_key_of
-    from cachebuild.store.tiered import push
+    from cachebuild.store.transfer import push
 
     if model and push_all:
         raise UsageError("push needs either MODEL.py or --all (not both)")
     if not model and not push_all and not vouch:
         raise UsageError("push needs MODEL.py, --all or --vouch KEY")
-    store = _tiered(ctx, "push")
+    store, remote = _tiered(ctx, "push")
     vouched = [resolve_key(ctx, k) for k in vouch]
     start = time.perf_counter()
     if not model and not push_all:
@@ -118,7 +117,7 @@ def push_command(ctx: click.Context, model: str | None, push_all: bool,
         keys = [entry_key, *_entry_targets(store, entry_key)]
         what = f"entry {entry_key} and {len(keys) - 1} targets"
     counts = push(store, keys, vouch=vouched)
-    click.echo(f"{what} → {store.remote.display_url}: "
+    click.echo(f"{what} → {remote.display_url}: "
                + _summary("pushed", counts, time.perf_counter() - start))
     for key in counts.unvouched_keys[:MAX_LISTED]:
         record = store.local.get_record(key)
@@ -146,15 +145,15 @@ def pull_command(ctx: click.Context, model: str, jobs: int) -> None:
     target could not be fetched (missing, rejected, or the remote is down).
     """
     from cachebuild.modelfile import entry_key as entry_key_of
-    from cachebuild.store.tiered import pull
+    from cachebuild.store.transfer import pull
 
-    store = _tiered(ctx, "pull")
+    store, remote = _tiered(ctx, "pull")
     entry_key = entry_key_of(model, store)
     start = time.perf_counter()
     first = pull(store, [entry_key], workers=1)
     if not store.local.contains(entry_key):
-        if first.failed or not store.remote.available:
-            raise CachebuildError(f"could not reach remote {store.remote.display_url} to "
+        if first.failed or not remote.available:
+            raise CachebuildError(f"could not reach remote {remote.display_url} to "
                                   f"fetch the entry of {model}")
         if first.rejected:
             raise CachebuildError(f"the remote entry {entry_key} of {model} failed "
@@ -165,7 +164,7 @@ def pull_command(ctx: click.Context, model: str, jobs: int) -> None:
     seconds = time.perf_counter() - start
     for name in ("transferred", "present", "bytes"):
         setattr(targets, name, getattr(targets, name) + getattr(first, name))
-    click.echo(f"entry {entry_key} and its targets ← {store.remote.display_url}: "
+    click.echo(f"entry {entry_key} and its targets ← {remote.display_url}: "
                + _summary("pulled", targets, seconds, rate=True))
     if targets.missing or targets.rejected or targets.failed:
         ctx.exit(1)

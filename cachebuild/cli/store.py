@@ -16,7 +16,6 @@ from cachebuild.cli.common import (
     DurationParam,
     SizeParam,
     ago,
-    local_tier,
     open_store,
     plural,
     printable,
@@ -260,7 +259,7 @@ def export_command(ctx: click.Context, file: Path, model: str | None,
     if not file.parent.is_dir():
         raise UsageError(f"cannot write the bundle {file}: directory {file.parent} does not "
                          "exist")
-    store = local_tier(open_store(ctx))
+    store = open_store(ctx).local
     keys = [resolve_key(ctx, model)] if model else None
     with progress_bar("exporting") as on_progress:
         report = export_bundle(store, file, keys=keys, kinds=kinds or None, progress=on_progress)
@@ -285,7 +284,7 @@ def import_command(ctx: click.Context, file: Path, allow_unsigned: bool) -> None
     unless --allow-unsigned is given."""
     from cachebuild.store import import_bundle
 
-    store = local_tier(open_store(ctx))
+    store = open_store(ctx).local
     with progress_bar("importing") as on_progress:
         report = import_bundle(store, file, progress=on_progress, allow_unsigned=allow_unsigned)
     click.echo(f"imported {plural(len(report.imported), 'record')} from {file}"

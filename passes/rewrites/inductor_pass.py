@@ -6,19 +6,25 @@ that compiles with Inductor needs it.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-if TYPE_CHECKING:
-    from cachebuild.passes.rewrites.manager import PassManager
+
+class GraphPass(Protocol):
+    """What Inductor runs: a pass over a graph, named by a hash of what it does (a
+    ``PassManager``)."""
+
+    def __call__(self, graph: torch.fx.Graph) -> object: ...
+
+    def uuid(self) -> str: ...
 
 
 class InductorPassAdapter(CustomGraphPass):
     """Runs a ``PassManager`` as Inductor's post-grad custom pass."""
 
-    def __init__(self, manager: PassManager):
+    def __init__(self, manager: GraphPass):
         self.manager = manager
 
     def __call__(self, graph: torch.fx.Graph) -> None:

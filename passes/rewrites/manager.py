@@ -11,6 +11,7 @@ loads artifacts never pays for it.
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import inspect
 from collections import Counter
@@ -21,6 +22,7 @@ import torch.fx
 
 from cachebuild.config import PassConfig
 from cachebuild.keys import make_key
+from cachebuild.passes.rewrites.builtin import BUILTIN_PASSES
 
 
 class FusionPass:
@@ -103,6 +105,18 @@ def changed_passes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     return changed + [name for name in before if name not in after]
 
 
+def pass_class(flag: str) -> type[FusionPass]:
+    """The built-in pass class behind a ``PassConfig`` flag (``builtin.BUILTIN_PASSES``)."""
+    module_name, class_name = BUILTIN_PASSES[flag]
+    return getattr(importlib.import_module(module_name), class_name)
+
+
+def passes_for_config(config: PassConfig) -> list[FusionPass]:
+    """One instance of every built-in pass ``config`` enables, in running order."""
+    enabled = set(config.enabled())
+    return [pass_class(flag)() for flag in BUILTIN_PASSES if flag in enabled]
+
+
 class PassManager:
     """Runs passes in order on an FX graph.
 
@@ -125,8 +139,6 @@ class PassManager:
     @classmethod
     def from_config(cls, config: PassConfig) -> PassManager:
         """A manager with the built-in passes ``config`` enables, clean-up last."""
-        from cachebuild.passes.rewrites.builtin import passes_for_config
-
         return cls(passes_for_config(config), config=config)
 
     def __call__(self, graph: torch.fx.Graph | torch.fx.GraphModule) -> dict[str, int]:

@@ -1,0 +1,162 @@
+"""Moving keys between a tiered store's tiers: ``push`` (L1 → L2) and ``pull`` (L2 → L1).
+
+What they promise:
+
+- **Nothing unverified lands anywhere.** ``pull`` writes a blob to L1 only after it
+  verified (framing, checksum, and the fleet's signature when there is a key), through
+  the tiered store's ``fetch``; a key L1 holds is not fetched. ``push`` uploads a blob L1
+  read and verified with its own settings, signed with the fleet key: one L1 holds
+  unsigned because it was built here before the key was set is signed on the way.
+- **Nobody's word is signed unasked.** What entered L1 unsigned from elsewhere
+  (``Record.unsigned_from``) is not pushed unless it is vouched for by name.
+- **A remote in trouble is counted, not raised.** A remote that goes down part-way makes
+  the remaining keys count as ``failed``. Only bad usage raises (``UsageError``): no
+  remote, or ``push`` to a read-only one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from cachebuild.errors import UsageError
+
+from .base import Store
+from .blob import encode_blob, parse_header
+from .layout import InvalidKey, check_key
+from .signing import outgoing
+from .tiered import TieredStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class TransferCounts:
+    """What a ``push`` or ``pull`` did, key by key."""
+
+    transferred: int = 0  # copied to the other tier by this call
+    present: int = 0  # already in the destination tier
+    missing: int = 0  # not in the source tier (or incomplete there)
+    rejected: int = 0  # pull only: failed verification, not loaded
+    failed: int = 0  # remote down, refused, or another writer was uploading it
+    bytes: int = 0  # payload bytes transferred
+    signed: int = 0  # push only: held unsigned in L1, signed with the fleet key to upload
+    unvouched: int = 0  # push only: entered L1 unsigned from elsewhere, not named: not pushed
+    unvouched_keys: list[str] = dataclasses.field(default_factory=list)
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _tiers(store: Store, what: str) -> TieredStore:
+    """``store`` as a tiered store with a remote; UsageError if it has none."""
+    if not isinstance(store, TieredStore) or store.remote is None:
+        raise UsageError(f"{what} needs a remote (--remote or CACHEBUILD_REMOTE)")
+    return store
+
+
+def upload(tiered: TieredStore, key: str, vouched: bool = False) -> str:
+    """Upload L1's ``key`` to L2: "pushed", "signed" (pushed, after signing a blob L1
+    holds unsigned), "present", "missing", "unvouched" (it entered L1 unsigned from
+    elsewhere and ``vouched`` is False) or "failed"."""
+    remote = tiered.remote
+    assert remote is not None
+    if remote.contains(key):
+        return "present"
+    record = tiered.local.get_record(key)
+    if record is None:
+        return "missing"
+    if record.unsigned_from is not None and not vouched:
+        return "unvouched"
+    framed = tiered.local.read_blob(key)  # verified with L1's settings
+    if framed is None:
+        return "missing"
+    header = parse_header(framed)
+    signed_now = False
+    if tiered.signing_key is not None and not (header.signed and tiered.same_key_as_local):
+        # What lands in L2 must verify there: sign it with the fleet key (a blob built
+        # before the key was configured is held unsigned in L1).
+        payload = memoryview(framed)[header.header_size:header.header_size + header.length]
+        framed = encode_blob(key, record.kind, payload, tiered.signing_key)
+        signed_now = True
+    if remote.put(key, outgoing(record, tiered.signing_key), framed):
+        return "signed" if signed_now else "pushed"
+    return "present" if remote.contains(key) else "failed"
+
+
+def push(store: Store, keys: Iterable[str] | None = None,
+         vouch: Iterable[str] = ()) -> TransferCounts:
+    """Copy ``keys`` (default: every L1 entry) and ``vouch`` from L1 to L2; what happened,
+    counted (see the module doc). ``vouch``: keys that entered L1 unsigned, to sign and
+    push all the same. Raises UsageError without a remote or with a read-only one."""
+    tiered = _tiers(store, "push")
+    remote = tiered.remote
+    assert remote is not None
+    if remote.mode != "rw":
+        raise UsageError(f"remote {remote.display_url} is read-only; push needs mode rw")
+    counts = TransferCounts()
+    vouched = set(vouch)
+    if keys is None:
+        wanted = [r.key for r in tiered.local.records(manifests=False)]
+    else:
+        wanted = list(keys)
+    for key in dict.fromkeys([*wanted, *vouched]):
+        outcome = upload(tiered, key, vouched=key in vouched)
+        if outcome == "unvouched":
+            counts.unvouched += 1
+            counts.unvouched_keys.append(key)
+        elif outcome in ("pushed", "signed"):
+            counts.transferred += 1
+            counts.signed += outcome == "signed"
+            record = tiered.local.get_record(key)
+            counts.bytes += record.size if record is not None else 0
+        elif outcome == "present":
+            counts.present += 1
+        elif outcome == "missing":
+            counts.missing += 1
+        else:
+            counts.failed += 1
+    return counts
+
+
+def pull(store: Store, keys: Iterable[str] | None = None, *,
+         workers: int = 4) -> TransferCounts:
+    """Copy ``keys`` (default: every L2 entry) from L2 into L1, verifying each one.
+
+    A key already in L1 is not fetched. A blob that fails verification, or a name that is
+    not a store key, is counted as ``rejected`` and never written to L1. ``workers``
+    threads fetch, verify and write in parallel (socket reads, hashing and file writes all
+    release the GIL). Raises UsageError without a remote.
+    """
+    tiered = _tiers(store, "pull")
+    remote = tiered.remote
+    assert remote is not None
+    counts = TransferCounts()
+    wanted = list(remote.keys()) if keys is None else list(keys)
+
+    def one(key: str) -> tuple[str, int]:
+        try:
+            check_key(key)
+        except InvalidKey:
+            log.warning("not pulling %r: not a store key", str(key)[:100])
+            return "rejected", 0
+        if tiered.local.contains(key):
+            return "present", 0
+        if not remote.available:
+            return "failed", 0
+        payload, outcome = tiered.fetch(key)
+        if payload is not None:
+            return "transferred", len(payload)
+        if outcome == "rejected":
+            return "rejected", 0
+        return ("missing" if remote.available else "failed"), 0
+
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for outcome, size in pool.map(one, wanted):
+            setattr(counts, outcome, getattr(counts, outcome) + 1)
+            counts.bytes += size
+    return counts
