@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -284,6 +284,31 @@ def device_copy(job: BuildJob, device: str) -> BuildJob:
     copy = replace(target, key=make_key(manifest), manifest=manifest)
     metas = [replace(m, device=device) if m.kind == "tensor" else m for m in job.input_metas]
     return replace(job, target=copy, input_metas=metas)
+
+
+@dataclass
+class BuildOutcome:
+    """How one target's build went: ``built`` (False: already stored), the ``error`` in
+    words if it failed, its ``seconds`` and its ``phases`` (``Builder.phases``; empty
+    when nothing was compiled)."""
+
+    built: bool
+    error: str | None
+    seconds: float
+    phases: dict[str, Any] = field(default_factory=dict)
+
+
+def build_one(store: Store, job: BuildJob) -> BuildOutcome:
+    """Build ``job``'s target into ``store`` with a builder of its own. A failure is
+    reported, never raised: the caller builds the other targets on."""
+    start = time.perf_counter()
+    builder = Builder(store, job.config)
+    try:
+        built, error = builder.build(job), None
+    except Exception as e:
+        built, error = False, str(e)
+    return BuildOutcome(built, error, time.perf_counter() - start,
+                        builder.phases.get(job.target.key, {}))
 
 
 # -- every target of an entry ------------------------------------------------------------

@@ -430,18 +430,13 @@ def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
 def _build_here(jobs: list[BuildJob], store: Store, on_done: Done,
                 phases: dict[str, dict[str, Any]] | None = None) -> None:
     """Build ``jobs`` one after another in this process (no file for workers to import)."""
-    from cachebuild.build import Builder
+    from cachebuild.build import build_one
 
     for job in jobs:
-        start = time.perf_counter()
-        builder = Builder(store, job.config)
-        try:
-            built, error = builder.build(job), None
-        except Exception as e:  # reported per target; the other targets go on
-            built, error = False, str(e)
-        if phases is not None and job.target.key in builder.phases:
-            phases[job.target.key] = builder.phases[job.target.key]
-        on_done(job, built, time.perf_counter() - start, error)
+        done = build_one(store, job)
+        if phases is not None and done.phases:
+            phases[job.target.key] = done.phases
+        on_done(job, done.built, done.seconds, done.error)
 
 
 def warm(model: ModelSource, *, store: StoreArg = None,

@@ -7,7 +7,6 @@ from __future__ import annotations
 import importlib
 import os
 import sys
-import time
 from typing import Any
 
 from cachebuild.workers import Result, WorkerSetup, receive, send
@@ -42,7 +41,7 @@ def serve(results_fd: int) -> None:
     import torch.export  # noqa: F401
 
     import cachebuild.passes.ops  # noqa: F401  # the fusion passes' ops
-    from cachebuild.build import Builder
+    from cachebuild.build import build_one
     from cachebuild.store.options import open_store
 
     if setup.model_file:
@@ -58,14 +57,9 @@ def serve(results_fd: int) -> None:
             job = receive(jobs)
         except EOFError:
             return
-        start = time.perf_counter()
-        builder = Builder(store, job.config)
-        try:
-            built, error = builder.build(job), None
-        except Exception as e:  # reported per target; the other targets go on
-            built, error = False, str(e)
-        result = Result(job.target.key, built, time.perf_counter() - start, error, list(said),
-                        builder.phases.get(job.target.key, {}))
+        done = build_one(store, job)
+        result = Result(job.target.key, done.built, done.seconds, done.error, list(said),
+                        done.phases)
         said.clear()
         send(results, result)
 
