@@ -37,11 +37,9 @@ uses the same child. Usage::
 from __future__ import annotations
 
 import argparse
-import atexit
 import json
 import os
 import platform
-import shutil
 import statistics
 import subprocess
 import sys
@@ -51,7 +49,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from benchlib import add_output_options, cpu_model, present, render_table
+from benchlib import add_output_options, cpu_model, present, primed, render_table
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE_ENV = {"LLAMA_HIDDEN": "256", "LLAMA_HEADS": "8", "LLAMA_KV_HEADS": "2", "LLAMA_MLP": "688"}
@@ -209,30 +207,24 @@ def machine() -> dict[str, str]:
             "torch": torch.__version__, "python": platform.python_version()}
 
 
-def start(device: str = "cpu") -> dict[str, str]:
-    """Before measuring: where (``machine()``), and the AOTI probe's verdict, computed now
-    into one probe folder (``CACHEBUILD_PROBE_DIR``, a temporary one unless set) that
-    every child uses: a store's own probe folder is empty in a fresh store, and probing
-    there (once per environment in real use) would land in every timed cold build."""
-    if not os.environ.get("CACHEBUILD_PROBE_DIR"):
-        folder = tempfile.mkdtemp(prefix="bench-probe-")
-        atexit.register(shutil.rmtree, folder, ignore_errors=True)
-        os.environ["CACHEBUILD_PROBE_DIR"] = folder
+def start(device: str, work: Path) -> dict[str, str]:
+    """Before measuring: where (``machine()``), and everything a first process pays once
+    per machine, done now outside every timed region: torch's bytecode compiled into one
+    cache (``PYTHONPYCACHEPREFIX``) and the AOTI probe's verdict computed into one folder
+    (``CACHEBUILD_PROBE_DIR``), both in ``work`` unless set, which every child uses. A
+    store's own probe folder is empty in a fresh store, and probing there (once per
+    environment in real use) would land in every timed cold build."""
     info = machine()
     if device.startswith("cuda"):
         import torch
 
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
-    log(prime_probe(device))
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(work / "inductor-prime"))
+    info["toolchain"] = primed(env, work, device)
+    for name in ("PYTHONPYCACHEPREFIX", "CACHEBUILD_PROBE_DIR"):
+        os.environ[name] = env[name]
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
     return info
-
-
-def prime_probe(device: str = "cpu") -> str:
-    """Compute (or read) the AOTI toolchain verdict now, outside every timed region."""
-    sys.path.insert(0, str(ROOT))
-    from cachebuild.backends.probe import verdict
-
-    return verdict(device).describe()
 
 
 def run_child(mode: str, layers: int, inductor_dir: Path, store_dir: Path | None = None,
@@ -450,8 +442,8 @@ def main() -> None:
         size["LLAMA_DEVICE"] = args.device
 
     def measure() -> dict[str, Any]:
-        info = start(args.device)
         with tempfile.TemporaryDirectory(prefix="bench-build-") as tmp:
+            info = start(args.device, Path(tmp))
             depths = [bench_depth(n, args.repeat, Path(tmp), args.warm_jobs, args.serve, size)
                       for n in args.layers]
         return {"machine": info, "repeat": args.repeat, "size": size, "device": args.device,

@@ -41,8 +41,8 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_serve import build, primed  # noqa: E402
-from benchlib import Graphed  # noqa: E402
+from bench_serve import build  # noqa: E402
+from benchlib import Graphed, primed  # noqa: E402
 
 DEFAULT_MODES = "eager,torch_cold,torch_warm,cb_build_aoti,cb_warm_aoti,cb_full_aoti"
 DECODE_SIZES = (1, 2, 4, 8, 16, 32)

@@ -52,6 +52,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchlib import primed
+
 ROOT = Path(__file__).resolve().parent.parent
 SIZES_NOTE = "51 default capture sizes (1, 2, 4, 8..248 by 8, 256..512 by 16)"
 DEFAULT_MODES = ("eager,torch_cold,torch_warm,cb_build_aoti,cb_warm_aoti,cb_warm_aoti/full,"
@@ -302,47 +304,6 @@ def prepare_aot(work: Path) -> str | None:
     if proc.returncode != 0:
         return (proc.stderr.strip().splitlines() or ["failed"])[-1][:200]
     return None
-
-
-PRIME = """
-import sys, torch
-sys.path.insert(0, {examples!r})
-import llama, cachebuild
-import torch._inductor.compile_fx
-from torch._inductor import CompiledArtifact, standalone_compile
-m = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU()).to("cuda")
-torch.compile(m)(torch.randn(8, 64, device="cuda"))
-from cachebuild.backends.probe import verdict
-print(verdict("cuda").describe())
-"""
-
-
-def prime(env: dict[str, str]) -> tuple[float, str]:
-    """Fill the bytecode cache (``PYTHONPYCACHEPREFIX``) that every mode then reads, and
-    run the AOTI toolchain probe once (its verdict is cached for every mode).
-
-    An installed torch normally carries its ``.pyc`` files (pip compiles at install);
-    an install without them makes every process compile torch's sources again, seconds
-    that no mode would pay on a normal install.
-    """
-    start = time.time()
-    code = PRIME.format(examples=str(ROOT / "examples"))
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, env=env, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"priming failed: {proc.stderr[-2000:]}")
-    return time.time() - start, proc.stdout.strip().splitlines()[-1]
-
-
-def primed(env: dict[str, str], work: Path) -> str:
-    """``env`` made ready for every mode (a shared bytecode cache and probe verdict, where
-    the caller's environment names none, in ``work``), primed; the toolchain's verdict."""
-    env.setdefault("PYTHONPYCACHEPREFIX", str(work / "pycache"))
-    env.setdefault("CACHEBUILD_PROBE_DIR", str(work / "probe"))
-    env.pop("PYTHONDONTWRITEBYTECODE", None)  # else the cache stays empty
-    seconds, toolchain = prime(env)
-    print(f"bytecode cache primed and toolchain probed in {seconds:.1f} s: {toolchain}",
-          flush=True)
-    return toolchain
 
 
 def run_mode(mode: str, work: Path, env: dict[str, str], graph_mode: str, policy: str,

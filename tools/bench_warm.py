@@ -143,8 +143,8 @@ def main() -> None:
     args = parser.parse_args()
 
     def measure() -> dict[str, Any]:
-        info = bb.start()
         with tempfile.TemporaryDirectory(prefix="bench-warm-") as tmp:
+            info = bb.start("cpu", Path(tmp))
             result = bench(args.layers, args.repeat, Path(tmp))
         return {**result, "machine": info}
 

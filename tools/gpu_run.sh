@@ -5,9 +5,10 @@
 #
 #   SERVE_ARGS="--modes eager,cb_build_aoti,cb_warm_aoti" bash tools/gpu_run.sh
 #
-# Time limits in seconds: TEST_S (default 300), SERVE_S (420), GEN_S (420), PASSES_S (0:
-# skipped); 0 skips a part. SERVE_FIRST=1 runs the benchmarks before the tests. TESTS: the
-# test files (default: every GPU test file but the tensor-parallel ones).
+# Time limits in seconds: TEST_S (default 300), SERVE_S (420), GEN_S (420), BUILD_S (0:
+# skipped; the cold-build benchmark, BUILD_ARGS), PASSES_S (0: skipped); 0 skips a part.
+# SERVE_FIRST=1 runs the benchmarks before the tests. TESTS: the test files (default: every
+# GPU test file but the tensor-parallel ones).
 set -uo pipefail
 OUT=${OUT:-/tmp/cachebuild-gpu-out}; mkdir -p "$OUT"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -42,7 +43,14 @@ generation() {
         2>&1 | grep -v -i "warn" >"$OUT/generate.txt"
     tail -12 "$OUT/generate.txt"
 }
+cold_builds() {
+    [ "${BUILD_S:-0}" = 0 ] && return
+    timeout "${BUILD_S}" python3 tools/bench_build.py \
+        ${BUILD_ARGS:---device cuda --layers 22 --repeat 1 --serve} --markdown \
+        2>&1 | grep -v -i "warn" | tee "$OUT/build.txt" | tail -25
+}
 if [ -n "${SERVE_FIRST:-}" ]; then serve; generation; tests; else tests; serve; generation; fi
+cold_builds
 if [ "${PASSES_S:-0}" != 0 ]; then
     TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-passes timeout "${PASSES_S}" \
         python3 tools/bench_passes.py --cudagraph ${PASSES_ARGS:---e2e} --json "$OUT/passes.json" \
