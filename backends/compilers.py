@@ -15,8 +15,11 @@ in the model, another bucket with the same code, a build after a failed one) bui
 only what did. Every artifact made from such objects is still proven against its piece
 before it is stored (``Builder``), as a fresh compile is.
 
-Inductor's checks of the CPU's vector instructions are recorded there too, once per
-environment, and every later process takes the record instead of checking again.
+Inductor's checks of the CPU's vector instructions (a compile and a load per ISA, tens of
+seconds on a loaded machine) are recorded once per environment in the probe folder,
+beside the toolchain's verdict (the probe's own build records them first), and every
+later build in any store that shares that folder takes the record instead of checking
+again.
 
 The cache lives in the work folder, so it has the work folder's rules: private to the
 store's owner and checked like the store, counted by ``stats``, emptied by ``gc`` when
@@ -45,37 +48,41 @@ from cachebuild.compat import CxxBuild
 _KEY_VERSION = "1"
 
 _state = threading.Lock()
-_cache: dict[str, Path | None] = {"dir": None}
+#: While ``watch`` runs: the C++ object cache (``dir``) and where ISA verdicts are kept.
+_cache: dict[str, Path | None] = {"dir": None, "records": None}
 
 
 @contextlib.contextmanager
-def watch(work: Path) -> Iterator[Path]:
+def watch(work: Path, records: Path | None = None) -> Iterator[Path]:
     """Time this process's compiler work and reuse C++ objects from ``work``'s ``cxx/``
-    cache while the block runs, and Inductor's verdict on the CPU's vector ISAs; yields
-    the cache folder."""
+    cache while the block runs, and take Inductor's verdict on the CPU's vector ISAs from
+    ``records`` (a private folder kept per environment, the probe's; default the cache
+    folder), checking and recording it there once; yields the cache folder."""
     compat.hook_compilers(_cxx, clock.phase)
     compat.hook_vec_isa_list(_vec_isas)
     folder = work / "cxx"
     folder.mkdir(mode=0o700, exist_ok=True)
     with _state:
-        saved, _cache["dir"] = _cache["dir"], folder
+        saved = dict(_cache)
+        _cache.update(dir=folder, records=records or folder)
     try:
         yield folder
     finally:
         with _state:
-            _cache["dir"] = saved
+            _cache.update(saved)
 
 
 _isas: dict[str, list[Any]] = {}
 
 
 def _vec_isas(check: Callable[[], list[Any]]) -> list[Any]:
-    """Inductor's usable vector ISAs: checked once per environment and work folder (a
-    compile and a load in a child process per ISA, seconds apiece on a busy machine) and
-    recorded in the cache as ``vec_isa-<key>.json``; every later process (every build
-    worker) takes the record. The key holds torch's build, the compiler Inductor uses and
-    the CPU's features, and a record naming a feature this CPU lacks is checked again."""
-    folder = _cache["dir"]
+    """Inductor's usable vector ISAs: checked once per environment (a compile and a load
+    in a child process per ISA, seconds apiece on a busy machine) and recorded in the
+    records folder as ``vec_isa-<key>.json``; every later process (every build worker,
+    every store sharing the probe folder) takes the record. The key holds torch's build,
+    the compiler Inductor uses and the CPU's features, and a record naming a feature this
+    CPU lacks is checked again."""
+    folder = _cache["records"]
     if folder is None:
         return check()
     compiler = compat.inductor_cxx()

@@ -110,6 +110,20 @@ def write_file(root: Path, name: str, data: bytes) -> Path:
 _BUILD_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR")
 
 
+def _isa_records(store: Store) -> Path | None:
+    """Where builds keep Inductor's verdict on the CPU's vector ISAs: the probe folder
+    (``$CACHEBUILD_PROBE_DIR`` or the store's), which lives per environment, where it is
+    ours to write; else None (the work folder)."""
+    from cachebuild.backends.probe import checked_dir
+    from cachebuild.errors import StoreError
+
+    try:
+        folder = checked_dir(store.probe_dir)
+    except (StoreError, OSError):  # a read-only store's folder, say
+        return None
+    return folder if os.access(folder, os.W_OK) else None
+
+
 @contextlib.contextmanager
 def build_work_dir(store: Store) -> Iterator[Path]:
     """Point the compilers of a build at the store's work folder (``store.work_dir``:
@@ -139,7 +153,7 @@ also times the compilers' phases). ``cachebuild stats`` counts that folder; ``gc
         undo_headers = compat.point_header_dir(str(folders["TORCHINDUCTOR_CACHE_DIR"] /
                                                    "precompiled_headers"))
         try:
-            with watch(root):
+            with watch(root, _isa_records(store)):
                 yield root
         finally:
             undo_headers()

@@ -267,7 +267,7 @@ def verdict(device: str, folder: Path | None = None) -> Verdict:
         if why is not None:
             log.warning("probing the C++ toolchain again: %s", why)
         if found is None or why is not None:
-            found = _probe_all(device, candidates, untrusted)
+            found = _probe_all(device, candidates, untrusted, folder)
             tmp = verdict_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(found.to_json()))
             os.replace(tmp, verdict_file)
@@ -306,17 +306,19 @@ def cached_verdicts(folder: Path | None = None) -> list[Verdict]:
 
 
 def _probe_all(device: str, candidates: list[str],
-               untrusted: list[tuple[str, str]] | None = None) -> Verdict:
+               untrusted: list[tuple[str, str]] | None = None,
+               records: Path | None = None) -> Verdict:
     """Probe every candidate at once (each in its own child); the first in order that
     passes wins, and the ones before it (and ``untrusted``, never run) are refused with
-    why."""
+    why. Each child records the CPU's vector ISAs its build checked in ``records`` (the
+    probe folder: ``compilers.watch``), so builds with that compiler check none."""
     from concurrent.futures import ThreadPoolExecutor
 
     kind = device.split(":")[0]
     versions = {path: compiler_version(path) for path in candidates}
     runnable = [p for p in candidates if versions[p] is not None]
     with ThreadPoolExecutor(max_workers=max(1, len(runnable))) as pool:
-        results = dict(zip(runnable, pool.map(lambda p: _probe_one(device, p), runnable),
+        results = dict(zip(runnable, pool.map(lambda p: _probe_one(device, p, records), runnable),
                            strict=True))
     refused: list[tuple[str, str]] = list(untrusted or [])
     for path in candidates:
@@ -331,9 +333,10 @@ def _probe_all(device: str, candidates: list[str],
     return Verdict(kind, None, refused)
 
 
-def _probe_one(device: str, compiler: str) -> tuple[bool, str]:
+def _probe_one(device: str, compiler: str, records: Path | None = None) -> tuple[bool, str]:
     """Build, load and run the tiny package with ``compiler`` in a child process, whose
-    compilers write (caches, precompiled headers, temp files) into a folder removed after."""
+    compilers write (caches, precompiled headers, temp files) into a folder removed after,
+    and which records its ISA checks in ``records``."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="cachebuild-probe-") as work:
@@ -341,7 +344,7 @@ def _probe_one(device: str, compiler: str) -> tuple[bool, str]:
                "TRITON_CACHE_DIR": work}
         try:
             proc = subprocess.run([sys.executable, "-m", "cachebuild.backends.probe", device,
-                                   compiler], capture_output=True, text=True,
+                                   compiler, str(records or "")], capture_output=True, text=True,
                                   timeout=PROBE_TIMEOUT_S, env=env)
         except subprocess.TimeoutExpired:
             return False, f"timed out after {PROBE_TIMEOUT_S:.0f} s"
@@ -355,13 +358,15 @@ def _probe_one(device: str, compiler: str) -> tuple[bool, str]:
     return False, f"exit {proc.returncode}: {tail[:200]}"
 
 
-def _probe(device: str, compiler: str | None) -> None:
-    """The child: build the tiny package with ``compiler``, load it, run it, check it."""
+def _probe(device: str, compiler: str | None, records: str = "") -> None:
+    """The child: build the tiny package with ``compiler`` (recording the ISA checks the
+    build makes in ``records``, if named), load it, run it, check it."""
     import tempfile
 
     import torch
 
     from cachebuild.backends import aoti
+    from cachebuild.backends.compilers import watch
 
     class Tiny(torch.nn.Module):
         def forward(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
@@ -371,7 +376,8 @@ def _probe(device: str, compiler: str | None) -> None:
     w = torch.randn(16, 16, device=device)
     with tempfile.TemporaryDirectory() as tmp:
         ep = torch.export.export(Tiny(), (x, w), strict=False)
-        package = aoti.build_package(ep, os.path.join(tmp, "probe.pt2"), {}, compiler)
+        with watch(Path(tmp), Path(records) if records else None):
+            package = aoti.build_package(ep, os.path.join(tmp, "probe.pt2"), {}, compiler)
         print("built", flush=True)
         run = aoti.load_package(package, device)
         (out,) = run(x, w)
@@ -393,4 +399,5 @@ def _probe(device: str, compiler: str | None) -> None:
 
 
 if __name__ == "__main__":
-    _probe(sys.argv[1] if len(sys.argv) > 1 else "cpu", sys.argv[2] if len(sys.argv) > 2 else None)
+    _probe(sys.argv[1] if len(sys.argv) > 1 else "cpu", sys.argv[2] if len(sys.argv) > 2 else None,
+           sys.argv[3] if len(sys.argv) > 3 else "")

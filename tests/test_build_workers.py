@@ -78,3 +78,49 @@ def test_phases_count_each_second_once():
     assert list(clock.report()) == [p for p in PHASES if p in clock.seconds]
     with phase("lowering"):  # no clock on this thread: nothing recorded anywhere
         pass
+
+
+def test_the_cpus_vector_isas_are_checked_once_per_environment(tmp_path, monkeypatch):
+    """Inductor's ISA checks (a compile and a load per ISA) run once for a records folder
+    (the probe's, shared by every store of the environment) and are taken from its record
+    after, by any work folder; a record this CPU cannot honour is checked again."""
+    import json
+
+    from cachebuild import compat
+    from cachebuild.backends import compilers
+    from torch._inductor import cpu_vec_isa
+
+    isas = cpu_vec_isa.valid_vec_isa_list()  # what Inductor finds here, checked
+    checks = []
+
+    def check():
+        checks.append(1)
+        return isas
+
+    monkeypatch.setattr(compilers, "_isas", {})
+    records = tmp_path / "probe"
+    records.mkdir()
+    with _work(tmp_path / "a", records):
+        first = compilers._vec_isas(check)
+    assert checks == [1] and [str(i) for i in first] == [str(i) for i in isas]
+    (record,) = records.glob("vec_isa-*.json")
+    monkeypatch.setattr(compilers, "_isas", {})  # a new process, another store
+    with _work(tmp_path / "b", records):
+        again = compilers._vec_isas(check)
+    assert checks == [1]
+    assert [(str(i), i.build_arch_flags()) for i in again] == [
+        (str(i), i.build_arch_flags()) for i in isas]
+    assert json.loads(record.read_text()) == compat.vec_isa_record(isas)
+    record.write_text(json.dumps([["avx9000", "-mavx9000"]]))  # no such ISA here
+    monkeypatch.setattr(compilers, "_isas", {})
+    with _work(tmp_path / "c", records):
+        compilers._vec_isas(check)
+    assert checks == [1, 1]
+    assert json.loads(record.read_text()) == compat.vec_isa_record(isas)
+
+
+def _work(folder, records):
+    from cachebuild.backends import compilers
+
+    folder.mkdir()
+    return compilers.watch(folder, records)

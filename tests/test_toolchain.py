@@ -72,6 +72,12 @@ def test_probe_refuses_a_compiler_whose_libraries_crash_and_picks_the_next(tmp_p
     assert verdict.refused[0][0] == str(bad)
     assert "crashed on load (SIGSEGV)" in verdict.refused[0][1]
     assert "refused" in out["line"] and str(bad) in out["line"]
+    # The chosen compiler's build recorded the CPU's vector ISAs beside the verdict (for
+    # every later build in any store sharing the folder to take).
+    from cachebuild import compat
+
+    records = [json.loads(p.read_text()) for p in (tmp_path / "probe").glob("vec_isa-*.json")]
+    assert any(r and compat.vec_isas_from_record(r) for r in records), records
     # The verdict is cached per environment: the wrapper is not built with again.
     monkeypatch.setenv("CACHEBUILD_PROBE_DIR", str(tmp_path / "probe"))
     cached = probe.cached_verdicts()

@@ -161,9 +161,9 @@ def main() -> None:
         else dict(SIZE_ENV)
 
     def measure() -> dict[str, Any]:
-        info = start(args.device)  # the probe, once, in a folder every child shares
         variants = {}
         with tempfile.TemporaryDirectory(prefix="bench-wrapper-") as tmp:
+            info = start(args.device, Path(tmp))  # bytecode and probe, once, for every child
             for name in args.variants:
                 store, ind = Path(tmp) / f"{name}-store", Path(tmp) / f"{name}-inductor"
                 built = run_child("build", name, store, ind, args.layers, args.reps, size)
