@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from cachebuild.entry import Entry
     from cachebuild.passes import PassManager
     from cachebuild.store.base import Store
+    from cachebuild.workers import BuildPool
 
 log = logging.getLogger("cachebuild.build")
 
@@ -339,11 +340,12 @@ def load_needs(keys: list[str], builder: Builder) -> LoadNeeds:
 
 
 def _build_in_workers(jobs: list[BuildJob], builder: Builder,
-                      done: Callable[[str, float], None]) -> None:
+                      done: Callable[[str, float], None], pool: BuildPool | None = None) -> None:
     """Build ``jobs`` in worker processes at once where that can be done exactly as here
     (``workers.setup_for``) and more than one worker is to be had (``cold_start_jobs``);
     else leave them to the caller, which builds them one after another. A job a worker
-    failed is left too: building it here raises its error, as a build here would."""
+    failed is left too: building it here raises its error, as a build here would.
+    ``pool``: workers started already (``early_pool``; the caller closes it)."""
     from cachebuild.workers import BuildPool, cold_start_jobs, setup_for
 
     workers = cold_start_jobs(len(jobs))
@@ -373,8 +375,27 @@ def _build_in_workers(jobs: list[BuildJob], builder: Builder,
             builder.worker_phases[target.key] = result.phases
         done(f"piece {target.piece} {bucket_label(target.bucket)}", result.seconds)
 
-    with BuildPool(workers, setup) as pool:
-        pool.run(sorted(jobs, key=lambda j: -len(j.nodes)), finished)
+    ordered = sorted(jobs, key=lambda j: -len(j.nodes))
+    if pool is not None:
+        pool.begin(setup)
+        pool.grow(workers)
+        pool.run(ordered, finished)
+        return
+    with BuildPool(workers, setup) as started:
+        started.run(ordered, finished)
+
+
+def early_pool(store: Store, config: CompileConfig) -> BuildPool | None:
+    """Build workers for a cold start, started before its trace so that their imports
+    overlap it (``expected_targets`` of them; told what to build after the plan), or None
+    where its builds would not go to workers: one job (``CACHEBUILD_BUILD_JOBS=1``), a
+    backend not built in, a store workers cannot open."""
+    from cachebuild.workers import BuildPool, cold_start_jobs, expected_targets, store_options
+
+    if config.backend not in ("inductor", "eager_fusion") or store_options(store) is None:
+        return None
+    workers = cold_start_jobs(expected_targets(len(config.buckets())))
+    return BuildPool(workers) if workers > 1 else None
 
 
 def jobs_of(entry: Entry, config: CompileConfig) -> dict[str, BuildJob]:
@@ -389,7 +410,7 @@ def jobs_of(entry: Entry, config: CompileConfig) -> dict[str, BuildJob]:
 
 def resolve_all(entry: Entry, builder: Builder, *, warm: bool = False,
                 on_missing: Callable[[int, int], None] | None = None,
-                workers: bool = True) -> dict[str, Any]:
+                workers: bool = True, pool: BuildPool | None = None) -> dict[str, Any]:
     """Every unique target of ``entry``, loaded or built.
 
     ``warm``: ``entry`` was found stored (a warm start, counted as such); if loading its
@@ -400,7 +421,7 @@ def resolve_all(entry: Entry, builder: Builder, *, warm: bool = False,
     progress (``notice.build_progress``). Missing targets build in worker processes where
     they can (``_build_in_workers``); ``workers``: False builds every missing target in
     this process, one after another (targets that build in seconds, while workers build
-    others).
+    others); ``pool``: workers started already for them (``early_pool``).
     """
     from cachebuild.notice import build_progress
 
@@ -425,7 +446,7 @@ def resolve_all(entry: Entry, builder: Builder, *, warm: bool = False,
         on_missing(len(missing), len(jobs))
     with build_progress(len(missing)) as done:
         if workers and len(missing) > 1:
-            _build_in_workers([jobs[key] for key in missing], builder, done)
+            _build_in_workers([jobs[key] for key in missing], builder, done, pool)
         for key in missing:
             start = time.perf_counter()
             loaded[key] = builder.resolve(jobs[key])  # built by a worker: a load

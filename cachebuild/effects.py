@@ -71,7 +71,8 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
-def _storage(t: torch.Tensor) -> Any:
+def storage_of(t: torch.Tensor) -> Any:
+    """A hashable handle on ``t``'s memory, equal for every tensor that shares it."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
     return StorageWeakRef(t.untyped_storage())
@@ -95,7 +96,7 @@ def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any], fake_mode: Any = N
             changed = [t for _, t, version in before if t._version != version]
             written = []
             for t in changed + _schema_written(n, self.env):
-                base = owner.get(_storage(t))
+                base = owner.get(storage_of(t))
                 if base is not None and base not in written:
                     written.append(base)
             if written:
@@ -107,13 +108,13 @@ def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any], fake_mode: Any = N
                 effects.same[n] = same
             tensors = _tensors(result)
             if tensors:
-                bases = [owner.get(_storage(t)) for t in tensors]
+                bases = [owner.get(storage_of(t)) for t in tensors]
                 if all(b is not None for b in bases):
                     effects.base[n] = bases[0]  # type: ignore[assignment]
                 else:
                     effects.base[n] = n
                     for t in tensors:
-                        owner.setdefault(_storage(t), n)
+                        owner.setdefault(storage_of(t), n)
             return result
 
     if fake_mode is None:

@@ -16,7 +16,7 @@ import torch
 import torch.fx as fx
 from torch.fx.passes.split_module import split_module
 
-from cachebuild.effects import Effects, eliminate_dead_code, graph_effects, might_write
+from cachebuild.effects import Effects, eliminate_dead_code, graph_effects, might_write, storage_of
 from cachebuild.errors import UsageError
 from cachebuild.facts import (
     InputMeta,
@@ -179,6 +179,7 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
     _check_still_symbolic(traced)
 
     pieces = []
+    written_by_shape: dict[str, list[int]] = {}  # pieces alike write alike: run one of each
     for node in stitch.graph.nodes:
         if node.op != "call_module":
             continue
@@ -190,6 +191,9 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
         node.args = tuple(node.args[i] for i in kept)
         fake_args = [fake_args[i] for i in kept]
         metas = [meta_of(a) for a in fake_args]
+        shape = _shape_of(sub, metas, fake_args)
+        if shape not in written_by_shape:
+            written_by_shape[shape] = graph_effects(sub, fake_args, fake_mode).written_inputs
         pieces.append(Piece(
             index=len(pieces),
             name=node.target,
@@ -198,10 +202,27 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
             input_metas=metas,
             single_output=not isinstance(node.meta["example_value"], (tuple, list)),
             size_input=_size_input(metas),
-            written=graph_effects(sub, fake_args, fake_mode).written_inputs,
+            written=list(written_by_shape[shape]),
         ))
     stitch.recompile()
     return SplitPlan(stitch=stitch, pieces=pieces, written_inputs=effects.written_inputs)
+
+
+def _shape_of(gm: fx.GraphModule, metas: list[Any], fake_args: list[Any]) -> str:
+    """What decides which inputs ``gm`` writes when run on ``fake_args``: its nodes (their
+    operations and what they read, by position; not the inputs' names, which a decoder's
+    layers do not share), its inputs' metadata, and which inputs share memory."""
+    index: dict[fx.Node, int] = {}
+    parts = []
+    for i, node in enumerate(gm.graph.nodes):
+        index[node] = i
+        target = "" if node.op == "placeholder" else repr(node.target)
+        parts.append(repr((node.op, target,
+                           fx.node.map_arg((node.args, node.kwargs), lambda a: f"%{index[a]}"))))
+    first: dict[Any, int] = {}  # storage → the first input holding it
+    shared = [first.setdefault(storage_of(a), i) if isinstance(a, torch.Tensor) else -1
+              for i, a in enumerate(fake_args)]
+    return "\n".join([*parts, repr(metas), repr(shared)])
 
 
 def _describe(node: fx.Node) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cachebuild import notice
-from cachebuild.build import Builder, resolve_all
+from cachebuild.build import Builder, early_pool, resolve_all
 from cachebuild.counters import phase
 from cachebuild.entry import record_entry
 from cachebuild.errors import StoreError, transient
@@ -84,6 +84,8 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     if remembered is not None:
         return Started(None, remembered)
     warm = found.entry is not None
+    # A cold start's build workers start before its trace: their imports overlap it.
+    pool = early_pool(store, config) if not warm and config.while_building == "wait" else None
     try:
         entry = found.entry
         if entry is None:
@@ -94,7 +96,7 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
         if interim is not None:
             entry, loaded, swap = interim
         else:
-            loaded = resolve_all(entry, builder, warm=warm,
+            loaded = resolve_all(entry, builder, warm=warm, pool=pool,
                                  on_missing=lambda n, total: notice.must_build(model, n, total,
                                                                                warm))
             if found.why != "fresh":
@@ -104,6 +106,9 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             raise  # the machine's or the store's trouble: another start may succeed
         FAILED[found.key] = e
         return Started(None, e, first=True)
+    finally:
+        if pool is not None:
+            pool.close()
     runtime = ModelRuntime(entry, loaded, model, config, dynamic_dims)
     started = Started(runtime, ready_at=time.perf_counter(), swap=swap)
     if capture and runtime.capturer is not None and runtime.capturer.policy == "eager":

@@ -29,6 +29,7 @@ from cachebuild.errors import UsageError
 
 if TYPE_CHECKING:
     from cachebuild.build import BuildJob
+    from cachebuild.config import CompileConfig
     from cachebuild.entry import Entry
     from cachebuild.planner import Lookup, Planner
     from cachebuild.store.base import Store
@@ -204,10 +205,11 @@ Say = Callable[[str], None]
 
 def plan_model(source: Source, store: Store, device: str | None = None,
                pending: dict[str, Entry] | None = None, rank: int | None = None,
-               say: Say | None = None, on_trace: Callable[[], None] | None = None) -> Planned:
+               say: Say | None = None,
+               on_trace: Callable[[CompileConfig], None] | None = None) -> Planned:
     """Build the model's spec and find its entry: the stored one (or one in ``pending``,
     planned for another rank) if fresh, else a new trace (``say`` is told why, and
-    ``on_trace()`` called first)."""
+    ``on_trace(config)`` called first)."""
     from cachebuild.planner import Planner
 
     spec = _spec_on(source.build(), device)
@@ -221,14 +223,14 @@ def plan_model(source: Source, store: Store, device: str | None = None,
             who = f" as rank {rank}" if rank is not None else ""
             say(f"tracing {source.name}{who}: {reason(found.why, store, found.factors)}")
         if on_trace is not None:
-            on_trace()
+            on_trace(spec.config)
         entry = planner.trace(spec.example_inputs, found)
     return Planned(spec, planner, entry, found.why, found, rank)
 
 
 def plan_group(source: Source, store: Store, device: str | None = None,
                world_size: int | None = None, say: Say | None = None,
-               on_trace: Callable[[], None] | None = None) -> Iterator[Planned]:
+               on_trace: Callable[[CompileConfig], None] | None = None) -> Iterator[Planned]:
     """``plan_model(...)``, or with ``world_size`` one Planned per rank, each planned in
     this process under torch's fake process group as that rank, and handed out while that
     rank's group is up (what the caller checks on the rank's model sees it as the rank).
@@ -464,7 +466,7 @@ def warm(model: ModelSource, *, store: StoreArg = None,
     from cachebuild.build import jobs_of
     from cachebuild.counters import COUNTERS
     from cachebuild.entry import record_entry
-    from cachebuild.workers import jobs_here, usable_cpus
+    from cachebuild.workers import expected_targets, jobs_here, usable_cpus
 
     start = time.perf_counter()
     opened, options, owned = open_given(store)
@@ -473,10 +475,11 @@ def warm(model: ModelSource, *, store: StoreArg = None,
     try:
         source = source_of(model)
 
-        def start_workers() -> None:
+        def start_workers(config: CompileConfig | None = None) -> None:
             nonlocal pool
             if pool is None and not dry_run and source.file is not None and options is not None:
-                pool = start_pool(jobs or jobs_here(usable_cpus()), str(source.file), options)
+                guess = expected_targets(len(config.buckets())) if config else usable_cpus()
+                pool = start_pool(jobs or jobs_here(guess), str(source.file), options)
 
         group = list(plan_group(source, opened, device, world_size, say, start_workers))
         report = _report(group, opened, world_size)
@@ -514,6 +517,8 @@ def warm(model: ModelSource, *, store: StoreArg = None,
                 if pool is None:
                     start_workers()
                 assert pool is not None
+                if jobs is None:  # the guess at the trace may have been short
+                    pool.grow(jobs_here(len(missing)))
                 build_jobs(missing, pool, str(source.file), options, finished, phases)
             else:
                 _build_here(missing, opened, finished, phases)

@@ -22,7 +22,19 @@ def serve(results_fd: int) -> None:
 
     jobs = sys.stdin.buffer
     results = os.fdopen(results_fd, "wb")
-    setup: WorkerSetup = receive(jobs)
+    # What every build needs, imported before the setup is read: a pool may start before
+    # its caller knows what it will build, and these imports overlap that (a trace, say).
+    import torch._inductor.compile_fx  # noqa: F401
+    import torch.export  # noqa: F401
+
+    import cachebuild.passes.ops  # noqa: F401  # the fusion passes' ops
+    from cachebuild.build import build_one
+    from cachebuild.store.options import open_store
+
+    try:
+        setup: WorkerSetup = receive(jobs)
+    except EOFError:  # closed before it was told anything
+        return
     said: list[tuple[str, str]] = []
     show = warnings.showwarning
 
@@ -36,14 +48,6 @@ def serve(results_fd: int) -> None:
     for path in reversed(setup.sys_path):
         if path not in sys.path:
             sys.path.insert(0, path)
-    # What every build needs, imported now: it overlaps whatever the caller does meanwhile.
-    import torch._inductor.compile_fx  # noqa: F401
-    import torch.export  # noqa: F401
-
-    import cachebuild.passes.ops  # noqa: F401  # the fusion passes' ops
-    from cachebuild.build import build_one
-    from cachebuild.store.options import open_store
-
     if setup.model_file:
         from cachebuild.modelfile import import_model
 

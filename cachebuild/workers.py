@@ -1,11 +1,12 @@
 """Targets built in worker processes: ``BuildPool``, and how many workers fit here.
 
 A worker is ``python -m cachebuild.worker``, started at once (so that its imports of
-torch and Inductor overlap whatever the caller does meanwhile, a trace say); it imports
-what the jobs need to resolve their ops (a model file, or the modules that registered
-them), opens the caller's store by its options and builds one job at a time through
-``Builder.build`` (under the key's lock: a worker never builds what another process is
-building). Jobs and results travel pickled over the worker's stdin and a pipe of its
+torch and Inductor overlap whatever the caller does meanwhile, a trace say: a pool may be
+started before the caller knows what it will build, and told how later, ``begin``); it
+imports what the jobs need to resolve their ops (a model file, or the modules that
+registered them), opens the caller's store by its options and builds one job at a time
+through ``Builder.build`` (under the key's lock: a worker never builds what another process
+is building). A worker that never got a job is stopped at once when the pool closes. Jobs and results travel pickled over the worker's stdin and a pipe of its
 own, so what the model file prints never mixes with them, and the caller's ``__main__``
 is never run again in a worker (``multiprocessing``'s spawn would run a server script's
 top level once per worker).
@@ -18,7 +19,8 @@ fails the job it held, naming how it ended, and the next job starts a new worker
 ``jobs_here(n)``: how many workers ``n`` targets get by default: no more than the CPUs
 this process may use, nor than the memory available holds at ``CACHEBUILD_BUILD_MEMORY``
 (default 1.5 GiB) per build: a worker of the example model peaks at 0.5 GiB and its C++
-compiler at another 0.5 GiB (measured on CPU, torch 2.13).
+compiler at another 0.5 GiB (measured on CPU, torch 2.13). Before a trace says how many
+targets there are, ``expected_targets`` guesses.
 """
 
 from __future__ import annotations
@@ -96,6 +98,13 @@ def jobs_here(targets: int) -> int:
     if memory is not None:
         jobs = min(jobs, max(1, memory // build_memory()))
     return max(1, jobs)
+
+
+def expected_targets(buckets: int) -> int:
+    """How many targets a model is expected to have before its trace says: a decoder's
+    pieces come in three kinds (the first, the repeated middle, the last), each built per
+    bucket. A pool started on this guess grows if the plan asks for more."""
+    return 3 * max(1, buckets)
 
 
 def cold_start_jobs(targets: int) -> int:
@@ -223,7 +232,11 @@ class Result:
 
 
 class _Worker:
-    def __init__(self, setup: WorkerSetup) -> None:
+    """One worker process; told what to set up now (``setup``) or later (``begin``)."""
+
+    def __init__(self, setup: WorkerSetup | None) -> None:
+        self.used = False
+        self.told = False
         read, write = os.pipe()
         env = dict(os.environ, PYTHONUNBUFFERED="1")
         try:
@@ -235,9 +248,15 @@ class _Worker:
         self.results: BinaryIO = os.fdopen(read, "rb")
         assert self.proc.stdin is not None
         self.jobs: BinaryIO = self.proc.stdin
+        if setup is not None:
+            self.begin(setup)
+
+    def begin(self, setup: WorkerSetup) -> None:
         send(self.jobs, setup)
+        self.told = True
 
     def run(self, job: BuildJob) -> Result:
+        self.used = True
         try:
             send(self.jobs, job)
             result = receive(self.results)
@@ -252,6 +271,8 @@ class _Worker:
     def close(self) -> None:
         with contextlib.suppress(OSError):
             self.jobs.close()
+        if not self.used and self.proc.poll() is None:
+            self.proc.terminate()  # still importing, say: it holds nothing to finish
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -265,9 +286,10 @@ class _Worker:
 
 
 class BuildPool:
-    """``workers`` build worker processes, started now; ``run`` hands them jobs."""
+    """``workers`` build worker processes, started now; ``run`` hands them jobs. Without
+    ``setup``, they import what every build needs and wait for ``begin(setup)``."""
 
-    def __init__(self, workers: int, setup: WorkerSetup) -> None:
+    def __init__(self, workers: int, setup: WorkerSetup | None = None) -> None:
         self.setup = setup
         self._idle = [_Worker(setup) for _ in range(max(1, workers))]
 
@@ -275,9 +297,23 @@ class BuildPool:
     def size(self) -> int:
         return len(self._idle)
 
+    def begin(self, setup: WorkerSetup) -> None:
+        """Tell the workers started without a setup what to set up."""
+        self.setup = setup
+        for worker in self._idle:
+            if not worker.told:
+                worker.begin(setup)
+
+    def grow(self, workers: int) -> None:
+        """Start workers until there are ``workers``."""
+        while len(self._idle) < workers:
+            self._idle.append(_Worker(self.setup))
+
     def run(self, jobs: list[BuildJob], on_done: Callable[[BuildJob, Result], None]) -> None:
         """Build ``jobs``, each in the first free worker, calling ``on_done(job, result)``
         on this thread as each finishes; returns when all are done."""
+        if self.setup is None:
+            raise RuntimeError("BuildPool.run before begin(setup)")
         pending = list(jobs)
         lock = threading.Lock()
         finished: list[tuple[BuildJob, Result]] = []

@@ -86,9 +86,10 @@ def test_the_cpus_vector_isas_are_checked_once_per_environment(tmp_path, monkeyp
     after, by any work folder; a record this CPU cannot honour is checked again."""
     import json
 
+    from torch._inductor import cpu_vec_isa
+
     from cachebuild import compat
     from cachebuild.backends import compilers
-    from torch._inductor import cpu_vec_isa
 
     isas = cpu_vec_isa.valid_vec_isa_list()  # what Inductor finds here, checked
     checks = []
@@ -124,3 +125,18 @@ def _work(folder, records):
 
     folder.mkdir()
     return compilers.watch(folder, records)
+
+
+def test_a_pool_started_before_its_setup_waits_for_it_and_closes_its_unused_workers():
+    """A cold start's workers start before its trace, told what to build after its plan;
+    the ones that never got a job end when the pool closes (not after their imports)."""
+    import pytest
+
+    from cachebuild.workers import BuildPool
+
+    pool = BuildPool(2)
+    procs = [w.proc for w in pool._idle]
+    with pytest.raises(RuntimeError, match="begin"):
+        pool.run([], lambda job, result: None)
+    pool.close()
+    assert all(p.poll() is not None for p in procs)

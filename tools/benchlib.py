@@ -57,7 +57,7 @@ def primed(env: dict[str, str], work: Path, device: str = "cuda") -> str:
     env.pop("PYTHONDONTWRITEBYTECODE", None)  # else the cache stays empty
     seconds, toolchain = prime(env, device)
     print(f"bytecode cache primed and toolchain probed in {seconds:.1f} s: {toolchain}",
-          flush=True)
+          file=sys.stderr, flush=True)
     return toolchain
 
 
