@@ -6,7 +6,8 @@
 #   SERVE_ARGS="--modes eager,cb_build_aoti,cb_warm_aoti" bash tools/gpu_run.sh
 #
 # Time limits in seconds: TEST_S (default 300), SERVE_S (420), GEN_S (420), BUILD_S (0:
-# skipped; the cold-build benchmark, BUILD_ARGS), PASSES_S (0: skipped); 0 skips a part.
+# skipped; the cold-build benchmark, BUILD_ARGS), WRAPPER_S (0: skipped; AOTInductor's C++
+# options, WRAPPER_ARGS), PASSES_S (0: skipped); 0 skips a part.
 # SERVE_FIRST=1 runs the benchmarks before the tests. TESTS: the test files (default: every
 # GPU test file but the tensor-parallel ones).
 set -uo pipefail
@@ -51,6 +52,11 @@ cold_builds() {
 }
 if [ -n "${SERVE_FIRST:-}" ]; then serve; generation; tests; else tests; serve; generation; fi
 cold_builds
+if [ "${WRAPPER_S:-0}" != 0 ]; then
+    timeout "${WRAPPER_S}" python3 tools/bench_wrapper.py --device cuda \
+        ${WRAPPER_ARGS:---variants default no_pch wrapper_O0} --json 2>&1 | grep -v -i warn \
+        | tee "$OUT/wrapper.txt" | tail -25
+fi
 if [ "${PASSES_S:-0}" != 0 ]; then
     TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-passes timeout "${PASSES_S}" \
         python3 tools/bench_passes.py --cudagraph ${PASSES_ARGS:---e2e} --json "$OUT/passes.json" \
