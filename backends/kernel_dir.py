@@ -110,10 +110,12 @@ def write_file(root: Path, name: str, data: bytes) -> Path:
 _BUILD_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR")
 
 
-def _isa_records(store: Store) -> Path | None:
-    """Where builds keep Inductor's verdict on the CPU's vector ISAs: the probe folder
-    (``$CACHEBUILD_PROBE_DIR`` or the store's), which lives per environment, where it is
-    ours to write; else None (the work folder)."""
+def environment_dir(store: Store) -> Path | None:
+    """Where builds keep what holds for the whole environment (compiler, torch build,
+    CPU), not for one store: Inductor's verdict on the CPU's vector ISAs and its
+    precompiled C++ headers (``headers/``). That is the probe folder
+    (``$CACHEBUILD_PROBE_DIR`` or the store's), where it is ours to write; else None (the
+    work folder)."""
     from cachebuild.backends.probe import checked_dir
     from cachebuild.errors import StoreError
 
@@ -128,9 +130,11 @@ def _isa_records(store: Store) -> Path | None:
 def build_work_dir(store: Store) -> Iterator[Path]:
     """Point the compilers of a build at the store's work folder (``store.work_dir``:
     the store's ``work/``, or the folder the operator set) while the block runs, and put
-    everything back after: Inductor's cache and precompiled headers, Triton's cache and
-    the temp files both make, and the C++ objects builds reuse (``compilers.watch``, which
-also times the compilers' phases). ``cachebuild stats`` counts that folder; ``gc`` empties it
+    everything back after: Inductor's cache, Triton's cache and the temp files both make,
+    and the C++ objects builds reuse (``compilers.watch``, which also times the compilers'
+    phases); Inductor's precompiled headers and ISA checks go to ``environment_dir``
+    (hundreds of MB a compiler flag set, the same for every store of an environment, as
+    torch keeps them per machine). ``cachebuild stats`` counts that folder; ``gc`` empties it
     when no build holds it (each build holds it shared, by flock, while it runs)."""
     import tempfile
 
@@ -150,10 +154,12 @@ also times the compilers' phases). ``cachebuild stats`` counts that folder; ``gc
         saved_tempdir = tempfile.tempdir
         os.environ.update({name: str(folder) for name, folder in folders.items()})
         tempfile.tempdir = None  # read TMPDIR again
-        undo_headers = compat.point_header_dir(str(folders["TORCHINDUCTOR_CACHE_DIR"] /
-                                                   "precompiled_headers"))
+        environment = environment_dir(store)
+        undo_headers = compat.point_header_dir(str(
+            environment / "headers" if environment is not None
+            else folders["TORCHINDUCTOR_CACHE_DIR"] / "precompiled_headers"))
         try:
-            with watch(root, _isa_records(store)):
+            with watch(root, environment):
                 yield root
         finally:
             undo_headers()

@@ -360,13 +360,19 @@ def _probe_one(device: str, compiler: str, records: Path | None = None) -> tuple
 
 def _probe(device: str, compiler: str | None, records: str = "") -> None:
     """The child: build the tiny package with ``compiler`` (recording the ISA checks the
-    build makes in ``records``, if named), load it, run it, check it."""
+    build makes, and keeping the headers it precompiles, in ``records``, if named: what
+    every later build with that compiler takes), load it, run it, check it."""
     import tempfile
 
     import torch
+    import torch._inductor.codecache  # noqa: F401  # before its header folder is set
 
+    from cachebuild import compat
     from cachebuild.backends import aoti
     from cachebuild.backends.compilers import watch
+
+    if records:
+        compat.point_header_dir(os.path.join(records, "headers"))
 
     class Tiny(torch.nn.Module):
         def forward(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:

@@ -15,7 +15,7 @@ import models
 import pytest
 
 import cachebuild
-from cachebuild.backends.kernel_dir import build_work_dir
+from cachebuild.backends.kernel_dir import build_work_dir, environment_dir
 from cachebuild.store.options import StoreOptions, open_store
 
 NAMES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR")
@@ -32,7 +32,8 @@ def test_a_build_points_the_compilers_at_the_work_folder_and_back(open_local, tm
         assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(work / "inductor")
         assert os.environ["TRITON_CACHE_DIR"] == str(work / "triton")
         assert tempfile.gettempdir() == str(work / "tmp")
-        assert codecache._HEADER_DIR == str(work / "inductor" / "precompiled_headers")
+        # Precompiled headers are the environment's (its probe folder's), not the store's.
+        assert codecache._HEADER_DIR == str(environment_dir(store) / "headers")
         (work / "inductor" / "kernel.so").write_bytes(b"x" * 1000)
     assert {n: os.environ.get(n) for n in NAMES} == env_before
     assert tempfile.tempdir == tempdir_before and codecache._HEADER_DIR == headers_before
@@ -93,17 +94,21 @@ def test_the_operator_names_the_work_folder(tmp_path, monkeypatch):
 
 
 @pytest.mark.slow
-def test_an_inductor_build_keeps_its_precompiled_headers_in_the_store():
-    """The session's AOTI store was built in this process: Inductor's headers are in its
-    work folder, and Inductor's own folder setting is as it was before."""
+def test_an_inductor_build_keeps_its_precompiled_headers_with_the_environment():
+    """The session's AOTI store was built in this process: Inductor's headers are in the
+    probe folder (shared by every store of the environment, as the probe's verdict is),
+    none in the store's work folder, and Inductor's own folder setting is as it was."""
     from torch._inductor import config
+
+    from cachebuild.backends.probe import probe_dir
 
     if not (config.aot_inductor.precompile_headers or config.cpp_cache_precompile_headers):
         pytest.skip("Inductor precompiles no headers here")
     warmed = models.aoti_store()
     work = warmed["path"] / "v1" / "work"
-    headers = list(work.rglob("precompiled_headers/*.h"))
-    assert headers, sorted(str(p.relative_to(work)) for p in work.rglob("*"))[:20]
+    folder = probe_dir(warmed["path"] / "v1" / "probe") / "headers"
+    assert list(folder.glob("*.h")), sorted(str(p) for p in folder.parent.rglob("*"))[:20]
+    assert not list(work.rglob("*.gch"))
     import torch._inductor.codecache as codecache
 
     assert not codecache._HEADER_DIR.startswith(str(warmed["path"]))  # put back after
