@@ -87,6 +87,7 @@ def _vec_isas(check: Callable[[], list[Any]]) -> list[Any]:
         return check()
     compiler = compat.inductor_cxx()
     found = shutil.which(compiler)
+    found = os.path.realpath(found) if found else None  # `g++` and the file it links to
     try:
         info = os.stat(found) if found else None
     except OSError:

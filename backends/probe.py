@@ -343,8 +343,12 @@ def _probe_one(device: str, compiler: str, records: Path | None = None) -> tuple
         env = {**os.environ, "TMPDIR": work, "TORCHINDUCTOR_CACHE_DIR": work,
                "TRITON_CACHE_DIR": work}
         try:
+            # Builds run the compiler by its real path (``Compiler.factors``): so does the
+            # probe, so that what it records (ISA checks, precompiled headers, keyed by
+            # the command line) is what they look for.
             proc = subprocess.run([sys.executable, "-m", "cachebuild.backends.probe", device,
-                                   compiler, str(records or "")], capture_output=True, text=True,
+                                   os.path.realpath(compiler), str(records or "")],
+                                  capture_output=True, text=True,
                                   timeout=PROBE_TIMEOUT_S, env=env)
         except subprocess.TimeoutExpired:
             return False, f"timed out after {PROBE_TIMEOUT_S:.0f} s"
