@@ -221,3 +221,7 @@ def test_stats_says_which_compiler_builds_here_and_why_others_were_refused(plant
                                            "--json"])
     (toolchain,) = json.loads(result.output)["toolchains"]
     assert toolchain["compiler"]["path"] == "/usr/bin/g++" and toolchain["refused"]
+    # What the environment keeps (verdicts, ISA checks, precompiled headers) is counted.
+    environment = json.loads(result.output)["environment"]
+    assert environment["path"] == str(planted) and environment["files"] == 1
+    assert "environment files" in text and str(planted) in text

@@ -75,9 +75,10 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     (targets built and loaded and the time it took, traces, warm starts); with a remote,
     also by tier (L1/L2). --prometheus writes the same counters in the Prometheus text
     format, for a collector that reads files (node_exporter's textfile collector)."""
-    from cachebuild.backends.probe import cached_verdicts, unusable
+    from cachebuild.backends.probe import cached_verdicts, probe_dir, unusable
     from cachebuild.metrics import check_target, store_metrics, write
     from cachebuild.store.layout import UnsafeStore
+    from cachebuild.store.maintenance import work_usage
 
     if prometheus is not None:
         check_target(prometheus)  # before the store is read: a bad path is bad usage
@@ -95,6 +96,8 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
                            for v in verdicts]
     if probe_problem is not None:
         stats["toolchain_problem"] = probe_problem
+    else:  # the environment's files: verdicts, ISA checks, precompiled headers
+        stats["environment"] = work_usage(probe_dir(store.probe_dir).expanduser().absolute())
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
@@ -132,6 +135,12 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     if work is not None:  # what compilers wrote during builds: gc empties it
         rows.append(("build work files", f"{format_size(work['bytes'])} in "
                                          f"{plural(work['files'], 'file')} ({work['path']})"))
+    environment = stats.get("environment")
+    if environment is not None and environment["files"]:
+        rows.append(("environment files", f"{format_size(environment['bytes'])} in "
+                                          f"{plural(environment['files'], 'file')} "
+                                          f"({environment['path']}: toolchain verdicts, "
+                                          "ISA checks, precompiled headers)"))
     overlay = stats.get("overlay")
     if overlay is not None:  # a read-only store: where this user's builds go
         rows.append(("overlay", f"{overlay['path']} ({overlay['records']} records)"))
