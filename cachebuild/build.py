@@ -439,8 +439,8 @@ def resolve_all(entry: Entry, builder: Builder, *, warm: bool = False,
     if threads <= 1:
         loaded = {key: builder.load(key) for key in jobs}
     else:
-        with ThreadPoolExecutor(max_workers=threads) as pool:
-            loaded = dict(zip(jobs, pool.map(builder.load, jobs), strict=True))
+        with ThreadPoolExecutor(max_workers=threads) as loader:
+            loaded = dict(zip(jobs, loader.map(builder.load, jobs), strict=True))
     missing = [key for key, fn in loaded.items() if fn is None]
     if missing and on_missing is not None:
         on_missing(len(missing), len(jobs))

@@ -84,9 +84,11 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     if remembered is not None:
         return Started(None, remembered)
     warm = found.entry is not None
-    # A cold start's build workers start before its trace: their imports overlap it.
-    pool = early_pool(store, config) if not warm and config.while_building == "wait" else None
+    pool = None
     try:
+        if not warm and config.while_building == "wait":
+            # A cold start's build workers start before its trace: their imports overlap it.
+            pool = early_pool(store, config)
         entry = found.entry
         if entry is None:
             notice.must_trace(model, found.why, store, found.factors)

@@ -252,8 +252,9 @@ class _Worker:
             self.begin(setup)
 
     def begin(self, setup: WorkerSetup) -> None:
-        send(self.jobs, setup)
         self.told = True
+        with contextlib.suppress(OSError):  # died meanwhile: ``run`` starts another
+            send(self.jobs, setup)
 
     def run(self, job: BuildJob) -> Result:
         self.used = True
@@ -291,7 +292,13 @@ class BuildPool:
 
     def __init__(self, workers: int, setup: WorkerSetup | None = None) -> None:
         self.setup = setup
-        self._idle = [_Worker(setup) for _ in range(max(1, workers))]
+        self._idle: list[_Worker] = []
+        self._all: list[_Worker] = []  # every worker started, for ``close``
+        try:
+            self.grow(max(1, workers))
+        except BaseException:
+            self.close()
+            raise
 
     @property
     def size(self) -> int:
@@ -307,7 +314,9 @@ class BuildPool:
     def grow(self, workers: int) -> None:
         """Start workers until there are ``workers``."""
         while len(self._idle) < workers:
-            self._idle.append(_Worker(self.setup))
+            worker = _Worker(self.setup)
+            self._all.append(worker)
+            self._idle.append(worker)
 
     def run(self, jobs: list[BuildJob], on_done: Callable[[BuildJob, Result], None]) -> None:
         """Build ``jobs``, each in the first free worker, calling ``on_done(job, result)``
@@ -331,6 +340,7 @@ class BuildPool:
                     if not worker.alive:  # died after its last job: a new one takes this
                         worker.close()
                         worker = _Worker(self.setup)
+                        self._all.append(worker)
                     result = worker.run(job)
                 except Exception as e:  # a worker that cannot start: the job fails, said why
                     result = Result(job.target.key, False, 0.0,
@@ -357,8 +367,9 @@ class BuildPool:
             t.join()
 
     def close(self) -> None:
-        """End the workers (each after the job it holds)."""
-        workers, self._idle = self._idle, []
+        """End the workers (each after the job it holds), also any a ``run`` that was
+        interrupted still holds."""
+        workers, self._all, self._idle = self._all, [], []
         for worker in workers:
             worker.close()
 

@@ -140,3 +140,29 @@ def test_a_pool_started_before_its_setup_waits_for_it_and_closes_its_unused_work
         pool.run([], lambda job, result: None)
     pool.close()
     assert all(p.poll() is not None for p in procs)
+
+
+def test_a_warm_start_with_targets_gone_builds_them_in_workers(tmp_path, monkeypatch, caplog):
+    """A warm start whose artifacts load on threads (as Inductor's do), and whose store
+    lost targets since (evicted), builds the lost ones in workers."""
+    from cachebuild.backends.base import LoadNeeds
+
+    monkeypatch.setenv("CACHEBUILD_BUILD_JOBS", "2")
+    monkeypatch.setenv("CACHEBUILD_LOAD_THREADS", "2")
+    monkeypatch.setattr("cachebuild.build.LOADED", {})
+    model = models.make(models.Decoder, layers=2)
+    store = LocalStore(tmp_path / "store")
+    compiled = cachebuild.compile(model, models.config(), {0: 0, 1: 0}, store=store)
+    models.assert_matches_eager(compiled, model, models.inputs(7))
+    keys = sorted(compiled.runtime.entry.target_keys())
+    assert len(keys) >= 3
+    for key in keys[:2]:
+        assert store.delete(key)
+    monkeypatch.setattr("cachebuild.build.LOADED", {})  # as a fresh process
+    monkeypatch.setattr("cachebuild.build.load_needs",
+                        lambda keys, builder: LoadNeeds(inductor=True))
+    with caplog.at_level(logging.INFO, logger="cachebuild.build"):
+        again = cachebuild.compile(model, models.config(), {0: 0, 1: 0}, store=store)
+        models.assert_matches_eager(again, model, models.inputs(9))
+    assert "warm start from entry" in caplog.text
+    assert "building 2 targets in 2 worker processes" in caplog.text
