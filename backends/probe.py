@@ -310,8 +310,9 @@ def _probe_all(device: str, candidates: list[str],
                records: Path | None = None) -> Verdict:
     """Probe every candidate at once (each in its own child); the first in order that
     passes wins, and the ones before it (and ``untrusted``, never run) are refused with
-    why. Each child records the CPU's vector ISAs its build checked in ``records`` (the
-    probe folder: ``compilers.watch``), so builds with that compiler check none."""
+    why. Each child records in ``records`` (the probe folder) the CPU's vector ISAs its
+    build checked (``compilers.watch``) and the headers it precompiled, so builds with
+    that compiler make neither again."""
     from concurrent.futures import ThreadPoolExecutor
 
     kind = device.split(":")[0]
@@ -335,8 +336,8 @@ def _probe_all(device: str, candidates: list[str],
 
 def _probe_one(device: str, compiler: str, records: Path | None = None) -> tuple[bool, str]:
     """Build, load and run the tiny package with ``compiler`` in a child process, whose
-    compilers write (caches, precompiled headers, temp files) into a folder removed after,
-    and which records its ISA checks in ``records``."""
+    compilers write (caches, temp files) into a folder removed after, and which records its
+    ISA checks and precompiled headers in ``records``."""
     import tempfile
 
     with tempfile.TemporaryDirectory(prefix="cachebuild-probe-") as work:

@@ -466,7 +466,7 @@ def warm(model: ModelSource, *, store: StoreArg = None,
     from cachebuild.build import jobs_of
     from cachebuild.counters import COUNTERS
     from cachebuild.entry import record_entry
-    from cachebuild.workers import expected_targets, jobs_here, usable_cpus
+    from cachebuild.workers import expected_targets, jobs_here
 
     start = time.perf_counter()
     opened, options, owned = open_given(store)
@@ -475,13 +475,15 @@ def warm(model: ModelSource, *, store: StoreArg = None,
     try:
         source = source_of(model)
 
-        def start_workers(config: CompileConfig | None = None) -> None:
+        def start_workers(targets: int) -> None:
             nonlocal pool
             if pool is None and not dry_run and source.file is not None and options is not None:
-                guess = expected_targets(len(config.buckets())) if config else usable_cpus()
-                pool = start_pool(jobs or jobs_here(guess), str(source.file), options)
+                pool = start_pool(jobs or jobs_here(targets), str(source.file), options)
 
-        group = list(plan_group(source, opened, device, world_size, say, start_workers))
+        def before_trace(config: CompileConfig) -> None:  # a guess: the trace says later
+            start_workers(expected_targets(len(config.buckets())))
+
+        group = list(plan_group(source, opened, device, world_size, say, before_trace))
         report = _report(group, opened, world_size)
         model_phases = {name: round(COUNTERS.seconds.get(name, 0.0) - before.get(name, 0.0), 3)
                         for name in ("trace", "split") if name in COUNTERS.seconds}
@@ -514,8 +516,7 @@ def warm(model: ModelSource, *, store: StoreArg = None,
 
         if missing:
             if source.file is not None and options is not None:
-                if pool is None:
-                    start_workers()
+                start_workers(len(missing))
                 assert pool is not None
                 if jobs is None:  # the guess at the trace may have been short
                     pool.grow(jobs_here(len(missing)))

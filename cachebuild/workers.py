@@ -5,11 +5,12 @@ torch and Inductor overlap whatever the caller does meanwhile, a trace say: a po
 started before the caller knows what it will build, and told how later, ``begin``); it
 imports what the jobs need to resolve their ops (a model file, or the modules that
 registered them), opens the caller's store by its options and builds one job at a time
-through ``Builder.build`` (under the key's lock: a worker never builds what another process
-is building). A worker that never got a job is stopped at once when the pool closes. Jobs and results travel pickled over the worker's stdin and a pipe of its
-own, so what the model file prints never mixes with them, and the caller's ``__main__``
-is never run again in a worker (``multiprocessing``'s spawn would run a server script's
-top level once per worker).
+through ``build.build_one`` (under the key's lock: a worker never builds what another
+process is building). A worker that never got a job is stopped at once when the pool
+closes. Jobs and results travel pickled over the worker's stdin and a pipe of its own, so
+what the model file prints never mixes with them, and the caller's ``__main__`` is never
+run again in a worker (``multiprocessing``'s spawn would run a server script's top level
+once per worker).
 
 Every worker builds into the same store, and so into the same work folder: one Inductor
 cache, one Triton cache, one set of precompiled headers and one cache of C++ objects
@@ -314,9 +315,12 @@ class BuildPool:
     def grow(self, workers: int) -> None:
         """Start workers until there are ``workers``."""
         while len(self._idle) < workers:
-            worker = _Worker(self.setup)
-            self._all.append(worker)
-            self._idle.append(worker)
+            self._idle.append(self._start())
+
+    def _start(self) -> _Worker:
+        worker = _Worker(self.setup)
+        self._all.append(worker)
+        return worker
 
     def run(self, jobs: list[BuildJob], on_done: Callable[[BuildJob, Result], None]) -> None:
         """Build ``jobs``, each in the first free worker, calling ``on_done(job, result)``
@@ -339,8 +343,7 @@ class BuildPool:
                 try:
                     if not worker.alive:  # died after its last job: a new one takes this
                         worker.close()
-                        worker = _Worker(self.setup)
-                        self._all.append(worker)
+                        worker = self._start()
                     result = worker.run(job)
                 except Exception as e:  # a worker that cannot start: the job fails, said why
                     result = Result(job.target.key, False, 0.0,

@@ -397,16 +397,16 @@ def render(result: dict[str, Any], markdown: bool) -> str:
                     lines.append(f"{d['layers']} layers, serving while building: first "
                                  f"output {r['seconds']:.2f} s, first on its own targets "
                                  f"{r['swapped_s']:.2f} s ({r.get('swap_error') or 'swapped'})")
-                elif k == "edit" and "target_phases" in r:
-                    phases = ", ".join(f"{n} {v:.1f}" for n, v in r["target_phases"].items())
-                    model = ", ".join(f"{n} {v:.1f}" for n, v in r["model_phases"].items())
+                if "target_phases" not in r:
+                    continue
+                phases = ", ".join(f"{n} {v:.1f}" for n, v in r["target_phases"].items())
+                model = ", ".join(f"{n} {v:.1f}" for n, v in r["model_phases"].items())
+                if k == "edit":
                     lines.append(f"{d['layers']} layers, rebuild after a one-line edit: "
                                  f"{r['seconds']:.2f} s, {r['built']} built and "
                                  f"{r['stored']} already stored ({phases} s; "
                                  f"{r['cxx_reused']} C++ objects reused); model: {model} s")
-                elif "target_phases" in r:
-                    phases = ", ".join(f"{n} {v:.1f}" for n, v in r["target_phases"].items())
-                    model = ", ".join(f"{n} {v:.1f}" for n, v in r["model_phases"].items())
+                else:
                     lines.append(f"{d['layers']} layers, warm -j {r['jobs']}: {r['built']} "
                                  f"targets, {r['build_s']:.1f} s of builds ({phases} s; "
                                  f"{r['cxx_reused']} C++ objects reused); model: {model} s; "
