@@ -25,6 +25,7 @@ from cachebuild.counters import COUNTERS, snapshot
 from cachebuild.dynamo_backend import GraphForward
 from cachebuild.errors import CompileFailed, UsageError
 from cachebuild.facts import device_of
+from cachebuild.guards import Mismatch
 from cachebuild.inputs import layout_guards
 from cachebuild.passes import PassManager
 from cachebuild.planner import Planner
@@ -87,6 +88,10 @@ class CompiledModule(torch.nn.Module):
         self._store = store
         self._passes = passes
         self._runtime: ModelRuntime | None = None
+        #: Every forward made in this process, by entry key: the values the trace read
+        #: differ between them (an adapter, a flag); a call runs on the one whose guards
+        #: hold, so switching back traces and loads nothing.
+        self._variants: dict[str, ModelRuntime] = {}
         self._eager = False  # cannot be compiled and on_failure="eager": runs the model
         self.capture_report: CaptureReport | None = None  # of the latest eager capture
         #: The targets building in the background while interim ones serve
@@ -120,6 +125,7 @@ class CompiledModule(torch.nn.Module):
             return self._failed(started.error, first=started.first)
         COUNTERS.add_time("prepare", started.ready_at - began)
         self._runtime = started.runtime
+        self._variants[started.runtime.entry.key] = started.runtime
         if started.swap is not None:
             self.swap = started.swap
         if started.capture_report is not None:
@@ -137,6 +143,7 @@ class CompiledModule(torch.nn.Module):
         if started.capture_report is not None:
             self.capture_report = started.capture_report
         old, self._runtime = self._runtime, started.runtime
+        self._variants[started.runtime.entry.key] = started.runtime
         if old is not None and old.capturer is not None:
             old.capturer.stop()  # its graphs replay the interim targets: they go with it
         COUNTERS.swaps += 1
@@ -183,13 +190,48 @@ class CompiledModule(torch.nn.Module):
     def forward(self, *args: Any) -> Any:
         if self._runtime is None and not self._eager:
             self.prepare(*args)
-        if self._eager:
-            return self.model(*args)
+        if self._runtime is None:
+            return self.model(*args)  # on_failure="eager"
         if self.swap is not None and not self.swap.claimed and self.swap.done.is_set():
             self._swap_in(args)
         runtime = self._runtime  # read once: a call runs on one runtime from start to end
-        assert runtime is not None
+        wrong = runtime.guards.mismatches(self.model, args)
+        if wrong:
+            runtime = self._resolve(args, wrong)
+            if runtime is None:
+                return self.model(*args)  # on_failure="eager"
         return runtime(*args)
+
+    def _resolve(self, args: tuple[Any, ...], wrong: list[Mismatch]) -> ModelRuntime | None:
+        """The forward for values that changed since the current one was made (``wrong``
+        names them): one made earlier in this process whose guards hold, else a start for
+        the live values (a stored entry for them, found without tracing, or a trace). None
+        where that variant cannot be compiled and ``on_failure="eager"``; raises where it
+        cannot be compiled otherwise. Never the old forward."""
+        COUNTERS.guard_misses += 1
+        name = type(self.model).__name__
+        changed = "; ".join(m.describe() for m in wrong[:3]) + (
+            f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
+        current = self._runtime
+        for runtime in reversed(list(self._variants.values())):
+            if runtime is not current and not runtime.guards.mismatches(self.model, args):
+                COUNTERS.variant_switches += 1
+                log.info("cachebuild: %s changed since its last call (%s): it runs on the "
+                         "forward this process made earlier for these values", name, changed)
+                self._runtime = runtime
+                return runtime
+        log.info("cachebuild: %s changed since its last call (%s): finding or tracing its "
+                 "forward for these values", name, changed)
+        self._runtime = None
+        runtime = self.prepare(*args)
+        if runtime is None:
+            return None
+        left = runtime.guards.mismatches(self.model, args)
+        if left:  # a trace must read what it was given: never run a forward that differs
+            raise UsageError(f"{name}'s forward for its current values does not hold right "
+                             f"after it was made ({left[0].describe()}), so it is not run: "
+                             "compile it with torch.compile(model, backend=cachebuild.backend())")
+        return runtime
 
 
 def compile(model: torch.nn.Module, config: CompileConfig | None = None,

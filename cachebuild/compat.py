@@ -599,3 +599,37 @@ def inductor_cxx() -> str:
 
     cxx = config.cpp.cxx
     return str(cxx[-1] if isinstance(cxx, tuple | list) else cxx)
+
+
+def dict_watcher() -> Any:
+    """How this Python says that a dict changed (``dictwatch``): CPython's dict watchers
+    from 3.12, its dicts' version tags before (both CPython only)."""
+    import sys
+
+    from cachebuild import dictwatch
+
+    return dictwatch.watcher(sys.version_info >= (3, 12)
+                             and sys.implementation.name == "cpython")
+
+
+def environ_dict() -> tuple[dict[Any, Any], Callable[[str], Any]] | None:
+    """The dict behind ``os.environ`` and how a variable's name is its key there (CPython's
+    ``os._Environ``), or None where it has none."""
+    data = getattr(os.environ, "_data", None)
+    encode = getattr(os.environ, "encodekey", None)
+    return (data, encode) if isinstance(data, dict) and callable(encode) else None
+
+
+def process_state_signature() -> tuple[Any, ...]:
+    """A cheap summary of torch's process-wide state that ``guards.process_state`` reads:
+    equal summaries mean equal states (default dtype and device, deterministic algorithms,
+    autocast, the torch-function modes that set a default device). A few C calls, where
+    ``torch.get_default_device()`` alone costs microseconds."""
+    c = torch._C
+    depth = c._len_torch_function_stack()
+    modes = tuple(c._get_function_stack_at(i) for i in range(depth)) if depth else ()
+    autocast = c._is_any_autocast_enabled()
+    detail = (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")) \
+        if autocast else ()
+    return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
+            autocast, detail, modes)

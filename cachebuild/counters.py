@@ -30,6 +30,11 @@ class Counters:
     sizes_captured: int = 0  # sizes whose graphs were captured (every model, every policy)
     sizes_pending: int = 0   # sizes a background capture has yet to capture
     swaps: int = 0    # models that swapped from interim targets to theirs (while_building)
+    #: calls that found a value the trace read changed since the last call (an adapter
+    #: switched, a flag flipped): each ran on another forward, never the old one
+    guard_misses: int = 0
+    #: of those, calls served by a forward this process had made before for those values
+    variant_switches: int = 0
     seconds: dict[str, float] = field(default_factory=dict)  # per phase
 
     def add_time(self, phase: str, seconds: float) -> None:

@@ -25,6 +25,7 @@ from cachebuild.cudagraphs import capture_for, next_capture_size, pad_args, unpa
 from cachebuild.entry import Entry
 from cachebuild.errors import UsageError
 from cachebuild.facts import device_of, on_device
+from cachebuild.guard_watch import CallGuards
 from cachebuild.inputs import CallCheck, check_weight, layout_guards
 from cachebuild.outputs import output_builder
 from cachebuild.stitch import forward_over, stitch
@@ -54,6 +55,8 @@ class ModelRuntime:
         self.entry = entry
         self.model = model
         self.config = config
+        #: What the trace read besides tensors, checked by the front door before each call.
+        self.guards = CallGuards(entry.guard_set(), entry.sources)
         self.dynamic_dims = dict(dynamic_dims)
         self.bindings = list(entry.bindings)
         self.metas = list(entry.input_metas)

@@ -1,0 +1,133 @@
+"""Noticing that dicts changed without reading them: what keeps a guard check O(1).
+
+Most of what a trace reads lives in dicts: a module's ``__dict__`` (a flag, an adapter's
+name, ``training``), its ``_modules`` and ``_parameters``, its hook dicts, a module's
+globals, the environment. CPython says when a dict changes in two ways:
+
+- From 3.12, *dict watchers* (``PyDict_AddWatcher``): CPython calls a function on every
+  change of a dict marked as watched, with the key. ``DictWatcher`` bumps one counter when
+  the key is one somebody watches; a check compares that counter with the one it armed
+  with: one integer comparison, however many dicts.
+- On 3.11, every dict carries a version tag (``ma_version_tag``, PEP 509) that changes
+  whenever the dict does. ``TagPoll`` reads the tags of the watched dicts and compares:
+  one read per dict, no key filter.
+
+``watch(pairs)`` returns a function that is True while none of the watched dicts changed
+at a watched key (``ANY``: at any key) since it was made. Which of the two is used is
+``compat.dict_watch_kind``'s choice.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+#: A key that stands for every key of a dict (its length, its keys, any entry).
+ANY = object()
+
+# PyDictObject: ob_refcnt, ob_type, ma_used, then ma_version_tag (CPython, 64-bit).
+_TAG_OFFSET = 3 * ctypes.sizeof(ctypes.c_void_p)
+_DEALLOCATED = 5  # PyDict_EVENT_DEALLOCATED in CPython 3.12's enum
+
+
+class TagPoll:
+    """Watches by polling version tags (CPython 3.11 to 3.13).
+
+    The tags are read in one gather: a NumPy view of the address range that holds every
+    watched dict, indexed at their tags' places (a read of each tag, nothing else), so a
+    poll of a thousand dicts costs microseconds.
+    """
+
+    def watch(self, pairs: Iterable[tuple[dict[Any, Any], Any]]) -> Callable[[], bool]:
+        import numpy as np
+
+        dicts = {id(d): d for d, _ in pairs}
+        kept = list(dicts.values())  # alive, so no tag is read from freed memory
+        if not kept:
+            return lambda: True
+        places = [id(d) + _TAG_OFFSET for d in kept]
+        base = min(places)
+        span = max(places) - base + 8
+        memory = np.ctypeslib.as_array(
+            ctypes.cast(base, ctypes.POINTER(ctypes.c_uint64)), shape=(span // 8,))
+        index = np.array([(p - base) // 8 for p in places], dtype=np.intp)
+        tags = memory.take(index).tobytes()
+
+        def unchanged(memory: Any = memory, index: Any = index, tags: bytes = tags,
+                      kept: list[Any] = kept) -> bool:
+            return memory.take(index).tobytes() == tags
+
+        return unchanged
+
+
+class DictWatcher:
+    """One CPython dict watcher for the process (3.12 and later): ``generation`` moves on
+    every change of a watched dict at a key some ``watch`` asked for."""
+
+    def __init__(self) -> None:
+        api = ctypes.pythonapi
+        callback_type = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p,
+                                         ctypes.c_void_p, ctypes.c_void_p)
+        self._callback = callback_type(self._changed)  # kept alive for the process
+        api.PyDict_AddWatcher.argtypes = [callback_type]
+        api.PyDict_AddWatcher.restype = ctypes.c_int
+        api.PyDict_Watch.argtypes = [ctypes.c_int, ctypes.py_object]
+        api.PyDict_Watch.restype = ctypes.c_int
+        self._id = api.PyDict_AddWatcher(self._callback)
+        if self._id < 0:
+            api.PyErr_Clear()
+            raise OSError("no dict watcher is free in this interpreter")
+        self._api = api
+        self.generation = [0]
+        #: id of a watched dict → the keys watched there (ANY in it: every key)
+        self._keys: dict[int, set[Any]] = {}
+        self._lock = threading.Lock()
+
+    def _changed(self, event: int, d: int, key: int | None, value: int | None) -> int:
+        # Runs inside the dict's change: reads only our own tables, writes one list item.
+        try:
+            keys = self._keys.get(d)
+            if keys is None:
+                return 0
+            if event == _DEALLOCATED:
+                self._keys.pop(d, None)  # its id may be reused by another dict
+                self.generation[0] += 1
+            elif key is None or ANY in keys or ctypes.cast(key, ctypes.py_object).value in keys:
+                self.generation[0] += 1
+        except Exception:  # a key whose comparison raised: count it as a change
+            self.generation[0] += 1
+        return 0
+
+    def watch(self, pairs: Iterable[tuple[dict[Any, Any], Any]]) -> Callable[[], bool]:
+        with self._lock:
+            for d, key in pairs:
+                keys = self._keys.get(id(d))
+                if keys is None:
+                    if self._api.PyDict_Watch(self._id, d) < 0:
+                        self._api.PyErr_Clear()
+                        raise OSError("a dict could not be watched")
+                    keys = self._keys[id(d)] = set()
+                keys.add(key)
+        generation, armed = self.generation, self.generation[0]
+        return lambda: generation[0] == armed
+
+
+_WATCHER: list[Any] = []
+_LOCK = threading.Lock()
+
+
+def watcher(use_watchers: bool) -> TagPoll | DictWatcher:
+    """The process's watcher: CPython's dict watchers where ``use_watchers`` and one is
+    free, else polling."""
+    with _LOCK:
+        if not _WATCHER:
+            found: TagPoll | DictWatcher = TagPoll()
+            if use_watchers:
+                try:
+                    found = DictWatcher()
+                except (OSError, AttributeError):  # all taken, or no such API
+                    pass
+            _WATCHER.append(found)
+        return _WATCHER[0]

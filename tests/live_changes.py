@@ -1,0 +1,133 @@
+"""Values a forward reads, changed after the first call: run as a process of its own.
+
+``python tests/live_changes.py DOOR BACKEND`` compiles ``Net`` through ``DOOR``
+(``compile``: cachebuild.compile, ``torch``: torch.compile with cachebuild's backend) into
+the store ``CACHEBUILD_DIR`` names, then for each case of ``CASES``: a call, the change, a
+call, the change undone, a call; every output compared with the live eager model's. Prints
+one JSON line per call: the case, the step, the largest difference from eager and how many
+traces this process has made so far.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+import cachebuild
+
+#: A module global the forward reads.
+SCALE = 1.0
+
+
+@dataclass
+class Config:
+    act: str = "relu"
+    eps: float = 0.0
+
+
+class Inner(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = 1.0
+
+
+def tripled(module: nn.Module, inputs: tuple[torch.Tensor, ...], output: torch.Tensor
+            ) -> torch.Tensor:
+    return output * 3
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.use_b = False
+        self.inner = Inner()
+        self.config = Config()
+        self.extra = ["a"]  # a list whose contents the forward reads
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.b(x) if self.use_b else self.a(x)
+        y = y * self.inner.scale * SCALE
+        if self.training:
+            y = y + 1
+        if os.environ.get("LIVE_DOUBLE") == "1":
+            y = y * 2
+        for name in self.extra:
+            y = y + getattr(self, name)(x)
+        act = torch.relu if self.config.act == "relu" else torch.tanh
+        return act(y) + self.config.eps
+
+
+def _set_global(value: float) -> None:
+    global SCALE
+    SCALE = value
+
+
+def _set_env(value: str | None) -> None:
+    if value is None:
+        os.environ.pop("LIVE_DOUBLE", None)
+    else:
+        os.environ["LIVE_DOUBLE"] = value
+
+
+@dataclass
+class Case:
+    name: str
+    change: Callable[[Net], object]
+    undo: Callable[[Net, object], None]
+
+
+def _hook(net: Net) -> object:
+    return net.a.register_forward_hook(tripled)
+
+
+#: Each change and how it is undone.
+CASES = [
+    Case("attribute", lambda n: setattr(n, "use_b", True), lambda n, _: setattr(n, "use_b", False)),
+    Case("nested attribute", lambda n: setattr(n.inner, "scale", 2.5),
+         lambda n, _: setattr(n.inner, "scale", 1.0)),
+    Case("train", lambda n: n.train(), lambda n, _: n.eval()),
+    Case("global", lambda n: _set_global(3.0), lambda n, _: _set_global(1.0)),
+    Case("config value", lambda n: setattr(n.config, "act", "tanh"),
+         lambda n, _: setattr(n.config, "act", "relu")),
+    Case("list contents", lambda n: n.extra.append("b"), lambda n, _: n.extra.pop()),
+    Case("environment variable", lambda n: _set_env("1"), lambda n, _: _set_env(None)),
+    Case("forward hook", _hook, lambda n, handle: handle.remove()),
+]
+
+
+def main(door: str, backend: str) -> None:
+    torch.manual_seed(0)
+    net = Net().eval()
+    config = cachebuild.CompileConfig(backend=backend, compile_ranges=((1, 16),))
+    if door == "compile":
+        compiled = cachebuild.compile(net, config=config, dynamic_dims={0: 0})
+    else:
+        compiled = torch.compile(net, backend=cachebuild.backend(config), dynamic=False)
+    x = torch.randn(4, 8)
+
+    def call(case: str, step: str) -> None:
+        with torch.no_grad():
+            out = compiled(x)
+            want = net(x)
+        print(json.dumps({"case": case, "step": step,
+                          "error": float((out - want).abs().max()),
+                          "traced": cachebuild.stats()["traced"]}), flush=True)
+
+    for case in CASES:
+        call(case.name, "before")
+        undo = case.change(net)
+        call(case.name, "changed")
+        case.undo(net, undo)
+        call(case.name, "undone")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
