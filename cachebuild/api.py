@@ -42,6 +42,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("cachebuild")
 
+#: How many forwards for different values of what the trace read (adapters, flags) a
+#: compiled module keeps in one process.
+KEPT_FORWARDS = 16
+
 
 def open_default_store(store: Store | None = None) -> Store:
     """``store`` itself, or the store the environment configures (``StoreOptions.from_env``:
@@ -88,10 +92,10 @@ class CompiledModule(torch.nn.Module):
         self._store = store
         self._passes = passes
         self._runtime: ModelRuntime | None = None
-        #: Every forward made in this process, by entry key: the values the trace read
-        #: differ between them (an adapter, a flag); a call runs on the one whose guards
-        #: hold, so switching back traces and loads nothing.
-        self._variants: dict[str, ModelRuntime] = {}
+        #: The forwards made in this process, latest last: the values their traces read
+        #: differ (an adapter, a flag); a call runs on one whose guards hold, so switching
+        #: back traces and loads nothing.
+        self._variants: list[ModelRuntime] = []
         self._eager = False  # cannot be compiled and on_failure="eager": runs the model
         self.capture_report: CaptureReport | None = None  # of the latest eager capture
         #: The targets building in the background while interim ones serve
@@ -125,7 +129,7 @@ class CompiledModule(torch.nn.Module):
             return self._failed(started.error, first=started.first)
         COUNTERS.add_time("prepare", started.ready_at - began)
         self._runtime = started.runtime
-        self._variants[started.runtime.entry.key] = started.runtime
+        self._remember(started.runtime)
         if started.swap is not None:
             self.swap = started.swap
         if started.capture_report is not None:
@@ -143,7 +147,9 @@ class CompiledModule(torch.nn.Module):
         if started.capture_report is not None:
             self.capture_report = started.capture_report
         old, self._runtime = self._runtime, started.runtime
-        self._variants[started.runtime.entry.key] = started.runtime
+        if old in self._variants:
+            self._variants.remove(old)  # its targets were the interim ones
+        self._remember(started.runtime)
         if old is not None and old.capturer is not None:
             old.capturer.stop()  # its graphs replay the interim targets: they go with it
         COUNTERS.swaps += 1
@@ -202,6 +208,11 @@ class CompiledModule(torch.nn.Module):
                 return self.model(*args)  # on_failure="eager"
         return runtime(*args)
 
+    def _remember(self, runtime: ModelRuntime) -> None:
+        """Keep ``runtime`` among the variants, the oldest forgotten past ``KEPT_FORWARDS``."""
+        self._variants.append(runtime)
+        del self._variants[:-KEPT_FORWARDS]
+
     def _resolve(self, args: tuple[Any, ...], wrong: list[Mismatch]) -> ModelRuntime | None:
         """The forward for values that changed since the current one was made (``wrong``
         names them): one made earlier in this process whose guards hold, else a start for
@@ -213,7 +224,7 @@ class CompiledModule(torch.nn.Module):
         changed = "; ".join(m.describe() for m in wrong[:3]) + (
             f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
         current = self._runtime
-        for runtime in reversed(list(self._variants.values())):
+        for runtime in reversed(self._variants):
             if runtime is not current and not runtime.guards.mismatches(self.model, args):
                 COUNTERS.variant_switches += 1
                 log.info("cachebuild: %s changed since its last call (%s): it runs on the "
