@@ -1,6 +1,6 @@
 """Values a forward reads, changed after the first call: run as a process of its own.
 
-``python tests/live_changes.py DOOR BACKEND`` compiles ``Net`` through ``DOOR``
+``python tests/live_changes.py DOOR BACKEND [CASE...]`` compiles ``Net`` through ``DOOR``
 (``compile``: cachebuild.compile, ``torch``: torch.compile with cachebuild's backend) into
 the store ``CACHEBUILD_DIR`` names, then for each case of ``CASES``: a call, the change, a
 call, the change undone, a call; every output compared with the live eager model's. Prints
@@ -103,7 +103,7 @@ CASES = [
 ]
 
 
-def main(door: str, backend: str) -> None:
+def main(door: str, backend: str, cases: list[str]) -> None:
     torch.manual_seed(0)
     net = Net().eval()
     config = cachebuild.CompileConfig(backend=backend, compile_ranges=((1, 16),))
@@ -121,7 +121,7 @@ def main(door: str, backend: str) -> None:
                           "error": float((out - want).abs().max()),
                           "traced": cachebuild.stats()["traced"]}), flush=True)
 
-    for case in CASES:
+    for case in [c for c in CASES if not cases or c.name in cases]:
         call(case.name, "before")
         undo = case.change(net)
         call(case.name, "changed")
@@ -130,4 +130,4 @@ def main(door: str, backend: str) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3:])

@@ -22,11 +22,11 @@ import torch
 import torch.nn as nn
 
 from cachebuild import compat, guard_watch
+from cachebuild.dictwatch import ANY, TagPoll
+from cachebuild.guards import GuardSet
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import live_changes  # noqa: E402
-from cachebuild.dictwatch import ANY, TagPoll
-from cachebuild.guards import GuardSet
 
 HERE = Path(__file__).resolve().parent
 pytestmark = pytest.mark.slow

@@ -85,8 +85,8 @@ def main() -> None:
             for _ in range(n):
                 guards.mismatches(model, inputs)
             check = (time.perf_counter() - start) / n
-            step = _step(lambda: compiled(*inputs), args.steps, cuda)
-            bare = _step(lambda: runtime(*inputs), args.steps, cuda)
+            step = _step(lambda inputs=inputs: compiled(*inputs), args.steps, cuda)
+            bare = _step(lambda inputs=inputs: runtime(*inputs), args.steps, cuda)
             report["batches"][batch] = {
                 "check_us": check * 1e6, "step_ms": step * 1e3, "step_unchecked_ms": bare * 1e3,
                 "check_over_step_pct": 100 * check / step}
