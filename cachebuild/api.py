@@ -97,6 +97,10 @@ class CompiledModule(torch.nn.Module):
         #: back traces and loads nothing.
         self._variants: list[ModelRuntime] = []
         self._eager = False  # cannot be compiled and on_failure="eager": runs the model
+        #: For a model whose trace read values no record can check without Dynamo
+        #: (``Entry.unrecordable``): torch.compile with cachebuild's backend, whose guards
+        #: Dynamo checks at every call.
+        self._dynamo: Any = None
         self.capture_report: CaptureReport | None = None  # of the latest eager capture
         #: The targets building in the background while interim ones serve
         #: (``while_building``), if any.
@@ -130,6 +134,14 @@ class CompiledModule(torch.nn.Module):
         COUNTERS.add_time("prepare", started.ready_at - began)
         self._runtime = started.runtime
         self._remember(started.runtime)
+        unrecordable = started.runtime.entry.unrecordable
+        if unrecordable is not None and self._dynamo is None:
+            log.warning("cachebuild: %s is served through torch.compile with cachebuild's "
+                        "backend (Dynamo checks what its trace read at every call; no CUDA "
+                        "graphs): its trace read values that cannot be checked without "
+                        "Dynamo: %s", type(self.model).__name__, unrecordable)
+            self._dynamo = torch.compile(self.model, backend=backend(
+                self.config, self._store, self._passes))
         if started.swap is not None:
             self.swap = started.swap
         if started.capture_report is not None:
@@ -198,6 +210,8 @@ class CompiledModule(torch.nn.Module):
             self.prepare(*args)
         if self._runtime is None:
             return self.model(*args)  # on_failure="eager"
+        if self._dynamo is not None:
+            return self._through_dynamo(args)
         if self.swap is not None and not self.swap.claimed and self.swap.done.is_set():
             self._swap_in(args)
         runtime = self._runtime  # read once: a call runs on one runtime from start to end
@@ -207,6 +221,13 @@ class CompiledModule(torch.nn.Module):
             if runtime is None:
                 return self.model(*args)  # on_failure="eager"
         return runtime(*args)
+
+    def _through_dynamo(self, args: tuple[Any, ...]) -> Any:
+        import torch._dynamo
+
+        for i, d in self.dynamic_dims.items():
+            torch._dynamo.maybe_mark_dynamic(args[i], d)
+        return self._dynamo(*args)
 
     def _remember(self, runtime: ModelRuntime) -> None:
         """Keep ``runtime`` among the variants, the oldest forgotten past ``KEPT_FORWARDS``."""
