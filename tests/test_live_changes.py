@@ -200,3 +200,27 @@ print("ok")
 def test_this_process_uses_the_fastest_watch_it_has():
     kind = type(compat.dict_watcher()).__name__
     assert kind == ("DictWatcher" if sys.version_info >= (3, 12) else "TagPoll")
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["full", "piecewise"])
+def test_a_flag_flipped_after_graph_capture_on_the_gpu(tmp_path, mode):
+    """Graphs captured for one value of a flag never serve the other: the flip is seen
+    before the call, which runs on (and captures) the forward for the new value."""
+    import cachebuild
+    from cachebuild.store import LocalStore
+
+    torch.manual_seed(0)
+    model = Flagged().cuda().eval()
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),),
+                                      cudagraph_mode=mode, capture="eager",
+                                      capture_sizes=(1, 2, 4, 8))
+    compiled = cachebuild.compile(model, config=config, dynamic_dims={0: 0},
+                                  store=LocalStore(tmp_path / "store"))
+    with torch.no_grad():
+        for flag in (False, True, False, True):
+            model.flag = flag
+            for size in (1, 3, 8):
+                x = torch.randn(size, 4, device="cuda")
+                torch.testing.assert_close(compiled(x).clone(), model(x))
+    assert cachebuild.stats()["variant_switches"] >= 2

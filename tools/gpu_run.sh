@@ -7,7 +7,8 @@
 #
 # Time limits in seconds: TEST_S (default 300), SERVE_S (420), GEN_S (420), BUILD_S (0:
 # skipped; the cold-build benchmark, BUILD_ARGS), WRAPPER_S (0: skipped; AOTInductor's C++
-# options, WRAPPER_ARGS), PASSES_S (0: skipped); 0 skips a part.
+# options, WRAPPER_ARGS), PASSES_S (0: skipped), GUARDS_S (0: skipped; the per-call guard
+# check, GUARDS_ARGS); 0 skips a part.
 # SERVE_FIRST=1 runs the benchmarks before the tests. TESTS: the test files (default: every
 # GPU test file but the tensor-parallel ones).
 set -uo pipefail
@@ -52,6 +53,10 @@ cold_builds() {
 }
 if [ -n "${SERVE_FIRST:-}" ]; then serve; generation; tests; else tests; serve; generation; fi
 cold_builds
+if [ "${GUARDS_S:-0}" != 0 ]; then  # the per-call guard check against a decode step
+    timeout "${GUARDS_S}" python3 tools/bench_guards.py ${GUARDS_ARGS:-} --json-out "$OUT/guards.json" \
+        2>&1 | grep -v -i warn | tee "$OUT/guards.txt" | tail -8
+fi
 if [ "${WRAPPER_S:-0}" != 0 ]; then
     timeout "${WRAPPER_S}" python3 tools/bench_wrapper.py --device cuda \
         ${WRAPPER_ARGS:---variants default no_pch wrapper_O0} --json 2>&1 | grep -v -i warn \
