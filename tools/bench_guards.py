@@ -90,6 +90,9 @@ def main() -> None:
             report["batches"][batch] = {
                 "check_us": check * 1e6, "step_ms": step * 1e3, "step_unchecked_ms": bare * 1e3,
                 "check_over_step_pct": 100 * check / step}
+        replayers = compiled.runtime.replayers()
+        report["graph_replays"] = sum(getattr(r, "replays", 0) for r in replayers)
+        report["graph_misses"] = sum(getattr(r, "misses", 0) for r in replayers)
         report["read_per_call"] = guards.read_per_call
         report["full_checks"] = guards.full_checks
     print(json.dumps(report, indent=1))
