@@ -197,6 +197,11 @@ def prepare_work_dir(path: Path) -> Path:
     what = "work folder"
     path = path.expanduser().absolute()
     if not os.path.lexists(path):
+        # Nothing is made, not even an empty folder, where another user could change it.
+        existing = path.parent
+        while not os.path.lexists(existing) and existing != existing.parent:
+            existing = existing.parent
+        _check_ancestor(Path(os.path.realpath(existing)), path, what)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.mkdir(mode=0o700, exist_ok=True)
@@ -207,6 +212,26 @@ def prepare_work_dir(path: Path) -> Path:
     check_private_dir(real, what)
     check_parents(real, what)
     return real
+
+
+def _check_ancestor(real: Path, path: Path, what: str) -> None:
+    """Refuse to make ``path`` under ``real`` (the nearest directory of it that exists)
+    unless ``real`` and every directory above it belong to us or root, and no one else may
+    write ``real`` unless it is sticky (``/tmp``: what we make there stays ours)."""
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise UnsafeStore(f"cannot check {real}, above the {what} {path}: "
+                          f"{e.strerror or e}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeStore(f"cannot create the {what} {path}: {real} is not a directory")
+    if st.st_uid not in (0, os.geteuid()):
+        raise UnsafeStore(f"refusing {what} {path}: {real} above it is owned by uid "
+                          f"{st.st_uid}, who could change what is made there")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise UnsafeStore(f"refusing {what} {path}: {real} above it is writable by others "
+                          f"(mode {stat.S_IMODE(st.st_mode):o})")
+    check_parents(real, what)
 
 
 def prepare(path: Path) -> Layout:
