@@ -107,7 +107,7 @@ def write_file(root: Path, name: str, data: bytes) -> Path:
 
 # -- where a build's compilers write ------------------------------------------------------
 
-_BUILD_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR")
+_BUILD_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR", "PYTHONSAFEPATH")
 
 
 def environment_dir(store: Store) -> Path | None:
@@ -164,6 +164,10 @@ def build_work_dir(store: Store) -> Iterator[Path]:
         saved_env = {name: os.environ.get(name) for name in _BUILD_ENV}
         saved_tempdir = tempfile.tempdir
         os.environ.update({name: str(folder) for name, folder in folders.items()})
+        # The Python processes the compilers start (Inductor's ISA checks run
+        # ``python -c``) put neither their working directory nor their script's folder
+        # first on their path: the caller's working directory may be anyone's.
+        os.environ["PYTHONSAFEPATH"] = "1"
         tempfile.tempdir = None  # read TMPDIR again
         undo_headers = compat.point_header_dir(str(
             environment / "headers" if environment is not None

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 from cachebuild.api import ModelSpec
 from cachebuild.errors import UsageError
 from cachebuild.guards import MODEL_MODULE_PREFIX
+from cachebuild.processes import trusted_dir
 
 if TYPE_CHECKING:
     from cachebuild.store.base import Store
@@ -57,7 +58,8 @@ def import_model(path: str | Path) -> ModuleType:
     package first on ``sys.path`` (as ``python -m pkg.models.m`` has it, so that it
     imports its package's modules, relatively too); any other with its own folder first
     on ``sys.path`` (as ``python MODEL.py`` has it, so that it imports the modules
-    beside it)."""
+    beside it). A folder that another user could write (or rename) is never put on
+    ``sys.path``: the file is then imported by itself."""
     path = Path(path).resolve()
     if not path.is_file():
         raise UsageError(f"{path}: no such model file")
@@ -69,7 +71,12 @@ def import_model(path: str | Path) -> ModuleType:
             return module
     package = package_of(path)
     folder = package[0] if package else path.parent
-    if str(folder) not in sys.path:
+    # Its folder goes first on sys.path only where no other user could put a module there
+    # (``processes.trusted_dir``): from a shared folder (``/tmp``) the file is imported by
+    # itself, and everything it imports comes from where this process imports it.
+    if trusted_dir(folder) is not None:
+        package = None
+    elif str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
     if package is not None:
         try:
