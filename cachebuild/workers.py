@@ -1,8 +1,10 @@
 """Targets built in worker processes: ``BuildPool``, and how many workers fit here.
 
-A worker is ``python -m cachebuild.worker``, started at once (so that its imports of
-torch and Inductor overlap whatever the caller does meanwhile, a trace say: a pool may be
-started before the caller knows what it will build, and told how later, ``begin``); it
+A worker is ``cachebuild.worker`` in an isolated interpreter (``processes.python_command``:
+nothing imported from the working directory, only the caller's path entries that no other
+user could change), started at once (so that its imports of torch and Inductor overlap
+whatever the caller does meanwhile, a trace say: a pool may be started before the caller
+knows what it will build, and told how later, ``begin``); it
 imports what the jobs need to resolve their ops (a model file, or the modules that
 registered them), opens the caller's store by its options and builds one job at a time
 through ``build.build_one`` (under the key's lock: a worker never builds what another

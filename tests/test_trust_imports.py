@@ -73,7 +73,6 @@ def test_warm_from_a_shared_folder_imports_nothing_planted_there(tmp_path):
         os.chmod(shared, 0o1777)
         plant(shared, marker)
         env = clean_env(CACHEBUILD_PROBE_DIR=str(tmp_path / "probe"), **SMALL)
-        env["PYTHONPATH"] += os.pathsep  # an empty entry: the working directory, for Python
         proc = subprocess.run([*cachebuild_command(), "--cache-dir", str(tmp_path / "store"),
                                "warm", str(model), "--jobs", "2"], cwd=shared, env=env,
                               capture_output=True, text=True, timeout=1500)
