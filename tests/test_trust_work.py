@@ -75,7 +75,7 @@ def test_a_work_folder_another_user_could_change_is_refused_and_nothing_is_made_
         assert not marker.exists()
 
 
-def test_a_work_folder_open_to_others_is_refused_by_every_build(open_local, tmp_path):
+def test_a_work_folder_open_to_others_is_refused_by_every_build_and_gc(open_local, tmp_path):
     store = open_local(tmp_path / "store")
     with build_work_dir(store) as work:
         pass
@@ -83,6 +83,10 @@ def test_a_work_folder_open_to_others_is_refused_by_every_build(open_local, tmp_
     with pytest.raises(UnsafeStore, match="work folder .* writable by group and others"), \
             build_work_dir(store):
         pass
+    (work / "theirs").write_bytes(b"x")
+    with pytest.raises(UnsafeStore, match="work folder"):  # nor is it emptied
+        store.gc()
+    assert (work / "theirs").exists()
     os.chmod(work, 0o700)
     os.chmod(work / "inductor", 0o770)
     with pytest.raises(UnsafeStore, match="inductor: it is writable by group"), \
