@@ -88,6 +88,37 @@ def test_warm_from_a_shared_folder_imports_nothing_planted_there(tmp_path):
         assert not marker.exists(), marker.read_text()
 
 
+#: A server's start, as examples/llama.py makes it, saying where its targets build.
+SERVER = f"""
+import logging, sys
+logging.basicConfig(level=logging.INFO, format="%(message)s")
+sys.path.insert(0, {str(ROOT / "examples")!r})
+import llama
+llama.main()
+"""
+
+
+def test_a_cold_start_from_a_shared_folder_imports_nothing_planted_there(tmp_path):
+    """A server started in such a folder builds its targets in workers that import none
+    of what was planted there, and serves what eager serves."""
+    script = tmp_path / "server.py"
+    script.write_text(SERVER)
+    marker = tmp_path / "planted-code-ran"
+    with public_dir() as public:
+        shared = public / "shared"
+        shared.mkdir()
+        os.chmod(shared, 0o1777)
+        plant(shared, marker)
+        env = clean_env(CACHEBUILD_DIR=str(tmp_path / "store"), CACHEBUILD_BUILD_JOBS="2",
+                        **SMALL)
+        proc = subprocess.run([sys.executable, str(script)], cwd=shared, env=env,
+                              capture_output=True, text=True, timeout=1500)
+        assert not marker.exists(), marker.read_text()
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert "worker processes" in proc.stderr and "output matches eager" in proc.stderr
+        assert "in this process" not in proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_child_imports_from_the_callers_safe_path_entries_only(tmp_path):
     """A child gets this process's path entries that nobody else could change, in order;
     never one others may write, nor its working directory."""
