@@ -118,7 +118,8 @@ def import_model(path: str | Path) -> ModuleType:
     # Its folder goes first on sys.path only where no other user could put a module there
     # (``processes.trusted_dir``): from a shared folder (``/tmp``) the file is imported by
     # itself, and everything it imports comes from where this process imports it.
-    if trusted_dir(folder) is not None:
+    unsafe = trusted_dir(folder)
+    if unsafe is not None:
         package = None
     elif str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
@@ -150,8 +151,10 @@ def import_model(path: str | Path) -> ModuleType:
         raise _ended(path, e, "while it was imported") from None
     except Exception as e:
         del sys.modules[name]
+        hint = (f" (its folder {folder} is not put on sys.path: {unsafe})"
+                if unsafe is not None and isinstance(e, ImportError) else "")
         raise UsageError(f"{_where(path, e)}: the model file failed to import: "
-                         f"{type(e).__name__}: {e}") from e
+                         f"{type(e).__name__}: {e}{hint}") from e
     return module
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from test_cli_model import SMALL, summary
-from trust import NOBODY, ROOT, clean_env, public_dir
+from trust import NOBODY, ROOT, assert_one_line_error, clean_env, cli, public_dir
 
 from cachebuild.processes import (
     child_env,
@@ -198,3 +198,17 @@ def test_a_model_files_folder_is_on_the_path_only_if_nobody_else_could_change_it
                               env=clean_env(), capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
         assert done.stdout.strip() == ("False" if where == "shared" else "True")
+
+
+def test_a_model_file_in_a_shared_folder_does_not_import_what_lies_beside_it(tmp_path):
+    """A model file in a folder others may write imports nothing from that folder; the
+    error says why."""
+    with public_dir() as public:
+        shared = public / "shared"
+        shared.mkdir()
+        os.chmod(shared, 0o1777)
+        (shared / "beside_it.py").write_text("")
+        (shared / "model.py").write_text("import beside_it\n")
+        proc = cli("--cache-dir", str(tmp_path / "store"), "plan", str(shared / "model.py"))
+        assert_one_line_error(proc, 2, r"No module named 'beside_it'.* is not put on sys.path:"
+                                       r" .*writable by others")
