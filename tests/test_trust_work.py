@@ -153,3 +153,80 @@ def test_a_kept_object_is_linked_only_if_it_matches_its_record(tmp_path, caplog,
         target.unlink()
         compilers._cxx(build, run)
         assert runs == [1, 1, 1, 1]
+
+
+#: A constructor that leaves a marker when the library it is linked into is loaded.
+PLANTED_OBJECT = """
+#include <fcntl.h>
+#include <unistd.h>
+__attribute__((constructor)) static void cachebuild_planted(void) {
+    int fd = open("%s", O_CREAT | O_WRONLY, 0600);
+    if (fd >= 0) close(fd);
+}
+"""
+
+MODEL = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / "examples")!r})
+from llama import build
+"""
+
+SERVE = """
+import sys
+import torch
+import cachebuild
+from cachebuild.modelfile import load_spec
+spec = load_spec(sys.argv[1])
+compiled = cachebuild.compile(spec.model, spec.config, spec.dynamic_dims)
+with torch.no_grad():
+    torch.testing.assert_close(compiled(*spec.example_inputs), spec.model(*spec.example_inputs),
+                               rtol=2e-2, atol=2e-2)
+print("served", cachebuild.stats()["loaded"])
+"""
+
+
+@pytest.mark.slow
+def test_a_tampered_kept_object_never_reaches_a_signed_target(tmp_path):
+    """The audit's case: a C++ object kept in the work folder is changed (a constructor
+    linked in) between two builds with a key that signs every target; the second build
+    compiles that object again, and loading what it stored runs no planted code."""
+    import shutil
+    import subprocess
+
+    from test_cli_model import SMALL, summary
+    from trust import python
+
+    if not (shutil.which("ld") and shutil.which("gcc")):
+        pytest.skip("needs ld and gcc")
+    marker = tmp_path / "planted-constructor-ran"
+    work = tmp_path / "work"
+    model = tmp_path / "model.py"
+    model.write_text(MODEL)
+    env = clean_env(CACHEBUILD_WORK_DIR=str(work), CACHEBUILD_SIGNING_KEY="fleet-key",
+                    CACHEBUILD_REQUIRE_SIGNATURE="1", **SMALL)
+    first = cli("--cache-dir", str(tmp_path / "one"), "warm", str(model), env=env, timeout=1500)
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept = sorted((work / "cxx").glob("*.o"))
+    if not kept:
+        pytest.skip("no C++ objects kept here (no AOTInductor build)")
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED_OBJECT % marker)
+    planted = tmp_path / "planted.o"
+    subprocess.run(["gcc", "-c", "-fPIC", str(source), "-o", str(planted)], check=True)
+    for obj in kept:  # each keeps its own symbols, plus the constructor
+        combined = tmp_path / "combined.o"
+        subprocess.run(["ld", "-r", str(obj), str(planted), "-o", str(combined)], check=True)
+        shutil.copyfile(combined, obj)
+    second = cli("--cache-dir", str(tmp_path / "two"), "warm", str(model), env=env,
+                 timeout=1500)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert not marker.exists()
+    total, _, built, failed = summary(second.stderr + second.stdout)
+    assert built == total and failed == 0
+    assert "does not match the store's record" in second.stderr
+    assert not any(b"cachebuild_planted" in obj.read_bytes() for obj in kept)
+    served = python(SERVE, str(model), env={**env, "CACHEBUILD_DIR": str(tmp_path / "two")},
+                    timeout=900)
+    assert served.returncode == 0, served.stderr[-3000:]
+    assert "served" in served.stdout
+    assert not marker.exists()
