@@ -5,15 +5,18 @@ Inductor's compiler work through this module (``compat.hook_compilers``, once pe
 process). Each C++ run is timed as the phase it is (``clock``: ``cxx_headers``,
 ``cxx_wrapper``, ``cxx_kernels``, ``cxx_link``; the ISA checks as ``cxx_isa``), and
 each file compiled from one source (an AOTInductor package's wrapper or kernels, a
-standalone artifact's kernels) is kept in the work folder's ``cxx/`` cache under a key of everything that decides its bytes: the
-compiler (its path, size and modification time), torch's version and build, the command
-line with the source's and the object's own paths taken out, and the source text (less
-the comments Inductor appends to it after a build). A
-later compile with the same key, in any process using that work folder, copies the
-object instead of compiling it: a piece whose kernels did not change (an edit elsewhere
-in the model, another bucket with the same code, a build after a failed one) builds
-only what did. Every artifact made from such objects is still proven against its piece
-before it is stored (``Builder``), as a fresh compile is.
+standalone artifact's kernels) is kept in the work folder's ``cxx/`` cache under a key
+of everything that decides its bytes: the compiler (its path, size and modification
+time), torch's version and build, the command line with the source's and the object's
+own paths taken out, and the source text (less the comments Inductor appends to it after
+a build). A later compile with the same key, in any process using that work folder,
+copies the object instead of compiling it: a piece whose kernels did not change (an edit
+elsewhere in the model, another bucket with the same code, a build after a failed one)
+builds only what did. An object is reused only if it hashes (SHA-256) to the record the
+store made when a build of ours kept it (``store.work.ObjectRecords``, kept in the
+store's ``built/`` folder, not in the work folder); one that does not is compiled again,
+and a warning says so once. Every artifact made from such objects is still proven
+against its piece before it is stored (``Builder``), as a fresh compile is.
 
 Inductor's checks of the CPU's vector instructions (a compile and a load per ISA, tens of
 seconds on a loaded machine) are recorded once per environment in the probe folder,
@@ -36,7 +39,7 @@ import shutil
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import xxhash
@@ -44,27 +47,35 @@ import xxhash
 from cachebuild import clock, compat
 from cachebuild.compat import CxxBuild
 
+if TYPE_CHECKING:
+    from cachebuild.store.work import ObjectRecords
+
 #: Bumped when what goes into a key changes.
 _KEY_VERSION = "1"
 
 _state = threading.Lock()
-#: While ``watch`` runs: the C++ object cache (``dir``) and where ISA verdicts are kept.
-_cache: dict[str, Path | None] = {"dir": None, "records": None}
+#: While ``watch`` runs: the C++ object cache (``dir``), the store's records of its objects
+#: (``objects``) and where ISA verdicts are kept.
+_cache: dict[str, Any] = {"dir": None, "records": None, "objects": None}
 
 
 @contextlib.contextmanager
-def watch(work: Path, records: Path | None = None) -> Iterator[Path]:
-    """Time this process's compiler work and reuse C++ objects from ``work``'s ``cxx/``
-    cache while the block runs, and take Inductor's verdict on the CPU's vector ISAs from
-    ``records`` (a private folder kept per environment, the probe's; default the cache
-    folder), checking and recording it there once; yields the cache folder."""
+def watch(work: Path, records: Path | None = None,
+          objects: ObjectRecords | None = None) -> Iterator[Path]:
+    """Time this process's compiler work and, with ``objects`` (the store's records of
+    them), reuse C++ objects from ``work``'s ``cxx/`` cache while the block runs: an object
+    is reused only if it hashes to its record, else compiled again. Take Inductor's
+    verdict on the CPU's vector ISAs from ``records`` (a private folder kept per
+    environment, the probe's; default the cache folder), checking and recording it there
+    once; yields the cache folder."""
     compat.hook_compilers(_cxx, clock.phase)
     compat.hook_vec_isa_list(_vec_isas)
     folder = work / "cxx"
     folder.mkdir(mode=0o700, exist_ok=True)
     with _state:
         saved = dict(_cache)
-        _cache.update(dir=folder, records=records or folder)
+        _cache.update(dir=folder if objects is not None else None, records=records or folder,
+                      objects=objects)
     try:
         yield folder
     finally:
@@ -147,18 +158,24 @@ def _cxx(build: CxxBuild, run: Callable[[], None]) -> None:
             run()
             return
         kept = folder / f"{key}{Path(build.target).suffix}"
-        if kept.is_file():
+        objects: ObjectRecords = _cache["objects"]
+        # Only bytes that hash to the store's record of what a build of ours kept are
+        # linked: the object goes into a target that is then stored (and signed).
+        data = objects.verified(kept.name, kept)
+        if data is not None:
             try:
-                _copy(kept, Path(build.target))
+                _write(Path(build.target), data)
             except OSError:
-                run()  # gone meanwhile (gc), or unreadable: compile
+                run()  # unwritable: compile
                 return
             if current is not None:
                 current.count("cxx_reused")
             return
         run()
         with contextlib.suppress(OSError):  # a full disk costs only the reuse
-            _copy(Path(build.target), kept)
+            data = Path(build.target).read_bytes()
+            _write(kept, data)
+            objects.record(kept.name, data)
 
 
 def object_key(build: CxxBuild) -> str | None:
@@ -197,12 +214,13 @@ def _without_trailing_comments(text: bytes) -> bytes:
     return b"\n".join(lines)
 
 
-def _copy(src: Path, dst: Path) -> None:
-    """Copy ``src`` to ``dst`` by a temp file and a rename: no reader sees half a file."""
+def _write(dst: Path, data: bytes) -> None:
+    """Write ``data`` to ``dst`` by a temp file and a rename: no reader sees half a file."""
     dst.parent.mkdir(parents=True, exist_ok=True)
     tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
-        shutil.copyfile(src, tmp)
+        with open(tmp, "wb") as f:
+            f.write(data)
         os.replace(tmp, dst)
     finally:
         with contextlib.suppress(FileNotFoundError):

@@ -107,7 +107,7 @@ def write_file(root: Path, name: str, data: bytes) -> Path:
 
 # -- where a build's compilers write ------------------------------------------------------
 
-_BUILD_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR")
+_BUILD_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR", "PYTHONSAFEPATH")
 
 
 def environment_dir(store: Store) -> Path | None:
@@ -132,34 +132,48 @@ def build_work_dir(store: Store) -> Iterator[Path]:
     the store's ``work/``, or the folder the operator set) while the block runs, and put
     everything back after: Inductor's cache, Triton's cache and the temp files both make,
     and the C++ objects builds reuse (``compilers.watch``, which also times the compilers'
-    phases); Inductor's precompiled headers and ISA checks go to ``environment_dir``
+    phases). Inductor's precompiled headers and ISA checks go to ``environment_dir``
     (hundreds of MB a compiler flag set, the same for every store of an environment, as
     torch keeps them per machine). ``cachebuild stats`` counts that folder; ``gc`` empties it
-    when no build holds it (each build holds it shared, by flock, while it runs)."""
+    when no build holds it (each build holds it shared, by flock, while it runs).
+
+    What a build reuses from the work folder goes into a target, so the folder is checked
+    like the store first, parents included, and emptied if nothing records that a build of
+    ours made it (``store.work.open_work_dir``; UnsafeStore, exit 2, if it fails); a C++
+    object is reused only if it hashes to the record kept when a build of ours made it.
+    Those records are kept with the environment (shared, as the work folder may be, by the
+    stores of this user), or in the store where that folder is not ours to write."""
     import tempfile
 
     from cachebuild.backends.compilers import watch
     from cachebuild.store.layout import make_private_dir
     from cachebuild.store.locking import flocked_shared
+    from cachebuild.store.maintenance import WORK_LOCK
+    from cachebuild.store.work import ObjectRecords, open_work_dir
 
-    root = Path(store.work_dir)
-    make_private_dir(root)
+    environment = environment_dir(store)
+    records = environment / "built" if environment is not None else Path(store.work_records)
+    root = open_work_dir(Path(store.work_dir), records)
     folders = {"TORCHINDUCTOR_CACHE_DIR": root / "inductor", "TRITON_CACHE_DIR": root / "triton",
                "TMPDIR": root / "tmp"}
     for folder in folders.values():
-        folder.mkdir(mode=0o700, exist_ok=True)
-    with flocked_shared(root / ".builds"):
+        make_private_dir(folder, "work folder")
+    objects = ObjectRecords(records / "cxx")
+    with flocked_shared(root / WORK_LOCK):
         inductor_loaded = "torch._inductor.codecache" in sys.modules
         saved_env = {name: os.environ.get(name) for name in _BUILD_ENV}
         saved_tempdir = tempfile.tempdir
         os.environ.update({name: str(folder) for name, folder in folders.items()})
+        # The Python processes the compilers start (Inductor's ISA checks run
+        # ``python -c``) put neither their working directory nor their script's folder
+        # first on their path: the caller's working directory may be anyone's.
+        os.environ["PYTHONSAFEPATH"] = "1"
         tempfile.tempdir = None  # read TMPDIR again
-        environment = environment_dir(store)
         undo_headers = compat.point_header_dir(str(
             environment / "headers" if environment is not None
             else folders["TORCHINDUCTOR_CACHE_DIR"] / "precompiled_headers"))
         try:
-            with watch(root, environment):
+            with watch(root, environment, objects):
                 yield root
         finally:
             undo_headers()

@@ -340,16 +340,20 @@ def _probe_one(device: str, compiler: str, records: Path | None = None) -> tuple
     ISA checks and precompiled headers in ``records``."""
     import tempfile
 
+    from cachebuild.processes import child_env, python_command
+
     with tempfile.TemporaryDirectory(prefix="cachebuild-probe-") as work:
-        env = {**os.environ, "TMPDIR": work, "TORCHINDUCTOR_CACHE_DIR": work,
-               "TRITON_CACHE_DIR": work}
+        # Isolated, in its own folder: it imports nothing from the caller's working
+        # directory, nor do the Python processes Inductor starts in it (``processes``).
+        env = child_env({"TMPDIR": work, "TORCHINDUCTOR_CACHE_DIR": work,
+                         "TRITON_CACHE_DIR": work})
         try:
             # Builds run the compiler by its real path (``Compiler.factors``): so does the
             # probe, so that what it records (ISA checks, precompiled headers, keyed by
             # the command line) is what they look for.
-            proc = subprocess.run([sys.executable, "-m", "cachebuild.backends.probe", device,
-                                   os.path.realpath(compiler), str(records or "")],
-                                  capture_output=True, text=True,
+            command = python_command("cachebuild.backends.probe", device,
+                                     os.path.realpath(compiler), str(records or ""))
+            proc = subprocess.run(command, capture_output=True, text=True, cwd=work,
                                   timeout=PROBE_TIMEOUT_S, env=env)
         except subprocess.TimeoutExpired:
             return False, f"timed out after {PROBE_TIMEOUT_S:.0f} s"

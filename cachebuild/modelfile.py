@@ -1,23 +1,29 @@
 """Loading a MODEL.py: a file that defines ``build() -> cachebuild.ModelSpec``.
 
 Every way a model file can be wrong (missing, failing to import, no ``build``, ``build``
-raising or returning something else) becomes one UsageError naming the file, the line
-and what to do.
+raising or returning something else, or trying to end the process with ``sys.exit`` or
+``os._exit`` while it is imported or built) becomes one UsageError naming the file, the
+line and what to do.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.util
+import os
 import sys
+import threading
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 from cachebuild.api import ModelSpec
 from cachebuild.errors import UsageError
 from cachebuild.guards import MODEL_MODULE_PREFIX
+from cachebuild.processes import trusted_dir
 
 if TYPE_CHECKING:
     from cachebuild.store.base import Store
@@ -35,6 +41,45 @@ def _where(path: Path, error: BaseException) -> str:
         if Path(frame.filename).resolve() == path:
             line = frame.lineno
     return f"{path}:{line}" if line else str(path)
+
+
+class _Exited(BaseException):
+    """``os._exit`` called by a model file while it was imported or built (see
+    ``_exits_caught``)."""
+
+    def __init__(self, code: object) -> None:
+        super().__init__(code)
+        self.code = code
+
+
+@contextlib.contextmanager
+def _exits_caught() -> Iterator[None]:
+    """While the block runs, ``os._exit`` called on this thread of this process raises
+    ``_Exited`` instead of ending the process (which would skip every handler, and end a
+    command with status 0 and nothing said). A forked child's or another thread's call
+    still exits: only the model file's own code, on the importing thread, is stopped."""
+    real = os._exit
+    pid, thread = os.getpid(), threading.get_ident()
+
+    def _exit(code: int) -> NoReturn:
+        if os.getpid() == pid and threading.get_ident() == thread:
+            raise _Exited(code)
+        real(code)
+
+    modules = [m for m in (os, sys.modules.get("posix")) if m is not None]
+    for module in modules:
+        module._exit = _exit  # type: ignore[attr-defined]
+    try:
+        yield
+    finally:
+        for module in modules:
+            module._exit = real  # type: ignore[attr-defined]
+
+
+def _how_it_exited(error: BaseException) -> str:
+    if isinstance(error, _Exited):
+        return f"os._exit({error.code!r})"
+    return f"sys.exit({error.code!r})" if isinstance(error, SystemExit) else type(error).__name__
 
 
 def package_of(path: Path) -> tuple[Path, str] | None:
@@ -57,7 +102,8 @@ def import_model(path: str | Path) -> ModuleType:
     package first on ``sys.path`` (as ``python -m pkg.models.m`` has it, so that it
     imports its package's modules, relatively too); any other with its own folder first
     on ``sys.path`` (as ``python MODEL.py`` has it, so that it imports the modules
-    beside it)."""
+    beside it). A folder that another user could write (or rename) is never put on
+    ``sys.path``: the file is then imported by itself."""
     path = Path(path).resolve()
     if not path.is_file():
         raise UsageError(f"{path}: no such model file")
@@ -69,11 +115,20 @@ def import_model(path: str | Path) -> ModuleType:
             return module
     package = package_of(path)
     folder = package[0] if package else path.parent
-    if str(folder) not in sys.path:
+    # Its folder goes first on sys.path only where no other user could put a module there
+    # (``processes.trusted_dir``): from a shared folder (``/tmp``) the file is imported by
+    # itself, and everything it imports comes from where this process imports it.
+    unsafe = trusted_dir(folder)
+    if unsafe is not None:
+        package = None
+    elif str(folder) not in sys.path:
         sys.path.insert(0, str(folder))
     if package is not None:
         try:
-            module = importlib.import_module(package[1])
+            with _exits_caught():
+                module = importlib.import_module(package[1])
+        except (SystemExit, _Exited) as e:
+            raise _ended(path, e, "while it was imported") from None
         except Exception as e:
             raise UsageError(f"{_where(path, e)}: the model file failed to import as "
                              f"{package[1]}: {type(e).__name__}: {e}") from e
@@ -89,12 +144,25 @@ def import_model(path: str | Path) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:
-        spec.loader.exec_module(module)
+        with _exits_caught():
+            spec.loader.exec_module(module)
+    except (SystemExit, _Exited) as e:
+        del sys.modules[name]
+        raise _ended(path, e, "while it was imported") from None
     except Exception as e:
         del sys.modules[name]
+        hint = (f" (its folder {folder} is not put on sys.path: {unsafe})"
+                if unsafe is not None and isinstance(e, ImportError) else "")
         raise UsageError(f"{_where(path, e)}: the model file failed to import: "
-                         f"{type(e).__name__}: {e}") from e
+                         f"{type(e).__name__}: {e}{hint}") from e
     return module
+
+
+def _ended(path: Path, error: BaseException, when: str) -> UsageError:
+    """The UsageError for a model file that tried to end the process ``when``."""
+    return UsageError(f"{_where(path, error)}: the model file tried to end the process "
+                      f"{when} ({_how_it_exited(error)}); a model file defines build(), "
+                      "which returns a cachebuild.ModelSpec")
 
 
 def load_spec(path: str | Path) -> ModelSpec:
@@ -106,7 +174,10 @@ def load_spec(path: str | Path) -> ModelSpec:
         raise UsageError(f"{resolved}: defines no build() function; add "
                          "`def build() -> cachebuild.ModelSpec`")
     try:
-        spec = build()
+        with _exits_caught():
+            spec = build()
+    except (SystemExit, _Exited) as e:
+        raise _ended(resolved, e, "in build()") from None
     except Exception as e:
         raise UsageError(f"{_where(resolved, e)}: build() raised {type(e).__name__}: {e}") from e
     if not isinstance(spec, ModelSpec):

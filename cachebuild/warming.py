@@ -461,7 +461,9 @@ def warm(model: ModelSource, *, store: StoreArg = None,
 
     A target that fails is reported (state ``failed``, with its error) and the others
     still build; the entry is recorded all the same, and a server then builds what
-    failed. Bad input (no such file, a ``build()`` that raises) is a UsageError.
+    failed. Bad input (no such file, a ``build()`` that raises) is a UsageError; a work
+    folder that is not a private directory of ours (or cannot be made) is an UnsafeStore
+    (exit 2), before anything is traced.
     """
     from cachebuild.build import jobs_of
     from cachebuild.counters import COUNTERS
@@ -473,6 +475,12 @@ def warm(model: ModelSource, *, store: StoreArg = None,
     pool: BuildPool | None = None
     before = dict(COUNTERS.seconds)
     try:
+        if not dry_run:
+            # A work folder that cannot be used fails every build: said once, before the
+            # model is imported or traced.
+            from cachebuild.store.layout import prepare_work_dir
+
+            prepare_work_dir(Path(opened.work_dir))
         source = source_of(model)
 
         def start_workers(targets: int) -> None:

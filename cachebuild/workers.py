@@ -1,8 +1,10 @@
 """Targets built in worker processes: ``BuildPool``, and how many workers fit here.
 
-A worker is ``python -m cachebuild.worker``, started at once (so that its imports of
-torch and Inductor overlap whatever the caller does meanwhile, a trace say: a pool may be
-started before the caller knows what it will build, and told how later, ``begin``); it
+A worker is ``cachebuild.worker`` in an isolated interpreter (``processes.python_command``:
+nothing imported from the working directory, only the caller's path entries that no other
+user could change), started at once (so that its imports of torch and Inductor overlap
+whatever the caller does meanwhile, a trace say: a pool may be started before the caller
+knows what it will build, and told how later, ``begin``); it
 imports what the jobs need to resolve their ops (a model file, or the modules that
 registered them), opens the caller's store by its options and builds one job at a time
 through ``build.build_one`` (under the key's lock: a worker never builds what another
@@ -125,7 +127,8 @@ def cold_start_jobs(targets: int) -> int:
 def op_modules(jobs: Iterable[BuildJob]) -> list[str] | None:
     """The modules a worker must import so that every op the jobs' pieces call is
     registered, or None where some op's module cannot be imported by name (defined in
-    ``__main__``, a notebook, ``exec``): such jobs build in the calling process."""
+    ``__main__``, a notebook, ``exec``) or only from a folder a worker does not import
+    from (``processes.import_path``): such jobs build in the calling process."""
     modules: list[str] = []
     for job in jobs:
         for node in job.nodes:
@@ -164,11 +167,15 @@ def _module_of_op(qualname: str) -> str | None:
 
 
 def _importable(name: str | None) -> bool:
+    """True if a worker imports module ``name`` by its name from where this process did
+    (``processes.reachable``: not from a folder another user could change)."""
+    from cachebuild.processes import reachable
+
     if not name or name in ("__main__", "__mp_main__") or name.startswith("<"):
         return False
     module = sys.modules.get(name)
     spec = getattr(module, "__spec__", None)
-    return module is not None and spec is not None and spec.name == name
+    return module is not None and spec is not None and spec.name == name and reachable(module)
 
 
 def store_options(store: Any) -> StoreOptions | None:
@@ -202,7 +209,9 @@ def setup_for(jobs: list[BuildJob], store: Any, passes: Any) -> WorkerSetup | No
     modules = op_modules(jobs)
     if modules is None:
         return None
-    return WorkerSetup(options, modules=modules, sys_path=[p for p in sys.path if p])
+    from cachebuild.processes import import_path
+
+    return WorkerSetup(options, modules=modules, sys_path=import_path())
 
 
 # -- the pool --------------------------------------------------------------------------------
@@ -211,7 +220,8 @@ def setup_for(jobs: list[BuildJob], store: Any, passes: Any) -> WorkerSetup | No
 class WorkerSetup:
     """What each worker does before its first job: import ``model_file`` (a MODEL.py, by
     path, as the command line does) and ``modules`` (by name), with ``sys_path`` first on
-    its path, then open the store ``options`` name."""
+    its path (only entries ``processes.import_path`` passes), then open the store
+    ``options`` name."""
 
     options: StoreOptions
     model_file: str | None = None
@@ -238,12 +248,15 @@ class _Worker:
     def __init__(self, setup: WorkerSetup | None) -> None:
         self.used = False
         self.told = False
+        from cachebuild.processes import child_env, python_command
+
         read, write = os.pipe()
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
         try:
+            # Isolated: it imports cachebuild, torch and the model's modules from where
+            # this process does, never from the working directory (``processes``).
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "cachebuild.worker", str(write)],
-                stdin=subprocess.PIPE, pass_fds=(write,), env=env, close_fds=True)
+                python_command("cachebuild.worker", str(write), flags=("-u",)),
+                stdin=subprocess.PIPE, pass_fds=(write,), env=child_env(), close_fds=True)
         finally:
             os.close(write)
         self.results: BinaryIO = os.fdopen(read, "rb")

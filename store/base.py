@@ -98,6 +98,14 @@ class Store(ArtifactSource, Protocol):
         empties it when no build runs."""
         ...
 
+    @property
+    def work_records(self) -> Path:
+        """A private folder of the store's own (never inside ``work_dir``) where builds
+        record what they leave in the work folder, so that what a later build reuses
+        from there is checked against a record a planted file cannot bring along (where
+        the environment's probe folder is not ours to write: it keeps them otherwise)."""
+        ...
+
     def get_record(self, key: str) -> Record | None:
         """The record of ``key`` without reading its payload, or None."""
         ...

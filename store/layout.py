@@ -16,6 +16,9 @@
       work/         what compilers write while a target builds (Inductor's and Triton's
                     caches and precompiled headers, temp files): ``gc`` removes it
                     when no build is running
+      built/        records of what builds put into the work folder (which folder they
+                    made, each kept C++ object's SHA-256), checked before anything there
+                    is reused; kept here where the probe folder is not ours to write
       reserve       1 MiB kept free for a full disk (see LocalStore)
 
 ``ab`` is the first two hex digits of the key, so no directory grows past a few
@@ -88,6 +91,7 @@ class Layout:
         self.probe = root / "probe"  # the AOTI toolchain verdicts (created when first probed)
         self.scratch = root / "scratch"  # per-process private directories (made on use)
         self.work = root / "work"  # compilers' working files during builds (made on use)
+        self.built = root / "built"  # records of what builds left in the work folder
         self.reserve = root / "reserve"
         self._objects_str = str(self.objects)
 
@@ -108,27 +112,28 @@ class Layout:
         return self.locks / "entry" / f"{key[:2]}.lock"
 
 
-def check_private_dir(path: Path) -> None:
+def check_private_dir(path: Path, what: str = "store directory") -> None:
     """Refuse ``path`` unless it is a directory owned by us that only we can write.
 
     Artifacts in a store are code that runs when loaded; a directory someone else can
-    write to would let them run code in every process that loads from it.
+    write to would let them run code in every process that loads from it. ``what`` names
+    the folder in messages (the store's work folder is checked the same way).
     """
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise UnsafeStore(f"store directory {path} does not exist") from None
+        raise UnsafeStore(f"{what} {path} does not exist") from None
     except PermissionError as e:
-        raise UnsafeStore(f"cannot access store directory {path}: {e.strerror}") from None
+        raise UnsafeStore(f"cannot access {what} {path}: {e.strerror}") from None
     if stat.S_ISLNK(st.st_mode):
-        raise UnsafeStore(f"refusing store path {path}: it is a symlink; give the directory "
+        raise UnsafeStore(f"refusing {what} {path}: it is a symlink; give the directory "
                          "it points to")
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeStore(f"store path {path} is not a directory")
+        raise UnsafeStore(f"{what} {path} is not a directory")
     euid = os.geteuid()
     if st.st_uid != euid:
         raise UnsafeStore(
-            f"refusing store directory {path}: it is owned by uid {st.st_uid}, not by you "
+            f"refusing {what} {path}: it is owned by uid {st.st_uid}, not by you "
             f"(uid {euid}); stored artifacts contain code that runs when loaded, so a store "
             "must belong to the user who loads from it. Use a directory you own "
             "(--cache-dir or CACHEBUILD_DIR).")
@@ -136,23 +141,23 @@ def check_private_dir(path: Path) -> None:
         who = " and ".join(w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH))
                            if st.st_mode & bit)
         raise UnsafeStore(
-            f"refusing store directory {path}: it is writable by {who} "
+            f"refusing {what} {path}: it is writable by {who} "
             f"(mode {stat.S_IMODE(st.st_mode):o}); stored artifacts contain code that runs "
             f"when loaded, so only you may write there. Fix with: chmod 700 {path}")
 
 
-def make_private_dir(path: Path) -> None:
+def make_private_dir(path: Path, what: str = "store directory") -> None:
     """Create ``path`` (and missing parents) with mode 0700 if absent, then check it."""
     if not os.path.lexists(path):
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.mkdir(mode=0o700, exist_ok=True)
         except OSError as e:
-            raise StoreError(f"cannot create store directory {path}: {e.strerror}") from None
-    check_private_dir(path)
+            raise StoreError(f"cannot create {what} {path}: {e.strerror}") from None
+    check_private_dir(path, what)
 
 
-def check_parents(path: Path) -> None:
+def check_parents(path: Path, what: str = "store directory") -> None:
     """Refuse ``path`` (a real path: no symlinks) if anyone but us or root could rename it,
     or a directory above it, and put something else there.
 
@@ -166,20 +171,67 @@ def check_parents(path: Path) -> None:
         try:
             st, below = os.lstat(parent), os.lstat(child)
         except OSError as e:
-            raise UnsafeStore(f"cannot check {parent}, above the store at {path}: "
+            raise UnsafeStore(f"cannot check {parent}, above the {what} {path}: "
                              f"{e.strerror or e}") from None
         fix = ("stored artifacts contain code that runs when loaded, so no one else may be "
                "able to swap the store for another directory; use a store under a "
                "directory that only you or root can change (e.g. ~/.cache/cachebuild)")
         if st.st_uid not in trusted:
-            raise UnsafeStore(f"refusing store directory {path}: {parent} above it is owned by "
+            raise UnsafeStore(f"refusing {what} {path}: {parent} above it is owned by "
                              f"uid {st.st_uid}, who could rename it; {fix}")
         writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
         if writable and not (st.st_mode & stat.S_ISVTX and below.st_uid in trusted):
-            raise UnsafeStore(f"refusing store directory {path}: {parent} above it is writable "
+            raise UnsafeStore(f"refusing {what} {path}: {parent} above it is writable "
                              f"by others (mode {stat.S_IMODE(st.st_mode):o}), who could "
                              f"rename {child.name} in it; {fix}")
         child = parent
+
+
+def prepare_work_dir(path: Path) -> Path:
+    """The build work folder at ``path``, made (0700) if missing and checked like the store:
+    a directory of ours that no one else may write, under directories that no one but us
+    or root could rename. Returns its real path; UnsafeStore (exit 2) if it is not a
+    directory, cannot be made, or fails a check. Compilers write there and builds reuse
+    what they wrote, so a folder another user could change would put their code into
+    targets."""
+    what = "work folder"
+    path = path.expanduser().absolute()
+    if not os.path.lexists(path):
+        # Nothing is made, not even an empty folder, where another user could change it.
+        existing = path.parent
+        while not os.path.lexists(existing) and existing != existing.parent:
+            existing = existing.parent
+        _check_ancestor(Path(os.path.realpath(existing)), path, what)
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.mkdir(mode=0o700, exist_ok=True)
+        except OSError as e:
+            raise UnsafeStore(f"cannot create the {what} {path}: {e.strerror or e} (set "
+                              "CACHEBUILD_WORK_DIR to a directory you own, or unset it)") from None
+    real = Path(os.path.realpath(path))
+    check_private_dir(real, what)
+    check_parents(real, what)
+    return real
+
+
+def _check_ancestor(real: Path, path: Path, what: str) -> None:
+    """Refuse to make ``path`` under ``real`` (the nearest directory of it that exists)
+    unless ``real`` and every directory above it belong to us or root, and no one else may
+    write ``real`` unless it is sticky (``/tmp``: what we make there stays ours)."""
+    try:
+        st = os.stat(real)
+    except OSError as e:
+        raise UnsafeStore(f"cannot check {real}, above the {what} {path}: "
+                          f"{e.strerror or e}") from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise UnsafeStore(f"cannot create the {what} {path}: {real} is not a directory")
+    if st.st_uid not in (0, os.geteuid()):
+        raise UnsafeStore(f"refusing {what} {path}: {real} above it is owned by uid "
+                          f"{st.st_uid}, who could change what is made there")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise UnsafeStore(f"refusing {what} {path}: {real} above it is writable by others "
+                          f"(mode {stat.S_IMODE(st.st_mode):o})")
+    check_parents(real, what)
 
 
 def prepare(path: Path) -> Layout:

@@ -258,6 +258,11 @@ class LocalStore(LocalTier):
         return self._layout.probe
 
     @property
+    def work_records(self) -> Path:
+        """See ``Store.work_records`` (the store's ``built/``, made on use)."""
+        return self._layout.built
+
+    @property
     def signing_key(self) -> bytes | None:
         return self._signing_key
 

@@ -24,7 +24,7 @@ from typing import Any
 
 from .files import remove_abandoned_scratch, remove_any, remove_stored_files
 from .index import Index
-from .layout import Layout, check_key
+from .layout import Layout, check_key, check_parents, check_private_dir
 from .locking import flocked, remove_if_abandoned, try_flock
 from .record import GCReport, Record, VerifyReport
 
@@ -94,10 +94,16 @@ def work_usage(folder: Path) -> dict[str, Any]:
 
 def clean_work(folder: Path, dry_run: bool) -> tuple[int, bool]:
     """Empty the build work folder unless a build holds it: ``(bytes, emptied)`` (with
-    ``dry_run``, what would go)."""
+    ``dry_run``, what would go). UnsafeStore if the folder is not checked like the store
+    (ours, private, under directories no one else could rename)."""
     size = work_usage(folder)["bytes"]
     if size == 0 or not folder.is_dir():
         return 0, True
+    # Checked like the store before anything in it is removed: a work folder set to
+    # someone else's directory is refused (UnsafeStore), never emptied.
+    folder = Path(os.path.realpath(folder))
+    check_private_dir(folder, "work folder")
+    check_parents(folder, "work folder")
     lock = folder / WORK_LOCK
     try:
         fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)

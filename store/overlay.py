@@ -115,6 +115,11 @@ class OverlayStore(Store):
         return self.writable().work_dir
 
     @property
+    def work_records(self) -> Path:
+        """The overlay's: builds write there."""
+        return self.writable().work_records
+
+    @property
     def signing_key(self) -> bytes | None:
         return self.base.signing_key
 

@@ -143,6 +143,10 @@ class TieredStore(Store):
     def work_dir(self) -> Path:
         return self.local.work_dir
 
+    @property
+    def work_records(self) -> Path:
+        return self.local.work_records
+
     def scratch_dir(self, *, in_memory: bool = False) -> Path:
         return self.local.scratch_dir(in_memory=in_memory)
 

@@ -27,7 +27,7 @@ LAYERS = [
     ["cachebuild.facts", "cachebuild.effects", "cachebuild.fxjson", "cachebuild.purity",
      "cachebuild.graphdiff",
      "cachebuild.inputs", "cachebuild.weights", "cachebuild.outputs", "cachebuild.codehash",
-     "cachebuild.sources",
+     "cachebuild.sources", "cachebuild.processes",
      "cachebuild.store.*", "cachebuild.backends.*", "cachebuild.passes.*"],
     ["cachebuild.trace", "cachebuild.split", "cachebuild.targets", "cachebuild.guards",
      "cachebuild.guard_watch",

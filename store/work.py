@@ -1,0 +1,157 @@
+"""The build work folder as the store keeps it: checked like the store, and what builds
+reuse from it checked against records the store keeps elsewhere.
+
+Compilers write into the work folder while a target builds (Inductor's and Triton's
+caches, C++ objects, temp files), and later builds reuse what they find there: a C++
+object is linked into a new target, a cached kernel is loaded. Whatever is reused must be
+what one of our builds made, or a target (then signed, with a key) would carry someone
+else's code. So:
+
+- ``open_work_dir`` checks the folder like the store (``layout.prepare_work_dir``: ours,
+  private, no directory above it another user could rename) and the store's record that
+  it made this very folder (``claims/``, by real path, device and inode). A folder the
+  store has no record of (made before these records, or by someone else, or put in the
+  place of ours) is emptied before any build uses it, and then recorded.
+- ``ObjectRecords`` keeps the SHA-256 of each C++ object a build puts into the folder's
+  object cache (``objects/<key>``); an object is reused only if it still hashes to its
+  record, and the bytes that were hashed are the bytes used.
+
+The records never live in the work folder, so a file planted there cannot bring its own
+record: they are kept with the environment (the probe folder's ``built/``, checked like
+the store and shared by this user's stores, as a work folder may be), or in the store's
+own ``built/`` (``Store.work_records``) where that folder is not ours to write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import threading
+from pathlib import Path
+
+from .files import open_regular, remove_any
+from .layout import make_private_dir, prepare_work_dir
+from .maintenance import WORK_LOCK  # held shared by every build, exclusive by ``gc``
+
+log = logging.getLogger("cachebuild.build")
+
+_said: set[str] = set()
+_said_lock = threading.Lock()
+
+
+def say_once(message: str) -> None:
+    """Log ``message`` as a warning, once per process."""
+    with _said_lock:
+        if message in _said:
+            return
+        _said.add(message)
+    log.warning("%s", message)
+
+
+def _claim_file(records: Path, real: Path) -> Path:
+    name = hashlib.sha256(str(real).encode()).hexdigest()[:32]
+    return records / "claims" / f"{name}.json"
+
+
+def _identity(real: Path) -> dict[str, object]:
+    st = os.lstat(real)
+    return {"path": str(real), "dev": st.st_dev, "ino": st.st_ino}
+
+
+def _claimed(claim: Path, identity: dict[str, object]) -> bool:
+    data = _read_regular(claim)
+    try:
+        return data is not None and json.loads(data) == identity
+    except ValueError:
+        return False
+
+
+def open_work_dir(path: Path, records: Path) -> Path:
+    """The work folder at ``path``, checked (``layout.prepare_work_dir``: UnsafeStore, exit
+    2, if it is not a private directory of ours under safe directories) and known to the
+    store: a folder ``records`` has no claim on is emptied first (when no build holds it)
+    and claimed. Returns its real path."""
+    real = prepare_work_dir(path)
+    make_private_dir(records)
+    make_private_dir(records / "claims")
+    identity = _identity(real)
+    claim = _claim_file(records, real)
+    if _claimed(claim, identity):
+        return real
+    lock = os.open(real / WORK_LOCK, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                   0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # no build may be reading it while it is emptied
+        if not _claimed(claim, identity):
+            found = [e.name for e in os.scandir(real) if e.name != WORK_LOCK]
+            if found:
+                say_once(f"emptied the work folder {real}: the store has no record of making "
+                         "it, so nothing found there is reused")
+            for name in found:
+                remove_any(real / name)
+            tmp = claim.with_name(f".{claim.name}.{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(identity))
+            os.replace(tmp, claim)
+    finally:
+        os.close(lock)
+    return real
+
+
+class ObjectRecords:
+    """The SHA-256 of each object a build kept in a work folder's object cache, by its key,
+    in ``folder`` (a private folder of the store's)."""
+
+    def __init__(self, folder: Path) -> None:
+        make_private_dir(folder)
+        self.folder = folder
+
+    def _path(self, name: str) -> Path:
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"bad object name {name!r}")
+        return self.folder / name
+
+    def record(self, name: str, data: bytes) -> None:
+        """Record that the object ``name`` is ``data`` (written whole, or not at all)."""
+        path = self._path(name)
+        tmp = path.with_name(f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        try:
+            tmp.write_text(hashlib.sha256(data).hexdigest())
+            os.replace(tmp, path)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    def verified(self, name: str, kept: Path) -> bytes | None:
+        """The bytes of ``kept`` if they hash to the record of ``name``; None if there is no
+        such file, or no record (``say_once`` says so when a file is there but does not
+        match its record, or has none)."""
+        data = _read_regular(kept)
+        if data is None:
+            return None
+        recorded = _read_regular(self._path(name))
+        if recorded is not None and recorded.decode(errors="replace").strip() == \
+                hashlib.sha256(data).hexdigest():
+            return data
+        say_once(f"a C++ object in the work folder's cache ({kept.parent}) does not match "
+                 "the store's record of it: compiling it again (and any other such object)")
+        return None
+
+
+def _read_regular(path: Path) -> bytes | None:
+    """The bytes of the regular file at ``path``; None if it is missing or something else
+    (a symlink is not followed, a FIFO not waited on)."""
+    try:
+        fd = open_regular(path)
+    except Exception:
+        return None
+    if fd is None:
+        return None
+    with os.fdopen(fd, "rb") as f:
+        try:
+            return f.read()
+        except OSError:
+            return None

@@ -1,0 +1,232 @@
+"""Trust, the build work folder (issue 32, item 4): it is checked like the store, the
+directories above it included, and what a build reuses from it (the C++ object cache)
+is checked against a record kept outside it before it goes into a target.
+
+The command-line tests run real processes; the other user is uid 65534, whose
+directories the tests make as root (skipped elsewhere).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+import pytest
+from trust import NOBODY, assert_one_line_error, clean_env, cli, public_dir, require_root
+
+from cachebuild.backends import compilers
+from cachebuild.backends.kernel_dir import build_work_dir
+from cachebuild.compat import CxxBuild
+from cachebuild.store.layout import UnsafeStore, prepare_work_dir
+from cachebuild.store.work import ObjectRecords
+
+#: A model file that leaves a marker when it is imported: nothing may import it (let
+#: alone trace it) when the work folder is unusable.
+MODEL = """
+from pathlib import Path
+Path({marker!r}).write_text("imported")
+
+def build():
+    raise RuntimeError("not reached")
+"""
+
+
+def _model(tmp_path: Path) -> tuple[Path, Path]:
+    marker = tmp_path / "imported"
+    path = tmp_path / "model.py"
+    path.write_text(MODEL.format(marker=str(marker)))
+    return path, marker
+
+
+@pytest.mark.parametrize("work", ["/etc/passwd", "/etc/passwd/work", "file"])
+def test_a_work_folder_that_is_a_file_or_cannot_be_made_is_refused_before_tracing(
+        tmp_path, work):
+    model, marker = _model(tmp_path)
+    if work == "file":
+        work = str(tmp_path / "file")
+        Path(work).write_text("not a folder")
+    proc = cli("--cache-dir", str(tmp_path / "store"), "warm", str(model),
+               env=clean_env(CACHEBUILD_WORK_DIR=work))
+    assert_one_line_error(proc, 2, "work folder")
+    assert not marker.exists()
+
+
+def test_a_work_folder_another_user_could_change_is_refused_and_nothing_is_made_there(
+        tmp_path):
+    require_root()
+    model, marker = _model(tmp_path)
+    with public_dir() as public:
+        theirs = public / "theirs"
+        theirs.mkdir(mode=0o755)
+        os.chown(theirs, NOBODY, NOBODY)
+        open_dir = public / "open"
+        open_dir.mkdir()
+        os.chmod(open_dir, 0o777)
+        (open_dir / "work").mkdir(mode=0o700)
+        cases = [(theirs / "cache" / "work", r"theirs above it is owned by uid 65534"),
+                 (open_dir / "work", r"open above it is writable by others")]
+        for work, why in cases:
+            proc = cli("--cache-dir", str(tmp_path / "store"), "warm", str(model),
+                       env=clean_env(CACHEBUILD_WORK_DIR=str(work)))
+            assert_one_line_error(proc, 2, why)
+        assert list(theirs.iterdir()) == []  # not even an empty folder was made there
+        assert list((open_dir / "work").iterdir()) == []
+        assert not marker.exists()
+
+
+def test_a_work_folder_open_to_others_is_refused_by_every_build_and_gc(open_local, tmp_path):
+    store = open_local(tmp_path / "store")
+    with build_work_dir(store) as work:
+        pass
+    os.chmod(work, 0o777)
+    with pytest.raises(UnsafeStore, match="work folder .* writable by group and others"), \
+            build_work_dir(store):
+        pass
+    (work / "theirs").write_bytes(b"x")
+    with pytest.raises(UnsafeStore, match="work folder"):  # nor is it emptied
+        store.gc()
+    assert (work / "theirs").exists()
+    os.chmod(work, 0o700)
+    os.chmod(work / "inductor", 0o770)
+    with pytest.raises(UnsafeStore, match="inductor: it is writable by group"), \
+            build_work_dir(store):
+        pass
+
+
+def test_a_work_folder_no_build_of_ours_made_is_emptied_before_use(open_local, tmp_path,
+                                                                     caplog, monkeypatch):
+    monkeypatch.setattr("cachebuild.store.work._said", set())
+    store = open_local(tmp_path / "store")
+    work = prepare_work_dir(store.work_dir)  # made by hand: the store has no record of it
+    planted = work / "inductor" / "fxgraph" / "planted"
+    planted.parent.mkdir(parents=True)
+    planted.write_bytes(b"a cached graph nobody here made")
+    with caplog.at_level(logging.WARNING, logger="cachebuild.build"), build_work_dir(store):
+        assert not planted.exists()
+        kept = work / "inductor" / "ours"
+        kept.write_bytes(b"made by a build")
+    assert "emptied the work folder" in caplog.text
+    with build_work_dir(store):
+        assert kept.read_bytes() == b"made by a build"  # the store made this folder
+
+
+def test_a_kept_object_is_linked_only_if_it_matches_its_record(tmp_path, caplog, monkeypatch):
+    """A kept C++ object is reused only if it hashes to the record made when a build of
+    ours kept it; one that does not (or has no record) is compiled again, said once."""
+    monkeypatch.setattr("cachebuild.store.work._said", set())
+    work = tmp_path / "work"
+    work.mkdir()
+    records = ObjectRecords(tmp_path / "records")
+    source = tmp_path / "kernel.cpp"
+    source.write_text("int kernel() { return 1; }\n")
+    target = tmp_path / "out" / "kernel.o"
+    build = CxxBuild(f"g++ -c {source} -o {target}", (str(source),), str(target), "object")
+    runs: list[int] = []
+
+    def run() -> None:
+        runs.append(1)
+        target.parent.mkdir(exist_ok=True)
+        target.write_bytes(b"compiled here")
+
+    with caplog.at_level(logging.WARNING, logger="cachebuild.build"), \
+            compilers.watch(work, tmp_path / "isa", records) as cache:
+        compilers._cxx(build, run)  # compiled, kept, recorded
+        (kept,) = cache.glob("*.o")
+        target.unlink()
+        compilers._cxx(build, run)  # reused
+        assert runs == [1] and target.read_bytes() == b"compiled here"
+        assert "does not match" not in caplog.text
+        kept.write_bytes(b"an object with a planted constructor")
+        target.unlink()
+        compilers._cxx(build, run)
+        assert runs == [1, 1] and target.read_bytes() == b"compiled here"
+        assert kept.read_bytes() == b"compiled here"  # kept again, with its record
+        assert caplog.text.count("does not match the store's record") == 1
+        (records.folder / kept.name).unlink()  # kept before records were made
+        target.unlink()
+        compilers._cxx(build, run)
+        assert runs == [1, 1, 1]
+    # Without the store's records (a folder nothing else uses), nothing is reused.
+    (tmp_path / "other").mkdir()
+    with compilers.watch(tmp_path / "other", None):
+        target.unlink()
+        compilers._cxx(build, run)
+        assert runs == [1, 1, 1, 1]
+
+
+#: A constructor that leaves a marker when the library it is linked into is loaded.
+PLANTED_OBJECT = """
+#include <fcntl.h>
+#include <unistd.h>
+__attribute__((constructor)) static void cachebuild_planted(void) {
+    int fd = open("%s", O_CREAT | O_WRONLY, 0600);
+    if (fd >= 0) close(fd);
+}
+"""
+
+MODEL = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parents[1] / "examples")!r})
+from llama import build
+"""
+
+SERVE = """
+import sys
+import torch
+import cachebuild
+from cachebuild.modelfile import load_spec
+spec = load_spec(sys.argv[1])
+compiled = cachebuild.compile(spec.model, spec.config, spec.dynamic_dims)
+with torch.no_grad():
+    torch.testing.assert_close(compiled(*spec.example_inputs), spec.model(*spec.example_inputs),
+                               rtol=2e-2, atol=2e-2)
+print("served", cachebuild.stats()["loaded"])
+"""
+
+
+@pytest.mark.slow
+def test_a_tampered_kept_object_never_reaches_a_signed_target(tmp_path):
+    """The audit's case: a C++ object kept in the work folder is changed (a constructor
+    linked in) between two builds with a key that signs every target; the second build
+    compiles that object again, and loading what it stored runs no planted code."""
+    import shutil
+    import subprocess
+
+    from test_cli_model import SMALL, summary
+    from trust import python
+
+    if not (shutil.which("ld") and shutil.which("gcc")):
+        pytest.skip("needs ld and gcc")
+    marker = tmp_path / "planted-constructor-ran"
+    work = tmp_path / "work"
+    model = tmp_path / "model.py"
+    model.write_text(MODEL)
+    env = clean_env(CACHEBUILD_WORK_DIR=str(work), CACHEBUILD_SIGNING_KEY="fleet-key",
+                    CACHEBUILD_REQUIRE_SIGNATURE="1", **SMALL)
+    first = cli("--cache-dir", str(tmp_path / "one"), "warm", str(model), env=env, timeout=1500)
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept = sorted((work / "cxx").glob("*.o"))
+    if not kept:
+        pytest.skip("no C++ objects kept here (no AOTInductor build)")
+    source = tmp_path / "planted.c"
+    source.write_text(PLANTED_OBJECT % marker)
+    planted = tmp_path / "planted.o"
+    subprocess.run(["gcc", "-c", "-fPIC", str(source), "-o", str(planted)], check=True)
+    for obj in kept:  # each keeps its own symbols, plus the constructor
+        combined = tmp_path / "combined.o"
+        subprocess.run(["ld", "-r", str(obj), str(planted), "-o", str(combined)], check=True)
+        shutil.copyfile(combined, obj)
+    second = cli("--cache-dir", str(tmp_path / "two"), "warm", str(model), env=env,
+                 timeout=1500)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert not marker.exists()
+    total, _, built, failed = summary(second.stderr + second.stdout)
+    assert built == total and failed == 0
+    assert "does not match the store's record" in second.stderr
+    assert not any(b"cachebuild_planted" in obj.read_bytes() for obj in kept)
+    served = python(SERVE, str(model), env={**env, "CACHEBUILD_DIR": str(tmp_path / "two")},
+                    timeout=900)
+    assert served.returncode == 0, served.stderr[-3000:]
+    assert "served" in served.stdout
+    assert not marker.exists()
