@@ -136,6 +136,45 @@ class GraphForward:
         if resolve is None:
             log.info("graph inputs %s take new values %s: building a specialised variant",
                      self.scalars, values)
+            _tell_variants(self._changed(values))
             resolve = self._planned(values)
         fn = self.variants[values] = resolve()
         return fn
+
+    def _changed(self, values: tuple[Any, ...]) -> list[str]:
+        """Each scalar input whose value differs from the first variant's, in words
+        (``L['kwargs']['cache'].layers[0].cumulative_length_int 8 → 9``)."""
+        first = next(iter(self.variants), values)
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        said = []
+        for i, before, now in zip(self.scalars, first, values, strict=True):
+            if before != now:
+                said.append(f"{_input_name(placeholders[i])} {before!r} → {now!r}")
+        return said
+
+
+#: Whether this process was told that a graph builds a variant per scalar value.
+_TOLD = [False]
+
+
+def _tell_variants(changed: list[str]) -> None:
+    """One warning line, the first time in this process that a graph builds another
+    variant because a Python number it takes changed: a server sees why its builds do not
+    stop (a sliding-window cache's token count builds one per decode step)."""
+    if _TOLD[0]:
+        return
+    _TOLD[0] = True
+    log.warning("cachebuild: a compiled graph builds a new variant for each value of the "
+                "Python number %s (no tensor carries it, so each value is baked into its "
+                "own build; transformers' sliding-window static cache counts tokens this way)",
+                ", ".join(changed) or "it takes")
+
+
+def _input_name(node: fx.Node) -> str:
+    """Where Dynamo read a graph input from (``L['x'].n``), else the placeholder's name."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    try:
+        return str(name() if callable(name) else name) if name is not None else str(node.target)
+    except Exception:  # a source that cannot name itself: the placeholder's name serves
+        return str(node.target)

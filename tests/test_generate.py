@@ -171,3 +171,26 @@ def test_paged_engine_samples_reproducibly_and_frees_its_blocks(tmp_path):
     with pytest.raises(ValueError, match="attach_caches"):
         generate.Engine(model)
     assert json.dumps(first)
+
+
+@pytest.mark.slow
+def test_a_sliding_window_static_cache_says_once_why_decoding_builds(tmp_path, monkeypatch,
+                                                                     caplog, fresh_dynamo):
+    """Mistral's sliding-window static cache counts tokens in a Python int: through the
+    torch.compile door each decode step builds a variant of the decode graph. The tokens
+    are eager's, and one warning line (not one per step) names the int."""
+    import hf_families as H
+
+    import cachebuild.dynamo_backend as door
+    from cachebuild.store import LocalStore
+
+    monkeypatch.setattr(door, "_TOLD", [False])
+    monkeypatch.setattr(H, "NEW_TOKENS", 8)
+    model = H.generator_model("mistral")
+    want = H.greedy(model, "static")
+    H.compile_forward(model, H.generation_config(), LocalStore(tmp_path / "store"))
+    with caplog.at_level("WARNING", logger="cachebuild"):
+        assert H.greedy(model, "static") == want
+    told = [r.getMessage() for r in caplog.records if "new variant" in r.getMessage()]
+    assert len(told) == 1, told
+    assert "cumulative_length_int" in told[0], told
