@@ -156,3 +156,42 @@ def test_user_site_packages_count_as_installed_code():
     assert sources.library_module("liba/config.py") == "liba.config"
     assert sources.library_module("liba/__init__.py") == "liba"
     assert sources.library_path(textwrap.dedent("/nowhere/app/config.py")) is None
+
+
+PEFT_CHILD = """
+import json
+
+import peft
+import torch
+import transformers
+
+import cachebuild
+import hf_families as H
+
+torch.manual_seed(0)
+base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**H._decoder()))
+model = H.Served(peft.get_peft_model(base, peft.LoraConfig(
+    r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))).eval()
+config = cachebuild.CompileConfig(splitting_ops=(H.SDPA,), compile_ranges=((1, 24),),
+                                  backend="eager_fusion")
+compiled = cachebuild.compile(model, config, {0: 0})
+tokens = H.ids(9)
+with torch.no_grad():
+    same = torch.allclose(compiled(*tokens), model(*tokens), rtol=1e-4, atol=1e-5)
+stats = cachebuild.stats()
+print(json.dumps({"traced": stats["traced"], "entries_loaded": stats["entries_loaded"],
+                  "same": bool(same)}))
+"""
+
+
+@pytest.mark.slow
+def test_a_peft_model_starts_warm_beside_cachebuilds_own_config_py(tmp_path):
+    """A LoRA model's trace reads peft's ``config.py``; cachebuild's own ``config.py`` (an
+    editable install, outside installed libraries) is loaded in every process."""
+    import models
+
+    env = {"CACHEBUILD_DIR": str(tmp_path / "store")}
+    cold = models.run_python(PEFT_CHILD, env=env)
+    warm = models.run_python(PEFT_CHILD, env=env)
+    assert (cold["traced"], cold["same"]) == (1, True), cold
+    assert (warm["traced"], warm["entries_loaded"], warm["same"]) == (0, 1, True), warm
