@@ -123,3 +123,39 @@ def test_desugar_leaves_plain_operators_that_compute_the_same(fresh_dynamo):
             for n in gm.graph.nodes if n.op == "placeholder"]  # Dynamo's order
     torch.testing.assert_close(gm(*args)[0], fn(x, weight, theirs))
     torch.testing.assert_close(mine, theirs)  # the write through the wrapper, on acc
+
+
+MAMBA_CHILD = """
+import json
+
+import torch
+import transformers
+
+import cachebuild
+import hf_families as H
+
+torch.manual_seed(0)
+model = transformers.MambaForCausalLM(transformers.MambaConfig(
+    hidden_size=32, num_hidden_layers=1, vocab_size=H.VOCAB, state_size=4, expand=2,
+    conv_kernel=4, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+prompt = H.ids(7)[0][None]
+options = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+with torch.no_grad():
+    want = model.generate(prompt, **options)[0].tolist()
+config = cachebuild.CompileConfig(compile_ranges=((1, 64),), backend="eager_fusion")
+model.forward = torch.compile(model.forward, backend=cachebuild.backend(config))
+with torch.no_grad():
+    got = model.generate(prompt, **options)[0].tolist()
+print(json.dumps({"same": want == got, "failed": cachebuild.stats()["failed"]}))
+"""
+
+
+@pytest.mark.slow
+def test_mamba_generates_eagers_tokens_through_torch_compile(tmp_path):
+    """Mamba's generate hands the backend a graph holding a functorch transform; it
+    crashed the write finder (``Cannot access storage of BatchedTensorImpl``)."""
+    import models
+
+    env = {"CACHEBUILD_DIR": str(tmp_path / "store")}
+    assert models.run_python(MAMBA_CHILD, env=env) == {"same": True, "failed": 0}
+    assert models.run_python(MAMBA_CHILD, env=env) == {"same": True, "failed": 0}
