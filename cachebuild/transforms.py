@@ -76,8 +76,14 @@ def desugar(gm: fx.GraphModule, example_inputs: list[Any], fake_mode: Any) -> bo
         # Run again for each region: a later one may read what an earlier one became.
         values = _values(gm, example_inputs, fake_mode)
         inputs, outputs, body = _extract(gm, region)
-        with fake_mode if fake_mode is not None else contextlib.nullcontext():
-            plain = make_fx(body)(*[values[n] for n in inputs])
+        try:
+            with fake_mode if fake_mode is not None else contextlib.nullcontext():
+                plain = make_fx(body)(*[values[n] for n in inputs])
+        except Exception as e:  # refused before anything is built or run
+            first = (str(e).strip().splitlines() or [""])[0]
+            raise UsageError("a functorch transform (vmap, grad, jvp) in the traced graph "
+                             "could not be traced into plain operators: "
+                             f"{type(e).__name__}: {first}") from e
         _inline(gm, region, inputs, outputs, plain)
     gm.graph.lint()
     gm.recompile()

@@ -160,3 +160,28 @@ def test_mamba_generates_eagers_tokens_through_torch_compile(tmp_path):
     env = {"CACHEBUILD_DIR": str(tmp_path / "store")}
     assert models.run_python(MAMBA_CHILD, env=env) == {"same": True, "failed": 0}
     assert models.run_python(MAMBA_CHILD, env=env) == {"same": True, "failed": 0}
+
+
+def test_a_transform_that_makes_constants_is_refused_in_one_line(tmp_path, fresh_dynamo):
+    """``jacrev`` builds its basis as constant tensors while it runs: no piece can hold
+    them, so the model is refused before anything is built or run."""
+    import cachebuild
+    from cachebuild.errors import UsageError
+    from cachebuild.store import LocalStore
+
+    class Jacobian(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.lin(x) + torch.func.jacrev(lambda v: v.tanh() * 2)(x[0]).sum(0)
+
+    config = cachebuild.CompileConfig(compile_ranges=((1, 8),), backend="eager_fusion")
+    compiled = cachebuild.compile(Jacobian().eval(), config, {0: 0},
+                                  store=LocalStore(tmp_path / "store"))
+    built = cachebuild.stats()["built"]
+    with torch.no_grad(), pytest.raises(UsageError, match="functorch transform") as refused:
+        compiled(torch.randn(3, 4))
+    assert "\n" not in str(refused.value)
+    assert cachebuild.stats()["built"] == built
