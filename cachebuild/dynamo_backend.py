@@ -14,13 +14,18 @@ Two things differ from a cachebuild trace:
 - Python scalars Dynamo leaves unspecialised (floats passed as 0-d tensors with
   ``dynamic=True``, ints that no tensor size carries) are baked into the graph as the
   values of the call, and each call checks its values: other values get their own
-  specialised build. A piece then never computes on a scalar it cannot see.
+  specialised build (one warning line says so, once). A piece then never computes on a
+  scalar it cannot see. A scalar that only counts (bumped and handed back, read by no
+  tensor computation, as transformers' sliding-window cache counts its tokens) is not a
+  reason for another build: the outputs made of it are worked out on each call
+  (``Counts``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -91,6 +96,103 @@ def specialise(gm: fx.GraphModule, values: dict[int, Any]) -> fx.GraphModule:
     return new
 
 
+@dataclass
+class Counts:
+    """The outputs of a graph that are Python numbers computed from scalar inputs alone
+    (``inputs``): a count read, bumped and handed back for Dynamo to store, as
+    transformers' sliding-window cache counts its tokens. ``graph`` computes them from the
+    graph's inputs, ``positions`` says where they go in its outputs."""
+
+    inputs: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    graph: fx.GraphModule | None = None
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, scalars: list[int]) -> Counts:
+        """The scalar inputs of ``gm`` whose every use is number arithmetic ending in
+        outputs, computed from nothing but scalar inputs and constants."""
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        scalar_nodes = {placeholders[i] for i in scalars}
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        outs = list(output.args[0])
+        counted = [i for i in scalars if _counts_only(placeholders[i], scalar_nodes)]
+        if not counted:
+            return cls()
+        reached = _descendants([placeholders[i] for i in counted])
+        positions = [p for p, o in enumerate(outs) if isinstance(o, fx.Node) and o in reached]
+        graph = fx.Graph()
+        env = {n: graph.placeholder(n.name) for n in placeholders}
+        needed = _ancestors([outs[p] for p in positions])
+        for node in gm.graph.nodes:
+            if node in needed and node.op != "placeholder":
+                env[node] = graph.node_copy(node, env.__getitem__)
+        graph.output(tuple(env[outs[p]] for p in positions))
+        return cls(counted, positions, fx.GraphModule(gm, graph))
+
+    def put(self, out: Any, args: Sequence[Any]) -> Any:
+        """``out`` (a variant's outputs) with the counts worked out from ``args``."""
+        if self.graph is None:
+            return out
+        values = self.graph(*args)
+        fixed = list(out)
+        for p, value in zip(self.positions, values, strict=True):
+            fixed[p] = value
+        return type(out)(fixed) if isinstance(out, tuple) else fixed
+
+
+def _is_number(node: fx.Node) -> bool:
+    """A call whose value is a Python number and that reads no tensor."""
+    if node.op != "call_function":
+        return False
+    if isinstance(node.meta.get("example_value"), torch.Tensor):
+        return False
+    return not any(isinstance(a.meta.get("example_value"), torch.Tensor)
+                   for a in node.all_input_nodes)
+
+
+def _counts_only(node: fx.Node, scalars: set[fx.Node]) -> bool:
+    """True if everything computed from ``node`` is number arithmetic on scalar inputs
+    that ends in the graph's outputs (so no piece reads it)."""
+    seen: set[fx.Node] = set()
+    todo = [node]
+    while todo:
+        current = todo.pop()
+        for user in current.users:
+            if user.op == "output" or user in seen:
+                continue
+            if not _is_number(user):
+                return False
+            if any(a.op == "placeholder" and a not in scalars for a in user.all_input_nodes):
+                return False
+            seen.add(user)
+            todo.append(user)
+    return any(u.op == "output" for n in seen | {node} for u in n.users) and all(
+        a.op == "placeholder" or a in seen for n in seen for a in n.all_input_nodes)
+
+
+def _descendants(nodes: list[fx.Node]) -> set[fx.Node]:
+    found: set[fx.Node] = set()
+    todo = list(nodes)
+    while todo:
+        current = todo.pop()
+        for user in current.users:
+            if user.op != "output" and user not in found:
+                found.add(user)
+                todo.append(user)
+    return found | set(nodes)
+
+
+def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
+    found: set[fx.Node] = set()
+    todo = list(nodes)
+    while todo:
+        current = todo.pop()
+        if current not in found:
+            found.add(current)
+            todo += current.all_input_nodes
+    return found
+
+
 class GraphForward:
     """What the backend returns for one Dynamo graph: built on its first call, per set of
     scalar values."""
@@ -102,19 +204,28 @@ class GraphForward:
         self.fakes = [n.meta.get("example_value", v)
                       for n, v in zip(placeholders, example_inputs, strict=True)]
         self.scalars = scalar_inputs(gm, self.fakes)
+        # Scalars that only count (a cache's token count, bumped and handed back) reach
+        # no tensor: the outputs they make are worked out on each call, and one build
+        # serves every value. The others are baked in: a variant per value.
+        self.counts = Counts.of(gm, self.scalars)
+        self.keyed = [i for i in self.scalars if i not in self.counts.inputs]
         self.plan = plan
         self.variants: dict[tuple[Any, ...], Callable[..., Any]] = {}
         # Plan the traced values now, inside Dynamo's compile, so a graph that cannot be
         # split fails there; build on the first call.
-        values = tuple(scalar_value(example_inputs[i]) for i in self.scalars)
-        self._pending = {values: self._planned(values)}
+        self._pending = {self._key(example_inputs): self._planned(example_inputs)}
 
-    def _planned(self, values: tuple[Any, ...]) -> Callable[[], Callable[..., Any]]:
-        """Split and plan the graph with ``values`` baked in; returns what builds it."""
+    def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
+        """The values a variant is built for: those of the scalars baked in."""
+        return tuple(scalar_value(args[i]) for i in self.keyed)
+
+    def _planned(self, args: Sequence[Any]) -> Callable[[], Callable[..., Any]]:
+        """Split and plan the graph with the scalar values of ``args`` baked in; returns
+        what builds it."""
         import torch.utils._pytree as pytree
 
-        gm = specialise(self.gm, dict(zip(self.scalars, values, strict=True))) \
-            if self.scalars else self.gm
+        values = {i: scalar_value(args[i]) for i in self.scalars}
+        gm = specialise(self.gm, values) if self.scalars else self.gm
         unpin_device(gm, device_of(self.fakes))  # every rank's graph alike (facts.py)
         n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
         traced = TracedGraph(
@@ -125,17 +236,56 @@ class GraphForward:
         return self.plan(traced)
 
     def __call__(self, *args: Any) -> Any:
-        values = tuple(scalar_value(args[i]) for i in self.scalars)
-        fn = self.variants.get(values)
+        key = self._key(args)
+        fn = self.variants.get(key)
         if fn is None:
-            fn = self._build(values)
-        return fn(*args)
+            fn = self._build(key, args)
+        return self.counts.put(fn(*args), args)
 
-    def _build(self, values: tuple[Any, ...]) -> Callable[..., Any]:
-        resolve = self._pending.pop(values, None)
+    def _build(self, key: tuple[Any, ...], args: Sequence[Any]) -> Callable[..., Any]:
+        resolve = self._pending.pop(key, None)
         if resolve is None:
             log.info("graph inputs %s take new values %s: building a specialised variant",
-                     self.scalars, values)
-            resolve = self._planned(values)
-        fn = self.variants[values] = resolve()
+                     self.keyed, key)
+            _tell_variants(self._changed(key))
+            resolve = self._planned(args)
+        fn = self.variants[key] = resolve()
         return fn
+
+    def _changed(self, values: tuple[Any, ...]) -> list[str]:
+        """Each scalar input whose value differs from the first variant's, in words
+        (``L['kwargs']['cache'].layers[0].cumulative_length_int 8 → 9``)."""
+        first = next(iter(self.variants), values)
+        placeholders = [n for n in self.gm.graph.nodes if n.op == "placeholder"]
+        said = []
+        for i, before, now in zip(self.keyed, first, values, strict=True):
+            if before != now:
+                said.append(f"{_input_name(placeholders[i])} {before!r} → {now!r}")
+        return said
+
+
+#: Whether this process was told that a graph builds a variant per scalar value.
+_TOLD = [False]
+
+
+def _tell_variants(changed: list[str]) -> None:
+    """One warning line, the first time in this process that a graph builds another
+    variant because a Python number it takes changed: a server sees why its builds do not
+    stop (a sliding-window cache's token count builds one per decode step)."""
+    if _TOLD[0]:
+        return
+    _TOLD[0] = True
+    log.warning("cachebuild: a compiled graph builds a new variant for each value of the "
+                "Python number %s (no tensor carries it, so each value is baked into its "
+                "own build; transformers' sliding-window static cache counts tokens this way)",
+                ", ".join(changed) or "it takes")
+
+
+def _input_name(node: fx.Node) -> str:
+    """Where Dynamo read a graph input from (``L['x'].n``), else the placeholder's name."""
+    source = getattr(node.meta.get("grapharg"), "source", None)
+    name = getattr(source, "name", None)
+    try:
+        return str(name() if callable(name) else name) if name is not None else str(node.target)
+    except Exception:  # a source that cannot name itself: the placeholder's name serves
+        return str(node.target)

@@ -71,11 +71,22 @@ def _tensors(value: Any) -> list[torch.Tensor]:
     return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
 
 
+def unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s memory: ``t`` itself, or, for a tensor a functorch
+    transform wraps (``vmap``'s batched tensors, ``grad``'s), the tensor under every
+    wrapper. A wrapper has no storage of its own; writes through it land in that tensor."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
 def storage_of(t: torch.Tensor) -> Any:
-    """A hashable handle on ``t``'s memory, equal for every tensor that shares it."""
+    """A hashable handle on ``t``'s memory, equal for every tensor that shares it (a
+    functorch wrapper shares the memory of the tensor it wraps)."""
     from torch.multiprocessing.reductions import StorageWeakRef
 
-    return StorageWeakRef(t.untyped_storage())
+    return StorageWeakRef(unwrapped(t).untyped_storage())
 
 
 def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any], fake_mode: Any = None) -> Effects:
@@ -91,7 +102,8 @@ def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any], fake_mode: Any = N
             arg_nodes = [a for a in pytree.tree_leaves((n.args, n.kwargs))
                          if isinstance(a, fx.Node)]
             arg_values = [(a, self.env[a]) for a in arg_nodes if a in self.env]
-            before = [(a, t, t._version) for a, v in arg_values for t in _tensors(v)]
+            before = [(a, t, t._version) for a, v in arg_values
+                      for t in map(unwrapped, _tensors(v))]
             result = super().run_node(n)
             changed = [t for _, t, version in before if t._version != version]
             written = []
@@ -170,10 +182,23 @@ def might_write(node: fx.Node) -> bool:
     return bool(schema is not None and schema.is_mutable)
 
 
+def is_transform_call(node: fx.Node) -> bool:
+    """True for a call into functorch, as Dynamo leaves ``vmap``, ``grad`` and ``jvp`` in
+    a graph: a transform's level entered or left, a tensor wrapped for it or unwrapped.
+    Entering and leaving return nothing but change the process's transform state."""
+    if node.op != "call_function":
+        return False
+    return "functorch" in (getattr(node.target, "__module__", None) or "")
+
+
 def eliminate_dead_code(graph: fx.Graph) -> None:
-    """FX's dead-code elimination, keeping every node that ``might_write``."""
+    """FX's dead-code elimination, keeping every node that ``might_write`` and every
+    call into functorch (``is_transform_call``: nothing reads a level's entry, yet the
+    calls after it need it)."""
     for node in reversed(list(graph.nodes)):
         if node.users or node.op in ("placeholder", "output") or might_write(node):
+            continue
+        if is_transform_call(node):
             continue
         if node.op == "call_module" or node.is_impure():
             continue

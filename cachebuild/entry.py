@@ -106,6 +106,10 @@ class Entry:
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
     #: Each traced file's size and time as of its hash (``sources.stamp``).
     source_stamps: dict[str, list[int]] = field(default_factory=dict)
+    #: Each traced file of an installed library: its path inside the library folder
+    #: (``peft/config.py``), by which it is found and never confused with a file of the
+    #: same name elsewhere (``sources.stale``).
+    source_libraries: dict[str, str] = field(default_factory=dict)
     #: Where the seal of its guard list is stored (made from its key and that list): an
     #: entry whose guards no key can be made of is not made (ValueError, TypeError).
     seal: str = field(init=False)
@@ -152,7 +156,7 @@ class Entry:
     def stale_files(self) -> list[str]:
         """Traced sources whose code is not the code of this process (``sources.stale``:
         found by content, wherever the file lies now), each named where it differs."""
-        return stale(self.source_files, self.source_stamps)
+        return stale(self.source_files, self.source_stamps, self.source_libraries)
 
     def to_bytes(self) -> bytes:
         data = {
@@ -172,7 +176,7 @@ class Entry:
             "out_spec": self.out_spec, "source_files": self.source_files,
             "manifests": self.manifests, "guards": self.guards,
             "written_inputs": self.written_inputs, "sources": self.sources,
-            "source_stamps": self.source_stamps,
+            "source_stamps": self.source_stamps, "source_libraries": self.source_libraries,
         }
         return json.dumps(data, separators=(",", ":")).encode()
 
@@ -200,6 +204,10 @@ class Entry:
             written_inputs=[int(i) for i in raw["written_inputs"]],
             sources={str(k): dict(v) for k, v in raw["sources"].items()},
             source_stamps={str(k): [int(x) for x in v] for k, v in raw["source_stamps"].items()},
+            # Entries written before libraries were recorded have none (``stale`` then
+            # finds them by where they lie here).
+            source_libraries={str(k): str(v)
+                              for k, v in raw.get("source_libraries", {}).items()},
         )
 
 
@@ -245,7 +253,7 @@ def _unusable(store: Store, entry: Entry, key: str) -> str | None:
     list is not the one sealed with it, or a source its trace read changed since."""
     if entry.key != key or not store.contains(entry.seal):
         return "the stored entry's guards are not the ones recorded with it (no seal for them)"
-    changed = stale(entry.source_files, entry.source_stamps)
+    changed = entry.stale_files()
     if changed:
         return f"traced source changed: {', '.join(changed)}"
     return None
@@ -427,6 +435,7 @@ def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,
         written_inputs=list(plan.written_inputs),
         sources=source_data(labels_in([g.to_data() for g in traced.guards])),
         source_stamps=dict(traced.source_stamps),
+        source_libraries=dict(traced.source_libraries),
         unrecordable=traced.unrecordable,
     )
 

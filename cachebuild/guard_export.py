@@ -185,6 +185,8 @@ def source_path(source: Any, frame: Frame) -> list[list[Any]]:
         # The frame's own globals: forward's, which may be a module's or an exec namespace.
         return [["model"], ["type"], ["attr", "forward"], ["attr", "__globals__"],
                 ["item", name]]
+    if isinstance(source, S.ImportSource):  # ``__import__('torch._functorch.vmap')``
+        return [module_root(source.module_name)]
     # Module wrappers name the same object as their base.
     if isinstance(source, S.NNModuleSource):
         return source_path(source.base, frame)
@@ -275,7 +277,10 @@ def _record(entry: Any, check: str | None, model: Any, args: Sequence[Any],
     guard = entry.orig_guard
     source, arg, same_value = guard.originating_source, None, True
     if check == "contains":
-        arg = encode_key(_partial_kwargs(guard)["key"])
+        try:
+            arg = encode_key(_partial_kwargs(guard)["key"])
+        except Unplain as e:
+            raise Unrecordable(f"{guard.name}: {e}") from e
     elif check in ("in_dict", "exists"):
         try:
             source, arg, same_value = compat.attribute_guard(guard)

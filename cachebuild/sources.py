@@ -11,7 +11,11 @@ installed module (site-packages, the standard library) has one name everywhere a
 it. A change to the code is a change of its name; a change of where it lies is not.
 
 ``changed`` answers the other half: is the code of a file a trace read (recorded by its
-path at trace time and its hash) the code this process runs?
+path at trace time and its hash) the code this process runs? A file of an installed
+library is found by its path inside the library folder (``peft/config.py``: the module
+``peft.config``), a file outside them by its content among the loaded modules of its file
+name; never the one for the other, so ``peft/config.py`` is not a loaded ``config.py`` of
+an editable install, nor a model's own ``generic.py`` transformers' ``utils/generic.py``.
 """
 
 from __future__ import annotations
@@ -81,6 +85,37 @@ def is_library_file(path: str) -> bool:
     path (cached: asked for every loaded module at a warm start)."""
     roots = library_roots()
     return path.startswith(roots) or os.path.realpath(path).startswith(roots)
+
+
+def library_path(path: str) -> str | None:
+    """Where a file of installed code lies inside the folder it was installed in
+    (``peft/config.py`` for ``…/site-packages/peft/config.py``, with ``/`` between
+    folders): the same in every environment that installed that module. None for a file
+    outside installed libraries."""
+    for candidate in (os.path.abspath(path), os.path.realpath(path)):
+        roots = [r for r in library_roots() if candidate.startswith(r)]
+        if roots:  # the innermost: site-packages may lie inside the standard library
+            return candidate[len(max(roots, key=len)):].replace(os.sep, "/")
+    return None
+
+
+def library_paths(paths: Any) -> dict[str, str]:
+    """``library_path`` of each of ``paths`` that is a file of installed code."""
+    found = {}
+    for path in paths:
+        rel = library_path(path) if os.path.isfile(path) else None
+        if rel is not None:
+            found[path] = rel
+    return found
+
+
+def library_module(rel: str) -> str:
+    """The module a library file is imported as (``peft/config.py`` → ``peft.config``,
+    ``pkg/__init__.py`` → ``pkg``)."""
+    parts = rel.removesuffix(".py").split("/")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
 
 
 _FILE_DIGESTS: dict[str, tuple[tuple[int, int, int], str | None]] = {}
@@ -330,25 +365,32 @@ def _same(path: str, digest: str, recorded: list[int] | None) -> bool:
 
 
 def changed(path: str, digest: str, recorded: list[int] | None = None,
-            loaded: dict[str, list[str]] | None = None) -> str | None:
+            loaded: dict[str, list[str]] | None = None, library: str | None = None
+            ) -> str | None:
     """None if the code that a trace read from ``path`` (with ``digest``, and the file's
     stamp then, ``recorded``) is the code here; else the source that differs, in words
     (``/srv/app/layers.py``, or the recorded path with ``(not found)``). ``loaded``: the
-    loaded modules' files (``loaded_files()``), computed once for many calls.
+    loaded modules' files (``loaded_files()``), computed once for many calls. ``library``:
+    the file's path inside its library folder (``library_path``) where the trace found it
+    in an installed library; then it is looked for as that library's file only
+    (``library_changed``).
 
-    Decided by the loaded modules from a file of that name where there are any (run from
-    any folder, under any module name); else by the file at ``path`` itself (a module not
-    imported yet, or installed code); else by any loaded source or linecache text with
-    that hash (the same text run from a notebook cell, or from a file of another name).
-    Code that is in none of those places counts as changed.
+    A file outside installed libraries is decided by the loaded modules outside them from
+    a file of that name where there are any (run from any folder, under any module name):
+    one of them with the traced code is that code; else by the file at ``path`` itself (a
+    module not imported yet); else by any loaded source or linecache text with that hash
+    (the same text run from a notebook cell, or from a file of another name). Code that is
+    in none of those places counts as changed.
     """
+    if library is not None:
+        return library_changed(path, digest, library, recorded)
     name = os.path.basename(path) if os.sep in path else path
     files = loaded_files() if loaded is None else loaded
     candidates = files.get(name, [])
     if candidates:
         if any(_same(p, digest, recorded) for p in candidates):
             return None
-        return candidates[0]
+        return _nearest(candidates, path)
     if _same(path, digest, recorded):
         return None
     if any(digest_of(p) == digest for paths in files.values() for p in paths):
@@ -358,9 +400,52 @@ def changed(path: str, digest: str, recorded: list[int] | None = None,
     return path if has_source(path) else f"{path} (not found)"
 
 
-def stale(files: dict[str, str], stamps: dict[str, list[int]]) -> list[str]:
-    """The traced sources (``path`` → digest, with each file's stamp then) whose code is
-    not the code of this process, each named where it differs (``changed``)."""
+def library_changed(path: str, digest: str, library: str,
+                    recorded: list[int] | None = None) -> str | None:
+    """``changed`` for a file a trace read from an installed library, found as that
+    library's file ``library`` (``peft/config.py``): the file of its module where that is
+    loaded (also from an editable install), else that file in this environment's library
+    folders, else the file at ``path``. Never another library's file of the same name,
+    nor a file outside libraries."""
+    module = sys.modules.get(library_module(library))
+    where = getattr(module, "__file__", None)
+    places = [where] if isinstance(where, str) and os.path.isfile(where) else []
+    places += [root + library.replace("/", os.sep) for root in library_roots()]
+    for place in [*places, path]:
+        if os.path.isfile(place):
+            return None if _same(place, digest, recorded) else place
+    return f"{path} (not found)"
+
+
+def _nearest(paths: list[str], path: str) -> str:
+    """Of ``paths``, the one most like ``path``: itself, else the one ending in the most
+    of its folders (the copy of a traced file, not another file of the same name)."""
+    real = os.path.realpath(path)
+
+    def likeness(p: str) -> tuple[bool, int]:
+        a, b = os.path.realpath(p).split(os.sep), real.split(os.sep)
+        tail = 0
+        while tail < min(len(a), len(b)) and a[-1 - tail] == b[-1 - tail]:
+            tail += 1
+        return (os.path.realpath(p) == real, tail)
+
+    return max(paths, key=likeness)
+
+
+def stale(files: dict[str, str], stamps: dict[str, list[int]],
+          libraries: dict[str, str] | None = None) -> list[str]:
+    """The traced sources (``path`` → digest, with each file's stamp then, and the path
+    inside its library folder of each file the trace found in an installed library)
+    whose code is not the code of this process, each named where it differs
+    (``changed``). A file recorded without its library path (an older entry) is taken
+    for a library's file where it lies in one here."""
     loaded = loaded_files()
-    found = (changed(path, digest, stamps.get(path), loaded) for path, digest in files.items())
+    libraries = libraries or {}
+    found = (changed(path, digest, stamps.get(path), loaded,
+                     libraries.get(path) or _here_library_path(path))
+             for path, digest in files.items())
     return [where for where in found if where is not None]
+
+
+def _here_library_path(path: str) -> str | None:
+    return library_paths([path]).get(path)

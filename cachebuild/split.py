@@ -26,6 +26,7 @@ from cachebuild.facts import (
     record_example_values,
 )
 from cachebuild.trace import TracedGraph
+from cachebuild.transforms import desugar
 
 
 @dataclass
@@ -133,6 +134,8 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
     """
     wanted = set(splitting_ops)
     gm = fx.GraphModule(traced.gm, copy_graph(traced.gm.graph))  # traced.gm stays as traced
+    fake_mode = fake_mode_of(traced.fake_inputs)
+    desugar(gm, traced.fake_inputs, fake_mode)  # vmap and friends as the ops they run
     graph = gm.graph
     seen: set[str] = set()
     for node in graph.nodes:
@@ -148,7 +151,6 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
             + ", ".join(graph_op_names(graph))
         )
 
-    fake_mode = fake_mode_of(traced.fake_inputs)
     effects = graph_effects(gm, traced.fake_inputs, fake_mode)
     _check_writes(gm, effects)
     for node, argument in effects.same.items():

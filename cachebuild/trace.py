@@ -28,7 +28,7 @@ from cachebuild.errors import UsageError
 from cachebuild.facts import SYMBOL, InputMeta, device_of, meta_of, torch_dir, unpin_device
 from cachebuild.guards import GuardRecord, GuardSet
 from cachebuild.outputs import output_recipe
-from cachebuild.sources import digest_of, stamped_digest
+from cachebuild.sources import digest_of, library_paths, stamped_digest
 from cachebuild.weights import hooks_hidden
 
 
@@ -67,6 +67,9 @@ class TracedGraph:
     guards: list[GuardRecord] = field(default_factory=list)  # what the trace read
     unrecordable: str | None = None  # why no entry may be stored for this trace
     source_stamps: dict[str, list[int]] = field(default_factory=dict)  # size, time per file
+    #: Each traced file of an installed library: its path inside the library folder
+    #: (``sources.library_path``), by which a later process finds it.
+    source_libraries: dict[str, str] = field(default_factory=dict)
 
 
 def _traced_files(code_objects: list[Any], more: Sequence[str] = ()
@@ -329,6 +332,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         input_metas=metas,
         source_files=files,
         source_stamps=stamps,
+        source_libraries=library_paths(files),
         out_spec=output_recipe(output, list(captured.get("outputs", ()))),
         num_outputs=num_outputs,
         fake_inputs=fakes,

@@ -209,3 +209,69 @@ def test_transposed_weights_compile_through_both_front_doors(open_local, tmp_pat
     again = cachebuild.compile(model, models.config(), DYN, store=store)
     models.assert_matches_eager(again, model, models.inputs(7))
     assert len([r for r in store.records() if r.kind == "fx-graph"]) == built
+
+
+def test_a_python_int_that_changes_builds_variants_and_says_so_once(open_local, tmp_path,
+                                                                      monkeypatch, caplog):
+    """A count kept in a Python int (as transformers' sliding-window static cache keeps its
+    tokens) is made dynamic by Dynamo but carried by no tensor: each value is baked into a
+    build of its own. Every call matches eager; one warning line says why builds go on."""
+    import cachebuild.dynamo_backend as door
+
+    class Count:  # a cache object's Python int, not a module's attribute
+        def __init__(self):
+            self.seen = 0
+
+    class Counted(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x, count):
+            count.seen += 1
+            return self.lin(x) * count.seen
+
+    monkeypatch.setattr(door, "_TOLD", [False])
+    model = Counted().eval()
+    store = open_local(tmp_path / "store")
+    config = cachebuild.CompileConfig(compile_ranges=((1, 16),), backend="eager_fusion")
+    compiled = torch.compile(model, backend=cachebuild.backend(config, store=store))
+    x, count, eager_count = torch.randn(4, 8), Count(), Count()
+    with torch.no_grad(), caplog.at_level("WARNING", logger="cachebuild"):
+        for _ in range(5):
+            torch.testing.assert_close(compiled(x, count), model(x, eager_count))
+    told = [r.getMessage() for r in caplog.records if "new variant" in r.getMessage()]
+    assert len(told) == 1, told
+    assert "seen" in told[0] and "→" in told[0], told
+
+
+def test_a_python_int_only_counted_is_one_build_for_every_value(open_local, tmp_path):
+    """A count that the graph bumps and hands back, and no tensor reads: one build serves
+    every value, and the count after each call is eager's."""
+
+    class Count:
+        def __init__(self):
+            self.seen = 0
+
+    class Counting(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(8, 8)
+
+        def forward(self, x, count):
+            count.seen += 2
+            return self.lin(x).relu()
+
+    model = Counting().eval()
+    store = open_local(tmp_path / "store")
+    config = cachebuild.CompileConfig(compile_ranges=((1, 16),), backend="eager_fusion")
+    compiled = torch.compile(model, backend=cachebuild.backend(config, store=store))
+    x, count, eager_count = torch.randn(4, 8), Count(), Count()
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, count), model(x, eager_count))
+        torch.testing.assert_close(compiled(x, count), model(x, eager_count))
+        built = cachebuild.stats()["built"]
+        for _ in range(4):
+            torch.testing.assert_close(compiled(x, count), model(x, eager_count))
+            assert count.seen == eager_count.seen
+    assert cachebuild.stats()["built"] == built

@@ -171,3 +171,33 @@ def test_paged_engine_samples_reproducibly_and_frees_its_blocks(tmp_path):
     with pytest.raises(ValueError, match="attach_caches"):
         generate.Engine(model)
     assert json.dumps(first)
+
+
+@pytest.mark.slow
+def test_a_sliding_window_static_cache_builds_once_for_every_length(tmp_path, monkeypatch,
+                                                                    caplog, fresh_dynamo):
+    """Mistral's sliding-window static cache counts tokens in a Python int, which Dynamo
+    hands the backend as an input and takes back bumped. No tensor reads it, so the count
+    is worked out on each call and one build serves every cache length: decoding further
+    builds nothing and warns of nothing, and the tokens are eager's."""
+    import hf_families as H
+
+    import cachebuild
+    import cachebuild.dynamo_backend as door
+    from cachebuild.store import LocalStore
+
+    monkeypatch.setattr(door, "_TOLD", [False])
+    monkeypatch.setattr(H, "NEW_TOKENS", 3)
+    model = H.generator_model("mistral")
+    short = H.greedy(model, "static")
+    monkeypatch.setattr(H, "NEW_TOKENS", 10)
+    want = H.greedy(model, "static")
+    H.compile_forward(model, H.generation_config(), LocalStore(tmp_path / "store"))
+    monkeypatch.setattr(H, "NEW_TOKENS", 3)
+    assert H.greedy(model, "static") == short
+    built = cachebuild.stats()["built"]
+    monkeypatch.setattr(H, "NEW_TOKENS", 10)
+    with caplog.at_level("WARNING", logger="cachebuild"):
+        assert H.greedy(model, "static") == want  # past the window, lengths never seen
+    assert cachebuild.stats()["built"] == built
+    assert not [r for r in caplog.records if "new variant" in r.getMessage()]

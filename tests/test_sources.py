@@ -147,3 +147,48 @@ def test_explain_names_the_part_of_code_identity_that_differs(monkeypatch, tmp_p
     function = Mismatch("globals.act", {"function": f"{before}.act", "code": "1" * 32},
                         {"function": f"{before}.act", "code": "2" * 32}).describe()
     assert function == "globals.act: act: code 11111111 → 22222222", function
+
+
+def test_a_library_file_is_found_as_that_librarys_file_only(monkeypatch, tmp_path):
+    """Traced in another environment (its folder gone here): found by its path inside the
+    library folder, never as a loaded ``config.py`` outside libraries or of another
+    library; an edited copy here is a change, named where it lies."""
+    lib = tmp_path / "site-packages"
+    (lib / "liba").mkdir(parents=True)
+    (lib / "liba" / "config.py").write_text(CODE)
+    (lib / "libb").mkdir()
+    (lib / "libb" / "config.py").write_text("x = 2\n")
+    monkeypatch.setattr(sources, "library_roots", lambda: (str(lib) + "/",))
+    recorded = "/gone/venv/lib/site-packages/liba/config.py"
+    digest = sources.file_digest(str(lib / "liba" / "config.py"))
+    (tmp_path / "app").mkdir()
+    (tmp_path / "app" / "config.py").write_text("y = 3\n")
+    _module(monkeypatch, "config", tmp_path / "app" / "config.py")  # an editable install's
+    _module(monkeypatch, "libb.config", lib / "libb" / "config.py")
+    assert sources.stale({recorded: digest}, {}, {recorded: "liba/config.py"}) == []
+    # Loaded from elsewhere under its module name (an editable install of the library).
+    (tmp_path / "src" / "liba").mkdir(parents=True)
+    (tmp_path / "src" / "liba" / "config.py").write_text(CODE.replace("return 1", "return 4"))
+    _module(monkeypatch, "liba.config", tmp_path / "src" / "liba" / "config.py")
+    assert sources.stale({recorded: digest}, {}, {recorded: "liba/config.py"}) == [
+        str(tmp_path / "src" / "liba" / "config.py")]
+    monkeypatch.delitem(sys.modules, "liba.config")
+    (lib / "liba" / "config.py").write_text(CODE.replace("return 1", "return 5"))
+    assert sources.stale({recorded: digest}, {}, {recorded: "liba/config.py"}) == [
+        str(lib / "liba" / "config.py")]
+    (lib / "liba" / "config.py").unlink()
+    assert sources.stale({recorded: digest}, {}, {recorded: "liba/config.py"}) == [
+        f"{recorded} (not found)"]
+
+
+def test_a_changed_copy_is_named_not_another_file_of_its_name(monkeypatch, tmp_path):
+    for folder, text in [("model", CODE), ("server", "z = 1\n")]:
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "helpers.py").write_text(text)
+    digest = sources.file_digest(str(tmp_path / "model" / "helpers.py"))
+    _module(monkeypatch, "server_helpers", tmp_path / "server" / "helpers.py")
+    _module(monkeypatch, "helpers", tmp_path / "model" / "helpers.py")
+    recorded = str(tmp_path / "model" / "helpers.py")
+    assert sources.changed(recorded, digest) is None
+    (tmp_path / "model" / "helpers.py").write_text(CODE.replace("return 1", "return 6"))
+    assert sources.changed(recorded, digest) == recorded
