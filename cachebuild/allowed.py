@@ -504,7 +504,9 @@ def dispatcher_overloads(qualified: str) -> tuple[str, ...]:
     return tuple(sorted(found))
 
 
-def _table(namespace: str) -> dict[str, str] | None:
+def closed_table(namespace: str) -> dict[str, str] | None:
+    """The rows admitted in ``namespace`` if the table closes it (torch's namespaces and
+    this project's; empty for one with no rows), None for a library's namespace."""
     if namespace == "aten":
         return ATEN
     if namespace == CACHEBUILD_NAMESPACE:
@@ -520,7 +522,7 @@ def overload_refusal(namespace: str, name: str, overloads: tuple[str, ...]) -> s
     """Why a call that may reach ``ns::name`` at any of ``overloads`` is not in the
     closed language; None if every one is admitted, or if ``namespace`` is a library's
     (not closed here: ``purity`` judges it)."""
-    table = _table(namespace)
+    table = closed_table(namespace)
     if table is None:
         return None
     if not overloads:

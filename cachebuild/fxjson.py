@@ -73,6 +73,11 @@ class GraphFormatError(CachebuildError, ValueError):
     """A graph that cannot be stored (unknown target, unsupported constant) or restored."""
 
 
+class UnregisteredOperator(GraphFormatError):
+    """A stored graph names an operator this process has not registered (a library's
+    that was not imported): refused by a load, though it may be allowed where it is."""
+
+
 def allow_callable(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Let stored graphs call ``fn`` (a function reachable by import as
     ``fn.__module__``.``fn.__name__``), in this process; returns ``fn``, so it works as a
@@ -194,7 +199,7 @@ def resolve_target(name: str, *, bounded: bool = True) -> Any:
             packet = getattr(getattr(torch.ops, ns), op_name)
             found = getattr(packet, overload) if overload else packet
         except (AttributeError, RuntimeError) as e:
-            raise GraphFormatError(
+            raise UnregisteredOperator(
                 f"operator {qual} is not registered in this process: import the library "
                 "that defines it before loading"
             ) from e
@@ -345,18 +350,21 @@ def graph_to_data(graph: fx.Graph) -> list[dict[str, Any]]:
     return nodes
 
 
-def data_to_graph(nodes: list[dict[str, Any]], *, bounded: bool = True) -> fx.Graph:
+def data_to_graph(nodes: list[dict[str, Any]], *, bounded: bool = True,
+                  absent_libraries: bool = False) -> fx.Graph:
     """Rebuild the fx.Graph that ``graph_to_data`` described; GraphFormatError, naming
     what is wrong, for anything ``graph_to_data`` could not have written. ``bounded``:
     Python arithmetic calls its ``purity.bounded`` version (for a graph run as Python;
-    False for one handed to a compiler)."""
+    False for one handed to a compiler). ``absent_libraries``: an operator of a library
+    namespace this process has not registered is let through (to check a graph outside
+    the process that runs it, as ``cachebuild verify`` does); never for a graph that runs."""
     try:
-        return _data_to_graph(nodes, bounded)
+        return _data_to_graph(nodes, bounded, absent_libraries)
     except RecursionError:
         raise GraphFormatError("stored graph is nested too deeply") from None
 
 
-def _data_to_graph(nodes: Any, bounded: bool) -> fx.Graph:
+def _data_to_graph(nodes: Any, bounded: bool, absent_libraries: bool) -> fx.Graph:
     if not isinstance(nodes, list):
         raise GraphFormatError("a stored graph must be a list of nodes")
     if len(nodes) > MAX_NODES:
@@ -377,7 +385,12 @@ def _data_to_graph(nodes: Any, bounded: bool) -> fx.Graph:
                 _is_identifier(k) for k in kwargs):
             raise GraphFormatError(f"graph node {name} has malformed arguments")
         if op == "call_function":
-            target = resolve_target(target, bounded=bounded)
+            try:
+                target = resolve_target(target, bounded=bounded)
+            except UnregisteredOperator:
+                if not (absent_libraries and _library_op(target)):
+                    raise
+                target = _absent
         elif op == "placeholder" and not _is_identifier(target):
             raise GraphFormatError(f"graph input {_short(target)} is not an identifier")
         elif op == "call_module" and not all(map(_is_identifier, target.split("."))):
@@ -393,6 +406,18 @@ def _data_to_graph(nodes: Any, bounded: bool) -> fx.Graph:
         node = graph.create_node(op, target, args, kwargs, name=name)
         env[name] = node
     return graph
+
+
+def _library_op(name: str) -> bool:
+    """True if ``name`` (``op:ns::...``) is in a library's namespace: one the table of
+    ``cachebuild.allowed`` does not close."""
+    namespace = name[3:].partition("::")[0]
+    return name.startswith("op:") and allowed.closed_table(namespace) is None
+
+
+def _absent(*args: Any, **kwargs: Any) -> Any:
+    """Stands for an operator of a library this process did not import (a check only)."""
+    raise UnregisteredOperator("a library operator this process did not register")
 
 
 def _tensor_method(name: str) -> bool:
