@@ -10,7 +10,11 @@ is the other way round: **refused unless this table admits it.** What it admits:
 
 - ATen operators by overload (``ATEN``), grouped by why they are safe: each checks the
   sizes, indices, dimensions and offsets it takes against the tensors it is given, or
-  allocates what it returns. Nothing that builds a view from sizes, strides or an offset
+  allocates what it returns. No ``out=`` variant is here (resizing an ``out`` tensor that
+  is a view writes past the view, inside its storage), and no node may pass ``out``;
+  what returns uninitialised memory (``empty``, ``empty_like``, ...: ``UNINITIALIZED``)
+  is zero-filled when the graph runs as Python, so it never hands out what a freed
+  tensor held. Nothing that builds a view from sizes, strides or an offset
   it does not check against the storage (``_reshape_alias``), reads or sets a storage or
   a raw address (``set_``, ``data_ptr``, ``untyped_storage``, ``from_blob``,
   ``Tensor.new``), or is an ``_unsafe_*`` / ``*_unsafe`` kernel that skips its checks
@@ -64,178 +68,178 @@ _ELEMENTWISE = _rows(
     "elementwise arithmetic, comparison, conversion or copy: the result's shape is the "
     "broadcast of the inputs' (checked); an in-place or out= result must hold that shape "
     "or is resized through its own storage", """
-add: Scalar Scalar_out Tensor out
+add: Scalar Tensor
 add_: Scalar Tensor
-sub: Scalar Scalar_out Tensor out
+sub: Scalar Tensor
 sub_: Scalar Tensor
-rsub: Scalar Scalar_out Tensor Tensor_out
-mul: Scalar Scalar_out Tensor out
+rsub: Scalar Tensor
+mul: Scalar Tensor
 mul_: Scalar Tensor
-div: Scalar Scalar_mode Scalar_mode_out Scalar_out Tensor Tensor_mode out out_mode
+div: Scalar Scalar_mode Tensor Tensor_mode
 div_: Scalar Scalar_mode Tensor Tensor_mode
-true_divide: Scalar Tensor out
-floor_divide: Scalar Scalar_out default out
-remainder: Scalar Scalar_Tensor Scalar_Tensor_out Scalar_out Tensor Tensor_out
-fmod: Scalar Scalar_out Tensor Tensor_out
-neg: default out
+true_divide: Scalar Tensor
+floor_divide: Scalar default
+remainder: Scalar Scalar_Tensor Tensor
+fmod: Scalar Tensor
+neg: default
 neg_: default
-abs: default out
+abs: default
 abs_: default
-pow: Scalar Scalar_out Tensor_Scalar Tensor_Scalar_out Tensor_Tensor Tensor_Tensor_out
+pow: Scalar Tensor_Scalar Tensor_Tensor
 pow_: Scalar Tensor
-sqrt: default out
+sqrt: default
 sqrt_: default
-rsqrt: default out
+rsqrt: default
 rsqrt_: default
-exp: default out
+exp: default
 exp_: default
-exp2: default out
-expm1: default out
-log: default out
+exp2: default
+expm1: default
+log: default
 log_: default
-log2: default out
-log10: default out
-log1p: default out
-sin: default out
+log2: default
+log10: default
+log1p: default
+sin: default
 sin_: default
-cos: default out
+cos: default
 cos_: default
-tan: default out
-tanh: default out
+tan: default
+tanh: default
 tanh_: default
-sigmoid: default out
+sigmoid: default
 sigmoid_: default
-erf: default out
+erf: default
 erf_: default
-reciprocal: default out
+reciprocal: default
 reciprocal_: default
-sign: default out
-sgn: default out
-floor: default out
-ceil: default out
-round: decimals decimals_out default out
-trunc: default out
-clamp: Tensor Tensor_out default out
+sign: default
+sgn: default
+floor: default
+ceil: default
+round: decimals default
+trunc: default
+clamp: Tensor default
 clamp_: Tensor default
-clamp_min: Tensor Tensor_out default out
-clamp_max: Tensor Tensor_out default out
-clip: Tensor Tensor_out default out
-maximum: default out
-minimum: default out
-where: Scalar ScalarOther ScalarSelf default self self_out
-lerp: Scalar Scalar_out Tensor Tensor_out
-addcmul: default out
-addcdiv: default out
-eq: Scalar Scalar_out Tensor Tensor_out
-ne: Scalar Scalar_out Tensor Tensor_out
-lt: Scalar Scalar_out Tensor Tensor_out
-le: Scalar Scalar_out Tensor Tensor_out
-gt: Scalar Scalar_out Tensor Tensor_out
-ge: Scalar Scalar_out Tensor Tensor_out
-logical_and: default out
-logical_or: default out
-logical_not: default out
-logical_xor: default out
-bitwise_and: Scalar Scalar_Tensor Scalar_Tensor_out Scalar_out Tensor Tensor_out
-bitwise_or: Scalar Scalar_Tensor Scalar_Tensor_out Scalar_out Tensor Tensor_out
-bitwise_xor: Scalar Scalar_Tensor Scalar_Tensor_out Scalar_out Tensor Tensor_out
-bitwise_not: default out
-isnan: default out
-isinf: default out
+clamp_min: Tensor default
+clamp_max: Tensor default
+clip: Tensor default
+maximum: default
+minimum: default
+where: Scalar ScalarOther ScalarSelf default self
+lerp: Scalar Tensor
+addcmul: default
+addcdiv: default
+eq: Scalar Tensor
+ne: Scalar Tensor
+lt: Scalar Tensor
+le: Scalar Tensor
+gt: Scalar Tensor
+ge: Scalar Tensor
+logical_and: default
+logical_or: default
+logical_not: default
+logical_xor: default
+bitwise_and: Scalar Scalar_Tensor Tensor
+bitwise_or: Scalar Scalar_Tensor Tensor
+bitwise_xor: Scalar Scalar_Tensor Tensor
+bitwise_not: default
+isnan: default
+isinf: default
 isfinite: default
-nan_to_num: default out
-square: default out
-fill: Scalar Scalar_out Tensor Tensor_out
+nan_to_num: default
+square: default
+fill: Scalar Tensor
 fill_: Scalar Tensor
 zero_: default
-masked_fill: Scalar Scalar_out Tensor Tensor_out
+masked_fill: Scalar Tensor
 masked_fill_: Scalar Tensor
-atan2: default out
+atan2: default
 copy_: default
-_to_copy: default out
+_to_copy: default
 to: device dtype dtype_layout other
 type_as: default
-clone: default out
+clone: default
 contiguous: default
 """)
 
 _ACTIVATIONS = _rows(
     "elementwise or row-wise on its input; takes no sizes or indices", """
-relu: default out
+relu: default
 relu_: default
-gelu: default out
+gelu: default
 gelu_: default
-silu: default out
+silu: default
 silu_: default
-mish: default out
-hardtanh: default out
-hardswish: default out
-hardsigmoid: default out
-leaky_relu: default out
-elu: default out
-softplus: default out
-glu: default out
-softmax: int int_out
-log_softmax: int int_out
-_softmax: default out
-_log_softmax: default out
+mish: default
+hardtanh: default
+hardswish: default
+hardsigmoid: default
+leaky_relu: default
+elu: default
+softplus: default
+glu: default
+softmax: int
+log_softmax: int
+_softmax: default
+_log_softmax: default
 dropout: default
-native_dropout: default out
+native_dropout: default
 """)
 
 _REDUCTIONS = _rows(
     "reduces over dimensions, which are checked against the input's rank; topk's k is "
     "checked against the dimension's size", """
-sum: IntList_out default dim_IntList out
-mean: default dim dtype_out out
-amax: default out
-amin: default out
-max: default dim dim_max other out unary_out
-min: default dim dim_min other out unary_out
-argmax: default out
-argmin: default out
-prod: default dim_int int_out out
-var: correction correction_out default dim out
-var_mean: correction correction_out default dim
-std: correction correction_out default dim out
-std_mean: correction correction_out default dim
-norm: Scalar ScalarOpt_dim ScalarOpt_dim_dtype ScalarOpt_dtype ScalarOpt_dtype_out Scalar_out dtype_out out
-linalg_vector_norm: default out
-cumsum: default out
+sum: default dim_IntList
+mean: default dim
+amax: default
+amin: default
+max: default dim other
+min: default dim other
+argmax: default
+argmin: default
+prod: default dim_int
+var: correction default dim
+var_mean: correction default dim
+std: correction default dim
+std_mean: correction default dim
+norm: Scalar ScalarOpt_dim ScalarOpt_dim_dtype ScalarOpt_dtype
+linalg_vector_norm: default
+cumsum: default
 cumsum_: default
-cumprod: default out
-any: all_out default dim dims dims_out out
-all: all_out default dim dims dims_out out
-logsumexp: default out
-topk: default values
-sort: default stable values values_stable
-argsort: default stable stable_out
+cumprod: default
+any: default dim dims
+all: default dim dims
+logsumexp: default
+topk: default
+sort: default stable
+argsort: default stable
 """)
 
 _PRODUCTS = _rows(
     "matrix products: operand shapes are checked against each other", """
-mm: default dtype dtype_out out
-bmm: default dtype dtype_out out
-addmm: default dtype dtype_out out
-baddbmm: default dtype dtype_out out
-matmul: default out
-linear: default out
+mm: default dtype
+bmm: default dtype
+addmm: default dtype
+baddbmm: default dtype
+matmul: default
+linear: default
 einsum: default
-addmv: default out
-mv: default out
-dot: default out
-outer: default out
+addmv: default
+mv: default
+dot: default
+outer: default
 """)
 
 _NORMS = _rows(
     "normalisation over trailing dimensions: normalized_shape and the weight's shape are "
     "checked against the input", """
 layer_norm: default
-native_layer_norm: default out
+native_layer_norm: default
 rms_norm: default
 _fused_rms_norm: default
 group_norm: default
-native_group_norm: default out
+native_group_norm: default
 """)
 
 _ATTENTION = _rows(
@@ -252,56 +256,56 @@ _VIEWS = _rows(
     "family check sizes, strides and offset against the base's storage (setStorage); "
     "_unsafe_view is view without autograd's alias record, same checks", """
 view: default dtype
-view_copy: default dtype dtype_out out
+view_copy: default dtype
 reshape: default
-_unsafe_view: default out
+_unsafe_view: default
 expand: default
-expand_copy: default out
+expand_copy: default
 expand_as: default
 permute: default
-permute_copy: default out
+permute_copy: default
 transpose: int
 transpose_: default
-transpose_copy: int int_out
+transpose_copy: int
 t: default
-t_copy: default out
+t_copy: default
 squeeze: default dim dims
-squeeze_copy: default dim dim_out dims dims_out out
+squeeze_copy: default dim dims
 unsqueeze: default
-unsqueeze_copy: default out
+unsqueeze_copy: default
 unsqueeze_: default
 squeeze_: default dim dims
 flatten: using_ints
 unflatten: int
 slice: Tensor
-slice_copy: Tensor Tensor_out
-slice_scatter: default out
+slice_copy: Tensor
+slice_scatter: default
 select: int
-select_copy: int int_out
-select_scatter: default out
+select_copy: int
+select_scatter: default
 narrow: Tensor default
 split: Tensor sizes
 split_with_sizes: default
-split_copy: Tensor Tensor_out
-split_with_sizes_copy: default out
+split_copy: Tensor
+split_with_sizes_copy: default
 chunk: default
 unbind: int
-unbind_copy: int int_out
+unbind_copy: int
 alias: default
-alias_copy: default out
+alias_copy: default
 detach: default
 detach_: default
-detach_copy: default out
+detach_copy: default
 movedim: int intlist
 view_as: default
 reshape_as: default
 diagonal: default
 as_strided: default
 as_strided_: default
-as_strided_copy: default out
-as_strided_scatter: default out
+as_strided_copy: default
+as_strided_scatter: default
 lift_fresh: default
-lift_fresh_copy: default out
+lift_fresh_copy: default
 view_as_real: default
 view_as_complex: default
 """)
@@ -309,57 +313,57 @@ view_as_complex: default
 _FACTORIES = _rows(
     "a new tensor with storage allocated for the shape (and strides) it is given: a size "
     "too large is an allocation error, never a view of memory it was not given", """
-empty: memory_format out
-empty_like: default out
-empty_strided: default out
-zeros: default out
-zeros_like: default out
-ones: default out
-ones_like: default out
-full: default out
-full_like: default out
-arange: default out start start_out start_step
-new_empty: default out
-new_empty_strided: default out
-new_zeros: default out
-new_ones: default out
-new_full: default out
-scalar_tensor: default out
-tril: default out
-triu: default out
+empty: memory_format
+empty_like: default
+empty_strided: default
+zeros: default
+zeros_like: default
+ones: default
+ones_like: default
+full: default
+full_like: default
+arange: default start start_step
+new_empty: default
+new_empty_strided: default
+new_zeros: default
+new_ones: default
+new_full: default
+scalar_tensor: default
+tril: default
+triu: default
 tril_: default
 triu_: default
-rand: default generator generator_out out
-randn: default generator generator_out out
-rand_like: default generator generator_out out
-randn_like: default generator generator_out out
+rand: default generator
+randn: default generator
+rand_like: default generator
+randn_like: default generator
 """)
 
 _INDEXING = _rows(
     "indices are checked against the indexed dimension's size before any read or write; "
     "joins and pads check their operands' shapes", """
-index: Tensor Tensor_out
-index_put: default out
+index: Tensor
+index_put: default
 index_put_: default
-index_select: default out
-gather: default out
-scatter: reduce reduce_out src src_out value value_out value_reduce value_reduce_out
+index_select: default
+gather: default
+scatter: reduce src value value_reduce
 scatter_: reduce src value value_reduce
-scatter_add: default out
+scatter_add: default
 scatter_add_: default
-index_copy: default out
+index_copy: default
 index_copy_: default
-index_add: default out
+index_add: default
 index_add_: default
-index_fill: int_Scalar int_Scalar_out int_Tensor int_Tensor_out
+index_fill: int_Scalar int_Tensor
 index_fill_: int_Scalar int_Tensor
-embedding: default out
-cat: default out
-stack: default out
-roll: default out
-flip: default out
-repeat: default out
-constant_pad_nd: default out
+embedding: default
+cat: default
+stack: default
+roll: default
+flip: default
+repeat: default
+constant_pad_nd: default
 pad: default
 """)
 
@@ -372,7 +376,7 @@ sym_storage_offset: default
 size: int
 stride: int
 _local_scalar_dense: default
-diff: default out
+diff: default
 """)
 
 #: ATen operators a stored graph may call, by ``name.overload``, with why each is safe.
@@ -518,6 +522,37 @@ def closed_table(namespace: str) -> dict[str, str] | None:
     return None
 
 
+#: Operators that return uninitialised memory: a graph run as Python gets their results
+#: zero-filled (``purity.bounded``); as tensor methods (which cannot be wrapped) they are
+#: refused.
+UNINITIALIZED = frozenset({"empty.memory_format", "empty_like.default", "empty_strided.default",
+                           "new_empty.default", "new_empty_strided.default"})
+_UNINITIALIZED_METHODS = frozenset({"new_empty", "new_empty_strided"})
+
+
+@functools.cache
+def is_out_variant(qualified: str) -> bool:
+    """True if the overload ``ns::name.overload`` writes into keyword-only ``out``
+    tensors: what a binding or method reaches only when given ``out=``, which no stored
+    node may pass (see ``out_refusal``)."""
+    name, _, overload = qualified.partition(".")
+    namespace, _, op = name.partition("::")
+    try:
+        schema = getattr(getattr(getattr(torch.ops, namespace), op), overload)._schema
+    except (AttributeError, RuntimeError):
+        return False
+    return any(a.kwarg_only and a.alias_info is not None and a.alias_info.is_write
+               for a in schema.arguments)
+
+
+def out_refusal(kwargs: Any) -> str | None:
+    """Why a node's keyword arguments are refused: an ``out`` tensor (resizing one that is
+    a view writes past the view); None otherwise."""
+    if isinstance(kwargs, dict) and "out" in kwargs:
+        return "it passes an out= tensor, which stored graphs may not"
+    return None
+
+
 def overload_refusal(namespace: str, name: str, overloads: tuple[str, ...]) -> str | None:
     """Why a call that may reach ``ns::name`` at any of ``overloads`` is not in the
     closed language; None if every one is admitted, or if ``namespace`` is a library's
@@ -549,11 +584,18 @@ def op_refusal(op: Any) -> str | None:
     return f"{op!r} is not an operator"
 
 
+def _reachable(name: str) -> tuple[str, ...]:
+    """The overloads of ``aten::name`` a binding or method reaches without ``out=``."""
+    return tuple(o for o in dispatcher_overloads(f"aten::{name}")
+                 if not is_out_variant(f"aten::{name}.{o}"))
+
+
 @functools.cache
 def binding_refusal(name: str) -> str | None:
     """Why torch's C function ``name`` (binding ``aten::name``: ``torch.cat``,
-    ``torch._C._nn.linear``) is refused: any overload it can reach not admitted."""
-    return overload_refusal("aten", name, dispatcher_overloads(f"aten::{name}"))
+    ``torch._C._nn.linear``) is refused: any overload it can reach (without ``out=``,
+    which no node passes) not admitted."""
+    return overload_refusal("aten", name, _reachable(name))
 
 
 @functools.cache
@@ -563,7 +605,7 @@ def method_refusal(name: str) -> str | None:
     admitted."""
     if name in METHODS or name in OPERATOR_METHODS:
         return None
-    overloads = dispatcher_overloads(f"aten::{name}")
-    if not overloads:
+    overloads = _reachable(name)
+    if not overloads or name in _UNINITIALIZED_METHODS:
         return f"Tensor.{name} is not in the table of methods stored graphs may call"
     return overload_refusal("aten", name, overloads)

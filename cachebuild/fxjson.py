@@ -123,6 +123,13 @@ def callable_impurity(obj: Any) -> str | None:
     return refused
 
 
+def _label(target: Any) -> str:
+    target = purity.original(target)
+    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return _op_name(target)
+    return str(getattr(target, "__name__", target))
+
+
 def _op_name(op: Any) -> str:
     if isinstance(op, torch._ops.OpOverload):
         return f"{op._schema.name}.{op._overloadname}"
@@ -209,7 +216,7 @@ def resolve_target(name: str, *, bounded: bool = True) -> Any:
         if why is not None:
             raise GraphFormatError(f"graph calls operator {qual}, which stored graphs may not "
                                    f"call: {why}")
-        return found
+        return purity.bounded(found) if bounded else found
     if name.startswith("fn:"):
         _, module, qual = name.split(":", 2) if name.count(":") >= 2 else ("", "", "")
         registered = {getattr(f, "__module__", None) for f in _REGISTERED.values()}
@@ -310,8 +317,12 @@ def _short(value: Any) -> str:
 
 def check_call(op: str, target: Any, args: Any, kwargs: Any) -> None:
     """Refuse (GraphFormatError) a method call that is not pure tensor computation, and a
-    ``getattr`` that is not a read of a tensor's data attribute by a constant name. Run on
-    every node at save and at load."""
+    ``getattr`` that is not a read of a tensor's data attribute by a constant name, and
+    any call that passes an ``out=`` tensor. Run on every node at save and at load."""
+    if op in ("call_function", "call_method") and (why := allowed.out_refusal(kwargs)):
+        shown = _short(target) if isinstance(target, str) else _label(target)
+        raise GraphFormatError(f"graph calls {shown}, which stored graphs may not call so: "
+                               f"{why}")
     if op == "call_method":
         if not isinstance(target, str) or not _tensor_method(target):
             raise GraphFormatError(f"graph calls method {_short(target)}, which is not a "
@@ -437,7 +448,8 @@ def data_to_module(nodes: list[dict[str, Any]], modules: dict[str, Callable] | N
     graph = data_to_graph(nodes, bounded=bounded)
     try:
         return fx.GraphModule(root, graph)
-    except (AttributeError, RuntimeError, SyntaxError, TypeError, ValueError) as e:
+    except (AttributeError, IndexError, KeyError, RuntimeError, SyntaxError, TypeError,
+            ValueError) as e:
         # A call_module target the caller did not supply, or a graph FX cannot generate
         # code for: the stored graph does not fit this program.
         raise GraphFormatError(f"stored graph cannot be rebuilt: {type(e).__name__}: "

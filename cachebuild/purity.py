@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from cachebuild import allowed
 from cachebuild.errors import CachebuildError
 
 #: Schema type kinds that are capabilities rather than data (see the module doc).
@@ -244,23 +245,49 @@ _CHECKS: dict[Any, Callable[..., None]] = {
     builtins.round: _check_round, builtins.int: _check_int,
 }
 _BOUNDED: dict[int, Callable[..., Any]] = {}
+
+
+def _no_check(*args: Any, **kwargs: Any) -> None:
+    pass
 _ORIGINAL: dict[int, Callable[..., Any]] = {}
 
 
+@functools.cache
+def _uninitialized() -> frozenset[Any]:
+    """The callables that return uninitialised memory (``allowed.UNINITIALIZED``, and
+    torch's bindings of them)."""
+    ops = [getattr(getattr(torch.ops.aten, row.split(".")[0]), row.split(".")[1])
+           for row in allowed.UNINITIALIZED]
+    return frozenset([*ops, torch.empty, torch.empty_like, torch.empty_strided])
+
+
+def _zeroed(_: Any, result: Any) -> Any:
+    with torch.no_grad():
+        return result.zero_()
+
+
 def bounded(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """What a loaded graph calls for ``fn``: ``fn`` itself, or for Python arithmetic that
+    """What a loaded graph calls for ``fn``: ``fn`` itself; for Python arithmetic that
     can grow without bound a version that refuses (Impure) operands past ``MAX_INT_BITS``
-    or ``MAX_ITEMS`` before computing."""
-    check = _CHECKS.get(fn)
+    or ``MAX_ITEMS`` before computing; for an operator that returns uninitialised memory
+    (``torch.empty``) a version that zero-fills it, so that a graph never reads what a
+    freed tensor held."""
+    try:
+        zero = fn in _uninitialized()
+    except TypeError:  # unhashable
+        zero = False
+    check = _CHECKS.get(fn) if not zero else _no_check
     if check is None:
         return fn
     found = _BOUNDED.get(id(fn))
     if found is None:
         def call(*args: Any, **kwargs: Any) -> Any:
             check(*args, **kwargs)
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            return _zeroed(fn, result) if zero else result
 
-        call.__name__ = call.__qualname__ = f"bounded_{fn.__name__}"
+        name = getattr(fn, "__name__", "op")
+        call.__name__ = call.__qualname__ = f"bounded_{name}"
         found = _BOUNDED[id(fn)] = call
         _ORIGINAL[id(call)] = fn
     return found
