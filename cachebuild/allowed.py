@@ -384,20 +384,22 @@ ATEN: dict[str, str] = {
     **_ELEMENTWISE, **_ACTIVATIONS, **_REDUCTIONS, **_PRODUCTS, **_NORMS, **_ATTENTION,
     **_VIEWS, **_FACTORIES, **_INDEXING, **_READS}
 
-#: This project's fused ops (``cachebuild.passes.ops``), by name; every one takes whole
-#: tensors and derives its sizes from them (``passes/ops/kernels.py`` checks them).
+#: This project's fused ops (``cachebuild.passes.ops``), by name: each takes whole tensors;
+#: on CPU it runs its reference (admitted operators), on CUDA a Triton kernel whose
+#: launcher checks every size it is given against the tensors (``passes/ops/kernels.py``).
 CACHEBUILD_OPS: dict[str, str] = {
     "rms_norm.default": "row-wise over the input's last dimension; weight checked against it",
     "fused_add_rms_norm.default": "rms_norm of input + residual, both of one shape",
     "static_scaled_fp8_quant.default": "elementwise, one scale",
     "dynamic_per_token_fp8_quant.default": "row-wise, one scale per row it allocates",
     "silu_and_mul.default": "row-wise over halves of the last dimension",
-    "rotary_embedding.default": "positions are checked against the cache's rows",
+    "rotary_embedding.default": "rows and heads checked against the positions; a position "
+                                "is an index (CPU) or clamped into the cache (CUDA)",
     "rms_norm_static_fp8_quant.default": "rms_norm, then elementwise quantisation",
     "fused_add_rms_norm_static_fp8_quant.default": "fused_add_rms_norm, then quantisation",
     "silu_and_mul_static_fp8_quant.default": "silu_and_mul, then quantisation",
-    "qk_norm_rope.default": "head counts and sizes are checked against qkv's rows; "
-                            "positions against the cache's rows",
+    "qk_norm_rope.default": "head counts and sizes checked against qkv's rows and the "
+                            "weights; positions as for rotary_embedding",
 }
 #: torch's functional collectives (``_c10d_functional``), as tensor-parallel pieces call
 #: them: over a process group named by a string, which must already exist in this
@@ -453,6 +455,7 @@ TORCH_FUNCTIONS: dict[str, str] = {
     **dict.fromkeys(("sym_int", "sym_float", "sym_max", "sym_min", "sym_not", "sym_ite",
                      "_sym_sqrt"), "symbolic-size arithmetic on plain numbers"),
     "sym_sum": "sums a list of sizes (the list is bounded like any stored list)",
+    "tensor": "a new tensor copied from numbers the graph holds (a stored list is bounded)",
     **dict.fromkeys(("_check", "_check_is_size", "_assert"), "raises when its condition fails"),
 }
 #: Python functions of torch's a stored graph may call, by module: each runs admitted

@@ -112,14 +112,14 @@ def callable_impurity(obj: Any) -> str | None:
         return None
     if getattr(math, name, None) is obj:
         return None if name in allowed.MATH else refused
-    if any(getattr(getattr(torch._C, m), name, None) is obj for m in _TORCH_C):
-        return allowed.binding_refusal(name) or purity.binding_impurity(name)
     module = getattr(obj, "__module__", None)
     if inspect.isfunction(obj) and name in allowed.FUNCTIONAL.get(module, ()) \
             and getattr(importlib.import_module(module), name, None) is obj:
         return None
     if any(_torch_attr(path) is obj for path in allowed.TORCH_FUNCTIONS):
         return None
+    if any(getattr(getattr(torch._C, m), name, None) is obj for m in _TORCH_C):
+        return allowed.binding_refusal(name) or purity.binding_impurity(name)
     return refused
 
 
