@@ -189,8 +189,10 @@ native_dropout: default
 
 _REDUCTIONS = _rows(
     "reduces over dimensions, which are checked against the input's rank; topk's k is "
-    "checked against the dimension's size", """
+    "checked against the dimension's size; histc allocates its bins and drops values "
+    "outside [min, max]", """
 sum: default dim_IntList
+histc: default
 mean: default dim
 amax: default
 amin: default
