@@ -212,3 +212,53 @@ print(record.key)
     assert cli("verify", env=env).returncode == 0
     assert python(SERVER, str(model), env=env).returncode == 0
     assert Path(tmp_path / "imported").exists()
+
+
+# -- the table itself ------------------------------------------------------------------------
+
+def test_every_row_is_a_registered_overload_and_none_skips_its_checks():
+    import torch
+
+    from cachebuild import allowed
+
+    for row in allowed.ATEN:
+        name, overload = row.split(".")
+        assert overload in allowed.dispatcher_overloads(f"aten::{name}"), row
+        assert not allowed.is_out_variant(f"aten::{row}"), row
+        # The names of kernels that skip their checks or take raw memory: never rows
+        # (_unsafe_view is view without autograd's alias record, its shape checked;
+        # sym_storage_offset reads a number).
+        assert not re.search(r"_reshape_alias|unsafe|^set_|from_blob|^_make_|storage|"
+                             r"data_ptr|^_sparse", name) or name in (
+            "_unsafe_view", "sym_storage_offset"), row
+        schema = getattr(getattr(torch.ops.aten, name), overload)._schema
+        assert not any("Storage" in str(a.real_type) for a in schema.arguments), row
+
+
+def test_torch_registers_no_namespace_the_table_does_not_know():
+    # A new torch that adds an operator namespace fails here until it is reviewed.
+    proc = python("import json, torch, cachebuild.passes.ops; "
+                  "print(json.dumps(sorted({n.split('::')[0] for n in "
+                  "torch._C._dispatch_get_all_op_names()})))")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    from cachebuild import allowed
+
+    unknown = set(json.loads(proc.stdout.splitlines()[-1])) - allowed.TORCH_NAMESPACES
+    assert unknown == {allowed.CACHEBUILD_NAMESPACE}, unknown
+
+
+def test_out_tensors_are_refused_and_uninitialised_memory_is_zeroed():
+    import torch
+
+    with pytest.raises(GraphFormatError, match="out="):
+        data_to_module(graph(node("y", "call_function", "fn:torch:add", ["%x", "%x"],
+                                  {"out": "%x"})))
+    with pytest.raises(GraphFormatError, match="aten::add.out"):
+        data_to_module(graph(node("y", "call_function", "op:aten::add.out", ["%x", "%x"])))
+    secret = torch.full((4096,), 12345.0)
+    del secret  # freed: an uninitialised tensor may get its memory
+    for target in ("op:aten::empty.memory_format", "fn:torch:empty"):
+        module = data_to_module(graph(node("y", "call_function", target, [[4096]])))
+        assert bool((module(torch.zeros(1))[0] == 0).all()), target
+    with pytest.raises(GraphFormatError, match="new_empty"):
+        data_to_module(graph(node("y", "call_method", "new_empty", ["%x", [4096]])))
