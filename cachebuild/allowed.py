@@ -34,12 +34,14 @@ namespace is a library's the user imported (a splitting op, a model's custom op)
 judged by its schema (``purity.op_impurity``), as the library declared it.
 
 **Reviewing and versioning.** A row is added only after reading the kernel (CPU and CUDA)
-for the checks its reason names; ``tests/test_trust_language.py`` runs every admitted
-operator that takes sizes or indices with out-of-range values in a child process, beside
-canary tensors. ``VERSION`` goes up with every change to what is admitted; it enters
-every target's and entry's key (``env`` factors), so a graph stored under an older table
-is never found, only built and checked again. A new torch version that registers a
-namespace this table does not know fails ``test_trust_language`` until it is reviewed.
+for the checks its reason names; ``tests/test_trust_fuzz_ops.py`` runs every admitted
+operator that takes sizes or indices, enumerated from torch's registry, with
+out-of-range values in child processes, between canary tensors, and checks that the
+loader refuses the rest. ``VERSION`` goes up with every change to what is admitted; it
+enters every target's and entry's key (``env`` factors), so a graph stored under an
+older table is never found, only built and checked again. A new torch version that registers a
+namespace this table does not know fails ``tests/test_trust_language.py`` until it is
+reviewed.
 """
 
 from __future__ import annotations
