@@ -204,10 +204,12 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
 
 
 @click.command("verify")
-@click.option("--repair", is_flag=True, help="Quarantine damaged blobs and drop their records.")
+@click.option("--repair", is_flag=True, help="Quarantine damaged blobs and drop their records; "
+                                             "remove records holding graphs a load refuses.")
 @click.pass_context
 def verify_command(ctx: click.Context, repair: bool) -> None:
-    """Check every blob; exit 1 if any is damaged and was not repaired."""
+    """Check every blob, and every stored graph as a load checks it; exit 1 if any is
+    damaged or holds a graph a load refuses, and was not repaired."""
     store = open_store(ctx)
     with progress_bar("verifying") as on_progress:
         report = store.verify(repair=repair, progress=on_progress)
