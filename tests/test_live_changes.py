@@ -84,8 +84,8 @@ def test_every_live_change_through_torch_compile(tmp_path):
 
 def test_a_flag_flipped_with_inductor_cold_then_warm(tmp_path):
     store = tmp_path / "store"
-    _assert_exact(_run("compile", "inductor", store, "attribute", "global"))
-    warm = _run("compile", "inductor", store, "attribute", "global")
+    _assert_exact(_run("compile", "inductor", store, "attribute"))
+    warm = _run("compile", "inductor", store, "attribute")
     _assert_exact(warm)
     assert warm[-1]["traced"] == 0
 
