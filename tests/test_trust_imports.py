@@ -9,10 +9,12 @@ marker exists, whatever the command said.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,17 @@ def cachebuild_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-P", "-m", "cachebuild.cli"]
 
 
+@contextlib.contextmanager
+def planted_shared_folder(marker: Path) -> Iterator[Path]:
+    """A 1777 folder where another user planted packages that write ``marker`` if run."""
+    with public_dir() as public:
+        shared = public / "shared"
+        shared.mkdir()
+        os.chmod(shared, 0o1777)
+        plant(shared, marker)
+        yield shared
+
+
 def test_warm_from_a_shared_folder_imports_nothing_planted_there(tmp_path):
     """The audit's case: ``cachebuild warm`` run in a folder where another user planted
     packages; the probe (a fresh folder: it runs) and the build workers import none of
@@ -67,11 +80,7 @@ def test_warm_from_a_shared_folder_imports_nothing_planted_there(tmp_path):
     model = tmp_path / "model.py"
     model.write_text(MODEL)
     marker = tmp_path / "planted-code-ran"
-    with public_dir() as public:
-        shared = public / "shared"
-        shared.mkdir()
-        os.chmod(shared, 0o1777)
-        plant(shared, marker)
+    with planted_shared_folder(marker) as shared:
         env = clean_env(CACHEBUILD_PROBE_DIR=str(tmp_path / "probe"), **SMALL)
         proc = subprocess.run([*cachebuild_command(), "--cache-dir", str(tmp_path / "store"),
                                "warm", str(model), "--jobs", "2"], cwd=shared, env=env,
@@ -104,11 +113,7 @@ def test_a_cold_start_from_a_shared_folder_imports_nothing_planted_there(tmp_pat
     script = tmp_path / "server.py"
     script.write_text(SERVER)
     marker = tmp_path / "planted-code-ran"
-    with public_dir() as public:
-        shared = public / "shared"
-        shared.mkdir()
-        os.chmod(shared, 0o1777)
-        plant(shared, marker)
+    with planted_shared_folder(marker) as shared:
         env = clean_env(CACHEBUILD_DIR=str(tmp_path / "store"), CACHEBUILD_BUILD_JOBS="2",
                         **SMALL)
         proc = subprocess.run([sys.executable, str(script)], cwd=shared, env=env,
