@@ -34,18 +34,15 @@ import torch
 from cachebuild import compat
 from cachebuild.dictwatch import ANY
 from cachebuild.guards import (
-    CHECKS,
-    MISSING,
+    UNRESOLVED,
     GuardSet,
     Mismatch,
-    Unplain,
     _Node,
+    checked,
     decode_key,
     root_value,
     step,
 )
-
-_UNRESOLVED = object()
 
 #: Types whose values never change in place: the same object always gives the same
 #: fingerprint.
@@ -64,18 +61,6 @@ def _immutable(value: Any) -> bool:
     if isinstance(value, (tuple, frozenset)):
         return all(_immutable(v) for v in value)
     return isinstance(value, _IMMUTABLE)
-
-
-def _fingerprint(check: str, value: Any, arg: Any) -> Any:
-    """What ``GuardSet.values`` gives for one record whose path led to ``value``."""
-    if value is _UNRESOLVED:
-        return False if check == "exists" else MISSING
-    try:
-        return CHECKS[check](value, arg)
-    except Unplain:
-        return {"unplain": type(value).__name__}
-    except Exception:
-        return MISSING
 
 
 class CallGuards:
@@ -158,7 +143,7 @@ class _Plan:
             try:
                 value = root_value(root, model, args)
             except Exception:
-                value = _UNRESOLVED
+                value = UNRESOLVED
             watched = self.watch_root(root, value)
             visit = _Visit(child, value, self.root_expr(root), watched)
             self.visit(visit)
@@ -170,8 +155,8 @@ class _Plan:
             if not (v.watched and self.covered(v.value, check, arg)):
                 v.open.append((i, check, arg))
         for s, child in v.node.children.values():
-            nxt = _UNRESOLVED
-            if v.value is not _UNRESOLVED:
+            nxt = UNRESOLVED
+            if v.value is not UNRESOLVED:
                 try:
                     nxt = step(v.value, s)
                 except Exception:
@@ -190,7 +175,7 @@ class _Plan:
         kind = root[0]
         if kind == "model":
             return True  # the same object for the life of the watch (attributes watched)
-        if kind == "module" and value is not _UNRESOLVED:
+        if kind == "module" and value is not UNRESOLVED:
             if value is sys.modules.get(root[1]):  # by name: watched where it is found
                 self.pairs.append((sys.modules, root[1]))
             return True
@@ -205,7 +190,7 @@ class _Plan:
     def step_pairs(self, parent: Any, s: tuple[Any, ...], value: Any) -> list[Pair] | None:
         """The dict entries whose change could make step ``s`` from ``parent`` read
         another object than ``value``; None where no dict holds it (read per call)."""
-        if parent is _UNRESOLVED:
+        if parent is UNRESOLVED:
             return None
         kind = s[0]
         if kind == "type":
@@ -239,17 +224,17 @@ class _Plan:
             for holder, d in holders:
                 if isinstance(d, dict):
                     pairs += [(own, holder), (d, name)]
-            if value is _UNRESOLVED or any(isinstance(d, dict) and name in d
+            if value is UNRESOLVED or any(isinstance(d, dict) and name in d
                                            for _, d in holders):
                 return pairs
-        if found or value is not _UNRESOLVED:
+        if found or value is not UNRESOLVED:
             return None  # from the class, or made up by __getattr__: read per call
         return [(own, name)]  # absent: it appears there if it is ever set
 
     def covered(self, value: Any, check: str, arg: Any) -> bool:
         """Whether ``check`` gives the same answer while ``value`` is the same object and
         what it watches here did not change."""
-        if value is _UNRESOLVED:
+        if value is UNRESOLVED:
             return True  # its path is watched where it stopped reading
         if check == "type":
             return True
@@ -315,13 +300,13 @@ class _Plan:
     def emit(self, v: _Visit, parent: str | None) -> None:
         """Lines that read ``v`` (from ``parent``'s variable, or as the watched object
         itself) and check what is open there."""
-        if v.value is _UNRESOLVED and not v.watched:
+        if v.value is UNRESOLVED and not v.watched:
             # It did not read when the guards held: it must still not read.
             self.lines += ["    try:", f"        {v.expr.format(parent)}",
                            "    except Exception:", "        pass", "    else:",
                            "        return False"]
             return
-        if v.watched and v.value is not _UNRESOLVED:
+        if v.watched and v.value is not UNRESOLVED:
             expr = self.const(v.value)  # cannot change unseen: no need to read it again
         elif parent is None:
             expr = v.expr
@@ -339,8 +324,8 @@ class _Plan:
     def changed(self, v: str, check: str, arg: Any, value: Any) -> str:
         """A condition that is true when the check may give another answer than it gives
         for ``value``: identity first where that decides, else the check itself."""
-        fp = self.const(lambda x, check=check, arg=arg: _fingerprint(check, x, arg))
-        exact = f"{fp}({v}) != {self.const(_fingerprint(check, value, arg))}"
+        fp = self.const(lambda x, check=check, arg=arg: checked(check, x, arg))
+        exact = f"{fp}({v}) != {self.const(checked(check, value, arg))}"
         if check == "type":
             return f"type({v}) is not {self.const(type(value))} and {exact}"
         if check in ("id", "equals") and isinstance(value, types.MethodType):

@@ -432,7 +432,22 @@ def fingerprint(check: str, value: Any, arg: Any) -> Any:
     return CHECKS[check](value, arg)
 
 
-_UNRESOLVED = object()
+#: What a path that does not read leads to (an attribute that is not there).
+UNRESOLVED = object()
+_UNRESOLVED = UNRESOLVED
+
+
+def checked(check: str, value: Any, arg: Any) -> Any:
+    """The fingerprint a record's check gives for ``value`` (its path's end, or
+    ``UNRESOLVED``), as ``GuardSet.values`` reports it: never raises."""
+    if value is UNRESOLVED:
+        return False if check == "exists" else MISSING
+    try:
+        return CHECKS[check](value, arg)
+    except Unplain:
+        return {"unplain": type(value).__name__}
+    except Exception:
+        return MISSING
 
 #: Path roots and steps as stored: their name and how many values follow it.
 #: How many values each root of a guard path holds (a module outside installed libraries is
@@ -522,15 +537,7 @@ class GuardSet:
 
     def _walk(self, node: _Node, value: Any, out: list[Any]) -> None:
         for i, check, arg in node.checks:
-            if value is _UNRESOLVED:
-                out[i] = False if check == "exists" else MISSING
-                continue
-            try:
-                out[i] = CHECKS[check](value, arg)
-            except Unplain:
-                out[i] = {"unplain": type(value).__name__}
-            except Exception:
-                out[i] = MISSING
+            out[i] = checked(check, value, arg)
         for s, child in node.children.values():
             nxt = _UNRESOLVED
             if value is not _UNRESOLVED:
