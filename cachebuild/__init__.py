@@ -7,7 +7,7 @@ store commands of the CLI) never import torch.
 from typing import Any
 
 __all__ = ["CompileConfig", "ExplainReport", "ModelSpec", "PlanReport", "WarmReport", "backend",
-           "compile", "plan", "preload", "prometheus_text", "stats", "warm"]
+           "compile", "decoding", "plan", "preload", "prometheus_text", "stats", "warm"]
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -15,6 +15,7 @@ _LAZY = {
     "ModelSpec": "cachebuild.api",
     "backend": "cachebuild.api",
     "compile": "cachebuild.api",
+    "decoding": "cachebuild.calls",
     "preload": "cachebuild.build",
     "stats": "cachebuild.api",
     "prometheus_text": "cachebuild.api",

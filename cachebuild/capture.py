@@ -22,9 +22,14 @@ Policies (``CompileConfig.capture``):
 - ``auto`` (default): ``background`` on CUDA, ``lazy`` elsewhere.
 
 ``piecewise``: every compiled piece is recorded at each size; splitting ops run eagerly
-between replays. ``full``: the whole forward is one graph per size. Either way a size is
-served by one ``Replayer`` at the call level, whose static argument buffers the pieces
-read in place.
+between replays. ``full``: the whole forward is one graph per size. ``full_and_piecewise``:
+both, full graphs at the decode sizes for calls the caller marks as decode batches
+(``calls.decoding``), piecewise graphs at every capture size for the rest;
+``full_decode_only``: the full decode graphs alone. Which kind serves a call is
+``graphmodes.route``'s decision; a size whose full graph cannot be captured (a splitting
+op that refuses capture there) is served piecewise, said once in the log. Either way a
+size's graphs of one kind are served by one ``Replayer`` at the call level, whose static
+argument buffers the pieces read in place; both kinds share the pool and the buffers.
 
 Memory: outputs of one piece that only later pieces read are held by the graphs without
 owning their memory (``cudagraphs.weak``), so the pool reuses it for the next size; the
@@ -47,6 +52,7 @@ from typing import Any
 import torch
 
 from cachebuild import keep
+from cachebuild.calls import is_decode
 from cachebuild.counters import COUNTERS
 from cachebuild.cudagraphs import (
     Arena,
@@ -56,6 +62,7 @@ from cachebuild.cudagraphs import (
     flat_tensors,
     weak,
 )
+from cachebuild.graphmodes import CAPTURE, FULL, PIECEWISE, REPLAY, Sizes, kinds, route
 
 log = logging.getLogger("cachebuild")
 
@@ -241,6 +248,12 @@ class CaptureState:
     buffer_bytes: int
     split: dict[str, float] = field(default_factory=dict)
     per_size: dict[int, float] = field(default_factory=dict)  # seconds of each size's pass
+    #: sizes with graphs of each kind, and (full_and_piecewise) sizes whose full graph
+    #: failed and that are served piecewise instead
+    kinds: dict[str, list[int]] = field(default_factory=dict)
+    full_failed: dict[int, str] = field(default_factory=dict)
+    #: calls served by full graphs, by piecewise graphs, and without graphs
+    served: dict[str, int] = field(default_factory=dict)
 
 
 #: Capturers whose background thread may be running: stopped at exit, so that no thread is
@@ -255,17 +268,18 @@ def _stop_all() -> None:
 
 
 class Capturer:
-    """A model's graphs: which sizes are served from them, and the passes that make them.
+    """A model's graphs: which kind serves each call, and the passes that make them.
 
+    ``mode`` is the graph mode and ``sizes`` the sizes of each kind (``graphmodes``);
     ``make_forward(calls)`` is the runtime's forward over call arguments with the stitched
     graph calling ``calls``; ``calls`` the exact callables by piece name; ``pieces`` the
-    compiled ones with their specs (piecewise mode; empty: full mode). ``not_beside``: why
+    compiled ones with their specs (what a piecewise pass records). ``not_beside``: why
     passes on dummy inputs may not run beside the caller, if they may not (the
     ``background`` policy then captures ``lazy``).
     """
 
-    def __init__(self, api: GraphCapture, device: torch.device, policy: str, sizes: Sequence[int],
-                 shape: CallShape, size_of: Callable[[tuple[Any, ...]], int | None],
+    def __init__(self, api: GraphCapture, device: torch.device, policy: str, mode: str,
+                 sizes: Sizes, shape: CallShape, size_of: Callable[[tuple[Any, ...]], int | None],
                  make_forward: Callable[[dict[str, Callable[..., Any]]],
                                         Callable[[tuple[Any, ...]], Any]],
                  calls: dict[str, Callable[..., Any]], pieces: dict[str, PieceSpec],
@@ -273,8 +287,10 @@ class Capturer:
         self.api = api
         self.device = device
         self.policy = resolve_policy(policy, device)
-        self.sizes = sorted(set(sizes))
-        self._wanted = frozenset(self.sizes)
+        self.mode = mode
+        self.kinds = kinds(mode)
+        self.size_sets = sizes
+        self.sizes = sorted(sizes.piecewise | sizes.full)
         self.shape = shape
         self.size_of = size_of
         self._make_forward = make_forward
@@ -282,12 +298,21 @@ class Capturer:
         self.exact = make_forward(calls)
         self.pieces = pieces
         self.arena = Arena()
-        self.ready: dict[int, Replayer] = {}  # published sizes: read by serving threads
+        #: published graphs by kind, then size: read by serving threads
+        self.graphs: dict[str, dict[int, Replayer]] = {FULL: {}, PIECEWISE: {}}
+        #: the graphs of the mode's main kind (piecewise where it has them)
+        self.primary = self.kinds[0]
+        self.ready = self.graphs[self.primary]
         self.pieces_at: dict[int, list[Replayer]] = {}  # piecewise: each size's pieces
-        self.failed: dict[int, str] = {}
-        self.pending: list[int] = []
+        self.failures: dict[tuple[str, int], str] = {}
+        self.pending: list[tuple[str, int]] = []
         self.seconds = 0.0
         self.per_size: dict[int, float] = {}
+        self.exact_calls = 0  # calls that ran without graphs
+        self._published: set[tuple[str, int]] = set()
+        #: (decode mark, size) → the replayer that serves such calls: filled as calls come,
+        #: emptied whenever graphs are published or fail (the answer may change then)
+        self._routes: dict[tuple[bool, int | None], Replayer] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._lock = threading.Lock()  # one pass at a time: they share the arena and pool
@@ -299,18 +324,33 @@ class Capturer:
     # -- serving ---------------------------------------------------------------------------
 
     def __call__(self, args: tuple[Any, ...]) -> Any:
-        """``args`` served from graphs where its size has them, else run exactly (a lazy
-        policy captures the size on the way)."""
+        """``args`` served from the graphs ``graphmodes.route`` picks, else run exactly (a
+        lazy policy captures them on the way)."""
         size = self.size_of(args)
-        graphs = self.ready.get(size) if size is not None else None
+        decode = is_decode()
+        routes = self._routes  # the answers as of now: a publish replaces the dict
+        graphs = routes.get((decode, size))
         if graphs is not None:
             return graphs(*args)
-        if (self.policy == "lazy" and size in self._wanted and size not in self.failed
-                and self._lock.acquire(blocking=False)):
-            try:
-                return self._capture_size(size, args)
-            finally:
-                self._lock.release()
+        step = route(self.mode, size, decode, self.size_sets, self._published, self.failures,
+                     self.policy == "lazy")
+        if step.action == REPLAY:
+            graphs = self.graphs[step.kind][size]  # type: ignore[index]
+            routes[(decode, size)] = graphs
+            return graphs(*args)
+        if step.action == CAPTURE:
+            assert size is not None and step.kind is not None
+            if self._lock.acquire(blocking=False):
+                try:
+                    return self._capture(step.kind, size, args)
+                finally:
+                    self._lock.release()
+            # another pass is running: serve as well as the graphs there are now allow
+            step = route(self.mode, size, decode, self.size_sets, self._published,
+                         self.failures, False)
+            if step.action == REPLAY:
+                return self.graphs[step.kind][size](*args)  # type: ignore[index]
+        self.exact_calls += 1
         return self.exact(args)
 
     def _miss(self, *args: Any) -> Any:
@@ -323,24 +363,36 @@ class Capturer:
 
     # -- capture ---------------------------------------------------------------------------
 
+    def wanted(self, sizes: Sequence[int] | None = None) -> list[tuple[str, int]]:
+        """The (kind, size) pairs to capture, among ``sizes`` (default: all), in capture
+        order: each kind largest first, then from the smallest up; piecewise first."""
+        out = []
+        for kind in (PIECEWISE, FULL):
+            of_kind = self.size_sets.piecewise if kind == PIECEWISE else self.size_sets.full
+            chosen = [s for s in of_kind if sizes is None or s in sizes]
+            out += [(kind, s) for s in capture_order(chosen)]
+        return out
+
     def capture_now(self, sizes: Sequence[int], args_for: Callable[[int], tuple[Any, ...]],
                     kept: keep.Tensors) -> list[int]:
-        """Capture ``sizes`` in this thread on dummy inputs (``eager``), largest first;
-        ``kept`` puts back what the passes write. The sizes captured."""
-        done = []
+        """Capture ``sizes`` in this thread on dummy inputs (``eager``), every kind the mode
+        has there, largest first; ``kept`` puts back what the passes write. The sizes
+        captured (of any kind)."""
+        done = set()
         with self._lock, torch.no_grad(), keep.rng():
-            for size in capture_order(sizes):
-                if size in self.ready:
-                    done.append(size)
+            for kind, size in self.wanted(sizes):
+                if (kind, size) in self._published:
+                    done.add(size)
                     continue
                 try:
                     args = args_for(size)
                     kept.add(args[i] for i in range(len(args)) if self.shape.keeps(i))
-                    self._capture_size(size, args)
-                    done.append(size)
+                    self._capture(kind, size, args)
+                    if (kind, size) in self._published:
+                        done.add(size)
                 except Exception as e:
-                    self._failed(size, e)
-        return done
+                    self._failed(kind, size, e)
+        return sorted(done)
 
     def start_background(self, args_for: Callable[[int], tuple[Any, ...]],
                          draws_random: bool = False) -> None:
@@ -353,7 +405,7 @@ class Capturer:
             self.not_in_background("the forward draws random numbers, which a pass beside "
                                     "the caller would take from its generators")
             return
-        self.pending = [s for s in capture_order(self.sizes) if s not in self.ready]
+        self.pending = [p for p in self.wanted() if p not in self._published]
         COUNTERS.sizes_pending += len(self.pending)
         if not self.pending:
             return
@@ -372,10 +424,10 @@ class Capturer:
                    else contextlib.nullcontext())
         with on_device(str(self.device)), torch.no_grad(), streams:
             while self.pending and not self._stop.is_set():
-                size = self.pending[0]
+                kind, size = self.pending[0]
                 try:
                     with self._lock:
-                        self._capture_size(size, args_for(size))
+                        self._capture(kind, size, args_for(size))
                 except Exception as e:
                     # A pass on dummy inputs that fails once fails for every size: the rest
                     # ride along their first real calls instead.
@@ -392,6 +444,7 @@ class Capturer:
         log.info("graphs are captured at each size's first call, not in the background: %s",
                  why)
         self.policy = "lazy"
+        self._routes = {}
 
     @property
     def in_background(self) -> bool:
@@ -411,13 +464,14 @@ class Capturer:
         if self._thread is not None:
             self._thread.join()
 
-    def _capture_size(self, size: int, args: tuple[Any, ...]) -> Any:
-        """One capture pass: the call's result. ``size`` is published when the pass
-        recorded every graph; otherwise it is marked failed (and runs without graphs)."""
+    def _capture(self, kind: str, size: int, args: tuple[Any, ...]) -> Any:
+        """One capture pass of ``kind`` at ``size``: the call's result. The graphs are
+        published when the pass recorded every one; otherwise the pair is marked failed
+        (its calls then go as ``graphmodes.route`` says)."""
         start = time.perf_counter()
         p = CapturePass(self.api, self.arena, size)
         statics, copies, pinned, back = p.bind_call(args, self.shape)
-        if self.pieces:  # piecewise: the pieces are recorded as the call reaches them
+        if kind == PIECEWISE:  # the pieces are recorded as the call reaches them
             calls = dict(self.calls)
             for name, spec in self.pieces.items():
                 calls[name] = p.wrap(name, self.calls[name], spec)
@@ -432,13 +486,16 @@ class Capturer:
             except Exception as e:
                 p.error = e
         if p.error is not None:
-            self._failed(size, p.error)
+            self._failed(kind, size, p.error)
             return result
         whole.copies, whole.pinned, whole.written_back = copies, pinned, back
-        self.pieces_at[size] = list(p.replayers.values())
-        self.ready[size] = whole  # published: one assignment
+        if kind == PIECEWISE:
+            self.pieces_at[size] = list(p.replayers.values())
+        self.graphs[kind][size] = whole  # published: one assignment, then the index
+        self._published.add((kind, size))
+        self._routes = {}
         seconds = time.perf_counter() - start
-        self.per_size[size] = seconds
+        self.per_size[size] = self.per_size.get(size, 0.0) + seconds
         self.seconds += seconds
         COUNTERS.sizes_captured += 1
         COUNTERS.add_time("capture", seconds)
@@ -452,30 +509,55 @@ class Capturer:
         calls = dict(self.calls)
         for name, r in p.replayers.items():
             r.outputs = _own(r.outputs, owned)
-            calls[name] = r
+            calls[name] = r.fast()
         forward = self._make_forward(calls)
         return Replayer(ReplayCapture(), (lambda *a: forward(a), statics), None, self._miss)
 
-    def _failed(self, size: int, error: BaseException) -> None:
-        self.failed[size] = f"{type(error).__name__}: {error}"
-        log.warning("size %d cannot be captured (%s); it runs without graphs", size,
-                    self.failed[size])
+    def _failed(self, kind: str, size: int, error: BaseException) -> None:
+        why = f"{type(error).__name__}: {error}"
+        self.failures[(kind, size)] = why
+        self._routes = {}
+        if kind == FULL and size in self.size_sets.piecewise:
+            log.warning("size %d: no full graph (%s); its decode calls are served by its "
+                        "piecewise graphs", size, why)
+        else:
+            log.warning("size %d cannot be captured (%s); it runs without graphs", size, why)
 
     # -- state -----------------------------------------------------------------------------
 
     @property
+    def failed(self) -> dict[int, str]:
+        """Sizes whose graphs of the mode's main kind failed, with why."""
+        return {s: why for (k, s), why in self.failures.items() if k == self.primary}
+
+    @property
     def captured_sizes(self) -> list[int]:
-        return sorted(self.ready)
+        """Sizes with graphs of any kind."""
+        return sorted({s for _, s in self._published})
 
     def replayers(self) -> list[Replayer]:
-        """Every replayer: each size's call-level one, then its pieces' (piecewise)."""
+        """Every replayer: each size's call-level one of each kind, then its pieces'
+        (piecewise)."""
         out = []
-        for size, whole in sorted(self.ready.items()):
-            out += [whole, *self.pieces_at.get(size, [])]
+        for kind in (PIECEWISE, FULL):
+            for size, whole in sorted(self.graphs[kind].items()):
+                out.append(whole)
+                if kind == PIECEWISE:
+                    out += self.pieces_at.get(size, [])
         return out
 
+    def served(self) -> dict[str, int]:
+        """Calls served by full graphs, by piecewise graphs, and without graphs."""
+        return {FULL: sum(r.replays for r in self.graphs[FULL].values()),
+                PIECEWISE: sum(r.replays for r in self.graphs[PIECEWISE].values()),
+                "none": self.exact_calls}
+
     def state(self) -> CaptureState:
-        return CaptureState(self.policy, self.captured_sizes, list(self.pending),
-                            dict(self.failed), self.seconds, self.api.graphs,
+        full_failed = ({s: why for (k, s), why in self.failures.items() if k == FULL}
+                       if self.primary != FULL else {})
+        return CaptureState(self.policy, self.captured_sizes, sorted({s for _, s in self.pending}),
+                            self.failed, self.seconds, self.api.graphs,
                             self.api.pool_bytes(), self.arena.nbytes, dict(self.api.seconds),
-                            dict(self.per_size))
+                            dict(self.per_size),
+                            {k: sorted(self.graphs[k]) for k in self.kinds}, full_failed,
+                            self.served())

@@ -32,7 +32,10 @@ from cachebuild.errors import ConfigError
 OP_NAME = re.compile(r"^[A-Za-z_]\w*::[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
 
 FLAVOURS = ("auto", "aoti", "standalone")
-CUDAGRAPH_MODES = ("none", "piecewise", "full")
+CUDAGRAPH_MODES = ("none", "piecewise", "full", "full_and_piecewise", "full_decode_only")
+#: The most sequences a decode batch has by default (vLLM's default ``max_num_seqs``): the
+#: capture sizes up to it get full graphs for decode calls unless ``decode_sizes`` says.
+DEFAULT_MAX_DECODE = 256
 #: When sizes are captured (``capture.py``): ``auto`` is background on CUDA, lazy elsewhere.
 CAPTURE_POLICIES = ("auto", "eager", "background", "lazy")
 OUT_OF_RANGE = ("error", "eager")
@@ -40,7 +43,8 @@ OUT_OF_RANGE = ("error", "eager")
 WHILE_BUILDING = ("wait", "eager_fusion", "standalone")
 ON_FAILURE = ("error", "eager")
 #: Fields that decide how a loaded model runs, not what is built or stored.
-RUNTIME_ONLY = ("cudagraph_mode", "capture", "capture_sizes", "pad_to_capture_size",
+RUNTIME_ONLY = ("cudagraph_mode", "capture", "capture_sizes", "decode_sizes",
+                "pad_to_capture_size",
                 "out_of_range", "on_failure", "while_building")
 #: The largest size of a dynamic dim a config may name (what a 32-bit index reaches).
 MAX_SIZE = 2**31 - 1
@@ -107,12 +111,20 @@ class CompileConfig:
       here, else standalone), ``"aoti"`` or ``"standalone"``.
     - ``passes``: a ``PassConfig`` of fusion-pass flags.
     - ``inductor_options``: Inductor config patches, e.g. ``{"max_autotune": True}``.
-    - ``cudagraph_mode``: ``"none"``, ``"piecewise"`` or ``"full"``.
+    - ``cudagraph_mode``: ``"none"``, ``"piecewise"`` (each compiled piece a graph per
+      capture size, splitting ops eager between), ``"full"`` (the whole forward a graph per
+      capture size), ``"full_and_piecewise"`` (vLLM's FULL_AND_PIECEWISE: a call the caller
+      marks as a decode batch, ``cachebuild.decoding()``, replays a full graph at the
+      ``decode_sizes``, every other call of a capture size piecewise graphs) or
+      ``"full_decode_only"`` (full graphs for marked decode calls, no graphs otherwise).
     - ``capture``: when sizes are captured: ``"eager"`` (all of them before the first
       call returns), ``"background"`` (a thread captures them after the first output),
       ``"lazy"`` (each at its first call), or ``"auto"`` (background on CUDA, lazy
       elsewhere). A size without graphs yet runs the compiled pieces directly, exactly.
     - ``capture_sizes``: sizes captured as CUDA graphs (default: 51 sizes up to 512).
+    - ``decode_sizes``: the sizes (sequences of one token each) at which a marked decode
+      call replays a full graph, in the two modes that have them; each must be a capture
+      size. None (default): every capture size up to 256.
     - ``pad_to_capture_size``: run a call whose size was not captured at the next captured
       size, zero-padding the dynamic dim and slicing outputs back (token-parallel models).
     - ``out_of_range``: a call whose size is outside every range raises (``"error"``)
@@ -140,6 +152,7 @@ class CompileConfig:
     cudagraph_mode: str = "none"
     capture: str = "auto"
     capture_sizes: tuple[int, ...] = field(default_factory=default_capture_sizes)
+    decode_sizes: tuple[int, ...] | None = None
     pad_to_capture_size: bool = False
     out_of_range: str = "error"
     on_failure: str = "error"
@@ -173,6 +186,11 @@ class CompileConfig:
             if len(values) > most:
                 raise ConfigError(f"{name} may list at most {most} sizes, not {len(values)}")
             set_(self, name, tuple(sorted({_whole(v, f"each of {name}") for v in values})))
+        if self.decode_sizes is not None:
+            values = _sequence(self.decode_sizes, "decode_sizes", "whole numbers, e.g. (1, 8), "
+                               "or None")
+            set_(self, "decode_sizes",
+                 tuple(sorted({_whole(v, "each of decode_sizes") for v in values})))
         opts = self.inductor_options
         if isinstance(opts, dict):
             opts = tuple(opts.items())
@@ -238,10 +256,25 @@ class CompileConfig:
             raise ConfigError(f"on_failure must be one of {ON_FAILURE}, not {_show(self.on_failure)}")
         if any(s < 1 for s in self.capture_sizes):
             raise ConfigError("capture sizes must be positive")
+        stray = sorted(set(self.decode_sizes or ()) - set(self.capture_sizes))
+        if stray:
+            raise ConfigError(f"decode_sizes {stray} are not capture sizes: add them to "
+                              "capture_sizes, or leave decode_sizes None (every capture size "
+                              f"up to {DEFAULT_MAX_DECODE})")
         for name in ("compile_sizes", "capture_sizes"):
             largest = max(getattr(self, name), default=0)
             if largest > MAX_SIZE:
                 raise ConfigError(f"{name} holds {largest}: sizes go from 1 to {MAX_SIZE}")
+
+    def full_decode_sizes(self) -> tuple[int, ...]:
+        """The sizes at which a marked decode call replays a full graph (``decode_sizes``,
+        or every capture size up to ``DEFAULT_MAX_DECODE``); empty in modes without full
+        decode graphs."""
+        if self.cudagraph_mode not in ("full_and_piecewise", "full_decode_only"):
+            return ()
+        if self.decode_sizes is not None:
+            return self.decode_sizes
+        return tuple(s for s in self.capture_sizes if s <= DEFAULT_MAX_DECODE)
 
     def inductor_options_dict(self) -> dict[str, Any]:
         return dict(self.inductor_options)

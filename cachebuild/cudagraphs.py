@@ -23,6 +23,7 @@ serves them all.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -220,6 +221,39 @@ class Replayer:
         for i, buf in self.written_back:
             args[i].copy_(buf)
         return self.outputs if result is None else result
+
+    def fast(self) -> Callable[..., Any]:
+        """``self(*args)`` as a closure over what a replay uses, looked up once (the graph's
+        launch bound, the lists made tuples, steps with nothing to do left out): for
+        replayers whose fields are final, called once per piece per step. It counts
+        ``replays`` and ``misses`` as a call does."""
+        launch = functools.partial(self.api.replay, self.graph)
+        outputs, fallback = self.outputs, self.fallback
+        pinned, copies = tuple(self.pinned), tuple(self.copies)
+        back = tuple(self.written_back)
+        me = self
+        if not (pinned or copies or back):
+            def bare(*args: Any) -> Any:
+                me.replays += 1
+                result = launch()
+                return outputs if result is None else result
+
+            return bare
+
+        def run(*args: Any) -> Any:
+            for i, address in pinned:
+                if args[i].data_ptr() != address:
+                    me.misses += 1
+                    return fallback(*args)
+            for i, buf in copies:
+                buf.copy_(args[i])
+            me.replays += 1
+            result = launch()
+            for i, buf in back:
+                args[i].copy_(buf)
+            return outputs if result is None else result
+
+        return run
 
 
 def weak(outputs: Any) -> Any:

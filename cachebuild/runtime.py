@@ -25,6 +25,7 @@ from cachebuild.cudagraphs import capture_for, next_capture_size, pad_args, unpa
 from cachebuild.entry import Entry
 from cachebuild.errors import UsageError
 from cachebuild.facts import device_of, on_device
+from cachebuild.graphmodes import sizes_for
 from cachebuild.guard_watch import CallGuards
 from cachebuild.inputs import CallCheck, check_weight, layout_guards
 from cachebuild.outputs import output_builder
@@ -93,12 +94,12 @@ class ModelRuntime:
         if mode != "none":
             shape = CallShape(n_args, frozenset(self.written_args),
                               frozenset(self.dynamic_dims))
+            capture_sizes = [s for s in config.capture_sizes if self.in_buckets(s)]
             self.capturer = Capturer(
-                capture_for(str(self.device)), self.device, config.capture,
-                [s for s in config.capture_sizes if self.in_buckets(s)], shape,
+                capture_for(str(self.device)), self.device, config.capture, mode,
+                sizes_for(mode, capture_sizes, config.full_decode_sizes()), shape,
                 self._dynamic_size, self.forward_over, self.stitched.calls,
-                self.stitched.compiled if mode == "piecewise" else {},
-                not_beside=not_beside)
+                self.stitched.compiled, not_beside=not_beside)
 
     def rebind(self) -> None:
         """Look up the model's parameters and buffers again (after they were replaced).
@@ -179,8 +180,8 @@ class ModelRuntime:
         afterwards: capturing changes no state of the model or the caller.
         """
         capturer = self._capturer()
-        wanted = sorted({s for s in (sizes or self.config.capture_sizes) if self.in_buckets(s)},
-                        reverse=True)
+        wanted = sorted({s for s in (sizes or self.config.capture_sizes)
+                         if self.in_buckets(s) and s in capturer.sizes}, reverse=True)
         args_for = make_args or (lambda size: self.dummy_args(size, like))
         kept = keep.Tensors(self._template[i] for i in self.entry.written_inputs
                             if self.bindings[i].kind in ("param", "buffer"))

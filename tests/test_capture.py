@@ -19,6 +19,7 @@ import torch
 import cachebuild
 from cachebuild.capture import capture_order, resolve_policy
 from cachebuild.cudagraphs import Arena, ReplayCapture, Replayer
+from cachebuild.errors import ConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import llama  # noqa: E402
@@ -47,7 +48,7 @@ def test_policy_resolution_and_order():
     assert resolve_policy("eager", torch.device("cpu")) == "eager"
     # the largest first (the pool grows once), then from the smallest up
     assert capture_order([8, 1, 512, 2, 4]) == [512, 1, 2, 4, 8]
-    with pytest.raises(cachebuild.errors.ConfigError, match="capture policy"):
+    with pytest.raises(ConfigError, match="capture policy"):
         cachebuild.CompileConfig(capture="soon")
 
 
