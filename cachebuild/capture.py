@@ -308,7 +308,7 @@ class Capturer:
         self.pending: list[tuple[str, int]] = []
         self.seconds = 0.0
         self.per_size: dict[int, float] = {}
-        self.exact_calls = 0  # calls that ran without graphs
+        self.exact_calls = 0  # calls that ran without graphs (capture passes included)
         self._published: set[tuple[str, int]] = set()
         #: (decode mark, size) → the replayer that serves such calls: filled as calls come,
         #: emptied whenever graphs are published or fail (the answer may change then)
@@ -341,6 +341,7 @@ class Capturer:
         if step.action == CAPTURE:
             assert size is not None and step.kind is not None
             if self._lock.acquire(blocking=False):
+                self.exact_calls += 1  # the call runs exactly; its graphs are recorded beside
                 try:
                     return self._capture(step.kind, size, args)
                 finally:
@@ -547,7 +548,8 @@ class Capturer:
         return out
 
     def served(self) -> dict[str, int]:
-        """Calls served by full graphs, by piecewise graphs, and without graphs."""
+        """Calls served by full graphs, by piecewise graphs, and without graphs (the calls
+        that captured a size's graphs included)."""
         return {FULL: sum(r.replays for r in self.graphs[FULL].values()),
                 PIECEWISE: sum(r.replays for r in self.graphs[PIECEWISE].values()),
                 "none": self.exact_calls}
