@@ -12,8 +12,10 @@ sampling steps, for a batch of prompts.
 Size knobs: those of ``llama.py`` (``LLAMA_LAYERS``, ``LLAMA_HIDDEN``, ...,
 ``LLAMA_BACKEND``, ``LLAMA_FLAVOUR``, ``LLAMA_DEVICE``), and ``GEN_BLOCKS`` (64 blocks of
 ``GEN_BLOCK_SIZE`` 16 slots per layer), ``GEN_MAX_BLOCKS`` (16: blocks per sequence),
-``GEN_GRAPHS`` (the graph mode on CUDA: piecewise; none on CPU), ``GEN_CAPTURE`` (the
-decode batch sizes captured: 1,2,4,8,16,32).
+``GEN_GRAPHS`` (the graph mode on CUDA: full_and_piecewise, i.e. decode steps replay full
+graphs and prefills piecewise ones; none on CPU), ``GEN_CAPTURE`` (the sizes captured:
+1,2,4,8,16,32), ``GEN_DECODE`` (the decode batch sizes with full graphs: every captured
+size up to 256).
 
     cachebuild warm examples/generate.py    # build every target ahead of time
     python examples/generate.py             # a server's start: warm load, generate
@@ -150,6 +152,11 @@ def capture_sizes() -> tuple[int, ...]:
     return tuple(int(s) for s in os.environ.get("GEN_CAPTURE", "1,2,4,8,16,32").split(","))
 
 
+def decode_sizes() -> tuple[int, ...] | None:
+    given = os.environ.get("GEN_DECODE")
+    return tuple(int(s) for s in given.split(",")) if given else None
+
+
 def config() -> cachebuild.CompileConfig:
     cuda = os.environ.get("LLAMA_DEVICE", "cpu").startswith("cuda")
     return cachebuild.CompileConfig(
@@ -157,8 +164,9 @@ def config() -> cachebuild.CompileConfig:
         compile_ranges=((1, _env("LLAMA_MAX_TOKENS", 512)),),
         flavour=os.environ.get("LLAMA_FLAVOUR", "auto"),
         backend=os.environ.get("LLAMA_BACKEND", "inductor"),
-        cudagraph_mode=os.environ.get("GEN_GRAPHS", "piecewise" if cuda else "none"),
+        cudagraph_mode=os.environ.get("GEN_GRAPHS", "full_and_piecewise" if cuda else "none"),
         capture_sizes=capture_sizes(),
+        decode_sizes=decode_sizes(),
     )
 
 
@@ -200,7 +208,9 @@ class Engine:
 
     ``forward`` is the model or its compiled module (the same arguments). A decode batch
     is padded up to the next of ``pad_to`` (the captured sizes) with rows that write
-    nowhere, so that every step replays a captured graph.
+    nowhere, so that every step replays a captured graph, and is marked as one
+    (``cachebuild.decoding``): a uniform batch of one token per sequence, which the graph
+    modes with full decode graphs replay whole, attention included.
     """
 
     def __init__(self, model: PagedLlama, forward: object = None,
@@ -230,8 +240,10 @@ class Engine:
             seq.blocks.append(self.free.pop(0))
         return seq.blocks[position // size] * size + position % size
 
-    def _step(self, rows: list[tuple[Sequence, int, int]]) -> torch.Tensor:
-        """One forward over ``rows`` of (sequence, token, position); logits per row."""
+    def _step(self, rows: list[tuple[Sequence, int, int]], decode: bool = False
+              ) -> torch.Tensor:
+        """One forward over ``rows`` of (sequence, token, position); logits per row.
+        ``decode``: the rows are one new token for each of their sequences."""
         count = len(rows)
         padded = next((s for s in self.pad_to if s >= count), count)
         ids, positions, slots, table = [], [], [], []
@@ -246,7 +258,7 @@ class Engine:
             slots.append(PAD_SLOT)
             table.append([0] * max_blocks())
         args = [torch.tensor(v, device=self.device) for v in (ids, positions, slots, table)]
-        with torch.no_grad():
+        with torch.no_grad(), cachebuild.decoding(decode):
             return self.forward(*args)[:count].float()
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int,
@@ -266,7 +278,7 @@ class Engine:
                 if len(seqs[0].generated) == max_new_tokens:
                     break
                 last = self._step([(s, s.generated[-1], len(s.tokens) + len(s.generated) - 1)
-                                   for s in seqs])
+                                   for s in seqs], decode=True)
         finally:
             for s in seqs:
                 self.free += s.blocks
@@ -304,11 +316,15 @@ def main() -> None:
     seconds = time.perf_counter() - t0
     reference = Engine(model).generate(batch, new_tokens)
     s = cachebuild.stats()
-    replays = sum(r.replays for r in compiled.runtime.replayers()) if compiled.runtime else 0
+    state = compiled.capture_state()
+    served = state.served if state is not None else {}
+    replays = served.get("full", 0) + served.get("piecewise", 0)
     same = tokens == reference
     print(f"{len(batch)} prompts x {new_tokens} tokens in {seconds:.2f} s (process "
           f"{time.perf_counter() - start:.2f} s); targets built {s['built']}, loaded "
-          f"{s['loaded']}, traced {s['traced']}; graph replays {replays}; tokens "
+          f"{s['loaded']}, traced {s['traced']}; graph replays {replays} (full "
+          f"{served.get('full', 0)}, piecewise {served.get('piecewise', 0)}, calls without "
+          f"graphs {served.get('none', 0)}); tokens "
           f"{'equal to' if same else 'DIFFERENT from'} eager's", file=sys.stderr)
     if not same:
         sys.exit(1)

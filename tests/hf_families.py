@@ -211,12 +211,13 @@ class StaticServed(torch.nn.Module):
 
 def greedy_served(forward: Any, seed: int = 0) -> list[int]:
     """Greedy decoding of ``NEW_TOKENS`` through a ``StaticServed`` forward: the prompt,
-    then one token per call."""
+    then one token per call, marked as a decode batch (``cachebuild.decoding``)."""
     prompt = ids(PROMPT, seed)[0]
     out: list[int] = []
     tokens, positions = prompt, torch.arange(PROMPT)
     with torch.no_grad():
         for step in range(NEW_TOKENS):
-            out.append(int(forward(tokens, positions)[-1].argmax()))
+            with cachebuild.decoding(step > 0):
+                out.append(int(forward(tokens, positions)[-1].argmax()))
             tokens, positions = torch.tensor([out[-1]]), torch.tensor([PROMPT + step])
     return out

@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 #: Runs in a fresh process: for each family of FAMILIES and each cache of CACHES, eager's
 #: greedy tokens and the compiled model's (BACKEND, FLAVOUR, the store STORE).
 CHILD = """
-import json, os
+import dataclasses, json, os
 
 import hf_families as H
 from cachebuild.store import LocalStore
@@ -40,11 +40,15 @@ config = H.generation_config(os.environ["BACKEND"], os.environ["FLAVOUR"])
 found = {}
 for name in os.environ["FAMILIES"].split(","):
     for cache in os.environ["CACHES"].split(","):
-        if cache == "served":  # the static cache as buffers, through cachebuild.compile
+        if cache == "served":  # the static cache as buffers, through cachebuild.compile,
+            # decode steps from full graphs and the prompt from piecewise ones
             want = H.greedy_served(H.StaticServed(H.generator_model(name)).eval())
             served = H.StaticServed(H.generator_model(name)).eval()
-            compiled = cachebuild.compile(served, config, {0: 0, 1: 0}, store=store)
+            graphs = dataclasses.replace(config, cudagraph_mode="full_and_piecewise",
+                                         capture_sizes=(1, H.PROMPT))
+            compiled = cachebuild.compile(served, graphs, {0: 0, 1: 0}, store=store)
             found[f"{name}/served"] = [want, H.greedy_served(compiled)]
+            found[f"{name}/served graphs"] = compiled.capture_state().served
             continue
         cache = None if cache == "dynamic" else cache
         model = H.generator_model(name)
@@ -66,9 +70,11 @@ def generate_in_child(*args: object, **kwargs: object) -> dict:
 
 
 def assert_token_equal(child: dict) -> None:
-    wrong = {case: pair for case, pair in child["tokens"].items() if pair[0] != pair[1]}
+    tokens = {case: pair for case, pair in child["tokens"].items()
+              if not case.endswith(" graphs")}
+    wrong = {case: pair for case, pair in tokens.items() if pair[0] != pair[1]}
     assert not wrong, f"tokens differ from eager's: {wrong}"
-    assert all(len(want) == 32 for want, _ in child["tokens"].values())
+    assert all(len(want) == 32 for want, _ in tokens.values())
 
 
 @pytest.mark.slow
@@ -93,6 +99,11 @@ def test_a_static_cache_of_buffers_through_cachebuild_compile_cold_and_warm(tmp_
     assert warm["stats"]["built"] == 0 and warm["stats"]["failed"] == 0
     for child in (cold, warm):
         assert_token_equal(child)
+        for family in ("llama", "qwen2"):
+            # 31 decode steps: the first captures the full graph (lazy), the rest replay it;
+            # the prompt's call captures its piecewise graphs
+            assert child["tokens"][f"{family}/served graphs"] == {"full": 30, "piecewise": 0,
+                                                                   "none": 2}
 
 
 @pytest.mark.slow
@@ -201,3 +212,23 @@ def test_a_sliding_window_static_cache_builds_once_for_every_length(tmp_path, mo
         assert H.greedy(model, "static") == want  # past the window, lengths never seen
     assert cachebuild.stats()["built"] == built
     assert not [r for r in caplog.records if "new variant" in r.getMessage()]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["full_and_piecewise", "full_decode_only"])
+def test_paged_model_with_full_decode_graphs_equals_eager_call_by_call(open_local, tmp_path,
+                                                                       mode):
+    """The paged model served as test_generate_gpu.py serves it, on the CPU: prefills and
+    decode steps, logits and KV caches equal to eager's after every call, and decode steps
+    served by the full graphs (``ReplayCapture`` here)."""
+    import paged
+
+    import cachebuild
+
+    model, eager = paged.make_pair("cpu")
+    compiled = cachebuild.compile(model, paged.config(mode, "lazy"), paged.generate.DYNAMIC,
+                                  store=open_local(tmp_path / "store"))
+    paged.serve_beside_eager(compiled, model, eager)
+    want = (paged.SERVED["lazy"] if mode == "full_and_piecewise"
+            else {"full": 3, "piecewise": 0, "none": 5})
+    assert compiled.capture_state().served == want

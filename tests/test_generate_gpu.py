@@ -1,7 +1,9 @@
 """Writes in place under CUDA graphs, on a GPU: every pattern of ``inplace_models`` in the
 model that has them all, with AOTI pieces, captured piecewise and whole, replayed call after
-call with outputs and state equal to eager's; and the paged example generating on the GPU
-with its decode batches replayed from graphs, token-equal to eager, cold and warm.
+call with outputs and state equal to eager's; the paged example served with full decode
+graphs and piecewise prefill graphs under every capture policy, logits and KV caches equal
+to eager's after every call; and the paged example generating on the GPU with its decode
+batches replayed from graphs, token-equal to eager, cold and warm, in every graph mode.
 """
 
 from __future__ import annotations
@@ -60,15 +62,72 @@ def run_example(store: Path, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=900)
 
 
-@pytest.mark.parametrize("graphs", ["piecewise", "full"])
-def test_paged_example_on_cuda_is_token_equal_cold_and_warm(graphs, tmp_path):
-    store = tmp_path / "store"
+@pytest.fixture(scope="module")
+def example_store(tmp_path_factory):
+    """One store for the paged example's runs: graph modes are run-time choices, so the
+    first run builds and the others load."""
+    return tmp_path_factory.mktemp("paged") / "store"
+
+
+@pytest.mark.parametrize("graphs", ["full_and_piecewise", "piecewise", "full"])
+def test_paged_example_on_cuda_is_token_equal_cold_and_warm(graphs, example_store):
     # float32: greedy tokens of a random model are ties away from flipping in bf16
     env = {"GEN_GRAPHS": graphs, "LLAMA_DTYPE": "float32"}
-    cold = run_example(store, **env)
+    cold = run_example(example_store, **env)
     assert cold.returncode == 0, cold.stderr[-3000:]
-    warm = run_example(store, **env)
+    warm = run_example(example_store, **env)
     assert warm.returncode == 0, warm.stderr[-3000:]
     line = warm.stderr.strip().splitlines()[-1]
+    print(f"{graphs}: {line}")
     assert "targets built 0" in line and "traced 0" in line and "equal to eager's" in line
-    assert "graph replays 0;" not in line  # decode steps replayed captured graphs
+    # 31 decode steps of 3 sequences (padded to 4): the first captures the size's graph
+    # (lazy), the rest replay it; the prefill (27 tokens, padded to 32) captures its size
+    # and is not replayed
+    kind = "full" if graphs != "piecewise" else "piecewise"
+    assert f"{kind} 30" in line, line
+
+
+# -- full graphs for decode, piecewise for prefill -------------------------------------------
+
+@pytest.mark.parametrize("policy", ["lazy", "eager", "background"])
+def test_full_and_piecewise_on_cuda_equals_eager_in_outputs_and_cache(open_local, tmp_path,
+                                                                      policy):
+    """The paged model on the GPU under each capture policy: prefills (piecewise graphs)
+    and decode steps (full graphs, attention and the cache write inside), logits and every
+    layer's KV cache equal to eager's after every call; the capture state counts which
+    graphs served which calls."""
+    import paged
+
+    import cachebuild
+
+    model, eager = paged.make_pair("cuda")
+    compiled = cachebuild.compile(model, paged.config("full_and_piecewise", policy),
+                                  generate_dims(), store=open_local(tmp_path / "store"))
+    paged.serve_beside_eager(compiled, model, eager)
+    state = compiled.capture_state()
+    # the model writes its cache: no passes on dummy inputs beside it
+    assert state.policy == ("eager" if policy == "eager" else "lazy")
+    assert state.served == paged.SERVED[state.policy], state.served
+    assert state.kinds["full"] == ([1, 2, 4] if policy == "eager" else [4]), state.kinds
+    assert state.failed == {} and state.full_failed == {}
+    assert sum(r.misses for r in compiled.runtime.replayers()) == 0
+    print(f"full_and_piecewise/{policy}: served {state.served}, graphs {state.kinds}, pool "
+          f"{state.pool_bytes / 2**20:.0f} MiB")
+
+
+def test_full_decode_only_on_cuda_serves_decode_steps_from_graphs(open_local, tmp_path):
+    import paged
+
+    import cachebuild
+
+    model, eager = paged.make_pair("cuda")
+    compiled = cachebuild.compile(model, paged.config("full_decode_only", "lazy"),
+                                  generate_dims(), store=open_local(tmp_path / "store"))
+    paged.serve_beside_eager(compiled, model, eager)
+    assert compiled.capture_state().served == {"full": 3, "piecewise": 0, "none": 5}
+
+
+def generate_dims() -> dict[int, int]:
+    import paged
+
+    return paged.generate.DYNAMIC
