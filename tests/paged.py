@@ -7,7 +7,6 @@ Imported by tests by name (``import paged``).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -32,10 +31,13 @@ DECODE = (1, 2, 4)
 PROMPT = 8
 
 
-def make_pair(device: str, dtype: str = "float32") -> tuple[Any, Any]:
-    """The paged model twice, with equal weights and empty caches, on ``device``."""
-    os.environ.update({"LLAMA_DEVICE": device, "LLAMA_DTYPE": dtype, "LLAMA_LAYERS": "2",
-                       "GEN_BLOCKS": "32", "GEN_MAX_BLOCKS": "4"})
+def make_pair(device: str, monkeypatch: Any, dtype: str = "float32") -> tuple[Any, Any]:
+    """The paged model twice, with equal weights and empty caches, on ``device``. The
+    example reads its sizes from the environment, also while it serves: they are set
+    through ``monkeypatch`` (pytest's), for the test's time only."""
+    for name, value in {"LLAMA_DEVICE": device, "LLAMA_DTYPE": dtype, "LLAMA_LAYERS": "2",
+                        "GEN_BLOCKS": "32", "GEN_MAX_BLOCKS": "4"}.items():
+        monkeypatch.setenv(name, value)
     models = []
     for _ in range(2):
         torch.manual_seed(0)

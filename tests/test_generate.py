@@ -217,7 +217,7 @@ def test_a_sliding_window_static_cache_builds_once_for_every_length(tmp_path, mo
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["full_and_piecewise", "full_decode_only"])
 def test_paged_model_with_full_decode_graphs_equals_eager_call_by_call(open_local, tmp_path,
-                                                                       mode):
+                                                                       monkeypatch, mode):
     """The paged model served as test_generate_gpu.py serves it, on the CPU: prefills and
     decode steps, logits and KV caches equal to eager's after every call, and decode steps
     served by the full graphs (``ReplayCapture`` here)."""
@@ -225,7 +225,7 @@ def test_paged_model_with_full_decode_graphs_equals_eager_call_by_call(open_loca
 
     import cachebuild
 
-    model, eager = paged.make_pair("cpu")
+    model, eager = paged.make_pair("cpu", monkeypatch)
     compiled = cachebuild.compile(model, paged.config(mode, "lazy"), paged.generate.DYNAMIC,
                                   store=open_local(tmp_path / "store"))
     paged.serve_beside_eager(compiled, model, eager)

@@ -21,6 +21,56 @@ pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parent.parent
 
 
+# -- full graphs for decode, piecewise for prefill -------------------------------------------
+
+@pytest.mark.parametrize("policy", ["lazy", "eager", "background"])
+def test_full_and_piecewise_on_cuda_equals_eager_in_outputs_and_cache(open_local, tmp_path,
+                                                                      monkeypatch, policy):
+    """The paged model on the GPU under each capture policy: prefills (piecewise graphs)
+    and decode steps (full graphs, attention and the cache write inside), logits and every
+    layer's KV cache equal to eager's after every call; the capture state counts which
+    graphs served which calls."""
+    import paged
+
+    import cachebuild
+
+    model, eager = paged.make_pair("cuda", monkeypatch)
+    compiled = cachebuild.compile(model, paged.config("full_and_piecewise", policy),
+                                  generate_dims(), store=open_local(tmp_path / "store"))
+    paged.serve_beside_eager(compiled, model, eager)
+    state = compiled.capture_state()
+    # the model writes its cache: no passes on dummy inputs beside it
+    assert state.policy == ("eager" if policy == "eager" else "lazy")
+    assert state.served == paged.SERVED[state.policy], state.served
+    assert state.kinds["full"] == ([1, 2, 4] if policy == "eager" else [4]), state.kinds
+    assert state.failed == {} and state.full_failed == {}
+    assert sum(r.misses for r in compiled.runtime.replayers()) == 0
+    print(f"full_and_piecewise/{policy}: served {state.served}, graphs {state.kinds}, pool "
+          f"{state.pool_bytes / 2**20:.0f} MiB")
+
+
+def test_full_decode_only_on_cuda_serves_decode_steps_from_graphs(open_local, tmp_path,
+                                                                 monkeypatch):
+    import paged
+
+    import cachebuild
+
+    model, eager = paged.make_pair("cuda", monkeypatch)
+    compiled = cachebuild.compile(model, paged.config("full_decode_only", "lazy"),
+                                  generate_dims(), store=open_local(tmp_path / "store"))
+    paged.serve_beside_eager(compiled, model, eager)
+    assert compiled.capture_state().served == {"full": 3, "piecewise": 0, "none": 5}
+
+
+def generate_dims() -> dict[int, int]:
+    import paged
+
+    return paged.generate.DYNAMIC
+
+
+# -- writes in place, the example -----------------------------------------------------------
+
+
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
 def test_all_patterns_replay_eagers_outputs_and_state_on_cuda(open_local, mode, tmp_path):
     import inplace_models as im
@@ -86,48 +136,3 @@ def test_paged_example_on_cuda_is_token_equal_cold_and_warm(graphs, example_stor
     kind = "full" if graphs != "piecewise" else "piecewise"
     assert f"{kind} 30" in line, line
 
-
-# -- full graphs for decode, piecewise for prefill -------------------------------------------
-
-@pytest.mark.parametrize("policy", ["lazy", "eager", "background"])
-def test_full_and_piecewise_on_cuda_equals_eager_in_outputs_and_cache(open_local, tmp_path,
-                                                                      policy):
-    """The paged model on the GPU under each capture policy: prefills (piecewise graphs)
-    and decode steps (full graphs, attention and the cache write inside), logits and every
-    layer's KV cache equal to eager's after every call; the capture state counts which
-    graphs served which calls."""
-    import paged
-
-    import cachebuild
-
-    model, eager = paged.make_pair("cuda")
-    compiled = cachebuild.compile(model, paged.config("full_and_piecewise", policy),
-                                  generate_dims(), store=open_local(tmp_path / "store"))
-    paged.serve_beside_eager(compiled, model, eager)
-    state = compiled.capture_state()
-    # the model writes its cache: no passes on dummy inputs beside it
-    assert state.policy == ("eager" if policy == "eager" else "lazy")
-    assert state.served == paged.SERVED[state.policy], state.served
-    assert state.kinds["full"] == ([1, 2, 4] if policy == "eager" else [4]), state.kinds
-    assert state.failed == {} and state.full_failed == {}
-    assert sum(r.misses for r in compiled.runtime.replayers()) == 0
-    print(f"full_and_piecewise/{policy}: served {state.served}, graphs {state.kinds}, pool "
-          f"{state.pool_bytes / 2**20:.0f} MiB")
-
-
-def test_full_decode_only_on_cuda_serves_decode_steps_from_graphs(open_local, tmp_path):
-    import paged
-
-    import cachebuild
-
-    model, eager = paged.make_pair("cuda")
-    compiled = cachebuild.compile(model, paged.config("full_decode_only", "lazy"),
-                                  generate_dims(), store=open_local(tmp_path / "store"))
-    paged.serve_beside_eager(compiled, model, eager)
-    assert compiled.capture_state().served == {"full": 3, "piecewise": 0, "none": 5}
-
-
-def generate_dims() -> dict[int, int]:
-    import paged
-
-    return paged.generate.DYNAMIC

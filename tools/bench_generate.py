@@ -1,35 +1,34 @@
-"""Generation on a GPU after a warm restart, side by side: time to first token, decode step
-latency and tokens/s (the issue's generation benchmark).
+"""Generation after a warm restart, side by side: time to first token, decode step latency,
+tokens/s and prefill latency per serving mode (the generation benchmark).
 
-Each mode runs in a fresh process that does what a server does: import, build the model
-(``examples/generate.py``: the TinyLlama shape by default, hidden 2048, 22 layers, 32
-heads, 4 KV heads, MLP 5632, bf16, a paged KV cache per layer), compile, capture CUDA
-graphs for the decode batch sizes (1, 2, 4, 8, 16, 32), then serve:
+Each mode runs in a fresh process that does what a server does (``genserve.py``: import,
+build the model of ``examples/generate.py``, by default the TinyLlama shape: hidden 2048,
+22 layers, 32 heads, 4 KV heads, MLP 5632, bf16, a paged KV cache per layer; compile;
+capture), then serves:
 
-- ``eager``: no compile; the eager forward captured as whole CUDA graphs per batch size;
-- ``torch_cold`` / ``torch_warm``: ``torch.compile(model, fullgraph=True)`` with the token
-  dim dynamic, an empty / a warm Inductor cache (the one ``torch_cold`` filled); graphs
-  captured the same way as eager's;
-- ``cb_build_<flavour>``: ``cachebuild warm examples/generate.py`` on an empty store (timed);
-- ``cb_warm_<flavour>`` / ``cb_full_<flavour>``: a server on that store, its graphs
-  captured piecewise / whole by cachebuild, with the default capture policy (a model that
-  writes its cache is captured ``lazy``: each decode size by its first step) or the one
-  named after a ``+`` (``cb_full_aoti+eager``: every size in ``prepare``).
+- one request (a 64-token prompt): seconds from process start and from the compile call
+  to its first token;
+- a prefill of 512 tokens (8 prompts of 64), 6 times: the median of the last 5 (CUDA
+  events; the first one of a size may capture it);
+- per decode batch of 1, 8 and 32 sequences (64-token prompts prefilled together, 32 decode
+  steps marked as decode, ``cachebuild.decoding``): the median decode step (CUDA events
+  around the forward), the median host time to issue a step (the CPU's share: with graphs
+  that is what runs between replays), and tokens/s over the steps with the engine's host
+  work. The first step's logits are checked against eager's at bf16 tolerance (the check's
+  time is not counted).
 
-Per mode: seconds from process start to the model built, to ready (compiled and
-captured) and to the first token of one request (a 64-token prompt); then, per decode batch
-of 1, 8 and 32 sequences (64-token prompts, prefilled together), the median decode step
-(CUDA events around the forward, 32 steps) and tokens/s over those steps including the
-engine's host work (batch tensors, sampling). The first step's logits are checked against
-eager's at bf16 tolerance.
+cachebuild modes also give which graphs served the calls (full, piecewise, none) and
+graph misses. ``cb_build_<flavour>`` is ``cachebuild warm examples/generate.py`` on an
+empty store (timed), which the ``cb_*`` modes of that flavour then load.
 
     python tools/bench_generate.py [--layers 22] [--modes ...] [--json-out FILE]
+    python tools/bench_generate.py --device cpu --layers 1 --hidden 64 --modes eager,cb_build_eager_fusion,cb_fp_eager_fusion
+    python tools/bench_generate.py --from-json FILE   # the tables of a saved (or cut) run
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import subprocess
@@ -39,131 +38,114 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import genserve  # noqa: E402
 from bench_serve import build  # noqa: E402
-from benchlib import Graphed, primed  # noqa: E402
+from benchlib import primed  # noqa: E402
 
-DEFAULT_MODES = "eager,torch_cold,torch_warm,cb_build_aoti,cb_warm_aoti,cb_full_aoti"
-DECODE_SIZES = (1, 2, 4, 8, 16, 32)
+#: The cachebuild modes first (what the goals are about), torch.compile's and eager's after.
+DEFAULT_MODES = ("cb_build_aoti,cb_fp_aoti,cb_warm_aoti,cb_full_aoti,torch_cold,torch_warm,"
+                 "eager")
 BATCHES = (1, 8, 32)
-PROMPT, STEPS = 64, 32
+STEPS = 32
+PREFILL_RUNS = 6
 
 
 def child(mode: str, started: float) -> dict[str, Any]:
     """One server start and its measurements, in this process."""
-    t: dict[str, Any] = {}
     import torch
 
-    sys.path.insert(0, str(ROOT / "examples"))
-    import generate
-
-    import cachebuild
-
-    t["import"] = time.time() - started
-    torch.manual_seed(0)
-    model = generate.make_model()
-    torch.cuda.synchronize()
-    t["model_built"] = time.time() - started
-    vocab = model.embed.num_embeddings
-    call_start = time.time()
+    server = genserve.start(mode, started)
+    t = server.t
     with torch.no_grad():
-        if mode.startswith("cb_"):
-            mode, _, policy = mode.partition("+")
-            flavour = mode.rsplit("_", 1)[-1]
-            graphs = "full" if mode.startswith("cb_full") else "piecewise"
-            config = dataclasses.replace(generate.config(), flavour=flavour,
-                                         cudagraph_mode=graphs, capture=policy or "auto")
-            compiled = cachebuild.compile(model, config, dynamic_dims=generate.DYNAMIC)
-            # load; the model writes its cache, so each decode size is captured by its
-            # first step (the "lazy" policy "auto" turns into for such a model)
-            compiled.prepare(*generate.example_inputs(model))
-            forward: Any = compiled
-        else:
-            fn: Any = model
-            if mode.startswith("torch"):
-                fn = torch.compile(model, fullgraph=True)
-                args = generate.example_inputs(model)
-                for a in args:
-                    torch._dynamo.mark_dynamic(a, 0)
-                fn(*args)
-            forward = Graphed(fn, lambda a: a[0].shape[0])
-            engine = generate.Engine(model, forward, DECODE_SIZES)
-            for size in sorted(DECODE_SIZES, reverse=True):
-                engine._step([(generate.Sequence([0]), 0, 0)] * size)  # captures the size
-            for layer in model.layers:
-                layer.kv_cache.zero_()
-            forward.capturing = False
-        torch.cuda.synchronize()
-        t["ready"] = time.time() - started
-        engine = generate.Engine(model, forward, DECODE_SIZES)
-        engine.generate([list(range(1, PROMPT + 1))], 1)  # one request: prefill, one token
-        torch.cuda.synchronize()
+        engine = server.engine()
+        engine.generate([list(range(1, genserve.PROMPT + 1))], 1)  # prefill, one token
+        server.timer.sync()
         t["first_token"] = time.time() - started
-        t["compile_call_to_first_token"] = time.time() - call_start
+        t["compile_call_to_first_token"] = time.time() - t.pop("call_start")
+        t["prefill_512_ms"] = _prefill(server, 8)
         for batch in BATCHES:
-            t[f"batch_{batch}"] = _decode(generate, model, forward, batch, vocab)
-        runtime = getattr(forward, "runtime", None)
-        if runtime is not None:
-            replayers = runtime.replayers()
-            t["graph_replays"] = sum(r.replays for r in runtime.capturer.ready.values())
-            t["graph_misses"] = sum(r.misses for r in replayers)
-            t["capture"] = {k: v for k, v in forward.capture_state().__dict__.items()
-                            if k != "per_size"}
+            t[f"batch_{batch}"] = _decode(server, batch)
+        runtime = server.runtime()
+        if runtime is not None and runtime.capturer is not None:
+            state = server.forward.capture_state()
+            t["served"] = state.served
+            t["graph_kinds"] = state.kinds
+            t["graph_misses"] = sum(r.misses for r in runtime.replayers())
+            t["capture"] = {k: v for k, v in state.__dict__.items()
+                            if k not in ("per_size", "served", "kinds")}
     t["compilers_imported"] = sorted({".".join(m.split(".")[:2]) for m in sys.modules
                                       if m.startswith(("torch._dynamo", "torch._inductor"))})
-    t["stats"] = cachebuild.stats() if mode.startswith("cb_") else None
+    if server.mode.engine == "cachebuild":
+        import cachebuild
+
+        t["stats"] = cachebuild.stats()
     return t
 
 
-def _decode(generate: Any, model: Any, forward: Any, batch: int, vocab: int) -> dict[str, Any]:
-    """Prefill ``batch`` prompts, then STEPS decode steps: step latency and tokens/s."""
+def _prefill(server: genserve.Server, prompts: int) -> float:
+    """Median milliseconds of a prefill of ``prompts`` prompts of PROMPT tokens (the first
+    run left out: it may capture the size)."""
     import torch
 
-    engine = generate.Engine(model, forward, DECODE_SIZES)
-    g = torch.Generator().manual_seed(batch)
-    seqs = [generate.Sequence(torch.randint(0, vocab, (PROMPT,), generator=g).tolist())
-            for _ in range(batch)]
-    rows = [(s, tok, i) for s in seqs for i, tok in enumerate(s.tokens)]
-    last = engine._step(rows)[[PROMPT * (i + 1) - 1 for i in range(batch)]]
-    tokens = last.argmax(-1).tolist()
-    step_ms, checked = [], None
-    torch.cuda.synchronize()
+    times = []
+    for run in range(PREFILL_RUNS):
+        engine = server.engine()
+        g = torch.Generator().manual_seed(100 + run)
+        vocab = server.model.embed.num_embeddings
+        seqs = [server.generate.Sequence(
+            torch.randint(0, vocab, (genserve.PROMPT,), generator=g).tolist())
+            for _ in range(prompts)]
+        rows = [(s, tok, i) for s in seqs for i, tok in enumerate(s.tokens)]
+        _, ms = server.timer.around(lambda e=engine, r=rows: e._step(r))
+        times.append(ms())
+        for s in seqs:
+            engine.free += s.blocks
+    later = sorted(times[1:])
+    return later[len(later) // 2]
+
+
+def _decode(server: genserve.Server, batch: int) -> dict[str, Any]:
+    """Prefill ``batch`` prompts, then STEPS decode steps: step latency on the device, host
+    time to issue a step, tokens/s."""
+    engine, seqs, tokens = genserve.decode_batch(server, batch, seed=batch)
+    step_ms, host_ms, checked = [], [], None
+    server.timer.sync()
     wall = time.perf_counter()
     for step in range(STEPS):
-        for s, tok in zip(seqs, tokens, strict=True):
-            s.generated.append(tok)
-        decode = [(s, s.generated[-1], len(s.tokens) + len(s.generated) - 1) for s in seqs]
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        logits = engine._step(decode)
-        end.record()
-        if step == 0:  # eager's logits for the same step, on the same cache
-            checked = _worst(logits, model, engine, decode)
+        rows = genserve.next_rows(seqs, tokens)
+        issued = time.perf_counter()
+        logits, ms = server.timer.around(lambda r=rows: engine._step(r, decode=True))
+        host_ms.append((time.perf_counter() - issued) * 1e3)
+        if step == 0:  # eager's logits for the same step, on the same cache (not timed)
+            server.timer.sync()
+            check_start = time.perf_counter()
+            checked = _worst(logits, server, engine, rows)
+            server.timer.sync()
+            wall += time.perf_counter() - check_start
         tokens = logits.argmax(-1).tolist()
-        end.synchronize()
-        step_ms.append(start.elapsed_time(end))
+        step_ms.append(ms())
     seconds = time.perf_counter() - wall
     for s in seqs:
         engine.free += s.blocks
-    return {"step_ms": sorted(step_ms)[len(step_ms) // 2], "tokens_per_s": batch * STEPS / seconds,
-            "worst_abs_err_step0": checked}
+    return {"step_ms": _median(step_ms), "host_ms": _median(host_ms),
+            "tokens_per_s": batch * STEPS / seconds, "worst_abs_err_step0": checked}
 
 
-def _worst(logits: Any, model: Any, engine: Any, decode: list[Any]) -> float:
-    """Eager's logits for ``decode`` (whose slots the compiled step wrote already: eager
+def _median(values: list[float]) -> float:
+    return sorted(values)[len(values) // 2]
+
+
+def _worst(logits: Any, server: genserve.Server, engine: Any, rows: list[Any]) -> float:
+    """Eager's logits for ``rows`` (whose slots the compiled step wrote already: eager
     writes the same values there again) against ``logits``."""
     import torch
 
-    ref = generate_eager(model, engine, decode)
+    eager = type(engine)(server.model)
+    eager.free = engine.free
+    ref = eager._step(rows)
     torch.testing.assert_close(logits, ref, rtol=3e-2, atol=1e-1)
     return float((logits - ref).abs().max())
-
-
-def generate_eager(model: Any, engine: Any, decode: list[Any]) -> Any:
-    eager = type(engine)(model)
-    eager.free = engine.free
-    return eager._step(decode)
 
 
 def run_mode(mode: str, env: dict[str, str]) -> dict[str, Any]:
@@ -175,53 +157,117 @@ def run_mode(mode: str, env: dict[str, str]) -> dict[str, Any]:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def show(results: dict[str, Any]) -> None:
+    """The tables and the goals of a run (complete or cut short)."""
+    head = (["mode", "first token s", "compile→first token s", "prefill 512 ms"]
+            + [f"step ms @{b}" for b in BATCHES] + [f"host ms @{b}" for b in BATCHES]
+            + [f"tok/s @{b}" for b in BATCHES] + ["served (full / piecewise / none)"])
+    print("| " + " | ".join(head) + " |")
+    print("|---" * len(head) + "|")
+    for mode, r in results.items():
+        if not isinstance(r, dict) or "first_token" not in r:
+            if isinstance(r, dict) and "error" in r:
+                print(f"| {mode} | error: {r['error'][:120]} |")
+            continue
+        cells = [f"{r['first_token']:.2f}", f"{r['compile_call_to_first_token']:.2f}",
+                 f"{r['prefill_512_ms']:.2f}"]
+        cells += [f"{r[f'batch_{b}']['step_ms']:.2f}" for b in BATCHES]
+        cells += [f"{r[f'batch_{b}']['host_ms']:.2f}" for b in BATCHES]
+        cells += [f"{r[f'batch_{b}']['tokens_per_s']:.0f}" for b in BATCHES]
+        served = r.get("served")
+        cells.append(" / ".join(str(served[k]) for k in ("full", "piecewise", "none"))
+                     if served else "–")
+        print(f"| {mode} | " + " | ".join(cells) + " |")
+    for line in goals(results):
+        print(line)
+
+
+def goals(results: dict[str, Any]) -> list[str]:
+    """The issue's goals, from whichever modes ran: full_and_piecewise's decode step at or
+    below torch.compile's (warm) at every batch, its prefill within 5% of piecewise, its time
+    to first token after a warm start at most a tenth of torch.compile's warm one."""
+    fp = _first(results, "cb_fp_")
+    piecewise, torch_warm = _first(results, "cb_warm_"), results.get("torch_warm")
+    out = []
+    if fp and _ok(torch_warm):
+        steps = [(b, fp[f"batch_{b}"]["step_ms"], torch_warm[f"batch_{b}"]["step_ms"])
+                 for b in BATCHES]
+        met = all(a <= b for _, a, b in steps)
+        out.append("goal decode step <= torch.compile's at every batch: "
+                   + ", ".join(f"@{b} {a:.3f} vs {t:.3f} ms" for b, a, t in steps)
+                   + (" — met" if met else " — NOT met"))
+        ratio = fp["compile_call_to_first_token"] / torch_warm["compile_call_to_first_token"]
+        out.append(f"goal first token after a warm start <= 1/10 of torch.compile's warm one "
+                   f"(from the compile call): {fp['compile_call_to_first_token']:.2f} vs "
+                   f"{torch_warm['compile_call_to_first_token']:.2f} s = {ratio:.3f}"
+                   + (" — met" if ratio <= 0.1 else " — NOT met"))
+    if fp and piecewise:
+        ratio = fp["prefill_512_ms"] / piecewise["prefill_512_ms"]
+        out.append(f"goal prefill of 512 within 5% of piecewise: {fp['prefill_512_ms']:.2f} vs "
+                   f"{piecewise['prefill_512_ms']:.2f} ms = {ratio:.3f}"
+                   + (" — met" if ratio <= 1.05 else " — NOT met"))
+    return out
+
+
+def _ok(r: Any) -> bool:
+    return isinstance(r, dict) and "first_token" in r
+
+
+def _first(results: dict[str, Any], prefix: str) -> dict[str, Any] | None:
+    """The first measured mode whose name starts with ``prefix`` and names no policy."""
+    return next((r for m, r in results.items()
+                 if m.startswith(prefix) and "+" not in m and _ok(r)), None)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=22)
     p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--modes", default=DEFAULT_MODES)
-    p.add_argument("--json-out", type=Path, help="write all results here as JSON")
+    p.add_argument("--device", default="cuda", help="cuda (default), or cpu to try the tool")
+    p.add_argument("--modes", default=DEFAULT_MODES,
+                   help="comma-separated, in order (default: %(default)s); see genserve.py")
+    p.add_argument("--json-out", type=Path, help="write all results here as JSON, after each mode")
+    p.add_argument("--from-json", type=Path, help="print the tables of a saved run instead")
+    p.add_argument("--work", type=Path, help="keep stores and caches in this folder (default: "
+                   "a new temporary one), e.g. for profile_decode.py --work")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--started", type=float, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args.child, args.started)))
         return
-    work = Path(tempfile.mkdtemp(prefix="bench-generate-"))
-    env = {**os.environ, "LLAMA_DEVICE": "cuda", "LLAMA_LAYERS": str(args.layers),
-           "LLAMA_HIDDEN": str(args.hidden), "LLAMA_HEADS": "32", "LLAMA_KV_HEADS": "4",
-           "LLAMA_MLP": str(args.hidden * 11 // 4), "LLAMA_VOCAB": "32000",
-           "LLAMA_MAX_TOKENS": str(max(BATCHES) * PROMPT), "GEN_BLOCKS": "320",
-           "GEN_MAX_BLOCKS": "8", "GEN_CAPTURE": ",".join(map(str, DECODE_SIZES)),
+    if args.from_json:
+        show(json.loads(args.from_json.read_text()))
+        return
+    modes = args.modes.split(",")
+    for mode in modes:
+        try:
+            genserve.parse(mode)
+        except ValueError as e:
+            p.error(str(e))
+    work = args.work or Path(tempfile.mkdtemp(prefix="bench-generate-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **genserve.model_env(args.layers, args.hidden, args.device),
            "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-prime")}
-    results: dict[str, Any] = {"toolchain": primed(env, work)}
-    for mode in args.modes.split(","):
+    results: dict[str, Any] = {"toolchain": primed(env, work, args.device)}
+    for mode in modes:
+        parsed = genserve.parse(mode)
         menv = dict(env)
-        flavour = mode.partition("+")[0].rsplit("_", 1)[-1]
-        menv["TORCHINDUCTOR_CACHE_DIR"] = str(work / ("inductor-torch" if mode.startswith("torch")
+        menv["TORCHINDUCTOR_CACHE_DIR"] = str(work / ("inductor-torch" if parsed.engine == "torch"
                                                       else f"inductor-{mode}"))
-        if mode.startswith("cb_"):
-            menv["CACHEBUILD_DIR"] = str(work / f"store-{flavour}")
-            menv["LLAMA_FLAVOUR"] = flavour
-        if mode.startswith("cb_build"):
-            results[mode] = build(work, menv, flavour, "generate.py")
+        if parsed.flavour:
+            backend, flavour = (("eager_fusion", "auto") if parsed.flavour == "eager_fusion"
+                                else ("inductor", parsed.flavour))
+            menv.update({"CACHEBUILD_DIR": str(work / f"store-{parsed.flavour}"),
+                         "LLAMA_BACKEND": backend, "LLAMA_FLAVOUR": flavour})
+        if parsed.engine == "build":
+            results[mode] = build(work, menv, parsed.flavour, "generate.py")
         else:
             results[mode] = run_mode(mode, menv)
         print(mode, json.dumps(results[mode]), flush=True)
         if args.json_out:
             args.json_out.write_text(json.dumps(results, indent=1))
-    head = ["mode", "ready s", "first token s", "compile→first token s"] + [
-        f"step ms @{b}" for b in BATCHES] + [f"tok/s @{b}" for b in BATCHES]
-    print("| " + " | ".join(head) + " |")
-    print("|---" * len(head) + "|")
-    for mode, r in results.items():
-        if not isinstance(r, dict) or "ready" not in r:
-            continue
-        cells = [f"{r['ready']:.2f}", f"{r['first_token']:.2f}",
-                 f"{r['compile_call_to_first_token']:.2f}"]
-        cells += [f"{r[f'batch_{b}']['step_ms']:.2f}" for b in BATCHES]
-        cells += [f"{r[f'batch_{b}']['tokens_per_s']:.0f}" for b in BATCHES]
-        print(f"| {mode} | " + " | ".join(cells) + " |")
+    show(results)
 
 
 if __name__ == "__main__":
