@@ -71,40 +71,6 @@ def generate_dims() -> dict[int, int]:
 # -- writes in place, the example -----------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["piecewise", "full"])
-def test_all_patterns_replay_eagers_outputs_and_state_on_cuda(open_local, mode, tmp_path):
-    import inplace_models as im
-
-    import cachebuild
-
-    def on_gpu(cls):
-        return im.make(cls).cuda()
-
-    def sequence(fn, model):
-        shared = [t.cuda() for t in im.call_args(im.AllPatterns, 5)]
-        results, start = [], 0
-        with torch.no_grad():
-            for size in (5, 4, 1, 3, 4, 1):
-                args = [t.cuda() for t in im.call_args(im.AllPatterns, size, start)]
-                args = (*args[:2], *shared[2:])
-                out = fn(*args)
-                results.append([t.clone() for t in im.flat(out)]
-                               + [t.clone() for t in im.state(model, args)])
-                start += size
-        return results
-
-    eager = on_gpu(im.AllPatterns)
-    want = sequence(eager, eager)
-    model = on_gpu(im.AllPatterns)
-    config = im.config(backend="inductor", flavour="aoti", cudagraph_mode=mode,
-                       capture_sizes=(1, 4, 8))
-    compiled = cachebuild.compile(model, config, {0: 0, 1: 0},
-                                  store=open_local(tmp_path / "store"))
-    got = sequence(compiled, model)
-    im.assert_same(got, want)
-    assert sum(r.replays for r in compiled.runtime.replayers()) >= 2  # 4 and 1, again
-
-
 def run_example(store: Path, **env: str) -> subprocess.CompletedProcess:
     child_env = {**os.environ, "CACHEBUILD_DIR": str(store), "LLAMA_DEVICE": "cuda",
                  "GEN_NEW_TOKENS": "32", **env}
@@ -136,3 +102,42 @@ def test_paged_example_on_cuda_is_token_equal_cold_and_warm(graphs, example_stor
     kind = "full" if graphs != "piecewise" else "piecewise"
     assert f"{kind} 30" in line, line
 
+
+@pytest.fixture(scope="module")
+def patterns_store(tmp_path_factory):
+    """One store for both graph modes of the model with every pattern: the first builds."""
+    return tmp_path_factory.mktemp("patterns") / "store"
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_all_patterns_replay_eagers_outputs_and_state_on_cuda(open_local, mode, patterns_store):
+    import inplace_models as im
+
+    import cachebuild
+
+    def on_gpu(cls):
+        return im.make(cls).cuda()
+
+    def sequence(fn, model):
+        shared = [t.cuda() for t in im.call_args(im.AllPatterns, 5)]
+        results, start = [], 0
+        with torch.no_grad():
+            for size in (5, 4, 1, 3, 4, 1):
+                args = [t.cuda() for t in im.call_args(im.AllPatterns, size, start)]
+                args = (*args[:2], *shared[2:])
+                out = fn(*args)
+                results.append([t.clone() for t in im.flat(out)]
+                               + [t.clone() for t in im.state(model, args)])
+                start += size
+        return results
+
+    eager = on_gpu(im.AllPatterns)
+    want = sequence(eager, eager)
+    model = on_gpu(im.AllPatterns)
+    config = im.config(backend="inductor", flavour="aoti", cudagraph_mode=mode,
+                       capture_sizes=(1, 4, 8))
+    compiled = cachebuild.compile(model, config, {0: 0, 1: 0},
+                                  store=open_local(patterns_store))
+    got = sequence(compiled, model)
+    im.assert_same(got, want)
+    assert sum(r.replays for r in compiled.runtime.replayers()) >= 2  # 4 and 1, again

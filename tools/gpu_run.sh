@@ -2,13 +2,13 @@
 # One GPU run: the CUDA tests, the generation benchmark and a profile of a decode step per
 # serving mode (and, if asked, the serve, cold-build, pass and guard benchmarks), with the
 # machine's own environment (its CXX and all); results in $OUT. The default run takes
-# about 15 minutes at most (300 + 420 + 150 s of limits, and the install).
+# about 15 minutes at most (330 + 390 + 150 s of limits, and the install).
 # Wheels missing on the GPU machine travel in .whl/ (installed into /tmp/site).
 #
 #   bash tools/gpu_run.sh
 #   SERVE_S=420 SERVE_ARGS="--modes eager,cb_build_aoti,cb_warm_aoti" bash tools/gpu_run.sh
 #
-# Time limits in seconds: TEST_S (default 300), GEN_S (420; the generation benchmark,
+# Time limits in seconds: TEST_S (default 330), GEN_S (390; the generation benchmark,
 # GEN_ARGS), PROFILE_S (150; the decode-step profile, PROFILE_ARGS, reusing the generation
 # benchmark's stores and caches), SERVE_S (0: skipped by default; the serve benchmark,
 # SERVE_ARGS), BUILD_S (0: skipped; the cold-build benchmark, BUILD_ARGS), WRAPPER_S (0:
@@ -30,8 +30,8 @@ export CACHEBUILD_PROBE_DIR=/tmp/probe PYTHONUNBUFFERED=1 PYTHONPYCACHEPREFIX=/t
 unset PYTHONDONTWRITEBYTECODE
 
 tests() {
-    [ "${TEST_S:-300}" = 0 ] && return
-    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-tests timeout "${TEST_S:-300}" \
+    [ "${TEST_S:-330}" = 0 ] && return
+    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-tests timeout "${TEST_S:-330}" \
         python3 -m pytest -m cuda -q -s -p no:cacheprovider \
         ${TESTS:-tests/test_generate_gpu.py tests/test_gpu.py tests/test_kernels.py} \
         >"$OUT/pytest_cuda.txt" 2>&1
@@ -45,8 +45,8 @@ serve() {
     tail -25 "$OUT/serve.txt"
 }
 generation() {
-    [ "${GEN_S:-420}" = 0 ] && return
-    timeout "${GEN_S:-420}" python3 tools/bench_generate.py ${GEN_ARGS:-} --work /tmp/gen-work \
+    [ "${GEN_S:-390}" = 0 ] && return
+    timeout "${GEN_S:-390}" python3 tools/bench_generate.py ${GEN_ARGS:-} --work /tmp/gen-work \
         --json-out "$OUT/generate.json" 2>&1 | grep -v -i "warn" >"$OUT/generate.txt"
     # the tables again from the saved results (complete, or as far as the time limit let it go)
     python3 tools/bench_generate.py --from-json "$OUT/generate.json" >"$OUT/generate_table.txt" 2>&1

@@ -93,7 +93,8 @@ def summarize(events: Any, steps: int) -> dict[str, Any]:
         return lo <= e.time_range.start <= hi
 
     cpu = [e for e in events if e.device_type == DeviceType.CPU and inside(e)]
-    kernels = [e for e in events if e.device_type == DeviceType.CUDA]
+    # the device's events but the step ranges' own annotation on the GPU timeline
+    kernels = [e for e in events if e.device_type == DeviceType.CUDA and e.name != "decode_step"]
     graph_launches = sorted(e.time_range.start for e in cpu if e.name in GRAPH_LAUNCH)
     gaps = [b - a for a, b in zip(graph_launches, graph_launches[1:], strict=False)
             if any(s <= a and b <= t for s, t in ranges)]  # within one step
@@ -112,7 +113,7 @@ def summarize(events: Any, steps: int) -> dict[str, Any]:
         "cpu_kernel_launches_per_step": sum(e.name in KERNEL_LAUNCH for e in cpu) / steps,
         "kernels_per_step": len(kernels) / steps,
         "device_busy_us_per_step": busy / steps,
-        "device_idle_share": max(0.0, 1 - busy / step_us) if step_us else None,
+        "device_idle_share": max(0.0, 1 - busy / step_us) if step_us and kernels else None,
         "host_us_between_replays_mean": sum(gaps) / len(gaps) if gaps else None,
         "host_us_between_replays_per_step": sum(gaps) / steps if gaps else 0.0,
         "step_range_us": step_us / steps,
