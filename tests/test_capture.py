@@ -184,6 +184,13 @@ def test_replayer_copies_pins_and_falls_back():
     other = torch.zeros(3)  # another tensor where the graph reads a fixed address
     torch.testing.assert_close(pinned(other), other - 1)
     assert pinned.misses == 1 and pinned.replays == 1
+    # the closure a piecewise size calls per piece does the same, counted on the replayer
+    fast = pinned.fast()
+    torch.testing.assert_close(fast(cache), cache + 1)
+    torch.testing.assert_close(fast(other), other - 1)
+    assert pinned.misses == 2 and pinned.replays == 2
+    bare = Replayer(api, api.capture(lambda c: c * 2, [cache])[0], None, lambda c: c).fast()
+    torch.testing.assert_close(bare(cache), cache * 2)
 
 
 def test_arena_hands_out_one_buffer_per_slot_and_grows_it():
