@@ -57,11 +57,13 @@ def _caches(model: Any) -> list[torch.Tensor]:
     return [layer.kv_cache for layer in model.layers]
 
 
-def serve_beside_eager(compiled: Any, model: Any, eager: Any, steps: int = 4,
-                       rtol: float = 1e-4, atol: float = 1e-4) -> int:
+def serve_beside_eager(compiled: Any, model: Any, eager: Any, steps: int = 4) -> int:
     """Prefills and decode steps through ``compiled`` (over ``model``) and ``eager`` alike:
-    after every call its logits and every layer's cache equal eager's. The calls made."""
+    after every call its logits and every layer's cache equal eager's (float32; on a GPU
+    within 1e-3, where the compiled pieces' kernels round otherwise than eager's). The
+    calls made."""
     vocab = model.embed.num_embeddings
+    rtol = atol = 1e-3 if model.embed.weight.is_cuda else 1e-4
     g = torch.Generator().manual_seed(0)
     # eager pads as the compiled one does: its padding rows write the null block alike
     engines = [generate.Engine(model, compiled, CAPTURE), generate.Engine(eager, None, CAPTURE)]
