@@ -204,13 +204,34 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
 
 
 @click.command("verify")
-@click.option("--repair", is_flag=True, help="Quarantine damaged blobs and drop their records.")
+@click.option("--repair", is_flag=True, help="Quarantine damaged blobs and drop their records; "
+                                             "remove records holding graphs a load refuses.")
 @click.pass_context
 def verify_command(ctx: click.Context, repair: bool) -> None:
-    """Check every blob; exit 1 if any is damaged and was not repaired."""
+    """Check every blob, and every stored graph as a load checks it; exit 1 if any is
+    damaged or holds a graph a load refuses, and was not repaired."""
     store = open_store(ctx)
     with progress_bar("verifying") as on_progress:
         report = store.verify(repair=repair, progress=on_progress)
+    # Blobs that verify can still hold a graph a load refuses (one that names what stored
+    # graphs may not call): a server would never load it, so it is not "ok". Checking
+    # graphs takes torch, imported only for a store that holds some.
+    refused: list[tuple[str, str]] = []
+    if any(next(iter(store.records(kind=kind, manifests=False)), None) is not None
+           for kind in ("entry", "fx-graph")):
+        from cachebuild.entry import refused_graphs
+
+        refused = refused_graphs(store)
+    for key, why in refused[:MAX_LISTED]:
+        if repair:
+            store.delete(key)
+        click.echo(f"refused {key}: {printable(why)}" + (" (removed)" if repair else ""),
+                   err=True)
+    if len(refused) > MAX_LISTED:
+        click.echo(f"refused: and {len(refused) - MAX_LISTED} more", err=True)
+    if repair:
+        for key, _ in refused[MAX_LISTED:]:
+            store.delete(key)
     for key, reason in report.damaged[:MAX_LISTED]:
         click.echo(f"damaged {key}: {reason}" + (" (quarantined)" if repair else ""), err=True)
     if len(report.damaged) > MAX_LISTED:
@@ -221,15 +242,18 @@ def verify_command(ctx: click.Context, repair: bool) -> None:
     if len(report.unsigned) > MAX_LISTED:
         click.echo(f"unsigned: and {len(report.unsigned) - MAX_LISTED} more (ls shows them)",
                    err=True)
-    summary = f"checked {report.checked} blobs: {report.ok} ok, {len(report.damaged)} damaged"
+    summary = (f"checked {report.checked} blobs: {report.ok - len(refused)} ok, "
+               f"{len(report.damaged)} damaged")
+    if refused:
+        summary += f", {len(refused)} holding graphs a load refuses"
     if report.unsigned:
         summary += f" ({len(report.unsigned)} of them entered unsigned)"
     if report.tmp_removed or report.orphans_removed:
         summary += (f"; cleaned {report.tmp_removed} abandoned temp files and "
                     f"{report.orphans_removed} unrecorded blobs")
     click.echo(summary)
-    if report.damaged and not repair:
-        click.echo("run `cachebuild verify --repair` to quarantine them", err=True)
+    if (report.damaged or refused) and not repair:
+        click.echo("run `cachebuild verify --repair` to quarantine or remove them", err=True)
         ctx.exit(1)
 
 
