@@ -592,9 +592,23 @@ def op_refusal(op: Any) -> str | None:
 
 
 def _reachable(name: str) -> tuple[str, ...]:
-    """The overloads of ``aten::name`` a binding or method reaches without ``out=``."""
-    return tuple(o for o in dispatcher_overloads(f"aten::{name}")
-                 if not is_out_variant(f"aten::{name}.{o}"))
+    """The overloads of ``aten::name`` a binding or method reaches without ``out=``, less
+    the named-tensor ones of a method that has others (torch 2.11 registers
+    ``size.Dimname`` beside ``size.int``): those map a dimension's name to its index (an
+    error on a tensor without names, and a stored graph builds none) and run the overload
+    they mirror, which is judged itself."""
+    found = tuple(o for o in dispatcher_overloads(f"aten::{name}")
+                  if not is_out_variant(f"aten::{name}.{o}"))
+    unnamed = tuple(o for o in found if not _takes_dimname(f"aten::{name}", o))
+    return unnamed or found
+
+
+def _takes_dimname(qualified: str, overload: str) -> bool:
+    try:
+        schema = torch._C._get_schema(qualified, "" if overload == "default" else overload)
+    except RuntimeError:
+        return False
+    return any("Dimname" in str(a.type) for a in schema.arguments)
 
 
 @functools.cache
