@@ -606,7 +606,7 @@ def _reachable(name: str) -> tuple[str, ...]:
 def _takes_dimname(qualified: str, overload: str) -> bool:
     """Whether an overload takes dimension names: named so (``Dimname``, ``names_dim``),
     or by its schema (torch 2.13 prints the type ``Dimname``; 2.11 prints ``str``)."""
-    if "Dimname" in overload or overload.startswith("names") or "_names" in overload:
+    if "dimname" in overload.lower() or overload.startswith("names") or "_names" in overload:
         return True
     try:
         schema = torch._C._get_schema(qualified, "" if overload == "default" else overload)
