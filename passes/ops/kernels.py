@@ -170,7 +170,7 @@ def _rope_heads(pos, in_ptr, in_stride, out_ptr, out_stride, w_ptr, cache_ptr, c
 @triton.jit
 def _rope_kernel(pos_ptr, q_ptr, q_stride, k_ptr, k_stride, q_out_ptr, q_out_stride,
                  k_out_ptr, k_out_stride, q_w_ptr, k_w_ptr, cache_ptr, cache_stride,
-                 cache_rows, num_heads_q, num_heads_kv, head_size, half, eps,
+                 num_heads_q, num_heads_kv, head_size, half, eps,
                  BLOCK_H: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
                  HAS_PASS: tl.constexpr, NORM: tl.constexpr):
     # Grid: (tokens, q head blocks + k head blocks): one launch serves both q and k.
@@ -178,10 +178,6 @@ def _rope_kernel(pos_ptr, q_ptr, q_stride, k_ptr, k_stride, q_out_ptr, q_out_str
     block = tl.program_id(1)
     q_blocks = tl.cdiv(num_heads_q, BLOCK_H)
     pos = tl.load(pos_ptr + token).to(tl.int64)
-    # Positions come from the caller (a stored graph may pass any): clamped into the
-    # cache, so a bad one reads a wrong row, never memory past the cache. (Checking
-    # them on the host would need a sync, which CUDA graph capture forbids.)
-    pos = tl.minimum(tl.maximum(pos, 0), cache_rows - 1)
     if block < q_blocks:
         _rope_heads(pos, q_ptr, q_stride, q_out_ptr, q_out_stride, q_w_ptr, cache_ptr,
                     cache_stride, token, block * BLOCK_H, num_heads_q, head_size, half, eps,
@@ -339,12 +335,16 @@ def _launch_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     block_h = min(triton.next_power_of_2(max(num_heads_q, num_heads_kv)), 16)
     grid = (tokens, triton.cdiv(num_heads_q, block_h) + triton.cdiv(num_heads_kv, block_h))
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    # Positions come from the caller (a stored graph may pass any): clamped into the
+    # cache on the device, so a bad one reads a wrong row, never memory past the cache.
+    # Checking them on the host would need a sync, which CUDA graph capture forbids; a
+    # clamp here leaves the kernel itself as it was.
+    rows = positions.reshape(-1).clamp(0, cache.shape[0] - 1)
     norm = q_weight is not None
     _rope_kernel[grid](
-        positions.reshape(-1), q, q.stride(0), k, k.stride(0), q_out, q_out.stride(0),
+        rows, q, q.stride(0), k, k.stride(0), q_out, q_out.stride(0),
         k_out, k_out.stride(0), q_weight if norm else cache, k_weight if norm else cache,
-        cache, cache.stride(0), cache.shape[0], num_heads_q, num_heads_kv, head_size, half,
-        float(epsilon),
+        cache, cache.stride(0), num_heads_q, num_heads_kv, head_size, half, float(epsilon),
         BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(max(half, 1)),
         BLOCK_P=triton.next_power_of_2(max(rest, 1)), HAS_PASS=rest > 0, NORM=norm,
         num_warps=4)
