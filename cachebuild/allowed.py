@@ -52,7 +52,7 @@ from typing import Any
 import torch
 
 #: Goes up with every change to what the table admits (see the module doc).
-VERSION = 1
+VERSION = 2  # 2: aten::copy, convolutions, TorchScript's list and string slices
 
 
 def _rows(reason: str, text: str) -> dict[str, str]:
@@ -157,6 +157,7 @@ zero_: default
 masked_fill: Scalar Tensor
 masked_fill_: Scalar Tensor
 atan2: default
+copy: default
 copy_: default
 _to_copy: default
 to: device dtype dtype_layout other
@@ -233,6 +234,16 @@ addmv: default
 mv: default
 dot: default
 outer: default
+""")
+
+_CONVOLUTIONS = _rows(
+    "convolution: the weight's shape is checked against the input's channels and groups, "
+    "stride and dilation must be positive, padding non-negative, and the output size is "
+    "computed from them and checked to be positive before anything is read (Mamba's "
+    "causal conv1d)", """
+conv1d: default padding
+conv2d: default padding
+convolution: default
 """)
 
 _NORMS = _rows(
@@ -383,10 +394,18 @@ _local_scalar_dense: default
 diff: default
 """)
 
+_SCRIPT = _rows(
+    "TorchScript's overload of the name on a list or a string, which a call of the operator "
+    "packet may reach (torch's associative_scan calls ``torch.ops.aten.slice``): a slice is "
+    "no longer than what it slices, an index is checked against the length", """
+slice: t str
+select: t
+""")
+
 #: ATen operators a stored graph may call, by ``name.overload``, with why each is safe.
 ATEN: dict[str, str] = {
-    **_ELEMENTWISE, **_ACTIVATIONS, **_REDUCTIONS, **_PRODUCTS, **_NORMS, **_ATTENTION,
-    **_VIEWS, **_FACTORIES, **_INDEXING, **_READS}
+    **_ELEMENTWISE, **_ACTIVATIONS, **_REDUCTIONS, **_PRODUCTS, **_CONVOLUTIONS, **_NORMS, **_ATTENTION,
+    **_VIEWS, **_FACTORIES, **_INDEXING, **_READS, **_SCRIPT}
 
 #: This project's fused ops (``cachebuild.passes.ops``), by name: each takes whole tensors;
 #: on CPU it runs its reference (admitted operators), on CUDA a Triton kernel whose
@@ -578,41 +597,103 @@ def overload_refusal(namespace: str, name: str, overloads: tuple[str, ...]) -> s
 
 def op_refusal(op: Any) -> str | None:
     """Why the ``OpOverload`` or ``OpOverloadPacket`` ``op`` is refused by the table (a
-    packet may reach every overload of its name, TorchScript's included); None if
-    admitted or a library's."""
+    packet may reach every overload of its name that a call without ``out=`` and without
+    dimension names can, TorchScript's on lists and strings included: see ``_callable``);
+    None if admitted or a library's."""
     if isinstance(op, torch._ops.OpOverload):
         namespace, _, name = op._schema.name.partition("::")
         return overload_refusal(namespace, name, (op._overloadname,))
     if isinstance(op, torch._ops.OpOverloadPacket):
         namespace, _, name = op._qualified_op_name.partition("::")
         schemas = torch._C._jit_get_schemas_for_operator(op._qualified_op_name)
-        return overload_refusal(namespace, name,
-                                tuple(s.overload_name or "default" for s in schemas))
+        overloads = tuple(s.overload_name or "default" for s in schemas)
+        return overload_refusal(namespace, name, _callable(op._qualified_op_name, overloads))
     return f"{op!r} is not an operator"
 
 
-def _reachable(name: str) -> tuple[str, ...]:
-    """The overloads of ``aten::name`` a binding or method reaches without ``out=``, less
-    the named-tensor ones of a method that has others (torch 2.11 registers
-    ``size.Dimname`` beside ``size.int``): those map a dimension's name to its index (an
-    error on a tensor without names, and a stored graph builds none) and run the overload
-    they mirror, which is judged itself."""
-    found = tuple(o for o in dispatcher_overloads(f"aten::{name}")
-                  if not is_out_variant(f"aten::{name}.{o}"))
-    unnamed = tuple(o for o in found if not _takes_dimname(f"aten::{name}", o))
+def is_named_overload(overload: str) -> bool:
+    """Whether an overload takes dimension names (a named-tensor one): known by its name,
+    which holds ``dimname`` (any case), ``names`` or ``named`` (``size.Dimname``,
+    ``index_copy_.dimname``, ``zeros.names``, ``flatten.named_out_dim``). Its schema
+    cannot tell: torch 2.11 prints the type ``Dimname`` as ``str``; torch 2.13 registers
+    none of them."""
+    low = overload.lower()
+    return "dimname" in low or "names" in low or "named" in low
+
+
+def _callable(qualified: str, overloads: tuple[str, ...]) -> tuple[str, ...]:
+    """The ``overloads`` of ``qualified`` a stored node can reach, so those the table must
+    admit: not an ``out=`` variant (no node passes ``out``: ``out_refusal``), and not a
+    named-tensor one where the name has others (no node passes a dimension name or
+    names: ``named_refusal``; a tensor a stored graph is given has no names, and without
+    them a named overload is never chosen). A name with only such overloads keeps them
+    all, so it is judged (and refused) by them."""
+    found = tuple(o for o in overloads if not is_out_variant(f"{qualified}.{o}"))
+    unnamed = tuple(o for o in found if not is_named_overload(o))
     return unnamed or found
 
 
-def _takes_dimname(qualified: str, overload: str) -> bool:
-    """Whether an overload takes dimension names: named so (``Dimname``, ``names_dim``),
-    or by its schema (torch 2.13 prints the type ``Dimname``; 2.11 prints ``str``)."""
-    if "dimname" in overload.lower() or overload.startswith("names") or "_names" in overload:
+def _reachable(name: str) -> tuple[str, ...]:
+    """The overloads of ``aten::name`` the dispatcher registers that a binding or method
+    call in a stored graph can reach (``_callable``)."""
+    return _callable(f"aten::{name}", dispatcher_overloads(f"aten::{name}"))
+
+
+#: Parameters through which a call reaches a named-tensor overload when given a string
+#: (or strings): a dimension by name, the names of a new tensor's dimensions.
+NAMED_PARAMETERS = frozenset({"dim", "dims", "dim0", "dim1", "dim2", "start_dim", "end_dim",
+                              "out_dim", "outdim", "names"})
+
+
+def _holds_str(value: Any) -> bool:
+    if isinstance(value, str):
         return True
-    try:
-        schema = torch._C._get_schema(qualified, "" if overload == "default" else overload)
-    except RuntimeError:
-        return False
-    return any("Dimname" in str(a.type) for a in schema.arguments)
+    return isinstance(value, list | tuple) and any(isinstance(v, str) for v in value)
+
+
+def _schema_is_str(arg: Any) -> bool:
+    kind = str(arg.type)
+    return "str" in kind or "Dimname" in kind
+
+
+@functools.cache
+def _named_positions(name: str) -> frozenset[int]:
+    """Positions at which a named-tensor overload of ``aten::name`` takes a dimension
+    name and no overload the table judges takes a string."""
+    named: set[int] = set()
+    plain: set[int] = set()
+    for overload in dispatcher_overloads(f"aten::{name}"):
+        try:
+            schema = torch._C._get_schema(f"aten::{name}",
+                                          "" if overload == "default" else overload)
+        except RuntimeError:
+            continue
+        positions = {i for i, a in enumerate(schema.arguments)
+                     if not a.kwarg_only and _schema_is_str(a)}
+        (named if is_named_overload(overload) else plain).update(positions)
+    return frozenset(named - plain)
+
+
+def named_refusal(name: str | None, args: Any, kwargs: Any,
+                  parameters: tuple[str, ...] = ()) -> str | None:
+    """Why a call is refused for naming dimensions (which would reach a named-tensor
+    overload that the table does not judge, or make a tensor with names): a string, or a
+    sequence holding one, passed as a keyword in ``NAMED_PARAMETERS``, at a position where
+    only a named overload of ``aten::name`` takes a string, or at a position whose
+    parameter (``parameters``, a Python function's in order) is in ``NAMED_PARAMETERS``.
+    None otherwise. (A string a node computes is not seen here: the only ones a stored
+    graph can compute are a tensor's type name and its constants' pieces.)"""
+    args = args if isinstance(args, tuple | list) else ()
+    kwargs = kwargs if isinstance(kwargs, dict) else {}
+    positions = _named_positions(name) if name else frozenset()
+    for i, value in enumerate(args):
+        by_parameter = i < len(parameters) and parameters[i] in NAMED_PARAMETERS
+        if (i in positions or by_parameter) and _holds_str(value):
+            return "it names a dimension (named tensors are not in stored graphs' language)"
+    for key, value in kwargs.items():
+        if key in NAMED_PARAMETERS and _holds_str(value):
+            return f"it passes {key}= by name (named tensors are not in stored graphs' language)"
+    return None
 
 
 @functools.cache

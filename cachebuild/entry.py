@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -325,12 +326,16 @@ def graph_refusal(kind: str, payload: bytes) -> str | None:
     return None
 
 
-def refused_graphs(store: Store) -> list[tuple[str, str]]:
+def refused_graphs(store: Store, skip: Collection[str] = ()) -> list[tuple[str, str]]:
     """``(key, why)`` for every stored record whose graphs a load would refuse
-    (``graph_refusal``): what ``cachebuild verify`` reports beside damaged blobs."""
+    (``graph_refusal``): what ``cachebuild verify`` reports beside damaged blobs. Keys in
+    ``skip`` are not read: blobs the caller found damaged (reading one would report it
+    again and quarantine it, which only a repair may do) or not trusted (never served)."""
     found = []
     for kind in GRAPH_KINDS:
         for record in list(store.records(kind=kind, manifests=False)):
+            if record.key in skip:
+                continue
             payload = store.get(record.key, touch=False)
             if payload is not None:
                 why = graph_refusal(kind, payload)

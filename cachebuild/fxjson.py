@@ -323,6 +323,10 @@ def check_call(op: str, target: Any, args: Any, kwargs: Any) -> None:
         shown = _short(target) if isinstance(target, str) else _label(target)
         raise GraphFormatError(f"graph calls {shown}, which stored graphs may not call so: "
                                f"{why}")
+    if op in ("call_function", "call_method") and (why := _named_call(op, target, args, kwargs)):
+        shown = _short(target) if isinstance(target, str) else _label(target)
+        raise GraphFormatError(f"graph calls {shown}, which stored graphs may not call so: "
+                               f"{why}")
     if op == "call_method":
         if not isinstance(target, str) or not _tensor_method(target):
             raise GraphFormatError(f"graph calls method {_short(target)}, which is not a "
@@ -339,6 +343,29 @@ def check_call(op: str, target: Any, args: Any, kwargs: Any) -> None:
             raise GraphFormatError(f"graph calls getattr(..., {shown}), which stored graphs may "
                                    "not call: only a tensor's data attributes (T, mT, shape, "
                                    "dtype, ...) may be read")
+
+
+def _named_call(op: str, target: Any, args: Any, kwargs: Any) -> str | None:
+    """``allowed.named_refusal`` of a call: a tensor method or a binding or packet of an
+    ATen operator by the operator's name, a Python function of ``allowed.FUNCTIONAL`` by
+    its parameters, anything else by keyword."""
+    if op == "call_method":
+        return allowed.named_refusal(target if isinstance(target, str) else None, args, kwargs)
+    fn = purity.original(target)
+    if isinstance(fn, torch._ops.OpOverloadPacket):
+        namespace, _, name = fn._qualified_op_name.partition("::")
+        return allowed.named_refusal(name if namespace == "aten" else None, args, kwargs)
+    name = getattr(fn, "__name__", None)
+    if isinstance(name, str) and any(getattr(getattr(torch._C, m), name, None) is fn
+                                     for m in _TORCH_C):
+        return allowed.named_refusal(name, args, kwargs)
+    parameters: tuple[str, ...] = ()
+    if inspect.isfunction(fn) and fn.__module__ in allowed.FUNCTIONAL:
+        try:
+            parameters = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            parameters = ()
+    return allowed.named_refusal(None, args, kwargs, parameters)
 
 
 def graph_to_data(graph: fx.Graph) -> list[dict[str, Any]]:
