@@ -444,7 +444,7 @@ TORCH_NAMESPACES = frozenset({
     "onednn", "profiler", "sparse", "static_runtime", "symm_mem", "prim", "higher_order",
     "_inductor_test", "streams", "torchao", "fbgemm", "torchvision", "triton", "tensorrt",
     "_higher_order_ops", "cuda", "xpu", "mps", "dist_c10d", "_c10d", "_operator", "aoti",
-    "_quantized_decomposed", "quantized_decomposed", "_tritonparse"})
+    "_quantized_decomposed", "quantized_decomposed", "_tritonparse", "prepacked"})
 
 #: Tensor methods without an operator of their own name, and why each is safe.
 METHODS: dict[str, str] = {
@@ -605,9 +605,7 @@ def op_refusal(op: Any) -> str | None:
         return overload_refusal(namespace, name, (op._overloadname,))
     if isinstance(op, torch._ops.OpOverloadPacket):
         namespace, _, name = op._qualified_op_name.partition("::")
-        schemas = torch._C._jit_get_schemas_for_operator(op._qualified_op_name)
-        overloads = tuple(s.overload_name or "default" for s in schemas)
-        return overload_refusal(namespace, name, _callable(op._qualified_op_name, overloads))
+        return overload_refusal(namespace, name, packet_overloads(op._qualified_op_name))
     return f"{op!r} is not an operator"
 
 
@@ -633,14 +631,27 @@ def _callable(qualified: str, overloads: tuple[str, ...]) -> tuple[str, ...]:
     return unnamed or found
 
 
+def packet_overloads(qualified: str) -> tuple[str, ...]:
+    """The overloads a call of the operator packet ``qualified`` (``ns::name``) can reach
+    (``_callable`` of every schema of the name, TorchScript's included)."""
+    schemas = torch._C._jit_get_schemas_for_operator(qualified)
+    return _callable(qualified, tuple(s.overload_name or "default" for s in schemas))
+
+
+def reachable(name: str) -> tuple[str, ...]:
+    """The overloads of ``aten::name`` a binding or method call in a stored graph can
+    reach: what the table judges it by, and ``purity`` too."""
+    return _reachable(name)
+
+
 def _reachable(name: str) -> tuple[str, ...]:
     """The overloads of ``aten::name`` the dispatcher registers that a binding or method
     call in a stored graph can reach (``_callable``)."""
     return _callable(f"aten::{name}", dispatcher_overloads(f"aten::{name}"))
 
 
-#: Parameters through which a call reaches a named-tensor overload when given a string
-#: (or strings): a dimension by name, the names of a new tensor's dimensions.
+#: Parameters of Python functions (``FUNCTIONAL``) through which a call reaches a
+#: named-tensor overload when given a string: a dimension by name, dimension names.
 NAMED_PARAMETERS = frozenset({"dim", "dims", "dim0", "dim1", "dim2", "start_dim", "end_dim",
                               "out_dim", "outdim", "names"})
 
@@ -651,48 +662,68 @@ def _holds_str(value: Any) -> bool:
     return isinstance(value, list | tuple) and any(isinstance(v, str) for v in value)
 
 
-def _schema_is_str(arg: Any) -> bool:
+def _takes_str(arg: Any) -> bool:
+    # A string converts to a str or Device argument (Dimname is the named overloads').
     kind = str(arg.type)
-    return "str" in kind or "Dimname" in kind
+    return "str" in kind or "Device" in kind
+
+
+def _schemas(qualified: str, overloads: tuple[str, ...]) -> list[Any]:
+    wanted = {"" if o == "default" else o for o in overloads}
+    return [s for s in torch._C._jit_get_schemas_for_operator(qualified)
+            if s.overload_name in wanted]
 
 
 @functools.cache
-def _named_positions(name: str) -> frozenset[int]:
-    """Positions at which a named-tensor overload of ``aten::name`` takes a dimension
-    name and no overload the table judges takes a string."""
-    named: set[int] = set()
-    plain: set[int] = set()
-    for overload in dispatcher_overloads(f"aten::{name}"):
-        try:
-            schema = torch._C._get_schema(f"aten::{name}",
-                                          "" if overload == "default" else overload)
-        except RuntimeError:
-            continue
-        positions = {i for i, a in enumerate(schema.arguments)
-                     if not a.kwarg_only and _schema_is_str(a)}
-        (named if is_named_overload(overload) else plain).update(positions)
-    return frozenset(named - plain)
+def _string_slots(qualified: str, packet: bool) -> tuple[frozenset[int], frozenset[str]] | None:
+    """The positions and keywords at which an overload of ``qualified`` that a call can
+    reach (``_callable``: the table judges exactly those) takes a string; None for a name
+    with no operator."""
+    if packet:
+        overloads = tuple(s.overload_name or "default"
+                          for s in torch._C._jit_get_schemas_for_operator(qualified))
+    else:
+        overloads = dispatcher_overloads(qualified)
+    if not overloads:
+        return None
+    positions: set[int] = set()
+    keywords: set[str] = set()
+    for schema in _schemas(qualified, _callable(qualified, overloads)):
+        for i, a in enumerate(schema.arguments):
+            if _takes_str(a):
+                keywords.add(a.name)
+                if not a.kwarg_only:
+                    positions.add(i)
+    return frozenset(positions), frozenset(keywords)
 
 
-def named_refusal(name: str | None, args: Any, kwargs: Any,
+def named_refusal(qualified: str | None, args: Any, kwargs: Any, *, packet: bool = False,
                   parameters: tuple[str, ...] = ()) -> str | None:
-    """Why a call is refused for naming dimensions (which would reach a named-tensor
-    overload that the table does not judge, or make a tensor with names): a string, or a
-    sequence holding one, passed as a keyword in ``NAMED_PARAMETERS``, at a position where
-    only a named overload of ``aten::name`` takes a string, or at a position whose
-    parameter (``parameters``, a Python function's in order) is in ``NAMED_PARAMETERS``.
-    None otherwise. (A string a node computes is not seen here: the only ones a stored
-    graph can compute are a tensor's type name and its constants' pieces.)"""
+    """Why a call is refused for passing a string where no overload the table judges
+    takes one: that is how a call reaches a named-tensor overload (a dimension by name,
+    ``names=``), which the table does not judge (``_callable``). For the operator
+    ``qualified`` (a tensor method or a binding by its operator's name, or a ``packet``):
+    a string, or a sequence holding one, at a position or keyword where no judged overload
+    takes a ``str`` or ``Device``; for a Python function (``qualified`` None), at one of
+    its ``parameters`` or keywords named in ``NAMED_PARAMETERS``. None otherwise. (A string
+    a node computes is not seen here: the only ones a stored graph can compute are pieces
+    of its constants and a tensor's type name.)"""
     args = args if isinstance(args, tuple | list) else ()
     kwargs = kwargs if isinstance(kwargs, dict) else {}
-    positions = _named_positions(name) if name else frozenset()
+    slots = _string_slots(qualified, packet) if qualified else None
     for i, value in enumerate(args):
-        by_parameter = i < len(parameters) and parameters[i] in NAMED_PARAMETERS
-        if (i in positions or by_parameter) and _holds_str(value):
-            return "it names a dimension (named tensors are not in stored graphs' language)"
+        if not _holds_str(value):
+            continue
+        if slots is not None and i not in slots[0] or slots is None and (
+                i < len(parameters) and parameters[i] in NAMED_PARAMETERS):
+            return ("it passes a string where a dimension or a number goes (dimension names "
+                    "are not in stored graphs' language)")
     for key, value in kwargs.items():
-        if key in NAMED_PARAMETERS and _holds_str(value):
-            return f"it passes {key}= by name (named tensors are not in stored graphs' language)"
+        if not _holds_str(value):
+            continue
+        if slots is not None and key not in slots[1] or slots is None and key in NAMED_PARAMETERS:
+            return (f"it passes {key}= a string (dimension names are not in stored graphs' "
+                    "language)")
     return None
 
 

@@ -347,25 +347,27 @@ def check_call(op: str, target: Any, args: Any, kwargs: Any) -> None:
 
 def _named_call(op: str, target: Any, args: Any, kwargs: Any) -> str | None:
     """``allowed.named_refusal`` of a call: a tensor method or a binding or packet of an
-    ATen operator by the operator's name, a Python function of ``allowed.FUNCTIONAL`` by
-    its parameters, anything else by keyword."""
+    ATen operator by the operator, a Python function of ``allowed.FUNCTIONAL`` by its
+    parameters, anything else by keyword."""
     if op == "call_method":
-        return allowed.named_refusal(target if isinstance(target, str) else None, args, kwargs)
+        return allowed.named_refusal(f"aten::{target}" if isinstance(target, str) else None,
+                                     args, kwargs)
     fn = purity.original(target)
     if isinstance(fn, torch._ops.OpOverloadPacket):
-        namespace, _, name = fn._qualified_op_name.partition("::")
-        return allowed.named_refusal(name if namespace == "aten" else None, args, kwargs)
+        namespace = fn._qualified_op_name.partition("::")[0]
+        return allowed.named_refusal(fn._qualified_op_name if namespace == "aten" else None,
+                                     args, kwargs, packet=True)
     name = getattr(fn, "__name__", None)
     if isinstance(name, str) and any(getattr(getattr(torch._C, m), name, None) is fn
                                      for m in _TORCH_C):
-        return allowed.named_refusal(name, args, kwargs)
+        return allowed.named_refusal(f"aten::{name}", args, kwargs)
     parameters: tuple[str, ...] = ()
     if inspect.isfunction(fn) and fn.__module__ in allowed.FUNCTIONAL:
         try:
             parameters = tuple(inspect.signature(fn).parameters)
         except (TypeError, ValueError):
             parameters = ()
-    return allowed.named_refusal(None, args, kwargs, parameters)
+    return allowed.named_refusal(None, args, kwargs, parameters=parameters)
 
 
 def graph_to_data(graph: fx.Graph) -> list[dict[str, Any]]:

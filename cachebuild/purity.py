@@ -138,22 +138,33 @@ def operator_impurity(qualified: str) -> str | None:
     return None
 
 
+def _overloads_impurity(qualified: str, overloads: tuple[str, ...]) -> str | None:
+    if not overloads:
+        return f"{qualified} is not a registered operator"
+    for overload in overloads:
+        if (why := operator_impurity(f"{qualified}.{overload}")) is not None:
+            return why
+    return None
+
+
 def op_impurity(op: Any) -> str | None:
     """``operator_impurity`` of an ``OpOverload`` (its own schema) or ``OpOverloadPacket``
-    (every overload)."""
+    (every overload a call of it can reach: ``allowed.packet_overloads``)."""
     if isinstance(op, torch._ops.OpOverload):
         why = schema_impurity(op._schema)
         return None if why is None else f"{op.name()}: {why}"
     if isinstance(op, torch._ops.OpOverloadPacket):
-        return operator_impurity(op._qualified_op_name)
+        qualified = op._qualified_op_name
+        return _overloads_impurity(qualified, allowed.packet_overloads(qualified))
     return f"{op!r} is not an operator"
 
 
 def binding_impurity(name: str) -> str | None:
     """For a function of torch's C modules that binds the ATen operator of its name
-    (``torch.cat``, ``torch._C._nn.linear``): why that operator is not pure. A function
-    with no operator of its name (``torch.frombuffer``, ``torch._from_blob``) is refused."""
-    return operator_impurity(f"aten::{name}")
+    (``torch.cat``, ``torch._C._nn.linear``): why an overload it can reach
+    (``allowed.reachable``, as the table judges it) is not pure. A function with no
+    operator of its name (``torch.frombuffer``, ``torch._from_blob``) is refused."""
+    return _overloads_impurity(f"aten::{name}", allowed.reachable(name))
 
 
 # -- bounded arithmetic ------------------------------------------------------------------
