@@ -423,19 +423,6 @@ def is_rebuilt_object_guard(error: BaseException) -> bool:
     return isinstance(error, AssertionError) and "Guarded object must be identical" in str(error)
 
 
-#: Tensor's operator methods (``x.__eq__(y)``): Dynamo on torch 2.11 and 2.12 keeps some
-#: comparisons as method calls where torch 2.13 records ``operator.eq``, so a stored graph
-#: may name them. Only these dunders are; ``__reduce_ex__``, ``__setstate__`` and the like
-#: never are.
-TENSOR_OPERATOR_METHODS = frozenset(
-    f"__{r}{name}__" for name in (
-        "eq", "ne", "lt", "le", "gt", "ge", "add", "sub", "mul", "truediv", "floordiv", "mod",
-        "pow", "matmul", "and", "or", "xor", "lshift", "rshift")
-    for r in ("", "r", "i")) | frozenset(
-    ("__neg__", "__pos__", "__abs__", "__invert__", "__getitem__", "__setitem__",
-     "__bool__", "__len__", "__float__", "__int__", "__index__"))
-
-
 #: Guard kinds Dynamo puts on a process group: an ``ID_MATCH`` before torch 2.13, an opaque
 #: object's type and guard function from 2.13.
 PROCESS_GROUP_GUARD_KINDS = frozenset({"ID_MATCH", "TYPE_MATCH", "FAKE_SCRIPT_TYPE_MATCH",

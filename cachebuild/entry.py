@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +36,7 @@ from cachebuild.codehash import class_hash, code_file, sourceless_classes
 from cachebuild.config import CompileConfig
 from cachebuild.env import SCHEMA_VERSION, env_factors
 from cachebuild.facts import InputMeta, device_of, meta_of
-from cachebuild.fxjson import graph_to_data
+from cachebuild.fxjson import GraphFormatError, data_to_graph, graph_to_data
 from cachebuild.guards import GuardSet, check_data
 from cachebuild.keys import guard_seal_key, make_key
 from cachebuild.sources import digest_of, labels_in, source_data, stale
@@ -289,6 +290,58 @@ def _put(entry: Entry, store: Store) -> None:
     if not store.contains(entry.seal):
         store.put(entry.seal, b"", kind="guards")
     store.put(entry.key, payload, kind="entry", manifest=entry.factors, refs=refs)
+
+
+#: Kinds of stored payloads that hold graphs a load rebuilds: model entries (the stitching
+#: graph and every piece) and ``eager_fusion`` artifacts (``{"nodes": [...]}``).
+GRAPH_KINDS = ("entry", "fx-graph")
+
+
+def graph_refusal(kind: str, payload: bytes) -> str | None:
+    """Why a load would refuse a graph that a verified payload of ``kind`` holds, in one
+    line naming the graph and what it calls; None if every graph passes (or ``kind``
+    holds none). The checks are the load's own (``fxjson.data_to_graph``: the table of
+    ``cachebuild.allowed``, constants, shape), so a graph that passes here is one a load
+    does not refuse, except that an operator of a library this process has not imported
+    (a splitting op) cannot be judged here and is let through. An entry this version
+    cannot read is a miss when loaded, not a refusal: None."""
+    if kind == "fx-graph":
+        try:
+            graphs = [("graph", json.loads(payload)["nodes"])]
+        except (*UNREADABLE, UnicodeDecodeError):
+            return "stored graph is not graph data"
+    elif kind == "entry":
+        entry = read_entry(payload)
+        if entry is None:
+            return None
+        graphs = [("stitching graph", entry.stitch)] + [
+            (f"piece {p.name}", p.nodes) for p in entry.pieces]
+    else:
+        return None
+    for where, nodes in graphs:
+        try:
+            data_to_graph(nodes, absent_libraries=True)
+        except GraphFormatError as e:
+            return f"{where}: {' '.join(str(e).split())}"
+    return None
+
+
+def refused_graphs(store: Store, skip: Collection[str] = ()) -> list[tuple[str, str]]:
+    """``(key, why)`` for every stored record whose graphs a load would refuse
+    (``graph_refusal``): what ``cachebuild verify`` reports beside damaged blobs. Keys in
+    ``skip`` are not read: blobs the caller found damaged (reading one would report it
+    again and quarantine it, which only a repair may do) or not trusted (never served)."""
+    found = []
+    for kind in GRAPH_KINDS:
+        for record in list(store.records(kind=kind, manifests=False)):
+            if record.key in skip:
+                continue
+            payload = store.get(record.key, touch=False)
+            if payload is not None:
+                why = graph_refusal(kind, payload)
+                if why is not None:
+                    found.append((record.key, why))
+    return found
 
 
 def payload_refs(payload: bytes) -> list[str]:

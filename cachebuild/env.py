@@ -3,7 +3,9 @@
 Anything about the machine or the software stack that can change what a compiler emits
 is named here once: torch version and build, triton version, CUDA runtime and driver,
 device kind and compute capability (or the CPU's instruction-set level), Python version
-and the schema version of cachebuild's own format.
+the schema version of cachebuild's own format, and the version of the table of what
+stored graphs may call (``allowed.VERSION``: a graph stored under an older table is then
+never found, only built and checked again).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import torch
 
-from cachebuild import compat
+from cachebuild import allowed, compat
 
 #: Bumped whenever the layout of an artifact or an entry changes incompatibly.
 SCHEMA_VERSION = 2  # 2: entries keep guards, output recipes, config and code factors
@@ -45,6 +47,7 @@ def env_factors(device: str = "cpu") -> dict[str, Any]:
     kind = torch.device(device).type
     factors: dict[str, Any] = {
         "schema": SCHEMA_VERSION,
+        "graph_language": allowed.VERSION,
         "python": f"{sys.version_info.major}.{sys.version_info.minor}",
         "torch": torch.__version__,
         "torch_git": compat.torch_git_version(),

@@ -9,27 +9,28 @@ silent different program.
 Stored graphs are data that becomes code (FX generates Python source from a graph and
 runs it), so a graph is rebuilt only from what could have been stored, checked before FX
 sees it: node names and placeholders are identifiers, constants are of the kinds
-``encode_arg`` writes (integers within 64 bits), and what a node calls must be pure tensor
-computation (``cachebuild.purity``: no file, path, storage, network, process or global
-state), without importing anything first:
+``encode_arg`` writes (integers within 64 bits), and what a node names is in the closed
+language of ``cachebuild.allowed`` (refused unless its table admits it), without
+importing anything first:
 
-- operators registered with torch (``torch.ops``: ATen, the project's own ops, the ops a
-  model's library registered, by name ``op:ns::name.overload``) whose schemas pass
-  ``purity.op_impurity``; in-place writes to tensors are tensor computation;
-- torch's C functions that bind such an operator (``torch.cat``, ``torch._C._nn.linear``),
-  the public functions of ``torch.nn.functional`` and ``torch.functional``, and a few that
-  Dynamo puts in graphs (``torch.Size``, ``torch._C._set_grad_enabled``, ``torch.sym_*``);
-- tensor methods whose operator passes (``purity.method_impurity``), and ``getattr`` as a
-  read of a tensor's data attribute (``w.T``);
-- arithmetic, comparison and indexing from ``operator`` (not ``attrgetter`` and
-  friends), pure functions of ``math`` and a handful of number builtins; a loaded graph
-  run as Python calls bounded versions of those that could grow without end
+- operators registered with torch (``torch.ops``, by name ``op:ns::name.overload``): in
+  torch's namespaces and this project's, the overloads the table admits; a library's own
+  operators (a splitting op) whose schemas pass ``purity.op_impurity``;
+- torch's C functions that bind admitted operators (``torch.cat``, ``torch._C._nn.linear``:
+  every overload the binding can reach), the functions of ``torch.nn.functional`` and
+  ``torch.functional`` the table names, and the few Dynamo records (``torch.Size``,
+  ``torch._C._set_grad_enabled``, ``torch.sym_*``);
+- tensor methods the table admits, and ``getattr`` as a read of a tensor attribute it
+  names (``w.T``);
+- the ``operator``, ``math`` and builtin functions it names; a loaded graph run as Python
+  calls bounded versions of those that could compute or allocate without end
   (``purity.bounded``; a graph handed to a compiler keeps the originals, which its
   tracing needs);
 - callables a program registers with ``allow_callable``.
 
-Anything else (``os.system``, ``builtins.eval``, ``aten::from_file``, ``aten::save``) is a
-``GraphFormatError``, at save and at load alike.
+Anything else (``os.system``, ``builtins.eval``, ``aten::from_file``, ``aten::save``,
+``aten::_reshape_alias``, ``Tensor.new``, ``Tensor.data_ptr``) is a ``GraphFormatError``
+naming it, at save and at load alike.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
-from cachebuild import compat, purity
+from cachebuild import allowed, purity
 from cachebuild.errors import CachebuildError
 
 # Namespaces tried when a function's __module__ does not lead back to it (C functions
@@ -56,24 +57,10 @@ _FALLBACK_MODULES = ("torch", "torch.nn.functional", "torch._C._nn", "torch._C._
 
 #: The graph ops that are stored (``get_attr`` never: pieces take weights as inputs).
 _OPS = frozenset({"placeholder", "call_function", "call_method", "call_module", "output"})
-#: operator functions a graph may call: arithmetic, comparisons and indexing.
-_OPERATOR = frozenset({
-    "abs", "add", "and_", "concat", "contains", "eq", "floordiv", "ge", "getitem", "gt",
-    "iadd", "iand", "ifloordiv", "ilshift", "imatmul", "imod", "imul", "index", "invert",
-    "ior", "ipow", "irshift", "isub", "itruediv", "ixor", "le", "lshift", "lt", "matmul",
-    "mod", "mul", "ne", "neg", "not_", "or_", "pos", "pow", "rshift", "setitem", "sub",
-    "truediv", "truth", "xor"})
-_BUILTINS = frozenset({"abs", "bool", "float", "int", "len", "max", "min", "pow", "round"})
 #: torch's C modules whose functions bind ATen operators one to one.
 _TORCH_C = ("_VariableFunctions", "_nn", "_fft", "_linalg", "_special", "_nested", "_sparse")
-#: torch's Python modules of plain tensor functions.
-_TORCH_PY = ("torch.nn.functional", "torch.functional")
-#: Other torch callables Dynamo records in graphs (``torch.Size`` where a model builds a
-#: shape from sizes, as GPT-2's attention does).
-_TORCH_EXTRA = ("Size", "_C._set_grad_enabled", "sym_int", "sym_float", "sym_max", "sym_min", "sym_not",
-                "sym_sum", "sym_ite", "_sym_sqrt", "_check", "_check_is_size", "_assert")
 #: Modules a stored ``fn:`` name may come from (besides those of registered callables).
-_MODULES = frozenset({"operator", "_operator", "builtins", "math", "torch", *_TORCH_PY,
+_MODULES = frozenset({"operator", "_operator", "builtins", "math", "torch", *allowed.FUNCTIONAL,
                       *(f"torch._C.{m}" for m in _TORCH_C)})
 
 _REGISTERED: dict[int, Callable[..., Any]] = {}
@@ -84,6 +71,11 @@ _INT_RANGE = (-(1 << 63), 1 << 64)
 
 class GraphFormatError(CachebuildError, ValueError):
     """A graph that cannot be stored (unknown target, unsupported constant) or restored."""
+
+
+class UnregisteredOperator(GraphFormatError):
+    """A stored graph names an operator this process has not registered (a library's
+    that was not imported): refused by a load, though it may be allowed where it is."""
 
 
 def allow_callable(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -104,30 +96,44 @@ def callable_impurity(obj: Any) -> str | None:
     """Why stored graphs may not call ``obj``; None if they may (see the module doc)."""
     obj = purity.original(obj)
     if isinstance(obj, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
-        return purity.op_impurity(obj)
+        return allowed.op_refusal(obj) or purity.op_impurity(obj)
     if _REGISTERED.get(id(obj)) is obj:
         return None
     name = getattr(obj, "__name__", None)
-    refused = ("not a torch operator, an operator's binding or an allowed function "
-               "(cachebuild.fxjson.allow_callable)")
+    refused = ("not in the table of what stored graphs may call (cachebuild.allowed), nor "
+               "registered with cachebuild.fxjson.allow_callable")
     if not isinstance(name, str) or name.startswith("__"):
         return refused
     if getattr(operator, name, None) is obj:
-        return None if name in _OPERATOR else refused
+        return None if name in allowed.OPERATOR else refused
     if obj is builtins.getattr:
-        return None  # only as a read of a tensor's data attribute: see _check_node
-    if name in _BUILTINS and getattr(builtins, name, None) is obj:
+        return None  # only as a read of a tensor's data attribute: see check_call
+    if name in allowed.BUILTINS and getattr(builtins, name, None) is obj:
         return None
-    if getattr(math, name, None) is obj and not name.startswith("_"):
+    if getattr(math, name, None) is obj:
+        return None if name in allowed.MATH else refused
+    module = getattr(obj, "__module__", None)
+    if inspect.isfunction(obj) and name in allowed.FUNCTIONAL.get(module, ()) \
+            and getattr(importlib.import_module(module), name, None) is obj:
+        return None
+    if any(_torch_attr(path) is obj for path in allowed.TORCH_FUNCTIONS):
         return None
     if any(getattr(getattr(torch._C, m), name, None) is obj for m in _TORCH_C):
-        return purity.binding_impurity(name)
-    if inspect.isfunction(obj) and obj.__module__ in _TORCH_PY and not name.startswith("_") \
-            and getattr(importlib.import_module(obj.__module__), name, None) is obj:
-        return None
-    if any(_torch_attr(path) is obj for path in _TORCH_EXTRA):
-        return None
+        return allowed.binding_refusal(name) or purity.binding_impurity(name)
     return refused
+
+
+def _label(target: Any) -> str:
+    target = purity.original(target)
+    if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
+        return _op_name(target)
+    return str(getattr(target, "__name__", target))
+
+
+def _op_name(op: Any) -> str:
+    if isinstance(op, torch._ops.OpOverload):
+        return f"{op._schema.name}.{op._overloadname}"
+    return str(op._qualified_op_name)
 
 
 def _torch_attr(path: str) -> Any:
@@ -141,12 +147,14 @@ def target_name(target: Any) -> str:
     """A name that ``resolve_target`` turns back into ``target``."""
     target = purity.original(target)
     if isinstance(target, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
-        why = purity.op_impurity(target)
+        why = callable_impurity(target)
         if why is not None:
-            raise GraphFormatError(f"graph calls operator {why}, which stored graphs may "
-                                   "not call")
+            raise GraphFormatError(f"graph calls operator {_op_name(target)}, which stored "
+                                   f"graphs may not call: {why}")
     if isinstance(target, torch._ops.OpOverload):
-        return f"op:{target.name()}"  # ns::name.overload
+        # ns::name.overload, the default overload named too: "ns::name" is the packet,
+        # which may reach every overload of the name.
+        return f"op:{target._schema.name}.{target._overloadname}"
     if isinstance(target, torch._ops.OpOverloadPacket):
         return f"op:{target._qualified_op_name}"
     if isinstance(target, str):
@@ -198,17 +206,17 @@ def resolve_target(name: str, *, bounded: bool = True) -> Any:
             packet = getattr(getattr(torch.ops, ns), op_name)
             found = getattr(packet, overload) if overload else packet
         except (AttributeError, RuntimeError) as e:
-            raise GraphFormatError(
+            raise UnregisteredOperator(
                 f"operator {qual} is not registered in this process: import the library "
                 "that defines it before loading"
             ) from e
         if not isinstance(found, torch._ops.OpOverload | torch._ops.OpOverloadPacket):
             raise GraphFormatError(f"graph target {qual!r} is not an operator")
-        why = purity.op_impurity(found)
+        why = callable_impurity(found)
         if why is not None:
-            raise GraphFormatError(f"graph calls operator {why}, which stored graphs may not "
-                                   "call")
-        return found
+            raise GraphFormatError(f"graph calls operator {qual}, which stored graphs may not "
+                                   f"call: {why}")
+        return purity.bounded(found) if bounded else found
     if name.startswith("fn:"):
         _, module, qual = name.split(":", 2) if name.count(":") >= 2 else ("", "", "")
         registered = {getattr(f, "__module__", None) for f in _REGISTERED.values()}
@@ -309,24 +317,57 @@ def _short(value: Any) -> str:
 
 def check_call(op: str, target: Any, args: Any, kwargs: Any) -> None:
     """Refuse (GraphFormatError) a method call that is not pure tensor computation, and a
-    ``getattr`` that is not a read of a tensor's data attribute by a constant name. Run on
-    every node at save and at load."""
+    ``getattr`` that is not a read of a tensor's data attribute by a constant name, and
+    any call that passes an ``out=`` tensor. Run on every node at save and at load."""
+    if op in ("call_function", "call_method") and (why := allowed.out_refusal(kwargs)):
+        shown = _short(target) if isinstance(target, str) else _label(target)
+        raise GraphFormatError(f"graph calls {shown}, which stored graphs may not call so: "
+                               f"{why}")
+    if op in ("call_function", "call_method") and (why := _named_call(op, target, args, kwargs)):
+        shown = _short(target) if isinstance(target, str) else _label(target)
+        raise GraphFormatError(f"graph calls {shown}, which stored graphs may not call so: "
+                               f"{why}")
     if op == "call_method":
         if not isinstance(target, str) or not _tensor_method(target):
             raise GraphFormatError(f"graph calls method {_short(target)}, which is not a "
                                    "public Tensor method")
-        why = None if target in compat.TENSOR_OPERATOR_METHODS else purity.method_impurity(target)
+        why = allowed.method_refusal(target)
         if why is not None:
             raise GraphFormatError(f"graph calls method {target}, which stored graphs may not "
                                    f"call: {why}")
     elif op == "call_function" and target is builtins.getattr:
-        attrs = purity.tensor_attributes()
+        attrs = allowed.TENSOR_ATTRIBUTES
         if not (isinstance(args, tuple) and len(args) == 2 and isinstance(args[0], fx.Node)
                 and isinstance(args[1], str) and args[1] in attrs and not kwargs):
             shown = _short(args[1]) if isinstance(args, tuple) and len(args) == 2 else "..."
             raise GraphFormatError(f"graph calls getattr(..., {shown}), which stored graphs may "
                                    "not call: only a tensor's data attributes (T, mT, shape, "
                                    "dtype, ...) may be read")
+
+
+def _named_call(op: str, target: Any, args: Any, kwargs: Any) -> str | None:
+    """``allowed.named_refusal`` of a call: a tensor method or a binding or packet of an
+    ATen operator by the operator, a Python function of ``allowed.FUNCTIONAL`` by its
+    parameters, anything else by keyword."""
+    if op == "call_method":
+        return allowed.named_refusal(f"aten::{target}" if isinstance(target, str) else None,
+                                     args, kwargs)
+    fn = purity.original(target)
+    if isinstance(fn, torch._ops.OpOverloadPacket):
+        namespace = fn._qualified_op_name.partition("::")[0]
+        return allowed.named_refusal(fn._qualified_op_name if namespace == "aten" else None,
+                                     args, kwargs, packet=True)
+    name = getattr(fn, "__name__", None)
+    if isinstance(name, str) and any(getattr(getattr(torch._C, m), name, None) is fn
+                                     for m in _TORCH_C):
+        return allowed.named_refusal(f"aten::{name}", args, kwargs)
+    parameters: tuple[str, ...] = ()
+    if inspect.isfunction(fn) and fn.__module__ in allowed.FUNCTIONAL:
+        try:
+            parameters = tuple(inspect.signature(fn).parameters)
+        except (TypeError, ValueError):
+            parameters = ()
+    return allowed.named_refusal(None, args, kwargs, parameters=parameters)
 
 
 def graph_to_data(graph: fx.Graph) -> list[dict[str, Any]]:
@@ -349,18 +390,21 @@ def graph_to_data(graph: fx.Graph) -> list[dict[str, Any]]:
     return nodes
 
 
-def data_to_graph(nodes: list[dict[str, Any]], *, bounded: bool = True) -> fx.Graph:
+def data_to_graph(nodes: list[dict[str, Any]], *, bounded: bool = True,
+                  absent_libraries: bool = False) -> fx.Graph:
     """Rebuild the fx.Graph that ``graph_to_data`` described; GraphFormatError, naming
     what is wrong, for anything ``graph_to_data`` could not have written. ``bounded``:
     Python arithmetic calls its ``purity.bounded`` version (for a graph run as Python;
-    False for one handed to a compiler)."""
+    False for one handed to a compiler). ``absent_libraries``: an operator of a library
+    namespace this process has not registered is let through (to check a graph outside
+    the process that runs it, as ``cachebuild verify`` does); never for a graph that runs."""
     try:
-        return _data_to_graph(nodes, bounded)
+        return _data_to_graph(nodes, bounded, absent_libraries)
     except RecursionError:
         raise GraphFormatError("stored graph is nested too deeply") from None
 
 
-def _data_to_graph(nodes: Any, bounded: bool) -> fx.Graph:
+def _data_to_graph(nodes: Any, bounded: bool, absent_libraries: bool) -> fx.Graph:
     if not isinstance(nodes, list):
         raise GraphFormatError("a stored graph must be a list of nodes")
     if len(nodes) > MAX_NODES:
@@ -381,7 +425,12 @@ def _data_to_graph(nodes: Any, bounded: bool) -> fx.Graph:
                 _is_identifier(k) for k in kwargs):
             raise GraphFormatError(f"graph node {name} has malformed arguments")
         if op == "call_function":
-            target = resolve_target(target, bounded=bounded)
+            try:
+                target = resolve_target(target, bounded=bounded)
+            except UnregisteredOperator:
+                if not (absent_libraries and _library_op(target)):
+                    raise
+                target = _absent
         elif op == "placeholder" and not _is_identifier(target):
             raise GraphFormatError(f"graph input {_short(target)} is not an identifier")
         elif op == "call_module" and not all(map(_is_identifier, target.split("."))):
@@ -399,8 +448,20 @@ def _data_to_graph(nodes: Any, bounded: bool) -> fx.Graph:
     return graph
 
 
+def _library_op(name: str) -> bool:
+    """True if ``name`` (``op:ns::...``) is in a library's namespace: one the table of
+    ``cachebuild.allowed`` does not close."""
+    namespace = name[3:].partition("::")[0]
+    return name.startswith("op:") and allowed.closed_table(namespace) is None
+
+
+def _absent(*args: Any, **kwargs: Any) -> Any:
+    """Stands for an operator of a library this process did not import (a check only)."""
+    raise UnregisteredOperator("a library operator this process did not register")
+
+
 def _tensor_method(name: str) -> bool:
-    public = not name.startswith("_") or name in compat.TENSOR_OPERATOR_METHODS
+    public = not name.startswith("_") or name in allowed.OPERATOR_METHODS
     return _is_identifier(name) and public and callable(getattr(torch.Tensor, name, None))
 
 
@@ -416,7 +477,8 @@ def data_to_module(nodes: list[dict[str, Any]], modules: dict[str, Callable] | N
     graph = data_to_graph(nodes, bounded=bounded)
     try:
         return fx.GraphModule(root, graph)
-    except (AttributeError, RuntimeError, SyntaxError, TypeError, ValueError) as e:
+    except (AttributeError, IndexError, KeyError, RuntimeError, SyntaxError, TypeError,
+            ValueError) as e:
         # A call_module target the caller did not supply, or a graph FX cannot generate
         # code for: the stored graph does not fit this program.
         raise GraphFormatError(f"stored graph cannot be rebuilt: {type(e).__name__}: "

@@ -1,8 +1,11 @@
-"""Which operators, tensor methods and tensor attributes are pure tensor computation.
+"""Which library operators are pure tensor computation, and bounded Python arithmetic.
 
-A stored graph is data, so what it may call must not reach outside tensors: no file,
-path, storage, network, process or global state. This module decides that from each
-operator's schema, the way the dispatcher declares it, rather than from a list of names:
+What a stored graph may name is decided by the closed table of ``cachebuild.allowed``.
+Operators outside torch's namespaces and this project's (a library's splitting op, a
+model's custom op) are not in that table: they are judged here from their schemas, the
+way the dispatcher declares them, and so is every operator the table admits (twice
+checked). A stored graph must not reach outside tensors: no file, path, storage,
+network, process or global state:
 
 - **Types.** No argument or result is a capability: a ``Storage`` (raw memory), a
   ``Stream``, a script class (``torch.classes``: process groups, packed parameters,
@@ -23,13 +26,6 @@ An operator packet (``aten::add`` without an overload) may dispatch to any of it
 overloads, so all of them must pass. A library's own operators are judged by the schema
 it registered: the check cannot see through a kernel that does more than its schema says.
 
-Tensor methods (``x.view(...)``) are judged by the operator of their name; a method with
-no operator of its name is allowed only if it converts a tensor's dtype or device (its
-name is a dtype or a device type) or is one of the few plain reads and conversions in
-``METHODS_WITHOUT_OP``. ``getattr`` is allowed only as a read of a tensor's public data
-attribute (Dynamo records ``w.T`` as ``getattr(w, 'T')``); no other value a graph holds
-(numbers, tuples, dtypes) has an attribute of those names that does more than read.
-
 Python arithmetic can be made to run for hours (``2 ** 2 ** 40``) or fill memory
 (``[0] * 2 ** 40``): ``bounded`` gives the versions of such functions that a graph run as
 Python calls, which refuse operands past ``MAX_INT_BITS`` and ``MAX_ITEMS``.
@@ -46,6 +42,7 @@ from typing import Any
 
 import torch
 
+from cachebuild import allowed
 from cachebuild.errors import CachebuildError
 
 #: Schema type kinds that are capabilities rather than data (see the module doc).
@@ -55,14 +52,6 @@ _CAPABILITY_KINDS = frozenset({
     "QuantizerType"})
 #: Words in a ``str`` argument's name that make it a location.
 _LOCATION_WORDS = ("file", "path", "dir", "url", "uri", "host", "socket", "command", "cmd")
-
-#: Tensor methods without an operator of their own name that only read a tensor or convert
-#: it (``x.byte()``, ``x.tolist()``, ``x.new_tensor(data)``).
-METHODS_WITHOUT_OP = frozenset({
-    "byte", "char", "type", "new", "new_tensor", "tolist", "unique", "ndimension",
-    "nelement", "dim_order", "to_sparse_coo", "data_ptr", "const_data_ptr", "is_shared"})
-#: Tensor data attributes that hand out autograd's graph (hooks can be set on it).
-_GRAPH_ATTRIBUTES = frozenset({"grad_fn"})
 
 #: The largest Python integer (in bits) and sequence (in items) a loaded graph's
 #: arithmetic may produce: shapes and indices are far below both.
@@ -149,57 +138,33 @@ def operator_impurity(qualified: str) -> str | None:
     return None
 
 
+def _overloads_impurity(qualified: str, overloads: tuple[str, ...]) -> str | None:
+    if not overloads:
+        return f"{qualified} is not a registered operator"
+    for overload in overloads:
+        if (why := operator_impurity(f"{qualified}.{overload}")) is not None:
+            return why
+    return None
+
+
 def op_impurity(op: Any) -> str | None:
     """``operator_impurity`` of an ``OpOverload`` (its own schema) or ``OpOverloadPacket``
-    (every overload)."""
+    (every overload a call of it can reach: ``allowed.packet_overloads``)."""
     if isinstance(op, torch._ops.OpOverload):
         why = schema_impurity(op._schema)
         return None if why is None else f"{op.name()}: {why}"
     if isinstance(op, torch._ops.OpOverloadPacket):
-        return operator_impurity(op._qualified_op_name)
+        qualified = op._qualified_op_name
+        return _overloads_impurity(qualified, allowed.packet_overloads(qualified))
     return f"{op!r} is not an operator"
 
 
 def binding_impurity(name: str) -> str | None:
     """For a function of torch's C modules that binds the ATen operator of its name
-    (``torch.cat``, ``torch._C._nn.linear``): why that operator is not pure. A function
-    with no operator of its name (``torch.frombuffer``, ``torch._from_blob``) is refused."""
-    return operator_impurity(f"aten::{name}")
-
-
-def _is_dtype_name(name: str) -> bool:
-    return isinstance(getattr(torch, name, None), torch.dtype)
-
-
-def _is_device_type(name: str) -> bool:
-    try:
-        return torch.device(name).index is None
-    except (RuntimeError, ValueError, TypeError):
-        return False
-
-
-@functools.cache
-def method_impurity(name: str) -> str | None:
-    """Why the public ``torch.Tensor`` method ``name`` is not pure tensor computation
-    (None if it is): judged by the ATen operator of its name (an in-place method by its
-    own), else allowed only as a dtype or device conversion or one of
-    ``METHODS_WITHOUT_OP``."""
-    if torch._C._jit_get_schemas_for_operator(f"aten::{name}"):
-        return operator_impurity(f"aten::{name}")
-    if _is_dtype_name(name) or _is_device_type(name) or name in METHODS_WITHOUT_OP:
-        return None
-    return f"Tensor.{name} computes with no operator whose schema says what it does"
-
-
-@functools.cache
-def tensor_attributes() -> frozenset[str]:
-    """The attributes ``getattr`` may read in a stored graph: ``torch.Tensor``'s public
-    data attributes (``T``, ``mT``, ``shape``, ``dtype``, ``real``, ...), not methods, and
-    not the autograd graph."""
-    return frozenset(
-        name for name in dir(torch.Tensor)
-        if not name.startswith("_") and name not in _GRAPH_ATTRIBUTES
-        and not callable(getattr(torch.Tensor, name, None)))
+    (``torch.cat``, ``torch._C._nn.linear``): why an overload it can reach
+    (``allowed.reachable``, as the table judges it) is not pure. A function with no
+    operator of its name (``torch.frombuffer``, ``torch._from_blob``) is refused."""
+    return _overloads_impurity(f"aten::{name}", allowed.reachable(name))
 
 
 # -- bounded arithmetic ------------------------------------------------------------------
@@ -242,38 +207,98 @@ def _check_shift(a: Any, b: Any) -> None:
         raise _limit(f"a shift by {b} bits")
 
 
-def _check_combinatorial(n: Any, *rest: Any) -> None:
-    if isinstance(n, int) and n > 4096:
-        raise _limit(f"a combinatorial function of {n}")
+def _check_pow3(a: Any, b: Any, *mod: Any) -> None:
+    # Modular exponentiation costs bits(b) multiplications of bits(mod)-bit numbers.
+    if mod and isinstance(b, int) and _bits(b) + max(_bits(a), _bits(mod[0])) > MAX_INT_BITS // 4:
+        raise _limit(f"a modular power of {_bits(b)} and {_bits(mod[0])} bits")
+    _check_pow(a, b, *mod)
+
+
+def _check_product(values: Any = (), *rest: Any, **kwargs: Any) -> None:
+    # math.prod's result, and math.lcm's, has up to the sum of its operands' bits.
+    items = [*values] if isinstance(values, list | tuple) else [values, *rest]
+    if len(items) > MAX_ITEMS:
+        raise _limit(f"a product of {len(items)} numbers")
+    if sum(_bits(v) for v in items) + _bits(kwargs.get("start", 1)) > MAX_INT_BITS:
+        raise _limit("a product of more than 2**16 bits")
+
+
+def _check_lcm(*values: Any) -> None:
+    _check_product(values)
+
+
+def _check_round(number: Any, ndigits: Any = None) -> None:
+    # round(n, -k) computes 10**k.
+    if isinstance(ndigits, int) and abs(ndigits) > 4096:
+        raise _limit(f"rounding to {ndigits} digits")
+
+
+def _check_int(value: Any = 0, *base: Any) -> None:
+    # int("f" * 10**7, 16) is not limited by Python's digit limit (powers of two are not).
+    if isinstance(value, str | bytes | bytearray) and len(value) > 4096:
+        raise _limit(f"a number of {len(value)} characters")
+
+
+def _check_mod(a: Any, b: Any) -> None:
+    # "%0*d" % (2**30, 1) allocates a gigabyte: no string formatting in a stored graph.
+    if isinstance(a, str | bytes | bytearray):
+        raise _limit("string formatting")
 
 
 _CHECKS: dict[Any, Callable[..., None]] = {
     operator.mul: _check_mul, operator.imul: _check_mul,
     operator.add: _check_add, operator.iadd: _check_add,
     operator.concat: _check_add, operator.iconcat: _check_add,
-    operator.pow: _check_pow, operator.ipow: _check_pow, builtins.pow: _check_pow,
+    operator.pow: _check_pow, operator.ipow: _check_pow, builtins.pow: _check_pow3,
     operator.lshift: _check_shift, operator.ilshift: _check_shift,
-    math.factorial: _check_combinatorial, math.comb: _check_combinatorial,
-    math.perm: _check_combinatorial,
+    operator.mod: _check_mod, operator.imod: _check_mod,
+    math.prod: _check_product, math.lcm: _check_lcm,
+    builtins.round: _check_round, builtins.int: _check_int,
 }
 _BOUNDED: dict[int, Callable[..., Any]] = {}
+
+
+def _no_check(*args: Any, **kwargs: Any) -> None:
+    pass
 _ORIGINAL: dict[int, Callable[..., Any]] = {}
 
 
+@functools.cache
+def _uninitialized() -> frozenset[Any]:
+    """The callables that return uninitialised memory (``allowed.UNINITIALIZED``, and
+    torch's bindings of them)."""
+    ops = [getattr(getattr(torch.ops.aten, row.split(".")[0]), row.split(".")[1])
+           for row in allowed.UNINITIALIZED]
+    return frozenset([*ops, torch.empty, torch.empty_like, torch.empty_strided])
+
+
+def _zeroed(_: Any, result: Any) -> Any:
+    with torch.no_grad():
+        return result.zero_()
+
+
 def bounded(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """What a loaded graph calls for ``fn``: ``fn`` itself, or for Python arithmetic that
+    """What a loaded graph calls for ``fn``: ``fn`` itself; for Python arithmetic that
     can grow without bound a version that refuses (Impure) operands past ``MAX_INT_BITS``
-    or ``MAX_ITEMS`` before computing."""
-    check = _CHECKS.get(fn)
+    or ``MAX_ITEMS`` before computing; for an operator that returns uninitialised memory
+    (``torch.empty``) a version that zero-fills it, so that a graph never reads what a
+    freed tensor held."""
+    try:
+        zero = fn in _uninitialized()
+    except TypeError:  # unhashable
+        zero = False
+    check = _CHECKS.get(fn) if not zero else _no_check
     if check is None:
         return fn
     found = _BOUNDED.get(id(fn))
     if found is None:
-        def call(*args: Any) -> Any:
-            check(*args)
-            return fn(*args)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            check(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            return _zeroed(fn, result) if zero else result
 
-        call.__name__ = call.__qualname__ = f"bounded_{fn.__name__}"
+        name = getattr(fn, "__name__", "op")
+        call.__name__ = call.__qualname__ = f"bounded_{name}"
         found = _BOUNDED[id(fn)] = call
         _ORIGINAL[id(call)] = fn
     return found

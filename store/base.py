@@ -177,9 +177,10 @@ class LocalTier(Store, Protocol):
 
     def put(self, key: str, data: bytes | bytearray | memoryview, *, kind: str,
             manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
-            unsigned_from: str | None = None) -> Record:
+            unsigned_from: str | None = None, trusted: str | None = None) -> Record:
         """``Store.put``; ``unsigned_from``: the data came from there without a verified
-        signature (``Record.unsigned_from``)."""
+        signature (``Record.unsigned_from``); ``trusted``: who trusted that source
+        (``Record.trusted``)."""
         ...
 
     def read_blob(self, key: str) -> bytes | None:
@@ -188,7 +189,8 @@ class LocalTier(Store, Protocol):
 
     def write_blob(self, key: str, blob: bytes | bytearray | memoryview, *,
                    manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
-                   pinned: bool = False, unsigned_from: str | None = None) -> Record:
+                   pinned: bool = False, unsigned_from: str | None = None,
+                   trusted: str | None = None) -> Record:
         """Store a framed blob byte for byte, after verifying it (CorruptBlob if it
         fails); a no-op returning the record if ``key`` is stored."""
         ...
@@ -198,8 +200,13 @@ class LocalTier(Store, Protocol):
                           pinned: bool = False,
                           accept: Callable[[BlobHeader], None] | None = None,
                           unsigned_from: Callable[[BlobHeader], str | None] | str | None = None,
+                          trusted: Callable[[BlobHeader], str | None] | str | None = None,
                           ) -> Record:
         """``write_blob`` for a blob that arrives in pieces, verified as it is written."""
+        ...
+
+    def trust(self, source: str, how: str) -> list[str]:
+        """Mark what came unsigned from ``source`` as trusted by ``how``; the keys marked."""
         ...
 
     def flush(self) -> None:

@@ -20,7 +20,9 @@ up to ``MAX_MEMBERS`` members (the rest is refused unread), and a report keeps a
 temp space as it is verified, refused as soon as it runs past the length its own header,
 its record and its tar header declare. A record must be a well-formed record object. Into a store with a
 signing key, unsigned blobs are refused unless the importer says otherwise
-(``allow_unsigned``; ``cachebuild import --allow-unsigned``). Bundles are written 0600.
+(``allow_unsigned``; ``cachebuild import --allow-unsigned``). Whatever a bundle's records
+say, trust is the importer's: an unsigned blob is served only once its source is trusted
+(``cachebuild import --trust``, ``cachebuild trust``). Bundles are written 0600.
 """
 
 from __future__ import annotations
@@ -221,7 +223,8 @@ def _pieces(f: Any, size: int) -> Iterable[bytes]:
 
 
 def _import_entry(store: LocalTier, key: str, record: Record, f: Any, size: int,
-                  report: ImportReport, allow_unsigned: bool, source: str) -> None:
+                  report: ImportReport, allow_unsigned: bool, source: str,
+                  trusted: str | None) -> None:
     def accept(header: BlobHeader) -> None:
         if (header.kind, header.length, header.checksum) != (
                 record.kind, record.size, record.checksum):
@@ -239,13 +242,20 @@ def _import_entry(store: LocalTier, key: str, record: Record, f: Any, size: int,
             return record.unsigned_from
         return None if store.signing_key is not None and header.signed else source
 
+    def trust_of(header: BlobHeader) -> str | None:
+        # The importer's word (--trust), or the fleet key's signature on this very blob.
+        if trusted is not None:
+            return trusted
+        return "signed with the fleet key" if store.signing_key is not None and header.signed \
+            else None
+
     try:
         if store.contains(key):
             report.existing.append(key)
             return
         store.write_blob_chunks(key, _pieces(f, size), manifest=record.manifest,
                                 refs=record.refs, pinned=record.pinned, accept=accept,
-                                unsigned_from=origin)
+                                unsigned_from=origin, trusted=trust_of)
     except CorruptBlob as e:
         report.refuse(key, e.reason)
     else:
@@ -253,13 +263,17 @@ def _import_entry(store: LocalTier, key: str, record: Record, f: Any, size: int,
 
 
 def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
-                  progress: Progress | None = None, allow_unsigned: bool = False) -> ImportReport:
+                  progress: Progress | None = None, allow_unsigned: bool = False,
+                  trust: bool = False) -> ImportReport:
     """Import every entry of the bundle at ``path`` into ``store``, re-verifying each blob.
 
     An entry is refused (and listed with the reason) if its blob fails verification with
     this store's signing settings, disagrees with its record, lacks its record or blob,
-    or, into a store with a signing key, is unsigned (unless ``allow_unsigned``); the rest
-    are imported. Members are streamed (see the module doc), so a bundle that inflates to
+    or, into a store with a signing key, is unsigned (unless ``allow_unsigned`` or
+    ``trust``); the rest are imported. What comes in unsigned is marked with the bundle
+    as its source (``Record.unsigned_from``) and is not served until that source is
+    trusted: ``trust`` trusts it at once (``Record.trusted`` names this import), else
+    ``LocalStore.trust`` does later; a store's own key's signature on a blob trusts it. Members are streamed (see the module doc), so a bundle that inflates to
     more than memory holds costs no more memory than a small one. A truncated bundle imports what came before the damage.
     Entries already in the store are left as they are. Raises UsageError if ``path``
     is not a bundle at all.
@@ -317,7 +331,8 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
                         report.refuse(key, record)
                     else:
                         _import_entry(store, key, record, f, member.size, report,
-                                      allow_unsigned, source)
+                                      allow_unsigned or trust, source,
+                                      f"cachebuild import --trust ({source})" if trust else None)
                     current = None
                     if progress is not None:
                         progress(len(seen), max(len(expected), len(seen)))

@@ -30,7 +30,7 @@ import diskcache
 
 from cachebuild.errors import StoreError
 
-from .record import BadRecord, Record, check_fields, loads_json
+from .record import BadRecord, Record, check_fields, check_trust, loads_json
 
 log = logging.getLogger("cachebuild.store")
 
@@ -85,6 +85,9 @@ def parse_row(key: str, raw: Any) -> dict[str, Any]:
     if not isinstance(has_manifest, bool):
         raise BadRecord("index row field 'has_manifest' must be true or false")
     fields = check_fields({k: v for k, v in small.items() if k != "manifest"}, key=key)
+    # Trust is kept in this index only (check_fields, for records from elsewhere, never
+    # reads it).
+    fields["trusted"] = check_trust(small.get("trusted"))
     del fields["manifest"]
     fields["refs"] = list(fields["refs"])
     fields["has_manifest"] = has_manifest
@@ -222,7 +225,7 @@ class Index:
                       checksum=small["checksum"], created=small["created"],
                       last_used=small["last_used"], hits=small["hits"],
                       pinned=small["pinned"], manifest=man, refs=tuple(small["refs"]),
-                      unsigned_from=small["unsigned_from"])
+                      unsigned_from=small["unsigned_from"], trusted=small["trusted"])
 
     def put(self, record: Record) -> None:
         """Write ``record`` (and its manifest); call inside ``transact()``."""
@@ -232,6 +235,8 @@ class Index:
                  "has_manifest": record.manifest is not None}
         if record.unsigned_from is not None:
             small["unsigned_from"] = record.unsigned_from
+        if record.trusted is not None:
+            small["trusted"] = record.trusted
         if record.manifest is not None:
             self._db.set(_MANIFEST + record.key, _dumps(record.manifest))
         else:

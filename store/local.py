@@ -62,7 +62,7 @@ from .index import INDEX_ERRORS, Index
 from .layout import Layout, check_key, check_suffix, prepare
 from .locking import build_lock, flocked, open_temp
 from .materialize import Materializer
-from .record import GCReport, Record, VerifyReport, check_origin
+from .record import GCReport, Record, VerifyReport, check_origin, check_trust
 from .usage import Usage
 
 log = logging.getLogger("cachebuild.store")
@@ -87,6 +87,42 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _trust_of(origin: str | None, trusted: str | None) -> str | None:
+    """``Record.trusted`` for an artifact from ``origin`` (None: built here, nothing to
+    trust)."""
+    return check_trust(trusted) if origin is not None else None
+
+
+#: Sources already named in a refusal by this process: one line each.
+_TOLD_UNTRUSTED: set[str] = set()
+_TOLD_LOCK = threading.Lock()
+
+
+def untrusted_refusal(origin: str) -> str:
+    """The line that says an artifact from ``origin`` is not served, and what to do."""
+    return (f"not loading what came unsigned from {origin}: no one trusted that source "
+            f"(built here instead where needed); if you trust it, run "
+            f"`cachebuild trust '{origin}'` (or import the bundle with --trust), or sign "
+            f"with the fleet key (CACHEBUILD_SIGNING_KEY)")
+
+
+def _servable(small: dict[str, Any], quiet: bool = False) -> bool:
+    """False, after saying so once per source (unless ``quiet``: a look before a build,
+    which a worker process makes too), for a record whose artifact entered unsigned from
+    a source no one trusted: nothing from outside runs unvetted."""
+    origin = small.get("unsigned_from")
+    if origin is None or small.get("trusted") is not None:
+        return True
+    if quiet:
+        return False
+    with _TOLD_LOCK:
+        told = origin in _TOLD_UNTRUSTED
+        _TOLD_UNTRUSTED.add(origin)
+    if not told:
+        log.warning("cachebuild: %s", untrusted_refusal(origin))
+    return False
 
 
 def _read_all(fd: int) -> bytes:
@@ -270,32 +306,36 @@ class LocalStore(LocalTier):
 
     def put(self, key: str, data: bytes | bytearray | memoryview, *, kind: str,
             manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
-            unsigned_from: str | None = None) -> Record:
+            unsigned_from: str | None = None, trusted: str | None = None) -> Record:
         """Store ``data`` under ``key`` and return its record.
 
         Keys name immutable content, so putting a key that is already stored is a no-op
         that returns the existing record. When this returns, the blob is durable (fsync)
         and visible to every process. Raises StoreError with the cause when the disk is
         full or read-only; the store is left as it was. ``unsigned_from``: the data came
-        from there without a verified signature (``Record.unsigned_from``).
+        from there without a verified signature (``Record.unsigned_from``); ``trusted``:
+        who trusted that source (``Record.trusted``). An artifact built here
+        (``unsigned_from`` None) replaces a stored one that is not trusted.
         """
         check_key(key)
         refs = tuple(check_key(r) for r in refs)
         if isinstance(data, memoryview):
             data = data.cast("B")
-        existing = self._existing(key)
+        existing = self._existing(key, replacing_untrusted=unsigned_from is None)
         if existing is not None:
             return existing
         header, trailer, checksum = encode_parts(key, kind, data, self._signing_key)
         now = self.clock.time()
         record = Record(key=key, kind=kind, size=len(data),
                         checksum=checksum, created=now, last_used=now, manifest=manifest,
-                        refs=refs, unsigned_from=check_origin(unsigned_from))
+                        refs=refs, unsigned_from=check_origin(unsigned_from),
+                        trusted=_trust_of(unsigned_from, trusted))
         return self._install(record, (header, data, trailer))
 
     def write_blob(self, key: str, blob: bytes | bytearray | memoryview, *,
                    manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
-                   pinned: bool = False, unsigned_from: str | None = None) -> Record:
+                   pinned: bool = False, unsigned_from: str | None = None,
+                   trusted: str | None = None) -> Record:
         """Store a complete framed blob (as ``read_blob`` returns) under ``key``.
 
         The blob is verified first with this store's signing settings (CorruptBlob if it
@@ -306,19 +346,25 @@ class LocalStore(LocalTier):
         refs = tuple(check_key(r) for r in refs)
         header = check_blob(blob, expected_key=key, signing_key=self._signing_key,
                             require_signature=self.require_signature)
-        existing = self._existing(key)
+        existing = self._existing(key, replacing_untrusted=unsigned_from is None)
         if existing is not None:
             return existing
         now = self.clock.time()
         record = Record(key=key, kind=header.kind, size=header.length,
                         checksum=header.checksum, created=now, last_used=now,
                         pinned=pinned, manifest=manifest, refs=refs,
-                        unsigned_from=check_origin(unsigned_from))
+                        unsigned_from=check_origin(unsigned_from),
+                        trusted=_trust_of(unsigned_from, trusted))
         return self._install(record, (blob,))
 
-    def _existing(self, key: str) -> Record | None:
+    def _existing(self, key: str, *, replacing_untrusted: bool = False) -> Record | None:
+        """The stored record of ``key`` that a write leaves in place; None if the write
+        goes ahead (nothing stored, or ``replacing_untrusted`` and what is stored is not
+        trusted: a build of our own takes its place)."""
         record = self._index.get(key)
         if record is not None and is_regular(self._layout.blob(key)):
+            if replacing_untrusted and record.is_untrusted:
+                return None
             return record
         return None
 
@@ -350,6 +396,7 @@ class LocalStore(LocalTier):
                           pinned: bool = False,
                           accept: Callable[[BlobHeader], None] | None = None,
                           unsigned_from: Callable[[BlobHeader], str | None] | str | None = None,
+                          trusted: Callable[[BlobHeader], str | None] | str | None = None,
                           ) -> Record:
         """``write_blob`` for a blob that arrives in pieces, never held whole in memory.
 
@@ -358,7 +405,8 @@ class LocalStore(LocalTier):
         ``accept(header)`` runs as soon as the header is known and may raise to refuse
         the blob. CorruptBlob if a check fails; nothing is stored then.
         ``unsigned_from`` (``Record.unsigned_from``) may be a function of the verified
-        header (whether the blob was signed decides it).
+        header (whether the blob was signed decides it), and so may ``trusted``
+        (``Record.trusted``).
         """
         check_key(key)
         refs = tuple(check_key(r) for r in refs)
@@ -385,7 +433,9 @@ class LocalStore(LocalTier):
             record = Record(key=key, kind=header.kind, size=header.length,
                             checksum=header.checksum, created=now, last_used=now,
                             pinned=pinned, manifest=manifest, refs=refs,
-                            unsigned_from=check_origin(origin))
+                            unsigned_from=check_origin(origin),
+                            trusted=_trust_of(
+                                origin, trusted(header) if callable(trusted) else trusted))
             return self._commit(record, fd, tmp_path)
 
     def _commit(self, record: Record, fd: int, tmp_path: Path) -> Record:
@@ -397,7 +447,9 @@ class LocalStore(LocalTier):
         os.fsync(fd)
         with flocked(self._layout.entry_lock(key)):
             current = self._index.get(key)
-            if current is not None and is_regular(blob_path):
+            replaces = current is not None and current.is_untrusted \
+                and record.unsigned_from is None
+            if current is not None and is_regular(blob_path) and not replaces:
                 return current  # another process stored it first
             blob_path.parent.mkdir(mode=0o700, exist_ok=True)
             if os.path.lexists(blob_path) and not is_regular(blob_path):
@@ -456,13 +508,15 @@ class LocalStore(LocalTier):
         """The verified payload stored under ``key``, or None on a miss.
 
         A blob that fails verification is quarantined, counted, and reported as a miss,
-        so the caller rebuilds it; a blob removed while reading is a miss as well. With
+        so the caller rebuilds it; a blob removed while reading is a miss as well, and so
+        is an artifact that entered unsigned from a source no one trusted
+        (``Record.is_untrusted``: one warning line per source says what to do). With
         ``touch=False`` it is a look, not a use (``plan``, ``explain``): hits, misses and
         the last-used time GC goes by stay as they were.
         """
         check_key(key)
         small = self._index.get_small(key)
-        payload = None if small is None else self._read_payload(key, small)
+        payload = None if small is None or not _servable(small) else self._read_payload(key, small)
         if not touch:
             return payload
         if payload is None:
@@ -553,11 +607,13 @@ class LocalStore(LocalTier):
         return record
 
     def contains(self, key: str) -> bool:
-        """True if ``key`` is stored and its blob verifies now (read and checked like a
-        ``get``; a blob that fails is quarantined, and then this is False)."""
+        """True if ``key`` is stored, may be served (see ``get``) and its blob verifies now
+        (read and checked like a ``get``; a blob that fails is quarantined, and then this
+        is False)."""
         check_key(key)
         small = self._index.get_small(key)
-        return small is not None and self._read_payload(key, small) is not None
+        return (small is not None and _servable(small, quiet=True)
+                and self._read_payload(key, small) is not None)
 
     __contains__ = contains
 
@@ -588,7 +644,7 @@ class LocalStore(LocalTier):
         check_key(key)
         check_suffix(suffix)
         small = self._index.get_small(key)
-        if small is None:
+        if small is None or not _servable(small):
             self._usage.note(None, "misses")
             return None
         path = self._files.stored(key, suffix, small)
@@ -600,6 +656,26 @@ class LocalStore(LocalTier):
         if payload is None:
             return None
         return self._files.write(key, suffix, payload, self._index)
+
+    # -- trust --------------------------------------------------------------------------
+
+    def trust(self, source: str, how: str) -> list[str]:
+        """Trust ``source``: every record whose artifact came unsigned from it
+        (``Record.unsigned_from == source``) and is not trusted yet keeps ``how`` (who
+        trusted it, and by what) as its ``trusted``, and is served from then on. Returns
+        the keys marked; the mark is never cleared and never travels (a bundle or a
+        remote does not carry it)."""
+        how = check_trust(how) or ""
+        marked = []
+        with self._index.transact():
+            for key in list(self._index.keys()):
+                small = self._index.get_small(key)
+                if small is not None and small.get("unsigned_from") == source \
+                        and small.get("trusted") is None:
+                    small["trusted"] = how
+                    self._index.set_small(key, small)
+                    marked.append(key)
+        return marked
 
     # -- pins ---------------------------------------------------------------------------
 

@@ -325,6 +325,8 @@ def verify(layout: Layout, index: Index, check: BlobCheck, quarantine: Quarantin
                 report.ok += 1
                 if small["unsigned_from"] is not None:
                     report.unsigned.append((key, small["unsigned_from"]))
+                    if small.get("trusted") is None:
+                        report.untrusted.append((key, small["unsigned_from"]))
             else:
                 report.damaged.append((key, reason))
                 if repair:

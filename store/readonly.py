@@ -103,12 +103,13 @@ class ReadOnlyLocalStore(LocalStore):
 
     def put(self, key: str, data: bytes | bytearray | memoryview, *, kind: str,
             manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
-            unsigned_from: str | None = None) -> Record:
+            unsigned_from: str | None = None, trusted: str | None = None) -> Record:
         raise self._refuse(f"store {key}")
 
     def write_blob(self, key: str, blob: bytes | bytearray | memoryview, *,
                    manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
-                   pinned: bool = False, unsigned_from: str | None = None) -> Record:
+                   pinned: bool = False, unsigned_from: str | None = None,
+                   trusted: str | None = None) -> Record:
         raise self._refuse(f"store {key}")
 
     def write_blob_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview], *,
@@ -116,6 +117,7 @@ class ReadOnlyLocalStore(LocalStore):
                           pinned: bool = False,
                           accept: Callable[[BlobHeader], None] | None = None,
                           unsigned_from: Callable[[BlobHeader], str | None] | str | None = None,
+                          trusted: Callable[[BlobHeader], str | None] | str | None = None,
                           ) -> Record:
         raise self._refuse(f"store {key}")
 
@@ -124,6 +126,9 @@ class ReadOnlyLocalStore(LocalStore):
 
     def pin(self, key: str) -> None:
         raise self._refuse(f"pin {key}")
+
+    def trust(self, source: str, how: str) -> list[str]:
+        raise self._refuse(f"trust {source}")
 
     def unpin(self, key: str) -> None:
         raise self._refuse(f"unpin {key}")

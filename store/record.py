@@ -23,7 +23,11 @@ class Record:
     this store without a signature verified with the fleet key (pulled from a remote used
     without a key, imported unsigned): where it came from. It is never cleared, travels
     with the record (bundles, signed shared records), and ``push`` will not sign such an
-    artifact unless it is named (``--vouch``).
+    artifact unless it is named (``--vouch``). ``trusted`` says who trusted the source of
+    such an artifact, and how (``cachebuild trust SOURCE``, ``import --trust``, a remote
+    used with ``--allow-unsigned``, the fleet key's signature): without it a store does
+    not serve the artifact (``is_untrusted``). It is this store's decision: kept in its
+    own index only, never read from a bundle or a shared record.
     """
 
     key: str
@@ -37,6 +41,12 @@ class Record:
     manifest: dict[str, Any] | None = None
     refs: tuple[str, ...] = ()
     unsigned_from: str | None = None
+    trusted: str | None = None
+
+    @property
+    def is_untrusted(self) -> bool:
+        """True if the artifact entered unsigned and no one trusted where it came from."""
+        return self.unsigned_from is not None and self.trusted is None
 
     def to_json(self) -> dict[str, Any]:
         """A JSON-ready dict of every field."""
@@ -160,6 +170,18 @@ def check_origin(origin: Any) -> str | None:
     return origin
 
 
+def check_trust(trusted: Any) -> str | None:
+    """``trusted`` if it can be a record's ``trusted`` (None, or a short line of printable
+    text), else BadRecord."""
+    if trusted is None:
+        return None
+    if not isinstance(trusted, str) or not trusted or len(trusted) > MAX_ORIGIN * 2 \
+            or not trusted.isprintable():
+        raise BadRecord(f"record field 'trusted' must be a short line of text, "
+                        f"not {_show(trusted)}")
+    return trusted
+
+
 @dataclass
 class GCReport:
     """What a GC run removed (or, with ``dry_run``, would remove) and what it kept.
@@ -198,13 +220,16 @@ class VerifyReport:
     ``damaged`` lists ``(key, reason)`` for blobs that failed verification or are
     missing; ``repaired`` says whether they were quarantined and their records dropped.
     ``unsigned`` lists ``(key, where from)`` for records that entered the store without a
-    verified signature (``Record.unsigned_from``): not damage, but not vouched for.
+    verified signature (``Record.unsigned_from``): not damage, but not vouched for;
+    ``untrusted`` those of them whose source no one trusted (``Record.is_untrusted``),
+    which a store does not serve.
     """
 
     checked: int = 0
     ok: int = 0
     damaged: list[tuple[str, str]] = field(default_factory=list)
     unsigned: list[tuple[str, str]] = field(default_factory=list)
+    untrusted: list[tuple[str, str]] = field(default_factory=list)
     repaired: bool = False
     tmp_removed: int = 0
     orphans_removed: int = 0
@@ -218,5 +243,6 @@ class VerifyReport:
         data = asdict(self)
         data["damaged"] = [{"key": k, "reason": r} for k, r in self.damaged]
         data["unsigned"] = [{"key": k, "from": w} for k, w in self.unsigned]
+        data["untrusted"] = [{"key": k, "from": w} for k, w in self.untrusted]
         data["clean"] = self.clean
         return data

@@ -202,14 +202,15 @@ class TieredStore(Store):
         manifest = record.manifest if record is not None and authentic else None
         refs = refs_of(header.kind, payload)
         origin = self._origin(record if authentic else None)
+        trusted = self._trusted(origin)
         try:
             if self.same_key_as_local:
                 # Keep the verified blob byte for byte (L1 re-checks it with the same key).
                 self.local.write_blob(key, framed, manifest=manifest, refs=refs,
-                                      unsigned_from=origin)
+                                      unsigned_from=origin, trusted=trusted)
             else:
                 self.local.put(key, payload, kind=header.kind, manifest=manifest, refs=refs,
-                               unsigned_from=origin)
+                               unsigned_from=origin, trusted=trusted)
         except StoreError as exc:
             # The payload is verified and usable; only the local copy failed (disk full).
             log.warning("could not copy remote blob %s into the local store: %s", key, exc)
@@ -217,7 +218,7 @@ class TieredStore(Store):
             self._unstored[key] = Record(key=key, kind=header.kind, size=header.length,
                                          checksum=header.checksum, created=now,
                                          last_used=now, manifest=manifest, refs=refs,
-                                         unsigned_from=origin)
+                                         unsigned_from=origin, trusted=trusted)
         self._count("l2_hits")
         return payload, "pulled"
 
@@ -252,6 +253,18 @@ class TieredStore(Store):
         if self.signing_key is None:
             return f"remote {self.remote.display_url} (no signing key)"[:MAX_ORIGIN]
         return record.unsigned_from if record is not None else None
+
+    def _trusted(self, origin: str | None) -> str | None:
+        """``Record.trusted`` for a blob fetched from L2 from ``origin``: without a key,
+        the option that named this remote as a source of unsigned blobs
+        (``allow_unsigned``, without which no keyless remote is used); with one, the fleet
+        key's signature, verified on this very blob (someone vouched for it by name)."""
+        if origin is None:
+            return None
+        assert self.remote is not None
+        if self.signing_key is None:
+            return f"--allow-unsigned with remote {self.remote.display_url}"[:MAX_ORIGIN]
+        return "signed with the fleet key"
 
     def contains(self, key: str) -> bool:
         """True if ``key`` verifies in L1, or in L2 (fetched, verified, copied into L1)."""

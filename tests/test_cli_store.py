@@ -187,7 +187,7 @@ def test_model_resolver_can_be_plugged_in(open_local, filled, monkeypatch):
 def test_main_owns_the_table_of_commands():
     names = {c.name for c in cli.COMMANDS}
     assert names == set(cli.main.commands)
-    assert {"ls", "stats", "gc", "verify", "pin", "unpin", "export", "import", "warm",
+    assert {"ls", "stats", "gc", "verify", "pin", "unpin", "export", "import", "trust", "warm",
             "plan", "explain", "push", "pull"} == names
 
 
@@ -243,10 +243,16 @@ def test_export_import_round_trip(open_local, filled, tmp_path, name):
     result = run(filled, "export", str(bundle))
     assert result.exit_code == 0 and "exported 4 records" in result.stdout
     target = tmp_path / "elsewhere"
+    # Unsigned (a keyless store): imported, but not served until the bundle is trusted.
     result = run(target, "import", str(bundle))
     assert result.exit_code == 0, result.output
     assert "imported 4 records" in result.stdout
-    src, dst = open_local(filled), open_local(target)
+    assert f"not trusted: 4 records from bundle {name}" in result.stderr
+    dst = open_local(target)
+    assert all(dst.get(r.key) is None for r in dst.records())
+    result = run(target, "trust", f"bundle {name}")
+    assert result.exit_code == 0 and "trusted 4 records" in result.stdout, result.output
+    src = open_local(filled)
     for record in src.records():
         copy = dst.get_record(record.key)
         assert (copy.kind, copy.size, copy.checksum, copy.pinned, copy.refs, copy.manifest) == (

@@ -171,6 +171,31 @@ def test_rotary_embedding(tokens, nq, nkv, head, rot, three_d):
                 reference.rotary_embedding(pos, q, k, cache, head))
 
 
+def test_rotary_positions_outside_the_cache_read_its_edge_rows():
+    # A stored graph may pass any positions: the launcher clamps them into the cache, so
+    # they read its first or last row, never memory around it.
+    q, k = randn(4, 2 * 16), randn(4, 16, seed=1)
+    cache = rope_cache(8, 16)
+    pos = torch.tensor([-(2 ** 40), -1, 8, 2 ** 40], device=DEVICE)
+    assert_same(kernels.rotary_embedding_triton(pos, q, k, cache, 16),
+                reference.rotary_embedding(pos.clamp(0, 7), q, k, cache, 16))
+
+
+@pytest.mark.parametrize("call", [
+    lambda: kernels.rms_norm_triton(randn(3, 32), randn(31), EPS),
+    lambda: kernels.fused_add_rms_norm_triton(randn(3, 32), randn(2, 32), randn(32), EPS),
+    lambda: kernels.qk_norm_rope_triton(randn(3, 64), positions_for(2, 8), randn(16),
+                                        randn(16), rope_cache(8, 16), 2, 1, 16, EPS),
+    lambda: kernels.qk_norm_rope_triton(randn(3, 64), positions_for(3, 8), randn(16),
+                                        randn(16), rope_cache(8, 16), 4, 1, 16, EPS),
+    lambda: kernels.qk_norm_rope_triton(randn(3, 64), positions_for(3, 8), randn(8),
+                                        randn(8), rope_cache(8, 16), 2, 1, 16, EPS),
+], ids=["rms-weight", "residual-shape", "rope-rows", "rope-heads", "rope-weights"])
+def test_launchers_refuse_sizes_that_do_not_fit_their_tensors(call):
+    with pytest.raises(ValueError):
+        call()
+
+
 @pytest.mark.parametrize("tokens", TOKENS)
 @pytest.mark.parametrize("hidden", HIDDEN)
 def test_rms_norm_static_fp8_quant(tokens, hidden):

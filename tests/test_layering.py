@@ -22,7 +22,7 @@ FOLDERS = {"cachebuild": "cachebuild", "backends": "cachebuild.backends",
 LAYERS = [
     ["cachebuild", "cachebuild.errors", "cachebuild.keys", "cachebuild.config",
      "cachebuild.units", "cachebuild.counters", "cachebuild.clock", "cachebuild.keep", "cachebuild.compat", "cachebuild.env",
-     "cachebuild.dictwatch", "cachebuild.calls", "cachebuild.graphmodes",
+     "cachebuild.dictwatch", "cachebuild.calls", "cachebuild.graphmodes", "cachebuild.allowed",
      "cachebuild.metrics"],
     ["cachebuild.facts", "cachebuild.effects", "cachebuild.fxjson", "cachebuild.purity",
      "cachebuild.graphdiff",

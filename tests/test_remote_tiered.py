@@ -164,6 +164,12 @@ def test_remote_without_signing_key_needs_allow_unsigned(tmp_path, server):
     with pytest.warns(UnsignedRemoteWarning):
         other = tiered(tmp_path / "b", server.url, signing_key=None, allow_unsigned=True)
     assert other.get(key) == b"unsigned payload"
+    # The copy in L1 came unsigned from the remote that --allow-unsigned named: trusted by
+    # that option, so it is served from L1 from then on.
+    copy = other.local.get_record(key)
+    assert copy.unsigned_from.startswith("remote ") and copy.trusted.startswith(
+        "--allow-unsigned with remote ")
+    assert other.local.get(key) == b"unsigned payload"
     # No remote, no key: nothing to authenticate, no warning.
     with warnings.catch_warnings():
         warnings.simplefilter("error")

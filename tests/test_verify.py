@@ -30,7 +30,8 @@ class SiluToGelu(EagerFusionBackend):
 
     def compile(self, request: BuildRequest):
         artifact = super().compile(request)
-        artifact.payload = artifact.payload.replace(b"\"op:aten::silu\"", b"\"op:aten::gelu\"")
+        artifact.payload = artifact.payload.replace(b'"op:aten::silu.default"',
+                                                    b'"op:aten::gelu.default"')
         return artifact
 
 
@@ -164,7 +165,8 @@ def test_verify_on_load_catches_a_stored_artifact_that_does_not_match(open_local
     # would serve): verified on load, it is refused; unverified, it would be used.
     record = next(r for r in store.records() if r.kind == "fx-graph"
                   and b"op:aten::silu" in store.get(r.key))
-    payload = store.get(record.key).replace(b"\"op:aten::silu\"", b"\"op:aten::gelu\"")
+    payload = store.get(record.key).replace(b'"op:aten::silu.default"',
+                                        b'"op:aten::gelu.default"')
     store.delete(record.key)
     store.put(record.key, payload, kind=record.kind, manifest=record.manifest)
     bad = models.run_python(LOAD_CHILD, env={"STORE": str(store_path),

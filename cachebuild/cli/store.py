@@ -52,14 +52,16 @@ def ls_command(ctx: click.Context, as_json: bool, kind: str | None) -> None:
     table.add_column("pinned")
     table.add_column("refs", justify="right")
     unsigned = any(r.unsigned_from for r in records)
-    if unsigned:  # where each artifact that entered unsigned came from
+    if unsigned:  # where each artifact that entered unsigned came from, and who trusted it
         table.add_column("entered unsigned from")
+        table.add_column("trusted by (else not served)")
     for r in records:
         row = [r.key, r.kind, format_size(r.size), ago(r.created, now),
                ago(r.last_used, now), str(r.hits), "yes" if r.pinned else "",
                str(len(r.refs)) if r.refs else ""]
         if unsigned:
             row.append(safe_text(r.unsigned_from or ""))
+            row.append(safe_text(r.trusted or ("NOT TRUSTED" if r.unsigned_from else "")))
         table.add_row(*row)
     stdout().print(table)
 
@@ -204,13 +206,34 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
 
 
 @click.command("verify")
-@click.option("--repair", is_flag=True, help="Quarantine damaged blobs and drop their records.")
+@click.option("--repair", is_flag=True, help="Quarantine damaged blobs and drop their records; "
+                                             "remove records holding graphs a load refuses.")
 @click.pass_context
 def verify_command(ctx: click.Context, repair: bool) -> None:
-    """Check every blob; exit 1 if any is damaged and was not repaired."""
+    """Check every blob, and every stored graph as a load checks it; exit 1 if any is
+    damaged or holds a graph a load refuses, and was not repaired."""
     store = open_store(ctx)
     with progress_bar("verifying") as on_progress:
         report = store.verify(repair=repair, progress=on_progress)
+    # Blobs that verify can still hold a graph a load refuses (one that names what stored
+    # graphs may not call): a server would never load it, so it is not "ok". Checking
+    # graphs takes torch, imported only for a store that holds some.
+    refused: list[tuple[str, str]] = []
+    if any(next(iter(store.records(kind=kind, manifests=False)), None) is not None
+           for kind in ("entry", "fx-graph")):
+        from cachebuild.entry import refused_graphs
+
+        refused = refused_graphs(store, skip={key for key, _ in report.damaged + report.untrusted})
+    for key, why in refused[:MAX_LISTED]:
+        if repair:
+            store.delete(key)
+        click.echo(f"refused {key}: {printable(why)}" + (" (removed)" if repair else ""),
+                   err=True)
+    if len(refused) > MAX_LISTED:
+        click.echo(f"refused: and {len(refused) - MAX_LISTED} more", err=True)
+    if repair:
+        for key, _ in refused[MAX_LISTED:]:
+            store.delete(key)
     for key, reason in report.damaged[:MAX_LISTED]:
         click.echo(f"damaged {key}: {reason}" + (" (quarantined)" if repair else ""), err=True)
     if len(report.damaged) > MAX_LISTED:
@@ -221,15 +244,29 @@ def verify_command(ctx: click.Context, repair: bool) -> None:
     if len(report.unsigned) > MAX_LISTED:
         click.echo(f"unsigned: and {len(report.unsigned) - MAX_LISTED} more (ls shows them)",
                    err=True)
-    summary = f"checked {report.checked} blobs: {report.ok} ok, {len(report.damaged)} damaged"
+    untrusted: dict[str, int] = {}
+    for _, origin in report.untrusted:
+        untrusted[origin] = untrusted.get(origin, 0) + 1
+    for origin, count in list(untrusted.items())[:MAX_LISTED]:
+        click.echo(f"not trusted: {plural(count, 'record')} from {printable(origin)}, not "
+                   f"served until you trust the source: `cachebuild trust "
+                   f"'{printable(origin)}'`", err=True)
+    # Untrusted records are not served, and their graphs were not read: not "ok".
+    summary = (f"checked {report.checked} blobs: "
+               f"{report.ok - len(refused) - len(report.untrusted)} ok, "
+               f"{len(report.damaged)} damaged")
+    if refused:
+        summary += f", {len(refused)} holding graphs a load refuses"
+    if report.untrusted:
+        summary += f", {len(report.untrusted)} not trusted"
     if report.unsigned:
         summary += f" ({len(report.unsigned)} of them entered unsigned)"
     if report.tmp_removed or report.orphans_removed:
         summary += (f"; cleaned {report.tmp_removed} abandoned temp files and "
                     f"{report.orphans_removed} unrecorded blobs")
     click.echo(summary)
-    if report.damaged and not repair:
-        click.echo("run `cachebuild verify --repair` to quarantine them", err=True)
+    if (report.damaged or refused) and not repair:
+        click.echo("run `cachebuild verify --repair` to quarantine or remove them", err=True)
         ctx.exit(1)
 
 
@@ -284,20 +321,36 @@ def export_command(ctx: click.Context, file: Path, model: str | None,
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--allow-unsigned", "allow_unsigned", is_flag=True,
               help="Import unsigned blobs into a store that has a signing key (they are "
-                   "refused otherwise); only for a bundle you trust.")
+                   "refused otherwise); they are served only once trusted.")
+@click.option("--trust", is_flag=True,
+              help="Trust this bundle: serve what comes in unsigned from it (kept in each "
+                   "record). Implies --allow-unsigned.")
 @click.pass_context
-def import_command(ctx: click.Context, file: Path, allow_unsigned: bool) -> None:
+def import_command(ctx: click.Context, file: Path, allow_unsigned: bool, trust: bool) -> None:
     """Import a bundle, re-verifying every blob; damaged records are refused (exit 1).
 
     Into a store with a signing key (CACHEBUILD_SIGNING_KEY), unsigned blobs are refused
-    unless --allow-unsigned is given."""
+    unless --allow-unsigned or --trust is given. What comes in without a signature the
+    store's key verifies is not served until its source is trusted: --trust, or
+    `cachebuild trust SOURCE` later."""
     from cachebuild.store import import_bundle
 
     store = open_store(ctx).local
     with progress_bar("importing") as on_progress:
-        report = import_bundle(store, file, progress=on_progress, allow_unsigned=allow_unsigned)
+        report = import_bundle(store, file, progress=on_progress, allow_unsigned=allow_unsigned,
+                               trust=trust)
     click.echo(f"imported {plural(len(report.imported), 'record')} from {file}"
                + (f", {len(report.existing)} already present" if report.existing else ""))
+    untrusted: dict[str, int] = {}
+    for key in report.imported:
+        record = store.get_record(key)
+        if record is not None and record.is_untrusted:
+            origin = record.unsigned_from or ""
+            untrusted[origin] = untrusted.get(origin, 0) + 1
+    for origin, count in list(untrusted.items())[:MAX_LISTED]:
+        click.echo(f"not trusted: {plural(count, 'record')} from {printable(origin)} will not "
+                   f"be served until you trust the source: `cachebuild trust "
+                   f"'{printable(origin)}'` (or import with --trust)", err=True)
     for name, reason in report.refused[:MAX_LISTED]:
         click.echo(f"refused {printable(name)}: {printable(reason, 300)}", err=True)
     if report.refused_count > MAX_LISTED:
@@ -308,5 +361,23 @@ def import_command(ctx: click.Context, file: Path, allow_unsigned: bool) -> None
         ctx.exit(1)
 
 
+@click.command("trust")
+@click.argument("source")
+@click.pass_context
+def trust_command(ctx: click.Context, source: str) -> None:
+    """Serve what came unsigned from SOURCE (a bundle or a remote, as `ls` and `verify`
+    name it); the decision is kept in each record it marks."""
+    store = open_store(ctx).local
+    marked = store.trust(source, f"cachebuild trust ({source})"[:600])
+    if not marked:
+        sources = sorted({r.unsigned_from for r in store.records(manifests=False)
+                          if r.is_untrusted and r.unsigned_from})
+        known = (": untrusted sources are " + ", ".join(
+            f"'{printable(s)}'" for s in sources[:5]) + (" ..." if len(sources) > 5 else "")
+            if sources else ": nothing stored is untrusted")
+        raise UsageError(f"no untrusted record came from '{printable(source)}'{known}")
+    click.echo(f"trusted {plural(len(marked), 'record')} from {printable(source)}")
+
+
 COMMANDS = (ls_command, stats_command, gc_command, verify_command, pin_command, unpin_command,
-            export_command, import_command)
+            export_command, import_command, trust_command)

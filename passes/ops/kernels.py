@@ -201,6 +201,14 @@ def _row_warps(block: int) -> int:
     return max(1, min(16, block // 512))
 
 
+def _require(ok: bool, what: str) -> None:
+    """The kernels read and write by sizes they are given: each launcher checks them
+    against the tensors first, so a call with mismatched shapes (as a stored graph may
+    make) is an error, never a read or write past a tensor."""
+    if not ok:
+        raise ValueError(what)
+
+
 def _check_scale(scale: torch.Tensor) -> torch.Tensor:
     if scale.numel() != 1:
         raise ValueError(f"static fp8 scale must have one element, got shape {tuple(scale.shape)}")
@@ -210,6 +218,10 @@ def _check_scale(scale: torch.Tensor) -> torch.Tensor:
 def _norm(input: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
           scale: torch.Tensor | None, epsilon: float) -> tuple[torch.Tensor, torch.Tensor | None]:
     hidden = input.shape[-1]
+    _require(weight.numel() == hidden, f"rms_norm weight of {weight.numel()} elements for "
+                                       f"rows of {hidden}")
+    _require(residual is None or residual.shape == input.shape,
+             "rms_norm residual and input shapes differ")
     x = _rows(input)
     out = torch.empty(input.shape, dtype=FP8_DTYPE if scale is not None else input.dtype,
                       device=input.device)
@@ -305,6 +317,17 @@ def _launch_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     rot = cos_sin_cache.shape[-1]
     if rot % 2 or rot > head_size:
         raise ValueError(f"rotary dim {rot} must be even and at most head_size {head_size}")
+    _require(cos_sin_cache.dim() == 2 and (tokens == 0 or cos_sin_cache.shape[0] > 0)
+             and head_size > 0 and num_heads_q >= 0
+             and num_heads_kv >= 0, "rope sizes do not fit the cos/sin cache")
+    _require(q.shape[0] == tokens and k.shape[0] == tokens and q_out.shape[0] == tokens
+             and k_out.shape[0] == tokens, "rope rows differ from the positions")
+    _require(q.shape[1] >= num_heads_q * head_size and k.shape[1] >= num_heads_kv * head_size
+             and q_out.shape[1] >= num_heads_q * head_size
+             and k_out.shape[1] >= num_heads_kv * head_size, "rope heads exceed the rows")
+    _require(q_weight is None or (q_weight.numel() >= head_size and k_weight is not None
+                                  and k_weight.numel() >= head_size),
+             "rope norm weights are shorter than a head")
     if tokens == 0:
         return
     half = rot // 2
@@ -312,9 +335,14 @@ def _launch_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     block_h = min(triton.next_power_of_2(max(num_heads_q, num_heads_kv)), 16)
     grid = (tokens, triton.cdiv(num_heads_q, block_h) + triton.cdiv(num_heads_kv, block_h))
     cache = cos_sin_cache if cos_sin_cache.stride(-1) == 1 else cos_sin_cache.contiguous()
+    # Positions come from the caller (a stored graph may pass any): clamped into the
+    # cache on the device, so a bad one reads a wrong row, never memory past the cache.
+    # Checking them on the host would need a sync, which CUDA graph capture forbids; a
+    # clamp here leaves the kernel itself as it was.
+    rows = positions.reshape(-1).clamp(0, cache.shape[0] - 1)
     norm = q_weight is not None
     _rope_kernel[grid](
-        positions.reshape(-1), q, q.stride(0), k, k.stride(0), q_out, q_out.stride(0),
+        rows, q, q.stride(0), k, k.stride(0), q_out, q_out.stride(0),
         k_out, k_out.stride(0), q_weight if norm else cache, k_weight if norm else cache,
         cache, cache.stride(0), num_heads_q, num_heads_kv, head_size, half, float(epsilon),
         BLOCK_H=block_h, BLOCK_R=triton.next_power_of_2(max(half, 1)),
