@@ -108,6 +108,11 @@ def summarize(events: Any, steps: int) -> dict[str, Any]:
         entry[0] += e.self_cpu_time_total
         entry[1] += 1
     top = sorted(self_cpu.items(), key=lambda kv: -kv[1][0])[:12]
+    by_kernel: dict[str, list[float]] = {}
+    for k in kernels:  # which kernels the device ran, by name: a mode's extra work shows here
+        entry = by_kernel.setdefault(k.name[:90], [0.0, 0])
+        entry[0] += k.time_range.end - k.time_range.start
+        entry[1] += 1
     return {
         "graph_replays_per_step": len(graph_launches) / steps,
         "cpu_kernel_launches_per_step": sum(e.name in KERNEL_LAUNCH for e in cpu) / steps,
@@ -119,6 +124,8 @@ def summarize(events: Any, steps: int) -> dict[str, Any]:
         "step_range_us": step_us / steps,
         "top_cpu_ops": [{"op": name, "self_us_per_step": total / steps, "calls_per_step": n / steps}
                         for name, (total, n) in top],
+        "kernels": {name: {"device_us_per_step": total / steps, "per_step": n / steps}
+                    for name, (total, n) in sorted(by_kernel.items(), key=lambda kv: -kv[1][0])},
     }
 
 
@@ -157,7 +164,30 @@ def render(results: dict[str, Any]) -> str:
         lines += ["", f"{mode}: CPU ops with the most self time per step"]
         lines += [f"    {o['self_us_per_step']:9.1f} µs  {o['calls_per_step']:6.1f} calls  {o['op']}"
                   for o in r["top_cpu_ops"]]
+    lines += _kernel_table(results)
     return "\n".join(lines) + "\n"
+
+
+def _kernel_table(results: dict[str, Any]) -> list[str]:
+    """Kernels per step and their device time, by name, side by side for every mode: where
+    two modes' device work differs. The 25 names with the most device time in any mode."""
+    modes = [m for m, r in results.items() if r.get("kernels")]
+    if not modes:
+        return []
+    worst: dict[str, float] = {}
+    for m in modes:
+        for name, k in results[m]["kernels"].items():
+            worst[name] = max(worst.get(name, 0.0), k["device_us_per_step"])
+    names = sorted(worst, key=lambda n: -worst[n])[:25]
+    lines = ["", "Kernels per step (count × device µs), by name:", "",
+             "| kernel | " + " | ".join(modes) + " |", "|---" * (len(modes) + 1) + "|"]
+    for name in names:
+        cells = []
+        for m in modes:
+            k = results[m]["kernels"].get(name)
+            cells.append(f"{k['per_step']:.0f} × {k['device_us_per_step']:.0f}" if k else "–")
+        lines.append(f"| `{name}` | " + " | ".join(cells) + " |")
+    return lines
 
 
 def main() -> None:
@@ -219,8 +249,8 @@ def main() -> None:
             results[mode] = {"error": (proc.stderr.strip().splitlines() or ["failed"])[-1][:400]}
         else:
             results[mode] = json.loads(proc.stdout.strip().splitlines()[-1])
-        print(mode, json.dumps({k: v for k, v in results[mode].items() if k != "top_cpu_ops"}),
-              flush=True)
+        brief = {k: v for k, v in results[mode].items() if k not in ("top_cpu_ops", "kernels")}
+        print(mode, json.dumps(brief), flush=True)
         header = (f"Decode step profile: batch {args.batch}, {args.steps} steps profiled, "
                   f"{args.layers} layers, hidden {args.hidden}, {args.device}\n\n")
         args.out.write_text(header + render(results))
