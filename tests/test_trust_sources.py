@@ -48,9 +48,11 @@ def serve(model: Path, env: dict[str, str]) -> tuple[dict, str]:
 
 
 def records(env: dict[str, str]) -> list[dict]:
-    proc = cli("ls", "--json", env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    """The store's records as ``ls --json`` prints them (read in this process: cheaper)."""
+    from cachebuild.store import LocalStore
+
+    with LocalStore(env["CACHEBUILD_DIR"]) as store:
+        return [r.to_json() for r in store.records(manifests=False)]
 
 
 def test_an_unsigned_import_is_not_served_until_its_source_is_trusted(bundle, tmp_path):
@@ -60,6 +62,8 @@ def test_an_unsigned_import_is_not_served_until_its_source_is_trusted(bundle, tm
     assert imported.returncode == 0, imported.stderr[-3000:]
     assert f"cachebuild trust '{SOURCE}'" in imported.stderr
     assert all(r["unsigned_from"] == SOURCE and r["trusted"] is None for r in records(env))
+    listed = cli("ls", env=env)
+    assert listed.returncode == 0 and "NOT TRUSTED" in listed.stdout, listed.stdout
     verified = cli("verify", env=env)
     assert verified.returncode == 0, verified.stderr[-3000:]
     assert re.search(r": 0 ok, 0 damaged, \d+ not trusted", verified.stdout), verified.stdout
