@@ -93,8 +93,10 @@ def test_trusting_the_source_by_name_serves_it_and_is_kept_in_the_record(bundle,
     stats, err = serve(model, env)
     assert stats["built"] == 0 and stats["traced"] == 0 and "not loading" not in err, stats
 
-    # At import, with the one flag the README's deploy flow names.
+    # At import, with the one flag the README's deploy flow names (also over an import
+    # made without it).
     env = clean_env(CACHEBUILD_DIR=str(tmp_path / "at-once"))
+    assert cli("import", str(path), env=env).returncode == 0
     assert cli("import", "--trust", str(path), env=env).returncode == 0
     assert {r["trusted"] for r in records(env)} == {f"cachebuild import --trust ({SOURCE})"}
     stats, err = serve(model, env)
