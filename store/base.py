@@ -205,7 +205,7 @@ class LocalTier(Store, Protocol):
         """``write_blob`` for a blob that arrives in pieces, verified as it is written."""
         ...
 
-    def trust(self, source: str, how: str) -> list[str]:
+    def trust(self, source: str, how: str, keys: Iterable[str] | None = None) -> list[str]:
         """Mark what came unsigned from ``source`` as trusted by ``how``; the keys marked."""
         ...
 

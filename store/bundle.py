@@ -287,6 +287,7 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
         raise UsageError(f"{src} is not a cachebuild bundle: {e}") from None
     report = ImportReport()
     source = f"bundle {_printable(src.name)[:200]}"
+    how = f"cachebuild import --trust ({source})" if trust else None
     with tar:
         first, header = _read_header(tar, src)
         expected = header["entries"]
@@ -331,8 +332,7 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
                         report.refuse(key, record)
                     else:
                         _import_entry(store, key, record, f, member.size, report,
-                                      allow_unsigned or trust, source,
-                                      f"cachebuild import --trust ({source})" if trust else None)
+                                      allow_unsigned or trust, source, how)
                     current = None
                     if progress is not None:
                         progress(len(seen), max(len(expected), len(seen)))
@@ -346,6 +346,10 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
         for key in expected[:MAX_MEMBERS]:
             if isinstance(key, str) and key not in seen:
                 report.refuse(_printable(key), "listed in the bundle but missing from it")
+    if how is not None:
+        # What an earlier import of the same bundle brought in without --trust (a write of
+        # a stored key leaves it as it was): trusted now.
+        store.trust(source, how, keys=[*report.existing, *report.imported])
     return report
 
 

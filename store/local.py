@@ -659,16 +659,16 @@ class LocalStore(LocalTier):
 
     # -- trust --------------------------------------------------------------------------
 
-    def trust(self, source: str, how: str) -> list[str]:
+    def trust(self, source: str, how: str, keys: Iterable[str] | None = None) -> list[str]:
         """Trust ``source``: every record whose artifact came unsigned from it
         (``Record.unsigned_from == source``) and is not trusted yet keeps ``how`` (who
         trusted it, and by what) as its ``trusted``, and is served from then on. Returns
         the keys marked; the mark is never cleared and never travels (a bundle or a
-        remote does not carry it)."""
+        remote does not carry it). ``keys``: only those (else every record)."""
         how = check_trust(how) or ""
         marked = []
         with self._index.transact():
-            for key in list(self._index.keys()):
+            for key in list(self._index.keys() if keys is None else keys):
                 small = self._index.get_small(key)
                 if small is not None and small.get("unsigned_from") == source \
                         and small.get("trusted") is None:

@@ -127,7 +127,7 @@ class ReadOnlyLocalStore(LocalStore):
     def pin(self, key: str) -> None:
         raise self._refuse(f"pin {key}")
 
-    def trust(self, source: str, how: str) -> list[str]:
+    def trust(self, source: str, how: str, keys: Iterable[str] | None = None) -> list[str]:
         raise self._refuse(f"trust {source}")
 
     def unpin(self, key: str) -> None:

@@ -48,9 +48,11 @@ def serve(model: Path, env: dict[str, str]) -> tuple[dict, str]:
 
 
 def records(env: dict[str, str]) -> list[dict]:
-    proc = cli("ls", "--json", env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    """The store's records as ``ls --json`` prints them (read in this process: cheaper)."""
+    from cachebuild.store import LocalStore
+
+    with LocalStore(env["CACHEBUILD_DIR"]) as store:
+        return [r.to_json() for r in store.records(manifests=False)]
 
 
 def test_an_unsigned_import_is_not_served_until_its_source_is_trusted(bundle, tmp_path):
@@ -60,6 +62,8 @@ def test_an_unsigned_import_is_not_served_until_its_source_is_trusted(bundle, tm
     assert imported.returncode == 0, imported.stderr[-3000:]
     assert f"cachebuild trust '{SOURCE}'" in imported.stderr
     assert all(r["unsigned_from"] == SOURCE and r["trusted"] is None for r in records(env))
+    listed = cli("ls", env=env)
+    assert listed.returncode == 0 and "NOT TRUSTED" in listed.stdout, listed.stdout
     verified = cli("verify", env=env)
     assert verified.returncode == 0, verified.stderr[-3000:]
     assert re.search(r": 0 ok, 0 damaged, \d+ not trusted", verified.stdout), verified.stdout
@@ -89,8 +93,10 @@ def test_trusting_the_source_by_name_serves_it_and_is_kept_in_the_record(bundle,
     stats, err = serve(model, env)
     assert stats["built"] == 0 and stats["traced"] == 0 and "not loading" not in err, stats
 
-    # At import, with the one flag the README's deploy flow names.
+    # At import, with the one flag the README's deploy flow names (also over an import
+    # made without it).
     env = clean_env(CACHEBUILD_DIR=str(tmp_path / "at-once"))
+    assert cli("import", str(path), env=env).returncode == 0
     assert cli("import", "--trust", str(path), env=env).returncode == 0
     assert {r["trusted"] for r in records(env)} == {f"cachebuild import --trust ({SOURCE})"}
     stats, err = serve(model, env)
