@@ -16,6 +16,7 @@ target after another, with whatever this process registered (ops, backends, pass
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
@@ -26,6 +27,9 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from cachebuild.api import ModelSpec
 from cachebuild.errors import UsageError
+
+#: What a long wait is doing, as each phase starts (the command line shows it at once).
+progress = logging.getLogger("cachebuild.progress")
 
 if TYPE_CHECKING:
     from cachebuild.build import BuildJob
@@ -212,7 +216,9 @@ def plan_model(source: Source, store: Store, device: str | None = None,
     ``on_trace(config)`` called first)."""
     from cachebuild.planner import Planner
 
+    progress.info("importing %s and building its model", source.name)
     spec = _spec_on(source.build(), device)
+    progress.info("looking up the entry of %s", source.name)
     planner = Planner(spec.model, spec.config, spec.dynamic_dims, store, touch=False)
     found = planner.lookup(spec.example_inputs, pending)
     entry = found.entry
@@ -224,6 +230,8 @@ def plan_model(source: Source, store: Store, device: str | None = None,
             say(f"tracing {source.name}{who}: {reason(found.why, store, found.factors)}")
         if on_trace is not None:
             on_trace(spec.config)
+        progress.info("tracing %s%s", source.name, f" as rank {rank}" if rank is not None
+                      else "")
         entry = planner.trace(spec.example_inputs, found)
     return Planned(spec, planner, entry, found.why, found, rank)
 
@@ -528,8 +536,12 @@ def warm(model: ModelSource, *, store: StoreArg = None,
                 assert pool is not None
                 if jobs is None:  # the guess at the trace may have been short
                     pool.grow(jobs_here(len(missing)))
+                progress.info("building %d target%s in worker processes", len(missing),
+                              "" if len(missing) == 1 else "s")
                 build_jobs(missing, pool, str(source.file), options, finished, phases)
             else:
+                progress.info("building %d target%s in this process", len(missing),
+                              "" if len(missing) == 1 else "s")
                 _build_here(missing, opened, finished, phases)
         for p in _new_entries(group):
             entry = next(e for e in report.entries if e.key == p.entry.key)

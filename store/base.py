@@ -87,11 +87,6 @@ class Store(ArtifactSource, Protocol):
         ...
 
     @property
-    def probe_dir(self) -> Path:
-        """A private folder where backends keep per-environment probe verdicts."""
-        ...
-
-    @property
     def work_dir(self) -> Path:
         """Where compilers write while a target builds (``kernel_dir.build_work_dir``):
         the store's ``work/`` folder or the operator's; ``stats`` counts it, ``gc``
