@@ -501,6 +501,8 @@ def warm(model: ModelSource, *, store: StoreArg = None,
 
         group = list(plan_group(source, opened, device, world_size, say, before_trace))
         report = _report(group, opened, world_size)
+        progress.info("planned %d target%s of %s", len(report.targets),
+                      "" if len(report.targets) == 1 else "s", source.name)
         model_phases = {name: round(COUNTERS.seconds.get(name, 0.0) - before.get(name, 0.0), 3)
                         for name in ("trace", "split") if name in COUNTERS.seconds}
         if dry_run:
@@ -544,6 +546,7 @@ def warm(model: ModelSource, *, store: StoreArg = None,
                               "" if len(missing) == 1 else "s")
                 _build_here(missing, opened, finished, phases)
         for p in _new_entries(group):
+            progress.info("recording the entry of %s", source.name)
             entry = next(e for e in report.entries if e.key == p.entry.key)
             entry.recorded = record_entry(p.entry, opened)
             entry.unrecordable = p.entry.unrecordable

@@ -24,6 +24,7 @@ from cachebuild.cli.common import (
     progress_bar,
     resolve_key,
     safe_text,
+    state_of,
     stdout,
 )
 from cachebuild.errors import UsageError
@@ -102,6 +103,9 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
                            for v in verdicts]
     if probe_problem is not None:
         stats["toolchain_problem"] = probe_problem
+    # Counted with the store closed: an open index holds files (SQLite's shared memory)
+    # that are gone when the command ends, and du counts what stays.
+    state_of(ctx).close()
     stats["disk"] = disk_paid(Path(stats["path"]), folders, stats.get("work"))
     if as_json:
         click.echo(json.dumps(stats, indent=2))
