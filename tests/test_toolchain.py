@@ -209,7 +209,6 @@ def test_stats_says_which_compiler_builds_here_and_why_others_were_refused(plant
     from click.testing import CliRunner
 
     from cachebuild.cli import main as cli
-
     from cachebuild.store import LocalStore
 
     _plant(planted, probe.Compiler("/usr/bin/g++", "g++ (Test) 12.2.0"),
