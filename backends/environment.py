@@ -43,17 +43,11 @@ DESCRIPTION = "environment.json"
 IN_USE = ".in-use"
 
 
-def cache_home() -> Path:
-    """The user's cache folder by the XDG rules: ``$XDG_CACHE_HOME`` if it is an absolute
-    path, else ``~/.cache``."""
-    given = os.environ.get("XDG_CACHE_HOME", "")
-    if given and os.path.isabs(given):
-        return Path(given)
-    return Path("~/.cache").expanduser()
-
-
 def root() -> Path:
-    """The folder holding one environment folder per fingerprint."""
+    """The folder holding one environment folder per fingerprint (beside the default
+    store's ``v1/``, never inside a store's)."""
+    from cachebuild.store.options import cache_home
+
     return cache_home() / "cachebuild" / "env"
 
 

@@ -441,8 +441,10 @@ def _build_here(jobs: list[BuildJob], store: Store, on_done: Done,
                 phases: dict[str, dict[str, Any]] | None = None) -> None:
     """Build ``jobs`` one after another in this process (no file for workers to import)."""
     from cachebuild.build import build_one
+    from cachebuild.workers import job_label
 
     for job in jobs:
+        progress.info("building %s", job_label(job))
         done = build_one(store, job)
         if phases is not None and done.phases:
             phases[job.target.key] = done.phases

@@ -117,7 +117,7 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     rows = [("store", stats["path"] + (" (read-only here)" if stats.get("read_only") else "")),
             ("records", str(stats["records"])),
             ("payload", format_size(stats["bytes"])),
-            ("on disk", format_size(stats["disk_bytes"])),
+            ("blobs on disk", format_size(stats["disk_bytes"])),
             ("pinned", str(stats["pinned"])),
             ("hits", str(stats["hits"])),
             ("misses", str(stats["misses"])),
