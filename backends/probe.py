@@ -441,6 +441,7 @@ def _probe_all(device: str, candidates: list[str],
     runnable = [p for p in candidates if versions[p] is not None]
     refused: list[tuple[str, str]] = list(untrusted or [])
     results: dict[str, tuple[bool, str]] = {}
+    started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cachebuild-probe-") as work:
         running = {path: _start_one(device, path, Path(work) / str(i),
                                     records, headers=i == 0)
@@ -451,6 +452,9 @@ def _probe_all(device: str, candidates: list[str],
                     if path not in results and proc.poll() is not None:
                         results[path] = _outcome(proc, out, err)
                         _children.discard(proc)
+                        log.info("AOTInductor probe: %s %s after %.1f s", path,
+                                 "passed" if results[path][0] else
+                                 f"refused ({results[path][1]})", time.monotonic() - started)
                 decided = _decided(candidates, versions, results)
                 if decided is not None:
                     break

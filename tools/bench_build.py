@@ -234,9 +234,8 @@ def start(device: str, work: Path) -> dict[str, str]:
     """Before measuring: where (``machine()``), and everything a first process pays once
     per machine, done now outside every timed region: torch's bytecode compiled into one
     cache (``PYTHONPYCACHEPREFIX``) and the AOTI probe's verdict computed into one folder
-    (``CACHEBUILD_PROBE_DIR``), both in ``work`` unless set, which every child uses. A
-    store's own probe folder is empty in a fresh store, and probing there (once per
-    environment in real use) would land in every timed cold build."""
+    (``CACHEBUILD_PROBE_DIR``), both in ``work`` unless set, which every child uses (but
+    the ``--fresh`` ones, which pay the probe as a new machine does)."""
     info = machine()
     if device.startswith("cuda"):
         import torch
