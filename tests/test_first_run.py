@@ -15,11 +15,13 @@ file (``CACHEBUILD_PROBE_DIR``, probed once per session): no test here pays the 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import models
@@ -87,6 +89,11 @@ def _du(*paths: Path) -> int:
                              check=True)
         total += int(out.stdout.split()[0])
     return total
+
+
+def _snapshot(folder: Path) -> set[tuple[str, int, int]]:
+    """Every file under ``folder``: its path, size and modification time."""
+    return {(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in folder.rglob("*")}
 
 
 @pytest.fixture(scope="module")
@@ -189,9 +196,29 @@ def test_a_store_that_is_not_there_is_named_and_never_made(first_run, command):
     assert not typo.exists()
 
 
-def test_an_imported_store_served_read_only_builds_an_edited_model_into_memory(first_run):
+@contextlib.contextmanager
+def read_only(store: Path, view: Path) -> Iterator[Path]:
+    """``store`` served read-only at ``view``: a read-only bind mount as root (whom file
+    modes do not stop), else the store itself with every write bit taken away."""
     if os.geteuid() != 0:
-        pytest.skip("a read-only bind mount needs root")
+        subprocess.run(["chmod", "-R", "a-w", str(store)], check=True)
+        try:
+            yield store
+        finally:
+            subprocess.run(["chmod", "-R", "u+w", str(store)], check=True)
+        return
+    view.mkdir()
+    done = subprocess.run(["mount", "--bind", "-o", "ro", str(store), str(view)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot make a read-only bind mount here: {done.stderr.strip()}")
+    try:
+        yield view
+    finally:
+        subprocess.run(["umount", "-l", str(view)], check=False)
+
+
+def test_an_imported_store_served_read_only_builds_an_edited_model_into_memory(first_run):
     root, app = first_run["root"], first_run["app"]
     bundle = root / "fr.tar"
     out = _run(first_run, CLI, "--cache-dir", str(first_run["store"]), "export", str(bundle),
@@ -200,19 +227,13 @@ def test_an_imported_store_served_read_only_builds_an_edited_model_into_memory(f
     imported = root / "imported"
     out = _run(first_run, CLI, "--cache-dir", str(imported), "import", str(bundle))
     assert out.returncode == 0, out.stderr
-    view = root / "image"
-    view.mkdir()
-    done = subprocess.run(["mount", "--bind", "-o", "ro", str(imported), str(view)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot make a read-only bind mount here: {done.stderr.strip()}")
-    try:
+    with read_only(imported, root / "image") as view:
         edited = root / "edited"
         edited.mkdir()
         text = MODEL.replace("* 2.0 + 1", "* 3.0 + 1")
         assert text != MODEL
         (edited / "fr.py").write_text(text)
-        before = sorted(str(p) for p in imported.rglob("*"))
+        before = _snapshot(imported)
         warm, miss = models.run_side_by_side([
             ([sys.executable, "fr.py"], first_run["env"] | {"CACHEBUILD_DIR": str(view)}, app),
             ([sys.executable, "fr.py"], first_run["env"] | {"CACHEBUILD_DIR": str(view)},
@@ -227,9 +248,7 @@ def test_an_imported_store_served_read_only_builds_an_edited_model_into_memory(f
             "traced": 1, "built": 1, "entries_loaded": 0, "equal": True}
         assert "read-only here, so what this process builds goes to memory" in miss.stderr
         assert PROBING not in miss.stderr  # the user's environment folder served it
-        assert sorted(str(p) for p in imported.rglob("*")) == before
-    finally:
-        subprocess.run(["umount", "-l", str(view)], check=False)
+        assert _snapshot(imported) == before  # nothing written, nothing changed
 
 
 def test_gc_environments_removes_other_environments_and_keeps_this_one(first_run):
