@@ -415,11 +415,16 @@ def cached_verdicts(folder: Path | None = None) -> list[Verdict]:
 _children: set[subprocess.Popen[bytes]] = set()
 
 
+def _kill(child: subprocess.Popen[bytes]) -> None:
+    """End ``child`` and the compilers it started (its own process group)."""
+    with contextlib.suppress(OSError):
+        os.killpg(child.pid, signal.SIGKILL)
+
+
 @atexit.register
 def _stop_children() -> None:
     for child in list(_children):
-        with contextlib.suppress(OSError):
-            child.kill()
+        _kill(child)
 
 
 def _probe_all(device: str, candidates: list[str],
@@ -458,11 +463,16 @@ def _probe_all(device: str, candidates: list[str],
                 decided = _decided(candidates, versions, results)
                 if decided is not None:
                     break
+                if time.monotonic() - started > PROBE_TIMEOUT_S:
+                    for path in running:
+                        results.setdefault(path, (False, f"timed out after "
+                                                         f"{PROBE_TIMEOUT_S:.0f} s"))
+                    break
                 time.sleep(0.1)
         finally:
             for proc, _, _ in running.values():
                 if proc.poll() is None:
-                    proc.kill()
+                    _kill(proc)
                 proc.wait()
                 _children.discard(proc)
     for path in candidates:
@@ -510,7 +520,9 @@ def _start_one(device: str, compiler: str, work: Path, records: Path | None,
                              str(records or ""), "headers" if headers else "")
     out, err = work / "stdout", work / "stderr"
     with open(out, "wb") as o, open(err, "wb") as e:
-        proc = subprocess.Popen(command, stdout=o, stderr=e, cwd=work, env=env)
+        # A session of its own: stopping it stops the compilers it started too.
+        proc = subprocess.Popen(command, stdout=o, stderr=e, cwd=work, env=env,
+                                start_new_session=True)
     _children.add(proc)
     return proc, out, err
 
