@@ -34,10 +34,13 @@ The probe is off the critical path: ``start`` runs it on a thread of its own (a 
 call and ``cachebuild warm`` start it before they trace), and ``verdict`` waits for that
 run. Candidates run at once; the first in order of preference that passes wins as soon as
 every one before it is refused, and the others are stopped. Each child first builds and
-loads a small C++ library beside torch (a second C++ runtime crashes there in a second or
-two) before the package; only the preferred candidate precompiles headers (into the
-environment folder, for the builds after it), so the probe builds no more than a first
-build needs.
+loads a small C++ library beside torch (a library that crashes as it loads is refused in
+a second or two; the H200 image's ``$CXX``, whose packages crash only inside AOTI's
+loader, passes it and is refused at the package's load) before the package. Headers are
+precompiled by the probe (into the environment folder, for the builds after it) only
+where there is one candidate, which is then the one builds use; with several, which one
+wins is not known until the packages load, so none precompiles any and the first build
+makes those of the winner: the probe builds no more than a first build needs.
 
 Run ``python -m cachebuild.backends.probe DEVICE [COMPILER]`` to probe by hand.
 """
@@ -434,8 +437,8 @@ def _probe_all(device: str, candidates: list[str],
     passes wins as soon as every one before it is refused, and the children still
     running are stopped. Those before it (and ``untrusted``, never run) are refused with
     why. Each child records in ``records`` (the environment folder) the CPU's vector ISAs
-    its build checked (``compilers.watch``); the preferred candidate's child also keeps
-    the headers it precompiled there, so builds with that compiler make neither again."""
+    its build checked (``compilers.watch``); a lone candidate's child also keeps the
+    headers it precompiled there, so builds with that compiler make neither again."""
     import tempfile
 
     kind = device.split(":")[0]
@@ -449,7 +452,7 @@ def _probe_all(device: str, candidates: list[str],
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="cachebuild-probe-") as work:
         running = {path: _start_one(device, path, Path(work) / str(i),
-                                    records, headers=i == 0)
+                                    records, headers=len(runnable) == 1)
                    for i, path in enumerate(runnable)}
         try:
             while True:
