@@ -34,9 +34,9 @@ The probe is off the critical path: ``start`` runs it on a thread of its own (a 
 call and ``cachebuild warm`` start it before they trace), and ``verdict`` waits for that
 run. Candidates run at once; the first in order of preference that passes wins as soon as
 every one before it is refused, and the others are stopped. Each child first builds and
-loads a small C++ library beside torch (a library that crashes as it loads is refused in
-a second or two; the H200 image's ``$CXX``, whose packages crash only inside AOTI's
-loader, passes it and is refused at the package's load) before the package. Headers are
+loads a small C++ library beside torch (a library that crashes as it loads, or at its
+first use of the C++ runtime, is refused in a second or two; one that crashes only inside
+AOTI's loader is refused at the package's load) before the package. Headers are
 precompiled by the probe (into the environment folder, for the builds after it) only
 where there is one candidate, which is then the one builds use; with several, which one
 wins is not known until the packages load, so none precompiles any and the first build
