@@ -79,7 +79,9 @@ class Backend(Protocol):
     environment, keeping its verdict in ``probe_dir``). ``load`` returns a callable on
     ``device`` from what ``source`` holds under ``key`` (a store, or the scratch store of
     an artifact being proven), or None if it no longer holds it. ``load_needs``: what
-    loading an artifact of ``kind`` takes."""
+    loading an artifact of ``kind`` takes. ``start_toolchain``: begin finding
+    ``toolchain``'s answer in the background (called before a trace, so that a probe
+    overlaps it)."""
 
     name: str
 
@@ -87,6 +89,9 @@ class Backend(Protocol):
 
     def toolchain(self, config: CompileConfig, device: str,
                   probe_dir: Path | None) -> dict[str, Any]: ...
+
+    def start_toolchain(self, config: CompileConfig, device: str) -> None:
+        return None
 
     def compile(self, request: BuildRequest) -> Artifact: ...
 

@@ -19,7 +19,7 @@ and a warning says so once. Every artifact made from such objects is still prove
 against its piece before it is stored (``Builder``), as a fresh compile is.
 
 Inductor's checks of the CPU's vector instructions (a compile and a load per ISA, tens of
-seconds on a loaded machine) are recorded once per environment in the probe folder,
+seconds on a loaded machine) are recorded once per environment in the environment folder,
 beside the toolchain's verdict (the probe's own build records them first), and every
 later build in any store that shares that folder takes the record instead of checking
 again.
@@ -90,7 +90,7 @@ def _vec_isas(check: Callable[[], list[Any]]) -> list[Any]:
     """Inductor's usable vector ISAs: checked once per environment (a compile and a load
     in a child process per ISA, seconds apiece on a busy machine) and recorded in the
     records folder as ``vec_isa-<key>.json``; every later process (every build worker,
-    every store sharing the probe folder) takes the record. The key holds torch's build,
+    every store sharing the environment folder) takes the record. The key holds torch's build,
     the compiler Inductor uses and the CPU's features, and a record naming a feature this
     CPU lacks is checked again."""
     folder = _cache["records"]

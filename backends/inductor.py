@@ -85,6 +85,13 @@ class InductorBackend(Backend):
         return {"aoti": False, "cxx": default,
                 "cxx_version": compiler_version(default) if default else None}
 
+    def start_toolchain(self, config: Any, device: str) -> None:
+        """Start the probe for ``device`` on a thread of its own (``probe.start``): the
+        trace that comes next runs beside it."""
+        from cachebuild.backends.probe import start
+
+        start(device)
+
     # -- compile -----------------------------------------------------------------------
 
     def compile(self, request: BuildRequest) -> Artifact:

@@ -110,20 +110,15 @@ def write_file(root: Path, name: str, data: bytes) -> Path:
 _BUILD_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR", "PYTHONSAFEPATH")
 
 
-def environment_dir(store: Store) -> Path | None:
+def environment_dir() -> Path | None:
     """Where builds keep what holds for the whole environment (compiler, torch build,
     CPU), not for one store: Inductor's verdict on the CPU's vector ISAs and its
-    precompiled C++ headers (``headers/``). That is the probe folder
-    (``$CACHEBUILD_PROBE_DIR`` or the store's), where it is ours to write; else None (the
-    work folder)."""
-    from cachebuild.backends.probe import checked_dir
-    from cachebuild.errors import StoreError
+    precompiled C++ headers (``headers/``). That is the environment folder
+    (``environment.py``: the user's, or ``$CACHEBUILD_PROBE_DIR``), where it is ours to
+    write; else None (the work folder)."""
+    from cachebuild.backends.probe import usable_dir
 
-    try:
-        folder = checked_dir(store.probe_dir)
-    except (StoreError, OSError):  # a read-only store's folder, say
-        return None
-    return folder if os.access(folder, os.W_OK) else None
+    return usable_dir()
 
 
 @contextlib.contextmanager
@@ -146,12 +141,13 @@ def build_work_dir(store: Store) -> Iterator[Path]:
     import tempfile
 
     from cachebuild.backends.compilers import watch
+    from cachebuild.backends.environment import in_use
     from cachebuild.store.layout import make_private_dir
     from cachebuild.store.locking import flocked_shared
     from cachebuild.store.maintenance import WORK_LOCK
     from cachebuild.store.work import ObjectRecords, open_work_dir
 
-    environment = environment_dir(store)
+    environment = environment_dir()
     records = environment / "built" if environment is not None else Path(store.work_records)
     root = open_work_dir(Path(store.work_dir), records)
     folders = {"TORCHINDUCTOR_CACHE_DIR": root / "inductor", "TRITON_CACHE_DIR": root / "triton",
@@ -159,7 +155,8 @@ def build_work_dir(store: Store) -> Iterator[Path]:
     for folder in folders.values():
         make_private_dir(folder, "work folder")
     objects = ObjectRecords(records / "cxx")
-    with flocked_shared(root / WORK_LOCK):
+    with flocked_shared(root / WORK_LOCK), \
+            in_use(environment) if environment is not None else contextlib.nullcontext():
         inductor_loaded = "torch._inductor.codecache" in sys.modules
         saved_env = {name: os.environ.get(name) for name in _BUILD_ENV}
         saved_tempdir = tempfile.tempdir

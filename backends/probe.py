@@ -20,19 +20,35 @@ the file, a symlink to it or a directory on the way not owned by root or us, or 
 by others); it is refused with why. With ``$CXX`` set, the compiler ``PATH`` finds is not
 a candidate (``$CXX`` says which one to use; the system's ``/usr/bin`` ones remain).
 
-Verdicts are cached as one JSON file per environment fingerprint (the environment's key
-factors plus each candidate's path, size and modification time, so an upgraded compiler is
-probed again) in the store's ``probe/`` folder, or in ``$CACHEBUILD_PROBE_DIR``, which is
-checked like the store (ours, private, and no directory above it that another user could
-rename). A verdict records its compiler's SHA-256, and before every use the compiler is
-checked again (``unusable``: nobody else could replace it, and it still hashes the same);
-a verdict that fails is probed again.
+Verdicts are cached as one JSON file per fingerprint (the environment's key factors plus
+each candidate's path, size and modification time, so an upgraded compiler is probed
+again) in the environment folder (``environment.py``: one per machine, user and software
+stack, shared by every store; or ``$CACHEBUILD_PROBE_DIR``), which is checked like the
+store (ours, private, and no directory above it that another user could rename). Where
+that folder cannot be written (a read-only home), the verdict is kept in memory. A verdict
+records its compiler's SHA-256, and before every use the compiler is checked again
+(``unusable``: nobody else could replace it, and it still hashes the same); a verdict
+that fails is probed again.
+
+The probe is off the critical path: ``start`` runs it on a thread of its own (a compile
+call and ``cachebuild warm`` start it before they trace), and ``verdict`` waits for that
+run. Candidates run at once; the first in order of preference that passes wins as soon as
+every one before it is refused, and the others are stopped. Each child first builds and
+loads a small C++ library beside torch (a library that crashes as it loads, or at its
+first use of the C++ runtime, is refused in a second or two; one that crashes only inside
+AOTI's loader is refused at the package's load) before the package. Headers are
+precompiled by the probe (into the environment folder, for the builds after it) only
+where there is one candidate, which is then the one builds use; with several, which one
+wins is not known until the packages load, so none precompiles any and the first build
+makes those of the winner: the probe builds no more than a first build needs.
 
 Run ``python -m cachebuild.backends.probe DEVICE [COMPILER]`` to probe by hand.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import logging
 import os
@@ -40,6 +56,9 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
+import time
+from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +67,8 @@ from cachebuild.backends.executables import content_hash, replaceable
 from cachebuild.errors import CachebuildError
 
 log = logging.getLogger("cachebuild.probe")
+#: What a long wait is doing, as it starts (the command line shows it at once).
+progress = logging.getLogger("cachebuild.progress")
 
 #: One candidate's build and load may take this long (a cold CPU build of the tiny
 #: package takes tens of seconds on two cores).
@@ -201,41 +222,123 @@ def _fingerprint(device: str, candidates: list[str]) -> str:
 
 
 def probe_dir(default: Path | None = None) -> Path:
-    """Where verdicts are kept: ``$CACHEBUILD_PROBE_DIR``, else ``default`` (the store's
-    ``probe/`` folder), else the default store's. Not checked here: see ``checked_dir``."""
-    if os.environ.get("CACHEBUILD_PROBE_DIR"):
-        return Path(os.environ["CACHEBUILD_PROBE_DIR"])
+    """Where verdicts are kept: ``$CACHEBUILD_PROBE_DIR``, else ``default``, else this
+    environment's folder under the user's cache folder (``environment.current``). Not
+    checked here: see ``checked_dir``."""
+    from cachebuild.backends import environment
+
+    if environment.overridden() is not None:
+        return environment.overridden()  # type: ignore[return-value]
     if default is not None:
         return default
-    from cachebuild.store.layout import FORMAT_DIR
-    from cachebuild.store.options import StoreOptions
-
-    return Path(StoreOptions.from_env().cache_dir).expanduser() / FORMAT_DIR / "probe"
+    return environment.current()
 
 
 def checked_dir(folder: Path | None = None) -> Path:
     """``probe_dir(folder)``, made if missing and checked like the store (UnsafeStore,
     exit 2, if another user owns it, could write it, or could rename it or a directory
-    above it); its real path."""
+    above it), with its ``environment.json``; its real path."""
+    from cachebuild.backends.environment import describe
     from cachebuild.store.layout import check_parents, check_private_dir, make_private_dir
 
     path = probe_dir(folder).expanduser().absolute()
-    make_private_dir(path)
+    make_private_dir(path, "environment folder")
     real = Path(os.path.realpath(path))
-    check_private_dir(real)
-    check_parents(real)
+    check_private_dir(real, "environment folder")
+    check_parents(real, "environment folder")
+    describe(real)
     return real
+
+
+def usable_dir(folder: Path | None = None) -> Path | None:
+    """``checked_dir(folder)`` where it can be used to write; None where the default
+    environment folder cannot be made or written here (a read-only home: builds then keep
+    what it would hold in their work folder, and verdicts in memory), said once. A folder
+    named by ``$CACHEBUILD_PROBE_DIR`` or ``folder`` that fails its checks is the
+    operator's error (UnsafeStore, exit 2)."""
+    from cachebuild.backends import environment
+    from cachebuild.errors import StoreError
+
+    try:
+        real = checked_dir(folder)
+    except (StoreError, OSError) as e:
+        if folder is not None or environment.overridden() is not None:
+            raise
+        _say_once(f"the environment folder cannot be used here ({e}); the C++ toolchain "
+                  "verdict is kept in memory and builds keep headers in their work folder")
+        return None
+    if not os.access(real, os.W_OK):
+        return None
+    return real
+
+
+_said: set[str] = set()
+
+
+def _say_once(message: str) -> None:
+    if message not in _said:
+        _said.add(message)
+        log.warning("%s", message)
+
+
+# -- the probe, off the critical path ---------------------------------------------------
+
+_inflight_lock = threading.Lock()
+_inflight: dict[str, Future[None]] = {}
+
+
+def _inflight_key(device: str, folder: Path | None) -> str:
+    return f"{device.split(':')[0]}|{folder or ''}"
+
+
+def start(device: str, folder: Path | None = None) -> None:
+    """Find the verdict for ``device`` on a thread of its own, now, so that whoever needs
+    it later (``verdict``) waits the least: a compile call and ``warm`` call this before
+    they trace. Does nothing where it is known or already being found."""
+    key = _inflight_key(device, folder)
+    with _inflight_lock:
+        if key in _inflight:
+            return
+        done: Future[None] = Future()
+        _inflight[key] = done
+
+    def run() -> None:
+        try:
+            _verdict(device, folder)
+            done.set_result(None)
+        except BaseException as e:  # noqa: BLE001  # the waiter finds it again, and says it
+            done.set_exception(e)
+        finally:
+            with _inflight_lock:
+                _inflight.pop(key, None)
+
+    threading.Thread(target=run, name="cachebuild-probe", daemon=True).start()
 
 
 def verdict(device: str, folder: Path | None = None) -> Verdict:
     """The toolchain verdict for ``device`` ("cpu", "cuda:0", ...), probing if needed.
 
-    Probing runs each trusted candidate in a child process, once per environment; later
-    calls (in any process sharing ``folder``) read the cached verdict. Every call checks
-    the verdict's compiler again (``unusable``) and probes again if it fails.
+    Probing runs the trusted candidates in child processes, once per environment; later
+    calls (in any process sharing the environment folder) read the cached verdict. Every
+    call checks the verdict's compiler again (``unusable``) and probes again if it fails.
+    Where ``start`` is finding it already, waits for that (said on the
+    ``cachebuild.progress`` log, at once).
     """
+    with _inflight_lock:
+        running = _inflight.get(_inflight_key(device, folder))
+    if running is not None and threading.current_thread().name != "cachebuild-probe":
+        if not running.done():
+            progress.info("waiting for the C++ toolchain probe (once per machine and "
+                          "environment)")
+        with contextlib.suppress(BaseException):
+            running.result()  # an error is found again, and raised, below
+    return _verdict(device, folder)
+
+
+def _verdict(device: str, folder: Path | None) -> Verdict:
     from filelock import FileLock
 
+    from cachebuild.backends.environment import in_use
     from cachebuild.errors import StoreError
     from cachebuild.store.layout import check_readable_dir, writable_here
 
@@ -247,9 +350,9 @@ def verdict(device: str, folder: Path | None = None) -> Verdict:
         return found
     given = probe_dir(folder).expanduser().absolute()
     if given.exists() and not writable_here(given):
-        # A read-only store's folder (an image's): its verdict is used where it has one,
-        # the folder is safe to read and the compiler checks out; else this process probes
-        # and keeps the verdict in memory.
+        # A folder this process may only read (an image's): its verdict is used where it
+        # has one, the folder is safe to read and the compiler checks out; else this
+        # process probes and keeps the verdict in memory.
         try:
             check_readable_dir(given)
             found = _read(given / f"aoti-{kind}-{fingerprint}.json")
@@ -259,15 +362,19 @@ def verdict(device: str, folder: Path | None = None) -> Verdict:
             found = _probe_all(device, candidates, untrusted)
         _VERDICTS[fingerprint] = found
         return found
-    folder = checked_dir(folder)
-    verdict_file = folder / f"aoti-{kind}-{fingerprint}.json"
-    with FileLock(str(verdict_file) + ".lock"):
+    real = usable_dir(folder)
+    if real is None:
+        found = _probe_all(device, candidates, untrusted)
+        _VERDICTS[fingerprint] = found
+        return found
+    verdict_file = real / f"aoti-{kind}-{fingerprint}.json"
+    with in_use(real), FileLock(str(verdict_file) + ".lock"):
         found = _read(verdict_file)
         why = unusable(found) if found is not None else None
         if why is not None:
             log.warning("probing the C++ toolchain again: %s", why)
         if found is None or why is not None:
-            found = _probe_all(device, candidates, untrusted, folder)
+            found = _probe_all(device, candidates, untrusted, real)
             tmp = verdict_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(found.to_json()))
             os.replace(tmp, verdict_file)
@@ -291,12 +398,13 @@ def cached_verdicts(folder: Path | None = None) -> list[Verdict]:
     from a folder checked like the store (UnsafeStore if it is not safe)."""
     from cachebuild.store.layout import check_parents, check_private_dir
 
-    path = probe_dir(folder).expanduser().absolute()
+    path = folder if folder is not None else probe_dir()
+    path = path.expanduser().absolute()
     if not path.exists():
         return []
     real = Path(os.path.realpath(path))
-    check_private_dir(real)
-    check_parents(real)
+    check_private_dir(real, "environment folder")
+    check_parents(real, "environment folder")
     out = []
     for path in sorted(real.glob("aoti-*.json")):
         found = _read(path)
@@ -305,23 +413,71 @@ def cached_verdicts(folder: Path | None = None) -> list[Verdict]:
     return out
 
 
+#: The children running now, stopped if this process exits first (a model that failed to
+#: trace ends the process while its probe still runs).
+_children: set[subprocess.Popen[bytes]] = set()
+
+
+def _kill(child: subprocess.Popen[bytes]) -> None:
+    """End ``child`` and the compilers it started (its own process group)."""
+    with contextlib.suppress(OSError):
+        os.killpg(child.pid, signal.SIGKILL)
+
+
+@atexit.register
+def _stop_children() -> None:
+    for child in list(_children):
+        _kill(child)
+
+
 def _probe_all(device: str, candidates: list[str],
                untrusted: list[tuple[str, str]] | None = None,
                records: Path | None = None) -> Verdict:
     """Probe every candidate at once (each in its own child); the first in order that
-    passes wins, and the ones before it (and ``untrusted``, never run) are refused with
-    why. Each child records in ``records`` (the probe folder) the CPU's vector ISAs its
-    build checked (``compilers.watch``) and the headers it precompiled, so builds with
-    that compiler make neither again."""
-    from concurrent.futures import ThreadPoolExecutor
+    passes wins as soon as every one before it is refused, and the children still
+    running are stopped. Those before it (and ``untrusted``, never run) are refused with
+    why. Each child records in ``records`` (the environment folder) the CPU's vector ISAs
+    its build checked (``compilers.watch``); a lone candidate's child also keeps the
+    headers it precompiled there, so builds with that compiler make neither again."""
+    import tempfile
 
     kind = device.split(":")[0]
+    progress.warning("probing the C++ compilers for AOTInductor: once per machine and "
+                     "environment (a minute or two), kept in %s",
+                     records if records is not None else "memory")
     versions = {path: compiler_version(path) for path in candidates}
     runnable = [p for p in candidates if versions[p] is not None]
-    with ThreadPoolExecutor(max_workers=max(1, len(runnable))) as pool:
-        results = dict(zip(runnable, pool.map(lambda p: _probe_one(device, p, records), runnable),
-                           strict=True))
     refused: list[tuple[str, str]] = list(untrusted or [])
+    results: dict[str, tuple[bool, str]] = {}
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="cachebuild-probe-") as work:
+        running = {path: _start_one(device, path, Path(work) / str(i),
+                                    records, headers=len(runnable) == 1)
+                   for i, path in enumerate(runnable)}
+        try:
+            while True:
+                for path, (proc, out, err) in list(running.items()):
+                    if path not in results and proc.poll() is not None:
+                        results[path] = _outcome(proc, out, err)
+                        _children.discard(proc)
+                        log.info("AOTInductor probe: %s %s after %.1f s", path,
+                                 "passed" if results[path][0] else
+                                 f"refused ({results[path][1]})", time.monotonic() - started)
+                decided = _decided(candidates, versions, results)
+                if decided is not None:
+                    break
+                if time.monotonic() - started > PROBE_TIMEOUT_S:
+                    for path in running:
+                        results.setdefault(path, (False, f"timed out after "
+                                                         f"{PROBE_TIMEOUT_S:.0f} s"))
+                    break
+                time.sleep(0.1)
+        finally:
+            for proc, _, _ in running.values():
+                if proc.poll() is None:
+                    _kill(proc)
+                proc.wait()
+                _children.discard(proc)
     for path in candidates:
         if versions[path] is None:
             refused.append((path, "does not run (`--version` failed)"))
@@ -334,43 +490,95 @@ def _probe_all(device: str, candidates: list[str],
     return Verdict(kind, None, refused)
 
 
-def _probe_one(device: str, compiler: str, records: Path | None = None) -> tuple[bool, str]:
-    """Build, load and run the tiny package with ``compiler`` in a child process, whose
-    compilers write (caches, temp files) into a folder removed after, and which records its
-    ISA checks and precompiled headers in ``records``."""
-    import tempfile
+def _decided(candidates: list[str], versions: dict[str, str | None],
+             results: dict[str, tuple[bool, str]]) -> bool | None:
+    """True once the first candidate in order that passes is known (every one before it
+    refused), or every candidate is refused; None while that waits on a child."""
+    for path in candidates:
+        if versions[path] is None:
+            continue
+        if path not in results:
+            return None
+        if results[path][0]:
+            return True
+    return True
 
+
+def _start_one(device: str, compiler: str, work: Path, records: Path | None,
+               headers: bool) -> tuple[subprocess.Popen[bytes], Path, Path]:
+    """Start the child that builds, loads and runs the tiny package with ``compiler``, in
+    ``work`` (its compilers' caches and temp files, removed after), recording its ISA
+    checks (and, with ``headers``, keeping its precompiled headers) in ``records``."""
     from cachebuild.processes import child_env, python_command
 
-    with tempfile.TemporaryDirectory(prefix="cachebuild-probe-") as work:
-        # Isolated, in its own folder: it imports nothing from the caller's working
-        # directory, nor do the Python processes Inductor starts in it (``processes``).
-        env = child_env({"TMPDIR": work, "TORCHINDUCTOR_CACHE_DIR": work,
-                         "TRITON_CACHE_DIR": work})
-        try:
-            # Builds run the compiler by its real path (``Compiler.factors``): so does the
-            # probe, so that what it records (ISA checks, precompiled headers, keyed by
-            # the command line) is what they look for.
-            command = python_command("cachebuild.backends.probe", device,
-                                     os.path.realpath(compiler), str(records or ""))
-            proc = subprocess.run(command, capture_output=True, text=True, cwd=work,
-                                  timeout=PROBE_TIMEOUT_S, env=env)
-        except subprocess.TimeoutExpired:
-            return False, f"timed out after {PROBE_TIMEOUT_S:.0f} s"
-    if proc.returncode == 0 and proc.stdout.strip().endswith("ok"):
+    work.mkdir(mode=0o700)
+    # Isolated, in its own folder: it imports nothing from the caller's working directory,
+    # nor do the Python processes Inductor starts in it (``processes``).
+    env = child_env({"TMPDIR": str(work), "TORCHINDUCTOR_CACHE_DIR": str(work),
+                     "TRITON_CACHE_DIR": str(work)})
+    # Builds run the compiler by its real path (``Compiler.factors``): so does the probe,
+    # so that what it records (ISA checks, precompiled headers, keyed by the command line)
+    # is what they look for.
+    command = python_command("cachebuild.backends.probe", device, os.path.realpath(compiler),
+                             str(records or ""), "headers" if headers else "")
+    out, err = work / "stdout", work / "stderr"
+    with open(out, "wb") as o, open(err, "wb") as e:
+        # A session of its own: stopping it stops the compilers it started too.
+        proc = subprocess.Popen(command, stdout=o, stderr=e, cwd=work, env=env,
+                                start_new_session=True)
+    _children.add(proc)
+    return proc, out, err
+
+
+def _outcome(proc: subprocess.Popen[bytes], out: Path, err: Path) -> tuple[bool, str]:
+    """A finished child's verdict on its compiler: ``(passed, why)``."""
+    stdout = out.read_text(errors="replace")
+    if proc.returncode == 0 and stdout.strip().endswith("ok"):
         return True, "ok"
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name
-        stage = "on load" if "built" in proc.stdout else "while building"
+        if "library" not in stdout:
+            return False, f"crashed on load ({name}) of a small C++ library built with it"
+        stage = "on load" if "built" in stdout else "while building"
         return False, f"crashed {stage} ({name})"
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    tail = (err.read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
     return False, f"exit {proc.returncode}: {tail[:200]}"
 
 
-def _probe(device: str, compiler: str | None, records: str = "") -> None:
-    """The child: build the tiny package with ``compiler`` (recording the ISA checks the
-    build makes, and keeping the headers it precompiles, in ``records``, if named: what
-    every later build with that compiler takes), load it, run it, check it."""
+#: A library with a C++ runtime of its own crashes as it loads beside torch's, or at its
+#: first use of the runtime (``std::regex`` in AOTI's loader): checked in a second or two,
+#: before any package is built.
+_RUNTIME_CHECK = """
+#include <regex>
+#include <string>
+extern "C" int cachebuild_probe(const char* text) {
+    return std::regex_match(std::string(text), std::regex("[a-z]+[0-9]*")) ? 1 : 0;
+}
+"""
+
+
+def _runtime_check(compiler: str, folder: str) -> None:
+    """Build a small C++ library with ``compiler``, load it into this process (which has
+    torch loaded) and use its C++ runtime; a crash here is the child's exit."""
+    import ctypes
+
+    source = os.path.join(folder, "check.cpp")
+    library = os.path.join(folder, "libcheck.so")
+    with open(source, "w") as f:
+        f.write(_RUNTIME_CHECK)
+    subprocess.run([compiler, "-shared", "-fPIC", "-O0", "-o", library, source], check=True,
+                   capture_output=True, timeout=PROBE_TIMEOUT_S)
+    lib = ctypes.CDLL(library)
+    if lib.cachebuild_probe(b"abc123") != 1:
+        raise SystemExit("the small C++ library built with it gives wrong answers")
+    print("library", flush=True)
+
+
+def _probe(device: str, compiler: str | None, records: str = "", headers: str = "") -> None:
+    """The child: build a small C++ library with ``compiler`` and use it beside torch,
+    then the tiny package (recording the ISA checks the build makes in ``records``, if
+    named, and keeping the headers it precompiles there with ``headers``: what every
+    later build with that compiler takes; else building none), load it, run it, check it."""
     import tempfile
 
     import torch
@@ -380,8 +588,11 @@ def _probe(device: str, compiler: str | None, records: str = "") -> None:
     from cachebuild.backends import aoti
     from cachebuild.backends.compilers import watch
 
-    if records:
+    options: dict[str, Any] = {}
+    if records and headers:
         compat.point_header_dir(os.path.join(records, "headers"))
+    else:  # headers for a compiler that may not be chosen would be built for nothing
+        options["cpp_cache_precompile_headers"] = False
 
     class Tiny(torch.nn.Module):
         def forward(self, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
@@ -390,9 +601,11 @@ def _probe(device: str, compiler: str | None, records: str = "") -> None:
     x = torch.randn(8, 16, device=device)
     w = torch.randn(16, 16, device=device)
     with tempfile.TemporaryDirectory() as tmp:
+        if compiler:
+            _runtime_check(compiler, tmp)
         ep = torch.export.export(Tiny(), (x, w), strict=False)
         with watch(Path(tmp), Path(records) if records else None):
-            package = aoti.build_package(ep, os.path.join(tmp, "probe.pt2"), {}, compiler)
+            package = aoti.build_package(ep, os.path.join(tmp, "probe.pt2"), options, compiler)
         print("built", flush=True)
         run = aoti.load_package(package, device)
         (out,) = run(x, w)
@@ -414,5 +627,5 @@ def _probe(device: str, compiler: str | None, records: str = "") -> None:
 
 
 if __name__ == "__main__":
-    _probe(sys.argv[1] if len(sys.argv) > 1 else "cpu", sys.argv[2] if len(sys.argv) > 2 else None,
-           sys.argv[3] if len(sys.argv) > 3 else "")
+    _args = sys.argv[1:] + ["", "", "", ""]
+    _probe(_args[0] or "cpu", _args[1] or None, _args[2], _args[3])

@@ -48,13 +48,12 @@ def interim_config(config: CompileConfig) -> CompileConfig | None:
     return replace(config, backend="inductor", flavour="standalone", while_building="wait")
 
 
-def interim_entry(entry: Entry, config: CompileConfig, passes: Any, store: Any) -> Entry:
+def interim_entry(entry: Entry, config: CompileConfig, passes: Any) -> Entry:
     """``entry`` with every target keyed for ``config``'s backend instead (an entry that is
     used, never recorded: it shares the recorded one's key)."""
     from cachebuild.backends import get_backend
 
-    factors = target_factors(get_backend(config.backend), config, passes, entry.device,
-                             store.probe_dir)
+    factors = target_factors(get_backend(config.backend), config, passes, entry.device)
     keys: dict[str, str] = {}
     manifests: dict[str, dict[str, Any]] = {}
     for key, manifest in entry.manifests.items():

@@ -137,6 +137,7 @@ class Planner:
         found = found or self.lookup(args)
         check_splitting_ops(self.config.splitting_ops)
         check_inductor_options(self.config)
+        self.start_toolchain(args)
         with phase("trace"):
             traced = trace_model(self.model, args, self.dynamic_dims,
                                  self.config.compile_ranges)
@@ -145,14 +146,22 @@ class Planner:
                 self.store.count("traces")
         return self.plan(traced, found.factors, found.key)
 
+    def start_toolchain(self, args: tuple[Any, ...]) -> None:
+        """Let the backend begin finding its toolchain for the device of ``args`` (a probe,
+        once per environment) beside the trace that follows: the first build then waits
+        for what is left of it, not for all of it."""
+        start = getattr(self.backend, "start_toolchain", None)
+        tensor = next((a for a in args if isinstance(a, torch.Tensor)), None)
+        if start is not None and tensor is not None and tensor.device.type != "meta":
+            start(self.config, str(tensor.device))
+
     def plan(self, traced: TracedGraph, factors: dict[str, Any], key: str | None = None) -> Entry:
         check_inductor_options(self.config)  # a trace has loaded Inductor's config
         with phase("split"):
             split = split_graph(traced, self.config.splitting_ops)
         with phase("plan"):
             device = device_of(traced.input_metas)
-            probe_dir = self.store.probe_dir if self.store is not None else None
-            tf = target_factors(self.backend, self.config, self.passes, device, probe_dir)
+            tf = target_factors(self.backend, self.config, self.passes, device)
             targets = make_targets(split.pieces, self.config.buckets(), backend=tf["backend"],
                                    passes=tf["passes"], env=env_factors(device))
             entry = make_entry(factors, traced, split, targets, key)

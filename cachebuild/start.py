@@ -160,7 +160,7 @@ def _serve_while_building(model: torch.nn.Module, config: CompileConfig, builder
         if not os.environ.get("CACHEBUILD_BUILD_JOBS", "").strip():
             workers = max(1, min(workers, usable_cpus() - 1))
         swap = Swap(entry, builder, jobs, workers, setup, stored)
-    served = interim_entry(entry, interim, builder.passes, store)
+    served = interim_entry(entry, interim, builder.passes)
     interim_builder = Builder(store, interim, builder.passes, builder.device)
     try:
         loaded = resolve_all(served, interim_builder, warm=warm, workers=False)

@@ -16,6 +16,7 @@ target after another, with whatever this process registered (ops, backends, pass
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 import warnings
@@ -26,6 +27,9 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from cachebuild.api import ModelSpec
 from cachebuild.errors import UsageError
+
+#: What a long wait is doing, as each phase starts (the command line shows it at once).
+progress = logging.getLogger("cachebuild.progress")
 
 if TYPE_CHECKING:
     from cachebuild.build import BuildJob
@@ -212,7 +216,9 @@ def plan_model(source: Source, store: Store, device: str | None = None,
     ``on_trace(config)`` called first)."""
     from cachebuild.planner import Planner
 
+    progress.info("importing %s and building its model", source.name)
     spec = _spec_on(source.build(), device)
+    progress.info("looking up the entry of %s", source.name)
     planner = Planner(spec.model, spec.config, spec.dynamic_dims, store, touch=False)
     found = planner.lookup(spec.example_inputs, pending)
     entry = found.entry
@@ -224,6 +230,8 @@ def plan_model(source: Source, store: Store, device: str | None = None,
             say(f"tracing {source.name}{who}: {reason(found.why, store, found.factors)}")
         if on_trace is not None:
             on_trace(spec.config)
+        progress.info("tracing %s%s", source.name, f" as rank {rank}" if rank is not None
+                      else "")
         entry = planner.trace(spec.example_inputs, found)
     return Planned(spec, planner, entry, found.why, found, rank)
 
@@ -433,8 +441,10 @@ def _build_here(jobs: list[BuildJob], store: Store, on_done: Done,
                 phases: dict[str, dict[str, Any]] | None = None) -> None:
     """Build ``jobs`` one after another in this process (no file for workers to import)."""
     from cachebuild.build import build_one
+    from cachebuild.workers import job_label
 
     for job in jobs:
+        progress.info("building %s", job_label(job))
         done = build_one(store, job)
         if phases is not None and done.phases:
             phases[job.target.key] = done.phases
@@ -493,6 +503,8 @@ def warm(model: ModelSource, *, store: StoreArg = None,
 
         group = list(plan_group(source, opened, device, world_size, say, before_trace))
         report = _report(group, opened, world_size)
+        progress.info("planned %d target%s of %s", len(report.targets),
+                      "" if len(report.targets) == 1 else "s", source.name)
         model_phases = {name: round(COUNTERS.seconds.get(name, 0.0) - before.get(name, 0.0), 3)
                         for name in ("trace", "split") if name in COUNTERS.seconds}
         if dry_run:
@@ -528,10 +540,15 @@ def warm(model: ModelSource, *, store: StoreArg = None,
                 assert pool is not None
                 if jobs is None:  # the guess at the trace may have been short
                     pool.grow(jobs_here(len(missing)))
+                progress.info("building %d target%s in worker processes", len(missing),
+                              "" if len(missing) == 1 else "s")
                 build_jobs(missing, pool, str(source.file), options, finished, phases)
             else:
+                progress.info("building %d target%s in this process", len(missing),
+                              "" if len(missing) == 1 else "s")
                 _build_here(missing, opened, finished, phases)
         for p in _new_entries(group):
+            progress.info("recording the entry of %s", source.name)
             entry = next(e for e in report.entries if e.key == p.entry.key)
             entry.recorded = record_entry(p.entry, opened)
             entry.unrecordable = p.entry.unrecordable

@@ -46,7 +46,16 @@ if TYPE_CHECKING:
     from cachebuild.store.options import StoreOptions
     from cachebuild.targets import BuildJob
 
+#: What a long wait is doing, as each build starts (the command line shows it at once).
+progress = logging.getLogger("cachebuild.progress")
 log = logging.getLogger("cachebuild.build")
+
+
+def job_label(job: BuildJob) -> str:
+    """``piece 3 range 1-64``: a build job in words."""
+    from cachebuild.targets import bucket_label
+
+    return f"piece {job.target.piece} {bucket_label(job.target.bucket)}"
 
 #: Memory one build takes at its peak, by default (see the module doc).
 BUILD_MEMORY = int(1.5 * 2**30)
@@ -353,6 +362,7 @@ class BuildPool:
                         ready.notify_all()
                         return
                     job = pending.pop(0)
+                progress.info("building %s", job_label(job))
                 try:
                     if not worker.alive:  # died after its last job: a new one takes this
                         worker.close()

@@ -87,11 +87,6 @@ class Store(ArtifactSource, Protocol):
         ...
 
     @property
-    def probe_dir(self) -> Path:
-        """A private folder where backends keep per-environment probe verdicts."""
-        ...
-
-    @property
     def work_dir(self) -> Path:
         """Where compilers write while a target builds (``kernel_dir.build_work_dir``):
         the store's ``work/`` folder or the operator's; ``stats`` counts it, ``gc``
@@ -103,7 +98,7 @@ class Store(ArtifactSource, Protocol):
         """A private folder of the store's own (never inside ``work_dir``) where builds
         record what they leave in the work folder, so that what a later build reuses
         from there is checked against a record a planted file cannot bring along (where
-        the environment's probe folder is not ours to write: it keeps them otherwise)."""
+        the environment folder is not ours to write: it keeps them otherwise)."""
         ...
 
     def get_record(self, key: str) -> Record | None:

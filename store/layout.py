@@ -12,13 +12,14 @@
       tmp/          blobs being written; renamed into objects/ when complete
       scratch/      one private directory per live process, for files a loader hands to
                     another library by path (Inductor's kernels); removed at exit
-      probe/        the AOTI toolchain verdicts
+      probe/        toolchain verdicts an earlier version kept here (now in the user's
+                    environment folder; ``gc --environments`` removes it)
       work/         what compilers write while a target builds (Inductor's and Triton's
                     caches and precompiled headers, temp files): ``gc`` removes it
                     when no build is running
       built/        records of what builds put into the work folder (which folder they
                     made, each kept C++ object's SHA-256), checked before anything there
-                    is reused; kept here where the probe folder is not ours to write
+                    is reused; kept here where the environment folder is not ours to write
       reserve       1 MiB kept free for a full disk (see LocalStore)
 
 ``ab`` is the first two hex digits of the key, so no directory grows past a few
@@ -88,7 +89,7 @@ class Layout:
         self.locks = root / "locks"
         self.quarantine = root / "quarantine"
         self.tmp = root / "tmp"
-        self.probe = root / "probe"  # the AOTI toolchain verdicts (created when first probed)
+        self.probe = root / "probe"  # verdicts an earlier version kept in the store
         self.scratch = root / "scratch"  # per-process private directories (made on use)
         self.work = root / "work"  # compilers' working files during builds (made on use)
         self.built = root / "built"  # records of what builds left in the work folder

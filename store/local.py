@@ -289,11 +289,6 @@ class LocalStore(LocalTier):
         return self._work_dir
 
     @property
-    def probe_dir(self) -> Path:
-        """Where backends keep their per-environment probe verdicts (0700, made on use)."""
-        return self._layout.probe
-
-    @property
     def work_records(self) -> Path:
         """See ``Store.work_records`` (the store's ``built/``, made on use)."""
         return self._layout.built

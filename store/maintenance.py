@@ -79,7 +79,7 @@ WORK_LOCK = ".builds"
 
 
 def work_usage(folder: Path) -> dict[str, Any]:
-    """A folder's files (the build work folder, the probe folder): ``{"path", "bytes",
+    """A folder's files (the build work folder): ``{"path", "bytes",
     "files"}`` (0 if it is missing)."""
     size = files = 0
     for dirpath, _, names in os.walk(folder):

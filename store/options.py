@@ -4,7 +4,8 @@
 store's environment variables, and ``open_store(options)`` the only way a configured store
 is opened. The settings, with their variables:
 
-- ``cache_dir`` (``CACHEBUILD_DIR``, default ``~/.cache/cachebuild``): the local store (L1).
+- ``cache_dir`` (``CACHEBUILD_DIR``, default ``$XDG_CACHE_HOME/cachebuild``, and
+  ``~/.cache/cachebuild`` where that is unset): the local store (L1).
 - ``remote`` (``CACHEBUILD_REMOTE``): ``redis://host:port/db`` of a shared tier (L2).
 - ``remote_mode`` (``CACHEBUILD_REMOTE_MODE``): ``rw`` (default), ``ro`` (never write to
   the remote) or ``off`` (ignore a configured remote).
@@ -26,7 +27,7 @@ Options are plain values, so worker processes open the very same store from them
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -36,7 +37,21 @@ if TYPE_CHECKING:
     from cachebuild.store.base import Store
 
 REMOTE_MODES = ("rw", "ro", "off")
-DEFAULT_DIR = Path("~/.cache/cachebuild")
+
+
+def cache_home() -> Path:
+    """The user's cache folder by the XDG rules: ``$XDG_CACHE_HOME`` if it is an absolute
+    path, else ``~/.cache``."""
+    given = os.environ.get("XDG_CACHE_HOME", "")
+    if given and os.path.isabs(given):
+        return Path(given)
+    return Path("~/.cache").expanduser()
+
+
+def default_dir() -> Path:
+    """The store of a user who names none: ``cache_home()/cachebuild``."""
+    return cache_home() / "cachebuild"
+
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
 
@@ -55,7 +70,7 @@ def env_flag(name: str) -> bool:
 class StoreOptions:
     """Everything that decides the store (see the module doc for each setting)."""
 
-    cache_dir: Path | str = DEFAULT_DIR
+    cache_dir: Path | str = field(default_factory=default_dir)
     remote: str | None = None
     remote_mode: str = "rw"
     signing_key: bytes | None = None

@@ -103,13 +103,6 @@ class OverlayStore(Store):
         return self.base
 
     @property
-    def probe_dir(self) -> Path:
-        """The overlay's folder once there is an overlay, else the read-only store's (whose
-        verdicts are read, never written: a probe here keeps its verdict in memory)."""
-        overlay = self.overlay
-        return overlay.probe_dir if overlay is not None else self.base.probe_dir
-
-    @property
     def work_dir(self) -> Path:
         """Where builds' compilers write: a build makes the overlay anyway."""
         return self.writable().work_dir

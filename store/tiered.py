@@ -136,10 +136,6 @@ class TieredStore(Store):
         return self.local.root
 
     @property
-    def probe_dir(self) -> Path:
-        return self.local.probe_dir
-
-    @property
     def work_dir(self) -> Path:
         return self.local.work_dir
 

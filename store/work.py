@@ -17,7 +17,7 @@ else's code. So:
   record, and the bytes that were hashed are the bytes used.
 
 The records never live in the work folder, so a file planted there cannot bring its own
-record: they are kept with the environment (the probe folder's ``built/``, checked like
+record: they are kept with the environment (the environment folder's ``built/``, checked like
 the store and shared by this user's stores, as a work folder may be), or in the store's
 own ``built/`` (``Store.work_records``) where that folder is not ours to write.
 """

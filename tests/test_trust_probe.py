@@ -18,6 +18,7 @@ import pytest
 from trust import NOBODY, assert_one_line_error, clean_env, cli, public_dir, python, require_root
 
 from cachebuild.backends import probe
+from cachebuild.store import LocalStore
 
 #: A "compiler" that leaves a canary, then behaves like the system's.
 COMPILER = """#!/bin/sh
@@ -80,6 +81,7 @@ def test_a_probe_folder_another_user_could_swap_is_refused(tmp_path):
         assert_one_line_error(python(VERDICT, env=env), 2, r"open above it is writable by "
                                                            r"others")
         # stats says so instead of reading verdicts from there.
+        LocalStore(tmp_path / "store").close()
         proc = cli("--cache-dir", str(tmp_path / "store"), "stats", env=env)
         assert proc.returncode == 0, proc.stderr
         assert "open above it is writable by others" in " ".join(proc.stdout.split())
@@ -166,6 +168,7 @@ def test_a_verdicts_compiler_is_checked_again_before_every_use(tmp_path, monkeyp
         probe_dir.mkdir(mode=0o700)
         (probe_dir / "aoti-cpu-x.json").write_text(json.dumps(verdict.to_json()))
         env = clean_env(CACHEBUILD_PROBE_DIR=str(probe_dir))
+        LocalStore(tmp_path / "store").close()
         proc = cli("--cache-dir", str(tmp_path / "store"), "stats", env=env)
         assert proc.returncode == 0, proc.stderr
         assert "not used: " in proc.stdout and "could be replaced by another user" in \

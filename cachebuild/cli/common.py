@@ -71,6 +71,33 @@ def open_store(ctx: click.Context) -> Store:
     return state_of(ctx).open_store()
 
 
+def open_existing_store(ctx: click.Context) -> Store:
+    """The command line's store, which must exist: a command that reads or maintains a
+    store never makes an empty one where a path was mistyped (UsageError, exit 2, naming
+    the path)."""
+    import os
+    from pathlib import Path
+
+    from cachebuild.store.layout import (
+        FORMAT_DIR,
+        check_private_dir,
+        check_readable_dir,
+        writable_here,
+    )
+
+    path = Path(state_of(ctx).options.cache_dir)
+    if not (path / FORMAT_DIR).is_dir():
+        if os.path.lexists(path):  # an unsafe folder is refused as such, before all else
+            real = Path(os.path.realpath(path))
+            (check_private_dir if writable_here(real) else check_readable_dir)(real)
+        why = "no such directory" if not os.path.lexists(path) else \
+            f"the directory holds no store (no {FORMAT_DIR}/ folder)"
+        raise UsageError(f"no store at {path}: {why}; check --cache-dir or CACHEBUILD_DIR, "
+                         "or make one with `cachebuild warm MODEL.py` or `cachebuild import "
+                         "FILE`")
+    return open_store(ctx)
+
+
 def one_line(error: BaseException | str) -> str:
     return " ".join(str(error).split()) or type(error).__name__
 

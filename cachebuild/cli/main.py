@@ -104,7 +104,7 @@ def _setup_logging(verbose: bool) -> None:
 
 @click.group(cls=_Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--cache-dir", metavar="DIR",
-              help="Store directory [env CACHEBUILD_DIR; default: ~/.cache/cachebuild].")
+              help="Store directory [env CACHEBUILD_DIR; default: $XDG_CACHE_HOME/cachebuild, else ~/.cache/cachebuild].")
 @click.option("--remote", metavar="URL",
               help="Remote store tier (L2) shared by a fleet, e.g. redis://host:6379/0 "
                    "[env CACHEBUILD_REMOTE].")

@@ -9,9 +9,12 @@ words). ``plan`` and ``explain`` change nothing in the store.
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 from rich.console import Console
@@ -67,12 +70,48 @@ def _phases_line(target: TargetReport) -> str | None:
     return "  " + detail(target.phases, target.reused)
 
 
+class _Phases(logging.Handler):
+    """What a long wait is doing (the ``cachebuild.progress`` log: the probe, the trace,
+    the builds), shown as it starts: ``show(line)`` for each record."""
+
+    def __init__(self, show: Callable[[str], None]) -> None:
+        super().__init__(logging.INFO)
+        self.show = show
+
+    def emit(self, record: logging.LogRecord) -> None:
+        with contextlib.suppress(Exception):
+            self.show(record.getMessage())
+
+
+@contextmanager
+def _phases(show: Callable[[str], None]) -> Iterator[None]:
+    """Route the ``cachebuild.progress`` log to ``show`` while the block runs (and to
+    nothing else: the command shows it its own way)."""
+    logger = logging.getLogger("cachebuild.progress")
+    handler = _Phases(show)
+    saved = logger.level, logger.propagate
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(saved[0])
+        logger.propagate = saved[1]
+
+
 @contextmanager
 def _progress(console: Console, verbose: bool = False
-              ) -> Iterator[Callable[[TargetReport, int, int], None]]:
-    """A callback per target finished: a bar on a terminal; else one line per target, so
-    that a log shows what the build is doing. ``verbose``: each built target's phases
-    on a line of their own."""
+              ) -> Iterator[tuple[Callable[[TargetReport, int, int], None],
+                                  Callable[[str], None]]]:
+    """``(on_target, on_phase)``: a callback per target finished, and one per phase of the
+    work as it starts (importing the model, the toolchain probe, the trace, the builds).
+    On a terminal, one live line shows the phase (a bar once targets finish) and the time
+    since the command started; elsewhere, each phase and each target is a line, at once,
+    so that a log shows what the command is doing. ``verbose``: each built target's
+    phases on a line of their own."""
+    started = time.perf_counter()
     if not console.is_terminal:
         def line(target: TargetReport, done: int, total: int) -> None:
             what = {"built": "built", "failed": "failed", "stored": "found stored"}[target.state]
@@ -82,25 +121,31 @@ def _progress(console: Console, verbose: bool = False
             if phases:
                 console.print(phases, markup=False, highlight=False)
 
-        yield line
+        def phase(text: str) -> None:
+            console.print(f"[{time.perf_counter() - started:5.1f} s] {text}", markup=False,
+                          highlight=False)
+
+        with _phases(phase):
+            yield line, phase
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())
     with Progress(*columns, console=console, transient=False) as progress:
-        task: Any = None
+        task = progress.add_task("starting", total=None)
 
         def advance(target: TargetReport, done: int, total: int) -> None:
-            nonlocal task
-            if task is None:
-                task = progress.add_task("building", total=total)
-            progress.update(task, completed=done,
+            progress.update(task, completed=done, total=total,
                             description=f"{target.label} {target.seconds:.1f} s")
             phases = _phases_line(target) if verbose else None
             if phases:
                 progress.console.print(f"{target.label}:{phases}", markup=False,
                                        highlight=False)
 
-        yield advance
+        def phase(text: str) -> None:
+            progress.update(task, description=escape(text))
+
+        with _phases(phase):
+            yield advance, phase
 
 
 @click.command("warm")
@@ -130,7 +175,7 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
     console = _console()
     say = _say(console)
     verbose = bool(getattr(ctx.obj, "verbose", False))
-    with _progress(console, verbose) as on_target:
+    with _progress(console, verbose) as (on_target, _):
         report = warm(model, store=_store_for(ctx), jobs=jobs, device=device,
                       world_size=world_size, dry_run=dry_run, say=say, on_target=on_target)
     if dry_run:
@@ -215,8 +260,10 @@ def plan_command(ctx: click.Context, model: str, device: str | None,
     With --world-size, each unique target of the group once, with the ranks using it."""
     from cachebuild.warming import plan
 
-    report = plan(model, store=_store_for(ctx), device=device, world_size=world_size,
-                  say=_say(_console()))
+    console = _console()
+    with _progress(console) as (_, on_phase):
+        report = plan(model, store=_store_for(ctx), device=device, world_size=world_size,
+                      say=_say(console))
     _plan_table(report, stdout())
 
 

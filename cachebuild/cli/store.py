@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import click
 from rich import box
@@ -16,12 +17,14 @@ from cachebuild.cli.common import (
     DurationParam,
     SizeParam,
     ago,
+    open_existing_store,
     open_store,
     plural,
     printable,
     progress_bar,
     resolve_key,
     safe_text,
+    state_of,
     stdout,
 )
 from cachebuild.errors import UsageError
@@ -34,7 +37,7 @@ from cachebuild.units import format_size
 @click.pass_context
 def ls_command(ctx: click.Context, as_json: bool, kind: str | None) -> None:
     """List the store's records (model entries and targets), most recently used first."""
-    store = open_store(ctx)
+    store = open_existing_store(ctx)
     records = sorted(store.records(kind=kind, manifests=as_json),
                      key=lambda r: r.last_used, reverse=True)
     if as_json:
@@ -77,29 +80,35 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     (targets built and loaded and the time it took, traces, warm starts); with a remote,
     also by tier (L1/L2). --prometheus writes the same counters in the Prometheus text
     format, for a collector that reads files (node_exporter's textfile collector)."""
-    from cachebuild.backends.probe import cached_verdicts, probe_dir, unusable
+    from cachebuild.backends import environment
+    from cachebuild.backends.probe import cached_verdicts, unusable
     from cachebuild.metrics import check_target, store_metrics, write
     from cachebuild.store.layout import UnsafeStore
-    from cachebuild.store.maintenance import work_usage
 
     if prometheus is not None:
         check_target(prometheus)  # before the store is read: a bad path is bad usage
-    store = open_store(ctx)
+    store = open_existing_store(ctx)
     stats = store.stats()
     if prometheus is not None:
         write(store_metrics(stats), prometheus)
         if prometheus == "-":
             return
-    try:
-        verdicts, probe_problem = cached_verdicts(store.probe_dir), None
-    except UnsafeStore as e:  # the verdicts there are not read, nor used by builds
-        verdicts, probe_problem = [], str(e)
+    folders = environment.listed()  # every environment folder of this user's
+    verdicts: list[Any] = []
+    probe_problem = None
+    for folder in folders:
+        try:
+            verdicts += cached_verdicts(Path(folder.path))
+        except UnsafeStore as e:  # the verdicts there are not read, nor used by builds
+            probe_problem = str(e)
     stats["toolchains"] = [v.to_json() | {"summary": v.describe(), "unusable": unusable(v)}
                            for v in verdicts]
     if probe_problem is not None:
         stats["toolchain_problem"] = probe_problem
-    else:  # the environment's files: verdicts, ISA checks, precompiled headers
-        stats["environment"] = work_usage(probe_dir(store.probe_dir).expanduser().absolute())
+    # Counted with the store closed: an open index holds files (SQLite's shared memory)
+    # that are gone when the command ends, and du counts what stays.
+    state_of(ctx).close()
+    stats["disk"] = disk_paid(Path(stats["path"]), folders, stats.get("work"))
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
@@ -110,7 +119,7 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     rows = [("store", stats["path"] + (" (read-only here)" if stats.get("read_only") else "")),
             ("records", str(stats["records"])),
             ("payload", format_size(stats["bytes"])),
-            ("on disk", format_size(stats["disk_bytes"])),
+            ("blobs on disk", format_size(stats["disk_bytes"])),
             ("pinned", str(stats["pinned"])),
             ("hits", str(stats["hits"])),
             ("misses", str(stats["misses"])),
@@ -137,12 +146,11 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     if work is not None:  # what compilers wrote during builds: gc empties it
         rows.append(("build work files", f"{format_size(work['bytes'])} in "
                                          f"{plural(work['files'], 'file')} ({work['path']})"))
-    environment = stats.get("environment")
-    if environment is not None and environment["files"]:
-        rows.append(("environment files", f"{format_size(environment['bytes'])} in "
-                                          f"{plural(environment['files'], 'file')} "
-                                          f"({environment['path']}: toolchain verdicts, "
-                                          "ISA checks, precompiled headers)"))
+    disk = stats["disk"]
+    for part in disk["parts"]:  # every byte this store's user pays for, where it is
+        rows.append((part["what"], f"{format_size(part['bytes'])} ({part['path']}"
+                                   + (f": {part['about']}" if part.get("about") else "") + ")"))
+    rows.append(("disk in all", format_size(disk["total"])))
     overlay = stats.get("overlay")
     if overlay is not None:  # a read-only store: where this user's builds go
         rows.append(("overlay", f"{overlay['path']} ({overlay['records']} records)"))
@@ -159,21 +167,48 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     stdout().print(table)
 
 
+def disk_paid(store_root: Path, folders: list[Any], work: dict[str, Any] | None
+              ) -> dict[str, Any]:
+    """What the store's user pays for on disk, as ``du -sb`` counts it, part by part: the
+    store's folder (``<dir>/v1``), a work folder outside it, and each environment folder
+    (toolchain verdicts, ISA checks, precompiled headers; shared by every store of this
+    user). ``{"parts": [{"what", "path", "bytes", "about"}], "total"}``."""
+    from cachebuild.backends.environment import tree_bytes
+
+    parts = [{"what": "store on disk", "path": str(store_root),
+              "bytes": tree_bytes(store_root)[0], "about": "records, blobs, index, work files"}]
+    if work is not None and not Path(work["path"]).is_relative_to(store_root):
+        parts.append({"what": "work folder", "path": work["path"],
+                      "bytes": tree_bytes(Path(work["path"]))[0], "about": "builds' files"})
+    for folder in folders:
+        parts.append({"what": "environment", "path": folder.path, "bytes": folder.bytes,
+                      "about": f"{folder.summary()}; toolchain verdicts, ISA checks, "
+                               "precompiled headers, shared by your stores"})
+    return {"parts": parts, "total": sum(p["bytes"] for p in parts)}
+
+
 @click.command("gc")
 @click.option("--max-size", type=SizeParam(), metavar="SIZE",
               help="Evict least recently used records until the store fits, e.g. 20G.")
 @click.option("--older-than", type=DurationParam(), metavar="AGE",
               help="Evict records unused for this long, e.g. 7d.")
 @click.option("--dry-run", is_flag=True, help="Show what would go; remove nothing.")
+@click.option("--environments", is_flag=True,
+              help="Also remove your environment folders of other environments (another "
+                   "torch, Python or CPU: toolchain verdicts and precompiled headers no "
+                   "build here uses) and a probe/ folder an earlier version kept in the "
+                   "store.")
 @click.pass_context
 def gc_command(ctx: click.Context, max_size: int | None, older_than: float | None,
-               dry_run: bool) -> None:
+               dry_run: bool, environments: bool) -> None:
     """Evict records, least recently used first; pinned records and what they refer to stay.
 
     A model entry goes together with the targets no other entry refers to (the entry
-    first), so GC never leaves an entry whose targets are gone.
+    first), so GC never leaves an entry whose targets are gone. With --environments, also
+    the environment folders this environment does not use (the current one stays: every
+    build here needs it).
     """
-    store = open_store(ctx)
+    store = open_existing_store(ctx)
     report = store.gc(max_size=max_size, older_than=older_than, dry_run=dry_run)
     out = stdout()
     verb = "would remove" if dry_run else "removed"
@@ -200,9 +235,39 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
     if report.tmp_removed or report.orphans_removed:
         out.print(f"cleaned {report.tmp_removed} abandoned temp files and "
                   f"{report.orphans_removed} unrecorded blobs")
+    if environments:
+        _gc_environments(store, dry_run, verb)
     if report.over_cap:
         click.echo(f"warning: pinned records alone take {format_size(report.bytes_after)}, "
                    f"more than --max-size {format_size(max_size or 0)}", err=True)
+
+
+def _gc_environments(store: Any, dry_run: bool, verb: str) -> None:
+    """Remove the environment folders of other environments, and the store's old
+    ``probe/`` folder, saying what went and what was kept (a folder in use)."""
+    import os
+
+    from cachebuild.backends import environment
+    from cachebuild.store.layout import FORMAT_DIR
+
+    out = stdout()
+    current = os.path.realpath(environment.current())  # imports torch: its fingerprint
+    candidates = [(Path(f.path), f.summary()) for f in environment.listed()
+                  if os.path.realpath(f.path) != current]
+    legacy = Path(store.local.root) / "probe"
+    if not getattr(store.local, "read_only", False) and legacy.is_dir() and \
+            legacy.parent.name == FORMAT_DIR:
+        candidates.append((legacy, "kept in the store by an earlier version"))
+    if not candidates:
+        out.print("no environment folders of other environments")
+    for path, about in candidates:
+        size, removed = environment.remove(path, dry_run)
+        if removed:
+            out.print(f"{verb} environment folder {safe_text(path, 500)} ({safe_text(about)}; "
+                      f"{format_size(size)})")
+        else:
+            out.print(f"kept environment folder {safe_text(path, 500)}: a probe or build is "
+                      "using it")
 
 
 @click.command("verify")
@@ -212,7 +277,7 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
 def verify_command(ctx: click.Context, repair: bool) -> None:
     """Check every blob, and every stored graph as a load checks it; exit 1 if any is
     damaged or holds a graph a load refuses, and was not repaired."""
-    store = open_store(ctx)
+    store = open_existing_store(ctx)
     with progress_bar("verifying") as on_progress:
         report = store.verify(repair=repair, progress=on_progress)
     # Blobs that verify can still hold a graph a load refuses (one that names what stored
@@ -275,8 +340,9 @@ def verify_command(ctx: click.Context, repair: bool) -> None:
 @click.pass_context
 def pin_command(ctx: click.Context, target: str) -> None:
     """Keep a record (a model entry keeps everything it refers to) from GC."""
+    store = open_existing_store(ctx)
     key = resolve_key(ctx, target)
-    open_store(ctx).pin(key)
+    store.pin(key)
     click.echo(f"pinned {key}")
 
 
@@ -285,8 +351,9 @@ def pin_command(ctx: click.Context, target: str) -> None:
 @click.pass_context
 def unpin_command(ctx: click.Context, target: str) -> None:
     """Let GC remove a record again."""
+    store = open_existing_store(ctx)
     key = resolve_key(ctx, target)
-    open_store(ctx).unpin(key)
+    store.unpin(key)
     click.echo(f"unpinned {key}")
 
 
@@ -305,7 +372,7 @@ def export_command(ctx: click.Context, file: Path, model: str | None,
     if not file.parent.is_dir():
         raise UsageError(f"cannot write the bundle {file}: directory {file.parent} does not "
                          "exist")
-    store = open_store(ctx).local
+    store = open_existing_store(ctx).local
     keys = [resolve_key(ctx, model)] if model else None
     with progress_bar("exporting") as on_progress:
         report = export_bundle(store, file, keys=keys, kinds=kinds or None, progress=on_progress)
@@ -367,7 +434,7 @@ def import_command(ctx: click.Context, file: Path, allow_unsigned: bool, trust: 
 def trust_command(ctx: click.Context, source: str) -> None:
     """Serve what came unsigned from SOURCE (a bundle or a remote, as `ls` and `verify`
     name it); the decision is kept in each record it marks."""
-    store = open_store(ctx).local
+    store = open_existing_store(ctx).local
     marked = store.trust(source, f"cachebuild trust ({source})"[:600])
     if not marked:
         sources = sorted({r.unsigned_from for r in store.records(manifests=False)

@@ -1,0 +1,213 @@
+"""The environment folder: what holds for one machine, user and software stack, kept once
+and shared by every store of that user.
+
+The C++ toolchain probe's verdicts, Inductor's checks of the CPU's vector ISAs, its
+precompiled headers (about 140 MB a compiler flag set) and the records of what builds
+keep in a work folder do not depend on the store: making them once per store would make
+every new store (a typo in ``CACHEBUILD_DIR``, a CI job, a second store) pay them again.
+So they live in one folder per environment, under the user's cache folder::
+
+    $XDG_CACHE_HOME (default ~/.cache)/cachebuild/env/<fingerprint>/
+      environment.json   what the fingerprint is made of (torch, Python, CPU, ...)
+      aoti-<device>-*.json, vec_isa-*.json, headers/, built/
+
+``$CACHEBUILD_PROBE_DIR`` names the folder itself instead. The folder is checked like the
+store (ours, private, no directory above it that another user could rename) by its users
+(``probe.checked_dir``). A store never needs it to serve: a start that finds its targets
+loads them without it, and a build into a read-only store's overlay makes it here, in the
+user's folder, or (where that cannot be written) keeps the verdict in memory.
+
+Every process that uses a folder holds its ``.in-use`` file shared (flock) while it does;
+``remove`` takes it alone, so ``cachebuild gc --environments`` never removes a folder a
+probe or a build is using. Listing and sizing import no torch (``cachebuild stats``); only
+``fingerprint`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+#: The variable that names the environment folder itself (not a parent of it).
+OVERRIDE = "CACHEBUILD_PROBE_DIR"
+#: The file that says what the fingerprint is made of.
+DESCRIPTION = "environment.json"
+#: Held shared (flock) by every process using the folder, alone by ``remove``.
+IN_USE = ".in-use"
+
+
+def root() -> Path:
+    """The folder holding one environment folder per fingerprint (beside the default
+    store's ``v1/``, never inside a store's)."""
+    from cachebuild.store.options import cache_home
+
+    return cache_home() / "cachebuild" / "env"
+
+
+def factors() -> dict[str, Any]:
+    """What makes an environment (imports torch): the environment factors of CPU targets
+    (torch and its build, Triton, Python, the CPU's architecture and vector ISA)."""
+    from cachebuild.env import env_factors
+
+    return env_factors("cpu")
+
+
+def fingerprint() -> str:
+    """The name of this environment's folder: a key of ``factors()`` (imports torch)."""
+    from cachebuild.keys import make_key
+
+    return make_key({"environment": factors()})[:20]
+
+
+def overridden() -> Path | None:
+    """The folder ``$CACHEBUILD_PROBE_DIR`` names, or None."""
+    given = os.environ.get(OVERRIDE)
+    return Path(given).expanduser().absolute() if given else None
+
+
+def current() -> Path:
+    """This environment's folder (not made, not checked): ``$CACHEBUILD_PROBE_DIR``, else
+    ``root()/fingerprint()``."""
+    return overridden() or root() / fingerprint()
+
+
+def describe(folder: Path) -> None:
+    """Write ``environment.json`` into ``folder`` (made and checked) unless it is there:
+    what ``cachebuild stats`` and ``gc --environments`` say a folder is."""
+    path = folder / DESCRIPTION
+    if path.exists():
+        return
+    tmp = path.with_name(f".{DESCRIPTION}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"factors": factors(), "created": time.time()}))
+    os.replace(tmp, path)
+
+
+@contextlib.contextmanager
+def in_use(folder: Path) -> Iterator[None]:
+    """Hold ``folder`` shared while the block runs (``remove`` waits for no one: it skips a
+    folder that is held)."""
+    fd = os.open(folder / IN_USE, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)
+        os.utime(fd)  # when it was last used, for `stats`
+        yield
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Folder:
+    """One environment folder as ``cachebuild stats`` and ``gc`` see it."""
+
+    path: str
+    bytes: int  # as `du -sb` counts them: every file and directory, links once
+    files: int
+    description: dict[str, Any] | None  # ``environment.json``, if readable
+    last_used: float | None  # when a process last held it
+
+    def summary(self) -> str:
+        """``torch 2.13.0+cpu, Python 3.11, x86_64 AVX2`` (or what is known of it)."""
+        f = (self.description or {}).get("factors")
+        if not isinstance(f, dict):
+            return "no description"
+        parts = [f"torch {f.get('torch')}", f"Python {f.get('python')}",
+                 " ".join(str(f[k]) for k in ("machine", "cpu_isa") if f.get(k))]
+        return ", ".join(p for p in parts if p.strip())
+
+
+def tree_bytes(path: Path) -> tuple[int, int]:
+    """``(bytes, files)`` under ``path`` as ``du -sb`` counts bytes: the apparent size of
+    every entry (directories included, ``path`` itself too), each inode once, symlinks not
+    followed; (0, 0) if it is missing."""
+    seen: set[tuple[int, int]] = set()
+    size = files = 0
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return 0, 0
+    seen.add((st.st_dev, st.st_ino))
+    size += st.st_size
+    for dirpath, dirnames, filenames in os.walk(path):
+        for name in dirnames + filenames:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                if (st.st_dev, st.st_ino) in seen:
+                    continue
+                seen.add((st.st_dev, st.st_ino))
+                size += st.st_size
+                if name in filenames:
+                    files += 1
+    return size, files
+
+
+def _folder(path: Path) -> Folder:
+    size, files = tree_bytes(path)
+    try:
+        description = json.loads((path / DESCRIPTION).read_text())
+    except (OSError, ValueError):
+        description = None
+    try:
+        last_used: float | None = os.stat(path / IN_USE).st_mtime
+    except OSError:
+        last_used = None
+    return Folder(str(path), size, files, description if isinstance(description, dict)
+                  else None, last_used)
+
+
+def listed() -> list[Folder]:
+    """Every environment folder of this user: the one ``$CACHEBUILD_PROBE_DIR`` names, and
+    each under ``root()``; folders that do not exist are left out. Imports no torch."""
+    paths: list[Path] = []
+    given = overridden()
+    if given is not None and given.is_dir():
+        paths.append(given)
+    with contextlib.suppress(OSError):
+        paths += sorted(p for p in root().iterdir() if p.is_dir() and not p.is_symlink())
+    seen: set[str] = set()
+    out = []
+    for path in paths:
+        real = os.path.realpath(path)
+        if real not in seen:
+            seen.add(real)
+            out.append(_folder(path))
+    return out
+
+
+def remove(path: Path, dry_run: bool) -> tuple[int, bool]:
+    """Remove the environment folder ``path`` unless a process holds it: ``(bytes,
+    removed)`` (with ``dry_run``, what would go). UnsafeStore if it is not a folder of ours
+    that only we can write, under directories no one else could rename: someone else's
+    folder is never emptied."""
+    import shutil
+
+    from cachebuild.store.layout import check_parents, check_private_dir
+    from cachebuild.store.locking import try_flock
+
+    real = Path(os.path.realpath(path))
+    check_private_dir(real, "environment folder")
+    check_parents(real, "environment folder")
+    size, _ = tree_bytes(real)
+    try:
+        fd = os.open(real / IN_USE, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
+    except OSError:
+        return 0, False
+    try:
+        if not try_flock(fd):
+            return 0, False  # a probe or a build is using it
+        if not dry_run:
+            # Renamed first, so no process finds a half-removed folder under its name.
+            gone = real.with_name(f".removing-{real.name}-{os.getpid()}")
+            os.rename(real, gone)
+            shutil.rmtree(gone, ignore_errors=True)
+        return size, True
+    finally:
+        os.close(fd)
