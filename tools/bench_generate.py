@@ -30,10 +30,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -238,27 +236,11 @@ def main() -> None:
     if args.from_json:
         show(json.loads(args.from_json.read_text()))
         return
-    modes = args.modes.split(",")
-    for mode in modes:
-        try:
-            genserve.parse(mode)
-        except ValueError as e:
-            p.error(str(e))
-    work = args.work or Path(tempfile.mkdtemp(prefix="bench-generate-"))
-    work.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, **genserve.model_env(args.layers, args.hidden, args.device),
-           "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-prime")}
+    modes, work, env = genserve.setup(p, args, "bench-generate-")
     results: dict[str, Any] = {"toolchain": primed(env, work, args.device)}
     for mode in modes:
         parsed = genserve.parse(mode)
-        menv = dict(env)
-        menv["TORCHINDUCTOR_CACHE_DIR"] = str(work / ("inductor-torch" if parsed.engine == "torch"
-                                                      else f"inductor-{mode}"))
-        if parsed.flavour:
-            backend, flavour = (("eager_fusion", "auto") if parsed.flavour == "eager_fusion"
-                                else ("inductor", parsed.flavour))
-            menv.update({"CACHEBUILD_DIR": str(work / f"store-{parsed.flavour}"),
-                         "LLAMA_BACKEND": backend, "LLAMA_FLAVOUR": flavour})
+        menv, _ = genserve.mode_env(env, work, mode)
         if parsed.engine == "build":
             results[mode] = build(work, menv, parsed.flavour, "generate.py")
         else:

@@ -127,6 +127,43 @@ class Server:
         return getattr(self.forward, "runtime", None)
 
 
+
+
+def setup(parser: Any, args: Any, prefix: str) -> tuple[list[str], Path, dict[str, str]]:
+    """What a tool over several modes starts from: ``args.modes`` checked (a bad name is a
+    usage error), the work folder (``args.work`` or a new temporary one) and the base
+    environment of every mode's process."""
+    import tempfile
+
+    modes = args.modes.split(",")
+    for mode in modes:
+        try:
+            parse(mode)
+        except ValueError as e:
+            parser.error(str(e))
+    work = args.work or Path(tempfile.mkdtemp(prefix=prefix))
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, **model_env(args.layers, args.hidden, args.device),
+           "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-prime")}
+    return modes, work, env
+
+def mode_env(env: dict[str, str], work: Path, mode: str) -> tuple[dict[str, str], Path | None]:
+    """``env`` for one mode's process, with its caches under ``work``: torch.compile's modes
+    share one Inductor cache, every other mode has its own; a cachebuild mode gets the store
+    of its flavour (returned too, else None) and the backend that flavour names."""
+    parsed = parse(mode)
+    menv = dict(env)
+    menv["TORCHINDUCTOR_CACHE_DIR"] = str(work / ("inductor-torch" if parsed.engine == "torch"
+                                                  else f"inductor-{mode}"))
+    if not parsed.flavour:
+        return menv, None
+    backend, flavour = (("eager_fusion", "auto") if parsed.flavour == "eager_fusion"
+                        else ("inductor", parsed.flavour))
+    store = work / f"store-{parsed.flavour}"
+    menv.update({"CACHEBUILD_DIR": str(store), "LLAMA_BACKEND": backend,
+                 "LLAMA_FLAVOUR": flavour})
+    return menv, store
+
 def start(mode_name: str, started: float) -> Server:
     """Import, build the model, compile and capture as ``mode_name`` says, in this process."""
     mode = parse(mode_name)

@@ -24,10 +24,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -208,35 +206,18 @@ def main() -> None:
     if args.child:
         print(json.dumps(child(args.child, args.batch, args.steps, args.trace)))
         return
-    modes = args.modes.split(",")
-    for mode in modes:
-        try:
-            genserve.parse(mode)
-        except ValueError as e:
-            p.error(str(e))
-    work = args.work or Path(tempfile.mkdtemp(prefix="profile-decode-"))
-    work.mkdir(parents=True, exist_ok=True)
     from bench_serve import build
     from benchlib import primed
 
-    env = {**os.environ, **genserve.model_env(args.layers, args.hidden, args.device),
-           "PYTHONUNBUFFERED": "1", "TORCHINDUCTOR_CACHE_DIR": str(work / "inductor-prime")}
+    modes, work, env = genserve.setup(p, args, "profile-decode-")
     primed(env, work, args.device)
     results: dict[str, Any] = {}
     for mode in modes:
         parsed = genserve.parse(mode)
-        menv = dict(env)
-        menv["TORCHINDUCTOR_CACHE_DIR"] = str(work / ("inductor-torch" if parsed.engine == "torch"
-                                                      else f"inductor-{mode}"))
-        if parsed.flavour:
-            backend, flavour = (("eager_fusion", "auto") if parsed.flavour == "eager_fusion"
-                                else ("inductor", parsed.flavour))
-            store = work / f"store-{parsed.flavour}"
-            menv.update({"CACHEBUILD_DIR": str(store), "LLAMA_BACKEND": backend,
-                         "LLAMA_FLAVOUR": flavour})
-            if not store.exists():
-                print(f"building the {parsed.flavour} store first", file=sys.stderr, flush=True)
-                build(work, menv, parsed.flavour, "generate.py")
+        menv, store = genserve.mode_env(env, work, mode)
+        if store is not None and not store.exists():
+            print(f"building the {parsed.flavour} store first", file=sys.stderr, flush=True)
+            build(work, menv, parsed.flavour, "generate.py")
         if parsed.engine == "build":
             continue
         argv = [sys.executable, __file__, "--child", mode, "--batch", str(args.batch),
