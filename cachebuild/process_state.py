@@ -1,0 +1,93 @@
+"""What this process remembers between starts, in one object.
+
+A process remembers the targets it loaded (every layer and every later start with the
+same key shares one), the targets it proved against their pieces, the models that failed
+to compile (not traced again), the sources of unsigned artifacts it already named in a
+refusal (said once), and the capturers whose background threads may be running (stopped
+at exit). All of it lives in one ``ProcessState``; ``current()`` is the one the process
+uses, and ``fresh()`` runs a block as a new process would start, then puts the old one
+back (what tests use instead of clearing module globals).
+
+Kept out of it on purpose: memos of pure functions of content (source and code hashes,
+the compiler probe's verdicts, pass uuids), registries filled at import (backends, refs
+readers, bounded stand-ins), ``counters.COUNTERS`` (its own explicit registry with its
+own reset), Inductor's one-time import (``build.preload``: an import cannot be undone),
+and what must follow the process's environment (``backends.kernel_dir``).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+
+class Stoppable(Protocol):
+    """What the state needs of a capturer: a way to stop its background thread."""
+
+    def stop(self) -> None: ...
+
+
+@dataclass
+class ProcessState:
+    """What one process remembers.
+
+    ``loaded``: loaded targets by (key, device); ``verified``: keys of targets proven
+    against their piece (built here, by a worker for this process, or checked on load);
+    ``failed``: the error of each model that failed to compile, by the key of the entry
+    it would have had; ``told_untrusted``: sources of unsigned artifacts already named in
+    a refusal; ``capturers``: capturers whose background thread may be running.
+    """
+
+    loaded: dict[tuple[str, str], Any] = field(default_factory=dict)
+    verified: set[str] = field(default_factory=set)
+    failed: dict[str, BaseException] = field(default_factory=dict)
+    told_untrusted: set[str] = field(default_factory=set)
+    capturers: weakref.WeakSet[Stoppable] = field(default_factory=weakref.WeakSet)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
+
+    def first_telling(self, origin: str) -> bool:
+        """True the first time this state is asked about ``origin`` (then it is
+        remembered as told), False after: a refusal is said once per source."""
+        with self._lock:
+            told = origin in self.told_untrusted
+            self.told_untrusted.add(origin)
+        return not told
+
+
+_current = ProcessState()
+_swap = threading.Lock()
+
+
+def current() -> ProcessState:
+    """The state this process uses now."""
+    return _current
+
+
+def reset() -> ProcessState:
+    """Forget everything the process remembers, as a new process would start, and return
+    the new state. Running capture threads are not memory but work under way: the new
+    state keeps them, so that they are still stopped at exit."""
+    global _current
+    with _swap:
+        _current = ProcessState(capturers=_current.capturers)
+        return _current
+
+
+@contextmanager
+def fresh() -> Iterator[ProcessState]:
+    """Run the block on a fresh state (``reset``), then put back the one before: what the
+    block's starts loaded, proved or failed is forgotten after it; capture threads started
+    in it are still stopped at exit."""
+    global _current
+    with _swap:
+        before = _current
+        state = _current = ProcessState(capturers=before.capturers)
+    try:
+        yield state
+    finally:
+        with _swap:
+            _current = before
