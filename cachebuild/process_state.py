@@ -2,8 +2,8 @@
 
 A process remembers the targets it loaded (every layer and every later start with the
 same key shares one), the targets it proved against their pieces, the models that failed
-to compile (not traced again), the sources of unsigned artifacts it already named in a
-refusal (said once), and the capturers whose background threads may be running (stopped
+to compile (not traced again), the warnings it says once (a source of unsigned artifacts
+named in a refusal, a work folder emptied, a remote that is down), and the capturers whose background threads may be running (stopped
 at exit). All of it lives in one ``ProcessState``; ``current()`` is the one the process
 uses, and ``fresh()`` runs a block as a new process would start, then puts the old one
 back (what tests use instead of clearing module globals).
@@ -38,24 +38,24 @@ class ProcessState:
     ``loaded``: loaded targets by (key, device); ``verified``: keys of targets proven
     against their piece (built here, by a worker for this process, or checked on load);
     ``failed``: the error of each model that failed to compile, by the key of the entry
-    it would have had; ``told_untrusted``: sources of unsigned artifacts already named in
-    a refusal; ``capturers``: capturers whose background thread may be running.
+    it would have had; ``said``: what was said once already (``first_saying``);
+    ``capturers``: capturers whose background thread may be running.
     """
 
     loaded: dict[tuple[str, str], Any] = field(default_factory=dict)
     verified: set[str] = field(default_factory=set)
     failed: dict[str, BaseException] = field(default_factory=dict)
-    told_untrusted: set[str] = field(default_factory=set)
+    said: set[str] = field(default_factory=set)
     capturers: weakref.WeakSet[Stoppable] = field(default_factory=weakref.WeakSet)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
-    def first_telling(self, origin: str) -> bool:
-        """True the first time this state is asked about ``origin`` (then it is
-        remembered as told), False after: a refusal is said once per source."""
+    def first_saying(self, what: str) -> bool:
+        """True the first time this state is asked about ``what`` (a line, or what names
+        it; then it is remembered as said), False after: said once per process."""
         with self._lock:
-            told = origin in self.told_untrusted
-            self.told_untrusted.add(origin)
-        return not told
+            said = what in self.said
+            self.said.add(what)
+        return not said
 
 
 _current = ProcessState()

@@ -113,9 +113,9 @@ def _servable(small: dict[str, Any], quiet: bool = False) -> bool:
         return True
     if quiet:
         return False
-    # Once per process, not per store: a server opens its store more than once (a
-    # planner's look, the build), and the user needs the line once.
-    if process_state.current().first_telling(origin):
+    # Once per process, not per store object: a process may open one store more than
+    # once, and the user needs the line once.
+    if process_state.current().first_saying(untrusted_refusal(origin)):
         log.warning("cachebuild: %s", untrusted_refusal(origin))
     return False
 

@@ -33,16 +33,16 @@ def test_a_fresh_state_remembers_nothing_and_the_old_one_comes_back_after():
     old.loaded["k", "cpu"] = object()
     old.verified.add("k")
     old.failed["entry"] = ValueError("no")
-    assert old.first_telling("bundle.tar")
+    assert old.first_saying("bundle.tar")
     capturer = _Thread()
     old.capturers.add(capturer)
     with process_state.fresh() as state:
         assert process_state.current() is state is not old
         assert not state.loaded and not state.verified and not state.failed
-        assert state.first_telling("bundle.tar")  # said again: a new process says it once
+        assert state.first_saying("bundle.tar")  # said again: a new process says it once
         assert capturer in state.capturers  # still stopped at exit
     assert process_state.current() is old
-    assert not old.first_telling("bundle.tar")
+    assert not old.first_saying("bundle.tar")
 
 
 def test_a_fresh_state_forgets_failed_models_and_loaded_targets(open_local, tmp_path):
