@@ -3,7 +3,8 @@
 A process remembers the targets it loaded (every layer and every later start with the
 same key shares one), the targets it proved against their pieces, the models that failed
 to compile (not traced again), the warnings it says once (a source of unsigned artifacts
-named in a refusal, a work folder emptied, a remote that is down), and the capturers whose background threads may be running (stopped
+named in a refusal, a work folder emptied, a remote that is down, a graph that
+builds a variant per number), and the capturers whose background threads may be running (stopped
 at exit). All of it lives in one ``ProcessState``; ``current()`` is the one the process
 uses, and ``fresh()`` runs a block as a new process would start, then puts the old one
 back (what tests use instead of clearing module globals).
