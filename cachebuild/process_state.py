@@ -3,17 +3,20 @@
 A process remembers the targets it loaded (every layer and every later start with the
 same key shares one), the targets it proved against their pieces, the models that failed
 to compile (not traced again), the warnings it says once (a source of unsigned artifacts
-named in a refusal, a work folder emptied, a remote that is down, a graph that
-builds a variant per number), and the capturers whose background threads may be running (stopped
+named in a refusal, a work folder emptied, a remote that is down, a graph that builds a
+variant per number), and the capturers whose background threads may be running (stopped
 at exit). All of it lives in one ``ProcessState``; ``current()`` is the one the process
 uses, and ``fresh()`` runs a block as a new process would start, then puts the old one
 back (what tests use instead of clearing module globals).
 
-Kept out of it on purpose: memos of pure functions of content (source and code hashes,
-the compiler probe's verdicts, pass uuids), registries filled at import (backends, refs
-readers, bounded stand-ins), ``counters.COUNTERS`` (its own explicit registry with its
-own reset), Inductor's one-time import (``build.preload``: an import cannot be undone),
-and what must follow the process's environment (``backends.kernel_dir``).
+Kept out of it on purpose, as a fresh state must not drop them: memos of what a given
+content or environment computes to (source and code hashes, file digests, the compiler
+probe's verdicts and the CPU's vector ISAs, pass uuids, files already written from
+verified bytes), registries filled at import or kept for the interpreter (backends, refs
+readers, bounded stand-ins, dict watchers, weight hooks), ``counters.COUNTERS`` (its own
+explicit registry with its own reset), Inductor's one-time import (``build.preload``: an
+import cannot be undone), and what follows the process's environment while a build or a
+load runs (``backends.kernel_dir``, ``backends.compilers``).
 """
 
 from __future__ import annotations
