@@ -13,6 +13,21 @@ Inductor's cache directory is process-wide (``TORCHINDUCTOR_CACHE_DIR``), so
 private directory, the last points it back. Loads from two different stores wait for
 each other.
 
+Why the environment, and not Inductor's config or a patched function: the environment is
+the only place every reader of these folders looks. Inductor's ``cache_dir()`` reads
+``TORCHINDUCTOR_CACHE_DIR`` on every call and writes it back into ``os.environ`` itself,
+and a dozen of its modules hold their own reference to that function (patching one misses
+the others); its Triton launcher sets ``TRITON_CACHE_DIR`` in ``os.environ`` when it is
+unset, and Triton reads it from there; the processes the compilers start (the C++
+compiler, which takes ``TMPDIR``; Inductor's ``python -c`` ISA checks, which need
+``PYTHONSAFEPATH``; its compile workers, to which it forwards both cache variables) learn
+them only from the environment they inherit. A folder fixed once for the process would
+not do either: each store has its own work folder, checked and locked per store, and a
+process may build into several. So ``build_work_dir`` and ``private_cache_dir`` set the
+variables for as long as their block runs and put back what was there. Builds are kept
+out of a serving process where they can be: in worker processes (``workers``) the swap
+touches the environment of a process that does nothing else.
+
 Before it builds or loads CPU kernels, Inductor compiles small check programs for each
 vector ISA the CPU reports (seconds apiece), and which flags its checks and kernels get
 depends on what ran before in the process. So while loads run, Inductor is told the ISA

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cachebuild import keep
+from cachebuild import keep, process_state
 from cachebuild.backends import BuildRequest, get_backend
 from cachebuild.backends.base import DeviceBound, LoadNeeds
 from cachebuild.backends.kernel_dir import build_work_dir
@@ -73,11 +73,6 @@ def quiet_compiler_warnings() -> Iterator[None]:
         else:
             warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
 
-#: Targets loaded in this process, by key and device: every layer with the same key shares one.
-LOADED: dict[tuple[str, str], Any] = {}
-#: Targets proven against their piece in this process (built here, or checked on load).
-VERIFIED: set[str] = set()
-
 
 class Builder:
     """Resolves targets against one store with one config's backend and passes."""
@@ -113,12 +108,13 @@ class Builder:
         replaced by its copy for this index, loaded or built (``job`` needed; without
         it, None: ``resolve`` comes back with the job).
         """
-        if (key, self.device) in LOADED and self.store.contains(key):
+        loaded = process_state.current().loaded
+        if (key, self.device) in loaded and self.store.contains(key):
             # Loaded earlier in this process (from this store or another one): the same
             # key is the same artifact. A store that lacks it is a miss, so it is built
             # into this store too.
             COUNTERS.hits += 1
-            return LOADED[key, self.device]
+            return loaded[key, self.device]
         record = self.store.get_record(key)
         if record is None:
             return None
@@ -141,7 +137,7 @@ class Builder:
         COUNTERS.add_time("load", seconds)
         self.store.count("loads")
         self.store.count("load_ms", round(seconds * 1000))
-        LOADED[key, self.device] = fn
+        loaded[key, self.device] = fn
         return fn
 
     def _device_copy(self, job: BuildJob, bound: DeviceBound) -> Any | None:
@@ -158,7 +154,7 @@ class Builder:
             fn = self.load(copy.target.key)
         if fn is not None:
             COUNTERS.device_copies += 1
-            LOADED[job.target.key, self.device] = fn
+            process_state.current().loaded[job.target.key, self.device] = fn
         return fn
 
     def here(self, job: BuildJob) -> BuildJob:
@@ -243,7 +239,7 @@ class Builder:
             raise BuildError(
                 f"{where} does not match its piece run eagerly at sizes "
                 f"{', '.join(map(str, sizes))}: {type(e).__name__}: {e}; not stored") from e
-        VERIFIED.add(job.target.key)
+        process_state.current().verified.add(job.target.key)
         log.debug("proved %s at sizes %s", where, sizes)
 
     def check_loaded(self, job: BuildJob, fn: Any) -> None:
@@ -251,7 +247,7 @@ class Builder:
         (``CACHEBUILD_VERIFY=load``). Runs the piece eagerly: no Dynamo, no Inductor."""
         job = self.here(job)
         key = job.target.key
-        if key in VERIFIED:
+        if key in process_state.current().verified:
             return
         metas = list(job.input_metas)
         with phase("verify"):
@@ -264,7 +260,7 @@ class Builder:
                     f"piece {job.target.piece} ({bucket_label(job.target.bucket)}, key {key}) "
                     f"loaded from the store does not match its piece run eagerly: "
                     f"{type(e).__name__}: {e}; remove it with `cachebuild gc` or rebuild") from e
-        VERIFIED.add(key)
+        process_state.current().verified.add(key)
 
     def resolve(self, job: BuildJob) -> Any:
         """The callable for ``job``'s target: loaded, or built then loaded."""
@@ -370,7 +366,8 @@ def _build_in_workers(jobs: list[BuildJob], builder: Builder,
             COUNTERS.built += 1
             COUNTERS.misses += 1
             COUNTERS.add_time("build", result.seconds)
-            VERIFIED.add(target.key)  # proven by the worker before it stored it
+            # proven by the worker before it stored it
+            process_state.current().verified.add(target.key)
         if result.phases:
             builder.worker_phases[target.key] = result.phases
         done(f"piece {target.piece} {bucket_label(target.bucket)}", result.seconds)

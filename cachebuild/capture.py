@@ -44,14 +44,13 @@ import contextlib
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from cachebuild import keep
+from cachebuild import keep, process_state
 from cachebuild.calls import is_decode
 from cachebuild.counters import COUNTERS
 from cachebuild.cudagraphs import (
@@ -256,14 +255,12 @@ class CaptureState:
     served: dict[str, int] = field(default_factory=dict)
 
 
-#: Capturers whose background thread may be running: stopped at exit, so that no thread is
-#: in the middle of a capture while the interpreter tears CUDA down.
-_RUNNING: weakref.WeakSet[Capturer] = weakref.WeakSet()
-
-
 @atexit.register
 def _stop_all() -> None:
-    for capturer in list(_RUNNING):
+    """Stop every capturer whose background thread may be running
+    (``ProcessState.capturers``), so that no thread is in the middle of a capture while the
+    interpreter tears CUDA down."""
+    for capturer in list(process_state.current().capturers):
         capturer.stop()
 
 
@@ -418,7 +415,7 @@ class Capturer:
         self._thread.start()
 
     def _background(self, args_for: Callable[[int], tuple[Any, ...]]) -> None:
-        _RUNNING.add(self)
+        process_state.current().capturers.add(self)
         from cachebuild.facts import on_device
 
         streams = (torch.cuda.stream(self._stream) if self._stream is not None

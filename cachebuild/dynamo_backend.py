@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.fx as fx
 
+from cachebuild import process_state
 from cachebuild.effects import eliminate_dead_code
 from cachebuild.facts import copy_graph, device_of, meta_of, unpin_device
 from cachebuild.trace import TracedGraph
@@ -264,17 +265,12 @@ class GraphForward:
         return said
 
 
-#: Whether this process was told that a graph builds a variant per scalar value.
-_TOLD = [False]
-
-
 def _tell_variants(changed: list[str]) -> None:
     """One warning line, the first time in this process that a graph builds another
     variant because a Python number it takes changed: a server sees why its builds do not
     stop (a sliding-window cache's token count builds one per decode step)."""
-    if _TOLD[0]:
+    if not process_state.current().first_saying("a graph builds a variant per number"):
         return
-    _TOLD[0] = True
     log.warning("cachebuild: a compiled graph builds a new variant for each value of the "
                 "Python number %s (no tensor carries it, so each value is baked into its "
                 "own build; transformers' sliding-window static cache counts tokens this way)",

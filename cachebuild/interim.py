@@ -23,7 +23,8 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from cachebuild.build import VERIFIED, Builder, BuildJob, jobs_of
+from cachebuild import process_state
+from cachebuild.build import Builder, BuildJob, jobs_of
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS
 from cachebuild.entry import Entry
@@ -136,7 +137,8 @@ class Swap:
                 COUNTERS.built += 1
                 COUNTERS.misses += 1
                 COUNTERS.add_time("build", result.seconds)
-                VERIFIED.add(job.target.key)  # proven by the worker before it stored it
+                # proven by the worker before it stored it
+                process_state.current().verified.add(job.target.key)
             if result.phases:
                 self.builder.worker_phases[job.target.key] = result.phases
 

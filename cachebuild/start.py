@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cachebuild import notice
+from cachebuild import notice, process_state
 from cachebuild.build import Builder, early_pool, resolve_all
 from cachebuild.counters import phase
 from cachebuild.entry import record_entry
@@ -49,11 +49,6 @@ if TYPE_CHECKING:
     from cachebuild.store.base import Store
 
 log = logging.getLogger("cachebuild")
-
-#: Models that failed to compile in this process, by the key of the entry they would have
-#: had: not tried again.
-FAILED: dict[str, BaseException] = {}
-
 
 @dataclass
 class Started:
@@ -80,7 +75,8 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     store's trouble; returns any other error."""
     planner = Planner(model, config, dynamic_dims, store, passes)
     found = planner.lookup(args)
-    remembered = FAILED.get(found.key)
+    failed = process_state.current().failed
+    remembered = failed.get(found.key)
     if remembered is not None:
         return Started(None, remembered)
     warm = found.entry is not None
@@ -106,7 +102,7 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     except Exception as e:
         if isinstance(e, StoreError) or transient(e):
             raise  # the machine's or the store's trouble: another start may succeed
-        FAILED[found.key] = e
+        failed[found.key] = e
         return Started(None, e, first=True)
     finally:
         if pool is not None:

@@ -43,6 +43,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from cachebuild import process_state
 from cachebuild.errors import StoreError
 from cachebuild.units import format_size
 
@@ -95,11 +96,6 @@ def _trust_of(origin: str | None, trusted: str | None) -> str | None:
     return check_trust(trusted) if origin is not None else None
 
 
-#: Sources already named in a refusal by this process: one line each.
-_TOLD_UNTRUSTED: set[str] = set()
-_TOLD_LOCK = threading.Lock()
-
-
 def untrusted_refusal(origin: str) -> str:
     """The line that says an artifact from ``origin`` is not served, and what to do."""
     return (f"not loading what came unsigned from {origin}: no one trusted that source "
@@ -117,10 +113,9 @@ def _servable(small: dict[str, Any], quiet: bool = False) -> bool:
         return True
     if quiet:
         return False
-    with _TOLD_LOCK:
-        told = origin in _TOLD_UNTRUSTED
-        _TOLD_UNTRUSTED.add(origin)
-    if not told:
+    # Once per process, not per store object: a process may open one store more than
+    # once, and the user needs the line once.
+    if process_state.current().first_saying(untrusted_refusal(origin)):
         log.warning("cachebuild: %s", untrusted_refusal(origin))
     return False
 

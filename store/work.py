@@ -33,23 +33,19 @@ import os
 import threading
 from pathlib import Path
 
+from cachebuild import process_state
+
 from .files import open_regular, remove_any
 from .layout import make_private_dir, prepare_work_dir
 from .maintenance import WORK_LOCK  # held shared by every build, exclusive by ``gc``
 
 log = logging.getLogger("cachebuild.build")
 
-_said: set[str] = set()
-_said_lock = threading.Lock()
-
 
 def say_once(message: str) -> None:
-    """Log ``message`` as a warning, once per process."""
-    with _said_lock:
-        if message in _said:
-            return
-        _said.add(message)
-    log.warning("%s", message)
+    """Log ``message`` as a warning, once per process (``ProcessState.said``)."""
+    if process_state.current().first_saying(message):
+        log.warning("%s", message)
 
 
 def _claim_file(records: Path, real: Path) -> Path:

@@ -162,10 +162,11 @@ def module_store(tmp_path_factory):
 
 
 @pytest.fixture(autouse=True)
-def _forget_failed_models():
-    """Each test starts as a fresh process would: models that failed to compile in an
-    earlier test (on purpose, with a broken verifier or store) are not remembered."""
-    yield
-    from cachebuild.start import FAILED
+def _fresh_process_state():
+    """Each test starts as a fresh process would (``process_state.fresh``): targets loaded
+    or proven and models that failed to compile (on purpose, with a broken verifier or
+    store) in an earlier test are not remembered."""
+    from cachebuild import process_state
 
-    FAILED.clear()
+    with process_state.fresh():
+        yield

@@ -344,13 +344,14 @@ class Driver:
         raised while running)."""
         import torch
 
-        from cachebuild.build import LOADED, Builder
+        from cachebuild import process_state
+        from cachebuild.build import Builder
         from cachebuild.errors import CachebuildError
         from cachebuild.planner import Planner
         from cachebuild.runtime import ModelRuntime
         from cachebuild.store import LocalStore
 
-        LOADED.clear()
+        process_state.current().loaded.clear()
         signing = KEY if which == "signed" else None
         store = LocalStore(self.stores[which], signing_key=signing,
                            require_signature=signing is not None)

@@ -52,12 +52,13 @@ def test_matches_eager_in_every_bucket(open_local, tmp_path, layers):
     first = next(p for p in entry.pieces if p.compiled)
     by_bucket = {str(t.bucket): t.key for t in first.targets}
     run = runner(compiled, entry.pieces.index(first))
-    from cachebuild.build import LOADED
+    from cachebuild import process_state
 
+    loaded = process_state.current().loaded
     for size, bucket in [(4, {"size": 4}), (24, {"size": 24}), (1, {"range": [1, 16]}),
                          (16, {"range": [1, 16]}), (17, {"range": [17, 48]}),
                          (48, {"range": [17, 48]})]:
-        assert run.select(size) is LOADED[by_bucket[str(bucket)], "cpu"]
+        assert run.select(size) is loaded[by_bucket[str(bucket)], "cpu"]
 
 
 def test_compiled_module_behaves_like_the_model(open_local, tmp_path):

@@ -11,6 +11,7 @@ import models
 import torch
 
 import cachebuild
+from cachebuild import process_state
 from cachebuild.build import BuildJob
 from cachebuild.clock import PHASES, BuildClock, measuring, phase
 from cachebuild.store import LocalStore
@@ -19,8 +20,8 @@ from cachebuild.workers import jobs_here, op_modules
 
 def test_a_cold_start_builds_its_missing_targets_in_workers(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("CACHEBUILD_BUILD_JOBS", "2")
-    # As a fresh process: targets an earlier test loaded here would count as hits.
-    monkeypatch.setattr("cachebuild.build.LOADED", {})
+    # As a fresh process (conftest's fresh process state): targets an earlier test loaded
+    # here would count as hits.
     model = models.make(models.Decoder, layers=2)
     before = cachebuild.stats()
     with caplog.at_level(logging.INFO, logger="cachebuild.build"):
@@ -149,7 +150,6 @@ def test_a_warm_start_with_targets_gone_builds_them_in_workers(tmp_path, monkeyp
 
     monkeypatch.setenv("CACHEBUILD_BUILD_JOBS", "2")
     monkeypatch.setenv("CACHEBUILD_LOAD_THREADS", "2")
-    monkeypatch.setattr("cachebuild.build.LOADED", {})
     model = models.make(models.Decoder, layers=2)
     store = LocalStore(tmp_path / "store")
     compiled = cachebuild.compile(model, models.config(), {0: 0, 1: 0}, store=store)
@@ -158,7 +158,7 @@ def test_a_warm_start_with_targets_gone_builds_them_in_workers(tmp_path, monkeyp
     assert len(keys) >= 3
     for key in keys[:2]:
         assert store.delete(key)
-    monkeypatch.setattr("cachebuild.build.LOADED", {})  # as a fresh process
+    process_state.current().loaded.clear()  # as a fresh process
     monkeypatch.setattr("cachebuild.build.load_needs",
                         lambda keys, builder: LoadNeeds(inductor=True))
     with caplog.at_level(logging.INFO, logger="cachebuild.build"):

@@ -34,15 +34,6 @@ def _config(**overrides):
                                     backend="eager_fusion", **overrides)
 
 
-@pytest.fixture(autouse=True)
-def forget_failures():
-    from cachebuild import start
-
-    start.FAILED.clear()
-    yield
-    start.FAILED.clear()
-
-
 def test_a_failure_is_raised_at_once_after_the_first_time(open_local, tmp_path):
     store = open_local(tmp_path / "store")
     model = NoSplit().eval()

@@ -212,11 +212,10 @@ def test_transposed_weights_compile_through_both_front_doors(open_local, tmp_pat
 
 
 def test_a_python_int_that_changes_builds_variants_and_says_so_once(open_local, tmp_path,
-                                                                      monkeypatch, caplog):
+                                                                      caplog):
     """A count kept in a Python int (as transformers' sliding-window static cache keeps its
     tokens) is made dynamic by Dynamo but carried by no tensor: each value is baked into a
     build of its own. Every call matches eager; one warning line says why builds go on."""
-    import cachebuild.dynamo_backend as door
 
     class Count:  # a cache object's Python int, not a module's attribute
         def __init__(self):
@@ -231,7 +230,6 @@ def test_a_python_int_that_changes_builds_variants_and_says_so_once(open_local, 
             count.seen += 1
             return self.lin(x) * count.seen
 
-    monkeypatch.setattr(door, "_TOLD", [False])
     model = Counted().eval()
     store = open_local(tmp_path / "store")
     config = cachebuild.CompileConfig(compile_ranges=((1, 16),), backend="eager_fusion")

@@ -194,10 +194,8 @@ def test_a_sliding_window_static_cache_builds_once_for_every_length(tmp_path, mo
     import hf_families as H
 
     import cachebuild
-    import cachebuild.dynamo_backend as door
     from cachebuild.store import LocalStore
 
-    monkeypatch.setattr(door, "_TOLD", [False])
     monkeypatch.setattr(H, "NEW_TOKENS", 3)
     model = H.generator_model("mistral")
     short = H.greedy(model, "static")

@@ -23,7 +23,7 @@ LAYERS = [
     ["cachebuild", "cachebuild.errors", "cachebuild.keys", "cachebuild.config",
      "cachebuild.units", "cachebuild.counters", "cachebuild.clock", "cachebuild.keep", "cachebuild.compat", "cachebuild.env",
      "cachebuild.dictwatch", "cachebuild.calls", "cachebuild.graphmodes", "cachebuild.allowed",
-     "cachebuild.metrics"],
+     "cachebuild.metrics", "cachebuild.process_state"],
     ["cachebuild.facts", "cachebuild.effects", "cachebuild.fxjson", "cachebuild.purity",
      "cachebuild.graphdiff",
      "cachebuild.inputs", "cachebuild.weights", "cachebuild.outputs", "cachebuild.codehash",

@@ -228,7 +228,7 @@ SERVE_EACH = r"""
 import json, sys
 import torch
 import cachebuild
-from cachebuild.build import LOADED
+from cachebuild import process_state
 from cachebuild.errors import CachebuildError
 from cachebuild.modelfile import load_spec
 from cachebuild.store import open_store
@@ -241,7 +241,7 @@ for nodes in json.loads(open(sys.argv[2]).read()):
         store.delete(record.key)
         store.put(record.key, json.dumps({"nodes": nodes}).encode(), kind="fx-graph",
                   manifest=record.manifest)
-    LOADED.clear()
+    process_state.current().loaded.clear()
     try:
         compiled = cachebuild.compile(spec.model, spec.config, spec.dynamic_dims, store=store)
         import models
@@ -345,7 +345,7 @@ GUARD_SERVER = r"""
 import json, sys
 import torch
 import cachebuild
-from cachebuild.build import LOADED
+from cachebuild import process_state
 from cachebuild.counters import COUNTERS
 from cachebuild.modelfile import load_spec
 from cachebuild.store import LocalStore
@@ -369,7 +369,7 @@ for edit, path in edits:
     store.put(record.key, json.dumps(doc).encode(), kind="entry", manifest=record.manifest,
               refs=record.refs)
     spec = load_spec(path)
-    LOADED.clear()
+    process_state.current().loaded.clear()
     before = COUNTERS.traced
     compiled = cachebuild.compile(spec.model, spec.config, spec.dynamic_dims, store=store)
     import models

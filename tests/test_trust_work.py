@@ -95,8 +95,7 @@ def test_a_work_folder_open_to_others_is_refused_by_every_build_and_gc(open_loca
 
 
 def test_a_work_folder_no_build_of_ours_made_is_emptied_before_use(open_local, tmp_path,
-                                                                     caplog, monkeypatch):
-    monkeypatch.setattr("cachebuild.store.work._said", set())
+                                                                     caplog):
     store = open_local(tmp_path / "store")
     work = prepare_work_dir(store.work_dir)  # made by hand: the store has no record of it
     planted = work / "inductor" / "fxgraph" / "planted"
@@ -111,10 +110,10 @@ def test_a_work_folder_no_build_of_ours_made_is_emptied_before_use(open_local, t
         assert kept.read_bytes() == b"made by a build"  # the store made this folder
 
 
-def test_a_kept_object_is_linked_only_if_it_matches_its_record(tmp_path, caplog, monkeypatch):
+def test_a_kept_object_is_linked_only_if_it_matches_its_record(tmp_path, caplog):
     """A kept C++ object is reused only if it hashes to the record made when a build of
-    ours kept it; one that does not (or has no record) is compiled again, said once."""
-    monkeypatch.setattr("cachebuild.store.work._said", set())
+    ours kept it; one that does not (or has no record) is compiled again, said once.
+    (Each test starts on a fresh process state: nothing said in an earlier one counts.)"""
     work = tmp_path / "work"
     work.mkdir()
     records = ObjectRecords(tmp_path / "records")

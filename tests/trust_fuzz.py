@@ -314,11 +314,11 @@ class Driver:
         import torch._dynamo
 
         import cachebuild
-        from cachebuild.build import LOADED
+        from cachebuild import process_state
         from cachebuild.errors import CachebuildError
         from cachebuild.store.options import open_store
 
-        LOADED.clear()  # as in a fresh server: nothing loaded earlier is reused
+        process_state.current().loaded.clear()  # as in a fresh server: nothing loaded earlier is reused
         torch._dynamo.reset()
         out: list[tuple[str, str]] = []
         try:

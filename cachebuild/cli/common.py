@@ -19,6 +19,7 @@ import click
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from cachebuild import process_state
 from cachebuild.errors import UsageError
 from cachebuild.store.base import Store
 from cachebuild.store.local import UnknownKey
@@ -171,7 +172,6 @@ def progress_bar(description: str) -> Iterator[Callable[[int, int], None]]:
 
 #: Warning classes (by name) shown once per process on one line: the remote tier's.
 ONCE_WARNINGS = ("RemoteDownWarning", "UnsignedRemoteWarning")
-_shown_once: set[str] = set()
 _default_showwarning = warnings.showwarning
 
 
@@ -181,9 +181,8 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
     if name not in ONCE_WARNINGS:
         _default_showwarning(message, category, filename, lineno, file, line)
         return
-    if name in _shown_once:
+    if not process_state.current().first_saying(f"warning: {name}"):
         return
-    _shown_once.add(name)
     click.echo(f"warning: {one_line(message)}", err=True)
 
 
