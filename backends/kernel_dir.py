@@ -11,7 +11,10 @@ used, and nothing found there was put there by anyone but this process.
 Inductor's cache directory is process-wide (``TORCHINDUCTOR_CACHE_DIR``), so
 ``private_cache_dir`` counts the loads in progress: the first points Inductor at the
 private directory, the last points it back. Loads from two different stores wait for
-each other.
+each other, and a build in this process (``build_work_dir``, which points the same
+variables at the store's work folder) and loads on other threads wait for each other too:
+one thread's build never runs with another thread's load folder in the environment, nor
+the reverse. A load the building thread makes itself (the build's proof) nests inside it.
 
 Why the environment, and not Inductor's config or a patched function: the environment is
 the only place every reader of these folders looks. Inductor's ``cache_dir()`` reads
@@ -53,7 +56,11 @@ from cachebuild.store.base import ArtifactSource, Store
 
 _ENV = "TORCHINDUCTOR_CACHE_DIR"
 _state = threading.Condition()
-_active: dict[str, Any] = {"dir": None, "count": 0, "saved": None, "undo": None}
+_active: dict[str, Any] = {"dir": None, "count": 0, "saved": None, "undo": None,
+                           # the thread whose build has the environment, and how deep
+                           "builder": None, "builds": 0}
+#: loads in progress, by thread
+_loaders: dict[int, int] = {}
 # Files written by this process: path → digest of what was written (to skip rewriting).
 _written: dict[str, str] = {}
 _written_lock = threading.Lock()
@@ -67,19 +74,25 @@ def private_cache_dir(store: ArtifactSource, *, in_memory: bool = False,
     were built for; yields that directory."""
     root = Path(store.scratch_dir(in_memory=in_memory)) / "inductor"
     root.mkdir(mode=0o700, exist_ok=True)
+    me = threading.get_ident()
     with _state:
-        while _active["count"] and _active["dir"] != str(root):
+        while (_active["count"] and _active["dir"] != str(root)) or \
+                _active["builder"] not in (None, me):
             _state.wait()
         if not _active["count"]:
             _active["dir"], _active["saved"] = str(root), os.environ.get(_ENV)
             os.environ[_ENV] = str(root)
             _active["undo"] = compat.pin_vec_isa(*vec_isa)
         _active["count"] += 1
+        _loaders[me] = _loaders.get(me, 0) + 1
     try:
         yield root
     finally:
         with _state:
             _active["count"] -= 1
+            _loaders[me] -= 1
+            if not _loaders[me]:
+                del _loaders[me]
             if not _active["count"]:
                 if _active["saved"] is None:
                     os.environ.pop(_ENV, None)
@@ -87,7 +100,7 @@ def private_cache_dir(store: ArtifactSource, *, in_memory: bool = False,
                     os.environ[_ENV] = _active["saved"]
                 _active["undo"]()
                 _active["dir"] = None
-                _state.notify_all()
+            _state.notify_all()
 
 
 def write_file(root: Path, name: str, data: bytes) -> Path:
@@ -136,6 +149,27 @@ def environment_dir() -> Path | None:
     return usable_dir()
 
 
+
+@contextlib.contextmanager
+def _building() -> Iterator[None]:
+    """Hold the build folders' variables for this thread: wait until no other thread builds
+    or loads (a load this thread makes meanwhile nests), then keep them from starting until
+    the block ends."""
+    me = threading.get_ident()
+    with _state:
+        while _active["builder"] not in (None, me) or any(t != me for t in _loaders):
+            _state.wait()
+        _active["builder"] = me
+        _active["builds"] += 1
+    try:
+        yield
+    finally:
+        with _state:
+            _active["builds"] -= 1
+            if not _active["builds"]:
+                _active["builder"] = None
+            _state.notify_all()
+
 @contextlib.contextmanager
 def build_work_dir(store: Store) -> Iterator[Path]:
     """Point the compilers of a build at the store's work folder (``store.work_dir``:
@@ -171,7 +205,8 @@ def build_work_dir(store: Store) -> Iterator[Path]:
         make_private_dir(folder, "work folder")
     objects = ObjectRecords(records / "cxx")
     with flocked_shared(root / WORK_LOCK), \
-            in_use(environment) if environment is not None else contextlib.nullcontext():
+            in_use(environment) if environment is not None else contextlib.nullcontext(), \
+            _building():
         inductor_loaded = "torch._inductor.codecache" in sys.modules
         saved_env = {name: os.environ.get(name) for name in _BUILD_ENV}
         saved_tempdir = tempfile.tempdir
@@ -199,3 +234,4 @@ def build_work_dir(store: Store) -> Iterator[Path]:
                 # Imported during the build, Inductor took its header folder from ours:
                 # back to where it keeps them by default, for whatever compiles after.
                 compat.point_header_dir(None)
+

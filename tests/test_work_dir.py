@@ -41,6 +41,61 @@ def test_a_build_points_the_compilers_at_the_work_folder_and_back(open_local, tm
     assert work == {"path": str(store.root / "work"), "bytes": 1000, "files": 1}
 
 
+def test_a_load_on_another_thread_waits_for_a_build_and_a_build_for_it(open_local, tmp_path):
+    """A build in this process and a load on another thread never see each other's
+    folders in the environment: whichever comes second waits; the build's own load nests."""
+    import threading
+
+    from cachebuild.backends.kernel_dir import private_cache_dir
+
+    store = open_local(tmp_path / "store")
+    seen: dict[str, str | None] = {}
+    loaded = threading.Event()
+
+    def load() -> None:
+        with private_cache_dir(store) as root:
+            seen["load"] = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+            seen["root"] = str(root)
+        loaded.set()
+
+    with build_work_dir(store) as work:
+        with private_cache_dir(store) as root:  # the build's proof: nested, not waiting
+            assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(root)
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(work / "inductor")
+        other = threading.Thread(target=load)
+        other.start()
+        assert not loaded.wait(0.5)  # held back while the build has the environment
+        assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(work / "inductor")
+    other.join(60)
+    assert loaded.is_set() and seen["load"] == seen["root"]
+
+    release, inside = threading.Event(), threading.Event()
+
+    def long_load() -> None:
+        with private_cache_dir(store):
+            inside.set()
+            release.wait(60)
+
+    other = threading.Thread(target=long_load)
+    other.start()
+    assert inside.wait(60)
+    done = threading.Event()
+
+    def build() -> None:
+        with build_work_dir(store) as work:
+            seen["build"] = os.environ["TORCHINDUCTOR_CACHE_DIR"]
+            seen["work"] = str(work / "inductor")
+        done.set()
+
+    builder = threading.Thread(target=build)
+    builder.start()
+    assert not done.wait(0.5)  # a build waits for the other thread's load
+    release.set()
+    other.join(60)
+    builder.join(60)
+    assert done.is_set() and seen["build"] == seen["work"]
+
+
 def test_compiling_leaves_the_environment_as_it_was(open_local, tmp_path):
     before = dict(os.environ), tempfile.tempdir
     model = models.make(models.LayerStack, layers=1)
