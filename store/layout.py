@@ -199,10 +199,7 @@ def prepare_work_dir(path: Path) -> Path:
     path = path.expanduser().absolute()
     if not os.path.lexists(path):
         # Nothing is made, not even an empty folder, where another user could change it.
-        existing = path.parent
-        while not os.path.lexists(existing) and existing != existing.parent:
-            existing = existing.parent
-        _check_ancestor(Path(os.path.realpath(existing)), path, what)
+        check_where_made(path, what)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             path.mkdir(mode=0o700, exist_ok=True)
@@ -213,6 +210,15 @@ def prepare_work_dir(path: Path) -> Path:
     check_private_dir(real, what)
     check_parents(real, what)
     return real
+
+
+def check_where_made(path: Path, what: str = "store directory") -> None:
+    """Refuse ``path`` (absent) where it would be made under a directory someone else could
+    change (``_check_ancestor`` on the nearest directory of it that exists); UnsafeStore."""
+    existing = path.parent
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    _check_ancestor(Path(os.path.realpath(existing)), path, what)
 
 
 def _check_ancestor(real: Path, path: Path, what: str) -> None:

@@ -73,7 +73,9 @@ class RedisServer:
             if self.maxmemory:
                 args += ["--maxmemory", self.maxmemory]
             if self.policy:
-                args += ["--maxmemory-policy", self.policy]
+                # Redis's LRU is approximate (5 keys sampled per eviction by default), so it
+                # may evict a chunk of the newest blob; 64 samples keep it near true LRU.
+                args += ["--maxmemory-policy", self.policy, "--maxmemory-samples", "64"]
             log = open(self._dir / "redis.log", "ab")
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
             log.close()

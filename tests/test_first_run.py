@@ -225,7 +225,7 @@ def test_an_imported_store_served_read_only_builds_an_edited_model_into_memory(f
                str(app / "fr.py"))
     assert out.returncode == 0, out.stderr
     imported = root / "imported"
-    out = _run(first_run, CLI, "--cache-dir", str(imported), "import", str(bundle))
+    out = _run(first_run, CLI, "--cache-dir", str(imported), "import", "--trust", str(bundle))
     assert out.returncode == 0, out.stderr
     with read_only(imported, root / "image") as view:
         edited = root / "edited"

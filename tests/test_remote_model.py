@@ -266,10 +266,11 @@ def test_redis_killed_mid_warm_completes_locally_with_one_warning(server, tmp_pa
     assert l1_kinds(tmp_path / "l1") == KINDS
 
 
-def test_remote_down_before_start_and_usage_errors(tmp_path):
+def test_remote_down_before_start_and_usage_errors(tmp_path, open_local):
     """Commands with a dead remote run locally with one warning; bad remote settings exit 2
     with one line."""
     require_redis_server()
+    open_local(tmp_path / "l1")  # a store there: stats and ls never make one
     with RedisServer() as s:
         url = s.url
     # The server is gone: nothing listens on its port.

@@ -83,14 +83,19 @@ def open_existing_store(ctx: click.Context) -> Store:
         FORMAT_DIR,
         check_private_dir,
         check_readable_dir,
+        check_where_made,
         writable_here,
     )
 
     path = Path(state_of(ctx).options.cache_dir)
     if not (path / FORMAT_DIR).is_dir():
-        if os.path.lexists(path):  # an unsafe folder is refused as such, before all else
+        # An unsafe place is refused as such, before all else: a folder that is there, or
+        # the folders above one that is not (another user may have moved it away).
+        if os.path.lexists(path):
             real = Path(os.path.realpath(path))
             (check_private_dir if writable_here(real) else check_readable_dir)(real)
+        else:
+            check_where_made(path.absolute())
         why = "no such directory" if not os.path.lexists(path) else \
             f"the directory holds no store (no {FORMAT_DIR}/ folder)"
         raise UsageError(f"no store at {path}: {why}; check --cache-dir or CACHEBUILD_DIR, "
