@@ -5,22 +5,11 @@ from __future__ import annotations
 import models
 import pytest
 import torch
-import torch.nn as nn
+from test_compile_failures import NoSplit
 
 import cachebuild
 from cachebuild import process_state
 from cachebuild.errors import CompileFailed, UsageError
-
-
-class NoSplit(nn.Module):
-    """Its forward never calls the splitting op the config names: it fails to compile."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.proj = nn.Linear(8, 8)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(self.proj(x)) + 1
 
 
 class _Thread:
