@@ -112,7 +112,25 @@ def identity(value: Any) -> Any:
         return {"op": value.name()}
     if isinstance(value, torch._ops.OpOverloadPacket):
         return {"op": value._qualified_op_name}
-    return plain(value)
+    try:
+        return plain(value)
+    except Unplain:
+        name = global_name(value)
+        if name is None:
+            raise
+        return {"global": name, "type": qualname(type(value))}
+
+
+def global_name(value: Any) -> str | None:
+    """``module.name`` of the global that holds ``value`` in the module defining its class,
+    or None. A module-level singleton (a sentinel, a function wrapped into an object by a
+    decorator) is the same object in every process as long as that global holds it."""
+    module_name = getattr(type(value), "__module__", None) or ""
+    module = sys.modules.get(module_name)
+    if module is None:
+        return None
+    names = sorted(k for k, v in list(vars(module).items()) if v is value)
+    return f"{module_label(module_name)}.{names[0]}" if names else None
 
 
 def short(fingerprint: Any) -> str:
@@ -136,6 +154,8 @@ def short(fingerprint: Any) -> str:
         return f"process group {fingerprint['process_group']!r} of {fingerprint.get('size')}"
     if isinstance(fingerprint, dict) and "builtin" in fingerprint:
         return fingerprint["builtin"].rsplit(".", 1)[-1]
+    if isinstance(fingerprint, dict) and "global" in fingerprint:
+        return fingerprint["global"].rsplit(".", 1)[-1]
     if isinstance(fingerprint, dict) and "function" in fingerprint:
         return fingerprint["function"].rsplit(".", 1)[-1]
     if isinstance(fingerprint, dict) and "code" in fingerprint:

@@ -32,22 +32,34 @@ DYN = {0: 0, 1: 0}
 
 
 
+class _Kernel:
+    """An object compared by identity only, held by a module global: the kind a decorator
+    leaves in place of a function (transformers' hub kernels)."""
+
+
+PLAIN_ROTARY = _Kernel()
+SCALED_ROTARY = _Kernel()
+
+
 class Tunable(nn.Module):
     """A decoder whose layers read plain attributes: no config object anywhere, so the
     entry key is the same for every setting and only the guards tell them apart."""
 
     def __init__(self, act: nn.Module | None = None, eps: float = 1e-5, flag: bool = False,
-                 base: float = 10000.0) -> None:
+                 base: float = 10000.0, kernel: _Kernel = PLAIN_ROTARY) -> None:
         super().__init__()
         self.inner = models.make(models.Decoder, layers=1)
         self.act = act if act is not None else nn.SiLU()
         self.eps = eps
         self.parallel = flag
         self.base = base
+        self.kernel = kernel
 
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         x = self.inner.embed(ids)
         scale = (pos[:, None].float() / self.base).cos()
+        if id(self.kernel) == id(SCALED_ROTARY):  # as hub kernels pick their wrapper
+            scale = scale * 2
         h = F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         if self.parallel:
             x = x + self.act(h) * scale + self.inner.layers[0](h, pos)
@@ -61,6 +73,7 @@ VARIANTS = {
     "epsilon": ({}, {"eps": 1e-2}, "eps: 1e-05 → 0.01"),
     "rotary base": ({}, {"base": 500000.0}, "base: 10000.0 → 500000.0"),
     "flag": ({}, {"flag": True}, "parallel: False → True"),
+    "module-level object": ({}, {"kernel": SCALED_ROTARY}, "kernel: PLAIN_ROTARY → SCALED_ROTARY"),
 }
 
 
@@ -189,6 +202,11 @@ def test_identity_is_by_name_and_code_never_by_address():
     assert identity(make(2)) == identity(make(3))  # closures: the cell is its own record
     with pytest.raises(ValueError):
         identity(object())  # an instance compared by identity has no plain form
+    # ... unless a global of the module defining its class holds it: then by that name.
+    assert identity(PLAIN_ROTARY)["global"].endswith(".PLAIN_ROTARY")
+    assert identity(PLAIN_ROTARY) != identity(SCALED_ROTARY)
+    with pytest.raises(ValueError):
+        identity(_Kernel())
 
 
 def test_a_guard_kind_with_no_plain_form_refuses_the_entry():
