@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 from cachebuild.errors import ConfigError
 
 if TYPE_CHECKING:
-    from cachebuild.backends.base import Artifact, Backend, BuildRequest
+    from cachebuild.backends.protocol import Artifact, Backend, BuildRequest
 
 __all__ = ["Artifact", "Backend", "BuildRequest", "get_backend", "register_backend",
            "registered_backends"]
@@ -58,7 +58,7 @@ def __getattr__(name: str) -> Any:
     # The protocol and records import torch; the registry (and ``probe``) do not, so the
     # store commands can read probe verdicts without importing torch.
     if name in ("Artifact", "Backend", "BuildRequest"):
-        from cachebuild.backends import base
+        from cachebuild.backends import protocol
 
-        return getattr(base, name)
+        return getattr(protocol, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

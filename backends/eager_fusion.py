@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from cachebuild.backends.base import (
+from cachebuild.backends.protocol import (
     Artifact,
     Backend,
     BuildRequest,
@@ -21,9 +21,9 @@ from cachebuild.backends.base import (
     range_symbols,
     symbolic_fake_inputs,
 )
-from cachebuild.facts import device_of, unpin_device
-from cachebuild.fxjson import GraphFormatError, data_to_module, graph_to_data
-from cachebuild.store.base import ArtifactSource
+from cachebuild.graph.facts import device_of, unpin_device
+from cachebuild.store.interface import ArtifactSource
+from cachebuild.trust.fxjson import GraphFormatError, data_to_module, graph_to_data
 
 VERSION = "2"  # 2: lowered to aten before functionalisation (sizes stay symbolic)
 

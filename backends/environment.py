@@ -54,7 +54,7 @@ def root() -> Path:
 def factors() -> dict[str, Any]:
     """What makes an environment (imports torch): the environment factors of CPU targets
     (torch and its build, Triton, Python, the CPU's architecture and vector ISA)."""
-    from cachebuild.env import env_factors
+    from cachebuild.tracing.env import env_factors
 
     return env_factors("cpu")
 

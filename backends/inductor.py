@@ -28,7 +28,9 @@ import torch
 
 from cachebuild import clock, compat
 from cachebuild.backends import aoti, kernel_dir
-from cachebuild.backends.base import (
+from cachebuild.backends.pack import PackError, pack, unpack
+from cachebuild.backends.probe import UntrustedCompiler, trusted_compiler
+from cachebuild.backends.protocol import (
     Artifact,
     Backend,
     BuildRequest,
@@ -39,10 +41,8 @@ from cachebuild.backends.base import (
     example_inputs,
     symbolic_fake_inputs,
 )
-from cachebuild.backends.pack import PackError, pack, unpack
-from cachebuild.backends.probe import UntrustedCompiler, trusted_compiler
 from cachebuild.errors import ConfigError, transient
-from cachebuild.store.base import ArtifactSource
+from cachebuild.store.interface import ArtifactSource
 
 log = logging.getLogger("cachebuild.inductor")
 
@@ -166,7 +166,7 @@ class InductorBackend(Backend):
         from torch._inductor import config, standalone_compile
         from torch._inductor.runtime.cache_dir_utils import cache_dir
 
-        from cachebuild.facts import record_example_values
+        from cachebuild.graph.facts import record_example_values
 
         fake_mode, fake_args = symbolic_fake_inputs(request.input_metas, request.bucket)
         record_example_values(request.gm, fake_args)

@@ -52,7 +52,7 @@ import xxhash
 
 from cachebuild import compat
 from cachebuild.backends.pack import check_name
-from cachebuild.store.base import ArtifactSource, Store
+from cachebuild.store.interface import ArtifactSource, Store
 
 _ENV = "TORCHINDUCTOR_CACHE_DIR"
 _state = threading.Condition()

@@ -208,8 +208,8 @@ def compiler_version(path: str) -> str | None:
 
 
 def _fingerprint(device: str, candidates: list[str]) -> str:
-    from cachebuild.env import env_factors
     from cachebuild.keys import make_key
+    from cachebuild.tracing.env import env_factors
 
     files = []
     for path in candidates:
@@ -509,7 +509,7 @@ def _start_one(device: str, compiler: str, work: Path, records: Path | None,
     """Start the child that builds, loads and runs the tiny package with ``compiler``, in
     ``work`` (its compilers' caches and temp files, removed after), recording its ISA
     checks (and, with ``headers``, keeping its precompiled headers) in ``records``."""
-    from cachebuild.processes import child_env, python_command
+    from cachebuild.trust.processes import child_env, python_command
 
     work.mkdir(mode=0o700)
     # Isolated, in its own folder: it imports nothing from the caller's working directory,

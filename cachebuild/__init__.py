@@ -16,16 +16,15 @@ _LAZY = {
     "backend": "cachebuild.api",
     "compile": "cachebuild.api",
     "decoding": "cachebuild.calls",
-    "preload": "cachebuild.build",
+    "preload": "cachebuild.building.build",
     "stats": "cachebuild.api",
     "prometheus_text": "cachebuild.api",
     "warm": "cachebuild.warming",
     "plan": "cachebuild.warming",
     "WarmReport": "cachebuild.warming",
     "PlanReport": "cachebuild.warming",
-    # ``cachebuild.explain`` is the module of words for differences; the library call that
-    # explains a model is ``cachebuild.explaining.explain``.
-    "ExplainReport": "cachebuild.explaining",
+    # The library call that explains a model is ``cachebuild.explain.explain``.
+    "ExplainReport": "cachebuild.explain",
 }
 
 

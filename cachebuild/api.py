@@ -19,26 +19,26 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from cachebuild.build import Builder, resolve_all
+from cachebuild.building.build import Builder, resolve_all
+from cachebuild.building.planner import Planner
 from cachebuild.config import CompileConfig, check_config, check_dynamic_dims
 from cachebuild.counters import COUNTERS, snapshot
 from cachebuild.dynamo_backend import GraphForward
 from cachebuild.errors import CompileFailed, UsageError
-from cachebuild.facts import device_of
-from cachebuild.guards import Mismatch
-from cachebuild.inputs import layout_guards
+from cachebuild.graph.facts import device_of
+from cachebuild.graph.inputs import layout_guards
 from cachebuild.passes import PassManager
-from cachebuild.planner import Planner
-from cachebuild.runtime import CaptureReport, ModelRuntime
-from cachebuild.split import check_splitting_ops
-from cachebuild.start import one_line, start, take_over
-from cachebuild.stitch import direct_forward, on_device_forward, stitch
-from cachebuild.store.base import Store
-from cachebuild.trace import TracedGraph
-from cachebuild.trace import check_dynamic_dims as check_call_dims
+from cachebuild.serving.runtime import CaptureReport, ModelRuntime
+from cachebuild.serving.start import one_line, start, take_over
+from cachebuild.serving.stitch import direct_forward, on_device_forward, stitch
+from cachebuild.store.interface import Store
+from cachebuild.tracing.guards import Mismatch
+from cachebuild.tracing.split import check_splitting_ops
+from cachebuild.tracing.trace import TracedGraph
+from cachebuild.tracing.trace import check_dynamic_dims as check_call_dims
 
 if TYPE_CHECKING:
-    from cachebuild.interim import Swap
+    from cachebuild.serving.interim import Swap
 
 log = logging.getLogger("cachebuild")
 

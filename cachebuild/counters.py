@@ -45,7 +45,7 @@ COUNTERS = Counters()
 
 
 @contextmanager
-def phase(name: str) -> Iterator[None]:
+def timed(name: str) -> Iterator[None]:
     """Time a block into ``COUNTERS.seconds[name]``."""
     start = time.perf_counter()
     try:

@@ -32,9 +32,9 @@ import torch
 import torch.fx as fx
 
 from cachebuild import process_state
-from cachebuild.effects import eliminate_dead_code
-from cachebuild.facts import copy_graph, device_of, meta_of, unpin_device
-from cachebuild.trace import TracedGraph
+from cachebuild.graph.effects import eliminate_dead_code
+from cachebuild.graph.facts import copy_graph, device_of, meta_of, unpin_device
+from cachebuild.tracing.trace import TracedGraph
 
 log = logging.getLogger("cachebuild")
 

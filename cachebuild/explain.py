@@ -1,217 +1,133 @@
-"""Why a target or an entry is missing: the nearest stored one and what differs.
+"""Explaining as a library call: why a model's entry or targets are not stored.
 
-For a target, the factors of its manifest in words: the piece's graph diffed node by node
-(``silu → gelu at node 5 (model.py:42)``, ``constant 1e-05 → 1e-06 in rms_norm at node 3``,
-an input reshaped: another rank's uneven shard), a pass edited, the environment, the
-toolchain, the process-group layout (``world size 2 → 4``). For an entry, the
-factors of its key (a config value: ``config.rms_norm_eps: 1e-06 → 1e-05``) and the values
-its trace read, checked on the live model (``layers.0.mlp.act_fn: SiLU → GELUActivation``).
+``explain(model)`` plans the model as ``plan`` does (``warming``: one rank, or each rank
+of a world size under torch's fake process group) and says, without building or storing
+anything:
+
+- for each entry that is not used, why: the values its trace read that differ now, its
+  traced source that changed, or, where none is stored for the model's key, the nearest
+  stored entry of the same class and what differs from it (its key's factors, then the
+  values its guards read, checked on the live model);
+- for each target that is not stored (each once, with the ranks that use it), the nearest
+  stored target and the factors that differ, in words (``explain.explain``).
+
+Manifests from a shared tier explain too; the report keeps their words as they are, so a
+caller that prints them escapes them. The ``explain`` command prints this report.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from cachebuild.distributed import describe_change
-from cachebuild.graphdiff import diff_graphs, similarity
-from cachebuild.keys import MISSING, Difference, canonical_json, diff_manifests
-from cachebuild.store.base import Store
-from cachebuild.store.record import Record
-from cachebuild.targets import Target, bucket_label
+if TYPE_CHECKING:
+    from cachebuild.store.record import Record
+    from cachebuild.warming import ModelSource, Planned, StoreArg
 
 
 @dataclass
-class Explanation:
-    """The nearest stored manifest (None if nothing is comparable) and what differs."""
+class EntryExplanation:
+    """Why a model's entry was not used: ``why`` is the lookup's (``no entry``, ``traced
+    source changed: ...``, ...); ``mismatches`` the values its trace read that differ
+    now; with no entry stored, ``nearest`` is the nearest stored entry of the class and
+    ``differences`` what differs from it (None: nothing of the class is stored)."""
 
+    key: str
+    why: str
+    mismatches: list[str] = field(default_factory=list)
+    nearest: str | None = None
+    differences: list[str] = field(default_factory=list)
+
+
+@dataclass
+class MissingTarget:
+    """A target that is not stored: its state (``stale`` or ``missing``), the ranks using
+    it (with a world size), the nearest stored target (None: nothing comparable) and what
+    differs from it."""
+
+    key: str
+    label: str  # "piece 3 range 1-64"
+    state: str
+    ranks: list[int]
     nearest: str | None
     reasons: list[str]
 
 
-def _pass_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
-    from cachebuild.passes import changed_passes
+@dataclass
+class ExplainReport:
+    """Every entry not used and every target not stored, with why."""
 
-    before = {p["name"] for p in old.get("passes", [])}
-    after = {p["name"] for p in new.get("passes", [])}
-    out = []
-    for name in changed_passes(old, new):
-        if name not in before:
-            out.append(f"pass {name} enabled")
-        elif name not in after:
-            out.append(f"pass {name} disabled")
-        else:
-            out.append(f"pass {name} changed")
-    return out
+    entries: list[EntryExplanation]
+    targets: list[MissingTarget]
+    world_size: int | None = None
 
 
-def describe(d: Difference) -> list[str]:
-    """A difference in words: "pass rms_quant changed", "torch 2.11.0 → 2.13.0"."""
-    if d.path.startswith("env.") and not isinstance(d.old, dict):
-        return [f"{d.path.removeprefix('env.')} {d.old} → {d.new}"]
-    if d.path.startswith("bucket"):
-        return ["a different shape bucket"]
-    return [d.describe()]
+def explain(model: ModelSource, *, store: StoreArg = None, device: str | None = None,
+            world_size: int | None = None) -> ExplainReport:
+    """Why ``model``'s entry and targets are not stored (see the module doc); ``store``,
+    ``device`` and ``world_size`` as for ``cachebuild.plan``. Changes nothing in the
+    store and counts no use of it."""
+    from cachebuild.building.nearest import explain as explain_target
+    from cachebuild.building.nearest import label
+    from cachebuild.warming import (
+        open_given,
+        per_entry,
+        plan_group,
+        source_of,
+        target_states,
+        target_users,
+    )
 
-
-def explain(wanted: dict[str, Any], stored: list[tuple[str, dict[str, Any]]],
-            sources: Sequence[str | None] | None = None) -> Explanation:
-    """Compare a wanted manifest with the nearest of ``stored`` (key, manifest) pairs.
-
-    Nearest = fewest differing factors (the process-group layout counts as one), preferring
-    the same bucket, then the most alike graph (another rank's shard of the same piece
-    rather than another piece). The piece graphs are diffed node by node (``graphdiff``;
-    ``sources``: where the trace recorded each node of the wanted graph), the passes pass
-    by pass.
-    """
-    scored: list[tuple[int, str, list[Difference]]] = []
-    for key, manifest in stored:
-        try:
-            diffs = diff_manifests(manifest, wanted)
-        except (TypeError, ValueError, RecursionError, AttributeError):
-            continue  # not a manifest cachebuild wrote: it explains nothing
-        factors = {d.path if d.path.split(".")[0] != "distributed" else "distributed"
-                   for d in diffs}
-        score = len(factors) + (0 if manifest.get("bucket") == wanted.get("bucket") else 100)
-        scored.append((score, key, diffs))
-    if not scored:
-        return Explanation(nearest=None, reasons=["nothing comparable is stored"])
-    least = min(s[0] for s in scored)
-    tied = [s for s in scored if s[0] == least]
-    best = tied[0]
-    by_key = dict(stored)
-    if len(tied) > 1 and any(d.path.startswith("graph.") for d in best[2]):
-        best = max(tied, key=lambda s: _graph_likeness(by_key[s[1]], wanted))
-    nearest = by_key[best[1]]
-    reasons: list[str] = []
+    opened, _, owned = open_given(store)
     try:
-        if any(d.path.startswith("graph.") for d in best[2]):
-            reasons += diff_graphs(nearest.get("graph", {}), wanted.get("graph", {}), sources)
-        if any(d.path.startswith("passes.") for d in best[2]):
-            reasons += _pass_changes(nearest.get("passes", {}), wanted.get("passes", {}))
-    except (TypeError, ValueError, KeyError, RecursionError, AttributeError, IndexError):
-        reasons.append("the piece's graph or passes differ")  # a malformed stored manifest
-    if any(d.path.split(".")[0] == "distributed" for d in best[2]):
-        try:
-            reasons += describe_change(nearest.get("distributed"), wanted.get("distributed"))
-        except (TypeError, ValueError, KeyError, RecursionError, AttributeError):
-            reasons.append("the process-group layout differs")  # a malformed stored manifest
-    for d in best[2]:
-        if d.path.startswith(("graph.", "passes.passes")) or d.path.split(".")[0] == "distributed":
-            continue
-        try:
-            reasons += describe(d)
-        except (TypeError, ValueError, KeyError, RecursionError, AttributeError):
-            reasons.append(f"{d.path} differs")
-    # The same change at several nodes (one constant in each of three splits) says it once.
-    reasons = list(dict.fromkeys(reasons))
-    return Explanation(nearest=best[1], reasons=reasons or ["identical factors"])
+        records: list[Record] | None = None
+        group: list[Planned] = []
+        entries: list[EntryExplanation] = []
+        for planned in plan_group(source_of(model), opened, device, world_size):
+            group.append(planned)
+            if records is None:  # a shared tier's manifests explain too
+                records = list(opened.records(shared=True))
+            if planned.why != "fresh" and \
+                    planned.found.key not in {p.found.key for p in group[:-1]}:
+                entries.append(_entry(planned, records))  # with this rank's group up
+        stored = [(r.key, r.manifest) for r in records or []
+                  if r.kind != "entry" and r.manifest]
+        users = target_users(group)
+        targets: list[MissingTarget] = []
+        seen: set[str] = set()
+        for planned in per_entry(group):
+            states = target_states(planned, opened)
+            for t in planned.entry.targets():
+                if t.key in seen or states[t.key] == "stored":
+                    continue
+                seen.add(t.key)
+                why = explain_target(t.manifest, stored, t.sources)
+                targets.append(MissingTarget(
+                    t.key, label(t), states[t.key],
+                    users[t.key] if world_size is not None else [], why.nearest, why.reasons))
+        return ExplainReport(entries, targets, world_size)
+    finally:
+        if owned:
+            opened.close()
 
 
-def _graph_likeness(manifest: dict[str, Any], wanted: dict[str, Any]) -> float:
-    try:
-        return similarity(manifest.get("graph", {}), wanted.get("graph", {}))
-    except (TypeError, ValueError, KeyError, RecursionError, AttributeError, IndexError):
-        return -1.0  # a malformed stored manifest: the least alike
+def _entry(planned: Planned, records: list[Record]) -> EntryExplanation:
+    """Why the planned model's entry was not used (see ``EntryExplanation``)."""
+    from cachebuild.building.entry import read_entry
+    from cachebuild.building.nearest import nearest_entry
 
-
-def label(target: Target) -> str:
-    """``piece 3 range 1-64``."""
-    return f"piece {target.piece} {bucket_label(target.bucket)}"
-
-
-def _value(value: Any) -> str:
-    if isinstance(value, float):
-        return repr(value)
-    if isinstance(value, (dict, list)) or value is MISSING:
-        return "absent" if value is MISSING else canonical_json(value)[:60]
-    return str(value)
-
-
-def _tensors(table: Any) -> dict[str, str]:
-    """A parameter or buffer table of an entry's factors, by name: ``dtype [shape]``."""
-    out = {}
-    for row in table if isinstance(table, list) else []:
-        if isinstance(row, list) and len(row) >= 3:
-            shape = ", ".join(str(d) for d in row[1]) if isinstance(row[1], list) else row[1]
-            out[str(row[0])] = f"{row[2]} [{shape}]"
-    return out
-
-
-def _tensor_changes(kind: str, old: Any, new: Any) -> list[str]:
-    before, after = _tensors(old), _tensors(new)
-    out = [f"{kind} {name}: {before[name]} → {after[name]}"
-           for name in before if name in after and before[name] != after[name]]
-    out += [f"{kind} {name} added ({after[name]})" for name in after if name not in before]
-    out += [f"{kind} {name} removed (was {before[name]})" for name in before if name not in after]
-    if len(out) > 4:
-        out = out[:4] + [f"and {len(out) - 4} more {kind}s"]
-    return out
-
-
-def describe_entry(d: Difference) -> list[str]:
-    """An entry factor that differs, in words: ``hf.config.rms_norm_eps: 1e-06 → 1e-05``,
-    ``parameter layers.0.down.weight: float32 [64, 128] → float32 [64, 192]``."""
-    if d.path in ("params", "buffers"):
-        kind = "parameter" if d.path == "params" else "buffer"
-        return _tensor_changes(kind, d.old, d.new) or [f"the {kind}s differ"]
-    if d.path == "model.source":
-        change = (f" (source {str(d.old)[:8]} → {str(d.new)[:8]})"
-                  if isinstance(d.old, str) and isinstance(d.new, str) else "")
-        return [f"the file defining the model's class was edited{change}"]
-    if d.path.startswith("model_config."):
-        return [f"{d.path.removeprefix('model_config.')}: {_value(d.old)} → {_value(d.new)}"]
-    if d.path.startswith("model.code"):
-        return [f"the code of {d.path.removeprefix('model.code.') or 'a class'} changed"]
-    if d.path in ("params", "buffers") and isinstance(d.old, list) and isinstance(d.new, list):
-        return _tensor_table_changes(d.path[:-1], d.old, d.new)
-    return describe(d)
-
-
-def _tensor_table_changes(kind: str, old: list[Any], new: list[Any]) -> list[str]:
-    """``param layers.0.qkv.weight: float32 [96, 64] → float32 [64, 64]`` (another rank's
-    shard), for the first few tensors that differ; the rest counted."""
-    def table(rows: list[Any]) -> dict[str, str]:
-        return {str(r[0]): f"{r[2]} {r[1]}" for r in rows
-                if isinstance(r, list) and len(r) == 4}
-
-    a, b = table(old), table(new)
-    changes = [f"{kind} {name}: {a.get(name, 'absent')} → {b.get(name, 'absent')}"
-               for name in [*a, *(n for n in b if n not in a)] if a.get(name) != b.get(name)]
-    if len(changes) > 3:
-        changes = changes[:3] + [f"and {len(changes) - 3} more {kind}s"]
-    return changes or [f"{kind}s differ"]
-
-
-def entries_of(store: Store, model_class: str) -> list[Record]:
-    """The records (manifests included) of the stored entries of ``model_class``: the
-    local tier's, without reading a target's manifest."""
-    out: list[Record] = []
-    for record in store.records(manifests=False):
-        if record.kind == "entry":
-            full = store.get_record(record.key)
-            manifest = full.manifest if full is not None else None
-            if full is not None and isinstance(manifest, dict) and \
-                    isinstance(manifest.get("model"), dict) and \
-                    manifest["model"].get("class") == model_class:
-                out.append(full)
-    return out
-
-
-def nearest_entry(factors: dict[str, Any], records: Iterable[Record]
-                  ) -> tuple[str, list[str]] | None:
-    """The stored entry of the same model class whose key factors differ least from
-    ``factors``, with those differences in words (None if there is none)."""
-    best: tuple[int, str, list[Difference]] | None = None
-    for record in records:
-        manifest = record.manifest or {}
-        if record.kind != "entry" or manifest.get("model", {}).get("class") != \
-                factors["model"]["class"]:
-            continue
-        diffs = diff_manifests(manifest, factors)
-        if best is None or len(diffs) < best[0]:
-            best = (len(diffs), record.key, diffs)
-    if best is None:
-        return None
-    return best[1], [r for d in best[2] for r in describe_entry(d)]
+    found = planned.found
+    said = EntryExplanation(found.key, found.why, [m.describe() for m in found.mismatches])
+    if found.mismatches or found.why != "no entry":
+        return said
+    nearest = nearest_entry(found.factors, records)
+    if nearest is None:
+        return said
+    said.nearest, said.differences = nearest
+    data = planned.planner.store.get(said.nearest, touch=False)
+    stored = read_entry(data) if data is not None else None  # None: another format
+    if stored is not None:
+        spec = planned.spec
+        said.differences += [m.describe() for m in stored.guard_set().mismatches(
+            spec.model, spec.example_inputs, known=stored.sources)]
+    return said

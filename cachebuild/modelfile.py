@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, NoReturn
 
 from cachebuild.api import ModelSpec
 from cachebuild.errors import UsageError
-from cachebuild.guards import MODEL_MODULE_PREFIX
-from cachebuild.processes import trusted_dir
+from cachebuild.tracing.guards import MODEL_MODULE_PREFIX
+from cachebuild.trust.processes import trusted_dir
 
 if TYPE_CHECKING:
-    from cachebuild.store.base import Store
+    from cachebuild.store.interface import Store
 
 
 def module_name(path: Path) -> str:
@@ -189,7 +189,7 @@ def load_spec(path: str | Path) -> ModelSpec:
 def entry_key(path: str | Path, store: Store) -> str:
     """The key of the entry that serves the model MODEL.py defines (the one whose guards
     hold on it, among the variants stored), from its spec alone: no tracing."""
-    from cachebuild.planner import Planner
+    from cachebuild.building.planner import Planner
 
     spec = load_spec(path)
     planner = Planner(spec.model, spec.config, spec.dynamic_dims, store, touch=False)

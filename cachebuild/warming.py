@@ -32,13 +32,13 @@ from cachebuild.errors import UsageError
 progress = logging.getLogger("cachebuild.progress")
 
 if TYPE_CHECKING:
-    from cachebuild.build import BuildJob
+    from cachebuild.building.build import BuildJob
+    from cachebuild.building.entry import Entry
+    from cachebuild.building.planner import Lookup, Planner
+    from cachebuild.building.pool import BuildPool
     from cachebuild.config import CompileConfig
-    from cachebuild.entry import Entry
-    from cachebuild.planner import Lookup, Planner
-    from cachebuild.store.base import Store
+    from cachebuild.store.interface import Store
     from cachebuild.store.options import StoreOptions
-    from cachebuild.workers import BuildPool
 
 #: What ``warm`` and ``plan`` take: a MODEL.py path, a ``build`` function, or a spec.
 ModelSource: TypeAlias = "ModelSpec | str | os.PathLike | Callable[[], ModelSpec]"
@@ -214,7 +214,7 @@ def plan_model(source: Source, store: Store, device: str | None = None,
     """Build the model's spec and find its entry: the stored one (or one in ``pending``,
     planned for another rank) if fresh, else a new trace (``say`` is told why, and
     ``on_trace(config)`` called first)."""
-    from cachebuild.planner import Planner
+    from cachebuild.building.planner import Planner
 
     progress.info("importing %s and building its model", source.name)
     spec = _spec_on(source.build(), device)
@@ -224,7 +224,7 @@ def plan_model(source: Source, store: Store, device: str | None = None,
     entry = found.entry
     if entry is None:
         if say is not None:
-            from cachebuild.notice import reason
+            from cachebuild.building.notice import reason
 
             who = f" as rank {rank}" if rank is not None else ""
             say(f"tracing {source.name}{who}: {reason(found.why, store, found.factors)}")
@@ -247,7 +247,7 @@ def plan_group(source: Source, store: Store, device: str | None = None,
     if world_size is None:
         yield plan_model(source, store, device, say=say, on_trace=on_trace)
         return
-    from cachebuild.distributed import fake_world
+    from cachebuild.tracing.distributed import fake_world
 
     pending: dict[str, Entry] = {}
     for rank in range(world_size):
@@ -260,7 +260,7 @@ def plan_group(source: Source, store: Store, device: str | None = None,
 
 def target_states(planned: Planned, store: Store) -> dict[str, str]:
     """The state of each target key of the planned entry (see ``STATES``)."""
-    from cachebuild.targets import bucket_label
+    from cachebuild.tracing.targets import bucket_label
 
     previous = _previous_targets(store, planned.entry)
     states: dict[str, str] = {}
@@ -277,9 +277,9 @@ def target_states(planned: Planned, store: Store) -> dict[str, str]:
 
 def _previous_targets(store: Store, entry: Entry) -> dict[tuple[int, str], str]:
     """Target keys of the newest other stored entry of the same model class."""
-    from cachebuild.entry import read_entry
-    from cachebuild.explain import entries_of
-    from cachebuild.targets import bucket_label
+    from cachebuild.building.entry import read_entry
+    from cachebuild.building.nearest import entries_of
+    from cachebuild.tracing.targets import bucket_label
 
     others = [r for r in entries_of(store, entry.factors["model"]["class"])
               if r.key != entry.key]
@@ -313,7 +313,7 @@ def target_users(group: list[Planned]) -> dict[str, list[int]]:
 
 def _report(group: list[Planned], store: Store, world_size: int | None) -> PlanReport:
     """The plan of a planned group: its entries, and each unique target's state."""
-    from cachebuild.targets import bucket_label
+    from cachebuild.tracing.targets import bucket_label
 
     entries: dict[str, EntryReport] = {}
     for p in group:
@@ -403,7 +403,7 @@ Done = Callable[["BuildJob", bool, float, "str | None"], None]
 def start_pool(workers: int, model_path: str, options: StoreOptions) -> BuildPool:
     """``workers`` build workers for a model file, started now (they import torch, Inductor
     and the file while the caller traces)."""
-    from cachebuild.workers import BuildPool, WorkerSetup
+    from cachebuild.building.pool import BuildPool, WorkerSetup
 
     return BuildPool(workers, WorkerSetup(options, model_file=model_path))
 
@@ -419,7 +419,7 @@ def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
     run, not once per worker. Jobs go out longest first (the piece with most nodes), so
     that the last one to finish is a short one.
     """
-    from cachebuild.workers import BuildPool
+    from cachebuild.building.pool import BuildPool
 
     pool = workers if isinstance(workers, BuildPool) else start_pool(workers, model_path, options)
 
@@ -440,8 +440,8 @@ def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
 def _build_here(jobs: list[BuildJob], store: Store, on_done: Done,
                 phases: dict[str, dict[str, Any]] | None = None) -> None:
     """Build ``jobs`` one after another in this process (no file for workers to import)."""
-    from cachebuild.build import build_one
-    from cachebuild.workers import job_label
+    from cachebuild.building.build import build_one
+    from cachebuild.building.pool import job_label
 
     for job in jobs:
         progress.info("building %s", job_label(job))
@@ -475,10 +475,10 @@ def warm(model: ModelSource, *, store: StoreArg = None,
     folder that is not a private directory of ours (or cannot be made) is an UnsafeStore
     (exit 2), before anything is traced.
     """
-    from cachebuild.build import jobs_of
+    from cachebuild.building.build import jobs_of
+    from cachebuild.building.entry import record_entry
+    from cachebuild.building.pool import expected_targets, jobs_here
     from cachebuild.counters import COUNTERS
-    from cachebuild.entry import record_entry
-    from cachebuild.workers import expected_targets, jobs_here
 
     start = time.perf_counter()
     opened, options, owned = open_given(store)

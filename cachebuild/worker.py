@@ -9,7 +9,7 @@ import os
 import sys
 from typing import Any
 
-from cachebuild.workers import Result, WorkerSetup, receive, send
+from cachebuild.building.pool import Result, WorkerSetup, receive, send
 
 #: Warning classes (by name) a worker hands to the caller instead of printing: the caller
 #: says each once, not once per worker.
@@ -28,7 +28,7 @@ def serve(results_fd: int) -> None:
     import torch.export  # noqa: F401
 
     import cachebuild.passes.ops  # noqa: F401  # the fusion passes' ops
-    from cachebuild.build import build_one
+    from cachebuild.building.build import build_one
     from cachebuild.store.options import open_store
 
     try:

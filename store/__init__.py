@@ -12,8 +12,8 @@ them on arrival.
 
 from cachebuild.errors import LockTimeout, StoreError
 
-from .base import Store
 from .blob import CorruptBlob, decode_blob, encode_blob
+from .interface import Store
 from .layout import InvalidKey
 from .local import LocalStore, UnknownKey
 from .options import StoreOptions, open_store

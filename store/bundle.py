@@ -42,8 +42,8 @@ from typing import Any
 
 from cachebuild.errors import StoreError, UsageError
 
-from .base import LocalTier
 from .blob import BlobHeader, CorruptBlob
+from .interface import LocalTier
 from .layout import check_key
 from .maintenance import reachable
 from .record import BadRecord, Record, loads_json

@@ -48,9 +48,7 @@ from cachebuild.errors import StoreError
 from cachebuild.units import format_size
 
 from . import maintenance
-from .base import LocalTier, Progress
 from .blob import BlobHeader, CorruptBlob, StreamCheck, check_blob, encode_parts, read_blob_fd
-from .clock import SYSTEM_CLOCK, Clock
 from .files import (
     OddFile,
     is_regular,
@@ -60,10 +58,12 @@ from .files import (
     write_all,
 )
 from .index import INDEX_ERRORS, Index
+from .interface import LocalTier, Progress
 from .layout import Layout, check_key, check_suffix, prepare
 from .locking import build_lock, flocked, open_temp
 from .materialize import Materializer
 from .record import GCReport, Record, VerifyReport, check_origin, check_trust
+from .timekeeping import SYSTEM_CLOCK, Clock
 from .usage import Usage
 
 log = logging.getLogger("cachebuild.store")

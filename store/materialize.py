@@ -30,11 +30,11 @@ import xxhash
 
 from cachebuild.errors import StoreError
 
-from .clock import Clock
 from .files import OddFile, Scratch, is_regular, move_to_quarantine, open_regular, write_all
 from .index import Index
 from .layout import Layout, check_private_dir
 from .locking import flocked, open_temp
+from .timekeeping import Clock
 
 log = logging.getLogger("cachebuild.store")
 

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any
 from cachebuild.errors import UsageError
 
 if TYPE_CHECKING:
-    from cachebuild.store.base import Store
+    from cachebuild.store.interface import Store
 
 REMOTE_MODES = ("rw", "ro", "off")
 

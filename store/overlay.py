@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .base import Progress, Store
+from .interface import Progress, Store
 from .local import LocalStore
 from .readonly import ReadOnlyLocalStore
 from .record import GCReport, Record, VerifyReport

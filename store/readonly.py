@@ -24,10 +24,10 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from .base import Progress
 from .blob import BlobHeader, CorruptBlob, read_blob_fd
 from .files import OddFile, open_regular
 from .index import Index, ReadOnlyStore
+from .interface import Progress
 from .layout import Layout, check_key, check_suffix, open_read_only
 from .local import LocalStore
 from .record import GCReport, Record, VerifyReport

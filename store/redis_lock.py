@@ -34,7 +34,7 @@ from typing import Any, Protocol
 
 from cachebuild.errors import LockTimeout
 
-from .clock import SYSTEM_CLOCK, Clock
+from .timekeeping import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger("cachebuild.store.remote")
 

@@ -5,7 +5,7 @@ verified, never from a record someone else wrote (a shared tier's, a bundle's). 
 does not read any payload's format itself: the owner of a kind registers a reader for it,
 at run time (``register_refs``) or, so that a process that never imported the owner still
 reads it, in the ``cachebuild.refs`` entry-point group (name: the kind; value: the reader,
-``cachebuild.entry:payload_refs`` for model entries). What ``refs_of`` promises:
+``cachebuild.building.entry:payload_refs`` for model entries). What ``refs_of`` promises:
 
 - store keys only, each once, in the order the reader gave them;
 - nothing for a kind without a reader, and nothing (one log line) for a payload its

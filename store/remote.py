@@ -57,11 +57,11 @@ from redis.retry import Retry
 
 from cachebuild.errors import UsageError
 
-from .base import RemoteTier
-from .clock import SYSTEM_CLOCK, Clock
+from .interface import RemoteTier
 from .layout import InvalidKey, check_key
 from .record import loads_json
 from .redis_lock import Attempt, LockServer, RemoteLock
+from .timekeeping import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger(__name__)
 

@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any
 
 from cachebuild.errors import StoreError, UsageError
 
-from .base import LocalTier, Progress, Store
 from .blob import CorruptBlob, StreamCheck, check_blob, encode_blob
+from .interface import LocalTier, Progress, Store
 from .record import MAX_ORIGIN, GCReport, Record, VerifyReport
 from .refs import refs_of
 from .signing import incoming, outgoing

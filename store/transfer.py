@@ -25,8 +25,8 @@ from typing import Any
 
 from cachebuild.errors import UsageError
 
-from .base import Store
 from .blob import encode_blob, parse_header
+from .interface import Store
 from .layout import InvalidKey, check_key
 from .signing import outgoing
 from .tiered import TieredStore

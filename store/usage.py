@@ -18,8 +18,8 @@ import logging
 import os
 import threading
 
-from .clock import SYSTEM_CLOCK, Clock
 from .index import INDEX_ERRORS, Index
+from .timekeeping import SYSTEM_CLOCK, Clock
 
 log = logging.getLogger("cachebuild.store")
 

@@ -39,7 +39,7 @@ from .files import open_regular, remove_any
 from .layout import make_private_dir, prepare_work_dir
 from .maintenance import WORK_LOCK  # held shared by every build, exclusive by ``gc``
 
-log = logging.getLogger("cachebuild.build")
+log = logging.getLogger("cachebuild.building.build")
 
 
 def say_once(message: str) -> None:

@@ -1,4 +1,4 @@
-"""A clock for tests that moves only when told (``cachebuild.store.clock.Clock``)."""
+"""A clock for tests that moves only when told (``cachebuild.store.timekeeping.Clock``)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from cachebuild.store.clock import Clock
+from cachebuild.store.timekeeping import Clock
 
 
 class ManualClock(Clock):

@@ -86,7 +86,7 @@ def _one_node(op: str, target: str, args: list, kwargs: dict | None = None) -> l
 
 def _refused(nodes: list[dict]) -> bool:
     """True if the loader refuses what the graph's one node names (whatever its args)."""
-    from cachebuild.fxjson import GraphFormatError, check_call, resolve_target
+    from cachebuild.trust.fxjson import GraphFormatError, check_call, resolve_target
 
     node = nodes[1]
     try:
@@ -104,7 +104,7 @@ def plan(seed: int) -> None:
     that the table does not list."""
     import torch
 
-    from cachebuild import allowed
+    from cachebuild.trust import allowed
 
     rng = random.Random(seed)
     for op in pool_operators():
@@ -127,7 +127,7 @@ def plan(seed: int) -> None:
     for name in sorted(dir(torch.Tensor)):
         if name.startswith("_") or not callable(getattr(torch.Tensor, name, None)):
             continue
-        from cachebuild.allowed import METHODS, method_refusal
+        from cachebuild.trust.allowed import METHODS, method_refusal
 
         admitted = not _refused(_one_node("call_method", name, [{"n": "x"}]))
         if admitted and method_refusal(name) is not None:
@@ -212,7 +212,7 @@ def _arg_for(t: Any, rng: random.Random, inputs: Inputs) -> Any:
 def run_op(job: dict, inputs: Inputs) -> Any:
     import torch
 
-    from cachebuild.fxjson import data_to_module
+    from cachebuild.trust.fxjson import data_to_module
 
     name, overload = job["op"].split(".", 1)
     schema = getattr(getattr(torch.ops.aten, name), overload)._schema
@@ -257,7 +257,7 @@ def _py_values() -> list[Any]:
 
 
 def run_fn(job: dict) -> Any:
-    from cachebuild.fxjson import resolve_target
+    from cachebuild.trust.fxjson import resolve_target
 
     fn = resolve_target(job["target"])
     rng = random.Random(job["seed"])

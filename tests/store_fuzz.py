@@ -345,10 +345,10 @@ class Driver:
         import torch
 
         from cachebuild import process_state
-        from cachebuild.build import Builder
+        from cachebuild.building.build import Builder
+        from cachebuild.building.planner import Planner
         from cachebuild.errors import CachebuildError
-        from cachebuild.planner import Planner
-        from cachebuild.runtime import ModelRuntime
+        from cachebuild.serving.runtime import ModelRuntime
         from cachebuild.store import LocalStore
 
         process_state.current().loaded.clear()
@@ -388,7 +388,7 @@ class Driver:
             store.close()
 
     def round_graph(self, rng: random.Random) -> str:
-        from cachebuild.fxjson import GraphFormatError, data_to_module
+        from cachebuild.trust.fxjson import GraphFormatError, data_to_module
 
         which = rng.choice(["plain", "signed"])
         key = rng.choice([*self.graph_keys, self.entry_key])
@@ -418,9 +418,9 @@ class Driver:
             self._mutated = False
 
     def round_guards(self, rng: random.Random) -> str:
-        from cachebuild.guards import GuardSet, check_data
         from cachebuild.keys import guard_seal_key
         from cachebuild.store import LocalStore
+        from cachebuild.tracing.guards import GuardSet, check_data
 
         which = rng.choice(["plain", "signed"])
         doc = json.loads(self.golden[self.entry_key][1])
@@ -487,8 +487,8 @@ class Driver:
     def round_manifest(self, rng: random.Random) -> str:
         from trust_fuzz import junk, mutate_value
 
+        from cachebuild.building.nearest import explain
         from cachebuild.cli.common import printable
-        from cachebuild.explain import explain
         from cachebuild.keys import diff_manifests
 
         key = rng.choice(self.graph_keys)

@@ -12,10 +12,10 @@ import torch
 
 import cachebuild
 from cachebuild import process_state
-from cachebuild.build import BuildJob
+from cachebuild.building.build import BuildJob
+from cachebuild.building.pool import jobs_here, op_modules
 from cachebuild.clock import PHASES, BuildClock, measuring, phase
 from cachebuild.store import LocalStore
-from cachebuild.workers import jobs_here, op_modules
 
 
 def test_a_cold_start_builds_its_missing_targets_in_workers(tmp_path, monkeypatch, caplog):
@@ -24,7 +24,7 @@ def test_a_cold_start_builds_its_missing_targets_in_workers(tmp_path, monkeypatc
     # here would count as hits.
     model = models.make(models.Decoder, layers=2)
     before = cachebuild.stats()
-    with caplog.at_level(logging.INFO, logger="cachebuild.build"):
+    with caplog.at_level(logging.INFO, logger="cachebuild.building.build"):
         compiled = cachebuild.compile(model, models.config(), {0: 0, 1: 0},
                                       store=LocalStore(tmp_path / "store"))
         models.assert_matches_eager(compiled, model, models.inputs(7))
@@ -58,13 +58,13 @@ def test_workers_import_the_modules_that_registered_a_pieces_ops():
 
 
 def test_the_job_count_never_exceeds_cpus_memory_or_targets(monkeypatch):
-    monkeypatch.setattr("cachebuild.workers.usable_cpus", lambda: 8)
-    monkeypatch.setattr("cachebuild.workers.available_memory", lambda: 5 * 2**30)
+    monkeypatch.setattr("cachebuild.building.pool.usable_cpus", lambda: 8)
+    monkeypatch.setattr("cachebuild.building.pool.available_memory", lambda: 5 * 2**30)
     assert jobs_here(20) == 3  # 5 GiB at 1.5 GiB a build
     assert jobs_here(2) == 2
     monkeypatch.setenv("CACHEBUILD_BUILD_MEMORY", "512M")
     assert jobs_here(20) == 8
-    monkeypatch.setattr("cachebuild.workers.available_memory", lambda: 100 * 2**20)
+    monkeypatch.setattr("cachebuild.building.pool.available_memory", lambda: 100 * 2**20)
     assert jobs_here(20) == 1
 
 
@@ -133,7 +133,7 @@ def test_a_pool_started_before_its_setup_waits_for_it_and_closes_its_unused_work
     the ones that never got a job end when the pool closes (not after their imports)."""
     import pytest
 
-    from cachebuild.workers import BuildPool
+    from cachebuild.building.pool import BuildPool
 
     pool = BuildPool(2)
     procs = [w.proc for w in pool._idle]
@@ -146,7 +146,7 @@ def test_a_pool_started_before_its_setup_waits_for_it_and_closes_its_unused_work
 def test_a_warm_start_with_targets_gone_builds_them_in_workers(tmp_path, monkeypatch, caplog):
     """A warm start whose artifacts load on threads (as Inductor's do), and whose store
     lost targets since (evicted), builds the lost ones in workers."""
-    from cachebuild.backends.base import LoadNeeds
+    from cachebuild.backends.protocol import LoadNeeds
 
     monkeypatch.setenv("CACHEBUILD_BUILD_JOBS", "2")
     monkeypatch.setenv("CACHEBUILD_LOAD_THREADS", "2")
@@ -159,9 +159,9 @@ def test_a_warm_start_with_targets_gone_builds_them_in_workers(tmp_path, monkeyp
     for key in keys[:2]:
         assert store.delete(key)
     process_state.current().loaded.clear()  # as a fresh process
-    monkeypatch.setattr("cachebuild.build.load_needs",
+    monkeypatch.setattr("cachebuild.building.build.load_needs",
                         lambda keys, builder: LoadNeeds(inductor=True))
-    with caplog.at_level(logging.INFO, logger="cachebuild.build"):
+    with caplog.at_level(logging.INFO, logger="cachebuild.building.build"):
         again = cachebuild.compile(model, models.config(), {0: 0, 1: 0}, store=store)
         models.assert_matches_eager(again, model, models.inputs(9))
     assert "warm start from entry" in caplog.text

@@ -17,9 +17,9 @@ import pytest
 import torch
 
 import cachebuild
-from cachebuild.capture import capture_order, resolve_policy
-from cachebuild.cudagraphs import Arena, ReplayCapture, Replayer
 from cachebuild.errors import ConfigError
+from cachebuild.serving.capture import capture_order, resolve_policy
+from cachebuild.serving.cudagraphs import Arena, ReplayCapture, Replayer
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import llama  # noqa: E402
@@ -274,7 +274,7 @@ def test_a_background_pass_that_fails_hands_the_rest_to_lazy_capture(example_lla
     """Dummy inputs this example_llama cannot run on (as an index past a table would be): the
     first background pass fails, nothing is left pending, and sizes are then captured at
     their first real call."""
-    from cachebuild.runtime import ModelRuntime
+    from cachebuild.serving.runtime import ModelRuntime
 
     def unusable(self, size, like=None):
         raise IndexError("index 0 is out of bounds for dimension 0 with size 0")

@@ -279,11 +279,11 @@ AS_USER = """
 import os, pwd, sys
 sys.path.insert(0, os.getcwd())
 import torch, torch.fx
-import cachebuild, cachebuild.api, cachebuild.build, cachebuild.entry, cachebuild.planner
-import cachebuild.runtime, cachebuild.sources, cachebuild.store.overlay
+import cachebuild, cachebuild.api, cachebuild.building.build, cachebuild.building.entry, cachebuild.building.planner
+import cachebuild.serving.runtime, cachebuild.trust.sources, cachebuild.store.overlay
 import cachebuild.backends.eager_fusion, cachebuild.passes
 import dm
-cachebuild.sources.library_roots()
+cachebuild.trust.sources.library_roots()
 user = pwd.getpwnam(sys.argv[1])
 os.setgroups([])
 os.setgid(user.pw_gid)

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from cachebuild.fxjson import GraphFormatError, data_to_module, graph_to_data, resolve_target
+from cachebuild.trust.fxjson import GraphFormatError, data_to_module, graph_to_data, resolve_target
 
 
 def test_a_graph_that_builds_a_size_round_trips():
@@ -83,7 +83,7 @@ def test_operators_that_reach_outside_tensors_are_refused_at_save_and_load(quali
     with pytest.raises(GraphFormatError, match="may not call.*not in the table"):
         data_to_module(node_data("call_function", f"op:{qualified}", "x", str(canary), True, 8))
     assert not canary.exists()
-    from cachebuild.purity import operator_impurity
+    from cachebuild.trust.purity import operator_impurity
 
     assert why in (operator_impurity(qualified) or "")
 
@@ -95,7 +95,7 @@ def test_operators_that_reach_outside_tensors_are_refused_at_save_and_load(quali
 def test_admitted_operators_and_tensor_writes_are_allowed(qualified):
     import models  # noqa: F401  (registers cachebuild_tests::attention)
 
-    from cachebuild.fxjson import callable_impurity
+    from cachebuild.trust.fxjson import callable_impurity
 
     assert callable_impurity(resolve_target(f"op:{qualified}")) is None
 
@@ -138,7 +138,7 @@ def test_getattr_reads_tensor_data_attributes_and_nothing_else():
     ("fn:operator:mod", ("x", {"t": [1 << 30, 1]}), "%0*d")], ids=str.__str__ and (lambda v: (
         v if isinstance(v, str) and len(v) < 20 else type(v).__name__)))
 def test_python_arithmetic_in_a_loaded_graph_is_bounded(target, args, value):
-    from cachebuild.purity import Impure
+    from cachebuild.trust.purity import Impure
 
     module = data_to_module(node_data("call_function", target, *args))
     with pytest.raises(Impure, match="past its bounds"):
@@ -154,7 +154,7 @@ def test_python_arithmetic_in_a_loaded_graph_is_bounded(target, args, value):
 def test_integer_constants_beyond_64_bits_and_huge_graphs_are_refused():
     with pytest.raises(GraphFormatError, match="64 bits"):
         data_to_module(node_data("call_function", "fn:operator:add", "x", 1 << 70))
-    from cachebuild import fxjson
+    from cachebuild.trust import fxjson
 
     with pytest.raises(GraphFormatError, match="at most"):
         fxjson.data_to_graph([{}] * (fxjson.MAX_NODES + 1))

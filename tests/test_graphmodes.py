@@ -21,9 +21,9 @@ import torch
 
 import cachebuild
 from cachebuild.calls import decoding, is_decode
-from cachebuild.cudagraphs import ReplayCapture
 from cachebuild.errors import ConfigError
-from cachebuild.graphmodes import (
+from cachebuild.serving.cudagraphs import ReplayCapture
+from cachebuild.serving.graphmodes import (
     CAPTURE,
     EXACT,
     FULL,
@@ -33,7 +33,7 @@ from cachebuild.graphmodes import (
     route,
     sizes_for,
 )
-from cachebuild.stitch import PieceRunner
+from cachebuild.serving.stitch import PieceRunner
 
 CAPTURE_SIZES = (1, 4, 8)
 DECODE_SIZES = (1, 4)

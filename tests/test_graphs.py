@@ -14,7 +14,7 @@ import torch
 
 import cachebuild
 from cachebuild.config import default_capture_sizes
-from cachebuild.cudagraphs import next_capture_size, pad_args, unpad_outputs
+from cachebuild.serving.cudagraphs import next_capture_size, pad_args, unpad_outputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import llama  # noqa: E402
@@ -44,7 +44,7 @@ def test_pad_and_unpad():
 
 
 def test_load_threads_from_environment(monkeypatch):
-    from cachebuild.build import LOAD_THREADS, load_threads
+    from cachebuild.building.build import LOAD_THREADS, load_threads
 
     monkeypatch.delenv("CACHEBUILD_LOAD_THREADS", raising=False)
     assert load_threads() == LOAD_THREADS

@@ -21,9 +21,9 @@ from click.testing import CliRunner
 
 import cachebuild
 from cachebuild.cli import main as cli
-from cachebuild.guard_export import Collected, Unrecordable, records_from
-from cachebuild.guards import GuardRecord, GuardSet, identity, plain
-from cachebuild.trace import trace_model
+from cachebuild.tracing.guard_export import Collected, Unrecordable, records_from
+from cachebuild.tracing.guards import GuardRecord, GuardSet, identity, plain
+from cachebuild.tracing.trace import trace_model
 
 #: Models of this module share forward code that Dynamo would answer from its cache.
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
@@ -182,7 +182,7 @@ def test_a_global_dynamo_installed_for_a_module_is_that_module():
     (``_<id>_c<n>``, gone at a warm start): recorded as the module it stands for."""
     from torch._dynamo.source import AttrSource, GlobalSource
 
-    from cachebuild.guard_export import Frame, source_path
+    from cachebuild.tracing.guard_export import Frame, source_path
 
     frame = Frame(("self",), None, None, ())
     assert source_path(AttrSource(GlobalSource(f"_{id(torch)}_c0"), "Tensor"), frame) == [
@@ -315,7 +315,7 @@ def test_guards_alone_tell_config_values_apart(open_local, tmp_path, monkeypatch
     model's entry: they are the source of truth."""
     import hf_families
 
-    from cachebuild import entry
+    from cachebuild.building import entry
 
     monkeypatch.setattr(entry, "config_factor", lambda model: {})
     family = hf_families.FAMILIES["llama"]
@@ -407,7 +407,7 @@ def test_guards_of_a_real_model_round_trip_and_hold():
 def test_guard_lists_are_checked_as_data_and_never_import():
     import sys
 
-    from cachebuild.guards import GuardSet, check_data
+    from cachebuild.tracing.guards import GuardSet, check_data
 
     # A step holding an encoded key (bytes) is a dict: the set still holds it.
     data = [[[["model"], ["item", {"bytes": "6869"}]], "exists", "x", False],

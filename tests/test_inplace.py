@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import cachebuild
-from cachebuild.effects import graph_effects
 from cachebuild.errors import BuildError, UsageError
+from cachebuild.graph.effects import graph_effects
 
 MODES = ("none", "piecewise", "full")
 #: Calls of a sequence: 4 and 1 are capture sizes (captured at their first call, replayed
@@ -183,7 +183,7 @@ def test_a_written_argument_that_shares_memory_with_another_is_refused(open_loca
 
 def test_proof_compares_what_pieces_write(open_local, monkeypatch, tmp_path):
     """An artifact that drops a write is caught before it is stored."""
-    from cachebuild import verify
+    from cachebuild.building import verify
 
     def dropping(fn):
         def run(*inputs):

@@ -15,8 +15,8 @@ import torch
 
 import cachebuild
 from cachebuild.errors import UsageError
-from cachebuild.inputs import LayoutGuard, eval_dim
-from cachebuild.trace import InputMeta
+from cachebuild.graph.inputs import LayoutGuard, eval_dim
+from cachebuild.tracing.trace import InputMeta
 
 DYN = {0: 0, 1: 0}
 

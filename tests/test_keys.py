@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachebuild.explain import describe, explain
+from cachebuild.building.nearest import describe, explain
 from cachebuild.keys import MISSING, canonical_json, diff_manifests, make_key
 
 

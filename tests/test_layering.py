@@ -1,17 +1,21 @@
 """The code's shape: no import circle among the project's modules, and every module imports
-only modules of its own layer or below, in the order of the pipeline:
+only modules of its own layer or below. The layers are folders, in the order of the
+pipeline:
 
-    values (config, keys, errors) → graph facts, store, backends, passes → trace, split,
-    targets → entry, plan → build → runtime, capture → front doors → command line
+    values (the flat modules at the top of ``cachebuild``: config, keys, errors, compat...)
+    → store, passes → trust → graph → tracing → backends → building → serving
+    → front doors (api, dynamo_backend, modelfile, warming, explain, worker) → cli
 
-Every import counts: the ones inside functions (deferred only to save start-up time), and
-the ones under ``TYPE_CHECKING`` (for type hints only, they still tie the modules: a
-circle through them is a circle in the design).
+Each folder's package docstring says what it holds and what it may import. Every import
+counts: the ones inside functions (deferred only to save start-up time), and the ones under
+``TYPE_CHECKING`` (for type hints only, they still tie the modules: a circle through them
+is a circle in the design).
 """
 
 from __future__ import annotations
 
 import ast
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -19,27 +23,36 @@ ROOT = Path(__file__).resolve().parent.parent
 FOLDERS = {"cachebuild": "cachebuild", "backends": "cachebuild.backends",
            "passes": "cachebuild.passes", "store": "cachebuild.store"}
 
-LAYERS = [
-    ["cachebuild", "cachebuild.errors", "cachebuild.keys", "cachebuild.config",
-     "cachebuild.units", "cachebuild.counters", "cachebuild.clock", "cachebuild.keep", "cachebuild.compat", "cachebuild.env",
-     "cachebuild.dictwatch", "cachebuild.calls", "cachebuild.graphmodes", "cachebuild.allowed",
-     "cachebuild.metrics", "cachebuild.process_state"],
-    ["cachebuild.facts", "cachebuild.effects", "cachebuild.fxjson", "cachebuild.purity",
-     "cachebuild.graphdiff",
-     "cachebuild.inputs", "cachebuild.weights", "cachebuild.outputs", "cachebuild.codehash",
-     "cachebuild.sources", "cachebuild.processes",
-     "cachebuild.store.*", "cachebuild.backends.*", "cachebuild.passes.*"],
-    ["cachebuild.trace", "cachebuild.split", "cachebuild.transforms", "cachebuild.targets",
-     "cachebuild.guards", "cachebuild.guard_watch",
-     "cachebuild.guard_export", "cachebuild.distributed"],
-    ["cachebuild.entry", "cachebuild.planner", "cachebuild.explain"],
-    ["cachebuild.build", "cachebuild.verify", "cachebuild.notice", "cachebuild.workers"],
-    ["cachebuild.stitch", "cachebuild.runtime", "cachebuild.capture", "cachebuild.cudagraphs"],
-    ["cachebuild.start", "cachebuild.interim"],
-    ["cachebuild.api", "cachebuild.dynamo_backend", "cachebuild.modelfile",
-     "cachebuild.warming", "cachebuild.explaining", "cachebuild.worker"],
-    ["cachebuild.cli.*"],
-]
+#: The flat modules at the top of ``cachebuild`` that are front doors; every other flat
+#: module there is a value every layer may use.
+FRONT_DOORS = ["cachebuild.api", "cachebuild.dynamo_backend", "cachebuild.modelfile",
+               "cachebuild.warming", "cachebuild.explain", "cachebuild.worker"]
+#: Packages, lowest first, between the values and the front doors.
+PACKAGES = [["cachebuild.store", "cachebuild.passes"], ["cachebuild.trust"], ["cachebuild.graph"],
+            ["cachebuild.tracing"], ["cachebuild.backends"], ["cachebuild.building"],
+            ["cachebuild.serving"]]
+#: At most this many flat modules at the top of ``cachebuild``: the rest live in folders.
+MAX_FLAT = 20
+
+
+def flat_modules() -> list[str]:
+    return sorted(f"cachebuild.{p.stem}" for p in (ROOT / "cachebuild").glob("*.py")
+                  if p.stem not in ("__init__", "__main__"))
+
+
+def layer(name: str) -> int:
+    """The rank of ``name``'s layer: the values 0, each package of ``PACKAGES`` next, then
+    the front doors and the command line."""
+    if name in FRONT_DOORS:
+        return len(PACKAGES) + 1
+    if name == "cachebuild.cli" or name.startswith("cachebuild.cli."):
+        return len(PACKAGES) + 2
+    for rank, packages in enumerate(PACKAGES, start=1):
+        if any(name == p or name.startswith(p + ".") for p in packages):
+            return rank
+    if name == "cachebuild" or name in flat_modules():
+        return 0
+    raise AssertionError(f"{name} is in no layer: put it in a folder of tests/test_layering.py")
 
 
 def modules() -> dict[str, Path]:
@@ -84,17 +97,6 @@ def graph() -> dict[str, set[str]]:
     return {name: imports(name, path, known) for name, path in known.items()}
 
 
-def layer(name: str) -> int:
-    for rank, names in enumerate(LAYERS):
-        for pattern in names:
-            if pattern.endswith(".*"):
-                if name == pattern[:-2] or name.startswith(pattern[:-1]):
-                    return rank
-            elif name == pattern:
-                return rank
-    raise AssertionError(f"{name} is in no layer: place it in tests/test_layering.py")
-
-
 def test_no_import_circle():
     deps = graph()
     seen: dict[str, int] = {}  # 1: on the current path, 2: done
@@ -135,3 +137,29 @@ def test_imports_for_type_hints_count(tmp_path):
     source.write_text("from typing import TYPE_CHECKING\n"
                       "if TYPE_CHECKING:\n    from cachebuild.store.local import LocalStore\n")
     assert imports("cachebuild.hinted", source, known) == {"cachebuild.store.local"}
+
+
+def package_folder(package: str) -> Path:
+    """Where ``package``'s files are: a top-level folder (``store``) or one in ``cachebuild``."""
+    top = {pkg: folder for folder, pkg in FOLDERS.items()}
+    return ROOT / top[package] if package in top else ROOT / "cachebuild" / package.split(".")[1]
+
+
+def test_every_folder_is_a_layer_and_says_what_it_may_import():
+    packages = [p for rank in PACKAGES for p in rank]
+    folders = {f"cachebuild.{d.name}" for d in (ROOT / "cachebuild").iterdir()
+               if (d / "__init__.py").exists()} - {"cachebuild.cli"}
+    assert folders <= set(packages), f"place {sorted(folders - set(packages))} in PACKAGES"
+    for package in packages:
+        init = package_folder(package) / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert doc, f"{init} has no docstring saying what the folder holds"
+        if package_folder(package).parent.name == "cachebuild":
+            assert "May import:" in doc, f"{init} does not say what the folder may import"
+
+
+def test_few_flat_modules_and_no_name_twice():
+    assert len(flat_modules()) + 1 <= MAX_FLAT, flat_modules()  # + __init__
+    names = Counter(path.stem for path in modules().values()
+                    if path.stem not in ("__init__", "__main__"))
+    assert [n for n, count in names.items() if count > 1] == []

@@ -21,9 +21,10 @@ import pytest
 import torch
 import torch.nn as nn
 
-from cachebuild import compat, guard_watch
+from cachebuild import compat
 from cachebuild.dictwatch import ANY, TagPoll
-from cachebuild.guards import GuardSet
+from cachebuild.tracing import guard_watch
+from cachebuild.tracing.guards import GuardSet
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import live_changes  # noqa: E402

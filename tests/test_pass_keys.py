@@ -9,10 +9,10 @@ from pathlib import Path
 import torch
 
 import cachebuild
-from cachebuild.explain import explain
+from cachebuild.building.nearest import explain
+from cachebuild.building.planner import Planner
 from cachebuild.passes import PassConfig
 from cachebuild.passes.rewrites.fusions import RMSNormQuantFusion
-from cachebuild.planner import Planner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import llama  # noqa: E402

@@ -28,11 +28,11 @@ from redis_server import (  # noqa: F401  (the `server` fixture; stores closed a
 
 from cachebuild.errors import LockTimeout, UsageError
 from cachebuild.store.blob import encode_blob
-from cachebuild.store.clock import SYSTEM_CLOCK, Clock
 from cachebuild.store.local import LocalStore
 from cachebuild.store.options import StoreOptions, open_store
 from cachebuild.store.remote import RedisRemote, RemoteDownWarning, chunk_key, record_key
 from cachebuild.store.tiered import TieredStore, UnsignedRemoteWarning
+from cachebuild.store.timekeeping import SYSTEM_CLOCK, Clock
 from cachebuild.store.transfer import pull, push
 
 pytestmark = pytest.mark.redis

@@ -18,13 +18,13 @@ import pytest
 
 from cachebuild.config import CompileConfig
 from cachebuild.errors import ConfigError
-from cachebuild.interim import interim_config
+from cachebuild.serving.interim import interim_config
 
 SERVER = textwrap.dedent("""
     import json, os, sys, time
     import cachebuild
     import cachebuild.api as api
-    import cachebuild.stitch as stitch
+    import cachebuild.serving.stitch as stitch
     import models
     from cachebuild.store import LocalStore
 
@@ -169,7 +169,7 @@ class _FailingPool:
         pass
 
     def run(self, jobs, on_done):
-        from cachebuild.workers import Result
+        from cachebuild.building.pool import Result
 
         for job in jobs:
             on_done(job, Result(job.target.key, False, 0.0, "the build worker was killed"))
@@ -179,7 +179,7 @@ def test_a_failed_background_build_keeps_serving_the_interim_targets(tmp_path, m
     import cachebuild
     from cachebuild.store import LocalStore
 
-    monkeypatch.setattr("cachebuild.workers.BuildPool", _FailingPool)
+    monkeypatch.setattr("cachebuild.building.pool.BuildPool", _FailingPool)
     model = models.make(models.Decoder, layers=1)
     config = models.config(backend="inductor", flavour="aoti", while_building="eager_fusion")
     store = LocalStore(tmp_path / "store")

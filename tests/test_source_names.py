@@ -148,7 +148,7 @@ def test_files_of_one_name_are_told_apart_and_an_edit_is_still_seen(layout):
 
 
 def test_user_site_packages_count_as_installed_code():
-    from cachebuild import sources
+    from cachebuild.trust import sources
 
     user = site.getusersitepackages()
     assert sources.is_library_file(os.path.join(user, "liba", "config.py"))

@@ -10,9 +10,9 @@ import types
 
 import pytest
 
-from cachebuild import sources
-from cachebuild.codehash import ast_hash_text
-from cachebuild.guards import qualname
+from cachebuild.tracing.guards import qualname
+from cachebuild.trust import sources
+from cachebuild.trust.codehash import ast_hash_text
 
 
 def _module(monkeypatch, name: str, path) -> types.ModuleType:
@@ -119,7 +119,7 @@ def test_comments_do_not_change_a_label(monkeypatch, tmp_path, text):
 
 def test_explain_names_the_part_of_code_identity_that_differs(monkeypatch, tmp_path):
     """Never ``Served → Served``: the file, the module, the source's hash or the name."""
-    from cachebuild.guards import Mismatch
+    from cachebuild.tracing.guards import Mismatch
 
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "m.py").write_text(CODE)

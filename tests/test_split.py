@@ -12,8 +12,8 @@ import torch.nn.functional as F
 
 import cachebuild
 from cachebuild.errors import ConfigError, UsageError
-from cachebuild.split import is_splitting, split_graph
-from cachebuild.trace import trace_model
+from cachebuild.tracing.split import is_splitting, split_graph
+from cachebuild.tracing.trace import trace_model
 
 
 def flat_inputs(traced, model, args):

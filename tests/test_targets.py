@@ -10,11 +10,11 @@ import models
 import pytest
 
 import cachebuild
-import cachebuild.env
+import cachebuild.tracing.env
+from cachebuild.building.planner import Planner
 from cachebuild.keys import diff_manifests
 from cachebuild.passes import PassConfig, PassManager
-from cachebuild.planner import Planner
-from cachebuild.trace import trace_model
+from cachebuild.tracing.trace import trace_model
 
 DYN = {0: 0, 1: 0}
 
@@ -158,7 +158,7 @@ def test_backend_options_change_the_key(decoder):
 
 def test_environment_changes_the_key(decoder, base, monkeypatch):
     model, traced = decoder
-    monkeypatch.setattr(cachebuild.env, "_cpu_isa", lambda: "TEST_ISA")
+    monkeypatch.setattr(cachebuild.tracing.env, "_cpu_isa", lambda: "TEST_ISA")
     key, other = plan(model, traced, models.config())
     assert_all_keys_change(base[1], other)
     assert key != base[0]  # the entry key too

@@ -17,10 +17,10 @@ import models
 import pytest
 
 from cachebuild.backends import probe
+from cachebuild.building.planner import Planner
 from cachebuild.errors import ConfigError
 from cachebuild.keys import diff_manifests
-from cachebuild.planner import Planner
-from cachebuild.trace import trace_model
+from cachebuild.tracing.trace import trace_model
 
 DYN = {0: 0, 1: 0}
 

@@ -17,15 +17,15 @@ import torch.nn as nn
 import tp_group
 
 from cachebuild import compat
-from cachebuild.backends.base import DeviceBound
-from cachebuild.build import Builder, BuildJob, device_copy, jobs_of
-from cachebuild.distributed import fake_world, local_groups
-from cachebuild.entry import record_entry
-from cachebuild.explain import explain
-from cachebuild.facts import InputMeta, unpin_device
+from cachebuild.backends.protocol import DeviceBound
+from cachebuild.building.build import Builder, BuildJob, device_copy, jobs_of
+from cachebuild.building.entry import record_entry
+from cachebuild.building.nearest import explain
+from cachebuild.building.planner import Planner
+from cachebuild.graph.facts import InputMeta, unpin_device
 from cachebuild.keys import make_key
 from cachebuild.modelfile import load_spec
-from cachebuild.planner import Planner
+from cachebuild.tracing.distributed import fake_world, local_groups
 
 
 class ShardedMLP(nn.Module):

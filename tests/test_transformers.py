@@ -16,8 +16,8 @@ import pytest
 import torch
 
 import cachebuild
-from cachebuild.planner import Planner
-from cachebuild.trace import trace_model
+from cachebuild.building.planner import Planner
+from cachebuild.tracing.trace import trace_model
 
 transformers = pytest.importorskip("transformers")
 #: Models of this module share forward code that Dynamo would answer from its cache.

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.fx as fx
 
-from cachebuild.transforms import desugar, regions
+from cachebuild.tracing.transforms import desugar, regions
 
 #: A model that maps a layer over rows, writes a cache through a batched view, bumps a
 #: buffer and is split at an op of its own (the script prints how it compares with eager).

@@ -21,7 +21,7 @@ import pytest
 from test_cli_model import SMALL, summary
 from trust import NOBODY, ROOT, assert_one_line_error, clean_env, cli, public_dir
 
-from cachebuild.processes import (
+from cachebuild.trust.processes import (
     child_env,
     import_path,
     python_command,
@@ -178,9 +178,9 @@ def test_an_op_module_from_a_shared_folder_is_not_imported_by_a_worker(tmp_path)
         finally:
             sys.path.remove(str(shared))
             sys.modules.pop("shared_ops_mod", None)
-    import cachebuild.workers
+    import cachebuild.building.pool
 
-    assert reachable(cachebuild.workers)
+    assert reachable(cachebuild.building.pool)
 
 
 @pytest.mark.parametrize("where", ["shared", "private"])

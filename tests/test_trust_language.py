@@ -22,7 +22,7 @@ import pytest
 from test_trust_model import SERVE_EACH, SERVER, model_file, warm
 from trust import assert_one_line_error, clean_env, cli, python
 
-from cachebuild.fxjson import GraphFormatError, data_to_module
+from cachebuild.trust.fxjson import GraphFormatError, data_to_module
 
 pytestmark = pytest.mark.slow
 
@@ -75,7 +75,7 @@ RUN_EACH = r"""
 import json, sys
 import torch
 from cachebuild.errors import CachebuildError
-from cachebuild.fxjson import data_to_module
+from cachebuild.trust.fxjson import data_to_module
 
 out = []
 for nodes in json.loads(open(sys.argv[1]).read()):
@@ -126,7 +126,7 @@ def test_math_prod_of_a_huge_list_stops_at_once():
     # A 6 MiB graph kept the loader computing for over 60 s.
     nodes = graph(node("y", "call_function", "fn:math:prod", [[(1 << 62) + 1] * 200_000]))
     module = data_to_module(nodes)
-    from cachebuild.purity import Impure
+    from cachebuild.trust.purity import Impure
 
     # Refused by its operands' size before anything is multiplied.
     with pytest.raises(Impure, match="past its bounds"):
@@ -222,7 +222,7 @@ print(record.key)
 def test_every_row_is_a_registered_overload_and_none_skips_its_checks():
     import torch
 
-    from cachebuild import allowed
+    from cachebuild.trust import allowed
 
     for row in allowed.ATEN:
         name, overload = row.split(".")
@@ -253,7 +253,7 @@ def test_torch_registers_no_namespace_the_table_does_not_know():
                   "print(json.dumps(sorted({n.split('::')[0] for n in "
                   "torch._C._dispatch_get_all_op_names()})))")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    from cachebuild import allowed
+    from cachebuild.trust import allowed
 
     unknown = set(json.loads(proc.stdout.splitlines()[-1])) - allowed.TORCH_NAMESPACES
     assert unknown == {allowed.CACHEBUILD_NAMESPACE}, unknown
@@ -315,7 +315,7 @@ def test_packets_are_judged_by_what_a_call_without_out_can_reach():
                                        ["%x", 0, 1, None, 2])))
     torch.testing.assert_close(module(x)[0], x[1::2])
     for name in ("clone", "cat", "select"):
-        from cachebuild import allowed
+        from cachebuild.trust import allowed
 
         assert allowed.op_refusal(getattr(torch.ops.aten, name)) is None, name
     with pytest.raises(GraphFormatError, match="may not call"):
@@ -328,6 +328,6 @@ def test_packets_are_judged_by_what_a_call_without_out_can_reach():
 def test_methods_models_call_are_admitted_whatever_named_overloads_torch_registers(method):
     # torch 2.11 registers named-tensor overloads beside most of these (size.Dimname,
     # index_copy_.dimname, flatten.named_out_dim); they are judged by the others.
-    from cachebuild import allowed
+    from cachebuild.trust import allowed
 
     assert allowed.method_refusal(method) is None

@@ -101,7 +101,7 @@ def test_a_work_folder_no_build_of_ours_made_is_emptied_before_use(open_local, t
     planted = work / "inductor" / "fxgraph" / "planted"
     planted.parent.mkdir(parents=True)
     planted.write_bytes(b"a cached graph nobody here made")
-    with caplog.at_level(logging.WARNING, logger="cachebuild.build"), build_work_dir(store):
+    with caplog.at_level(logging.WARNING, logger="cachebuild.building.build"), build_work_dir(store):
         assert not planted.exists()
         kept = work / "inductor" / "ours"
         kept.write_bytes(b"made by a build")
@@ -128,7 +128,7 @@ def test_a_kept_object_is_linked_only_if_it_matches_its_record(tmp_path, caplog)
         target.parent.mkdir(exist_ok=True)
         target.write_bytes(b"compiled here")
 
-    with caplog.at_level(logging.WARNING, logger="cachebuild.build"), \
+    with caplog.at_level(logging.WARNING, logger="cachebuild.building.build"), \
             compilers.watch(work, tmp_path / "isa", records) as cache:
         compilers._cxx(build, run)  # compiled, kept, recorded
         (kept,) = cache.glob("*.o")

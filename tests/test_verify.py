@@ -16,9 +16,9 @@ import torch.fx as fx
 import cachebuild
 from cachebuild.backends import BuildRequest, register_backend
 from cachebuild.backends.eager_fusion import EagerFusionBackend
+from cachebuild.building.verify import check, compare, verify_sizes
 from cachebuild.errors import BuildError
-from cachebuild.trace import InputMeta
-from cachebuild.verify import check, compare, verify_sizes
+from cachebuild.tracing.trace import InputMeta
 
 DYN = {0: 0, 1: 0}
 
@@ -116,7 +116,7 @@ def test_check_skips_sizes_where_the_piece_rejects_random_inputs():
     graph = fx.Graph()
     x, i = graph.placeholder("x"), graph.placeholder("i")
     graph.output((graph.call_function(operator.getitem, (x, i)),))
-    from cachebuild.fxjson import graph_to_data
+    from cachebuild.trust.fxjson import graph_to_data
 
     nodes = graph_to_data(graph)
     metas = [InputMeta("tensor", "float32", ("s0", 4), (4, 1)),

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import cachebuild
-from cachebuild.entry import Entry
+from cachebuild.building.entry import Entry
 from cachebuild.errors import UsageError
 from cachebuild.store import LocalStore
 

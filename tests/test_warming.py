@@ -15,7 +15,7 @@ import pytest
 import cachebuild
 from cachebuild.backends import register_backend
 from cachebuild.backends.eager_fusion import EagerFusionBackend
-from cachebuild.entry import Entry
+from cachebuild.building.entry import Entry
 from cachebuild.errors import UsageError
 
 DYN = {0: 0, 1: 0}

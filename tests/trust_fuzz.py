@@ -343,8 +343,8 @@ class Driver:
 
     def explain_shared(self, store: Any) -> list[tuple[str, str]]:
         """What ``explain`` does with the shared tier's records, without tracing."""
+        from cachebuild.building.nearest import explain
         from cachebuild.cli.common import printable
-        from cachebuild.explain import explain
 
         stored = [(r.key, r.manifest) for r in store.records(shared=True)
                   if r.kind != "entry" and r.manifest]

@@ -158,9 +158,9 @@ def _warm_then_load(mode: str, path: str, model: Any, ids: Any, pos: Any, store_
     ``rewarm``: the default) into ``store_dir``, timed, then a compile from that store to
     its first output."""
     import cachebuild
+    from cachebuild.building.pool import jobs_here
     from cachebuild.store.local import LocalStore
     from cachebuild.warming import warm
-    from cachebuild.workers import jobs_here
 
     jobs = (int(mode.split(":", 1)[1]) or None) if mode.startswith("warm:") else None
     store = LocalStore(store_dir)

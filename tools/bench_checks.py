@@ -74,8 +74,8 @@ def steady_guard_check(layers: int, repeat: int) -> tuple[int, float]:
     sys.path.insert(0, str(ROOT / "tests"))
     import hf_families as H
 
-    from cachebuild.guards import GuardSet
-    from cachebuild.trace import trace_model
+    from cachebuild.tracing.guards import GuardSet
+    from cachebuild.tracing.trace import trace_model
 
     model = H.FAMILIES["llama"].model(num_hidden_layers=layers)
     args = H.ids(8)

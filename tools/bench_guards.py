@@ -1,7 +1,7 @@
 """What holding a model's guards on every call costs, against a 1-token decode step.
 
 ``cachebuild.compile`` checks, before every call, that the values its trace read (about
-2,000 for a 22-layer Llama) are unchanged (``cachebuild/guard_watch.py``). This measures,
+2,000 for a 22-layer Llama) are unchanged (``cachebuild/tracing/guard_watch.py``). This measures,
 on a warm process serving ``examples/generate.py``'s paged Llama:
 
 - ``check``: the per-call check alone (``runtime.guards.mismatches``), mean over many calls;

@@ -151,7 +151,7 @@ def capture_full_graphs(fn: Any, model: Any, example_inputs: Any, sizes: list[in
     callable and the capture's figures."""
     import torch
 
-    from cachebuild.cudagraphs import CudaGraphCapture, Replayer
+    from cachebuild.serving.cudagraphs import CudaGraphCapture, Replayer
 
     api = CudaGraphCapture("cuda")
     stream = torch.cuda.Stream()

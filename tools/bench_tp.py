@@ -161,7 +161,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         # Bytecode for what a rank imports, written before any row is timed (a machine
         # without .pyc files would charge them to the first row).
         subprocess.run([sys.executable, "-c", "import torch._dynamo, torch._inductor.compile_fx, "
-                        "torch.distributed, cachebuild.build, cachebuild.runtime"], check=True)
+                        "torch.distributed, cachebuild.building.build, cachebuild.serving.runtime"], check=True)
         if args.backend == "inductor":
             # The probe (which C++ compiler makes AOTI libraries that load) runs once per
             # machine, not per build: run it up front so that no row pays for it.

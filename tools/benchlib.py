@@ -114,7 +114,7 @@ class Graphed:
     def __init__(self, fn: Callable[..., Any], size_of: Callable[..., int]) -> None:
         import torch
 
-        from cachebuild.cudagraphs import CudaGraphCapture
+        from cachebuild.serving.cudagraphs import CudaGraphCapture
 
         self.fn, self.size_of = fn, size_of
         self.api = CudaGraphCapture("cuda")
@@ -125,7 +125,7 @@ class Graphed:
     def __call__(self, *args: Any) -> Any:
         import torch
 
-        from cachebuild.cudagraphs import Replayer
+        from cachebuild.serving.cudagraphs import Replayer
 
         graph = self.graphs.get(self.size_of(args))
         if graph is not None:

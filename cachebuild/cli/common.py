@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from cachebuild import process_state
 from cachebuild.errors import UsageError
-from cachebuild.store.base import Store
+from cachebuild.store.interface import Store
 from cachebuild.store.local import UnknownKey
 from cachebuild.store.options import StoreOptions
 from cachebuild.units import format_duration, parse_duration, parse_size

@@ -20,13 +20,13 @@ from typing import Any
 import click
 from rich.logging import RichHandler
 
-from cachebuild.cli import model, remote, store
+from cachebuild.cli import fleet, model, store
 from cachebuild.cli.common import CliState, install_warning_display, one_line, stderr
 from cachebuild.errors import CachebuildError
 from cachebuild.store.options import StoreOptions
 
 #: Every command, by module: what ``cachebuild --help`` lists.
-COMMANDS = (*store.COMMANDS, *model.COMMANDS, *remote.COMMANDS)
+COMMANDS = (*store.COMMANDS, *model.COMMANDS, *fleet.COMMANDS)
 
 
 class _Group(click.Group):

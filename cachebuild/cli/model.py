@@ -3,7 +3,7 @@
 They parse their arguments and print the library's reports: ``warm`` and ``plan`` those
 of ``cachebuild.warming.warm`` and ``plan`` (trace once, build every missing target in
 worker processes under the key's lock, record the entry), ``explain`` that of
-``cachebuild.explaining.explain`` (why a model's entry or targets are not stored, in
+``cachebuild.explain.explain`` (why a model's entry or targets are not stored, in
 words). ``plan`` and ``explain`` change nothing in the store.
 """
 
@@ -39,7 +39,7 @@ from cachebuild.cli.common import (
 )
 
 if TYPE_CHECKING:
-    from cachebuild.explaining import EntryExplanation
+    from cachebuild.explain import EntryExplanation
     from cachebuild.warming import OpenedStore, PlanReport, TargetReport
 
 # torch and the build graph are imported inside the commands: `cachebuild ls` and
@@ -276,7 +276,7 @@ def explain_command(ctx: click.Context, model: str, device: str | None,
                     world_size: int | None) -> None:
     """For every missing target of MODEL.py, the nearest stored one and what differs
     (with --world-size: of every rank, naming the ranks a target serves)."""
-    from cachebuild.explaining import explain
+    from cachebuild.explain import explain
 
     report = explain(model, store=_store_for(ctx), device=device, world_size=world_size)
     console = stdout()

@@ -286,7 +286,7 @@ def verify_command(ctx: click.Context, repair: bool) -> None:
     refused: list[tuple[str, str]] = []
     if any(next(iter(store.records(kind=kind, manifests=False)), None) is not None
            for kind in ("entry", "fx-graph")):
-        from cachebuild.entry import refused_graphs
+        from cachebuild.building.entry import refused_graphs
 
         refused = refused_graphs(store, skip={key for key, _ in report.damaged + report.untrusted})
     for key, why in refused[:MAX_LISTED]:

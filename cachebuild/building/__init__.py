@@ -1,0 +1,11 @@
+"""Building: a model's entry planned, its targets built or loaded, and proven.
+
+- ``entry``: what a warm process needs instead of Dynamo; ``planner``: trace → split →
+  targets → entry;
+- ``build``: the Builder, the only way an artifact is produced or loaded; ``verify``:
+  each artifact proven against its own piece; ``pool``: builds in worker processes;
+- ``notice``: a start that must build says so first; ``nearest``: why a target or entry
+  is missing, by the nearest stored one and what differs.
+
+May import: ``tracing``, ``backends`` and everything below them.
+"""

@@ -1,0 +1,138 @@
+"""A server start that must trace or build says so, before the minutes it takes.
+
+A warm start is silent: it loads. When a start must trace (no entry, a stale one) or build
+(targets missing), one warning line says what is missing, why (not warmed, the traced
+source changed, a value the trace read differs, evicted or damaged), and the command that
+would have avoided it. The builds then show progress: a bar on a terminal, else a line
+per target, so a log shows what the start is doing.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from cachebuild.store.interface import Store
+
+log = logging.getLogger("cachebuild")
+
+#: What to run instead, said with every notice where the model file is not known.
+HINT = ("`cachebuild warm MODEL.py` (a file whose build() returns this model's ModelSpec) "
+        "before the server starts avoids this")
+
+
+def _model_file(model: Any) -> str:
+    from cachebuild.trust.codehash import code_file
+
+    return code_file(type(model)) or "its file"
+
+
+def hint(model: Any) -> str:
+    """The command that would have avoided a cold start: ``cachebuild warm`` with the
+    model file where it is known (the file defining the model's class, or the script
+    running, if it has a ``build()``), else the generic form."""
+    for module in (sys.modules.get(type(model).__module__), sys.modules.get("__main__")):
+        path = getattr(module, "__file__", None)
+        if callable(getattr(module, "build", None)) and isinstance(path, str) and \
+                os.path.isfile(path):
+            return f"`cachebuild warm {path}` before the server starts avoids this"
+    return HINT
+
+
+def reason(why: str, store: Store | None = None,
+           factors: dict[str, Any] | None = None) -> str:
+    """Why a model must be traced, in words, from a lookup's ``why``. Where no entry is
+    stored under the model's key, ``store`` and the key's ``factors`` find the nearest
+    stored entry of the same class, to say what changed since it was warmed (the model's
+    source, a config value) instead of "not warmed"."""
+    if why == "no entry":
+        changes = _changes(store, factors)
+        if not changes:
+            return ("it was not warmed (no stored entry for this model, config and input "
+                    "shapes)")
+        if any(c.startswith("the file defining") for c in changes):
+            return f"its source changed since it was warmed: {'; '.join(changes)}"
+        return f"it was warmed with other settings: {'; '.join(changes)}"
+    if why.startswith("traced source changed"):
+        return f"its stored entry is stale: {why}"
+    if why.startswith("a value the trace read differs"):
+        return f"its stored entry was traced for other values: {why.split(': ', 1)[-1]}"
+    return why
+
+
+def must_trace(model: Any, why: str, store: Store | None = None,
+               factors: dict[str, Any] | None = None) -> None:
+    """The start will trace ``model`` with Dynamo and build what is missing: say why
+    (``reason``), and what avoids it."""
+    log.warning("cachebuild: compiling %s (defined in %s) from scratch because %s; tracing "
+                "and building what is missing can take minutes; %s",
+                type(model).__name__, _model_file(model), reason(why, store, factors),
+                hint(model))
+
+
+def _changes(store: Store | None, factors: dict[str, Any] | None) -> list[str]:
+    """What differs from the nearest stored entry of the model's class, in words (none:
+    nothing of that class is stored)."""
+    if store is None or not isinstance(factors, dict):
+        return []
+    from cachebuild.building.nearest import entries_of, nearest_entry
+
+    try:
+        nearest = nearest_entry(factors, entries_of(store, factors["model"]["class"]))
+    except Exception as e:  # a damaged record explains nothing; the start goes on
+        log.debug("no nearest entry: %s", e)
+        return []
+    return nearest[1][:3] if nearest else []
+
+
+def must_build(model: Any, missing: int, total: int, warm: bool) -> None:
+    """``missing`` of the entry's ``total`` targets will be built: say so (a warm start
+    whose targets went missing was evicted or damaged; a trace's were never built)."""
+    if warm:
+        log.warning("cachebuild: %d of %d targets of %s's stored entry are missing (evicted "
+                    "by gc, or damaged and quarantined); building them; %s",
+                    missing, total, type(model).__name__, hint(model))
+
+
+@contextmanager
+def build_progress(total: int) -> Iterator[Any]:
+    """A callback ``done(label, seconds)`` per target built: a bar on a terminal, else one
+    log line per target."""
+    if total <= 0:
+        yield lambda label, seconds: None
+        return
+    if sys.stderr.isatty():
+        from rich.console import Console
+        from rich.progress import (
+            BarColumn,
+            MofNCompleteColumn,
+            Progress,
+            TextColumn,
+            TimeElapsedColumn,
+        )
+
+        with Progress(TextColumn("building {task.description}"), BarColumn(),
+                      MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=Console(stderr=True), transient=True) as progress:
+            task = progress.add_task("", total=total)
+
+            def advance(label: str, seconds: float) -> None:
+                progress.update(task, advance=1, description=f"{label} ({seconds:.1f} s)")
+
+            yield advance
+        return
+    count = [0]
+    start = time.perf_counter()
+
+    def line(label: str, seconds: float) -> None:
+        count[0] += 1
+        log.warning("cachebuild: built %s in %.1f s (%d of %d, %.0f s so far)", label, seconds,
+                    count[0], total, time.perf_counter() - start)
+
+    yield line

@@ -1,0 +1,425 @@
+"""Targets built in worker processes: ``BuildPool``, and how many workers fit here.
+
+A worker is ``cachebuild.worker`` in an isolated interpreter (``processes.python_command``:
+nothing imported from the working directory, only the caller's path entries that no other
+user could change), started at once (so that its imports of torch and Inductor overlap
+whatever the caller does meanwhile, a trace say: a pool may be started before the caller
+knows what it will build, and told how later, ``begin``); it
+imports what the jobs need to resolve their ops (a model file, or the modules that
+registered them), opens the caller's store by its options and builds one job at a time
+through ``build.build_one`` (under the key's lock: a worker never builds what another
+process is building). A worker that never got a job is stopped at once when the pool
+closes. Jobs and results travel pickled over the worker's stdin and a pipe of its own, so
+what the model file prints never mixes with them, and the caller's ``__main__`` is never
+run again in a worker (``multiprocessing``'s spawn would run a server script's top level
+once per worker).
+
+Every worker builds into the same store, and so into the same work folder: one Inductor
+cache, one Triton cache, one set of precompiled headers and one cache of C++ objects
+(``backends/compilers.py``) for all of them. A worker that dies (killed, out of memory)
+fails the job it held, naming how it ended, and the next job starts a new worker.
+
+``jobs_here(n)``: how many workers ``n`` targets get by default: no more than the CPUs
+this process may use, nor than the memory available holds at ``CACHEBUILD_BUILD_MEMORY``
+(default 1.5 GiB) per build: a worker of the example model peaks at 0.5 GiB and its C++
+compiler at another 0.5 GiB (measured on CPU, torch 2.13). Before a trace says how many
+targets there are, ``expected_targets`` guesses.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import struct
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, BinaryIO
+
+from cachebuild.errors import UsageError
+
+if TYPE_CHECKING:
+    from cachebuild.store.options import StoreOptions
+    from cachebuild.tracing.targets import BuildJob
+
+#: What a long wait is doing, as each build starts (the command line shows it at once).
+progress = logging.getLogger("cachebuild.progress")
+log = logging.getLogger("cachebuild.building.build")
+
+
+def job_label(job: BuildJob) -> str:
+    """``piece 3 range 1-64``: a build job in words."""
+    from cachebuild.tracing.targets import bucket_label
+
+    return f"piece {job.target.piece} {bucket_label(job.target.bucket)}"
+
+#: Memory one build takes at its peak, by default (see the module doc).
+BUILD_MEMORY = int(1.5 * 2**30)
+
+#: Operator namespaces every worker has without importing anything of the model's.
+BUILTIN_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d",
+                                "_c10d_functional_autograd", "cachebuild"})
+
+
+# -- how many ------------------------------------------------------------------------------
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask where the OS has one)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0)) or 1
+    return os.cpu_count() or 1
+
+
+def available_memory() -> int | None:
+    """Bytes of memory available to new work (Linux's MemAvailable), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def build_memory() -> int:
+    """Bytes one build is expected to need (``CACHEBUILD_BUILD_MEMORY``: ``2G``, ``800M``)."""
+    value = os.environ.get("CACHEBUILD_BUILD_MEMORY", "").strip()
+    if not value:
+        return BUILD_MEMORY
+    from cachebuild.units import parse_size
+
+    try:
+        size = parse_size(value)
+    except ValueError as e:
+        raise UsageError(f"CACHEBUILD_BUILD_MEMORY={value!r}: {e}") from None
+    if size <= 0:
+        raise UsageError(f"CACHEBUILD_BUILD_MEMORY={value!r}: give a size above 0, e.g. 2G")
+    return size
+
+
+def jobs_here(targets: int) -> int:
+    """Worker processes for ``targets`` builds by default: at most one per usable CPU and
+    per ``build_memory()`` of available memory, at least one."""
+    jobs = min(usable_cpus(), max(targets, 1))
+    memory = available_memory()
+    if memory is not None:
+        jobs = min(jobs, max(1, memory // build_memory()))
+    return max(1, jobs)
+
+
+def expected_targets(buckets: int) -> int:
+    """How many targets a model is expected to have before its trace says: a decoder's
+    pieces come in three kinds (the first, the repeated middle, the last), each built per
+    bucket. A pool started on this guess grows if the plan asks for more."""
+    return 3 * max(1, buckets)
+
+
+def cold_start_jobs(targets: int) -> int:
+    """Workers a cold start builds ``targets`` missing targets in: ``CACHEBUILD_BUILD_JOBS``
+    if set (1: in the calling process), else ``jobs_here``."""
+    value = os.environ.get("CACHEBUILD_BUILD_JOBS", "").strip()
+    if not value:
+        return jobs_here(targets)
+    if not value.isdigit() or int(value) < 1:
+        raise UsageError(f"CACHEBUILD_BUILD_JOBS={value!r}: give a whole number of worker "
+                         "processes, 1 or more (1 builds in this process)")
+    return min(int(value), max(targets, 1))
+
+
+# -- which modules a worker imports -------------------------------------------------------
+
+def op_modules(jobs: Iterable[BuildJob]) -> list[str] | None:
+    """The modules a worker must import so that every op the jobs' pieces call is
+    registered, or None where some op's module cannot be imported by name (defined in
+    ``__main__``, a notebook, ``exec``) or only from a folder a worker does not import
+    from (``processes.import_path``): such jobs build in the calling process."""
+    modules: list[str] = []
+    for job in jobs:
+        for node in job.nodes:
+            target = node.get("target")
+            if not isinstance(target, str) or not target.startswith("op:"):
+                continue
+            qualname = target[3:].split(".")[0]
+            if qualname.split("::")[0] in BUILTIN_NAMESPACES:
+                continue
+            module = _module_of_op(qualname)
+            if module is None:
+                return None
+            if module not in modules:
+                modules.append(module)
+    return modules
+
+
+def _module_of_op(qualname: str) -> str | None:
+    """The importable module that registered operator ``qualname`` (``ns::name``)."""
+    from torch._library import custom_ops, simple_registry
+
+    opdef = custom_ops.OPDEFS.get(qualname)
+    if opdef is not None:
+        name = getattr(getattr(opdef, "_init_fn", None), "__module__", None)
+        return name if _importable(name) else None
+    entry = simple_registry.singleton.find(qualname)
+    kernel = getattr(getattr(entry, "fake_impl", None), "kernel", None)
+    source = str(getattr(kernel, "source", "") or "")
+    path = source.rsplit(":", 1)[0]
+    if not path:
+        return None
+    for name, module in list(sys.modules.items()):
+        if getattr(module, "__file__", None) == path and _importable(name):
+            return name
+    return None
+
+
+def _importable(name: str | None) -> bool:
+    """True if a worker imports module ``name`` by its name from where this process did
+    (``processes.reachable``: not from a folder another user could change)."""
+    from cachebuild.trust.processes import reachable
+
+    if not name or name in ("__main__", "__mp_main__") or name.startswith("<"):
+        return False
+    module = sys.modules.get(name)
+    spec = getattr(module, "__spec__", None)
+    return module is not None and spec is not None and spec.name == name and reachable(module)
+
+
+def store_options(store: Any) -> StoreOptions | None:
+    """The options that open ``store`` again in a worker, where there are such (a plain
+    local store; a store with a remote tier or an overlay builds in the calling process)."""
+    from cachebuild.store.local import LocalStore
+    from cachebuild.store.options import StoreOptions
+
+    if type(store) is not LocalStore:
+        return None
+    return StoreOptions(cache_dir=store.path, signing_key=store.signing_key,
+                        require_signature=store.require_signature, work_dir=store.work_dir)
+
+
+def setup_for(jobs: list[BuildJob], store: Any, passes: Any) -> WorkerSetup | None:
+    """How workers can build ``jobs`` exactly as this process would, or None where they
+    cannot: a store they cannot open, passes other than the config's own (custom ones
+    live in this process), a backend not built in, or ops registered by code they cannot
+    import."""
+    from cachebuild.passes import PassManager
+
+    options = store_options(store)
+    if options is None or not jobs:
+        return None
+    for job in jobs:
+        if job.config.backend not in ("inductor", "eager_fusion"):
+            return None
+        if passes is not None and passes.factors() != PassManager.from_config(
+                job.config.passes).factors():
+            return None
+    modules = op_modules(jobs)
+    if modules is None:
+        return None
+    from cachebuild.trust.processes import import_path
+
+    return WorkerSetup(options, modules=modules, sys_path=import_path())
+
+
+# -- the pool --------------------------------------------------------------------------------
+
+@dataclass
+class WorkerSetup:
+    """What each worker does before its first job: import ``model_file`` (a MODEL.py, by
+    path, as the command line does) and ``modules`` (by name), with ``sys_path`` first on
+    its path (only entries ``processes.import_path`` passes), then open the store
+    ``options`` name."""
+
+    options: StoreOptions
+    model_file: str | None = None
+    modules: list[str] = field(default_factory=list)
+    sys_path: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Result:
+    """One job's outcome: built (True) or found stored (False), its seconds, its error,
+    the warnings a worker hands on (class name, message), and the build's phases."""
+
+    key: str
+    built: bool
+    seconds: float
+    error: str | None = None
+    warnings: list[tuple[str, str]] = field(default_factory=list)
+    phases: dict[str, Any] = field(default_factory=dict)
+
+
+class _Worker:
+    """One worker process; told what to set up now (``setup``) or later (``begin``)."""
+
+    def __init__(self, setup: WorkerSetup | None) -> None:
+        self.used = False
+        self.told = False
+        from cachebuild.trust.processes import child_env, python_command
+
+        read, write = os.pipe()
+        try:
+            # Isolated: it imports cachebuild, torch and the model's modules from where
+            # this process does, never from the working directory (``processes``).
+            self.proc = subprocess.Popen(
+                python_command("cachebuild.worker", str(write), flags=("-u",)),
+                stdin=subprocess.PIPE, pass_fds=(write,), env=child_env(), close_fds=True)
+        finally:
+            os.close(write)
+        self.results: BinaryIO = os.fdopen(read, "rb")
+        assert self.proc.stdin is not None
+        self.jobs: BinaryIO = self.proc.stdin
+        if setup is not None:
+            self.begin(setup)
+
+    def begin(self, setup: WorkerSetup) -> None:
+        self.told = True
+        with contextlib.suppress(OSError):  # died meanwhile: ``run`` starts another
+            send(self.jobs, setup)
+
+    def run(self, job: BuildJob) -> Result:
+        self.used = True
+        try:
+            send(self.jobs, job)
+            result = receive(self.results)
+        except (OSError, EOFError, pickle.UnpicklingError, struct.error):
+            result = None
+        if not isinstance(result, Result):
+            code = self.proc.wait()
+            how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
+            return Result(job.target.key, False, 0.0, f"the build worker {how} while building it")
+        return result
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.jobs.close()
+        if not self.used and self.proc.poll() is None:
+            self.proc.terminate()  # still importing, say: it holds nothing to finish
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        self.results.close()
+
+    @property
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+
+class BuildPool:
+    """``workers`` build worker processes, started now; ``run`` hands them jobs. Without
+    ``setup``, they import what every build needs and wait for ``begin(setup)``."""
+
+    def __init__(self, workers: int, setup: WorkerSetup | None = None) -> None:
+        self.setup = setup
+        self._idle: list[_Worker] = []
+        self._all: list[_Worker] = []  # every worker started, for ``close``
+        try:
+            self.grow(max(1, workers))
+        except BaseException:
+            self.close()
+            raise
+
+    @property
+    def size(self) -> int:
+        return len(self._idle)
+
+    def begin(self, setup: WorkerSetup) -> None:
+        """Tell the workers started without a setup what to set up."""
+        self.setup = setup
+        for worker in self._idle:
+            if not worker.told:
+                worker.begin(setup)
+
+    def grow(self, workers: int) -> None:
+        """Start workers until there are ``workers``."""
+        while len(self._idle) < workers:
+            self._idle.append(self._start())
+
+    def _start(self) -> _Worker:
+        worker = _Worker(self.setup)
+        self._all.append(worker)
+        return worker
+
+    def run(self, jobs: list[BuildJob], on_done: Callable[[BuildJob, Result], None]) -> None:
+        """Build ``jobs``, each in the first free worker, calling ``on_done(job, result)``
+        on this thread as each finishes; returns when all are done."""
+        if self.setup is None:
+            raise RuntimeError("BuildPool.run before begin(setup)")
+        pending = list(jobs)
+        lock = threading.Lock()
+        finished: list[tuple[BuildJob, Result]] = []
+        ready = threading.Condition(lock)
+
+        def serve(worker: _Worker) -> None:
+            while True:
+                with lock:
+                    if not pending:
+                        self._idle.append(worker)
+                        ready.notify_all()
+                        return
+                    job = pending.pop(0)
+                progress.info("building %s", job_label(job))
+                try:
+                    if not worker.alive:  # died after its last job: a new one takes this
+                        worker.close()
+                        worker = self._start()
+                    result = worker.run(job)
+                except Exception as e:  # a worker that cannot start: the job fails, said why
+                    result = Result(job.target.key, False, 0.0,
+                                    f"no build worker could run it: {type(e).__name__}: {e}")
+                with lock:
+                    finished.append((job, result))
+                    ready.notify_all()
+
+        workers, self._idle = self._idle, []
+        threads = [threading.Thread(target=serve, args=(w,), daemon=True,
+                                    name="cachebuild-build-worker") for w in workers]
+        for t in threads:
+            t.start()
+        done = 0
+        while done < len(jobs):
+            with lock:
+                while not finished:
+                    ready.wait()
+                batch, finished[:] = list(finished), []
+            for job, result in batch:
+                done += 1
+                on_done(job, result)
+        for t in threads:
+            t.join()
+
+    def close(self) -> None:
+        """End the workers (each after the job it holds), also any a ``run`` that was
+        interrupted still holds."""
+        workers, self._all, self._idle = self._all, [], []
+        for worker in workers:
+            worker.close()
+
+    def __enter__(self) -> BuildPool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# -- framing -----------------------------------------------------------------------------------
+
+def send(stream: BinaryIO, value: Any) -> None:
+    data = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    stream.write(struct.pack("!Q", len(data)) + data)
+    stream.flush()
+
+
+def receive(stream: BinaryIO) -> Any:
+    head = stream.read(8)
+    if len(head) < 8:
+        raise EOFError
+    (size,) = struct.unpack("!Q", head)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)

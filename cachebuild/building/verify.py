@@ -1,0 +1,204 @@
+"""Targets proven before they are stored: the compiled artifact against its own piece.
+
+A target's key is meant to cover everything that decides its output; a factor it misses
+would turn into a wrong answer unnoticed. So before a target is stored, its artifact is
+loaded and run at sizes of its bucket (the size hint, and a range's ends) on random
+inputs, and compared with the piece's own graph run eagerly on the same inputs, within
+the output dtype's tolerance. ``CACHEBUILD_VERIFY=load`` runs the same check on the first
+load of each target in a process; that check needs neither Dynamo nor Inductor.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from cachebuild import keep
+from cachebuild.backends.protocol import (
+    Artifact,
+    Backend,
+    bucket_bounds,
+    example_inputs,
+    size_hint,
+)
+from cachebuild.graph.facts import InputMeta, device_of
+from cachebuild.store.interface import ArtifactSource
+from cachebuild.trust.fxjson import data_to_module
+
+#: Relative tolerance per output dtype: the rounding of reordered or fused arithmetic.
+#: The absolute tolerance is the same share of the reference's largest magnitude.
+TOLERANCE = {
+    torch.float64: 1e-6, torch.float32: 1e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2,
+}
+FP8_TOLERANCE = 0.13  # one step of e4m3's 3-bit mantissa (12.5%) either way
+
+
+class Mismatch(Exception):
+    """The artifact's output differs from its piece's (message: where and by how much)."""
+
+
+def verify_sizes(bucket: dict[str, Any]) -> list[int | None]:
+    """The sizes a target is run at: its hint and, for a range, both ends."""
+    hint = size_hint(bucket)
+    bounds = bucket_bounds(bucket)
+    if bounds is None:
+        return [hint]
+    return sorted({hint, *bounds})
+
+
+def tolerance(dtype: torch.dtype) -> float | None:
+    """Relative tolerance for outputs of ``dtype`` (None: must be exactly equal)."""
+    if dtype in TOLERANCE:
+        return TOLERANCE[dtype]
+    if dtype.is_floating_point:  # float8 variants
+        return FP8_TOLERANCE
+    return None
+
+
+def compare(out: Any, ref: Any, what: str) -> None:
+    """Raise Mismatch unless ``out`` matches ``ref`` (a tensor or a non-tensor value)."""
+    if not isinstance(ref, torch.Tensor):
+        if out != ref:
+            raise Mismatch(f"{what} is {out!r}, expected {ref!r}")
+        return
+    if not isinstance(out, torch.Tensor):
+        raise Mismatch(f"{what} is {type(out).__name__}, expected a tensor")
+    if out.shape != ref.shape or out.dtype != ref.dtype:
+        raise Mismatch(f"{what} is {out.dtype} {list(out.shape)}, expected {ref.dtype} "
+                       f"{list(ref.shape)}")
+    tol = tolerance(ref.dtype)
+    if tol is None:
+        if not torch.equal(out, ref):
+            raise Mismatch(f"{what} differs in {int((out != ref).sum())} elements")
+        return
+    a, b = out.float(), ref.float()
+    finite = b[torch.isfinite(b)]
+    scale = float(finite.abs().max()) if finite.numel() else 1.0
+    if not torch.allclose(a, b, rtol=tol, atol=tol * max(scale, 1e-6), equal_nan=True):
+        diff = (a - b).abs().nan_to_num(float("inf"))
+        raise Mismatch(f"{what} differs by up to {float(diff.max()):.3g} (tolerance "
+                       f"{tol:g} of {scale:.3g})")
+
+
+def _clone(values: Sequence[Any]) -> list[Any]:
+    return [v.clone() if isinstance(v, torch.Tensor) else v for v in values]
+
+
+def _flat(outputs: Any) -> list[Any]:
+    return list(outputs) if isinstance(outputs, (list, tuple)) else [outputs]
+
+
+def check(fn: Any, nodes: list[dict[str, Any]], metas: list[InputMeta],
+          bucket: dict[str, Any], seed: int = 0) -> list[int | None]:
+    """Run ``fn`` and the piece's graph (eagerly) at each size of ``verify_sizes(bucket)``
+    on the same random inputs; raise Mismatch at the first difference, in an output or in
+    an input after the call (what each wrote in place). Returns the sizes.
+
+    Integer inputs hold distinct values first (indices that never repeat, so writes through
+    them have one right result); where the piece rejects that, one input at a time holds
+    0s and 1s instead, then all of them. A size at which the piece rejects every one of
+    those (an index out of range) proves nothing either way and is skipped.
+    """
+    reference = data_to_module(nodes)
+    sizes = verify_sizes(bucket)
+    ints = [i for i, m in enumerate(metas)
+            if m.kind == "tensor" and not getattr(torch, m.dtype).is_floating_point
+            and m.dtype != "bool"]
+    regimes = [set(ints), *({*ints} - {i} for i in ints), set()] if ints else [set()]
+    with keep.rng():
+        for size in sizes:
+            for distinct in regimes:
+                torch.manual_seed(seed + (size or 0))
+                inputs = example_inputs(metas, bucket, size, distinct=distinct)
+                ref_inputs, out_inputs = _clone(inputs), _clone(inputs)
+                with torch.no_grad():
+                    try:
+                        # forward itself: GraphModule's __call__ prints the error of a
+                        # size the piece rejects to stderr, which is no error here
+                        ref = _flat(reference.forward(*ref_inputs))
+                    except Exception:
+                        continue
+                    out = _run(fn, out_inputs, size)
+                _compare_all(out, ref, out_inputs, ref_inputs, size)
+                break
+    return sizes
+
+
+def _run(fn: Any, inputs: list[Any], size: int | None) -> list[Any]:
+    try:
+        return _flat(fn(*inputs))
+    except Exception as e:
+        raise Mismatch(f"at size {size}: the artifact raised {type(e).__name__}: "
+                       f"{str(e).strip().splitlines()[0] if str(e).strip() else ''}") from e
+
+
+def _compare_all(out: list[Any], ref: list[Any], out_inputs: list[Any], ref_inputs: list[Any],
+                 size: int | None) -> None:
+    if len(out) != len(ref):
+        raise Mismatch(f"at size {size}: {len(out)} outputs, expected {len(ref)}")
+    for i, (o, r) in enumerate(zip(out, ref, strict=True)):
+        compare(o, r, f"at size {size}, output {i}")
+    for i, (o, r) in enumerate(zip(out_inputs, ref_inputs, strict=True)):
+        if isinstance(r, torch.Tensor):
+            compare(o, r, f"at size {size}, input {i} after the call (written in place)")
+
+
+@dataclass
+class ScratchStore(ArtifactSource):
+    """One artifact in a private folder, readable the way backends read a store."""
+
+    key: str
+    artifact: Artifact
+    folder: Path
+
+    def get(self, key: str, *, touch: bool = True) -> bytes | None:
+        """The artifact's payload (nothing else is held; nothing counts a use)."""
+        return self.artifact.payload if key == self.key else None
+
+    def contains(self, key: str) -> bool:
+        return key == self.key
+
+    def scratch_dir(self, *, in_memory: bool = False) -> Path:
+        """A private directory for the loader's files: inside this store's own temporary
+        folder (0700, removed with it), on disk or not as that folder is."""
+        path = self.folder / "scratch"
+        path.mkdir(mode=0o700, exist_ok=True)
+        return path
+
+    def materialize(self, key: str, suffix: str) -> Path | None:
+        """The payload in a file of the folder (0500), made on the first call."""
+        if key != self.key:
+            return None
+        path = self.folder / f"{key}{suffix}"
+        if not path.exists():
+            path.write_bytes(self.artifact.payload)
+            os.chmod(path, 0o500)
+        return path
+
+
+def check_artifact(backend: Backend, artifact: Artifact, key: str, nodes: list[dict[str, Any]],
+                   metas: list[InputMeta], bucket: dict[str, Any]) -> list[int | None]:
+    """Load ``artifact`` as the backend would from a store and ``check`` it."""
+    device = device_of(metas)
+    with tempfile.TemporaryDirectory(prefix="cachebuild-verify-") as folder:
+        fn = backend.load(artifact.kind, key, ScratchStore(key, artifact, Path(folder)), device)
+        if fn is None:
+            raise Mismatch("the artifact does not load")
+        return check(fn, nodes, metas, bucket)
+
+
+def verify_on_load() -> bool:
+    """True if ``CACHEBUILD_VERIFY=load`` asks for the check on first load, too."""
+    value = os.environ.get("CACHEBUILD_VERIFY", "")
+    if value not in ("", "load", "build"):
+        from cachebuild.errors import UsageError
+
+        raise UsageError(f"CACHEBUILD_VERIFY={value!r}: use 'load' (check targets on first load "
+                         "as well) or leave it unset")
+    return value == "load"

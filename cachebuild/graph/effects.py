@@ -1,0 +1,205 @@
+"""What a graph writes in place, and which of its values share memory.
+
+A model's forward may write tensors in place: a KV cache filled by ``index_copy_``, a
+counter bumped by ``add_``, slice assignment, an op whose schema mutates an argument (a
+splitting op that writes a paged cache), ``out=``. Splitting and compiling must keep each
+write, on the very tensor eager writes, and every value that shares memory with a written
+tensor must still share it. This module states those facts once, from one run of the graph
+on fake values (``graph_effects``):
+
+- a node *writes* a tensor when that tensor's version counter moves while the node runs
+  (views share their base's counter, so a write through a view counts for the base);
+- every tensor value has a *base*: the placeholder or the node whose run allocated its
+  memory; a node whose value lives in another node's memory is an *alias* (a view, or an
+  op like ``.to()`` that returned its argument).
+
+Writers are marked in ``node.meta`` (``WRITES``) so that the mark travels with the node into
+the pieces ``split_module`` makes, and ``eliminate_dead_code`` keeps them: FX's own pass
+drops a ``call_method`` such as ``cache.index_copy_(...)`` whose result nobody reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+import torch.utils._pytree as pytree
+
+from cachebuild.graph.facts import fake_mode_of
+
+#: ``node.meta`` key marking a node that writes a tensor in place.
+WRITES = "cachebuild_writes"
+
+#: Python operators that write their first operand in place when it is a tensor.
+_INPLACE_OPERATORS = {operator.setitem, operator.iadd, operator.isub, operator.imul,
+                      operator.itruediv, operator.ifloordiv, operator.imod, operator.ipow,
+                      operator.iand, operator.ior, operator.ixor, operator.ilshift,
+                      operator.irshift, operator.imatmul}
+
+
+@dataclass
+class Effects:
+    """The in-place facts of one graph (see the module doc).
+
+    ``writes``: writer node → the bases it writes. ``base``: tensor-valued node → the
+    node owning its memory (itself for a fresh value). ``same``: node → the argument
+    node whose value it returned as is (an in-place op's result, a no-op ``.to()``).
+    ``written_inputs``: positions of the placeholders some node writes.
+    """
+
+    writes: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    base: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    same: dict[fx.Node, fx.Node] = field(default_factory=dict)
+    written_inputs: list[int] = field(default_factory=list)
+
+    @property
+    def written(self) -> set[fx.Node]:
+        """Every base some node writes."""
+        return {b for bases in self.writes.values() for b in bases}
+
+    def is_alias(self, node: fx.Node) -> bool:
+        """True if ``node``'s value lives in memory another node allocated."""
+        base = self.base.get(node)
+        return base is not None and base is not node
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    return [v for v in pytree.tree_leaves(value) if isinstance(v, torch.Tensor)]
+
+
+def unwrapped(t: torch.Tensor) -> torch.Tensor:
+    """The tensor holding ``t``'s memory: ``t`` itself, or, for a tensor a functorch
+    transform wraps (``vmap``'s batched tensors, ``grad``'s), the tensor under every
+    wrapper. A wrapper has no storage of its own; writes through it land in that tensor."""
+    functorch = torch._C._functorch
+    while functorch.is_functorch_wrapped_tensor(t):
+        t = functorch.get_unwrapped(t)
+    return t
+
+
+def storage_of(t: torch.Tensor) -> Any:
+    """A hashable handle on ``t``'s memory, equal for every tensor that shares it (a
+    functorch wrapper shares the memory of the tensor it wraps)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    return StorageWeakRef(unwrapped(t).untyped_storage())
+
+
+def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any], fake_mode: Any = None) -> Effects:
+    """Run ``gm`` on ``fake_inputs`` and return what it writes and what aliases what;
+    writers are marked in their ``meta`` (``WRITES``). ``fake_mode``: the inputs' (found
+    from them where not given; a graph whose inputs are only sizes needs it given)."""
+    effects = Effects()
+    owner: dict[Any, fx.Node] = {}  # storage → the node whose value first held it
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+
+    class Watcher(fx.Interpreter):
+        def run_node(self, n: fx.Node) -> Any:
+            arg_nodes = [a for a in pytree.tree_leaves((n.args, n.kwargs))
+                         if isinstance(a, fx.Node)]
+            arg_values = [(a, self.env[a]) for a in arg_nodes if a in self.env]
+            before = [(a, t, t._version) for a, v in arg_values
+                      for t in map(unwrapped, _tensors(v))]
+            result = super().run_node(n)
+            changed = [t for _, t, version in before if t._version != version]
+            written = []
+            for t in changed + _schema_written(n, self.env):
+                base = owner.get(storage_of(t))
+                if base is not None and base not in written:
+                    written.append(base)
+            if written:
+                effects.writes[n] = written
+                n.meta[WRITES] = True
+            same = next((a for a, v in arg_values if v is result), None) \
+                if isinstance(result, torch.Tensor) else None
+            if same is not None and n.op != "placeholder":
+                effects.same[n] = same
+            tensors = _tensors(result)
+            if tensors:
+                bases = [owner.get(storage_of(t)) for t in tensors]
+                if all(b is not None for b in bases):
+                    effects.base[n] = bases[0]  # type: ignore[assignment]
+                else:
+                    effects.base[n] = n
+                    for t in tensors:
+                        owner.setdefault(storage_of(t), n)
+            return result
+
+    if fake_mode is None:
+        fake_mode = fake_mode_of(fake_inputs)
+    from torch._dispatch.python import enable_python_dispatcher
+
+    with fake_mode if fake_mode is not None else contextlib.nullcontext(), \
+            enable_python_dispatcher():
+        Watcher(gm).run(*fake_inputs)
+    written = effects.written
+    effects.written_inputs = [i for i, p in enumerate(placeholders) if p in written]
+    return effects
+
+
+def _schema(target: Any) -> Any:
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        target = getattr(target, "default", None)
+    return getattr(target, "_schema", None)
+
+
+def _schema_written(node: fx.Node, env: dict[fx.Node, Any]) -> list[torch.Tensor]:
+    """The tensors an op's schema says it writes (``Tensor(a!)``): an op defined without
+    an autograd kernel does not move their version counters."""
+    schema = _schema(node.target) if node.op == "call_function" else None
+    if schema is None or not schema.is_mutable:
+        return []
+    found = []
+    for i, arg in enumerate(schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        if isinstance(value, fx.Node):
+            found += _tensors(env.get(value))
+    return found
+
+
+def might_write(node: fx.Node) -> bool:
+    """True if ``node`` may write a tensor in place: marked by ``graph_effects``, or by
+    its form (an in-place method, an in-place operator, ``out=``/``inplace=True``, an op
+    whose schema mutates)."""
+    if node.meta.get(WRITES):
+        return True
+    if node.op == "call_method":
+        name = str(node.target)
+        return name.endswith("_") and not name.startswith("__")
+    if node.op != "call_function":
+        return False
+    if node.target in _INPLACE_OPERATORS:
+        return True
+    if node.kwargs.get("out") is not None or node.kwargs.get("inplace") is True:
+        return True
+    schema = _schema(node.target)
+    return bool(schema is not None and schema.is_mutable)
+
+
+def is_transform_call(node: fx.Node) -> bool:
+    """True for a call into functorch, as Dynamo leaves ``vmap``, ``grad`` and ``jvp`` in
+    a graph: a transform's level entered or left, a tensor wrapped for it or unwrapped.
+    Entering and leaving return nothing but change the process's transform state."""
+    if node.op != "call_function":
+        return False
+    return "functorch" in (getattr(node.target, "__module__", None) or "")
+
+
+def eliminate_dead_code(graph: fx.Graph) -> None:
+    """FX's dead-code elimination, keeping every node that ``might_write`` and every
+    call into functorch (``is_transform_call``: nothing reads a level's entry, yet the
+    calls after it need it)."""
+    for node in reversed(list(graph.nodes)):
+        if node.users or node.op in ("placeholder", "output") or might_write(node):
+            continue
+        if is_transform_call(node):
+            continue
+        if node.op == "call_module" or node.is_impure():
+            continue
+        graph.erase_node(node)

@@ -1,0 +1,323 @@
+"""A stitched forward bound to a live model: what a compiled model runs at each call.
+
+``ModelRuntime`` is made in one pass over what it needs: the live model's weights checked
+against what the pieces were built for and the checks of each call's arguments
+(``inputs``), the stitched forward (``stitch``), the output's structure (``outputs``),
+the model's weights watched for replacement (``weights``) and, with a graph mode, when
+each size is captured (``capture``). A call then checks its arguments, dispatches by size
+and runs graphs where a size has them, the compiled pieces directly where not.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cachebuild import compat, keep
+from cachebuild.building.entry import Entry
+from cachebuild.config import CompileConfig
+from cachebuild.errors import UsageError
+from cachebuild.graph import weights
+from cachebuild.graph.facts import device_of, on_device
+from cachebuild.graph.inputs import CallCheck, check_weight, layout_guards
+from cachebuild.graph.outputs import output_builder
+from cachebuild.serving.capture import CallShape, Capturer, CaptureState
+from cachebuild.serving.cudagraphs import capture_for, next_capture_size, pad_args, unpad_outputs
+from cachebuild.serving.graphmodes import sizes_for
+from cachebuild.serving.stitch import forward_over, stitch
+from cachebuild.tracing.guard_watch import CallGuards
+
+
+@dataclass
+class CaptureReport:
+    sizes: list[int]
+    seconds: float
+    pool_bytes: int  # device memory held by the captured graphs (0 where not measurable)
+    graphs: int = 0  # device graphs captured
+    #: where ``seconds`` went on a device with graphs: warm-up runs, stream capture, graph
+    #: instantiation (the rest is the eager work between pieces and Python)
+    split: dict[str, float] = field(default_factory=dict)
+
+
+class ModelRuntime:
+    """A stitched forward bound to a live model: ``runtime(*args)`` is ``model(*args)``.
+
+    With a graph mode, sizes are captured as the config's ``capture`` policy says
+    (``capture.py``); a call of a size without graphs runs the compiled pieces directly,
+    exactly. The outputs of a call are then valid until the next call.
+    """
+
+    def __init__(self, entry: Entry, loaded: dict[str, Any], model: torch.nn.Module,
+                 config: CompileConfig, dynamic_dims: dict[int, int]) -> None:
+        self.entry = entry
+        self.model = model
+        self.config = config
+        #: What the trace read besides tensors, checked by the front door before each call.
+        self.guards = CallGuards(entry.guard_set(), entry.sources)
+        self.dynamic_dims = dict(dynamic_dims)
+        self.bindings = list(entry.bindings)
+        self.metas = list(entry.input_metas)
+        self.device = live_device(model, entry)
+        self._on_device = on_device(self.device)
+        mode = config.cudagraph_mode
+        n_args = 1 + max((b.arg for b in entry.bindings if b.kind in ("arg", "size")
+                          and b.arg is not None), default=-1)
+        #: call arguments the forward writes in place (a KV cache passed in): never copied
+        self.written_args = sorted({entry.bindings[i].arg for i in entry.written_inputs
+                                    if entry.bindings[i].kind == "arg"})
+        if config.pad_to_capture_size and entry.written_inputs:
+            raise UsageError(
+                "pad_to_capture_size pads calls with rows of zeros, and this model writes in "
+                "place: the padding rows would write too (into a cache, at index 0). Pad in "
+                "the caller with rows that write nowhere, as examples/generate.py's Engine does")
+        self._from_call = [(i, b) for i, b in enumerate(self.bindings)
+                           if b.kind in ("arg", "size")]
+        self._arg_metas = [(b, m) for b, m in zip(self.bindings, self.metas, strict=True)
+                           if b.kind == "arg"]
+        not_beside = _not_beside(entry)
+        self._warned_eager = False
+        self._first_call = True
+        # The inputs: weights and call arguments checked, then the layouts pieces expect.
+        self.rebind()
+        layouts = layout_guards(entry.pieces)
+        self.make_output = output_builder(entry.out_spec)
+        self.stitched = stitch(entry, loaded, layouts)
+        self._exact = forward_over(self.stitched, self.stitched.calls, self._weights,
+                                   self._from_call, self.make_output)
+        weights.watch(model, [b.path for b in self.bindings if b.kind in ("param", "buffer")])
+        compat.custom_ops_without_dynamo()  # splitting ops run eagerly at every call
+        self.capturer: Capturer | None = None
+        if mode != "none":
+            shape = CallShape(n_args, frozenset(self.written_args),
+                              frozenset(self.dynamic_dims))
+            capture_sizes = [s for s in config.capture_sizes if self.in_buckets(s)]
+            self.capturer = Capturer(
+                capture_for(str(self.device)), self.device, config.capture, mode,
+                sizes_for(mode, capture_sizes, config.full_decode_sizes()), shape,
+                self._dynamic_size, self.forward_over, self.stitched.calls,
+                self.stitched.compiled, not_beside=not_beside)
+
+    def rebind(self) -> None:
+        """Look up the model's parameters and buffers again (after they were replaced).
+
+        Each is checked against what the compiled pieces were built for (device, dtype,
+        shape, layout): they read it by pointer.
+        """
+        self._generation = weights.generation()
+        template: list[Any] = []
+        for b, m in zip(self.bindings, self.metas, strict=True):
+            if b.kind in ("param", "buffer"):
+                tensor = (self.model.get_parameter(b.path) if b.kind == "param"
+                          else self.model.get_buffer(b.path))
+                check_weight(f"{b.kind} {b.path}", tensor, m, self.device)
+                template.append(tensor)
+            elif b.kind == "const":
+                template.append(b.dim)
+            else:
+                template.append(None)
+        self._template = template
+        self.check = CallCheck([(b.arg, m) for b, m in self._arg_metas], self.device,
+                               self._dynamic_size, self.written_args)
+
+    def _weights(self) -> list[Any]:
+        """The graph inputs that come from the model (weights, constants) as bound now;
+        None where a call gives them."""
+        return self._template
+
+    def _check(self, args: tuple[Any, ...]) -> int | None:
+        return self.check(args)
+
+    def _dynamic_size(self, args: tuple[Any, ...]) -> int | None:
+        if not self.dynamic_dims:
+            return None
+        i, d = min(self.dynamic_dims.items())
+        return args[i].shape[d]
+
+    def dummy_args(self, size: int, like: Sequence[Any] | None = None) -> tuple[Any, ...]:
+        """Call arguments of dynamic size ``size`` (zeros), from the entry's input metadata.
+
+        ``like``: a real call, whose arguments the forward writes in place and whose shape
+        has no dynamic dim (its KV cache) are used as they are: graphs read those at the
+        address they are captured with.
+        """
+        by_arg = {b.arg: m for b, m in self._arg_metas}
+        n_args = 1 + max(by_arg, default=-1)
+        if not self._args_from_metas():
+            raise UsageError("some call arguments are not graph inputs; pass make_args= to capture()")
+        args = []
+        for i in range(n_args):
+            m = by_arg[i]
+            if like is not None and i in self.written_args and i not in self.dynamic_dims:
+                args.append(like[i])
+                continue
+            shape = [size if isinstance(s, str) else s for s in m.shape]
+            args.append(torch.zeros(shape, dtype=getattr(torch, m.dtype), device=self.device))
+        return tuple(args)
+
+    def _args_from_metas(self) -> bool:
+        """Whether every call argument is a graph input (so a dummy call can be made)."""
+        by_arg = {b.arg for b, _ in self._arg_metas}
+        return by_arg == set(range(1 + max(by_arg, default=-1)))
+
+    def _capturer(self) -> Capturer:
+        if self.capturer is None:
+            raise UsageError("cudagraph_mode is 'none': nothing to capture")
+        return self.capturer
+
+    def capture(self, sizes: Sequence[int] | None = None,
+                make_args: Callable[[int], tuple[Any, ...]] | None = None,
+                like: Sequence[Any] | None = None) -> CaptureReport:
+        """Capture graphs for ``sizes`` (default: the config's) now, in this thread, largest
+        first, whatever the policy.
+
+        Arguments come from ``make_args(size)``, else ``dummy_args(size, like)``. Each size
+        is a real run of the forward on them, and whatever it writes in place that outlives
+        the call (the model's written buffers, caches passed in) is put back as it was
+        afterwards: capturing changes no state of the model or the caller.
+        """
+        capturer = self._capturer()
+        wanted = sorted({s for s in (sizes or self.config.capture_sizes)
+                         if self.in_buckets(s) and s in capturer.sizes}, reverse=True)
+        args_for = make_args or (lambda size: self.dummy_args(size, like))
+        kept = keep.Tensors(self._template[i] for i in self.entry.written_inputs
+                            if self.bindings[i].kind in ("param", "buffer"))
+        split_before = dict(capturer.api.seconds)
+        graphs_before = capturer.api.graphs
+        start = time.perf_counter()
+        try:
+            with self._on_device:
+                capturer.capture_now(wanted, args_for, kept)
+        finally:
+            kept.restore()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        split = {k: v - split_before.get(k, 0.0) for k, v in capturer.api.seconds.items()}
+        return CaptureReport(wanted, time.perf_counter() - start, capturer.api.pool_bytes(),
+                             capturer.api.graphs - graphs_before, split)
+
+    def start_capture(self, like: Sequence[Any] | None = None, draws_random: bool = False) -> None:
+        """Begin capturing as the policy says: ``eager`` captures every size now,
+        ``background`` starts its thread, ``lazy`` waits for calls."""
+        capturer = self._capturer()
+        if capturer.policy == "eager":
+            self.capture(like=like)
+        elif capturer.policy == "background":
+            if self._args_from_metas():
+                capturer.start_background(lambda size: self.dummy_args(size, like), draws_random)
+            else:
+                capturer.not_in_background("some call arguments are not graph inputs, so no "
+                                            "dummy call can be made")
+
+    def capture_state(self) -> CaptureState | None:
+        """Sizes captured and pending, time spent and graph memory (None without a graph
+        mode)."""
+        return self.capturer.state() if self.capturer is not None else None
+
+    @property
+    def captured_sizes(self) -> list[int]:
+        return self.capturer.captured_sizes if self.capturer is not None else []
+
+    def replayers(self) -> list[Any]:
+        """Every size's replayers (``cudagraphs.Replayer``: ``replays``, ``misses``), none
+        without a graph mode."""
+        return self.capturer.replayers() if self.capturer is not None else []
+
+    def in_buckets(self, size: int) -> bool:
+        return size in self.config.compile_sizes or any(
+            lo <= size <= hi for lo, hi in self.config.compile_ranges)
+
+    def __call__(self, *args: Any) -> Any:
+        size = self._check(args)
+        if size is not None and not self.in_buckets(size):
+            if self.config.out_of_range == "eager":
+                if not self._warned_eager:
+                    warnings.warn(f"size {size} is outside every compile range; running eagerly",
+                                  stacklevel=2)
+                    self._warned_eager = True
+                return self.model(*args)
+            raise UsageError(
+                f"size {size} of the dynamic dim is outside every compile range "
+                f"{list(self.config.compile_ranges)}; add a range or set out_of_range='eager'"
+            )
+        if (size is not None and self.config.pad_to_capture_size and self.captured_sizes
+                and size not in self.captured_sizes):
+            padded = next_capture_size(size, self.captured_sizes)
+            if padded is not None:
+                out = self._call(*pad_args(args, self.dynamic_dims, padded))
+                return unpad_outputs(out, padded, size)
+        if self._first_call and self.capturer is not None:
+            return self._first(args)
+        return self._call(*args)
+
+    def _first(self, args: tuple[Any, ...]) -> Any:
+        """The first call: served first, then background capture starts (a first output
+        never waits for graphs). Whether the forward draws random numbers is seen here."""
+        self._first_call = False
+        before = _rng_state(self.device)
+        out = self._call(*args)
+        capturer = self._capturer()
+        if capturer.policy == "background" and not capturer.in_background:
+            self.start_capture(draws_random=_rng_state(self.device) != before)
+        return out
+
+    def _rebind_if_replaced(self) -> None:
+        """Use weights that replaced the model's tensors since the last call. Captured
+        graphs hold the old tensors: with any captured, a replaced weight is an error."""
+        before = self._template
+        self.rebind()
+        moved = weights.replaced(before, self._template)
+        if moved and self.captured_sizes:
+            self._template = before
+            self._generation = -1  # refuse again at the next call
+            names = [self.bindings[i].path for i in moved[:3]]
+            raise UsageError(
+                f"{', '.join(map(str, names))} were replaced by new tensors after graph capture, "
+                "which still reads the old ones: copy new weights in place "
+                "(load_state_dict, param.data.copy_) or compile the model again")
+
+    def _call(self, *args: Any) -> Any:
+        if self._generation != weights.GENERATION[0]:
+            self._rebind_if_replaced()
+        with self._on_device:  # graphs name the GPU by type: run on the model's
+            if self.capturer is not None:
+                return self.capturer(args)
+            return self._forward(*args)
+
+    def _forward(self, *args: Any) -> Any:
+        return self._exact(args)
+
+    def forward_over(self, calls: dict[str, Callable[..., Any]]
+                     ) -> Callable[[tuple[Any, ...]], Any]:
+        """The forward over call arguments, with the stitched graph calling ``calls`` (the
+        pieces as they are, a capture pass's wrapped ones, a size's replayers)."""
+        return forward_over(self.stitched, calls, self._weights, self._from_call,
+                            self.make_output)
+
+
+def _not_beside(entry: Entry) -> str | None:
+    """Why capture passes on dummy inputs may not run beside the caller's calls, if so."""
+    if entry.written_inputs:
+        return ("the forward writes state (a cache, a buffer) that a pass on dummy inputs "
+                "would change")
+    if any(m.get("distributed") is not None for m in entry.manifests.values()):
+        return ("the forward runs collectives, which every rank must issue in one order: "
+                "a thread of its own would interleave them differently on each rank")
+    return None
+
+
+def _rng_state(device: torch.device) -> tuple[Any, ...]:
+    """torch's generator states that a forward on ``device`` could draw from, comparable."""
+    cpu = torch.random.get_rng_state()
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return (bytes(cpu.numpy()), None if cuda is None else bytes(cuda.numpy()))
+
+
+def live_device(model: torch.nn.Module, entry: Entry) -> torch.device:
+    """Where the model runs now: its first parameter's or buffer's device, else the
+    traced one (a model without weights)."""
+    return torch.device(device_of([*model.parameters(), *model.buffers()], entry.device))

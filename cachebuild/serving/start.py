@@ -1,0 +1,202 @@
+"""A model's start, in one pass: what ``CompiledModule.prepare`` runs.
+
+``start`` finds the model's entry for the call (``Planner.lookup``: stored, its guards
+holding on the live model); on a miss it says why (``notice.must_trace``) and traces the
+model once. Then every target is loaded, or built and loaded (``build.resolve_all``; a
+warm start whose artifacts need Inductor imports it at once and loads on threads), a new
+entry is recorded, the stitched forward made (``runtime.ModelRuntime``), and, with the
+``eager`` capture policy, every size captured.
+
+A cold start whose targets build in worker processes where they can
+(``build.resolve_all``) may serve meanwhile, if the config asks
+(``CompileConfig.while_building``): it builds and serves the same pieces for a backend
+that builds in seconds while its own targets build in the background (``interim.Swap``);
+the entry is recorded once they are stored, and ``take_over`` makes the runtime over them
+that a later call runs on.
+
+A model that cannot be compiled is remembered by the key of the entry it would have had
+(its code, config, input shapes and the values its trace read): a later start of the same
+model in this process gets the same error at once, without tracing again. The machine's
+or the store's trouble is never remembered: another start may succeed. That is a
+``StoreError`` (a stored artifact that cannot be loaded, ``StoredArtifactError``, among
+them: the store may be repaired meanwhile) or a transient error.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cachebuild import process_state
+from cachebuild.building import notice
+from cachebuild.building.build import Builder, early_pool, resolve_all
+from cachebuild.building.entry import record_entry
+from cachebuild.building.planner import Planner
+from cachebuild.counters import timed
+from cachebuild.errors import StoreError, transient
+from cachebuild.graph.facts import device_of
+from cachebuild.serving.runtime import CaptureReport, ModelRuntime
+
+if TYPE_CHECKING:
+    import torch
+
+    from cachebuild.building.entry import Entry
+    from cachebuild.config import CompileConfig
+    from cachebuild.passes import PassManager
+    from cachebuild.serving.interim import Swap
+    from cachebuild.store.interface import Store
+
+log = logging.getLogger("cachebuild")
+
+@dataclass
+class Started:
+    """What a start gave: the runtime, or the error that keeps the model from compiling
+    (``first``: met now, not remembered from an earlier start)."""
+
+    runtime: ModelRuntime | None
+    error: BaseException | None = None
+    first: bool = False
+    ready_at: float = 0.0  # perf_counter() when the forward was ready, before capture
+    capture_report: CaptureReport | None = None
+    #: The model's own targets building in the background while interim ones serve
+    #: (``while_building``), if any.
+    swap: Swap | None = None
+
+
+def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int, int],
+          store: Store, passes: PassManager | None, args: tuple[Any, ...], *,
+          capture: bool = True, swap: Swap | None = None) -> Started:
+    """The compiled forward of ``model`` for calls shaped like ``args`` (see the module
+    doc); ``capture=False``: no eager capture now (``runtime.capture()`` does it later).
+    ``swap``: the model's targets already building in the background from an earlier
+    start, if any (not started again while pending). Raises what is the machine's or the
+    store's trouble; returns any other error."""
+    planner = Planner(model, config, dynamic_dims, store, passes)
+    found = planner.lookup(args)
+    failed = process_state.current().failed
+    remembered = failed.get(found.key)
+    if remembered is not None:
+        return Started(None, remembered)
+    warm = found.entry is not None
+    pool = None
+    try:
+        if not warm and config.while_building == "wait":
+            # A cold start's build workers start before its trace: their imports overlap it.
+            pool = early_pool(store, config)
+        entry = found.entry
+        if entry is None:
+            notice.must_trace(model, found.why, store, found.factors)
+            entry = planner.trace(args, found)
+        builder = Builder(store, config, planner.passes, device_of([*args, *model.parameters()]))
+        interim = _serve_while_building(model, config, builder, entry, found.why, warm, swap)
+        if interim is not None:
+            entry, loaded, swap = interim
+        else:
+            loaded = resolve_all(entry, builder, warm=warm, pool=pool,
+                                 on_missing=lambda n, total: notice.must_build(model, n, total,
+                                                                               warm))
+            if found.why != "fresh":
+                record_entry(entry, store)
+    except Exception as e:
+        if isinstance(e, StoreError) or transient(e):
+            raise  # the machine's or the store's trouble: another start may succeed
+        failed[found.key] = e
+        return Started(None, e, first=True)
+    finally:
+        if pool is not None:
+            pool.close()
+    runtime = ModelRuntime(entry, loaded, model, config, dynamic_dims)
+    started = Started(runtime, ready_at=time.perf_counter(), swap=swap)
+    if capture and runtime.capturer is not None and runtime.capturer.policy == "eager":
+        with timed("capture"):
+            report = started.capture_report = runtime.capture(like=args)
+        log.info("captured %d sizes in %.2f s (%d bytes of graph memory)", len(report.sizes),
+                 report.seconds, report.pool_bytes)
+    return started
+
+
+def _serve_while_building(model: torch.nn.Module, config: CompileConfig, builder: Builder,
+                          entry: Entry, why: str, warm: bool, swap: Swap | None
+                          ) -> tuple[Entry, dict[str, Any], Swap] | None:
+    """With ``while_building`` and targets missing: start building them in worker
+    processes (unless ``swap`` already builds them), build (or load) the interim targets
+    here, and return the entry to serve with, its targets and the swap; the first call
+    after the missing targets are stored and loaded takes over (``take_over``). None where
+    there is nothing to do, or no worker could build the missing targets as this process
+    would (then the caller builds them here)."""
+    from cachebuild.building.build import jobs_of
+    from cachebuild.building.pool import cold_start_jobs, setup_for, usable_cpus
+    from cachebuild.serving.interim import Swap, interim_config, interim_entry
+
+    interim = interim_config(config)
+    store = builder.store
+    missing = [key for key in entry.target_keys() if not store.contains(key)]
+    if interim is None or not missing:
+        return None
+    if swap is None or not swap.pending or swap.entry.key != entry.key:
+        every = jobs_of(entry, config)
+        jobs = [builder.here(every[key]) for key in missing]
+        setup = setup_for(jobs, store, builder.passes)
+        if setup is None:
+            log.warning("cachebuild: %s builds its targets before serving "
+                        "(while_building=%r): worker processes could not build them as "
+                        "this process would (ops or passes of its own, or a store they "
+                        "cannot open)", type(model).__name__, config.while_building)
+            return None
+
+        def stored(loaded: dict[str, Any]) -> None:
+            if why != "fresh":
+                record_entry(entry, store)  # its targets all stored: a later start is warm
+
+        # Started first, so the workers' start overlaps the interim builds here, and
+        # one CPU left to this process unless the environment says how many.
+        workers = cold_start_jobs(len(jobs))
+        if not os.environ.get("CACHEBUILD_BUILD_JOBS", "").strip():
+            workers = max(1, min(workers, usable_cpus() - 1))
+        swap = Swap(entry, builder, jobs, workers, setup, stored)
+    served = interim_entry(entry, interim, builder.passes)
+    interim_builder = Builder(store, interim, builder.passes, builder.device)
+    try:
+        loaded = resolve_all(served, interim_builder, warm=warm, workers=False)
+    except Exception as e:  # nothing to serve with meanwhile: wait for the real ones
+        log.warning("cachebuild: %s has no %s targets to serve with while it builds "
+                    "(%s); waiting for its own", type(model).__name__,
+                    config.while_building, one_line(e))
+        return entry, swap.take(), swap
+    log.warning("cachebuild: %s serves with %s targets while its %d missing targets "
+                "build in the background", type(model).__name__,
+                config.while_building, len(missing))
+    return served, loaded, swap
+
+
+def take_over(swap: Swap, model: torch.nn.Module, config: CompileConfig,
+              dynamic_dims: dict[int, int], args: tuple[Any, ...]) -> Started | None:
+    """Before a call: the runtime over the targets built in the background, if they are
+    ready and this is the first call to ask (``swap.claim``); with the ``eager`` capture
+    policy it captures its sizes first, here. None while they build, after they failed,
+    or where the runtime could not be made (``swap.error`` then says why: the model keeps
+    serving with what runs)."""
+    loaded = swap.claim()
+    if loaded is None:
+        return None
+    try:
+        runtime = ModelRuntime(swap.entry, loaded, model, config, dynamic_dims)
+        started = Started(runtime, ready_at=time.perf_counter(), swap=swap)
+        if runtime.capturer is not None and runtime.capturer.policy == "eager":
+            with timed("capture"):
+                started.capture_report = runtime.capture(like=args)
+    except Exception as e:  # keep serving with what runs
+        swap.error = f"{type(e).__name__}: {e}"
+        log.warning("cachebuild: %s keeps serving with its interim targets: its own "
+                    "could not take over: %s", type(model).__name__, one_line(e))
+        return None
+    return started
+
+
+def one_line(error: BaseException) -> str:
+    """``error`` as one line: its type and its text's words."""
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__

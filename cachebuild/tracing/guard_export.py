@@ -1,0 +1,399 @@
+"""Dynamo's guards, turned into plain ``GuardRecord``s when a trace is recorded.
+
+Dynamo hands every guard of a compiled frame to a ``guard_filter_fn`` (a public
+``torch.compile`` option) with its source (where the value lives: ``self.layers[0].act``,
+a module global, a closure cell) and its kind (type, identity, value, length, keys...).
+Each source becomes a path of attribute and item reads from the model, a call argument,
+a module or ``builtins``; each kind becomes a check in ``guards.CHECKS``. The value is
+read again through that path and compared with what Dynamo guarded, so a record is known
+to read the very value the trace read.
+
+Whatever has no plain form makes the trace unrecordable (``Unrecordable``): the model
+still compiles and runs, but no entry is stored for it. Nothing is silently dropped; the
+guard kinds that need no record say why in ``COVERED``.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import re
+import sys
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from cachebuild import compat
+from cachebuild.tracing.guards import (
+    STATE_NAMES,
+    GuardRecord,
+    Unplain,
+    decode_key,
+    encode_key,
+    fingerprint,
+    is_process_group,
+    process_state,
+    resolve,
+)
+from cachebuild.trust.sources import module_root
+
+#: Guard kind → the check that compares the same thing plainly.
+CHECK_OF = {
+    "TYPE_MATCH": "type",
+    "ID_MATCH": "id", "CLASS_MATCH": "id", "MODULE_MATCH": "id", "BUILTIN_MATCH": "id",
+    "CLOSURE_MATCH": "id", "FUNCTION_MATCH": "id",
+    "CONSTANT_MATCH": "equals", "EQUALS_MATCH": "equals", "BOOL_MATCH": "equals",
+    "NONE_MATCH": "equals", "CONSTANT_SUBCLASS_MATCH": "equals",
+    "SEQUENCE_LENGTH": "len", "TUPLE_ITERATOR_LEN": "len", "LIST_LENGTH": "len",
+    "DICT_LENGTH": "len", "EMPTY_NN_MODULE_HOOKS_DICT": "len",
+    "DICT_KEYS_MATCH": "keys", "DICT_KEYS": "keys", "MAPPING_KEYS_CHECK": "keys",
+    "DICT_CONTAINS": "contains", "DICT_NOT_CONTAINS": "contains",
+    "SET_CONTAINS": "contains", "SET_NOT_CONTAINS": "contains",
+    "NOT_PRESENT_IN_GENERIC_DICT": "in_dict",
+    "HASATTR": "exists",
+}
+
+#: Guard kinds Dynamo puts on a process group (``compat``: they differ by version): each
+#: becomes one ``process_group`` record, which checks what the graph bakes in of the group
+#: (its name and size).
+PROCESS_GROUP_KINDS = compat.PROCESS_GROUP_GUARD_KINDS
+
+#: Guard kinds that need no record, and why.
+COVERED = {
+    # Tensors: parameters and buffers by their metadata in the entry key, call arguments
+    # by the runtime's check of every call; any other tensor gets a "tensor" record.
+    "TENSOR_MATCH": "tensor",
+    "NOT_NONE_MATCH": "tensor",
+    # Two names of one object: each name's value is checked by its own records, and
+    # tensors are bound by identity (one parameter, one graph input).
+    "DUPLICATE_INPUT": "aliasing",
+    # Symbolic-shape guards are checked against every compile range at trace time.
+    "SHAPE_ENV": "shapes",
+    # The trace and every compiled forward run without autograd.
+    "GRAD_MODE": "no_grad",
+    # Process-wide state: recorded as ``state`` records with every entry.
+    "GLOBAL_STATE": "state", "DETERMINISTIC_ALGORITHMS": "state",
+    "TORCH_FUNCTION_STATE": "state", "DEFAULT_DEVICE": "state",
+    "AUTOGRAD_SAVED_TENSORS_HOOKS": "state", "FUNCTORCH_STACK_MATCH": "state",
+    "DUAL_LEVEL": "state",
+    # Which compiler Dynamo used: cachebuild's own capture, always.
+    "BACKEND_MATCH": "backend",
+}
+
+
+class Unrecordable(Exception):
+    """A guard with no plain form: the trace cannot be checked without Dynamo."""
+
+
+@dataclass
+class Collected:
+    """What ``guard_filter_fn`` saw during one trace."""
+
+    entries: list[Any] = field(default_factory=list)
+
+    def __call__(self, entries: Sequence[Any]) -> list[bool]:
+        self.entries.extend(entries)
+        return [True] * len(entries)  # keep every guard: Dynamo's own frame stays exact
+
+
+# -- sources → paths -------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Frame:
+    """The traced frame, ``type(model).forward`` (possibly a decorator's wrapper): its
+    positional parameters (the module itself first), its ``*args`` and ``**kwargs`` names,
+    and the variables it closes over."""
+
+    params: tuple[str, ...]
+    varargs: str | None
+    varkw: str | None
+    freevars: tuple[str, ...]
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> Frame:
+        code = getattr(type(model).forward, "__code__", None)
+        if code is None:  # not a Python function: only the module itself is known
+            return cls(("self",), None, None, ())
+        names = code.co_varnames
+        n = code.co_argcount
+        rest = n + code.co_kwonlyargcount
+        varargs = names[rest] if code.co_flags & inspect.CO_VARARGS else None
+        varkw = (names[rest + (varargs is not None)]
+                 if code.co_flags & inspect.CO_VARKEYWORDS else None)
+        return cls(tuple(names[:n]), varargs, varkw, tuple(code.co_freevars))
+
+    def local(self, name: str) -> list[list[Any]]:
+        """The path of a local of the frame: the model, a call argument, ``*args`` (a
+        tuple of the module and the call's arguments), ``**kwargs`` (always empty: the
+        model is called positionally), or a variable it closes over."""
+        if name in self.params:
+            i = self.params.index(name)
+            return [["model"]] if i == 0 else [["arg", i - 1]]
+        if name == self.varargs:
+            return [["varargs", len(self.params)]]
+        if name == self.varkw:
+            return [["kwargs"]]
+        if name in self.freevars:
+            return [["model"], ["type"], ["attr", "forward"], ["attr", "__closure__"],
+                    ["item", self.freevars.index(name)], ["attr", "cell_contents"]]
+        raise Unrecordable(f"local {name!r} of forward has no plain path")
+
+
+#: The names Dynamo's ``install_global_by_id`` gives: ``{prefix}_{id}_c{compile id}``.
+_INSTALLED = re.compile(r"^\w*?_(\d+)_c\d+$")
+
+
+def _installed_module(name: str) -> str:
+    """The module a global Dynamo installed stands for (``_<id>_c<n>``: ``type(x)`` of a
+    tensor reads ``torch.Tensor`` through one); such names are gone at a warm start. The
+    name holds the object's id and Dynamo keeps the object alive, so the loaded module
+    with that id is the one."""
+    wanted = int(_INSTALLED.match(name).group(1))  # type: ignore[union-attr]
+    for module_name, module in list(sys.modules.items()):
+        if id(module) == wanted and isinstance(module, types.ModuleType):
+            return module_name
+    raise Unrecordable(f"global {name!r} that Dynamo installed is not a module")
+
+
+def _import_name(global_name: str) -> str | None:
+    """The module Dynamo's ``__import_a_dot_b`` global stands for (``a.b``)."""
+    prefix = "__import_"
+    if global_name.startswith(prefix):
+        return global_name[len(prefix):].replace("_dot_", ".")
+    return None
+
+
+def source_path(source: Any, frame: Frame) -> list[list[Any]]:
+    """The path of a Dynamo source from a plain root; raises Unrecordable."""
+    from torch._dynamo import source as S
+
+    if isinstance(source, S.LocalSource):
+        return frame.local(source.local_name)
+    if isinstance(source, S.GlobalSource):
+        name = source.global_name
+        module = _import_name(name)
+        if module is None and _INSTALLED.match(name):
+            module = _installed_module(name)
+        if module is not None:
+            return [module_root(module)]
+        if name.startswith("__builtins_dict__"):
+            return [["module", "builtins"], ["attr", "__dict__"]]
+        # The frame's own globals: forward's, which may be a module's or an exec namespace.
+        return [["model"], ["type"], ["attr", "forward"], ["attr", "__globals__"],
+                ["item", name]]
+    if isinstance(source, S.ImportSource):  # ``__import__('torch._functorch.vmap')``
+        return [module_root(source.module_name)]
+    # Module wrappers name the same object as their base.
+    if isinstance(source, S.NNModuleSource):
+        return source_path(source.base, frame)
+    base = getattr(source, "base", None)
+    if base is None:
+        raise Unrecordable(f"source {type(source).__name__} has no plain path")
+    path = source_path(base, frame)
+    # Also parameter/buffer dicts and cell contents. A generic read
+    # (``object.__getattribute__``, torch 2.11) finds what getattr finds whenever it finds
+    # anything, and the value check at record time holds the two to the same value.
+    if isinstance(source, S.AttrSource | S.GenericAttrSource):
+        return path + [["attr", source.member]]
+    if isinstance(source, S.TypeSource):
+        return path + [["type"]]
+    if isinstance(source, S.TypeDictSource):  # Dynamo reads dict(cls.__dict__)
+        return path + [["attr", "__dict__"], ["dict"]]
+    if isinstance(source, S.TypeMROSource):
+        return path + [["attr", "__mro__"]]
+    if isinstance(source, S.ClosureSource):
+        return path + [["attr", "__closure__"]]
+    if isinstance(source, S.CodeSource):
+        return path + [["attr", "__code__"]]
+    if isinstance(source, S.DefaultsSource):
+        field_name = "__kwdefaults__" if source.is_kw else "__defaults__"
+        return path + [["attr", field_name], ["item", encode_key(source.idx_key)]]
+    if isinstance(source, S.ConstDictKeySource):
+        return path + [["nthkey", source.index]]
+    if isinstance(source, (S.DictGetItemSource, S.DictSubclassGetItemSource, S.GetItemSource)):
+        index = source.index
+        if isinstance(index, S.ConstDictKeySource):
+            if index.base != base:
+                raise Unrecordable("a dict read with a key of another dict")
+            return path + [["itemkey", index.index]]
+        if getattr(source, "index_is_slice", False):
+            raise Unrecordable("a guarded slice")
+        try:
+            return path + [["item", encode_key(index)]]
+        except Unplain as e:
+            raise Unrecordable(str(e)) from e
+    raise Unrecordable(f"source {type(source).__name__} has no plain path")
+
+
+# -- guards → records --------------------------------------------------------------------
+
+def _partial_kwargs(guard: Any) -> dict[str, Any]:
+    fn = guard.create_fn
+    return dict(fn.keywords) if isinstance(fn, functools.partial) else {}
+
+
+def _environment(path: list[list[Any]], check: str, arg: Any, model: Any,
+                 args: Sequence[Any]) -> GuardRecord | None:
+    """An ``env`` record where ``path`` reads the environment (``os.environ._data``, which
+    Dynamo reads through when it traces ``os.environ.get`` or ``os.getenv``)."""
+    for k, s in enumerate(path):
+        if s != ["attr", "_data"]:
+            continue
+        try:
+            if resolve(path[:k + 1], model, args) is not os.environ._data:  # type: ignore[attr-defined]
+                continue
+        except Exception:
+            continue
+        rest = path[k + 1:]
+        if check == "contains" and not rest:
+            key = decode_key(arg)
+        elif rest and rest[0][0] == "item":
+            key = decode_key(rest[0][1])
+        elif not rest and check == "type":
+            return None  # the environment is a dict: the type record stays as it is
+        else:
+            raise Unrecordable("the forward reads the whole environment, not variables by name")
+        name = key.decode() if isinstance(key, bytes) else str(key)
+        return GuardRecord((("env", name),), "equals", None, os.environ.get(name))
+    return None
+
+
+def _direct(path: list[list[Any]]) -> list[list[Any]]:
+    """``args[0]`` of a wrapper's ``*args`` is the model, ``args[i]`` call argument i-1."""
+    if len(path) > 1 and path[0][0] == "varargs" and path[1][0] == "item" \
+            and isinstance(path[1][1], int):
+        i = path[0][1] + path[1][1]
+        return [["model"] if i == 0 else ["arg", i - 1]] + path[2:]
+    return path
+
+
+def _record(entry: Any, check: str | None, model: Any, args: Sequence[Any],
+            frame: Frame) -> GuardRecord:
+    """The record of one guard; ``check`` None: only a process group has a plain form."""
+    guard = entry.orig_guard
+    source, arg, same_value = guard.originating_source, None, True
+    if check == "contains":
+        try:
+            arg = encode_key(_partial_kwargs(guard)["key"])
+        except Unplain as e:
+            raise Unrecordable(f"{guard.name}: {e}") from e
+    elif check in ("in_dict", "exists"):
+        try:
+            source, arg, same_value = compat.attribute_guard(guard)
+        except ValueError as e:
+            raise Unrecordable(f"{guard.name}: {e}") from e
+    path = _direct(source_path(source, frame))
+    env = _environment(path, check, arg, model, args)
+    if env is not None:
+        return env
+    try:
+        value = resolve(path, model, args)
+    except Exception as e:
+        raise Unrecordable(f"{guard.name}: not readable by a plain path ({type(e).__name__})") from e
+    if check == "equals" and isinstance(value, types.CodeType):
+        check = "id"  # Dynamo's CONSTANT_MATCH compares code objects by identity
+    if entry.guard_type in PROCESS_GROUP_KINDS and is_process_group(value):
+        check = "process_group"
+    if check is None:
+        raise Unrecordable(f"{guard.name}: Dynamo guard kind {entry.guard_type} has no plain "
+                           "form")
+    try:
+        expected = fingerprint(check, value, arg)
+        # The plain path must read what Dynamo read.
+        if same_value and entry.has_value and fingerprint(check, entry.value, arg) != expected:
+            raise Unrecordable(f"{guard.name}: a plain path reads another value than Dynamo's")
+    except Unplain as e:
+        raise Unrecordable(f"{guard.name} ({entry.guard_type}): {e}") from e
+    return GuardRecord(tuple(tuple(s) for s in path), check, arg, expected)
+
+
+def _tensor_record(entry: Any, model: Any, args: Sequence[Any], frame: Frame,
+                   bound: set[int]) -> GuardRecord | None:
+    """None for a bound tensor (parameter, buffer, call argument); else its metadata."""
+    value = entry.value if entry.has_value else None
+    if isinstance(value, torch.Tensor) and id(value) in bound:
+        return None
+    return _record(entry, "tensor", model, args, frame)
+
+
+def _dynamo_internal(record: GuardRecord) -> bool:
+    """A record on Dynamo's or Inductor's own modules (polyfills Dynamo substitutes while
+    tracing): part of torch, whose version is in every key, and never imported warm."""
+    root = record.path[0]
+    return root[0] == "module" and str(root[1]).startswith(("torch._dynamo", "torch._inductor"))
+
+
+def records_from(collected: Collected, model: torch.nn.Module, args: Sequence[Any],
+                 bound: set[int]) -> list[GuardRecord]:
+    """Plain records for every guard Dynamo installed; raises Unrecordable.
+
+    ``bound``: ids of the tensors the graph binds (parameters, buffers, arguments).
+    """
+    frame = Frame.of(model)
+    records: dict[tuple[Any, ...], GuardRecord] = {}
+    for entry in collected.entries:
+        kind = entry.guard_type
+        if kind in COVERED:
+            if COVERED[kind] != "tensor":
+                continue
+            record = _tensor_record(entry, model, args, frame, bound)
+        elif kind in CHECK_OF or kind in PROCESS_GROUP_KINDS:
+            record = _record(entry, CHECK_OF.get(kind), model, args, frame)
+        else:
+            raise Unrecordable(f"{entry.orig_guard.name or 'a guard'}: Dynamo guard kind "
+                               f"{kind} has no plain form")
+        if record is not None and not _dynamo_internal(record):
+            records.setdefault((record.path, record.check, repr(record.arg)), record)
+    for name in STATE_NAMES:
+        path = (("state", name),)
+        records[(path, "equals", "None")] = GuardRecord(
+            path, "equals", None, fingerprint("equals", process_state(name), None))
+    return list(records.values())
+
+
+#: How environment variables are named by convention: what a constant must look like to be
+#: taken for one.
+_ENV_NAME = re.compile(r"^[A-Z][A-Z0-9_]{2,}$")
+
+
+def environment_records(records: list[GuardRecord], code_objects: Sequence[types.CodeType],
+                        model: Any, args: Sequence[Any]) -> list[GuardRecord]:
+    """Records of the environment variables a trace may have read.
+
+    Dynamo guards the environment object when traced code reads it, but not the variable
+    read (not even its absence), so a variable set later would go unnoticed. Where the
+    trace read the environment, every upper-case string constant of the traced code is
+    taken for a variable name and its value recorded: more than were read, never fewer
+    named by a constant.
+    """
+    if not any(_reads_environment(r, model, args) for r in records):
+        return []
+    names: set[str] = set()
+    for code in code_objects:
+        names |= {c for c in _constants(code) if _ENV_NAME.match(c)}
+    return [GuardRecord((("env", name),), "equals", None, os.environ.get(name))
+            for name in sorted(names)]
+
+
+def _reads_environment(record: GuardRecord, model: Any, args: Sequence[Any]) -> bool:
+    for k, s in enumerate(record.path):
+        if s == ("attr", "environ"):
+            try:
+                return resolve(record.path[:k + 1], model, args) is os.environ
+            except Exception:
+                return False
+    return False
+
+
+def _constants(code: types.CodeType) -> list[str]:
+    out: list[str] = []
+    for c in code.co_consts:
+        if isinstance(c, str):
+            out.append(c)
+        elif isinstance(c, tuple):
+            out += [x for x in c if isinstance(x, str)]
+    return out

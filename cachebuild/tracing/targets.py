@@ -1,0 +1,142 @@
+"""Targets: (compiled piece × shape bucket), each with a key and a manifest.
+
+The key covers everything that decides the compiled output, named as factors:
+
+- ``graph``: the piece in canonical form: its nodes in order with every name replaced by
+  its position (``i0`` for the first input, ``v3`` for the fourth node), so layers that
+  compute the same thing on different weights give the same graph; plus each input's
+  metadata (dtype, shape and stride with symbols renamed in order of appearance, device
+  type).
+- ``bucket``: ``{"range": [lo, hi]}`` or ``{"size": n}``.
+- ``backend``: the backend's name, version and options (``Backend.factors``).
+- ``passes``: each enabled pass's name and uuid, and the pass config.
+- ``env``: torch, triton, CUDA, device, Python and schema versions (``env.py``).
+- ``distributed`` (only for a piece that calls collectives): the world size and the layout
+  of the process groups it names (``distributed.layout_factors``). No rank and no device
+  index enter a key (inputs keep the device *type*), so ranks whose shards are equal
+  share every target, on whichever GPU each one runs.
+
+Weights never enter a key: they are inputs of the piece.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from cachebuild.graph.facts import SYMBOL, InputMeta, torch_dir
+from cachebuild.graph.graphdiff import user_frame
+from cachebuild.keys import make_key
+from cachebuild.tracing.distributed import layout_factors
+from cachebuild.tracing.split import Piece
+from cachebuild.trust.fxjson import graph_to_data
+
+if TYPE_CHECKING:
+    from cachebuild.config import CompileConfig
+
+
+@dataclass(frozen=True)
+class Target:
+    """One thing to build: piece ``piece`` of a split, specialised to ``bucket``.
+
+    ``sources``: per node of the piece's graph, where the trace recorded it (``file:line``
+    of the model's code, or None); for ``explain``, never part of the key.
+    """
+
+    key: str
+    piece: int
+    bucket: dict[str, Any]
+    manifest: dict[str, Any]
+    sources: tuple[str | None, ...] = ()
+
+
+@dataclass
+class BuildJob:
+    """A target plus what is needed to compile it anywhere (picklable, no live graph): what
+    ``build.Builder`` builds, here or in a worker process (``workers``)."""
+
+    target: Target
+    nodes: list[dict[str, Any]]
+    input_metas: list[InputMeta]
+    config: CompileConfig
+
+
+def bucket_label(bucket: dict[str, Any]) -> str:
+    if "size" in bucket:
+        return f"size {bucket['size']}"
+    if "range" not in bucket:
+        return "static shapes"
+    lo, hi = bucket["range"]
+    return f"range {lo}-{hi}"
+
+
+def _rename_refs(value: Any, names: dict[str, str]) -> Any:
+    if isinstance(value, list):
+        return [_rename_refs(v, names) for v in value]
+    if isinstance(value, dict):
+        if set(value) == {"n"}:
+            return {"n": names[value["n"]]}
+        return {k: _rename_refs(v, names) for k, v in value.items()}
+    return value
+
+
+def canonical_graph(nodes: list[dict[str, Any]], metas: list[InputMeta]) -> dict[str, Any]:
+    """The canonical form of a piece: positional names, canonical symbols."""
+    names: dict[str, str] = {}
+    inputs = 0
+    for i, node in enumerate(nodes):
+        if node["op"] == "placeholder":
+            names[node["name"]] = f"i{inputs}"
+            inputs += 1
+        else:
+            names[node["name"]] = f"v{i}"
+    canon_nodes = []
+    for node in nodes:
+        target = node["target"] if node["op"] != "placeholder" else ""
+        canon_nodes.append([node["op"], target, _rename_refs(node["args"], names),
+                            _rename_refs(node["kwargs"], names)])
+    symbols: dict[str, str] = {}
+
+    def canon(dim: int | str) -> int | str:
+        if isinstance(dim, int):
+            return dim
+        return SYMBOL.sub(lambda m: symbols.setdefault(m.group(), f"s{len(symbols)}"), dim)
+
+    inputs_meta = [
+        {"kind": m.kind, "dtype": m.dtype, "shape": [canon(d) for d in m.shape],
+         "stride": [canon(s) for s in m.stride], "device": m.device_type}
+        for m in metas
+    ]
+    return {"nodes": canon_nodes, "inputs": inputs_meta}
+
+
+def piece_data(piece: Piece) -> list[dict[str, Any]]:
+    """A piece's graph as stored data (``fxjson``)."""
+    return graph_to_data(piece.gm.graph)
+
+
+def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend: dict[str, Any],
+                 passes: dict[str, Any], env: dict[str, Any]) -> dict[int, list[Target]]:
+    """Every target of every compiled piece, keyed by the factors above.
+
+    Returns piece index → its targets in bucket order. Identical pieces share keys.
+    """
+    out: dict[int, list[Target]] = {}
+    for piece in pieces:
+        if not piece.compiled:
+            continue
+        nodes = piece_data(piece)
+        graph = canonical_graph(nodes, piece.input_metas)
+        layout = layout_factors(nodes)
+        sources = tuple(user_frame(n.meta.get("stack_trace"), torch_dir())
+                        for n in piece.gm.graph.nodes)
+        targets = []
+        for bucket in buckets if piece.size_input is not None else [{"static": True}]:
+            manifest = {"graph": graph, "bucket": bucket, "backend": backend,
+                        "passes": passes, "env": env}
+            if layout is not None:
+                manifest["distributed"] = layout
+            targets.append(Target(make_key(manifest), piece.index, bucket, manifest, sources))
+        out[piece.index] = targets
+    return out
+

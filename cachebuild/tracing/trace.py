@@ -1,0 +1,398 @@
+"""Tracing a model once with Dynamo into a TracedGraph.
+
+The graph's placeholders are bound *by identity* at trace time: Dynamo hands the backend
+the live tensors in placeholder order, so each one is either a parameter or buffer of
+the model (bound by its path), a call argument (by position), or, for a SymInt, the size
+of a dynamic dim of a call argument. That binding is all a warm process needs to feed a
+stored graph from a live model, with no Dynamo.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.fx as fx
+
+from cachebuild import keep
+from cachebuild.errors import UsageError
+from cachebuild.graph.effects import graph_effects, might_write
+from cachebuild.graph.facts import SYMBOL, InputMeta, device_of, meta_of, torch_dir, unpin_device
+from cachebuild.graph.outputs import output_recipe
+from cachebuild.graph.weights import hooks_hidden
+from cachebuild.tracing.guards import GuardRecord, GuardSet
+from cachebuild.trust.codehash import code_objects as code_objects_of
+from cachebuild.trust.codehash import has_source, sourceless_classes
+from cachebuild.trust.sources import digest_of, library_paths, stamped_digest
+
+
+@dataclass(frozen=True)
+class Binding:
+    """Where a graph input comes from in a live call.
+
+    kind ``param``/``buffer``: the model's tensor at ``path``; ``arg``: positional call
+    argument ``arg``; ``size``: ``args[arg].shape[dim]``; ``const``: the int ``dim``.
+    """
+
+    kind: str
+    path: str | None = None
+    arg: int | None = None
+    dim: int | None = None
+
+    def to_data(self) -> dict[str, Any]:
+        return {"kind": self.kind, "path": self.path, "arg": self.arg, "dim": self.dim}
+
+    @classmethod
+    def from_data(cls, data: dict[str, Any]) -> Binding:
+        return cls(**data)
+
+
+@dataclass
+class TracedGraph:
+    """A model's forward as one FX graph plus how to feed it."""
+
+    gm: fx.GraphModule
+    bindings: list[Binding]
+    input_metas: list[InputMeta]
+    source_files: dict[str, str]
+    out_spec: str  # how to rebuild the model's output (``outputs.output_recipe``)
+    num_outputs: int
+    fake_inputs: list[Any] = field(default_factory=list)
+    guards: list[GuardRecord] = field(default_factory=list)  # what the trace read
+    unrecordable: str | None = None  # why no entry may be stored for this trace
+    source_stamps: dict[str, list[int]] = field(default_factory=dict)  # size, time per file
+    #: Each traced file of an installed library: its path inside the library folder
+    #: (``sources.library_path``), by which a later process finds it.
+    source_libraries: dict[str, str] = field(default_factory=dict)
+
+
+def _traced_files(code_objects: list[Any], more: Sequence[str] = ()
+                  ) -> tuple[dict[str, str], dict[str, list[int]]]:
+    """Sources whose code Dynamo traced (and ``more``), outside torch itself (its version is
+    in every key): files by their absolute path, code compiled from linecache text (a
+    notebook cell) by its linecache name; each with the hash of its syntax tree. And each
+    file's stamp (size, time) as of that hash, so that a warm start need not read an
+    unchanged file again."""
+    files: dict[str, str] = {}
+    stamps: dict[str, list[int]] = {}
+    for path in [code.co_filename for code in code_objects] + list(more):
+        if os.path.isfile(path):
+            path = os.path.abspath(path)
+            if path.startswith(torch_dir()):
+                continue
+        if path in files:
+            continue
+        if os.path.isfile(path):
+            digest, stamp = stamped_digest(path)
+            if stamp is not None:
+                stamps[path] = stamp
+        else:
+            digest = digest_of(path)
+        if digest is not None:
+            files[path] = digest
+    return dict(sorted(files.items())), {p: stamps[p] for p in sorted(stamps) if p in files}
+
+
+def _bind(model: torch.nn.Module, args: list[Any], inputs: list[Any],
+          dynamic_dims: dict[int, int]) -> list[Binding]:
+    by_id: dict[int, Binding] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_id.setdefault(id(p), Binding("param", path=name))
+    for name, b in model.named_buffers(remove_duplicate=False):
+        by_id.setdefault(id(b), Binding("buffer", path=name))
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            by_id[id(a)] = Binding("arg", arg=i)
+    bindings = []
+    for value in inputs:
+        if isinstance(value, torch.SymInt):
+            bindings.append(_bind_symint(value, args, dynamic_dims))
+        elif isinstance(value, int):
+            bindings.append(Binding("const", dim=value))
+        elif id(value) in by_id:
+            bindings.append(by_id[id(value)])
+        else:
+            raise UsageError(
+                "the traced graph reads a tensor that is neither a parameter, a buffer nor a "
+                "call argument of the model (a plain tensor attribute or a global?): register "
+                "it with register_buffer so it can be bound in a warm process"
+            )
+    return bindings
+
+
+def _bind_symint(value: torch.SymInt, args: list[Any], dynamic_dims: dict[int, int]) -> Binding:
+    # All dynamic dims have one size (check_dynamic_dims), so Dynamo's duck sizing gives
+    # them one symbol: any SymInt input is that symbol, read off the first dynamic dim.
+    expr = str(value.node.expr)
+    if not dynamic_dims or not SYMBOL.fullmatch(expr):
+        raise UsageError(f"graph takes a symbolic size {expr} that no dynamic dim explains")
+    i, d = min(dynamic_dims.items())
+    return Binding("size", arg=i, dim=d)
+
+
+def check_dynamic_dims(args: list[Any], dynamic_dims: dict[int, int]) -> None:
+    """Dynamic dims must name tensor arguments and be equal in size (one token count)."""
+    sizes = set()
+    for i, d in dynamic_dims.items():
+        if i >= len(args) or not isinstance(args[i], torch.Tensor):
+            raise UsageError(f"dynamic_dims names argument {i}, which is not a tensor argument")
+        if d >= args[i].dim() or d < -args[i].dim():
+            raise UsageError(f"dynamic_dims names dim {d} of argument {i}, which has {args[i].dim()} dims")
+        sizes.add(args[i].shape[d])
+    if len(sizes) > 1:
+        raise UsageError(f"dynamic dims must have one size (the token count); got sizes {sorted(sizes)}")
+    if sizes and min(sizes) < 1:
+        raise UsageError("a dynamic dim of size 0 cannot be traced: call with at least one token")
+
+
+def _dynamic_symbols(fake_inputs: list[Any], bindings: list[Binding],
+                     dynamic_dims: dict[int, int], shape_env: Any) -> set[Any]:
+    """The symbols of the dynamic dims in the traced graph: they all stand for the token
+    count (the dims have one size), including those Dynamo replaced by another."""
+    found = set()
+    for value, b in zip(fake_inputs, bindings, strict=True):
+        if b.kind == "arg" and b.arg in dynamic_dims and isinstance(value, torch.Tensor):
+            size = value.shape[dynamic_dims[b.arg]]
+            if isinstance(size, torch.SymInt):
+                found |= size.node.expr.free_symbols
+    for symbol, replacement in shape_env.replacements.items():
+        if replacement.free_symbols & found:
+            found.add(symbol)
+    return found
+
+
+def check_shape_guards(guards: list[Any], symbols: set[Any],
+                       compile_ranges: Sequence[tuple[int, int]], traced_at: int) -> None:
+    """Raise UsageError if a symbolic-shape guard of the trace fails at a size of a range.
+
+    Such a guard is a branch of the forward on the token count (a sliding window, a
+    special case for short inputs): the one traced graph is only right on its side.
+    ``symbols`` all stand for the token count.
+    """
+    import sympy
+
+    for guard in guards:
+        if not guard.free_symbols & symbols:
+            continue
+        if guard.free_symbols - symbols:
+            raise UsageError(f"the traced forward depends on sizes other than the token count "
+                             f"({guard}): mark only the token dim dynamic")
+        for lo, hi in compile_ranges:
+            failing = [n for n in range(lo, hi + 1) if not bool(
+                guard.xreplace({s: sympy.Integer(n) for s in symbols}))]
+            if failing:
+                bad = min(failing, key=lambda n: abs(n - traced_at))  # where the branch flips
+                text = str(guard)
+                for s in symbols:
+                    text = re.sub(rf"\b{s}\b", "T", text)
+                raise UsageError(
+                    f"the model's forward takes another branch at size {bad} than at {traced_at} "
+                    f"(it holds only where {text}), and compile range ({lo}, {hi}) holds both: "
+                    f"keep every compile range on one side of that size")
+
+
+def trace_model(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
+                dynamic_dims: dict[int, int],
+                compile_ranges: Sequence[tuple[int, int]] = ()) -> TracedGraph:
+    """See ``_trace``: the same, with cachebuild's own weight hooks out of the way (Dynamo
+    would record them as globals the trace read)."""
+    with hooks_hidden(), keep.rng():  # the trace's run of the forward is not the caller's
+        return _trace(model, args, dynamic_dims, compile_ranges)
+
+
+def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
+           dynamic_dims: dict[int, int], compile_ranges: Sequence[tuple[int, int]]) -> TracedGraph:
+    """Run Dynamo once over ``model(*args)`` and capture its whole forward as one graph.
+
+    The dims in ``dynamic_dims`` (argument index → dim) are traced symbolically. Raises
+    UsageError if the forward does not trace into one graph, changes objects that existed
+    before the call (cachebuild replays no side effects), or branches on the token count
+    inside one of ``compile_ranges``. What the trace read besides tensors comes back as
+    ``guards``; a trace that cannot be checked without Dynamo says why in ``unrecordable``.
+    """
+    import torch._dynamo
+
+    from cachebuild import compat
+    from cachebuild.tracing.guard_export import (
+        Collected,
+        Unrecordable,
+        environment_records,
+        records_from,
+    )
+
+    args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    check_dynamic_dims(args, dynamic_dims)
+    for i, d in dynamic_dims.items():
+        if args[i].shape[d] == 1:
+            # Torch specialises a size of 1; the graph is the same for every size, so a
+            # first call with one token is traced with it repeated.
+            args[i] = torch.cat([args[i], args[i]], dim=d)
+        torch._dynamo.mark_dynamic(args[i], d)
+
+    captured: dict[str, Any] = {}
+
+    def capture(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        if "gm" in captured:
+            raise UsageError("the model's forward traced into more than one graph")
+        captured["gm"] = gm
+        captured["inputs"] = list(example_inputs)
+        context = torch._guards.TracingContext.try_get()
+        captured["code"] = list(context.traced_code) if context is not None else []
+        captured["fake_mode"] = torch._guards.detect_fake_mode(example_inputs)
+        captured["mutated"] = compat.mutated_sources()
+
+        def run(*inputs: Any) -> Any:
+            # Tracing leaves the model as it was: what the forward writes in place (a
+            # buffer, a cache) is put back afterwards, in the same tensors (Dynamo then
+            # stores them where the forward did). Runs after Dynamo's compile, so looking
+            # at the graph adds no guard to its frame.
+            written: list[int] = []
+            if any(might_write(n) for n in gm.graph.nodes):
+                fakes = [n.meta.get("example_value", v) for n, v in zip(
+                    [n for n in gm.graph.nodes if n.op == "placeholder"], inputs, strict=True)]
+                written = graph_effects(gm, fakes).written_inputs
+            saved = keep.Tensors(inputs[i] for i in written)
+            captured["outputs"] = out = gm.forward(*inputs)
+            saved.restore()
+            return out
+
+        return run
+
+    collected = Collected()
+    # A fresh Dynamo state: an earlier trace of the same code would otherwise be reused
+    # from Dynamo's own cache and never reach our backend.
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=False,
+                             options={"guard_filter_fn": collected})
+    try:
+        with torch.no_grad():
+            output = compiled(*args)
+    except torch._dynamo.exc.Unsupported as e:
+        raise UsageError(f"the model's forward does not trace as one graph: {str(e).splitlines()[0]}") from e
+    except AssertionError as e:
+        if not compat.is_rebuilt_object_guard(e):
+            raise
+        raise UsageError(
+            f"torch {torch.__version__}'s Dynamo cannot export the guards of this forward: "
+            "it reads an object it builds afresh at each read (transformers' cache does "
+            "with use_cache=True); pass use_cache=False, or compile with torch.compile("
+            "model, backend=cachebuild.backend(...))") from e
+    finally:
+        torch._dynamo.reset()
+
+    if captured["mutated"]:
+        raise UsageError(
+            f"the model's forward changes {', '.join(captured['mutated'][:3])}, which existed "
+            "before the call; cachebuild replays no side effects: keep such state out of "
+            "forward, or use torch.compile(model, backend=cachebuild.backend(...))")
+    gm: fx.GraphModule = captured["gm"]
+    inputs = captured["inputs"]
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fakes = [n.meta.get("example_value", v) for n, v in zip(placeholders, inputs, strict=True)]
+    metas = [meta_of(f) for f in fakes]
+    # The call's GPU by type only: ranks on other GPUs trace the same graph (same keys).
+    unpin_device(gm, device_of([*metas, *model.parameters()]))
+    num_outputs = len(next(iter(n for n in gm.graph.nodes if n.op == "output")).args[0])
+    bindings = _bind(model, args, inputs, dynamic_dims)
+
+    shape_env = getattr(captured["fake_mode"], "shape_env", None)
+    if shape_env is not None and dynamic_dims:
+        traced_at = args[min(dynamic_dims)].shape[dynamic_dims[min(dynamic_dims)]]
+        check_shape_guards([g.expr for g in shape_env.guards],
+                           _dynamic_symbols(fakes, bindings, dynamic_dims, shape_env), compile_ranges,
+                           traced_at)
+
+    bound = {id(v) for v, b in zip(inputs, bindings, strict=True) if b.kind != "const"}
+    guards: list[GuardRecord] = []
+    generated_from: list[str] = []
+    if captured["mutated"] is None:
+        unrecordable = "this torch does not show Dynamo's side effects, so none can be ruled out"
+    else:
+        unrecordable = None
+        try:
+            guards = records_from(collected, model, args, bound)
+            guards += environment_records(guards, captured["code"], model, args)
+            unrecordable, generated_from = _unkeyed_code(model, captured["code"])
+        except Unrecordable as e:
+            unrecordable = str(e)
+    if unrecordable is None:
+        wrong = GuardSet.of(guards).mismatches(model, args)
+        if wrong:
+            unrecordable = f"{wrong[0].describe()} right after tracing"
+    files, stamps = _traced_files(captured["code"], generated_from)
+    return TracedGraph(
+        gm=gm,
+        bindings=bindings,
+        input_metas=metas,
+        source_files=files,
+        source_stamps=stamps,
+        source_libraries=library_paths(files),
+        out_spec=output_recipe(output, list(captured.get("outputs", ()))),
+        num_outputs=num_outputs,
+        fake_inputs=fakes,
+        guards=guards,
+        unrecordable=unrecordable,
+    )
+
+
+def _unkeyed_code(model: torch.nn.Module, code_objects: list[Any]) -> tuple[str | None, list[str]]:
+    """Why the entry cannot cover all traced code (None if it can), and the files that
+    cover generated code.
+
+    Code from files is checked by its file's hash. Code with no file is covered where it
+    belongs to a class of the model's modules (whose code is hashed into the key), or
+    where a class with a source file generated it (a dataclass ``__init__``): that class's
+    file is then checked too. Frozen standard-library code comes with the Python version.
+    """
+    sourceless = [c for c in code_objects
+                  if not has_source(c) and not c.co_filename.startswith("<frozen ")]
+    if not sourceless:
+        return None, []
+    known = {id(c) for cls in sourceless_classes(model) for c in code_objects_of(cls)}
+    sourceless = [c for c in sourceless if id(c) not in known]
+    if not sourceless:
+        return None, []
+    files = []
+    owners = _defining_classes(sourceless)
+    for code in sourceless:
+        cls = owners.get(id(code))
+        path = _source_file(cls) if cls is not None else None
+        if path is None:
+            name = getattr(code, "co_qualname", code.co_name)
+            return (f"traced code {name} ({code.co_filename}) has no source file and belongs "
+                    "to no class of the model"), []
+        files.append(path)
+    return None, files
+
+
+def _defining_classes(codes: list[Any]) -> dict[int, type]:
+    """For code objects of methods, the class that holds the function (one scan of the
+    heap for all of them: a function is the only thing that refers to its code)."""
+    import gc
+
+    wanted = {id(c) for c in codes}
+    found: dict[int, type] = {}
+    for fn in gc.get_referrers(*codes):
+        code = getattr(fn, "__code__", None)
+        if code is None or id(code) not in wanted:
+            continue
+        owner: Any = sys.modules.get(getattr(fn, "__module__", None) or "")
+        for part in fn.__qualname__.split(".")[:-1]:
+            owner = getattr(owner, part, None)
+        if isinstance(owner, type):
+            found[id(code)] = owner
+    return found
+
+
+def _source_file(cls: type) -> str | None:
+    try:
+        path = inspect.getsourcefile(cls)
+    except (OSError, TypeError):
+        return None
+    return os.path.abspath(path) if path and os.path.isfile(path) else None
