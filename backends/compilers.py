@@ -48,7 +48,7 @@ from cachebuild import clock, compat
 from cachebuild.compat import CxxBuild
 
 if TYPE_CHECKING:
-    from cachebuild.store.work import ObjectRecords
+    from cachebuild.store import ObjectRecords
 
 #: Bumped when what goes into a key changes.
 _KEY_VERSION = "1"

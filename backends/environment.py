@@ -46,7 +46,7 @@ IN_USE = ".in-use"
 def root() -> Path:
     """The folder holding one environment folder per fingerprint (beside the default
     store's ``v1/``, never inside a store's)."""
-    from cachebuild.store.options import cache_home
+    from cachebuild.store import cache_home
 
     return cache_home() / "cachebuild" / "env"
 
@@ -188,8 +188,7 @@ def remove(path: Path, dry_run: bool) -> tuple[int, bool]:
     folder is never emptied."""
     import shutil
 
-    from cachebuild.store.layout import check_parents, check_private_dir
-    from cachebuild.store.locking import try_flock
+    from cachebuild.store import check_parents, check_private_dir, try_flock
 
     real = Path(os.path.realpath(path))
     check_private_dir(real, "environment folder")

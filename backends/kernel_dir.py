@@ -191,10 +191,13 @@ def build_work_dir(store: Store) -> Iterator[Path]:
 
     from cachebuild.backends.compilers import watch
     from cachebuild.backends.environment import in_use
-    from cachebuild.store.layout import make_private_dir
-    from cachebuild.store.locking import flocked_shared
-    from cachebuild.store.maintenance import WORK_LOCK
-    from cachebuild.store.work import ObjectRecords, open_work_dir
+    from cachebuild.store import (
+        WORK_LOCK,
+        ObjectRecords,
+        flocked_shared,
+        make_private_dir,
+        open_work_dir,
+    )
 
     environment = environment_dir()
     records = environment / "built" if environment is not None else Path(store.work_records)

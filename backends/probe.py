@@ -239,7 +239,7 @@ def checked_dir(folder: Path | None = None) -> Path:
     exit 2, if another user owns it, could write it, or could rename it or a directory
     above it), with its ``environment.json``; its real path."""
     from cachebuild.backends.environment import describe
-    from cachebuild.store.layout import check_parents, check_private_dir, make_private_dir
+    from cachebuild.store import check_parents, check_private_dir, make_private_dir
 
     path = probe_dir(folder).expanduser().absolute()
     make_private_dir(path, "environment folder")
@@ -340,7 +340,7 @@ def _verdict(device: str, folder: Path | None) -> Verdict:
 
     from cachebuild.backends.environment import in_use
     from cachebuild.errors import StoreError
-    from cachebuild.store.layout import check_readable_dir, writable_here
+    from cachebuild.store import check_readable_dir, writable_here
 
     kind = device.split(":")[0]
     candidates, untrusted = trusted_candidates()
@@ -396,7 +396,7 @@ def _read(path: Path) -> Verdict | None:
 def cached_verdicts(folder: Path | None = None) -> list[Verdict]:
     """Every verdict cached in ``folder`` (for ``cachebuild stats``); reads files only,
     from a folder checked like the store (UnsafeStore if it is not safe)."""
-    from cachebuild.store.layout import check_parents, check_private_dir
+    from cachebuild.store import check_parents, check_private_dir
 
     path = folder if folder is not None else probe_dir()
     path = path.expanduser().absolute()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from cachebuild.store.record import Record
+    from cachebuild.store import Record
     from cachebuild.warming import ModelSource, Planned, StoreArg
 
 

@@ -37,8 +37,8 @@ if TYPE_CHECKING:
     from cachebuild.building.planner import Lookup, Planner
     from cachebuild.building.pool import BuildPool
     from cachebuild.config import CompileConfig
+    from cachebuild.store import StoreOptions
     from cachebuild.store.interface import Store
-    from cachebuild.store.options import StoreOptions
 
 #: What ``warm`` and ``plan`` take: a MODEL.py path, a ``build`` function, or a spec.
 ModelSource: TypeAlias = "ModelSpec | str | os.PathLike | Callable[[], ModelSpec]"
@@ -334,37 +334,22 @@ def _report(group: list[Planned], store: Store, world_size: int | None) -> PlanR
     return PlanReport(list(entries.values()), list(targets.values()), world_size)
 
 
-@dataclass
-class OpenedStore:
-    """A store already open, with the options that open it again in worker processes."""
-
-    store: Store
-    options: StoreOptions
-
-
-#: Where ``warm`` and ``plan`` look: a store, an open store with its options, the options,
-#: a store directory, or None (the environment's: ``CACHEBUILD_DIR``).
-StoreArg: TypeAlias = "Store | OpenedStore | StoreOptions | str | os.PathLike | None"
+#: Where ``warm`` and ``plan`` look: a store, the options, a store directory, or None (the
+#: environment's: ``CACHEBUILD_DIR``).
+StoreArg: TypeAlias = "Store | StoreOptions | str | os.PathLike | None"
 
 
 def open_given(store: StoreArg) -> tuple[Store, StoreOptions | None, bool]:
     """The store a ``store`` argument names, the options worker processes open it with
-    (None: they cannot), and whether it was opened here (and is to be closed here)."""
-    from cachebuild.store.local import LocalStore
-    from cachebuild.store.options import StoreOptions, open_store
+    (``Store.reopen_options``; None: they cannot), and whether it was opened here (and is
+    to be closed here)."""
+    from cachebuild.store import StoreOptions, open_store
 
-    if isinstance(store, OpenedStore):
-        return store.store, store.options, False
-    if store is None or isinstance(store, str | os.PathLike):
-        options = StoreOptions.from_env(cache_dir=store)
-        return open_store(options), options, True
-    if isinstance(store, StoreOptions):
-        return open_store(store), store, True
-    if isinstance(store, LocalStore):
-        return store, StoreOptions(cache_dir=store.path, signing_key=store.signing_key,
-                                   require_signature=store.require_signature,
-                                   work_dir=store.work_dir), False
-    return store, None, False
+    if store is None or isinstance(store, str | os.PathLike | StoreOptions):
+        opened = open_store(store if isinstance(store, StoreOptions) else
+                            StoreOptions.from_env(cache_dir=store))
+        return opened, opened.reopen_options(), True
+    return store, store.reopen_options(), False
 
 
 def plan(model: ModelSource, *, store: StoreArg = None,
@@ -390,8 +375,7 @@ def plan(model: ModelSource, *, store: StoreArg = None,
 # -- building in worker processes ---------------------------------------------------------------
 
 def _warning_classes() -> dict[str, type[Warning]]:
-    from cachebuild.store.remote import RemoteDownWarning
-    from cachebuild.store.tiered import UnsignedRemoteWarning
+    from cachebuild.store import RemoteDownWarning, UnsignedRemoteWarning
 
     return {"RemoteDownWarning": RemoteDownWarning,
             "UnsignedRemoteWarning": UnsignedRemoteWarning}
@@ -488,7 +472,7 @@ def warm(model: ModelSource, *, store: StoreArg = None,
         if not dry_run:
             # A work folder that cannot be used fails every build: said once, before the
             # model is imported or traced.
-            from cachebuild.store.layout import prepare_work_dir
+            from cachebuild.store import prepare_work_dir
 
             prepare_work_dir(Path(opened.work_dir))
         source = source_of(model)

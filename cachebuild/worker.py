@@ -29,7 +29,7 @@ def serve(results_fd: int) -> None:
 
     import cachebuild.passes.ops  # noqa: F401  # the fusion passes' ops
     from cachebuild.building.build import build_one
-    from cachebuild.store.options import open_store
+    from cachebuild.store import open_store
 
     try:
         setup: WorkerSetup = receive(jobs)

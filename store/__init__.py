@@ -1,6 +1,9 @@
 """The artifact store: a locked, content-addressed store of compiled artifacts.
 
-``Store`` is the protocol every store implements (``base.py`` has it, with the smaller
+This package is the store's front door: code outside ``store/`` imports from it, or the
+protocols from ``cachebuild.store.interface``, and from no other module of the store
+(``tests/test_layering.py`` checks). ``Store`` is the protocol every store implements
+(``interface.py`` has it, with the smaller
 ``ArtifactSource`` backends load from and the local tier's ``LocalTier``);
 ``open_store(StoreOptions.from_env())`` opens the one a process is configured for: a
 ``LocalStore`` (blobs on local disk with a diskcache index, per-key build locks,
@@ -13,13 +16,32 @@ them on arrival.
 from cachebuild.errors import LockTimeout, StoreError
 
 from .blob import CorruptBlob, decode_blob, encode_blob
-from .interface import Store
-from .layout import InvalidKey
+from .interface import ArtifactSource, RemoteTier, Store
+from .layout import (
+    FORMAT_DIR,
+    InvalidKey,
+    UnsafeStore,
+    check_parents,
+    check_private_dir,
+    check_readable_dir,
+    check_where_made,
+    make_private_dir,
+    prepare_work_dir,
+    writable_here,
+)
 from .local import LocalStore, UnknownKey
-from .options import StoreOptions, open_store
+from .locking import flocked_shared, try_flock
+from .maintenance import WORK_LOCK
+from .opening import open_store
+from .options import StoreOptions, cache_home
 from .record import GCReport, Record, VerifyReport
+from .refs import register_refs
+from .work import ObjectRecords, open_work_dir
 
 __all__ = [
+    "FORMAT_DIR",
+    "WORK_LOCK",
+    "ArtifactSource",
     "CorruptBlob",
     "ExportReport",
     "GCReport",
@@ -27,17 +49,39 @@ __all__ = [
     "InvalidKey",
     "LocalStore",
     "LockTimeout",
+    "ObjectRecords",
     "Record",
+    "RedisRemote",
+    "RemoteDownWarning",
+    "RemoteTier",
     "Store",
     "StoreError",
     "StoreOptions",
+    "TieredStore",
+    "TransferCounts",
     "UnknownKey",
+    "UnsafeStore",
+    "UnsignedRemoteWarning",
     "VerifyReport",
+    "cache_home",
+    "check_parents",
+    "check_private_dir",
+    "check_readable_dir",
+    "check_where_made",
     "decode_blob",
     "encode_blob",
     "export_bundle",
+    "flocked_shared",
     "import_bundle",
+    "make_private_dir",
     "open_store",
+    "open_work_dir",
+    "prepare_work_dir",
+    "pull",
+    "push",
+    "register_refs",
+    "try_flock",
+    "writable_here",
 ]
 
 
@@ -48,10 +92,10 @@ def __getattr__(name: str):
         from . import bundle
 
         return getattr(bundle, name)
-    if name == "TieredStore":
+    if name in ("TieredStore", "UnsignedRemoteWarning"):
         from . import tiered
 
-        return tiered.TieredStore
+        return getattr(tiered, name)
     if name in ("push", "pull", "TransferCounts"):
         from . import transfer
 

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from cachebuild.store.blob import BlobHeader
+from cachebuild.store.options import StoreOptions
 from cachebuild.store.record import GCReport, Record, VerifyReport
 from cachebuild.store.timekeeping import Clock
 
@@ -148,6 +149,12 @@ class Store(ArtifactSource, Protocol):
 
     def stats(self) -> dict[str, Any]:
         """Counts, sizes and counters (see ``LocalStore.stats``), per tier."""
+        ...
+
+    def reopen_options(self) -> StoreOptions | None:
+        """The options that open this same store in another process (a build worker), so
+        that what that process writes is read here; None where there are none (a store
+        only this process's memory holds, or one it may only read)."""
         ...
 
     def close(self) -> None:

@@ -62,6 +62,7 @@ from .interface import LocalTier, Progress
 from .layout import Layout, check_key, check_suffix, prepare
 from .locking import build_lock, flocked, open_temp
 from .materialize import Materializer
+from .options import StoreOptions
 from .record import GCReport, Record, VerifyReport, check_origin, check_trust
 from .timekeeping import SYSTEM_CLOCK, Clock
 from .usage import Usage
@@ -185,6 +186,10 @@ class LocalStore(LocalTier):
     def local(self) -> LocalStore:
         """This store: it is its own local tier."""
         return self
+
+    def reopen_options(self) -> StoreOptions | None:
+        return StoreOptions(cache_dir=self.path, signing_key=self._signing_key,
+                            require_signature=self.require_signature, work_dir=self._work_dir)
 
     def _open_layout(self, path: Path) -> Layout:
         """Create (0700) and check the store's directories (``layout.prepare``)."""

@@ -1,8 +1,8 @@
 """Which store a process uses, decided in one place for the library and the CLI alike.
 
 ``StoreOptions`` holds every setting; ``StoreOptions.from_env`` is the only reader of the
-store's environment variables, and ``open_store(options)`` the only way a configured store
-is opened. The settings, with their variables:
+store's environment variables, and ``open_store(options)`` (``opening.py``) the only way a
+configured store is opened. The settings, with their variables:
 
 - ``cache_dir`` (``CACHEBUILD_DIR``, default ``$XDG_CACHE_HOME/cachebuild``, and
   ``~/.cache/cachebuild`` where that is unset): the local store (L1).
@@ -29,12 +29,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from cachebuild.errors import UsageError
-
-if TYPE_CHECKING:
-    from cachebuild.store.interface import Store
 
 REMOTE_MODES = ("rw", "ro", "off")
 
@@ -131,44 +128,3 @@ class StoreOptions:
     @property
     def uses_remote(self) -> bool:
         return bool(self.remote) and self.remote_mode != "off"
-
-
-def open_store(options: StoreOptions | None = None) -> Store:
-    """The store ``options`` describe (default: the environment's): a ``LocalStore``, or
-    a ``TieredStore`` (L1 + Redis) when a remote is configured and not off, or, where the
-    directory is read-only here, an ``OverlayStore`` (that store read-only, this user's
-    builds in ``overlay_dir`` or in memory).
-
-    Raises StoreError (exit 1) for an unsafe or unusable directory, UsageError (exit 2)
-    for a bad remote URL, or a remote without a signing key unless ``allow_unsigned``.
-    """
-    from cachebuild.store.layout import writable_here
-    from cachebuild.store.local import LocalStore
-
-    options = options or StoreOptions.from_env()
-    if not writable_here(options.cache_dir):
-        if options.uses_remote:
-            raise UsageError(f"the store at {options.cache_dir} is read-only here, and a "
-                             "remote tier needs a local store it can write: give one "
-                             "(--cache-dir, CACHEBUILD_DIR) or turn the remote off "
-                             "(CACHEBUILD_REMOTE_MODE=off)")
-        from cachebuild.store.overlay import OverlayStore
-        from cachebuild.store.readonly import ReadOnlyLocalStore
-
-        base = ReadOnlyLocalStore(options.cache_dir, signing_key=options.signing_key,
-                                  require_signature=options.require_signature)
-        return OverlayStore(base, options.overlay_dir, work_dir=options.work_dir)
-    local = LocalStore(options.cache_dir, signing_key=options.signing_key,
-                       require_signature=options.require_signature, work_dir=options.work_dir)
-    if not options.uses_remote:
-        return local
-    from cachebuild.store.remote import RedisRemote
-    from cachebuild.store.tiered import TieredStore
-
-    assert options.remote is not None
-    try:
-        remote = RedisRemote(options.remote, mode=options.remote_mode)  # type: ignore[arg-type]
-    except BaseException:
-        local.close()
-        raise
-    return TieredStore(local, remote, allow_unsigned=options.allow_unsigned)

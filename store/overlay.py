@@ -25,6 +25,7 @@ from typing import Any
 
 from .interface import Progress, Store
 from .local import LocalStore
+from .options import StoreOptions
 from .readonly import ReadOnlyLocalStore
 from .record import GCReport, Record, VerifyReport
 
@@ -35,14 +36,20 @@ class OverlayStore(Store):
     """``base`` (read-only) below an overlay made on first write (see the module doc)."""
 
     def __init__(self, base: ReadOnlyLocalStore, overlay_dir: Path | None = None,
-                 work_dir: Path | None = None) -> None:
-        """``work_dir``: where builds' compilers write (default: the overlay's ``work/``)."""
+                 work_dir: Path | None = None, opened_with: StoreOptions | None = None) -> None:
+        """``work_dir``: where builds' compilers write (default: the overlay's ``work/``).
+        ``opened_with``: the options ``open_store`` opened it with."""
         self.base = base
+        self._opened_with = opened_with
         self._work_dir = work_dir
         self.root = base.root
         self.overlay_dir = Path(overlay_dir).expanduser() if overlay_dir else None
         self._overlay: LocalStore | None = None
         self._memory: str | None = None
+
+    def reopen_options(self) -> StoreOptions | None:
+        # An overlay in memory is this process's alone.
+        return self._opened_with if self.overlay_dir is not None else None
 
     # -- the overlay ------------------------------------------------------------------
 

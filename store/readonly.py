@@ -47,6 +47,9 @@ class ReadOnlyLocalStore(LocalStore):
         super().__init__(path, **kwargs)
         self._finalizer.detach()  # usage stays in memory: nothing is flushed at exit
 
+    def reopen_options(self) -> None:
+        return None  # another process could not write what it builds here
+
     def _open_index(self) -> Index:
         return Index(self._layout.index, read_only=True)
 

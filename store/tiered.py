@@ -43,6 +43,7 @@ from cachebuild.errors import StoreError, UsageError
 
 from .blob import CorruptBlob, StreamCheck, check_blob, encode_blob
 from .interface import LocalTier, Progress, Store
+from .options import StoreOptions
 from .record import MAX_ORIGIN, GCReport, Record, VerifyReport
 from .refs import refs_of
 from .signing import incoming, outgoing
@@ -90,8 +91,11 @@ class TieredStore(Store):
         signing_key: bytes | None = None,
         allow_unsigned: bool = False,
         lock_ttl: float = 60.0,
+        opened_with: StoreOptions | None = None,
     ) -> None:
+        """``opened_with``: the options ``open_store`` opened it with."""
         self._local = local
+        self._opened_with = opened_with
         self._remote = remote
         if signing_key is None:
             signing_key = local.signing_key
@@ -366,6 +370,9 @@ class TieredStore(Store):
         if self.remote is not None:
             self.remote.delete(key)
         return removed
+
+    def reopen_options(self) -> StoreOptions | None:
+        return self._opened_with
 
     def close(self) -> None:
         """Close L1 (writing its pending usage statistics) and drop L2's connections."""

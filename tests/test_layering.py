@@ -163,3 +163,13 @@ def test_few_flat_modules_and_no_name_twice():
     names = Counter(path.stem for path in modules().values()
                     if path.stem not in ("__init__", "__main__"))
     assert [n for n, count in names.items() if count > 1] == []
+
+
+def test_the_store_is_entered_through_its_package_or_interface():
+    """Outside ``store/``, the store is its package (``cachebuild.store``) and its
+    protocols (``cachebuild.store.interface``): nothing reaches past them."""
+    front = {"cachebuild.store", "cachebuild.store.interface"}
+    wrong = [f"{name} imports {dep}" for name, deps in sorted(graph().items())
+             if not name.startswith("cachebuild.store")
+             for dep in sorted(deps) if dep.startswith("cachebuild.store.") and dep not in front]
+    assert wrong == []

@@ -27,9 +27,9 @@ from redis_server import (  # noqa: F401  (the `server` fixture; stores closed a
 )
 
 from cachebuild.errors import LockTimeout, UsageError
+from cachebuild.store import StoreOptions, open_store
 from cachebuild.store.blob import encode_blob
 from cachebuild.store.local import LocalStore
-from cachebuild.store.options import StoreOptions, open_store
 from cachebuild.store.remote import RedisRemote, RemoteDownWarning, chunk_key, record_key
 from cachebuild.store.tiered import TieredStore, UnsignedRemoteWarning
 from cachebuild.store.timekeeping import SYSTEM_CLOCK, Clock
@@ -411,6 +411,8 @@ def test_open_store_reads_the_environment(tmp_path, server, monkeypatch):
     store.put(key, b"x", kind="target")
     assert server.client().dbsize() == 0
     assert (tmp_path / "env-l1").exists()
+    # A worker opens the same two tiers from what the store says.
+    assert store.reopen_options() == StoreOptions.from_env()
 
     assert isinstance(open_store(StoreOptions.from_env(remote_mode="off")), LocalStore)
     assert open_store(StoreOptions.from_env(remote_mode="rw")).remote.mode == "rw"

@@ -15,10 +15,9 @@ import pytest
 
 from cachebuild.errors import StoreError
 from cachebuild.keys import make_key
-from cachebuild.store import LocalStore
+from cachebuild.store import LocalStore, StoreOptions, open_store
 from cachebuild.store.index import ReadOnlyStore
 from cachebuild.store.layout import UnsafeStore, writable_here
-from cachebuild.store.options import StoreOptions, open_store
 from cachebuild.store.overlay import OverlayStore
 from cachebuild.store.readonly import ReadOnlyLocalStore
 
@@ -130,7 +129,7 @@ def test_a_store_root_owns_is_read_by_another_user_and_checked_for_writers(open_
         # Imports happen before the switch (this interpreter may live where others cannot
         # read): the child loads the store modules, then becomes the other user.
         code = ("import os, sys\n"
-                "from cachebuild.store.options import StoreOptions, open_store\n"
+                "from cachebuild.store import StoreOptions, open_store\n"
                 "import cachebuild.store.overlay, cachebuild.store.readonly, sqlite3, json\n"
                 f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
                 "store = open_store(StoreOptions(cache_dir=sys.argv[1]))\n"
@@ -161,3 +160,26 @@ def test_a_store_is_never_read_from_a_directory_another_user_owns(open_local, tm
         check_readable_dir(path)
     with pytest.raises(StoreError):
         ReadOnlyLocalStore(path)
+
+
+def test_a_store_says_how_another_process_opens_it(read_only, written, tmp_path):
+    """Build workers open the store their parent uses from ``reopen_options``: a store
+    whose writes another process sees (a local store, an overlay on disk) answers with
+    options that open that very store; one it may only read, or an overlay in memory,
+    answers None, and its targets build in the calling process."""
+    with LocalStore(written) as store:
+        options = store.reopen_options()
+        with open_store(options) as again:
+            assert type(again) is LocalStore and again.root == store.root
+            assert again.get(key("target")) == b"artifact bytes"
+    assert ReadOnlyLocalStore(read_only).reopen_options() is None
+    in_memory = open_store(StoreOptions(cache_dir=read_only))
+    assert in_memory.reopen_options() is None
+    on_disk = StoreOptions(cache_dir=read_only, overlay_dir=tmp_path / "overlay")
+    overlay = open_store(on_disk)
+    assert overlay.reopen_options() == on_disk
+    overlay.put(key("built"), b"built here", kind="target")
+    overlay.close()
+    worker = open_store(overlay.reopen_options())  # as a worker would
+    assert isinstance(worker, OverlayStore) and worker.get(key("built")) == b"built here"
+    worker.close()

@@ -16,7 +16,7 @@ import pytest
 
 import cachebuild
 from cachebuild.backends.kernel_dir import build_work_dir, environment_dir
-from cachebuild.store.options import StoreOptions, open_store
+from cachebuild.store import StoreOptions, open_store
 
 NAMES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR")
 

@@ -316,7 +316,7 @@ class Driver:
         import cachebuild
         from cachebuild import process_state
         from cachebuild.errors import CachebuildError
-        from cachebuild.store.options import open_store
+        from cachebuild.store import open_store
 
         process_state.current().loaded.clear()  # as in a fresh server: nothing loaded earlier is reused
         torch._dynamo.reset()

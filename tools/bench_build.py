@@ -108,7 +108,7 @@ def child(mode: str, store_dir: str, artifact: str) -> None:
             seconds = time.perf_counter() - t0
         elif mode == "cachebuild":
             import cachebuild
-            from cachebuild.store.local import LocalStore
+            from cachebuild.store import LocalStore
 
             t0 = time.perf_counter()
             compiled = cachebuild.compile(model, llama.config(), {0: 0, 1: 0},
@@ -159,7 +159,7 @@ def _warm_then_load(mode: str, path: str, model: Any, ids: Any, pos: Any, store_
     its first output."""
     import cachebuild
     from cachebuild.building.pool import jobs_here
-    from cachebuild.store.local import LocalStore
+    from cachebuild.store import LocalStore
     from cachebuild.warming import warm
 
     jobs = (int(mode.split(":", 1)[1]) or None) if mode.startswith("warm:") else None
@@ -192,7 +192,7 @@ def _serve_while_building(model: Any, ids: Any, pos: Any, store_dir: str,
     import torch
 
     import cachebuild
-    from cachebuild.store.local import LocalStore
+    from cachebuild.store import LocalStore
 
     config = dataclasses.replace(llama.config(), while_building="eager_fusion")
     t0 = time.perf_counter()

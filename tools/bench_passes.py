@@ -231,7 +231,7 @@ def bench_e2e(args: argparse.Namespace, device: str,
 
     import cachebuild
     from cachebuild.passes import PassConfig, PassManager
-    from cachebuild.store.local import LocalStore
+    from cachebuild.store import LocalStore
 
     qwen3 = _load_example()
     cfg = qwen3.Qwen3Config(layers=args.e2e_layers, hidden=args.hidden, heads=args.heads,

@@ -42,10 +42,7 @@ from pathlib import Path
 import redis
 from benchlib import cpu_model
 
-from cachebuild.store.local import LocalStore
-from cachebuild.store.remote import RedisRemote
-from cachebuild.store.tiered import TieredStore
-from cachebuild.store.transfer import pull
+from cachebuild.store import LocalStore, RedisRemote, TieredStore, pull
 
 SIGNING_KEY = b"bench-signing-key"
 

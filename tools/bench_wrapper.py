@@ -56,7 +56,7 @@ def child(step: str, variant: str, store_dir: str, reps: int) -> None:
     sys.path.insert(0, str(ROOT))
     import cachebuild
     import examples.llama as llama
-    from cachebuild.store.local import LocalStore
+    from cachebuild.store import LocalStore
 
     torch.manual_seed(0)
     model = llama.make_model()

@@ -35,8 +35,8 @@ import torch
 from cachebuild.config import CompileConfig
 from cachebuild.graph.facts import InputMeta, device_of, meta_of
 from cachebuild.keys import guard_seal_key, make_key
+from cachebuild.store import register_refs
 from cachebuild.store.interface import Store
-from cachebuild.store.refs import register_refs
 from cachebuild.tracing.env import SCHEMA_VERSION, env_factors
 from cachebuild.tracing.guards import GuardSet, check_data
 from cachebuild.tracing.split import SplitPlan

@@ -16,8 +16,8 @@ from typing import Any
 
 from cachebuild.graph.graphdiff import diff_graphs, similarity
 from cachebuild.keys import MISSING, Difference, canonical_json, diff_manifests
+from cachebuild.store import Record
 from cachebuild.store.interface import Store
-from cachebuild.store.record import Record
 from cachebuild.tracing.distributed import describe_change
 from cachebuild.tracing.targets import Target, bucket_label
 

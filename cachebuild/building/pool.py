@@ -43,7 +43,9 @@ from typing import TYPE_CHECKING, Any, BinaryIO
 from cachebuild.errors import UsageError
 
 if TYPE_CHECKING:
-    from cachebuild.store.options import StoreOptions
+    from cachebuild.passes import PassManager
+    from cachebuild.store import StoreOptions
+    from cachebuild.store.interface import Store
     from cachebuild.tracing.targets import BuildJob
 
 #: What a long wait is doing, as each build starts (the command line shows it at once).
@@ -187,19 +189,17 @@ def _importable(name: str | None) -> bool:
     return module is not None and spec is not None and spec.name == name and reachable(module)
 
 
-def store_options(store: Any) -> StoreOptions | None:
-    """The options that open ``store`` again in a worker, where there are such (a plain
-    local store; a store with a remote tier or an overlay builds in the calling process)."""
-    from cachebuild.store.local import LocalStore
-    from cachebuild.store.options import StoreOptions
-
-    if type(store) is not LocalStore:
+def store_options(store: Store) -> StoreOptions | None:
+    """The options workers open ``store`` with (``Store.reopen_options``), or None where
+    its targets build in the calling process: a store no other process can open, or one
+    with a remote tier (its transfers, locks and counters are this process's)."""
+    if store.remote is not None:
         return None
-    return StoreOptions(cache_dir=store.path, signing_key=store.signing_key,
-                        require_signature=store.require_signature, work_dir=store.work_dir)
+    return store.reopen_options()
 
 
-def setup_for(jobs: list[BuildJob], store: Any, passes: Any) -> WorkerSetup | None:
+def setup_for(jobs: list[BuildJob], store: Store, passes: PassManager | None
+              ) -> WorkerSetup | None:
     """How workers can build ``jobs`` exactly as this process would, or None where they
     cannot: a store they cannot open, passes other than the config's own (custom ones
     live in this process), a backend not built in, or ops registered by code they cannot

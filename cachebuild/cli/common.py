@@ -21,9 +21,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from cachebuild import process_state
 from cachebuild.errors import UsageError
+from cachebuild.store import StoreOptions, UnknownKey
 from cachebuild.store.interface import Store
-from cachebuild.store.local import UnknownKey
-from cachebuild.store.options import StoreOptions
 from cachebuild.units import format_duration, parse_duration, parse_size
 
 #: Progress bars are shown only for operations on at least this many blobs.
@@ -48,7 +47,7 @@ class CliState:
     def open_store(self) -> Store:
         """The store the options select (opened once, closed when the command ends)."""
         if self.store is None:
-            from cachebuild.store.options import open_store
+            from cachebuild.store import open_store
 
             self.store = open_store(self.options)
         return self.store
@@ -79,7 +78,7 @@ def open_existing_store(ctx: click.Context) -> Store:
     import os
     from pathlib import Path
 
-    from cachebuild.store.layout import (
+    from cachebuild.store import (
         FORMAT_DIR,
         check_private_dir,
         check_readable_dir,

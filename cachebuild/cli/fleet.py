@@ -23,8 +23,8 @@ from cachebuild.errors import CachebuildError, UsageError
 from cachebuild.units import format_size
 
 if TYPE_CHECKING:
+    from cachebuild.store import TransferCounts
     from cachebuild.store.interface import RemoteTier, Store
-    from cachebuild.store.transfer import TransferCounts
 
 # torch, the model and the Redis client are imported inside the commands: `--help` and
 # `push --all` should not pay for torch.
@@ -93,7 +93,7 @@ def push_command(ctx: click.Context, model: str | None, push_all: bool,
     """
     from cachebuild.cli.common import resolve_key
     from cachebuild.modelfile import entry_key as entry_key_of
-    from cachebuild.store.transfer import push
+    from cachebuild.store import push
 
     if model and push_all:
         raise UsageError("push needs either MODEL.py or --all (not both)")
@@ -145,7 +145,7 @@ def pull_command(ctx: click.Context, model: str, jobs: int) -> None:
     target could not be fetched (missing, rejected, or the remote is down).
     """
     from cachebuild.modelfile import entry_key as entry_key_of
-    from cachebuild.store.transfer import pull
+    from cachebuild.store import pull
 
     store, remote = _tiered(ctx, "pull")
     entry_key = entry_key_of(model, store)

@@ -23,7 +23,7 @@ from rich.logging import RichHandler
 from cachebuild.cli import fleet, model, store
 from cachebuild.cli.common import CliState, install_warning_display, one_line, stderr
 from cachebuild.errors import CachebuildError
-from cachebuild.store.options import StoreOptions
+from cachebuild.store import StoreOptions
 
 #: Every command, by module: what ``cachebuild --help`` lists.
 COMMANDS = (*store.COMMANDS, *model.COMMANDS, *fleet.COMMANDS)

@@ -40,7 +40,8 @@ from cachebuild.cli.common import (
 
 if TYPE_CHECKING:
     from cachebuild.explain import EntryExplanation
-    from cachebuild.warming import OpenedStore, PlanReport, TargetReport
+    from cachebuild.store.interface import Store
+    from cachebuild.warming import PlanReport, TargetReport
 
 # torch and the build graph are imported inside the commands: `cachebuild ls` and
 # `--help` should not pay for them.
@@ -201,12 +202,9 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
         ctx.exit(1)
 
 
-def _store_for(ctx: click.Context) -> OpenedStore:
-    """The command line's store, with the options its worker processes open it with."""
-    from cachebuild.warming import OpenedStore
-
-    state = state_of(ctx)
-    return OpenedStore(state.open_store(), state.options)
+def _store_for(ctx: click.Context) -> Store:
+    """The command line's store (its worker processes ask it how to open it again)."""
+    return state_of(ctx).open_store()
 
 
 def _say(console: Console) -> Callable[[str], None]:

@@ -83,7 +83,7 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     from cachebuild.backends import environment
     from cachebuild.backends.probe import cached_verdicts, unusable
     from cachebuild.metrics import check_target, store_metrics, write
-    from cachebuild.store.layout import UnsafeStore
+    from cachebuild.store import UnsafeStore
 
     if prometheus is not None:
         check_target(prometheus)  # before the store is read: a bad path is bad usage
@@ -248,7 +248,7 @@ def _gc_environments(store: Any, dry_run: bool, verb: str) -> None:
     import os
 
     from cachebuild.backends import environment
-    from cachebuild.store.layout import FORMAT_DIR
+    from cachebuild.store import FORMAT_DIR
 
     out = stdout()
     current = os.path.realpath(environment.current())  # imports torch: its fingerprint

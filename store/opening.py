@@ -1,0 +1,49 @@
+"""Opening the store a process is configured for: ``open_store(options)``."""
+
+from __future__ import annotations
+
+from cachebuild.errors import UsageError
+
+from .interface import Store
+from .layout import writable_here
+from .local import LocalStore
+from .options import StoreOptions
+
+
+def open_store(options: StoreOptions | None = None) -> Store:
+    """The store ``options`` describe (default: the environment's): a ``LocalStore``, or
+    a ``TieredStore`` (L1 + Redis) when a remote is configured and not off, or, where the
+    directory is read-only here, an ``OverlayStore`` (that store read-only, this user's
+    builds in ``overlay_dir`` or in memory).
+
+    Raises StoreError (exit 1) for an unsafe or unusable directory, UsageError (exit 2)
+    for a bad remote URL, or a remote without a signing key unless ``allow_unsigned``.
+    """
+    options = options or StoreOptions.from_env()
+    if not writable_here(options.cache_dir):
+        if options.uses_remote:
+            raise UsageError(f"the store at {options.cache_dir} is read-only here, and a "
+                             "remote tier needs a local store it can write: give one "
+                             "(--cache-dir, CACHEBUILD_DIR) or turn the remote off "
+                             "(CACHEBUILD_REMOTE_MODE=off)")
+        from .overlay import OverlayStore
+        from .readonly import ReadOnlyLocalStore
+
+        base = ReadOnlyLocalStore(options.cache_dir, signing_key=options.signing_key,
+                                  require_signature=options.require_signature)
+        return OverlayStore(base, options.overlay_dir, work_dir=options.work_dir,
+                            opened_with=options)
+    local = LocalStore(options.cache_dir, signing_key=options.signing_key,
+                       require_signature=options.require_signature, work_dir=options.work_dir)
+    if not options.uses_remote:
+        return local
+    from .remote import RedisRemote
+    from .tiered import TieredStore
+
+    assert options.remote is not None
+    try:
+        remote = RedisRemote(options.remote, mode=options.remote_mode)  # type: ignore[arg-type]
+    except BaseException:
+        local.close()
+        raise
+    return TieredStore(local, remote, allow_unsigned=options.allow_unsigned, opened_with=options)
