@@ -210,3 +210,21 @@ def remove(path: Path, dry_run: bool) -> tuple[int, bool]:
         return size, True
     finally:
         os.close(fd)
+
+
+def disk_paid(store_root: Path, folders: list[Folder], work: dict[str, Any] | None
+              ) -> dict[str, Any]:
+    """What the store's user pays for on disk, as ``du -sb`` counts it, part by part: the
+    store's folder (``<dir>/v1``), a work folder outside it, and each environment folder
+    (toolchain verdicts, ISA checks, precompiled headers; shared by every store of this
+    user). ``{"parts": [{"what", "path", "bytes", "about"}], "total"}``."""
+    parts = [{"what": "store on disk", "path": str(store_root),
+              "bytes": tree_bytes(store_root)[0], "about": "records, blobs, index, work files"}]
+    if work is not None and not Path(work["path"]).is_relative_to(store_root):
+        parts.append({"what": "work folder", "path": work["path"],
+                      "bytes": tree_bytes(Path(work["path"]))[0], "about": "builds' files"})
+    for folder in folders:
+        parts.append({"what": "environment", "path": folder.path, "bytes": folder.bytes,
+                      "about": f"{folder.summary()}; toolchain verdicts, ISA checks, "
+                               "precompiled headers, shared by your stores"})
+    return {"parts": parts, "total": sum(p["bytes"] for p in parts)}

@@ -108,7 +108,7 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     # Counted with the store closed: an open index holds files (SQLite's shared memory)
     # that are gone when the command ends, and du counts what stays.
     state_of(ctx).close()
-    stats["disk"] = disk_paid(Path(stats["path"]), folders, stats.get("work"))
+    stats["disk"] = environment.disk_paid(Path(stats["path"]), folders, stats.get("work"))
     if as_json:
         click.echo(json.dumps(stats, indent=2))
         return
@@ -165,26 +165,6 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     for what, value in rows:
         table.add_row(what, value)
     stdout().print(table)
-
-
-def disk_paid(store_root: Path, folders: list[Any], work: dict[str, Any] | None
-              ) -> dict[str, Any]:
-    """What the store's user pays for on disk, as ``du -sb`` counts it, part by part: the
-    store's folder (``<dir>/v1``), a work folder outside it, and each environment folder
-    (toolchain verdicts, ISA checks, precompiled headers; shared by every store of this
-    user). ``{"parts": [{"what", "path", "bytes", "about"}], "total"}``."""
-    from cachebuild.backends.environment import tree_bytes
-
-    parts = [{"what": "store on disk", "path": str(store_root),
-              "bytes": tree_bytes(store_root)[0], "about": "records, blobs, index, work files"}]
-    if work is not None and not Path(work["path"]).is_relative_to(store_root):
-        parts.append({"what": "work folder", "path": work["path"],
-                      "bytes": tree_bytes(Path(work["path"]))[0], "about": "builds' files"})
-    for folder in folders:
-        parts.append({"what": "environment", "path": folder.path, "bytes": folder.bytes,
-                      "about": f"{folder.summary()}; toolchain verdicts, ISA checks, "
-                               "precompiled headers, shared by your stores"})
-    return {"parts": parts, "total": sum(p["bytes"] for p in parts)}
 
 
 @click.command("gc")
