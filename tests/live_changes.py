@@ -25,6 +25,13 @@ import cachebuild
 SCALE = 1.0
 
 
+class Mode:
+    """Objects compared by identity only: ``self.mode is QUADRUPLED``."""
+
+
+PLAIN, QUADRUPLED = Mode(), Mode()
+
+
 @dataclass
 class Config:
     act: str = "relu"
@@ -51,6 +58,7 @@ class Net(nn.Module):
         self.inner = Inner()
         self.config = Config()
         self.extra = ["a"]  # a list whose contents the forward reads
+        self.mode = PLAIN
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.b(x) if self.use_b else self.a(x)
@@ -61,6 +69,8 @@ class Net(nn.Module):
             y = y * 2
         for name in self.extra:
             y = y + getattr(self, name)(x)
+        if self.mode is QUADRUPLED:
+            y = y * 4
         act = torch.relu if self.config.act == "relu" else torch.tanh
         return act(y) + self.config.eps
 
@@ -100,6 +110,8 @@ CASES = [
     Case("list contents", lambda n: n.extra.append("b"), lambda n, _: n.extra.pop()),
     Case("environment variable", lambda n: _set_env("1"), lambda n, _: _set_env(None)),
     Case("forward hook", _hook, lambda n, handle: handle.remove()),
+    Case("module-level object", lambda n: setattr(n, "mode", QUADRUPLED),
+         lambda n, _: setattr(n, "mode", PLAIN)),
 ]
 
 

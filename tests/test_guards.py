@@ -58,7 +58,7 @@ class Tunable(nn.Module):
     def forward(self, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         x = self.inner.embed(ids)
         scale = (pos[:, None].float() / self.base).cos()
-        if id(self.kernel) == id(SCALED_ROTARY):  # as hub kernels pick their wrapper
+        if self.kernel is SCALED_ROTARY:
             scale = scale * 2
         h = F.rms_norm(x, (x.shape[-1],), eps=self.eps)
         if self.parallel:

@@ -38,6 +38,7 @@ from cachebuild.tracing.guards import (
     is_process_group,
     process_state,
     resolve,
+    singleton,
 )
 from cachebuild.trust.sources import module_root
 
@@ -296,6 +297,11 @@ def _record(entry: Any, check: str | None, model: Any, args: Sequence[Any],
         raise Unrecordable(f"{guard.name}: not readable by a plain path ({type(e).__name__})") from e
     if check == "equals" and isinstance(value, types.CodeType):
         check = "id"  # Dynamo's CONSTANT_MATCH compares code objects by identity
+    if check == "type" and singleton(value):
+        # Dynamo guards ``x is OTHER`` between two objects of one class by their type
+        # alone, so swapping one module-level singleton for another of its class is not
+        # seen (torch.compile serves the old branch); which one it is, is recorded.
+        check = "id"
     if entry.guard_type in PROCESS_GROUP_KINDS and is_process_group(value):
         check = "process_group"
     if check is None:

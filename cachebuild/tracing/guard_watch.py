@@ -40,7 +40,9 @@ from cachebuild.tracing.guards import (
     _Node,
     checked,
     decode_key,
+    global_holder,
     root_value,
+    singleton,
     step,
 )
 
@@ -55,6 +57,14 @@ _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, range, enum.Enu
 
 #: A pair to watch: a dict and a key of it (``ANY``: every key).
 Pair = tuple[dict[Any, Any], Any]
+
+
+def _singleton(check: str, value: Any) -> tuple[dict[str, Any], str] | None:
+    """Where a module global holds ``value``, if an ``id`` check names it by that global
+    (``guards.identity``): the same object keeps that answer while the global holds it."""
+    if check != "id" or _immutable(value) or not singleton(value):
+        return None
+    return global_holder(value)
 
 
 def _immutable(value: Any) -> bool:
@@ -240,6 +250,10 @@ class _Plan:
             return True
         if check in ("id", "equals", "process_group") and _immutable(value):
             return True
+        held = _singleton(check, value)
+        if held is not None:  # the same object, still held by that global
+            self.pairs.append(held)
+            return True
         if check == "process_group":
             return True
         if isinstance(value, dict) and check in ("id", "equals", "len", "keys", "contains"):
@@ -332,7 +346,8 @@ class _Plan:
             return (f"(getattr({v}, '__func__', None) is not {self.const(value.__func__)} or "
                     f"getattr({v}, '__self__', None) is not {self.const(value.__self__)}) "
                     f"and {exact}")
-        if check in ("id", "equals", "process_group") and _immutable(value):
+        if check in ("id", "equals", "process_group") and _immutable(value) or \
+                _singleton(check, value) is not None:
             return f"{v} is not {self.const(value)} and {exact}"
         return exact
 

@@ -121,16 +121,34 @@ def identity(value: Any) -> Any:
         return {"global": name, "type": qualname(type(value))}
 
 
-def global_name(value: Any) -> str | None:
-    """``module.name`` of the global that holds ``value`` in the module defining its class,
-    or None. A module-level singleton (a sentinel, a function wrapped into an object by a
-    decorator) is the same object in every process as long as that global holds it."""
-    module_name = getattr(type(value), "__module__", None) or ""
-    module = sys.modules.get(module_name)
+def singleton(value: Any) -> bool:
+    """Whether ``identity`` names ``value`` by the module global that holds it (an object
+    with no plain value, held by a global of the module that defines its class)."""
+    try:
+        fingerprint = identity(value)
+    except Unplain:
+        return False
+    return isinstance(fingerprint, dict) and "global" in fingerprint
+
+
+def global_holder(value: Any) -> tuple[dict[str, Any], str] | None:
+    """The globals of the module defining ``value``'s class and the (first) name under which
+    they hold ``value``, or None. A module-level singleton (a sentinel, a function wrapped
+    into an object by a decorator) is the same object in every process as long as that
+    global holds it."""
+    module = sys.modules.get(getattr(type(value), "__module__", None) or "")
     if module is None:
         return None
     names = sorted(k for k, v in list(vars(module).items()) if v is value)
-    return f"{module_label(module_name)}.{names[0]}" if names else None
+    return (vars(module), names[0]) if names else None
+
+
+def global_name(value: Any) -> str | None:
+    """``module.name`` of the global that holds ``value`` (``global_holder``), or None."""
+    held = global_holder(value)
+    if held is None:
+        return None
+    return f"{module_label(held[0]['__name__'])}.{held[1]}"
 
 
 def short(fingerprint: Any) -> str:
