@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     import torch.fx as fx
 
     from cachebuild.config import CompileConfig
+    from cachebuild.passes import PassManager
     from cachebuild.store.interface import ArtifactSource
 
 
@@ -69,7 +70,7 @@ class BuildRequest:
     bucket: dict[str, Any]
     config: CompileConfig
     key: str
-    passes: Any  # cachebuild.passes.PassManager
+    passes: PassManager
     toolchain: dict[str, Any] = field(default_factory=dict)  # Backend.toolchain's answer
 
 

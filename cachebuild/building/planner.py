@@ -23,6 +23,7 @@ from cachebuild.config import CompileConfig, check_inductor_options
 from cachebuild.counters import COUNTERS, timed
 from cachebuild.graph.facts import device_of
 from cachebuild.keys import make_key, variant_key
+from cachebuild.passes import PassManager
 from cachebuild.store.interface import Store
 from cachebuild.tracing.distributed import layout_mismatches
 from cachebuild.tracing.env import env_factors
@@ -32,7 +33,7 @@ from cachebuild.tracing.targets import make_targets
 from cachebuild.tracing.trace import TracedGraph, trace_model
 
 
-def target_factors(backend: Backend, config: CompileConfig, passes: Any,
+def target_factors(backend: Backend, config: CompileConfig, passes: PassManager,
                    device: str | None = None, probe_dir: Path | None = None) -> dict[str, Any]:
     """Backend and pass factors, shared by every target of a config.
 
@@ -66,7 +67,8 @@ class Planner:
     """Trace → split → targets → entry for one model and call signature."""
 
     def __init__(self, model: torch.nn.Module, config: CompileConfig,
-                 dynamic_dims: dict[int, int], store: Store | None, passes: Any = None,
+                 dynamic_dims: dict[int, int], store: Store | None,
+                 passes: PassManager | None = None,
                  touch: bool = True) -> None:
         """``touch=False``: looking, not using (``plan``, ``explain``): reading the stored
         entry does not count as a hit nor refresh what GC goes by."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 from rich import box
@@ -29,6 +29,9 @@ from cachebuild.cli.common import (
 )
 from cachebuild.errors import UsageError
 from cachebuild.units import format_size
+
+if TYPE_CHECKING:
+    from cachebuild.store.interface import Store
 
 
 @click.command("ls")
@@ -222,7 +225,7 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
                    f"more than --max-size {format_size(max_size or 0)}", err=True)
 
 
-def _gc_environments(store: Any, dry_run: bool, verb: str) -> None:
+def _gc_environments(store: Store, dry_run: bool, verb: str) -> None:
     """Remove the environment folders of other environments, and the store's old
     ``probe/`` folder, saying what went and what was kept (a folder in use)."""
     import os

@@ -31,6 +31,7 @@ from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS
 from cachebuild.errors import BuildError
 from cachebuild.keys import make_key
+from cachebuild.passes import PassManager
 from cachebuild.tracing.targets import bucket_label
 
 log = logging.getLogger("cachebuild")
@@ -49,7 +50,7 @@ def interim_config(config: CompileConfig) -> CompileConfig | None:
     return replace(config, backend="inductor", flavour="standalone", while_building="wait")
 
 
-def interim_entry(entry: Entry, config: CompileConfig, passes: Any) -> Entry:
+def interim_entry(entry: Entry, config: CompileConfig, passes: PassManager) -> Entry:
     """``entry`` with every target keyed for ``config``'s backend instead (an entry that is
     used, never recorded: it shares the recorded one's key)."""
     from cachebuild.backends import get_backend
