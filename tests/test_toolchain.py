@@ -205,7 +205,8 @@ def test_transient_errors_are_the_machines_not_the_pieces():
         assert not transient(unrelated)  # an OSError met and handled on the way is not it
 
 
-def test_stats_says_which_compiler_builds_here_and_why_others_were_refused(planted, tmp_path):
+def test_stats_says_which_compiler_builds_here_and_why_others_were_refused(planted, tmp_path,
+                                                                         monkeypatch):
     from click.testing import CliRunner
 
     from cachebuild.cli import main as cli
@@ -214,6 +215,8 @@ def test_stats_says_which_compiler_builds_here_and_why_others_were_refused(plant
     _plant(planted, probe.Compiler("/usr/bin/g++", "g++ (Test) 12.2.0"),
            [("/opt/wrapped/g++", "crashed on load (SIGSEGV)")])
     LocalStore(tmp_path / "store").close()
+    # No environment folder of the user's own (an earlier run's, in ~/.cache) is listed.
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     result = CliRunner().invoke(cli.main, ["--cache-dir", str(tmp_path / "store"), "stats"])
     assert result.exit_code == 0, result.output
     text = " ".join(result.output.split())
