@@ -173,3 +173,22 @@ def test_the_store_is_entered_through_its_package_or_interface():
              if not name.startswith("cachebuild.store")
              for dep in sorted(deps) if dep.startswith("cachebuild.store.") and dep not in front]
     assert wrong == []
+
+
+def test_the_architecture_page_names_files_and_folders_that_exist():
+    """``docs/architecture.md`` stays true where a test can tell: every file it names is
+    there (a bare name is unique, see above), and it shows every layer's folder."""
+    import re
+
+    text = (ROOT / "docs" / "architecture.md").read_text()
+    files = {p.relative_to(ROOT).as_posix() for folder in FOLDERS
+             for p in (ROOT / folder).rglob("*.py")} | {"tests/test_layering.py"}
+    missing = []
+    for name in sorted(set(re.findall(r"`([\w/]+\.py)`", text)) - {"__init__.py"}):
+        found = [f for f in files if f == name or f.endswith("/" + name)]
+        if not found:
+            missing.append(name)
+    assert missing == []
+    for package in (p for rank in PACKAGES for p in rank):
+        folder = package_folder(package).name
+        assert f"`{folder}/`" in text, f"docs/architecture.md does not show {folder}/"
