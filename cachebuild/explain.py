@@ -78,7 +78,7 @@ def explain(model: ModelSource, *, store: StoreArg = None, device: str | None = 
         target_users,
     )
 
-    opened, _, owned = open_given(store)
+    opened, owned = open_given(store)
     try:
         records: list[Record] | None = None
         group: list[Planned] = []

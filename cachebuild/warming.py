@@ -339,17 +339,15 @@ def _report(group: list[Planned], store: Store, world_size: int | None) -> PlanR
 StoreArg: TypeAlias = "Store | StoreOptions | str | os.PathLike | None"
 
 
-def open_given(store: StoreArg) -> tuple[Store, StoreOptions | None, bool]:
-    """The store a ``store`` argument names, the options worker processes open it with
-    (``Store.reopen_options``; None: they cannot), and whether it was opened here (and is
-    to be closed here)."""
+def open_given(store: StoreArg) -> tuple[Store, bool]:
+    """The store a ``store`` argument names, and whether it was opened here (and is to be
+    closed here). Worker processes ask it how to open it (``Store.reopen_options``)."""
     from cachebuild.store import StoreOptions, open_store
 
     if store is None or isinstance(store, str | os.PathLike | StoreOptions):
-        opened = open_store(store if isinstance(store, StoreOptions) else
-                            StoreOptions.from_env(cache_dir=store))
-        return opened, opened.reopen_options(), True
-    return store, store.reopen_options(), False
+        return open_store(store if isinstance(store, StoreOptions) else
+                          StoreOptions.from_env(cache_dir=store)), True
+    return store, False
 
 
 def plan(model: ModelSource, *, store: StoreArg = None,
@@ -363,7 +361,7 @@ def plan(model: ModelSource, *, store: StoreArg = None,
     ``world_size``: plan each rank of a tensor-parallel model. ``say``: told, in words,
     when the model is traced (its entry is not stored).
     """
-    opened, _, owned = open_given(store)
+    opened, owned = open_given(store)
     try:
         group = list(plan_group(source_of(model), opened, device, world_size, say))
         return _report(group, opened, world_size)
@@ -465,7 +463,8 @@ def warm(model: ModelSource, *, store: StoreArg = None,
     from cachebuild.counters import COUNTERS
 
     start = time.perf_counter()
-    opened, options, owned = open_given(store)
+    opened, owned = open_given(store)
+    options = opened.reopen_options()
     pool: BuildPool | None = None
     before = dict(COUNTERS.seconds)
     try:
