@@ -46,13 +46,17 @@ from cachebuild.store.interface import ArtifactSource
 
 log = logging.getLogger("cachebuild.inductor")
 
-VERSION = "3"  # 3: AOTI packages (.pt2) built with the probed compiler
+VERSION = "4"  # 3: AOTI packages (.pt2) built with the probed compiler; 4: the edge pass
 
 
 def _inductor_options(request: BuildRequest) -> dict[str, Any]:
+    from cachebuild.backends.edges import EdgePass  # imports Inductor: builds only
+
     options = request.config.inductor_options_dict()
-    if request.passes is not None and request.passes.passes:
-        options["post_grad_custom_post_pass"] = request.passes.as_inductor_pass()
+    passes = request.passes if request.passes is not None and request.passes.passes else None
+    # Every piece gets the edge pass: a piece's outputs must not make Inductor choose
+    # other kernels than compiling the whole model would (``edges.py``).
+    options["post_grad_custom_post_pass"] = EdgePass(passes)
     return options
 
 

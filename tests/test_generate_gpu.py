@@ -103,6 +103,32 @@ def test_paged_example_on_cuda_is_token_equal_cold_and_warm(graphs, example_stor
     assert f"{kind} 30" in line, line
 
 
+def test_no_residual_sum_is_an_addmm_in_the_examples_cuda_packages(example_store):
+    """A piece's output must not make Inductor choose other kernels than compiling the
+    model whole would: no ``addmm`` (a copy of the residual, then a GEMM adding into it) in
+    the wrapper code of any AOTI package of the paged example (``backends/edges.py``)."""
+    import re
+    import zipfile
+
+    from cachebuild.store import LocalStore
+
+    if not example_store.exists():
+        run_example(example_store, LLAMA_DTYPE="float32")
+    store = LocalStore(example_store)
+    try:
+        packages = [r.key for r in store.records(kind="aoti-cuda")]
+        assert packages, "the example built no AOTI package"
+        for key in packages:
+            with zipfile.ZipFile(store.materialize(key, ".pt2")) as z:
+                wrappers = [n for n in z.namelist() if n.endswith(".cpp")]
+                assert wrappers, z.namelist()
+                code = "".join(z.read(n).decode(errors="replace") for n in wrappers)
+            assert not re.search(r"aoti_torch_\w+_addmm_out\(", code), key
+            assert re.search(r"aoti_torch_\w+_mm_out\(", code), key  # the GEMMs, unfused
+    finally:
+        store.close()
+
+
 @pytest.fixture(scope="module")
 def patterns_store(tmp_path_factory):
     """One store for both graph modes of the model with every pattern: the first builds."""
