@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.fx
 from torch._inductor.custom_graph_pass import CustomGraphPass
+from torch.fx.experimental.symbolic_shapes import statically_known_true, sym_eq
 
 aten = torch.ops.aten
 
@@ -62,7 +63,9 @@ def _unfusable(node: torch.fx.Node, gpu_only: bool) -> bool:
     inp, out = _val(node.args[0]), _val(node)
     if not (isinstance(inp, torch.Tensor) and isinstance(out, torch.Tensor)):
         return False
-    if inp.shape != out.shape or inp.dtype != out.dtype:
+    # Compared without guards: a guard here would narrow the piece's dynamic sizes.
+    if inp.dtype != out.dtype or inp.dim() != out.dim() or not statically_known_true(
+            sym_eq(inp.shape, out.shape)):
         return False  # a bias row: cuBLAS adds it in its epilogue, no copy
     if gpu_only:
         from torch._inductor.utils import is_gpu

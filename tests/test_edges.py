@@ -58,8 +58,12 @@ def test_a_bias_an_output_only_sum_and_a_matmul_consumer_keep_their_addmm():
 
     x, a, w = torch.randn(4, 8), torch.randn(4, 8), torch.randn(8, 8)
     gm = trace(kept, x, a, w, torch.randn(8))
+    shape_env = next(iter(gm.graph.nodes)).meta["val"].fake_mode.shape_env
+    guards = len(shape_env.guards)
     assert unfuse_edge_addmm(gm.graph, gpu_only=False) == 0
     assert count(gm, aten.addmm.default) == 3
+    # deciding added no guard: the piece's sizes stay as dynamic as they were traced
+    assert len(shape_env.guards) == guards
 
 
 def test_cpu_graphs_are_left_to_inductor_by_default():
