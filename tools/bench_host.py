@@ -3,7 +3,8 @@
 ``examples/generate.py``'s paged model (tiny, ``eager_fusion`` pieces, on the CPU, where a
 "replay" runs the piece: ``ReplayCapture``), one decode batch, served three ways in one
 process: the stitched forward calling the pieces directly (no graph machinery: the floor),
-piecewise replays (static argument buffers, a replayer per piece), and a full graph.
+piecewise replays (static argument buffers, a replayer per piece), and a full graph
+(in ``full_and_piecewise``, a call marked as decode; and the same in ``full`` mode).
 For each: the median host time of a step and the Python function calls it makes
 (``sys.setprofile``: a count, the same on every machine). The difference between the
 piecewise path and the floor is what cachebuild adds between piece replays; on a GPU the
@@ -16,6 +17,7 @@ same path runs with each piece a graph launch (``bench_generate.py``'s host ms,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import tempfile
@@ -107,6 +109,22 @@ def main() -> None:
             rows[name] = (median_us(fn, args.steps), calls_in(fn))
     served = compiled.capture_state().served
     assert served["full"] > 0 and served["piecewise"] > 0, served
+    # The same full graph in cudagraph_mode "full": what the decode mark and the route to
+    # the full graph cost full_and_piecewise (the difference between the two rows).
+    only_full = cachebuild.compile(generate.make_model(), dataclasses.replace(
+        config, cudagraph_mode="full", decode_sizes=None), generate.DYNAMIC, store=store)
+    full_runtime = only_full.prepare(*call)
+    assert full_runtime is not None
+    with torch.no_grad():
+        def full_mode() -> Any:
+            with decoding():
+                return full_runtime(*call)
+
+        for _ in range(3):
+            full_mode()
+        rows["full graph, cudagraph_mode full"] = (median_us(full_mode, args.steps),
+                                                   calls_in(full_mode))
+    assert only_full.capture_state().served["full"] > 0
     print(f"paged model, {args.layers} layers (hidden 64), decode batch {b}, CPU, "
           f"torch {torch.__version__}, Python {sys.version.split()[0]}; median of "
           f"{args.steps} steps")
