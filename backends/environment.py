@@ -31,7 +31,7 @@ import json
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -212,19 +212,42 @@ def remove(path: Path, dry_run: bool) -> tuple[int, bool]:
         os.close(fd)
 
 
-def disk_paid(store_root: Path, folders: list[Folder], work: dict[str, Any] | None
-              ) -> dict[str, Any]:
+@dataclass
+class DiskPart:
+    """One folder the store's user pays for: what it is, where, its bytes, what it holds."""
+
+    what: str
+    path: str
+    bytes: int
+    about: str = ""
+
+
+@dataclass
+class DiskPaid:
+    """What the store's user pays for on disk, part by part, and in all."""
+
+    parts: list[DiskPart] = field(default_factory=list)
+
+    @property
+    def total(self) -> int:
+        return sum(p.bytes for p in self.parts)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"parts": [asdict(p) for p in self.parts], "total": self.total}
+
+
+def disk_paid(store_root: Path, folders: list[Folder], work_path: str | None) -> DiskPaid:
     """What the store's user pays for on disk, as ``du -sb`` counts it, part by part: the
-    store's folder (``<dir>/v1``), a work folder outside it, and each environment folder
-    (toolchain verdicts, ISA checks, precompiled headers; shared by every store of this
-    user). ``{"parts": [{"what", "path", "bytes", "about"}], "total"}``."""
-    parts = [{"what": "store on disk", "path": str(store_root),
-              "bytes": tree_bytes(store_root)[0], "about": "records, blobs, index, work files"}]
-    if work is not None and not Path(work["path"]).is_relative_to(store_root):
-        parts.append({"what": "work folder", "path": work["path"],
-                      "bytes": tree_bytes(Path(work["path"]))[0], "about": "builds' files"})
+    store's folder (``<dir>/v1``), a work folder outside it (``work_path``), and each
+    environment folder (toolchain verdicts, ISA checks, precompiled headers; shared by
+    every store of this user)."""
+    paid = DiskPaid([DiskPart("store on disk", str(store_root), tree_bytes(store_root)[0],
+                              "records, blobs, index, work files")])
+    if work_path is not None and not Path(work_path).is_relative_to(store_root):
+        paid.parts.append(DiskPart("work folder", work_path, tree_bytes(Path(work_path))[0],
+                                   "builds' files"))
     for folder in folders:
-        parts.append({"what": "environment", "path": folder.path, "bytes": folder.bytes,
-                      "about": f"{folder.summary()}; toolchain verdicts, ISA checks, "
-                               "precompiled headers, shared by your stores"})
-    return {"parts": parts, "total": sum(p["bytes"] for p in parts)}
+        paid.parts.append(DiskPart("environment", folder.path, folder.bytes,
+                                   f"{folder.summary()}; toolchain verdicts, ISA checks, "
+                                   "precompiled headers, shared by your stores"))
+    return paid

@@ -413,6 +413,33 @@ def cached_verdicts(folder: Path | None = None) -> list[Verdict]:
     return out
 
 
+@dataclass
+class Toolchains:
+    """What the environment folders say of this machine's toolchains (``cachebuild stats``):
+    every verdict they hold, and why a folder's were not read, if one's were not."""
+
+    verdicts: list[Verdict]
+    problem: str | None = None
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [v.to_json() | {"summary": v.describe(), "unusable": unusable(v)}
+                for v in self.verdicts]
+
+
+def listed_toolchains(folders: list[Path]) -> Toolchains:
+    """The verdicts cached in each of ``folders``; a folder not safe to read is skipped
+    and named in ``problem`` (builds do not use its verdicts either)."""
+    from cachebuild.store import UnsafeStore
+
+    found = Toolchains([])
+    for folder in folders:
+        try:
+            found.verdicts += cached_verdicts(folder)
+        except UnsafeStore as e:
+            found.problem = str(e)
+    return found
+
+
 #: The children running now, stopped if this process exits first (a model that failed to
 #: trace ends the process while its probe still runs).
 _children: set[subprocess.Popen[bytes]] = set()

@@ -123,32 +123,3 @@ def process_metrics(snapshot: dict) -> list[Metric]:
                           "Seconds spent per phase (trace, build, load, capture, ...).",
                           labels=(("phase", phase),)))
     return out
-
-
-def store_metrics(stats: dict) -> str:
-    """A store's ``stats()`` in the exposition format (counters since the store was made,
-    gauges for what it holds now)."""
-    counters = {
-        "hits": "Lookups the store answered.", "misses": "Lookups that found nothing.",
-        "puts": "Blobs stored.", "quarantined": "Blobs that failed verification.",
-        "builds": "Targets built into the store.", "loads": "Targets loaded from the store.",
-        "traces": "Models traced with Dynamo.", "warm_starts": "Starts from a stored entry.",
-    }
-    metrics = [Metric(f"store_{name}_total", float(stats.get(name, 0)), text)
-               for name, text in counters.items()]
-    metrics += [
-        Metric("store_build_seconds_total", float(stats.get("build_seconds", 0)),
-               "Seconds spent building targets."),
-        Metric("store_load_seconds_total", float(stats.get("load_seconds", 0)),
-               "Seconds spent loading targets."),
-        Metric("store_records", float(stats.get("records", 0)), "Records in the store.",
-               kind="gauge"),
-        Metric("store_bytes", float(stats.get("bytes", 0)), "Payload bytes stored.",
-               kind="gauge"),
-        Metric("store_disk_bytes", float(stats.get("disk_bytes", 0)),
-               "Bytes the store takes on disk.", kind="gauge"),
-        Metric("store_work_bytes", float((stats.get("work") or {}).get("bytes", 0)),
-               "Bytes compilers wrote while building targets (gc removes them).",
-               kind="gauge"),
-    ]
-    return render(metrics)

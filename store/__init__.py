@@ -34,7 +34,16 @@ from .locking import flocked_shared, try_flock
 from .maintenance import WORK_LOCK
 from .opening import open_store
 from .options import StoreOptions, cache_home
-from .record import GCReport, Record, VerifyReport
+from .record import (
+    GCReport,
+    KindTotals,
+    OverlaySummary,
+    Record,
+    StoreStats,
+    TierStats,
+    VerifyReport,
+    WorkUsage,
+)
 from .refs import register_refs
 from .work import ObjectRecords, open_work_dir
 
@@ -45,6 +54,11 @@ __all__ = [
     "CorruptBlob",
     "ExportReport",
     "GCReport",
+    "KindTotals",
+    "OverlaySummary",
+    "StoreStats",
+    "TierStats",
+    "WorkUsage",
     "ImportReport",
     "InvalidKey",
     "LocalStore",

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from cachebuild.store.blob import BlobHeader
 from cachebuild.store.options import StoreOptions
-from cachebuild.store.record import GCReport, Record, VerifyReport
+from cachebuild.store.record import GCReport, Record, StoreStats, VerifyReport
 from cachebuild.store.timekeeping import Clock
 
 #: Progress callback: (done, total).
@@ -147,7 +147,7 @@ class Store(ArtifactSource, Protocol):
         """Check every local blob (see ``LocalStore.verify``)."""
         ...
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StoreStats:
         """Counts, sizes and counters (see ``LocalStore.stats``), per tier."""
         ...
 

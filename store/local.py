@@ -63,7 +63,15 @@ from .layout import Layout, check_key, check_suffix, prepare
 from .locking import build_lock, flocked, open_temp
 from .materialize import Materializer
 from .options import StoreOptions
-from .record import GCReport, Record, VerifyReport, check_origin, check_trust
+from .record import (
+    GCReport,
+    KindTotals,
+    Record,
+    StoreStats,
+    VerifyReport,
+    check_origin,
+    check_trust,
+)
 from .timekeeping import SYSTEM_CLOCK, Clock
 from .usage import Usage
 
@@ -722,43 +730,31 @@ class LocalStore(LocalTier):
 
     # -- maintenance --------------------------------------------------------------------
 
-    def stats(self) -> dict[str, Any]:
-        """Counts and sizes: records, bytes (payload), disk_bytes, pinned, hits, misses,
-        hit_rate, quarantined, puts, by_kind {kind: {records, bytes}}, tmp_files, path."""
+    def stats(self) -> StoreStats:
+        """Counts and sizes of what is stored, and the activity counters (``StoreStats``)."""
         self.flush()
-        records = payload = pinned = 0
-        by_kind: dict[str, dict[str, int]] = {}
+        stats = StoreStats(path=str(self.root))
         for record in self._index.records(manifest=False):
-            records += 1
-            payload += record.size
-            pinned += record.pinned
-            kind = by_kind.setdefault(record.kind, {"records": 0, "bytes": 0})
-            kind["records"] += 1
-            kind["bytes"] += record.size
+            stats.records += 1
+            stats.bytes += record.size
+            stats.pinned += record.pinned
+            kind = stats.by_kind.setdefault(record.kind, KindTotals())
+            kind.records += 1
+            kind.bytes += record.size
+        stats.by_kind = dict(sorted(stats.by_kind.items()))
         counters = self._index.counters()
         lookups = counters["hits"] + counters["misses"]
-        return {
-            "path": str(self.root),
-            "records": records,
-            "bytes": payload,
-            "disk_bytes": sum(maintenance.disk_usage(self._layout).values()),
-            "pinned": pinned,
-            "hits": counters["hits"],
-            "misses": counters["misses"],
-            "hit_rate": counters["hits"] / lookups if lookups else None,
-            "quarantined": counters["quarantined"],
-            "puts": counters["puts"],
-            "builds": counters["builds"],
-            "build_seconds": counters["build_ms"] / 1000,
-            "loads": counters["loads"],
-            "load_seconds": counters["load_ms"] / 1000,
-            "traces": counters["traces"],
-            "warm_starts": counters["warm_starts"],
-            "by_kind": dict(sorted(by_kind.items())),
-            "tmp_files": maintenance.count_files(self._layout.tmp),
-            "work": maintenance.work_usage(self.work_dir),
-            "quarantine_files": maintenance.count_files(self._layout.quarantine),
-        }
+        stats.disk_bytes = sum(maintenance.disk_usage(self._layout).values())
+        stats.hits, stats.misses = counters["hits"], counters["misses"]
+        stats.hit_rate = counters["hits"] / lookups if lookups else None
+        stats.quarantined, stats.puts = counters["quarantined"], counters["puts"]
+        stats.builds, stats.build_seconds = counters["builds"], counters["build_ms"] / 1000
+        stats.loads, stats.load_seconds = counters["loads"], counters["load_ms"] / 1000
+        stats.traces, stats.warm_starts = counters["traces"], counters["warm_starts"]
+        stats.tmp_files = maintenance.count_files(self._layout.tmp)
+        stats.work = maintenance.work_usage(self.work_dir)
+        stats.quarantine_files = maintenance.count_files(self._layout.quarantine)
+        return stats
 
     def gc(self, max_size: int | None = None, older_than: float | None = None,
            dry_run: bool = False) -> GCReport:

@@ -26,7 +26,7 @@ from .files import remove_abandoned_scratch, remove_any, remove_stored_files
 from .index import Index
 from .layout import Layout, check_key, check_parents, check_private_dir
 from .locking import flocked, remove_if_abandoned, try_flock
-from .record import GCReport, Record, VerifyReport
+from .record import GCReport, Record, VerifyReport, WorkUsage
 
 #: ``(reason, inode)`` of the blob of a key checked against its index row: reason None if
 #: it verifies (the store's ``check_blob_file``).
@@ -78,9 +78,9 @@ def disk_usage(layout: Layout) -> dict[str, int]:
 WORK_LOCK = ".builds"
 
 
-def work_usage(folder: Path) -> dict[str, Any]:
-    """A folder's files (the build work folder): ``{"path", "bytes",
-    "files"}`` (0 if it is missing)."""
+def work_usage(folder: Path) -> WorkUsage:
+    """A folder's files (the build work folder): its bytes and file count (0 if it is
+    missing)."""
     size = files = 0
     for dirpath, _, names in os.walk(folder):
         for name in names:
@@ -89,14 +89,14 @@ def work_usage(folder: Path) -> dict[str, Any]:
             with contextlib.suppress(OSError):
                 size += os.lstat(os.path.join(dirpath, name)).st_size
                 files += 1
-    return {"path": str(folder), "bytes": size, "files": files}
+    return WorkUsage(str(folder), size, files)
 
 
 def clean_work(folder: Path, dry_run: bool) -> tuple[int, bool]:
     """Empty the build work folder unless a build holds it: ``(bytes, emptied)`` (with
     ``dry_run``, what would go). UnsafeStore if the folder is not checked like the store
     (ours, private, under directories no one else could rename)."""
-    size = work_usage(folder)["bytes"]
+    size = work_usage(folder).bytes
     if size == 0 or not folder.is_dir():
         return 0, True
     # Checked like the store before anything in it is removed: a work folder set to

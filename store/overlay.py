@@ -27,7 +27,7 @@ from .interface import Progress, Store
 from .local import LocalStore
 from .options import StoreOptions
 from .readonly import ReadOnlyLocalStore
-from .record import GCReport, Record, VerifyReport
+from .record import GCReport, OverlaySummary, Record, StoreStats, VerifyReport
 
 log = logging.getLogger("cachebuild.store")
 
@@ -210,13 +210,13 @@ class OverlayStore(Store):
             report.repaired = more.repaired and not base_damaged
         return report
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StoreStats:
         out = self.base.stats()
         overlay = self.overlay
         if overlay is not None:
-            out["overlay"] = overlay.stats()
+            out.overlay = OverlaySummary(str(overlay.root), overlay.stats().records)
         elif self.overlay_dir is not None:
-            out["overlay"] = {"path": str(self.overlay_dir), "records": 0}
+            out.overlay = OverlaySummary(str(self.overlay_dir))
         return out
 
     def flush(self) -> None:

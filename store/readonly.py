@@ -30,7 +30,7 @@ from .index import Index, ReadOnlyStore
 from .interface import Progress
 from .layout import Layout, check_key, check_suffix, open_read_only
 from .local import LocalStore
-from .record import GCReport, Record, VerifyReport
+from .record import GCReport, Record, StoreStats, VerifyReport
 
 log = logging.getLogger("cachebuild.store")
 
@@ -183,9 +183,9 @@ class ReadOnlyLocalStore(LocalStore):
             return "checksum differs from the index record", None
         return None, None
 
-    def stats(self) -> dict[str, Any]:
+    def stats(self) -> StoreStats:
         out = super().stats()
-        out["read_only"] = True
+        out.read_only = True
         return out
 
     def __repr__(self) -> str:

@@ -246,3 +246,83 @@ class VerifyReport:
         data["untrusted"] = [{"key": k, "from": w} for k, w in self.untrusted]
         data["clean"] = self.clean
         return data
+
+
+@dataclass
+class KindTotals:
+    """Records of one kind and their payload bytes."""
+
+    records: int = 0
+    bytes: int = 0
+
+
+@dataclass
+class WorkUsage:
+    """The build work folder: what compilers wrote there during builds (``gc`` empties it)."""
+
+    path: str
+    bytes: int = 0
+    files: int = 0
+
+
+@dataclass
+class OverlaySummary:
+    """Where this user's builds go beside a read-only store, and how many records it has."""
+
+    path: str
+    records: int = 0
+
+
+@dataclass
+class TierStats:
+    """A tiered store's lookups in this process, by where they were answered, and its
+    remote's health now."""
+
+    l1_hits: int = 0
+    l2_hits: int = 0
+    misses: int = 0
+    remote_rejected: int = 0
+    remote_errors: int = 0
+    remote_incomplete: int = 0
+    remote: str | None = None  # its address, credentials left out
+    remote_mode: str = "off"
+    remote_available: bool = False
+    signed: bool = False
+
+
+@dataclass
+class StoreStats:
+    """What a store holds and what processes did with it (``Store.stats()``).
+
+    ``bytes`` is the records' payload, ``disk_bytes`` what their blobs take on disk;
+    ``hit_rate`` is None before any lookup; the counters (hits, misses, puts, quarantined,
+    builds and their seconds, loads and theirs, traces, warm starts) count since the store
+    was made. ``read_only``, ``overlay`` and ``tiers`` are set by the stores that have them.
+    """
+
+    path: str
+    records: int = 0
+    bytes: int = 0
+    disk_bytes: int = 0
+    pinned: int = 0
+    hits: int = 0
+    misses: int = 0
+    hit_rate: float | None = None
+    quarantined: int = 0
+    puts: int = 0
+    builds: int = 0
+    build_seconds: float = 0.0
+    loads: int = 0
+    load_seconds: float = 0.0
+    traces: int = 0
+    warm_starts: int = 0
+    by_kind: dict[str, KindTotals] = field(default_factory=dict)
+    tmp_files: int = 0
+    quarantine_files: int = 0
+    work: WorkUsage | None = None
+    read_only: bool = False
+    overlay: OverlaySummary | None = None
+    tiers: TierStats | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)

@@ -44,7 +44,7 @@ from cachebuild.errors import StoreError, UsageError
 from .blob import CorruptBlob, StreamCheck, check_blob, encode_blob
 from .interface import LocalTier, Progress, Store
 from .options import StoreOptions
-from .record import MAX_ORIGIN, GCReport, Record, VerifyReport
+from .record import MAX_ORIGIN, GCReport, Record, StoreStats, TierStats, VerifyReport
 from .refs import refs_of
 from .signing import incoming, outgoing
 
@@ -398,20 +398,19 @@ class TieredStore(Store):
         """Verify L1 (see ``LocalStore.verify``)."""
         return self.local.verify(repair=repair, progress=progress)
 
-    def stats(self) -> dict[str, Any]:
-        """L1's stats plus a ``tiers`` section: this process's hits by tier and the remote's
-        health now (a remote that is down warns once)."""
+    def stats(self) -> StoreStats:
+        """L1's stats plus ``tiers``: this process's hits by tier and the remote's health
+        now (a remote that is down warns once)."""
         if self.remote is not None:
             self.remote.ping()
-        out = dict(self.local.stats())
+        out = self.local.stats()
         with self._count_lock:
-            tiers: dict[str, Any] = dataclasses.asdict(self.counters)
+            tiers = TierStats(**dataclasses.asdict(self.counters))
+        tiers.signed = self.signing_key is not None
         remote = self.remote
-        tiers["remote_errors"] = remote.errors if remote is not None else 0
-        tiers["remote_incomplete"] = remote.incomplete if remote is not None else 0
-        tiers["remote"] = remote.display_url if remote is not None else None
-        tiers["remote_mode"] = remote.mode if remote is not None else "off"
-        tiers["remote_available"] = remote.available if remote is not None else False
-        tiers["signed"] = self.signing_key is not None
-        out["tiers"] = tiers
+        if remote is not None:
+            tiers.remote_errors, tiers.remote_incomplete = remote.errors, remote.incomplete
+            tiers.remote, tiers.remote_mode = remote.display_url, remote.mode
+            tiers.remote_available = remote.available
+        out.tiers = tiers
         return out

@@ -53,7 +53,7 @@ def snapshot(store: Path) -> set:
                    for r in s.records(manifests=False)}
         stats = s.stats()
     files = {str(p.relative_to(store)) for p in (store / "v1" / "objects").rglob("*") if p.is_file()}
-    return records | files | {("hits", stats["hits"]), ("misses", stats["misses"])}
+    return records | files | {("hits", stats.hits), ("misses", stats.misses)}
 
 
 @pytest.fixture

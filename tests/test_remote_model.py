@@ -67,7 +67,7 @@ with torch.no_grad():
         pos = torch.arange(tokens)
         torch.testing.assert_close(compiled(ids, pos), spec.model(ids, pos),
                                    rtol=1e-5, atol=1e-5)
-print(json.dumps({"stats": cachebuild.stats(), "tiers": store.stats().get("tiers")}))
+print(json.dumps({"stats": cachebuild.stats(), "tiers": store.stats().to_json()["tiers"]}))
 """
 
 SUMMARY = re.compile(r"(\d+) targets: (\d+) already stored, (\d+) built, (\d+) failed")
@@ -120,7 +120,7 @@ def write_model(folder: Path) -> Path:
 
 def l1_kinds(l1: Path) -> dict[str, int]:
     with LocalStore(l1) as store:
-        return {k: v["records"] for k, v in store.stats()["by_kind"].items()}
+        return {k: v.records for k, v in store.stats().by_kind.items()}
 
 
 @pytest.fixture
@@ -295,7 +295,7 @@ def test_remote_down_before_start_and_usage_errors(tmp_path, open_local):
     # The Python front door (what cachebuild.compile opens) reads the same variables.
     opened = subprocess.run(
         [sys.executable, "-c", "from cachebuild.store import open_store; "
-         "t = open_store().stats()['tiers']; print(t['remote_mode'], t['signed'])"],
+         "t = open_store().stats().tiers; print(t.remote_mode, t.signed)"],
         env=env_for(tmp_path / "l1", url, CACHEBUILD_SIGNING_KEY="",
                     CACHEBUILD_ALLOW_UNSIGNED="1", CACHEBUILD_REMOTE_MODE="ro"),
         capture_output=True, text=True, timeout=60)

@@ -100,9 +100,9 @@ def test_put_in_one_get_in_another_lands_in_its_l1(tmp_path, server):
     assert second.local.get(key) == payload
     assert second.local.get_record(key).manifest == manifest
     assert second.get(key) == payload
-    tiers = second.stats()["tiers"]
+    tiers = second.stats().tiers
     # contains() fetched and verified it from L2 (into L1); both gets were L1 hits.
-    assert (tiers["l1_hits"], tiers["l2_hits"], tiers["misses"]) == (2, 1, 0)
+    assert (tiers.l1_hits, tiers.l2_hits, tiers.misses) == (2, 1, 0)
 
 
 def test_large_blob_round_trips_through_chunks(tmp_path, server):
@@ -130,7 +130,7 @@ def test_materialize_pulls_from_remote(tmp_path, server):
 def test_miss_everywhere(tmp_path, server):
     store = tiered(tmp_path / "a", server.url)
     assert store.get(new_key()) is None
-    assert store.stats()["tiers"]["misses"] == 1
+    assert store.stats().tiers.misses == 1
 
 
 def test_delete_then_put_replaces_the_shared_copy(tmp_path, server):
@@ -189,8 +189,8 @@ def test_tampered_remote_blob_is_rejected(tmp_path, server):
     reader = tiered(tmp_path / "b", server.url)
     assert reader.get(key) is None
     assert not reader.local.contains(key)
-    tiers = reader.stats()["tiers"]
-    assert tiers["remote_rejected"] == 1 and tiers["misses"] == 1 and tiers["l2_hits"] == 0
+    tiers = reader.stats().tiers
+    assert tiers.remote_rejected == 1 and tiers.misses == 1 and tiers.l2_hits == 0
 
 
 def test_tampered_blob_with_recomputed_checksum_is_rejected(tmp_path, server):
@@ -201,7 +201,7 @@ def test_tampered_blob_with_recomputed_checksum_is_rejected(tmp_path, server):
     rewrite_remote_blob(server, key, forged)
     reader = tiered(tmp_path / "b", server.url)
     assert reader.get(key) is None
-    assert reader.stats()["tiers"]["remote_rejected"] == 1
+    assert reader.stats().tiers.remote_rejected == 1
 
 
 def test_naively_flipped_byte_is_a_miss(tmp_path, server):
@@ -222,7 +222,7 @@ def test_blob_signed_with_another_key_is_rejected(tmp_path, server):
     reader = tiered(tmp_path / "b", server.url, signing_key=KEY_A)
     assert reader.get(key) is None
     assert not reader.local.contains(key)
-    assert reader.stats()["tiers"]["remote_rejected"] == 1
+    assert reader.stats().tiers.remote_rejected == 1
     counts = pull(reader, [key])
     assert counts.rejected == 1 and counts.transferred == 0
 
@@ -234,7 +234,7 @@ def test_unsigned_remote_blob_is_rejected_when_a_key_is_set(tmp_path, server):
     unsigned.put(key, b"no signature", kind="t")
     reader = tiered(tmp_path / "b", server.url, signing_key=KEY_A)
     assert reader.get(key) is None
-    assert reader.stats()["tiers"]["remote_rejected"] == 1
+    assert reader.stats().tiers.remote_rejected == 1
 
 
 # -- read-only ----------------------------------------------------------------------------
@@ -280,9 +280,9 @@ def test_redis_down_at_start_works_locally_with_one_warning(tmp_path):
             assert store.get(key) == key.encode() * 100
         assert push(store).failed == len(keys)
     assert len(down_warnings(caught)) == 1
-    tiers = store.stats()["tiers"]
-    assert tiers["remote_available"] is False and tiers["remote_errors"] == 1
-    assert tiers["l1_hits"] == 20
+    tiers = store.stats().tiers
+    assert tiers.remote_available is False and tiers.remote_errors == 1
+    assert tiers.l1_hits == 20
 
 
 def test_redis_killed_mid_puts_completes_locally_with_one_warning(tmp_path):
@@ -300,7 +300,7 @@ def test_redis_killed_mid_puts_completes_locally_with_one_warning(tmp_path):
                         store.put(key, payload, kind="target")
         assert len(down_warnings(caught)) == 1
         # The first call after the kill marked the remote down; no later one waited on it.
-        assert store.stats()["tiers"]["remote_errors"] == 1
+        assert store.stats().tiers.remote_errors == 1
         for key, payload in items.items():
             assert store.local.get(key) == payload
 

@@ -111,7 +111,7 @@ def test_eight_processes_put_and_get_same_and_different_keys(open_local, store_d
         assert store.get(k) == payload_for(k)
     assert store.verify().clean
     stats = store.stats()
-    assert stats["puts"] == len(keys)  # each key written once: later puts were no-ops
+    assert stats.puts == len(keys)  # each key written once: later puts were no-ops
     assert list((store.root / "tmp").iterdir()) == []
 
 
@@ -201,7 +201,7 @@ def test_writers_killed_at_random_points(open_local, store_dir):
     assert stored, "no writer ever finished a put"
     for record in stored:
         assert store.get(record.key) == _kill_payload(record.key)
-    assert store.stats()["quarantined"] == 0
+    assert store.stats().quarantined == 0
 
 
 # -- single-flight -------------------------------------------------------------------------

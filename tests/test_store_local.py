@@ -15,6 +15,7 @@ from cachebuild.keys import make_key
 from cachebuild.store import (
     CorruptBlob,
     InvalidKey,
+    KindTotals,
     LocalStore,
     LockTimeout,
     Record,
@@ -133,11 +134,11 @@ def test_entries_and_stats(open_local, store_dir):
     assert [r.key for r in store.records(kind="entry")] == [key(2)]
     assert next(store.records(kind="target")).manifest == {"m": 1}
     stats = store.stats()
-    assert stats["records"] == 2 and stats["bytes"] == 150 and stats["pinned"] == 1
-    assert stats["hits"] == 2 and stats["misses"] == 1 and stats["hit_rate"] == pytest.approx(2 / 3)
-    assert stats["by_kind"] == {"entry": {"records": 1, "bytes": 50},
-                                "target": {"records": 1, "bytes": 100}}
-    assert stats["disk_bytes"] > 150 and stats["puts"] == 2 and stats["quarantined"] == 0
+    assert stats.records == 2 and stats.bytes == 150 and stats.pinned == 1
+    assert stats.hits == 2 and stats.misses == 1 and stats.hit_rate == pytest.approx(2 / 3)
+    assert stats.by_kind == {"entry": KindTotals(records=1, bytes=50),
+                             "target": KindTotals(records=1, bytes=100)}
+    assert stats.disk_bytes > 150 and stats.puts == 2 and stats.quarantined == 0
 
 
 def test_usage_is_shared_with_other_store_objects(open_local, store_dir):
@@ -224,7 +225,7 @@ def test_get_detects_and_quarantines_damage(store):
     assert any(n.startswith(flipped) and "checksum" in n for n in names)
     assert any(n.startswith(truncated) and "truncated" in n for n in names)
     stats = store.stats()
-    assert stats["quarantined"] == 2 and stats["records"] == 1
+    assert stats.quarantined == 2 and stats.records == 1
     # the key can be built and stored again
     store.put(flipped, b"rebuilt", kind="target")
     assert store.get(flipped) == b"rebuilt"
@@ -264,7 +265,7 @@ def test_blob_swapped_for_another_valid_blob_is_caught(open_local, store_dir):
     store.put(key(1), b"original", kind="k")
     blob_path(store, key(1)).write_bytes(encode_blob(key(1), "k", b"substitute"))
     assert store.get(key(1)) is None
-    assert store.stats()["quarantined"] == 1
+    assert store.stats().quarantined == 1
 
 
 def test_signed_store_rejects_unsigned_and_tampered_blobs(open_local, store_dir):
@@ -276,7 +277,7 @@ def test_signed_store_rejects_unsigned_and_tampered_blobs(open_local, store_dir)
     # rewritten with valid checksums by someone who does not know the signing key
     blob_path(signed, key(2)).write_bytes(encode_blob(key(2), "k", b"evil", b"guess"))
     assert signed.get(key(2)) is None
-    assert signed.stats()["quarantined"] == 2
+    assert signed.stats().quarantined == 2
     with pytest.raises(StoreError, match="signing key"):
         open_local(store_dir, require_signature=True)
 
@@ -301,7 +302,7 @@ def test_gc_max_size_evicts_least_recently_used_first(store, clock):
     assert set(report.removed) == set(keys[:6])
     assert report.removed == keys[:6]  # in LRU order
     assert report.bytes_after <= 4 * per_entry + 10
-    assert store.stats()["disk_bytes"] <= 4 * per_entry + 10
+    assert store.stats().disk_bytes <= 4 * per_entry + 10
     assert {r.key for r in store.records()} == set(keys[6:])
 
 

@@ -72,7 +72,7 @@ def test_a_read_only_mount_is_read_and_nothing_is_written(read_only, written):
     made = store.materialize(key("entry"), ".bin")
     assert str(made).startswith("/proc/self/fd/") and made.read_bytes() == b"entry bytes"
     assert {r.key for r in store.records()} == {key("target"), key("entry")}
-    assert store.stats()["read_only"] and store.overlay is None
+    assert store.stats().read_only and store.overlay is None
     assert store.verify().clean
     store.count("warm_starts")
     store.close()

@@ -16,7 +16,7 @@ import pytest
 
 import cachebuild
 from cachebuild.backends.kernel_dir import build_work_dir, environment_dir
-from cachebuild.store import StoreOptions, open_store
+from cachebuild.store import StoreOptions, WorkUsage, open_store
 
 NAMES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "TMPDIR")
 
@@ -37,8 +37,8 @@ def test_a_build_points_the_compilers_at_the_work_folder_and_back(open_local, tm
         (work / "inductor" / "kernel.so").write_bytes(b"x" * 1000)
     assert {n: os.environ.get(n) for n in NAMES} == env_before
     assert tempfile.tempdir == tempdir_before and codecache._HEADER_DIR == headers_before
-    work = store.stats()["work"]
-    assert work == {"path": str(store.root / "work"), "bytes": 1000, "files": 1}
+    work = store.stats().work
+    assert work == WorkUsage(path=str(store.root / "work"), bytes=1000, files=1)
 
 
 def test_a_load_on_another_thread_waits_for_a_build_and_a_build_for_it(open_local, tmp_path):
@@ -132,7 +132,7 @@ def test_gc_empties_the_work_folder_unless_a_build_runs(open_local, tmp_path):
     assert dry.work_bytes == 4096 and (work / "tmp" / "pch.gch").exists()
     report = store.gc()
     assert report.work_bytes == 4096 and not report.work_busy
-    assert store.stats()["work"]["bytes"] == 0 and list(work.iterdir()) == [work / ".builds"]
+    assert store.stats().work.bytes == 0 and list(work.iterdir()) == [work / ".builds"]
 
 
 def test_the_operator_names_the_work_folder(tmp_path, monkeypatch):

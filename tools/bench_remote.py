@@ -132,8 +132,8 @@ def model_child(model_path: str, cache_dir: str, url: str) -> None:
         "first_output_s": done - imported,
         "built": stats.get("built"),
         "loaded": stats.get("loaded"),
-        "l1_bytes": store.local.stats()["bytes"],
-        "tiers": store.stats()["tiers"],
+        "l1_bytes": store.local.stats().bytes,
+        "tiers": store.stats().to_json()["tiers"],
     }))  # fmt: skip
 
 

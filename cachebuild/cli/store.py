@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import click
 from rich import box
@@ -31,6 +31,7 @@ from cachebuild.errors import UsageError
 from cachebuild.units import format_size
 
 if TYPE_CHECKING:
+    from cachebuild.store import StoreStats
     from cachebuild.store.interface import Store
 
 
@@ -72,6 +73,37 @@ def ls_command(ctx: click.Context, as_json: bool, kind: str | None) -> None:
     stdout().print(table)
 
 
+def store_metrics(stats: StoreStats) -> str:
+    """A store's ``stats()`` in the Prometheus exposition format (counters since the store was made,
+    gauges for what it holds now)."""
+    from cachebuild.metrics import Metric, render
+
+    counters = {
+        "hits": "Lookups the store answered.", "misses": "Lookups that found nothing.",
+        "puts": "Blobs stored.", "quarantined": "Blobs that failed verification.",
+        "builds": "Targets built into the store.", "loads": "Targets loaded from the store.",
+        "traces": "Models traced with Dynamo.", "warm_starts": "Starts from a stored entry.",
+    }
+    metrics = [Metric(f"store_{name}_total", float(getattr(stats, name)), text)
+               for name, text in counters.items()]
+    metrics += [
+        Metric("store_build_seconds_total", float(stats.build_seconds),
+               "Seconds spent building targets."),
+        Metric("store_load_seconds_total", float(stats.load_seconds),
+               "Seconds spent loading targets."),
+        Metric("store_records", float(stats.records), "Records in the store.",
+               kind="gauge"),
+        Metric("store_bytes", float(stats.bytes), "Payload bytes stored.",
+               kind="gauge"),
+        Metric("store_disk_bytes", float(stats.disk_bytes),
+               "Bytes the store takes on disk.", kind="gauge"),
+        Metric("store_work_bytes", float(stats.work.bytes if stats.work else 0),
+               "Bytes compilers wrote while building targets (gc removes them).",
+               kind="gauge"),
+    ]
+    return render(metrics)
+
+
 @click.command("stats")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--prometheus", metavar="FILE",
@@ -84,9 +116,8 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     also by tier (L1/L2). --prometheus writes the same counters in the Prometheus text
     format, for a collector that reads files (node_exporter's textfile collector)."""
     from cachebuild.backends import environment
-    from cachebuild.backends.probe import cached_verdicts, unusable
-    from cachebuild.metrics import check_target, store_metrics, write
-    from cachebuild.store import UnsafeStore
+    from cachebuild.backends.probe import listed_toolchains, unusable
+    from cachebuild.metrics import check_target, write
 
     if prometheus is not None:
         check_target(prometheus)  # before the store is read: a bad path is bad usage
@@ -97,74 +128,69 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
         if prometheus == "-":
             return
     folders = environment.listed()  # every environment folder of this user's
-    verdicts: list[Any] = []
-    probe_problem = None
-    for folder in folders:
-        try:
-            verdicts += cached_verdicts(Path(folder.path))
-        except UnsafeStore as e:  # the verdicts there are not read, nor used by builds
-            probe_problem = str(e)
-    stats["toolchains"] = [v.to_json() | {"summary": v.describe(), "unusable": unusable(v)}
-                           for v in verdicts]
-    if probe_problem is not None:
-        stats["toolchain_problem"] = probe_problem
+    toolchains = listed_toolchains([Path(f.path) for f in folders])
     # Counted with the store closed: an open index holds files (SQLite's shared memory)
     # that are gone when the command ends, and du counts what stays.
     state_of(ctx).close()
-    stats["disk"] = environment.disk_paid(Path(stats["path"]), folders, stats.get("work"))
+    disk = environment.disk_paid(Path(stats.path), folders,
+                                 stats.work.path if stats.work is not None else None)
     if as_json:
-        click.echo(json.dumps(stats, indent=2))
+        report = stats.to_json()
+        report["toolchains"] = toolchains.to_json()
+        if toolchains.problem is not None:
+            report["toolchain_problem"] = toolchains.problem
+        report["disk"] = disk.to_json()
+        click.echo(json.dumps(report, indent=2))
         return
     table = Table(show_header=False, box=box.SIMPLE)
     table.add_column("what")
     table.add_column("value")
-    rate = "–" if stats["hit_rate"] is None else f"{stats['hit_rate']:.1%}"
-    rows = [("store", stats["path"] + (" (read-only here)" if stats.get("read_only") else "")),
-            ("records", str(stats["records"])),
-            ("payload", format_size(stats["bytes"])),
-            ("blobs on disk", format_size(stats["disk_bytes"])),
-            ("pinned", str(stats["pinned"])),
-            ("hits", str(stats["hits"])),
-            ("misses", str(stats["misses"])),
+    rate = "–" if stats.hit_rate is None else f"{stats.hit_rate:.1%}"
+    rows = [("store", stats.path + (" (read-only here)" if stats.read_only else "")),
+            ("records", str(stats.records)),
+            ("payload", format_size(stats.bytes)),
+            ("blobs on disk", format_size(stats.disk_bytes)),
+            ("pinned", str(stats.pinned)),
+            ("hits", str(stats.hits)),
+            ("misses", str(stats.misses)),
             ("hit rate", rate),
-            ("quarantined", str(stats["quarantined"])),
-            ("builds", f"{stats['builds']} ({stats['build_seconds']:.1f} s)"),
-            ("loads", f"{stats['loads']} ({stats['load_seconds']:.2f} s)"),
-            ("traces", str(stats["traces"])),
-            ("warm starts", str(stats["warm_starts"]))]
-    for kind, k in stats["by_kind"].items():
-        rows.append((f"  kind {kind}", f"{k['records']} ({format_size(k['bytes'])})"))
-    tiers = stats.get("tiers")
-    if tiers is not None and tiers.get("remote") is not None:
-        health = "up" if tiers["remote_available"] else "down"
-        rows += [("remote", f"{tiers['remote']} ({tiers['remote_mode']}, {health}, "
-                            f"{'signed' if tiers['signed'] else 'unsigned'})"),
-                 ("L1 hits", str(tiers["l1_hits"])),
-                 ("L2 hits", str(tiers["l2_hits"])),
-                 ("tier misses", str(tiers["misses"])),
-                 ("remote rejected", str(tiers["remote_rejected"])),
-                 ("remote incomplete", str(tiers["remote_incomplete"])),
-                 ("remote errors", str(tiers["remote_errors"]))]
-    work = stats.get("work")
+            ("quarantined", str(stats.quarantined)),
+            ("builds", f"{stats.builds} ({stats.build_seconds:.1f} s)"),
+            ("loads", f"{stats.loads} ({stats.load_seconds:.2f} s)"),
+            ("traces", str(stats.traces)),
+            ("warm starts", str(stats.warm_starts))]
+    for kind, k in stats.by_kind.items():
+        rows.append((f"  kind {kind}", f"{k.records} ({format_size(k.bytes)})"))
+    tiers = stats.tiers
+    if tiers is not None and tiers.remote is not None:
+        health = "up" if tiers.remote_available else "down"
+        rows += [("remote", f"{tiers.remote} ({tiers.remote_mode}, {health}, "
+                            f"{'signed' if tiers.signed else 'unsigned'})"),
+                 ("L1 hits", str(tiers.l1_hits)),
+                 ("L2 hits", str(tiers.l2_hits)),
+                 ("tier misses", str(tiers.misses)),
+                 ("remote rejected", str(tiers.remote_rejected)),
+                 ("remote incomplete", str(tiers.remote_incomplete)),
+                 ("remote errors", str(tiers.remote_errors))]
+    work = stats.work
     if work is not None:  # what compilers wrote during builds: gc empties it
-        rows.append(("build work files", f"{format_size(work['bytes'])} in "
-                                         f"{plural(work['files'], 'file')} ({work['path']})"))
-    disk = stats["disk"]
-    for part in disk["parts"]:  # every byte this store's user pays for, where it is
-        rows.append((part["what"], f"{format_size(part['bytes'])} ({part['path']}"
-                                   + (f": {part['about']}" if part.get("about") else "") + ")"))
-    rows.append(("disk in all", format_size(disk["total"])))
-    overlay = stats.get("overlay")
+        rows.append(("build work files", f"{format_size(work.bytes)} in "
+                                         f"{plural(work.files, 'file')} ({work.path})"))
+    for part in disk.parts:  # every byte this store's user pays for, where it is
+        rows.append((part.what, f"{format_size(part.bytes)} ({part.path}"
+                                + (f": {part.about}" if part.about else "") + ")"))
+    rows.append(("disk in all", format_size(disk.total)))
+    overlay = stats.overlay
     if overlay is not None:  # a read-only store: where this user's builds go
-        rows.append(("overlay", f"{overlay['path']} ({overlay['records']} records)"))
-    for v in verdicts:  # which flavour and compiler this machine builds with, and why
+        rows.append(("overlay", f"{overlay.path} ({overlay.records} records)"))
+    for v in toolchains.verdicts:  # which flavour and compiler this machine builds with
         line = v.describe().split(": ", 1)[1]
         why = unusable(v)
         if why is not None:
             line += f" (not used: {why}; the next build probes again)"
         rows.append((f"toolchain ({v.device})", safe_text(line, 2000)))
-    if probe_problem is not None:
-        rows.append(("toolchain", safe_text(probe_problem, 500)))
+    if toolchains.problem is not None:
+        rows.append(("toolchain", safe_text(toolchains.problem, 500)))
     for what, value in rows:
         table.add_row(what, value)
     stdout().print(table)
