@@ -3,7 +3,8 @@ model that has them all, with AOTI pieces, captured piecewise and whole, replaye
 call with outputs and state equal to eager's; the paged example served with full decode
 graphs and piecewise prefill graphs under every capture policy, logits and KV caches equal
 to eager's after every call; and the paged example generating on the GPU with its decode
-batches replayed from graphs, token-equal to eager, cold and warm, in every graph mode.
+batches replayed from graphs, token-equal to eager, cold and warm, in every graph mode; and
+no residual sum of its CUDA packages left as an ``addmm`` (the edge pass).
 """
 
 from __future__ import annotations
