@@ -1,12 +1,14 @@
 """The edge pass: an ``addmm`` that only a piece's output made one becomes ``add(x, mm)``
-again, as compiling the whole model would have it, and nothing else changes."""
+again, as compiling the whole model would have it, and nothing else changes.
+
+``edges`` imports Inductor, which imports Triton: it is imported inside the tests, so that
+collecting this file does not import Triton before ``test_kernels.py`` has asked for its
+interpreter (Triton reads that when it decorates the kernels)."""
 
 from __future__ import annotations
 
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
-
-from cachebuild.backends.edges import EdgePass, unfuse_edge_addmm
 
 aten = torch.ops.aten
 
@@ -36,6 +38,8 @@ def args(t=6, d=8):
 
 
 def test_residual_sums_at_a_piece_edge_are_added_again_and_agree_with_eager():
+    from cachebuild.backends.edges import unfuse_edge_addmm
+
     inputs = args()
     gm = trace(residual_piece, *inputs)
     assert count(gm, aten.addmm.default) == 2
@@ -50,6 +54,8 @@ def test_residual_sums_at_a_piece_edge_are_added_again_and_agree_with_eager():
 
 
 def test_a_bias_an_output_only_sum_and_a_matmul_consumer_keep_their_addmm():
+    from cachebuild.backends.edges import unfuse_edge_addmm
+
     def kept(x, a, w, bias):
         y = torch.addmm(bias, a, w)  # a bias row: cuBLAS's epilogue, no copy
         only_out = torch.addmm(x, a, w)  # nothing to fuse the add into
@@ -67,6 +73,8 @@ def test_a_bias_an_output_only_sum_and_a_matmul_consumer_keep_their_addmm():
 
 
 def test_cpu_graphs_are_left_to_inductor_by_default():
+    from cachebuild.backends.edges import unfuse_edge_addmm
+
     gm = trace(residual_piece, *args())
     assert unfuse_edge_addmm(gm.graph) == 0  # CPU values: Inductor prefers addmm there
     assert count(gm, aten.addmm.default) == 2
@@ -84,6 +92,8 @@ class Recorder:
 
 
 def test_the_edge_pass_runs_the_fusion_passes_after_it_and_keys_by_both():
+    from cachebuild.backends.edges import EdgePass
+
     then = Recorder()
     edge = EdgePass(then)
     gm = trace(residual_piece, *args())
