@@ -19,6 +19,7 @@ Inductor's post-grad custom pass, ahead of the fusion passes a config enables.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 import sys
@@ -103,6 +104,7 @@ def unfuse_edge_addmm(graph: torch.fx.Graph, gpu_only: bool = True) -> int:
     return count
 
 
+@functools.cache
 def _source_hash() -> str:
     return hashlib.sha256(inspect.getsource(sys.modules[__name__]).encode()).hexdigest()
 

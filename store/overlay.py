@@ -214,7 +214,9 @@ class OverlayStore(Store):
         out = self.base.stats()
         overlay = self.overlay
         if overlay is not None:
-            out.overlay = OverlaySummary(str(overlay.root), overlay.stats().records)
+            # its records only: its full stats would walk its blobs and work folder too
+            out.overlay = OverlaySummary(str(overlay.root),
+                                         sum(1 for _ in overlay.records(manifests=False)))
         elif self.overlay_dir is not None:
             out.overlay = OverlaySummary(str(self.overlay_dir))
         return out

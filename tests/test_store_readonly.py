@@ -15,7 +15,7 @@ import pytest
 
 from cachebuild.errors import StoreError
 from cachebuild.keys import make_key
-from cachebuild.store import LocalStore, StoreOptions, open_store
+from cachebuild.store import LocalStore, OverlaySummary, StoreOptions, open_store
 from cachebuild.store.index import ReadOnlyStore
 from cachebuild.store.layout import UnsafeStore, writable_here
 from cachebuild.store.overlay import OverlayStore
@@ -84,6 +84,7 @@ def test_writes_go_to_an_overlay_made_on_first_write(read_only, written, tmp_pat
     overlay_dir = tmp_path / "overlay"
     store = open_store(StoreOptions(cache_dir=read_only, overlay_dir=overlay_dir))
     assert store.overlay is None and not overlay_dir.exists()
+    assert store.stats().overlay == OverlaySummary(str(overlay_dir), 0)
     with caplog.at_level("WARNING", logger="cachebuild"):
         store.put(key("new"), b"built here", kind="target")
     said = [r.getMessage() for r in caplog.records]
@@ -94,6 +95,7 @@ def test_writes_go_to_an_overlay_made_on_first_write(read_only, written, tmp_pat
     store.put(key("entry"), b"newer entry", kind="entry")
     assert store.get(key("entry")) == b"newer entry"
     assert store.delete(key("entry")) and store.get(key("entry")) == b"entry bytes"
+    assert store.stats().overlay == OverlaySummary(str(store.overlay.root), 1)
     with pytest.raises(ReadOnlyStore, match="cannot pin .* read-only here"):
         store.pin(key("target"))
     store.close()
