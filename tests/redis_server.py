@@ -73,8 +73,9 @@ class RedisServer:
             if self.maxmemory:
                 args += ["--maxmemory", self.maxmemory]
             if self.policy:
-                # Redis's LRU is approximate (5 keys sampled per eviction by default), so it
-                # may evict a chunk of the newest blob; 64 samples keep it near true LRU.
+                # Redis's LRU is approximate (5 keys sampled per eviction by default);
+                # 64 samples keep it near true LRU. Its clock ticks once a second, so keys
+                # written within one second still go in no particular order.
                 args += ["--maxmemory-policy", self.policy, "--maxmemory-samples", "64"]
             log = open(self._dir / "redis.log", "ab")
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT)
