@@ -24,12 +24,12 @@ from cachebuild.building.planner import Planner
 from cachebuild.config import CompileConfig, check_config, check_dynamic_dims
 from cachebuild.counters import COUNTERS, snapshot
 from cachebuild.dynamo_backend import GraphForward
-from cachebuild.errors import CompileFailed, UsageError
+from cachebuild.errors import CompileFailed, UsageError, one_line
 from cachebuild.graph.facts import device_of
 from cachebuild.graph.inputs import layout_guards
 from cachebuild.passes import PassManager
 from cachebuild.serving.runtime import CaptureReport, ModelRuntime
-from cachebuild.serving.start import one_line, start, take_over
+from cachebuild.serving.start import start, take_over
 from cachebuild.serving.stitch import direct_forward, on_device_forward, stitch
 from cachebuild.store.interface import Store
 from cachebuild.tracing.guards import Mismatch
@@ -184,14 +184,14 @@ class CompiledModule(torch.nn.Module):
             self._eager = True
             if first:
                 log.warning("cachebuild: %s cannot be compiled, so it runs eagerly "
-                            "(on_failure='eager'): %s", name, one_line(error))
+                            "(on_failure='eager'): %s", name, one_line(error, typed=True))
             return None
         if first:
             raise error
         raise CompileFailed(f"{name} cannot be compiled: it failed earlier in this process "
                             f"and nothing it depends on changed (the same code, config, "
                             f"input shapes and values), so it is not traced again: "
-                            f"{one_line(error)}", error) from error
+                            f"{one_line(error, typed=True)}", error) from error
 
     def wait_captured(self, timeout: float | None = None) -> bool:
         """Wait until background capture has captured every size (True), or ``timeout``

@@ -86,3 +86,13 @@ def transient(error: BaseException) -> str | None:
             return found
         e = e.__cause__
     return None
+
+
+def one_line(error: BaseException | str, *, typed: bool = False) -> str:
+    """``error``'s text on one line (its words, whitespace folded); ``typed``: led by the
+    exception's type (``"ValueError: ..."``). An empty text gives the type's name."""
+    text = " ".join(str(error).split())
+    name = type(error).__name__
+    if not text:
+        return name
+    return f"{name}: {text}" if typed and isinstance(error, BaseException) else text

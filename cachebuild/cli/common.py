@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from cachebuild import process_state
-from cachebuild.errors import UsageError
+from cachebuild.errors import UsageError, one_line
 from cachebuild.store import StoreOptions, UnknownKey
 from cachebuild.store.interface import Store
 from cachebuild.units import format_duration, parse_duration, parse_size
@@ -101,10 +101,6 @@ def open_existing_store(ctx: click.Context) -> Store:
                          "or make one with `cachebuild warm MODEL.py` or `cachebuild import "
                          "FILE`")
     return open_store(ctx)
-
-
-def one_line(error: BaseException | str) -> str:
-    return " ".join(str(error).split()) or type(error).__name__
 
 
 def printable(value: object, limit: int = 200) -> str:

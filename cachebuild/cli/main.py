@@ -21,8 +21,8 @@ import click
 from rich.logging import RichHandler
 
 from cachebuild.cli import fleet, model, store
-from cachebuild.cli.common import CliState, install_warning_display, one_line, stderr
-from cachebuild.errors import CachebuildError
+from cachebuild.cli.common import CliState, install_warning_display, stderr
+from cachebuild.errors import CachebuildError, one_line
 from cachebuild.store import StoreOptions
 
 #: Every command, by module: what ``cachebuild --help`` lists.

@@ -17,22 +17,26 @@ before it runs).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from cachebuild import process_state
-from cachebuild.building.build import Builder, BuildJob, jobs_of
-from cachebuild.building.entry import Entry
+from cachebuild.building.build import Builder, BuildJob, jobs_of, resolve_all
+from cachebuild.building.entry import Entry, record_entry
 from cachebuild.building.planner import target_factors
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS
-from cachebuild.errors import BuildError
+from cachebuild.errors import BuildError, one_line
 from cachebuild.keys import make_key
 from cachebuild.passes import PassManager
 from cachebuild.tracing.targets import bucket_label
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("cachebuild")
 
@@ -65,6 +69,58 @@ def interim_entry(entry: Entry, config: CompileConfig, passes: PassManager) -> E
     pieces = [replace(p, targets=[replace(t, key=keys[t.key]) for t in p.targets])
               for p in entry.pieces]
     return replace(entry, pieces=pieces, manifests=manifests)
+
+
+def serve_while_building(model: torch.nn.Module, config: CompileConfig, builder: Builder,
+                         entry: Entry, why: str, warm: bool, swap: Swap | None
+                         ) -> tuple[Entry, dict[str, Any], Swap] | None:
+    """With ``while_building`` and targets missing: start building them in worker
+    processes (unless ``swap`` already builds them), build (or load) the interim targets
+    here, and return the entry to serve with, its targets and the swap; the first call
+    after the missing targets are stored and loaded takes over (``take_over``). None where
+    there is nothing to do, or no worker could build the missing targets as this process
+    would (then the caller builds them here)."""
+    from cachebuild.building.pool import cold_start_jobs, setup_for, usable_cpus
+
+    interim = interim_config(config)
+    store = builder.store
+    missing = [key for key in entry.target_keys() if not store.contains(key)]
+    if interim is None or not missing:
+        return None
+    if swap is None or not swap.pending or swap.entry.key != entry.key:
+        every = jobs_of(entry, config)
+        jobs = [builder.here(every[key]) for key in missing]
+        setup = setup_for(jobs, store, builder.passes)
+        if setup is None:
+            log.warning("cachebuild: %s builds its targets before serving "
+                        "(while_building=%r): worker processes could not build them as "
+                        "this process would (ops or passes of its own, or a store they "
+                        "cannot open)", type(model).__name__, config.while_building)
+            return None
+
+        def stored(loaded: dict[str, Any]) -> None:
+            if why != "fresh":
+                record_entry(entry, store)  # its targets all stored: a later start is warm
+
+        # Started first, so the workers' start overlaps the interim builds here, and
+        # one CPU left to this process unless the environment says how many.
+        workers = cold_start_jobs(len(jobs))
+        if not os.environ.get("CACHEBUILD_BUILD_JOBS", "").strip():
+            workers = max(1, min(workers, usable_cpus() - 1))
+        swap = Swap(entry, builder, jobs, workers, setup, stored)
+    served = interim_entry(entry, interim, builder.passes)
+    interim_builder = Builder(store, interim, builder.passes, builder.device)
+    try:
+        loaded = resolve_all(served, interim_builder, warm=warm, workers=False)
+    except Exception as e:  # nothing to serve with meanwhile: wait for the real ones
+        log.warning("cachebuild: %s has no %s targets to serve with while it builds "
+                    "(%s); waiting for its own", type(model).__name__,
+                    config.while_building, one_line(e, typed=True))
+        return entry, swap.take(), swap
+    log.warning("cachebuild: %s serves with %s targets while its %d missing targets "
+                "build in the background", type(model).__name__,
+                config.while_building, len(missing))
+    return served, loaded, swap
 
 
 class Swap:

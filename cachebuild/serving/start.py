@@ -10,7 +10,8 @@ entry is recorded, the stitched forward made (``runtime.ModelRuntime``), and, wi
 A cold start whose targets build in worker processes where they can
 (``build.resolve_all``) may serve meanwhile, if the config asks
 (``CompileConfig.while_building``): it builds and serves the same pieces for a backend
-that builds in seconds while its own targets build in the background (``interim.Swap``);
+that builds in seconds while its own targets build in the background
+(``interim.serve_while_building``, ``interim.Swap``);
 the entry is recorded once they are stored, and ``take_over`` makes the runtime over them
 that a later call runs on.
 
@@ -25,7 +26,6 @@ them: the store may be repaired meanwhile) or a transient error.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -36,14 +36,14 @@ from cachebuild.building.build import Builder, early_pool, resolve_all
 from cachebuild.building.entry import record_entry
 from cachebuild.building.planner import Planner
 from cachebuild.counters import timed
-from cachebuild.errors import StoreError, transient
+from cachebuild.errors import StoreError, one_line, transient
 from cachebuild.graph.facts import device_of
+from cachebuild.serving.interim import serve_while_building
 from cachebuild.serving.runtime import CaptureReport, ModelRuntime
 
 if TYPE_CHECKING:
     import torch
 
-    from cachebuild.building.entry import Entry
     from cachebuild.config import CompileConfig
     from cachebuild.passes import PassManager
     from cachebuild.serving.interim import Swap
@@ -91,7 +91,7 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             notice.must_trace(model, found.why, store, found.factors)
             entry = planner.trace(args, found)
         builder = Builder(store, config, planner.passes, device_of([*args, *model.parameters()]))
-        interim = _serve_while_building(model, config, builder, entry, found.why, warm, swap)
+        interim = serve_while_building(model, config, builder, entry, found.why, warm, swap)
         if interim is not None:
             entry, loaded, swap = interim
         else:
@@ -118,60 +118,6 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     return started
 
 
-def _serve_while_building(model: torch.nn.Module, config: CompileConfig, builder: Builder,
-                          entry: Entry, why: str, warm: bool, swap: Swap | None
-                          ) -> tuple[Entry, dict[str, Any], Swap] | None:
-    """With ``while_building`` and targets missing: start building them in worker
-    processes (unless ``swap`` already builds them), build (or load) the interim targets
-    here, and return the entry to serve with, its targets and the swap; the first call
-    after the missing targets are stored and loaded takes over (``take_over``). None where
-    there is nothing to do, or no worker could build the missing targets as this process
-    would (then the caller builds them here)."""
-    from cachebuild.building.build import jobs_of
-    from cachebuild.building.pool import cold_start_jobs, setup_for, usable_cpus
-    from cachebuild.serving.interim import Swap, interim_config, interim_entry
-
-    interim = interim_config(config)
-    store = builder.store
-    missing = [key for key in entry.target_keys() if not store.contains(key)]
-    if interim is None or not missing:
-        return None
-    if swap is None or not swap.pending or swap.entry.key != entry.key:
-        every = jobs_of(entry, config)
-        jobs = [builder.here(every[key]) for key in missing]
-        setup = setup_for(jobs, store, builder.passes)
-        if setup is None:
-            log.warning("cachebuild: %s builds its targets before serving "
-                        "(while_building=%r): worker processes could not build them as "
-                        "this process would (ops or passes of its own, or a store they "
-                        "cannot open)", type(model).__name__, config.while_building)
-            return None
-
-        def stored(loaded: dict[str, Any]) -> None:
-            if why != "fresh":
-                record_entry(entry, store)  # its targets all stored: a later start is warm
-
-        # Started first, so the workers' start overlaps the interim builds here, and
-        # one CPU left to this process unless the environment says how many.
-        workers = cold_start_jobs(len(jobs))
-        if not os.environ.get("CACHEBUILD_BUILD_JOBS", "").strip():
-            workers = max(1, min(workers, usable_cpus() - 1))
-        swap = Swap(entry, builder, jobs, workers, setup, stored)
-    served = interim_entry(entry, interim, builder.passes)
-    interim_builder = Builder(store, interim, builder.passes, builder.device)
-    try:
-        loaded = resolve_all(served, interim_builder, warm=warm, workers=False)
-    except Exception as e:  # nothing to serve with meanwhile: wait for the real ones
-        log.warning("cachebuild: %s has no %s targets to serve with while it builds "
-                    "(%s); waiting for its own", type(model).__name__,
-                    config.while_building, one_line(e))
-        return entry, swap.take(), swap
-    log.warning("cachebuild: %s serves with %s targets while its %d missing targets "
-                "build in the background", type(model).__name__,
-                config.while_building, len(missing))
-    return served, loaded, swap
-
-
 def take_over(swap: Swap, model: torch.nn.Module, config: CompileConfig,
               dynamic_dims: dict[int, int], args: tuple[Any, ...]) -> Started | None:
     """Before a call: the runtime over the targets built in the background, if they are
@@ -191,12 +137,6 @@ def take_over(swap: Swap, model: torch.nn.Module, config: CompileConfig,
     except Exception as e:  # keep serving with what runs
         swap.error = f"{type(e).__name__}: {e}"
         log.warning("cachebuild: %s keeps serving with its interim targets: its own "
-                    "could not take over: %s", type(model).__name__, one_line(e))
+                    "could not take over: %s", type(model).__name__, one_line(e, typed=True))
         return None
     return started
-
-
-def one_line(error: BaseException) -> str:
-    """``error`` as one line: its type and its text's words."""
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
