@@ -81,11 +81,9 @@ class Planner:
         self.touch = touch
 
     @property
-    def passes(self) -> Any:
+    def passes(self) -> PassManager:
         """The pass manager: the one given, else the built-in passes the config enables."""
         if self._passes is None:
-            from cachebuild.passes import PassManager
-
             self._passes = PassManager.from_config(self.config.passes)
         return self._passes
 
