@@ -34,8 +34,7 @@ from cachebuild.serving.stitch import direct_forward, on_device_forward, stitch
 from cachebuild.store.interface import Store
 from cachebuild.tracing.guards import Mismatch
 from cachebuild.tracing.split import check_splitting_ops
-from cachebuild.tracing.trace import TracedGraph
-from cachebuild.tracing.trace import check_dynamic_dims as check_call_dims
+from cachebuild.tracing.trace import TracedGraph, check_call_dims
 
 if TYPE_CHECKING:
     from cachebuild.serving.interim import Swap

@@ -127,7 +127,7 @@ def _bind(model: torch.nn.Module, args: list[Any], inputs: list[Any],
 
 
 def _bind_symint(value: torch.SymInt, args: list[Any], dynamic_dims: dict[int, int]) -> Binding:
-    # All dynamic dims have one size (check_dynamic_dims), so Dynamo's duck sizing gives
+    # All dynamic dims have one size (check_call_dims), so Dynamo's duck sizing gives
     # them one symbol: any SymInt input is that symbol, read off the first dynamic dim.
     expr = str(value.node.expr)
     if not dynamic_dims or not SYMBOL.fullmatch(expr):
@@ -136,7 +136,7 @@ def _bind_symint(value: torch.SymInt, args: list[Any], dynamic_dims: dict[int, i
     return Binding("size", arg=i, dim=d)
 
 
-def check_dynamic_dims(args: list[Any], dynamic_dims: dict[int, int]) -> None:
+def check_call_dims(args: list[Any], dynamic_dims: dict[int, int]) -> None:
     """Dynamic dims must name tensor arguments and be equal in size (one token count)."""
     sizes = set()
     for i, d in dynamic_dims.items():
@@ -227,7 +227,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     )
 
     args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
-    check_dynamic_dims(args, dynamic_dims)
+    check_call_dims(args, dynamic_dims)
     for i, d in dynamic_dims.items():
         if args[i].shape[d] == 1:
             # Torch specialises a size of 1; the graph is the same for every size, so a
