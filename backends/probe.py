@@ -238,10 +238,16 @@ def checked_dir(folder: Path | None = None) -> Path:
     """``probe_dir(folder)``, made if missing and checked like the store (UnsafeStore,
     exit 2, if another user owns it, could write it, or could rename it or a directory
     above it), with its ``environment.json``; its real path."""
-    from cachebuild.backends.environment import describe
+    from cachebuild.backends.environment import describe, root
     from cachebuild.store import check_parents, check_private_dir, make_private_dir
 
     path = probe_dir(folder).expanduser().absolute()
+    if path.parent == root() and not os.path.lexists(path.parent):
+        # The folder of every environment folder: private too, so that no one else sees
+        # which environments this user has.
+        path.parent.parent.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            path.parent.mkdir(mode=0o700)
     make_private_dir(path, "environment folder")
     real = Path(os.path.realpath(path))
     check_private_dir(real, "environment folder")

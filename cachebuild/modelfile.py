@@ -96,6 +96,20 @@ def package_of(path: Path) -> tuple[Path, str] | None:
     return folder, ".".join(parts)
 
 
+_WHAT_A_MODEL_FILE_IS = "a model file is a .py file that defines build() -> cachebuild.ModelSpec"
+
+
+def check_model_file(path: str | Path) -> Path:
+    """``path``, resolved, if it names an existing ``.py`` file; else a UsageError that
+    says what a model file is. Checked before anything is said or imported."""
+    resolved = Path(path).resolve()
+    if not resolved.is_file():
+        raise UsageError(f"{resolved}: no such model file; {_WHAT_A_MODEL_FILE_IS}")
+    if resolved.suffix != ".py":
+        raise UsageError(f"{resolved}: not a Python file; {_WHAT_A_MODEL_FILE_IS}")
+    return resolved
+
+
 def import_model(path: str | Path) -> ModuleType:
     """Import a model file as a module (its custom ops get registered) the way a server
     would: a file inside a package under its dotted name, with the folder holding the
@@ -104,9 +118,7 @@ def import_model(path: str | Path) -> ModuleType:
     on ``sys.path`` (as ``python MODEL.py`` has it, so that it imports the modules
     beside it). A folder that another user could write (or rename) is never put on
     ``sys.path``: the file is then imported by itself."""
-    path = Path(path).resolve()
-    if not path.is_file():
-        raise UsageError(f"{path}: no such model file")
+    path = check_model_file(path)
     # Imported already (``import llama``, or run as ``__main__``): running it twice would
     # register its custom ops twice, which torch refuses.
     for module in list(sys.modules.values()):
@@ -140,7 +152,7 @@ def import_model(path: str | Path) -> ModuleType:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
-        raise UsageError(f"{path}: not a Python file")
+        raise UsageError(f"{path}: not a Python file; {_WHAT_A_MODEL_FILE_IS}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:

@@ -143,13 +143,13 @@ class Source:
 
 def source_of(model: ModelSource) -> Source:
     """``model`` (a MODEL.py path, a ``build`` function or a spec) as a Source."""
-    from cachebuild.modelfile import load_spec
+    from cachebuild.modelfile import check_model_file, load_spec
 
     if isinstance(model, ModelSpec):
         return Source(lambda: model, None, type(model.model).__name__)
     if isinstance(model, str | os.PathLike):
-        path = Path(model)
-        return Source(lambda: load_spec(path), path.resolve(), path.name)
+        path = check_model_file(model)
+        return Source(lambda: load_spec(path), path, path.name)
     if callable(model):
         def build() -> ModelSpec:
             spec = model()

@@ -320,7 +320,7 @@ def main() -> None:
     served = state.served if state is not None else {}
     replays = served.get("full", 0) + served.get("piecewise", 0)
     same = tokens == reference
-    print(f"{len(batch)} prompts x {new_tokens} tokens in {seconds:.2f} s (process "
+    print(f"{len(batch)} prompts x {new_tokens} tokens in {seconds:.2f} s (main() "
           f"{time.perf_counter() - start:.2f} s); targets built {s['built']}, loaded "
           f"{s['loaded']}, traced {s['traced']}; graph replays {replays} (full "
           f"{served.get('full', 0)}, piecewise {served.get('piecewise', 0)}, calls without "

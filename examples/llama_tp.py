@@ -238,7 +238,7 @@ def main() -> None:
         torch.testing.assert_close(out, ref, rtol=2e-2, atol=2e-2)
         s = cachebuild.stats()
         print(f"rank {dist.get_rank()}/{dist.get_world_size()}: compile call -> first output "
-              f"{first:.2f} s (process {time.perf_counter() - start:.2f} s); targets built "
+              f"{first:.2f} s (main() {time.perf_counter() - start:.2f} s); targets built "
               f"{s['built']}, loaded {s['loaded']}, traced {s['traced']}; output matches the "
               "unsharded model", file=sys.stderr)
     finally:

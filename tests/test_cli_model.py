@@ -88,6 +88,23 @@ def test_bad_model_files_exit_2_with_one_line(tmp_path, source, expected):
         assert f"{path}:2" in lines[0]  # the line that raised
 
 
+@pytest.mark.parametrize(("name", "expected"), [
+    ("missing.py", "no such model file; a model file is a .py file that defines build()"),
+    ("README.md", "not a Python file; a model file is a .py file that defines build()"),
+])
+def test_a_path_that_is_no_model_file_is_one_line_before_anything_starts(tmp_path, name,
+                                                                         expected):
+    """``warm`` of a path that names no model file says so, and what a model file is,
+    before any phase line (no "importing ..." for a file that is not there)."""
+    path = tmp_path / name
+    if name.endswith(".md"):
+        path.write_text("# notes\n")
+    proc = cli(tmp_path / "store", "warm", str(path))
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == f"error: {path}: {expected} -> cachebuild.ModelSpec\n"
+    assert not (tmp_path / "store").exists()
+
+
 def test_a_model_file_imported_already_is_not_run_twice(tmp_path, monkeypatch):
     """A model file its server imported as a plain module (``import mymodel``) defines its
     custom ops once: loading it as a model file hands back that module."""

@@ -274,3 +274,19 @@ def test_gc_environments_removes_other_environments_and_keeps_this_one(first_run
     assert f"removed environment folder {legacy}" in text
     assert not other.exists() and not legacy.exists()
     assert (folder / "environment.json").exists() and list(folder.glob("aoti-cpu-*.json"))
+
+
+def test_the_folder_of_environment_folders_is_made_private(tmp_path):
+    """A new user's first environment folder: it and the folder holding every one of them
+    are 0700, so no one else learns which environments this user has."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CACHEBUILD_")}
+    env |= {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
+    made = subprocess.run([sys.executable, "-c", "from cachebuild.backends.probe import "
+                           "checked_dir; print(checked_dir())"], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert made.returncode == 0, made.stderr
+    folder = Path(made.stdout.strip())
+    assert folder.parent == home / ".cache" / "cachebuild" / "env"
+    assert (folder.stat().st_mode & 0o777, folder.parent.stat().st_mode & 0o777) == (0o700, 0o700)

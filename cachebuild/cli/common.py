@@ -124,12 +124,41 @@ def safe_text(value: object, limit: int = 200) -> str:
 
 # -- output ----------------------------------------------------------------------------
 
+class _TrimmedLines:
+    """A text stream that writes each line without trailing blanks: a table piped is as
+    wide as its longest cell, and rich pads every other row to it."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._line = ""
+
+    def write(self, text: str) -> int:
+        *done, self._line = (self._line + text).split("\n")
+        for line in done:
+            self._stream.write(line.rstrip(" ") + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        if self._line:  # a line without its end yet: written as it is, blanks and all
+            self._stream.write(self._line)
+            self._line = ""
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return False
+
+    @property
+    def encoding(self) -> str:  # rich draws with what the stream can encode
+        return getattr(self._stream, "encoding", None) or "utf-8"
+
+
 def _console(stderr: bool) -> Console:
     # On a terminal, rich fits lines to its width. Piped output is read by scripts and
     # people alike: never wrap a line or cut a key there.
-    if (sys.stderr if stderr else sys.stdout).isatty():
+    stream = sys.stderr if stderr else sys.stdout
+    if stream.isatty():
         return Console(stderr=stderr)
-    return Console(stderr=stderr, width=100_000, soft_wrap=True)
+    return Console(file=_TrimmedLines(stream), width=100_000, soft_wrap=True)  # type: ignore[arg-type]
 
 
 def stdout() -> Console:
@@ -221,6 +250,14 @@ class DurationParam(click.ParamType):
             return parse_duration(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
+
+
+def model_file(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A MODEL.py argument, checked as it is parsed: before the command opens a store or
+    says a phase, a path that names no model file is a one-line usage error."""
+    from cachebuild.modelfile import check_model_file
+
+    return str(check_model_file(value))
 
 
 #: The shortest key prefix a command accepts, as git accepts abbreviated hashes.

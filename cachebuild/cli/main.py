@@ -23,7 +23,7 @@ from rich.logging import RichHandler
 from cachebuild.cli import fleet, model, store
 from cachebuild.cli.common import CliState, install_warning_display, stderr
 from cachebuild.errors import CachebuildError, one_line
-from cachebuild.store import StoreOptions
+from cachebuild.store import StoreOptions, UnknownKey
 
 #: Every command, by module: what ``cachebuild --help`` lists.
 COMMANDS = (*store.COMMANDS, *model.COMMANDS, *fleet.COMMANDS)
@@ -64,7 +64,8 @@ class _Group(click.Group):
             state = ctx.obj if isinstance(ctx.obj, CliState) else None
             if state is not None and state.verbose:
                 logging.getLogger("cachebuild").debug("error details", exc_info=True)
-            click.echo(f"error: {one_line(e)}", err=True)
+            hint = "; `cachebuild ls` lists the store's keys" if isinstance(e, UnknownKey) else ""
+            click.echo(f"error: {one_line(e)}{hint}", err=True)
             ctx.exit(e.exit_code)
 
 

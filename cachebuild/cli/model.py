@@ -32,6 +32,7 @@ from rich.table import Table
 from cachebuild.cli.common import (
     MAX_JOBS,
     MAX_WORLD_SIZE,
+    model_file,
     printable,
     state_of,
     stderr,
@@ -150,7 +151,7 @@ def _progress(console: Console, verbose: bool = False
 
 
 @click.command("warm")
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path(dir_okay=False), callback=model_file)
 @click.option("--jobs", "-j", type=click.IntRange(min=1, max=MAX_JOBS), default=None,
               help="Worker processes building targets (default: the CPUs this process may use).")
 @click.option("--device", metavar="D", help="Move the model and inputs to D (e.g. cuda:0).")
@@ -248,7 +249,7 @@ _WORLD_SIZE = click.option(
 
 
 @click.command("plan")
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path(dir_okay=False), callback=model_file)
 @click.option("--device", metavar="D", help="Move the model and inputs to D first.")
 @_WORLD_SIZE
 @click.pass_context
@@ -266,7 +267,7 @@ def plan_command(ctx: click.Context, model: str, device: str | None,
 
 
 @click.command("explain")
-@click.argument("model", type=click.Path(dir_okay=False))
+@click.argument("model", type=click.Path(dir_okay=False), callback=model_file)
 @click.option("--device", metavar="D", help="Move the model and inputs to D first.")
 @_WORLD_SIZE
 @click.pass_context
