@@ -242,12 +242,10 @@ def checked_dir(folder: Path | None = None) -> Path:
     from cachebuild.store import check_parents, check_private_dir, make_private_dir
 
     path = probe_dir(folder).expanduser().absolute()
-    if path.parent == root() and not os.path.lexists(path.parent):
+    if path.parent == root():
         # The folder of every environment folder: private too, so that no one else sees
         # which environments this user has.
-        path.parent.parent.mkdir(parents=True, exist_ok=True)
-        with contextlib.suppress(FileExistsError):
-            path.parent.mkdir(mode=0o700)
+        make_private_dir(path.parent, "folder of environment folders")
     make_private_dir(path, "environment folder")
     real = Path(os.path.realpath(path))
     check_private_dir(real, "environment folder")

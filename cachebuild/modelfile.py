@@ -151,8 +151,8 @@ def import_model(path: str | Path) -> ModuleType:
     if name in sys.modules:
         return sys.modules[name]
     spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise UsageError(f"{path}: not a Python file; {_WHAT_A_MODEL_FILE_IS}")
+    # check_model_file let only an existing .py file through: it always has a loader.
+    assert spec is not None and spec.loader is not None, path
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     try:

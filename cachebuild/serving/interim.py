@@ -83,9 +83,11 @@ def serve_while_building(model: torch.nn.Module, config: CompileConfig, builder:
     from cachebuild.building.pool import cold_start_jobs, setup_for, usable_cpus
 
     interim = interim_config(config)
+    if interim is None:  # the default ("wait"): no store lookups on any start
+        return None
     store = builder.store
     missing = [key for key in entry.target_keys() if not store.contains(key)]
-    if interim is None or not missing:
+    if not missing:
         return None
     if swap is None or not swap.pending or swap.entry.key != entry.key:
         every = jobs_of(entry, config)
