@@ -70,12 +70,14 @@ class InductorBackend(Backend):
     def toolchain(self, config: Any, device: str, probe_dir: Path | None) -> dict[str, Any]:
         """The C++ compiler builds use here, and whether AOTI libraries load (``aoti``).
 
-        Probes once per environment (``probe.py``). Raises ConfigError for flavour
-        ``aoti`` where no compiler makes libraries that load.
+        Probes once per environment (``probe.py``); while the probe ``start_toolchain``
+        began still runs, what it presumes (``probe.presumed``: builds in workers begin
+        with it, ``confirm_toolchain`` comes before any use here). Raises ConfigError for
+        flavour ``aoti`` where no compiler makes libraries that load.
         """
-        from cachebuild.backends.probe import compiler_version, trusted_candidates, verdict
+        from cachebuild.backends.probe import compiler_version, presumed, trusted_candidates
 
-        found = verdict(device, probe_dir)
+        found = presumed(device, probe_dir)
         if found.compiler is not None:
             return {"aoti": True, **found.compiler.factors()}
         if config.flavour == "aoti":
@@ -95,6 +97,13 @@ class InductorBackend(Backend):
         from cachebuild.backends.probe import start
 
         start(device)
+
+    def confirm_toolchain(self, device: str) -> None:
+        """Wait for the probe's verdict where builds began with what it presumed
+        (``probe.confirm``); ToolchainRefuted where it chose otherwise."""
+        from cachebuild.backends.probe import confirm
+
+        confirm(device)
 
     # -- compile -----------------------------------------------------------------------
 

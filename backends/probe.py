@@ -58,6 +58,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -288,7 +289,25 @@ def _say_once(message: str) -> None:
 # -- the probe, off the critical path ---------------------------------------------------
 
 _inflight_lock = threading.Lock()
-_inflight: dict[str, Future[None]] = {}
+
+
+@dataclass
+class _Inflight:
+    """A probe ``start`` runs: ``done`` when its verdict is known; ``guess`` as soon as
+    it can be presumed (``presumed``)."""
+
+    done: Future[None] = field(default_factory=Future)
+    guess: Future[Verdict] = field(default_factory=Future)
+
+    def presume(self, found: Verdict) -> None:
+        if not self.guess.done():
+            self.guess.set_result(found)
+
+
+_inflight: dict[str, _Inflight] = {}
+#: By device type: what this process's builds presumed while the probe ran
+#: (``presumed``), until ``confirm`` holds it against the verdict.
+_PRESUMED: dict[str, Verdict] = {}
 
 
 def _inflight_key(device: str, folder: Path | None) -> str:
@@ -303,15 +322,16 @@ def start(device: str, folder: Path | None = None) -> None:
     with _inflight_lock:
         if key in _inflight:
             return
-        done: Future[None] = Future()
-        _inflight[key] = done
+        running = _inflight[key] = _Inflight()
 
     def run() -> None:
         try:
-            _verdict(device, folder)
-            done.set_result(None)
+            running.presume(_verdict(device, folder, running.presume))
+            running.done.set_result(None)
         except BaseException as e:  # noqa: BLE001  # the waiter finds it again, and says it
-            done.set_exception(e)
+            if not running.guess.done():
+                running.guess.set_exception(e)
+            running.done.set_exception(e)
         finally:
             with _inflight_lock:
                 _inflight.pop(key, None)
@@ -331,15 +351,61 @@ def verdict(device: str, folder: Path | None = None) -> Verdict:
     with _inflight_lock:
         running = _inflight.get(_inflight_key(device, folder))
     if running is not None and threading.current_thread().name != "cachebuild-probe":
-        if not running.done():
+        if not running.done.done():
             progress.info("waiting for the C++ toolchain probe (once per machine and "
                           "environment)")
         with contextlib.suppress(BaseException):
-            running.result()  # an error is found again, and raised, below
+            running.done.result()  # an error is found again, and raised, below
     return _verdict(device, folder)
 
 
-def _verdict(device: str, folder: Path | None) -> Verdict:
+def presumed(device: str, folder: Path | None = None) -> Verdict:
+    """The verdict for ``device`` where it is known; while ``start``'s probe is still
+    finding it, what it presumes as soon as it can: the first candidate in order of
+    preference whose small C++ library loaded beside torch (every one before it refused).
+    Builds in worker processes may begin with it; nothing built with it may be built in
+    or loaded into this process before ``confirm`` (its packages may still crash)."""
+    with _inflight_lock:
+        running = _inflight.get(_inflight_key(device, folder))
+    if running is None or threading.current_thread().name == "cachebuild-probe":
+        return verdict(device, folder)
+    if not running.guess.done():
+        progress.info("waiting for the C++ toolchain check (once per machine and "
+                      "environment)")
+    try:
+        found = running.guess.result()
+    except BaseException:  # noqa: BLE001  # found again, and raised, by the verdict
+        return verdict(device, folder)
+    if not running.done.done():
+        _PRESUMED[device.split(":")[0]] = found
+    return found
+
+
+def confirm(device: str, folder: Path | None = None) -> None:
+    """Return once what this process presumed for ``device`` (``presumed``) is the
+    verdict, waiting for the probe where it still runs; ToolchainRefuted where the verdict
+    chose otherwise. At once where nothing was presumed (a verdict known before, or a
+    worker process, which presumes nothing)."""
+    from cachebuild.errors import ToolchainRefuted
+
+    kind = device.split(":")[0]
+    guess = _PRESUMED.get(kind)
+    if guess is None:
+        return
+    found = verdict(device, folder)
+    _PRESUMED.pop(kind, None)
+    if _chosen(found) != _chosen(guess):
+        raise ToolchainRefuted(
+            f"builds began with {guess.compiler.path if guess.compiler else 'no compiler'}, "
+            f"and the toolchain probe then chose otherwise: {found.describe()}")
+
+
+def _chosen(found: Verdict) -> dict[str, str] | None:
+    return found.compiler.factors() if found.compiler is not None else None
+
+
+def _verdict(device: str, folder: Path | None,
+             presume: Callable[[Verdict], None] | None = None) -> Verdict:
     from filelock import FileLock
 
     from cachebuild.backends.environment import in_use
@@ -363,12 +429,12 @@ def _verdict(device: str, folder: Path | None) -> Verdict:
         except StoreError:
             found = None
         if found is None or unusable(found) is not None:
-            found = _probe_all(device, candidates, untrusted)
+            found = _probe_all(device, candidates, untrusted, presume=presume)
         _VERDICTS[fingerprint] = found
         return found
     real = usable_dir(folder)
     if real is None:
-        found = _probe_all(device, candidates, untrusted)
+        found = _probe_all(device, candidates, untrusted, presume=presume)
         _VERDICTS[fingerprint] = found
         return found
     verdict_file = real / f"aoti-{kind}-{fingerprint}.json"
@@ -378,7 +444,7 @@ def _verdict(device: str, folder: Path | None) -> Verdict:
         if why is not None:
             log.warning("probing the C++ toolchain again: %s", why)
         if found is None or why is not None:
-            found = _probe_all(device, candidates, untrusted, real)
+            found = _probe_all(device, candidates, untrusted, real, presume)
             tmp = verdict_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(found.to_json()))
             os.replace(tmp, verdict_file)
@@ -463,13 +529,16 @@ def _stop_children() -> None:
 
 def _probe_all(device: str, candidates: list[str],
                untrusted: list[tuple[str, str]] | None = None,
-               records: Path | None = None) -> Verdict:
+               records: Path | None = None,
+               presume: Callable[[Verdict], None] | None = None) -> Verdict:
     """Probe every candidate at once (each in its own child); the first in order that
     passes wins as soon as every one before it is refused, and the children still
     running are stopped. Those before it (and ``untrusted``, never run) are refused with
     why. Each child records in ``records`` (the environment folder) the CPU's vector ISAs
     its build checked (``compilers.watch``); a lone candidate's child also keeps the
-    headers it precompiled there, so builds with that compiler make neither again."""
+    headers it precompiled there, so builds with that compiler make neither again.
+    ``presume`` is told, once, the first candidate in order whose small library loaded
+    (``presumed``), as soon as that is known."""
     import tempfile
 
     kind = device.split(":")[0]
@@ -494,6 +563,11 @@ def _probe_all(device: str, candidates: list[str],
                         log.info("AOTInductor probe: %s %s after %.1f s", path,
                                  "passed" if results[path][0] else
                                  f"refused ({results[path][1]})", time.monotonic() - started)
+                if presume is not None:
+                    guess = _presumption(candidates, versions, results, running)
+                    if guess is not None:
+                        presume(_verdict_of(kind, guess, versions, refused, results))
+                        presume = None
                 decided = _decided(candidates, versions, results)
                 if decided is not None:
                     break
@@ -519,6 +593,36 @@ def _probe_all(device: str, candidates: list[str],
         refused.append((path, why))
         log.warning("AOTInductor probe: %s refused for %s: %s", path, kind, why)
     return Verdict(kind, None, refused)
+
+
+def _presumption(candidates: list[str], versions: dict[str, str | None],
+                 results: dict[str, tuple[bool, str]],
+                 running: dict[str, tuple[subprocess.Popen[bytes], Path, Path]]) -> str | None:
+    """The candidate to presume (``""``: none passes), or None while that waits on a
+    child: the first in order that passed, or whose small library loaded (its child said
+    ``library``), every one before it refused."""
+    for path in candidates:
+        if versions[path] is None:
+            continue
+        if path in results:
+            if results[path][0]:
+                return path
+            continue
+        out = running[path][1]
+        if "library" in out.read_text(errors="replace").split():
+            return path
+        return None
+    return ""
+
+
+def _verdict_of(kind: str, path: str, versions: dict[str, str | None],
+                refused: list[tuple[str, str]],
+                results: dict[str, tuple[bool, str]]) -> Verdict:
+    """The verdict choosing ``path`` (``""``: none), those refused so far named."""
+    so_far = [*refused, *((p, why) for p, (ok, why) in results.items() if not ok)]
+    if not path:
+        return Verdict(kind, None, so_far)
+    return Verdict(kind, Compiler.found(path, versions[path] or ""), so_far)
 
 
 def _decided(candidates: list[str], versions: dict[str, str | None],

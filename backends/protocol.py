@@ -82,7 +82,10 @@ class Backend(Protocol):
     an artifact being proven), or None if it no longer holds it. ``load_needs``: what
     loading an artifact of ``kind`` takes. ``start_toolchain``: begin finding
     ``toolchain``'s answer in the background (called before a trace, so that a probe
-    overlaps it)."""
+    overlaps it). ``toolchain`` may answer before that is done with what it presumes;
+    ``confirm_toolchain`` then waits for the answer and raises ToolchainRefuted if it
+    differs: called before anything built with it is built in or loaded into this
+    process."""
 
     name: str
 
@@ -92,6 +95,9 @@ class Backend(Protocol):
                   probe_dir: Path | None) -> dict[str, Any]: ...
 
     def start_toolchain(self, config: CompileConfig, device: str) -> None:
+        return None
+
+    def confirm_toolchain(self, device: str) -> None:
         return None
 
     def compile(self, request: BuildRequest) -> Artifact: ...

@@ -45,6 +45,12 @@ class BuildError(CachebuildError):
     """A target failed to compile; the message names its piece, bucket and key."""
 
 
+class ToolchainRefuted(CachebuildError):
+    """Builds began with the C++ compiler the probe presumed (its small library loaded),
+    and the probe's verdict then refused it: what was built with it is not used here,
+    and the work starts again with the verdict."""
+
+
 class CompileFailed(CachebuildError):
     """A model failed to compile earlier in this process and nothing it depends on
     changed, so it is not tried again; ``original`` is the first failure (also the

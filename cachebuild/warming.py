@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from cachebuild.api import ModelSpec
-from cachebuild.errors import UsageError
+from cachebuild.backends import get_backend
+from cachebuild.errors import ToolchainRefuted, UsageError
 
 #: What a long wait is doing, as each phase starts (the command line shows it at once).
 progress = logging.getLogger("cachebuild.progress")
@@ -451,12 +452,30 @@ def warm(model: ModelSource, *, store: StoreArg = None,
     (``TargetReport.phases``), the report the model's own (``WarmReport.phases``: trace,
     split).
 
+    Where the toolchain probe refuses the compiler the builds presumed
+    (``probe.presumed``), it plans and builds again, with the probe's verdict.
+
     A target that fails is reported (state ``failed``, with its error) and the others
     still build; the entry is recorded all the same, and a server then builds what
     failed. Bad input (no such file, a ``build()`` that raises) is a UsageError; a work
     folder that is not a private directory of ours (or cannot be made) is an UnsafeStore
     (exit 2), before anything is traced.
     """
+    try:
+        return warm_once(model, store=store, jobs=jobs, device=device, world_size=world_size,
+                         dry_run=dry_run, say=say, on_target=on_target)
+    except ToolchainRefuted as e:
+        progress.warning("%s; planning again", e)
+        return warm_once(model, store=store, jobs=jobs, device=device, world_size=world_size,
+                         dry_run=dry_run, say=say, on_target=on_target)
+
+
+def warm_once(model: ModelSource, *, store: StoreArg = None,
+              jobs: int | None = None, device: str | None = None,
+              world_size: int | None = None, dry_run: bool = False, say: Say | None = None,
+              on_target: Callable[[TargetReport, int, int], None] | None = None
+              ) -> WarmReport:
+    """``warm``, once."""
     from cachebuild.building.build import jobs_of
     from cachebuild.building.entry import record_entry
     from cachebuild.building.pool import expected_targets, jobs_here
@@ -530,6 +549,8 @@ def warm(model: ModelSource, *, store: StoreArg = None,
                 progress.info("building %d target%s in this process", len(missing),
                               "" if len(missing) == 1 else "s")
                 _build_here(missing, opened, finished, phases)
+        for p in group:  # what workers built with a presumed compiler is recorded next
+            get_backend(p.spec.config.backend).confirm_toolchain(p.entry.device)
         for p in _new_entries(group):
             progress.info("recording the entry of %s", source.name)
             entry = next(e for e in report.entries if e.key == p.entry.key)

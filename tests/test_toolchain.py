@@ -1,7 +1,8 @@
 """The AOTI toolchain: the probe picks a C++ compiler whose libraries load, refusing one
-that builds libraries that crash on load; the chosen compiler is a target-key factor; an
-explicit ``aoti`` flavour with no working compiler is refused at plan time; a build that
-fails for want of disk space fails, and never changes the flavour."""
+that builds libraries that crash on load; builds may begin with the compiler it presumes,
+and nothing built with one it then refuses is used; the chosen compiler is a target-key
+factor; an explicit ``aoti`` flavour with no working compiler is refused at plan time; a
+build that fails for want of disk space fails, and never changes the flavour."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import models
@@ -28,8 +28,11 @@ DYN = {0: 0, 1: 0}
 BOOM_C = "#include <signal.h>\n__attribute__((constructor)) static void boom(void) { raise(SIGSEGV); }\n"
 
 #: A compiler wrapper: the system g++, plus the object above in every shared library it links
-#: (what a compiler with a C++ runtime of its own does to a library: it crashes on load).
+#: but the probe's small library (``check.cpp``): a compiler whose libraries load beside
+#: torch and then crash inside AOTI's loader, the worst case, known only when a package
+#: built with it loads.
 WRAPPER = """#!/bin/sh
+case "$*" in *check.cpp*) exec {gxx} "$@";; esac
 for a in "$@"; do
   if [ "$a" = "-shared" ]; then exec {gxx} "$@" {boom}; fi
 done
@@ -48,30 +51,65 @@ def crashing_compiler(folder: Path) -> Path:
     return wrapper
 
 
+#: A cold start in a fresh process: one piece in two buckets, so two targets that build in
+#: two worker processes; each compared with eager.
+COLD_START = """
+import json
+import torch
+import cachebuild
+from cachebuild.backends import probe
+from cachebuild.store import LocalStore
+
+class Tiny(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+    def forward(self, x):
+        return torch.relu(self.lin(x)) * 2.0 + 1
+
+torch.manual_seed(0)
+model = Tiny().eval()
+config = cachebuild.CompileConfig(splitting_ops=(), compile_ranges=((1, 4), (5, 16)))
+compiled = cachebuild.compile(model, config, {0: 0}, store=LocalStore(STORE))
+equal = True
+with torch.no_grad():
+    for n in (3, 9):
+        x = torch.randn(n, 8)
+        equal &= bool(torch.allclose(compiled(x), model(x), rtol=1e-5, atol=1e-5))
+v = probe.verdict("cpu")
+print(json.dumps({"equal": equal, "candidates": probe.candidate_compilers(),
+                  "verdict": v.to_json(), "line": v.describe(), "stats": cachebuild.stats()}))
+"""
+
+
 @pytest.mark.slow
-def test_probe_refuses_a_compiler_whose_libraries_crash_and_picks_the_next(tmp_path, monkeypatch):
+def test_a_compiler_presumed_and_then_refused_is_never_used_and_the_start_plans_again(tmp_path,
+                                                                                       monkeypatch):
+    """The builds of a first cold start begin with the compiler the probe presumes (its
+    small library loaded) while the probe still builds its package; the package crashes
+    on load, so the verdict refuses it: the start plans again with the verdict's compiler,
+    and answers right."""
     if not probe.candidate_compilers():
         pytest.skip("no C++ compiler here")
     bad = crashing_compiler(tmp_path)
-    # A fresh process with CXX set to the crashing wrapper, as an image might set it.
-    code = textwrap.dedent("""
-        import json
-        from cachebuild.backends import probe
-        v = probe.verdict("cpu")
-        print(json.dumps({"candidates": probe.candidate_compilers(), "verdict": v.to_json(),
-                          "line": v.describe()}))
-    """)
-    env = {**os.environ, "CXX": str(bad), "CACHEBUILD_PROBE_DIR": str(tmp_path / "probe")}
+    # A fresh process with CXX set to the wrapper, as an image might set it.
+    env = {**os.environ, "CXX": str(bad), "CACHEBUILD_PROBE_DIR": str(tmp_path / "probe"),
+           "CACHEBUILD_BUILD_JOBS": "2"}
+    code = COLD_START.replace("STORE", repr(str(tmp_path / "store")))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["equal"], out
     assert out["candidates"][0] == str(bad)  # $CXX is tried first
     verdict = probe.Verdict.from_json(out["verdict"])
     assert verdict.compiler is not None and verdict.compiler.path != str(bad)
     assert verdict.refused[0][0] == str(bad)
     assert "crashed on load (SIGSEGV)" in verdict.refused[0][1]
     assert "refused" in out["line"] and str(bad) in out["line"]
+    # The wrapper was presumed (its workers died loading what it built), then refused.
+    assert f"builds began with {bad}" in proc.stderr and "planning Tiny again" in proc.stderr
+    assert out["stats"]["traced"] == 2, out["stats"]
     # The chosen compiler's build recorded the CPU's vector ISAs beside the verdict (for
     # every later build in any store sharing the folder to take).
     from cachebuild import compat
@@ -82,6 +120,69 @@ def test_probe_refuses_a_compiler_whose_libraries_crash_and_picks_the_next(tmp_p
     monkeypatch.setenv("CACHEBUILD_PROBE_DIR", str(tmp_path / "probe"))
     cached = probe.cached_verdicts()
     assert [v.to_json() for v in cached] == [verdict.to_json()]
+
+
+def test_the_presumption_is_the_first_candidate_whose_library_loaded(tmp_path):
+    versions = {"a": "1", "b": "1", "c": None}  # c does not run
+    running = {name: (None, tmp_path / name, None) for name in "ab"}  # a child's stdout
+    for _, out, _ in running.values():
+        out.write_text("")
+
+    def presume(results=None):
+        return probe._presumption(["c", "a", "b"], versions, results or {}, running)
+
+    assert presume() is None  # a, first to run, has said nothing yet
+    running["b"][1].write_text("library\n")
+    assert presume() is None  # b loaded its library, but a comes first
+    running["a"][1].write_text("library\n")
+    assert presume() == "a"
+    assert presume({"a": (False, "crashed on load (SIGSEGV)")}) == "b"
+    assert presume({"a": (False, "x"), "b": (False, "y")}) == ""  # none: standalone
+
+
+def test_a_library_that_crashes_on_load_is_named_in_the_refusal(tmp_path):
+    class Crashed:
+        returncode = -11
+
+    (tmp_path / "out").write_text("")
+    (tmp_path / "err").write_text("")
+    ok, why = probe._outcome(Crashed(), tmp_path / "out", tmp_path / "err")
+    assert not ok and why == "crashed on load (SIGSEGV) of a small C++ library built with it"
+    (tmp_path / "out").write_text("library\nbuilt\n")
+    assert probe._outcome(Crashed(), tmp_path / "out", tmp_path / "err")[1] == \
+        "crashed on load (SIGSEGV)"
+
+
+def test_confirm_waits_for_the_verdict_and_refuses_what_it_did_not_choose(monkeypatch):
+    """``presumed`` answers while the probe runs; ``confirm`` waits for the verdict: at
+    once where nothing was presumed, silently where it agrees, ToolchainRefuted where
+    not."""
+    import threading
+
+    from cachebuild.errors import ToolchainRefuted
+
+    gxx = probe.Compiler("/usr/bin/g++", "g++ (Test) 12.2.0", "x")
+    other = probe.Compiler("/usr/bin/c++", "c++ (Test) 12.2.0", "y")
+    for final, refused in ((gxx, False), (other, True)):
+        release = threading.Event()
+
+        def found(device, folder, presume=None, final=final, release=release):
+            if presume is not None:  # the probe thread
+                presume(probe.Verdict("cpu", gxx))
+                release.wait(30)
+            return probe.Verdict("cpu", final)
+
+        monkeypatch.setattr(probe, "_verdict", found)
+        probe.confirm("cpu")  # nothing presumed: at once
+        probe.start("cpu:test")
+        assert probe.presumed("cpu:test").compiler == gxx
+        threading.Timer(0.2, release.set).start()
+        if refused:
+            with pytest.raises(ToolchainRefuted, match="builds began with /usr/bin/g\\+\\+"):
+                probe.confirm("cpu:test")
+        else:
+            probe.confirm("cpu:test")
+        probe.confirm("cpu:test")  # confirmed (or refused) once: nothing presumed now
 
 
 def _plant(folder: Path, compiler: probe.Compiler | None, refused=()) -> None:

@@ -36,7 +36,14 @@ from cachebuild.building.verify import check, check_artifact, verify_on_load, ve
 from cachebuild.clock import BuildClock, measuring, summary
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS, timed
-from cachebuild.errors import BuildError, StoredArtifactError, StoreError, UsageError, transient
+from cachebuild.errors import (
+    BuildError,
+    StoredArtifactError,
+    StoreError,
+    ToolchainRefuted,
+    UsageError,
+    transient,
+)
 from cachebuild.graph.facts import device_of, on_device
 from cachebuild.keys import make_key
 from cachebuild.tracing.distributed import local_groups
@@ -178,6 +185,8 @@ class Builder:
         with self.store.lock(key):
             if self.store.contains(key):
                 return False
+            # Compiled and proven here: not with a compiler the probe has only presumed.
+            self.backend.confirm_toolchain(device_of(job.input_metas))
             start = time.perf_counter()
             where = f"piece {job.target.piece} ({bucket_label(job.target.bucket)}, key {key})"
             layout = job.target.manifest.get("distributed")
@@ -297,11 +306,14 @@ class BuildOutcome:
 
 def build_one(store: Store, job: BuildJob) -> BuildOutcome:
     """Build ``job``'s target into ``store`` with a builder of its own. A failure is
-    reported, never raised: the caller builds the other targets on."""
+    reported, never raised (but ToolchainRefuted: every target is planned again): the
+    caller builds the other targets on."""
     start = time.perf_counter()
     builder = Builder(store, job.config)
     try:
         built, error = builder.build(job), None
+    except ToolchainRefuted:
+        raise
     except Exception as e:
         built, error = False, str(e)
     return BuildOutcome(built, error, time.perf_counter() - start,
@@ -444,6 +456,8 @@ def resolve_all(entry: Entry, builder: Builder, *, warm: bool = False,
     with build_progress(len(missing)) as done:
         if workers and len(missing) > 1:
             _build_in_workers([jobs[key] for key in missing], builder, done, pool)
+        if missing:  # what workers built with a presumed compiler is loaded here next
+            builder.backend.confirm_toolchain(builder.device)
         for key in missing:
             start = time.perf_counter()
             loaded[key] = builder.resolve(jobs[key])  # built by a worker: a load

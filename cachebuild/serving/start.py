@@ -36,7 +36,7 @@ from cachebuild.building.build import Builder, early_pool, resolve_all
 from cachebuild.building.entry import record_entry
 from cachebuild.building.planner import Planner
 from cachebuild.counters import timed
-from cachebuild.errors import StoreError, one_line, transient
+from cachebuild.errors import StoreError, ToolchainRefuted, one_line, transient
 from cachebuild.graph.facts import device_of
 from cachebuild.serving.interim import serve_while_building
 from cachebuild.serving.runtime import CaptureReport, ModelRuntime
@@ -100,14 +100,23 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
                                                                                warm))
             if found.why != "fresh":
                 record_entry(entry, store)
+    except ToolchainRefuted as e:
+        # Once: the verdict is known now, so the next plan keys its targets by it.
+        log.warning("cachebuild: %s; planning %s again", e, type(model).__name__)
+        refuted = True
     except Exception as e:
         if isinstance(e, StoreError) or transient(e):
             raise  # the machine's or the store's trouble: another start may succeed
         failed[found.key] = e
         return Started(None, e, first=True)
+    else:
+        refuted = False
     finally:
         if pool is not None:
             pool.close()
+    if refuted:
+        return start(model, config, dynamic_dims, store, passes, args, capture=capture,
+                     swap=swap)
     runtime = ModelRuntime(entry, loaded, model, config, dynamic_dims)
     started = Started(runtime, ready_at=time.perf_counter(), swap=swap)
     if capture and runtime.capturer is not None and runtime.capturer.policy == "eager":
