@@ -649,8 +649,10 @@ def _start_one(device: str, compiler: str, work: Path, records: Path | None,
     work.mkdir(mode=0o700)
     # Isolated, in its own folder: it imports nothing from the caller's working directory,
     # nor do the Python processes Inductor starts in it (``processes``).
+    # One compile thread: the package has two kernels, and a pool of one process per CPU
+    # (Inductor's default), each importing torch, would take CPUs the first builds need.
     env = child_env({"TMPDIR": str(work), "TORCHINDUCTOR_CACHE_DIR": str(work),
-                     "TRITON_CACHE_DIR": str(work)})
+                     "TRITON_CACHE_DIR": str(work), "TORCHINDUCTOR_COMPILE_THREADS": "1"})
     # Builds run the compiler by its real path (``Compiler.factors``): so does the probe,
     # so that what it records (ISA checks, precompiled headers, keyed by the command line)
     # is what they look for.

@@ -6,6 +6,8 @@ its time went."""
 from __future__ import annotations
 
 import logging
+import os
+from pathlib import Path
 
 import models
 import torch
@@ -137,10 +139,26 @@ def test_a_pool_started_before_its_setup_waits_for_it_and_closes_its_unused_work
 
     pool = BuildPool(2)
     procs = [w.proc for w in pool._idle]
+    # Each worker compiles with its share of the CPUs, not a pool as large as the machine.
+    share = str(max(1, len(os.sched_getaffinity(0)) // 2))
+    for proc in procs:
+        variables = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+        assert f"TORCHINDUCTOR_COMPILE_THREADS={share}".encode() in variables
     with pytest.raises(RuntimeError, match="begin"):
         pool.run([], lambda job, result: None)
     pool.close()
     assert all(p.poll() is not None for p in procs)
+
+
+def test_the_operators_compile_threads_are_kept(monkeypatch):
+    from cachebuild.building.pool import compile_threads
+
+    monkeypatch.setattr("cachebuild.building.pool.usable_cpus", lambda: 16)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
+    assert compile_threads(3) == {"TORCHINDUCTOR_COMPILE_THREADS": "5"}
+    assert compile_threads(32) == {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "2")
+    assert compile_threads(3) == {}  # the worker inherits the operator's
 
 
 def test_a_warm_start_with_targets_gone_builds_them_in_workers(tmp_path, monkeypatch, caplog):

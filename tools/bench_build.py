@@ -284,7 +284,8 @@ def run_child(mode: str, layers: int, inductor_dir: Path, store_dir: Path | None
         timeline = Path(os.environ["BENCH_TIMELINE"])
         timeline.mkdir(parents=True, exist_ok=True)
         label = f"L{layers}-{mode.replace(':', '')}{'-fresh' if home else ''}"
-        count = len(list(timeline.glob(f"{label}*.log")))
+        count = sum(1 for p in timeline.glob(f"{label}*.log")
+                    if p.stem == label or p.stem.removeprefix(f"{label}-").isdigit())
         (timeline / f"{label}{f'-{count}' if count else ''}.log").write_text(proc.stderr)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:

@@ -17,7 +17,9 @@ once per worker).
 Every worker builds into the same store, and so into the same work folder: one Inductor
 cache, one Triton cache, one set of precompiled headers and one cache of C++ objects
 (``backends/compilers.py``) for all of them. A worker that dies (killed, out of memory)
-fails the job it held, naming how it ended, and the next job starts a new worker.
+fails the job it held, naming how it ended, and the next job starts a new worker. Each
+worker's Inductor compiles with its share of the CPUs (``compile_threads``), not with a
+pool of its own as large as the machine.
 
 ``jobs_here(n)``: how many workers ``n`` targets get by default: no more than the CPUs
 this process may use, nor than the memory available holds at ``CACHEBUILD_BUILD_MEMORY``
@@ -74,6 +76,17 @@ def usable_cpus() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0)) or 1
     return os.cpu_count() or 1
+
+
+def compile_threads(workers: int) -> dict[str, str]:
+    """What sizes the compile pool of each of ``workers`` build workers: its share of the
+    CPUs. Inductor's default is a pool of one process per CPU in every process that
+    compiles, each importing torch as it starts: N workers would start N times the CPUs,
+    and their builds would wait on those imports. Nothing where the operator set
+    ``TORCHINDUCTOR_COMPILE_THREADS``."""
+    if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        return {}
+    return {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, usable_cpus() // max(1, workers)))}
 
 
 def available_memory() -> int | None:
@@ -254,7 +267,7 @@ class Result:
 class _Worker:
     """One worker process; told what to set up now (``setup``) or later (``begin``)."""
 
-    def __init__(self, setup: WorkerSetup | None) -> None:
+    def __init__(self, setup: WorkerSetup | None, env: dict[str, str] | None = None) -> None:
         self.used = False
         self.told = False
         from cachebuild.trust.processes import child_env, python_command
@@ -265,7 +278,7 @@ class _Worker:
             # this process does, never from the working directory (``processes``).
             self.proc = subprocess.Popen(
                 python_command("cachebuild.worker", str(write), flags=("-u",)),
-                stdin=subprocess.PIPE, pass_fds=(write,), env=child_env(), close_fds=True)
+                stdin=subprocess.PIPE, pass_fds=(write,), env=child_env(env), close_fds=True)
         finally:
             os.close(write)
         self.results: BinaryIO = os.fdopen(read, "rb")
@@ -315,6 +328,7 @@ class BuildPool:
 
     def __init__(self, workers: int, setup: WorkerSetup | None = None) -> None:
         self.setup = setup
+        self._env = compile_threads(workers)  # every worker's, also those ``grow`` adds
         self._idle: list[_Worker] = []
         self._all: list[_Worker] = []  # every worker started, for ``close``
         try:
@@ -340,7 +354,7 @@ class BuildPool:
             self._idle.append(self._start())
 
     def _start(self) -> _Worker:
-        worker = _Worker(self.setup)
+        worker = _Worker(self.setup, self._env)
         self._all.append(worker)
         return worker
 
