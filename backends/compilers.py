@@ -19,7 +19,8 @@ and a warning says so once. Every artifact made from such objects is still prove
 against its piece before it is stored (``Builder``), as a fresh compile is.
 
 Inductor's checks of the CPU's vector instructions (a compile and a load per ISA, tens of
-seconds on a loaded machine) are recorded once per environment in the environment folder,
+seconds on a loaded machine; made at once, a thread per ISA) are recorded once per
+environment (and compiler) in the environment folder,
 beside the toolchain's verdict (the probe's own build records them first), and every
 later build in any store that shares that folder takes the record instead of checking
 again.
@@ -112,7 +113,8 @@ def _vec_isas(check: Callable[[], list[Any]]) -> list[Any]:
     if key in _isas:
         return _isas[key]
     record = folder / f"vec_isa-{key}.json"
-    with open(folder / "vec_isa.lock", "a+") as lock:
+    # One lock per key: a check with one compiler never waits for one with another.
+    with open(folder / f"vec_isa-{key}.lock", "a+") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # one process checks; the others read its verdict
         isas = None
         with contextlib.suppress(OSError, ValueError, TypeError):
@@ -123,6 +125,7 @@ def _vec_isas(check: Callable[[], list[Any]]) -> list[Any]:
                 isas = compat.vec_isas_from_record(data)
         if isas is None:
             with clock.phase("cxx_isa"):
+                compat.check_vec_isas_at_once(_as_isa_check)
                 isas = check()
             with contextlib.suppress(OSError):
                 tmp = record.with_name(f".{record.name}.{os.getpid()}.tmp")
@@ -130,6 +133,13 @@ def _vec_isas(check: Callable[[], list[Any]]) -> list[Any]:
                 os.replace(tmp, record)
     _isas[key] = isas
     return isas
+
+
+def _as_isa_check(check: Callable[[], object]) -> object:
+    """``check()`` on a thread of its own, its compiles known as an ISA check's (``_cxx``:
+    never cached as objects)."""
+    with clock.measuring(clock.BuildClock()), clock.phase("cxx_isa"):
+        return check()
 
 
 def phase_of(build: CxxBuild) -> str:

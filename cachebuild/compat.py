@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import platform
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -532,6 +533,36 @@ def hook_vec_isa_list(choose: Callable[[Callable[[], list[Any]]], list[Any]]) ->
 
     original = cpu_vec_isa.valid_vec_isa_list
     cpu_vec_isa.valid_vec_isa_list = lambda: choose(original)
+
+
+def check_vec_isas_at_once(run: Callable[[Callable[[], object]], object]) -> None:
+    """Inductor's check of every vector ISA this x86 CPU claims, all at once, one thread
+    apiece (each compiles a program and loads it in a child process: seconds apiece,
+    which ``valid_vec_isa_list`` spends one after another); ``valid_vec_isa_list`` then
+    finds each answer cached (``VecISA.__bool__`` caches it per ISA). ``run(check)`` runs
+    each check on its thread (the caller's bookkeeping). A check that fails here is made
+    again, and fails, where Inductor makes it."""
+    import contextlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch._inductor import cpu_vec_isa
+
+    if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return
+    try:
+        features = cpu_vec_isa.x86_isa_checker()
+    except Exception:
+        return
+    isas = [isa for isa in cpu_vec_isa.supported_vec_isa_list
+            if all(flag in features for flag in str(isa).split())]
+
+    def check(isa: Any) -> None:
+        with contextlib.suppress(Exception):
+            run(lambda: bool(isa))
+
+    if len(isas) > 1:
+        with ThreadPoolExecutor(len(isas), thread_name_prefix="cachebuild-isa") as pool:
+            list(pool.map(check, isas))
 
 
 def vec_isa_record(isas: list[Any]) -> list[list[str]]:

@@ -123,6 +123,30 @@ def test_the_cpus_vector_isas_are_checked_once_per_environment(tmp_path, monkeyp
     assert json.loads(record.read_text()) == compat.vec_isa_record(isas)
 
 
+def test_the_isa_checks_run_at_once_a_thread_apiece(monkeypatch):
+    """Each check compiles and loads a program (seconds apiece): made at the same time,
+    the first build on a new machine waits for the longest, not for their sum."""
+    import threading
+
+    from torch._inductor import cpu_vec_isa
+
+    from cachebuild import compat
+
+    # A CPU that claims every x86 ISA Inductor knows: four checks to make.
+    monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker",
+                        lambda: ["avx2", "avx512", "avx512_vnni", "amx_tile"])
+    claimed = [i for i in cpu_vec_isa.supported_vec_isa_list if str(i) != "asimd"]
+    together = threading.Barrier(len(claimed), timeout=30)
+    threads = []
+
+    def run(check):
+        together.wait()  # every check is under way at once, or this breaks
+        threads.append(threading.current_thread().name)
+
+    compat.check_vec_isas_at_once(run)
+    assert not together.broken and len(set(threads)) == len(claimed) == 4
+
+
 def _work(folder, records):
     from cachebuild.backends import compilers
 
