@@ -32,7 +32,11 @@ that fails is probed again.
 
 The probe is off the critical path: ``start`` runs it on a thread of its own (a compile
 call and ``cachebuild warm`` start it before they trace), and ``verdict`` waits for that
-run. Candidates run at once; the first in order of preference that passes wins as soon as
+run. Builds need not: ``presumed`` answers as soon as the first candidate in order whose
+small library loaded is known (seconds), and builds in worker processes begin with it;
+``confirm`` waits for the verdict before anything built with it is built in or loaded
+into the calling process, and raises ToolchainRefuted where the verdict chose otherwise
+(the caller plans again). Candidates run at once; the first in order of preference that passes wins as soon as
 every one before it is refused, and the others are stopped. Each child first builds and
 loads a small C++ library beside torch (a library that crashes as it loads, or at its
 first use of the C++ runtime, is refused in a second or two; one that crashes only inside
