@@ -72,8 +72,10 @@ class InductorBackend(Backend):
 
         Probes once per environment (``probe.py``); while the probe ``start_toolchain``
         began still runs, what it presumes (``probe.presumed``: builds in workers begin
-        with it, ``confirm_toolchain`` comes before any use here). Raises ConfigError for
-        flavour ``aoti`` where no compiler makes libraries that load.
+        with it; the callers call ``confirm_toolchain`` before they build or load
+        anything keyed by it in this process). ``plan`` and ``explain``, which only
+        look, may show keys of a presumed compiler. Raises ConfigError for flavour
+        ``aoti`` where no compiler makes libraries that load.
         """
         from cachebuild.backends.probe import compiler_version, presumed, trusted_candidates
 
@@ -104,6 +106,12 @@ class InductorBackend(Backend):
         from cachebuild.backends.probe import confirm
 
         confirm(device)
+
+    def forget_refuted(self, device: str) -> None:
+        """Before planning again after ToolchainRefuted (``probe.forget_refuted``)."""
+        from cachebuild.backends.probe import forget_refuted
+
+        forget_refuted(device)
 
     # -- compile -----------------------------------------------------------------------
 

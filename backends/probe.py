@@ -329,16 +329,19 @@ def start(device: str, folder: Path | None = None) -> None:
         running = _inflight[key] = _Inflight()
 
     def run() -> None:
+        error: BaseException | None = None
         try:
             running.presume(_verdict(device, folder, running.presume))
-            running.done.set_result(None)
         except BaseException as e:  # noqa: BLE001  # the waiter finds it again, and says it
+            error = e
             if not running.guess.done():
                 running.guess.set_exception(e)
-            running.done.set_exception(e)
-        finally:
-            with _inflight_lock:
-                _inflight.pop(key, None)
+        with _inflight_lock:  # gone before ``done``: a waiter then reads the verdict
+            _inflight.pop(key, None)
+        if error is None:
+            running.done.set_result(None)
+        else:
+            running.done.set_exception(error)
 
     threading.Thread(target=run, name="cachebuild-probe", daemon=True).start()
 
@@ -380,16 +383,16 @@ def presumed(device: str, folder: Path | None = None) -> Verdict:
         found = running.guess.result()
     except BaseException:  # noqa: BLE001  # found again, and raised, by the verdict
         return verdict(device, folder)
-    if not running.done.done():
-        _PRESUMED[device.split(":")[0]] = found
+    # Recorded even where the verdict came meanwhile: ``confirm`` then compares at once.
+    _PRESUMED.setdefault(device.split(":")[0], found)
     return found
 
 
 def confirm(device: str, folder: Path | None = None) -> None:
     """Return once what this process presumed for ``device`` (``presumed``) is the
     verdict, waiting for the probe where it still runs; ToolchainRefuted where the verdict
-    chose otherwise. At once where nothing was presumed (a verdict known before, or a
-    worker process, which presumes nothing)."""
+    chose otherwise, to every caller until ``forget_refuted``. At once where nothing was
+    presumed (a verdict known before, or a worker process, which presumes nothing)."""
     from cachebuild.errors import ToolchainRefuted
 
     kind = device.split(":")[0]
@@ -397,11 +400,20 @@ def confirm(device: str, folder: Path | None = None) -> None:
     if guess is None:
         return
     found = verdict(device, folder)
-    _PRESUMED.pop(kind, None)
-    if _chosen(found) != _chosen(guess):
-        raise ToolchainRefuted(
+    if _chosen(found) == _chosen(guess):
+        _PRESUMED.pop(kind, None)
+        return
+    # Kept: every later caller (another model's start, another thread) is refused too,
+    # until it plans again with the verdict (``forget_refuted``).
+    raise ToolchainRefuted(
             f"builds began with {guess.compiler.path if guess.compiler else 'no compiler'}, "
-            f"and the toolchain probe then chose otherwise: {found.describe()}")
+            f"and the toolchain probe then chose otherwise: {found.describe()}", device)
+
+
+def forget_refuted(device: str) -> None:
+    """Before planning again after ToolchainRefuted: what was presumed for ``device``'s
+    type is forgotten, the verdict being known now (``presumed`` returns it)."""
+    _PRESUMED.pop(device.split(":")[0], None)
 
 
 def _chosen(found: Verdict) -> dict[str, str] | None:

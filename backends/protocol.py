@@ -84,8 +84,8 @@ class Backend(Protocol):
     ``toolchain``'s answer in the background (called before a trace, so that a probe
     overlaps it). ``toolchain`` may answer before that is done with what it presumes;
     ``confirm_toolchain`` then waits for the answer and raises ToolchainRefuted if it
-    differs: called before anything built with it is built in or loaded into this
-    process."""
+    differs (to every caller, until ``forget_refuted``, called before planning again):
+    called before anything built with it is built in or loaded into this process."""
 
     name: str
 
@@ -98,6 +98,9 @@ class Backend(Protocol):
         return None
 
     def confirm_toolchain(self, device: str) -> None:
+        return None
+
+    def forget_refuted(self, device: str) -> None:
         return None
 
     def compile(self, request: BuildRequest) -> Artifact: ...

@@ -540,14 +540,17 @@ def check_vec_isas_at_once(run: Callable[[Callable[[], object]], object]) -> Non
     apiece (each compiles a program and loads it in a child process: seconds apiece,
     which ``valid_vec_isa_list`` spends one after another); ``valid_vec_isa_list`` then
     finds each answer cached (``VecISA.__bool__`` caches it per ISA). ``run(check)`` runs
-    each check on its thread (the caller's bookkeeping). A check that fails here is made
-    again, and fails, where Inductor makes it."""
+    each check on its thread (the caller's bookkeeping), with this thread's Inductor config
+    (its compiler). An error in a check is left for ``valid_vec_isa_list`` to meet."""
     import contextlib
+    import contextvars
     from concurrent.futures import ThreadPoolExecutor
 
-    from torch._inductor import cpu_vec_isa
+    from torch._inductor import config, cpu_vec_isa
 
     if sys.platform != "linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return
+    if config.cpp.vec_isa_ok is not None:  # decided by the operator: nothing is checked
         return
     try:
         features = cpu_vec_isa.x86_isa_checker()
@@ -561,8 +564,12 @@ def check_vec_isas_at_once(run: Callable[[Callable[[], object]], object]) -> Non
             run(lambda: bool(isa))
 
     if len(isas) > 1:
+        # Each thread in a copy of this one's context: Inductor's config patches (the
+        # compiler being checked, ``cpp.cxx``) live in context variables.
         with ThreadPoolExecutor(len(isas), thread_name_prefix="cachebuild-isa") as pool:
-            list(pool.map(check, isas))
+            for done in [pool.submit(contextvars.copy_context().run, check, isa)
+                         for isa in isas]:
+                done.result()
 
 
 def vec_isa_record(isas: list[Any]) -> list[list[str]]:

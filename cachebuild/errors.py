@@ -48,7 +48,12 @@ class BuildError(CachebuildError):
 class ToolchainRefuted(CachebuildError):
     """Builds began with the C++ compiler the probe presumed (its small library loaded),
     and the probe's verdict then refused it: what was built with it is not used here,
-    and the work starts again with the verdict."""
+    and the work starts again with the verdict. ``device``: the device it was presumed
+    for."""
+
+    def __init__(self, message: str, device: str) -> None:
+        super().__init__(message)
+        self.device = device
 
 
 class CompileFailed(CachebuildError):

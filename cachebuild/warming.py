@@ -466,6 +466,7 @@ def warm(model: ModelSource, *, store: StoreArg = None,
                          dry_run=dry_run, say=say, on_target=on_target)
     except ToolchainRefuted as e:
         progress.warning("%s; planning again", e)
+        get_backend("inductor").forget_refuted(e.device)
         return warm_once(model, store=store, jobs=jobs, device=device, world_size=world_size,
                          dry_run=dry_run, say=say, on_target=on_target)
 

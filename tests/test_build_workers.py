@@ -137,14 +137,22 @@ def test_the_isa_checks_run_at_once_a_thread_apiece(monkeypatch):
                         lambda: ["avx2", "avx512", "avx512_vnni", "amx_tile"])
     claimed = [i for i in cpu_vec_isa.supported_vec_isa_list if str(i) != "asimd"]
     together = threading.Barrier(len(claimed), timeout=30)
-    threads = []
+    threads, compilers = [], []
 
     def run(check):
         together.wait()  # every check is under way at once, or this breaks
         threads.append(threading.current_thread().name)
+        compilers.append(config.cpp.cxx)  # the compiler being checked, not the default
 
-    compat.check_vec_isas_at_once(run)
+    from torch._inductor import config
+
+    with config.patch({"cpp.cxx": (None, "/opt/checked/g++")}):
+        compat.check_vec_isas_at_once(run)
     assert not together.broken and len(set(threads)) == len(claimed) == 4
+    assert compilers == [(None, "/opt/checked/g++")] * 4
+    with config.patch({"cpp.vec_isa_ok": True}):  # the operator decided: nothing checked
+        compat.check_vec_isas_at_once(run)
+    assert len(threads) == 4
 
 
 def _work(folder, records):
@@ -154,13 +162,15 @@ def _work(folder, records):
     return compilers.watch(folder, records)
 
 
-def test_a_pool_started_before_its_setup_waits_for_it_and_closes_its_unused_workers():
+def test_a_pool_started_before_its_setup_waits_for_it_and_closes_its_unused_workers(
+        monkeypatch):
     """A cold start's workers start before its trace, told what to build after its plan;
     the ones that never got a job end when the pool closes (not after their imports)."""
     import pytest
 
     from cachebuild.building.pool import BuildPool
 
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     pool = BuildPool(2)
     procs = [w.proc for w in pool._idle]
     # Each worker compiles with its share of the CPUs, not a pool as large as the machine.

@@ -156,18 +156,20 @@ def test_a_library_that_crashes_on_load_is_named_in_the_refusal(tmp_path):
 def test_confirm_waits_for_the_verdict_and_refuses_what_it_did_not_choose(monkeypatch):
     """``presumed`` answers while the probe runs; ``confirm`` waits for the verdict: at
     once where nothing was presumed, silently where it agrees, ToolchainRefuted where
-    not."""
+    not, to every caller until the refutation is forgotten (the caller plans again)."""
     import threading
 
     from cachebuild.errors import ToolchainRefuted
 
+    monkeypatch.setattr(probe, "_PRESUMED", {})
+    monkeypatch.setattr(probe, "_inflight", {})
     gxx = probe.Compiler("/usr/bin/g++", "g++ (Test) 12.2.0", "x")
     other = probe.Compiler("/usr/bin/c++", "c++ (Test) 12.2.0", "y")
     for final, refused in ((gxx, False), (other, True)):
         release = threading.Event()
 
         def found(device, folder, presume=None, final=final, release=release):
-            if presume is not None:  # the probe thread
+            if presume is not None:  # the probe thread: presumes, then takes its time
                 presume(probe.Verdict("cpu", gxx))
                 release.wait(30)
             return probe.Verdict("cpu", final)
@@ -176,13 +178,32 @@ def test_confirm_waits_for_the_verdict_and_refuses_what_it_did_not_choose(monkey
         probe.confirm("cpu")  # nothing presumed: at once
         probe.start("cpu:test")
         assert probe.presumed("cpu:test").compiler == gxx
-        threading.Timer(0.2, release.set).start()
-        if refused:
-            with pytest.raises(ToolchainRefuted, match="builds began with /usr/bin/g\\+\\+"):
+        outcome: list[BaseException | None] = []
+
+        def confirming(outcome=outcome):
+            try:
                 probe.confirm("cpu:test")
-        else:
-            probe.confirm("cpu:test")
-        probe.confirm("cpu:test")  # confirmed (or refused) once: nothing presumed now
+                outcome.append(None)
+            except ToolchainRefuted as e:
+                outcome.append(e)
+
+        waiter = threading.Thread(target=confirming)
+        waiter.start()
+        waiter.join(0.5)
+        assert waiter.is_alive() and not outcome  # waits for the verdict
+        release.set()
+        waiter.join(30)
+        if not refused:
+            assert outcome == [None]
+            probe.confirm("cpu:test")  # confirmed: nothing presumed now
+            continue
+        assert isinstance(outcome[0], ToolchainRefuted)
+        assert "builds began with /usr/bin/g++" in str(outcome[0])
+        assert outcome[0].device == "cpu:test"
+        with pytest.raises(ToolchainRefuted):  # another caller is refused too
+            probe.confirm("cpu")
+        probe.forget_refuted("cpu:test")
+        probe.confirm("cpu:test")  # planned again with the verdict: nothing presumed
 
 
 def _plant(folder: Path, compiler: probe.Compiler | None, refused=()) -> None:

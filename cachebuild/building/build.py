@@ -182,11 +182,12 @@ class Builder:
         if self.store.contains(key):
             return False
         COUNTERS.misses += 1
+        # Compiled and proven here: not with a compiler the probe has only presumed (and
+        # not waiting for its verdict while holding the key's lock).
+        self.backend.confirm_toolchain(device_of(job.input_metas))
         with self.store.lock(key):
             if self.store.contains(key):
                 return False
-            # Compiled and proven here: not with a compiler the probe has only presumed.
-            self.backend.confirm_toolchain(device_of(job.input_metas))
             start = time.perf_counter()
             where = f"piece {job.target.piece} ({bucket_label(job.target.bucket)}, key {key})"
             layout = job.target.manifest.get("distributed")
@@ -445,6 +446,9 @@ def resolve_all(entry: Entry, builder: Builder, *, warm: bool = False,
         COUNTERS.unique += len(jobs)
         log.info("warm start from entry %s", entry.key[:12])
     threads = min(load_threads(), len(jobs)) if parallel else 1
+    if not warm and any(builder.store.contains(key) for key in jobs):
+        # Keyed by the plan, perhaps with a compiler the probe only presumed so far.
+        builder.backend.confirm_toolchain(builder.device)
     if threads <= 1:
         loaded = {key: builder.load(key) for key in jobs}
     else:

@@ -328,7 +328,7 @@ class BuildPool:
 
     def __init__(self, workers: int, setup: WorkerSetup | None = None) -> None:
         self.setup = setup
-        self._env = compile_threads(workers)  # every worker's, also those ``grow`` adds
+        self._env = compile_threads(workers)  # the next workers' (``grow`` sets it again)
         self._idle: list[_Worker] = []
         self._all: list[_Worker] = []  # every worker started, for ``close``
         try:
@@ -349,7 +349,10 @@ class BuildPool:
                 worker.begin(setup)
 
     def grow(self, workers: int) -> None:
-        """Start workers until there are ``workers``."""
+        """Start workers until there are ``workers``, the new ones with their share of the
+        CPUs among that many."""
+        if workers > len(self._idle):
+            self._env = compile_threads(workers)
         while len(self._idle) < workers:
             self._idle.append(self._start())
 

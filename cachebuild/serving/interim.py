@@ -30,7 +30,7 @@ from cachebuild.building.entry import Entry, record_entry
 from cachebuild.building.planner import target_factors
 from cachebuild.config import CompileConfig
 from cachebuild.counters import COUNTERS
-from cachebuild.errors import BuildError, one_line
+from cachebuild.errors import BuildError, ToolchainRefuted, one_line
 from cachebuild.keys import make_key
 from cachebuild.passes import PassManager
 from cachebuild.tracing.targets import bucket_label
@@ -114,6 +114,8 @@ def serve_while_building(model: torch.nn.Module, config: CompileConfig, builder:
     interim_builder = Builder(store, interim, builder.passes, builder.device)
     try:
         loaded = resolve_all(served, interim_builder, warm=warm, workers=False)
+    except ToolchainRefuted:
+        raise  # the start plans again
     except Exception as e:  # nothing to serve with meanwhile: wait for the real ones
         log.warning("cachebuild: %s has no %s targets to serve with while it builds "
                     "(%s); waiting for its own", type(model).__name__,
@@ -206,6 +208,9 @@ class Swap:
                 pool.run(sorted(self._jobs, key=lambda j: -len(j.nodes)), finished)
             if failed:
                 raise BuildError("; ".join(failed))
+            # Built with a compiler the probe may have only presumed: confirmed (or
+            # refused: nothing is loaded or recorded) before anything is loaded here.
+            self.builder.backend.confirm_toolchain(self.builder.device)
             loaded = {}
             for key, job in jobs_of(self.entry, self.builder.config).items():
                 fn = self.builder.load(key, job)

@@ -68,7 +68,7 @@ class Started:
 
 def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int, int],
           store: Store, passes: PassManager | None, args: tuple[Any, ...], *,
-          capture: bool = True, swap: Swap | None = None) -> Started:
+          capture: bool = True, swap: Swap | None = None, replanned: bool = False) -> Started:
     """The compiled forward of ``model`` for calls shaped like ``args`` (see the module
     doc); ``capture=False``: no eager capture now (``runtime.capture()`` does it later).
     ``swap``: the model's targets already building in the background from an earlier
@@ -101,8 +101,11 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             if found.why != "fresh":
                 record_entry(entry, store)
     except ToolchainRefuted as e:
+        if replanned:
+            raise
         # Once: the verdict is known now, so the next plan keys its targets by it.
         log.warning("cachebuild: %s; planning %s again", e, type(model).__name__)
+        planner.backend.forget_refuted(e.device)
         refuted = True
     except Exception as e:
         if isinstance(e, StoreError) or transient(e):
@@ -116,7 +119,7 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             pool.close()
     if refuted:
         return start(model, config, dynamic_dims, store, passes, args, capture=capture,
-                     swap=swap)
+                     swap=swap, replanned=True)
     runtime = ModelRuntime(entry, loaded, model, config, dynamic_dims)
     started = Started(runtime, ready_at=time.perf_counter(), swap=swap)
     if capture and runtime.capturer is not None and runtime.capturer.policy == "eager":
