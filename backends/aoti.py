@@ -25,12 +25,18 @@ def build_package(exported: Any, path: str, options: dict[str, Any],
     ``compiler``: the C++ compiler to build with (Inductor's ``cpp.cxx``), or None for
     Inductor's default. Only this build sees the setting.
     """
-    from torch._inductor import aoti_compile_and_package, config
+    from torch._inductor import aoti_compile_and_package
 
-    patches = {"cpp.cxx": (None, compiler)} if compiler else {}
-    with config.patch(patches):
+    with compiling_with(compiler):
         return aoti_compile_and_package(exported, package_path=path,
                                         inductor_configs=dict(options))
+
+
+def compiling_with(compiler: str | None) -> Any:
+    """A context in which Inductor's ``cpp.cxx`` names ``compiler`` (None: its default)."""
+    from torch._inductor import config
+
+    return config.patch({"cpp.cxx": (None, compiler)} if compiler else {})
 
 
 def device_index(device: str | torch.device) -> int:

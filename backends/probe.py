@@ -758,10 +758,10 @@ def _probe(device: str, compiler: str | None, records: str = "", headers: str = 
             _runtime_check(compiler, tmp)
             # Inductor's checks of the CPU's vector ISAs with this compiler, first: the
             # builds that begin meanwhile with it (``presumed``) wait for their record.
-            from torch._inductor import config, cpu_vec_isa
+            from torch._inductor import cpu_vec_isa
 
             with watch(Path(tmp), Path(records) if records else None), \
-                    config.patch({"cpp.cxx": (None, compiler)}):
+                    aoti.compiling_with(compiler):
                 cpu_vec_isa.valid_vec_isa_list()
         ep = torch.export.export(Tiny(), (x, w), strict=False)
         with watch(Path(tmp), Path(records) if records else None):

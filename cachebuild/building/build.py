@@ -125,6 +125,9 @@ class Builder:
         record = self.store.get_record(key)
         if record is None:
             return None
+        # Perhaps built (here or by a worker) with a compiler the probe only presumed:
+        # nothing of it is loaded into this process before the verdict confirms it.
+        self.backend.confirm_toolchain(self.device)
         start = time.perf_counter()
         try:
             fn = self.backend.load(record.kind, key, self.store, self.device)
@@ -446,9 +449,6 @@ def resolve_all(entry: Entry, builder: Builder, *, warm: bool = False,
         COUNTERS.unique += len(jobs)
         log.info("warm start from entry %s", entry.key[:12])
     threads = min(load_threads(), len(jobs)) if parallel else 1
-    if not warm and any(builder.store.contains(key) for key in jobs):
-        # Keyed by the plan, perhaps with a compiler the probe only presumed so far.
-        builder.backend.confirm_toolchain(builder.device)
     if threads <= 1:
         loaded = {key: builder.load(key) for key in jobs}
     else:
@@ -460,8 +460,6 @@ def resolve_all(entry: Entry, builder: Builder, *, warm: bool = False,
     with build_progress(len(missing)) as done:
         if workers and len(missing) > 1:
             _build_in_workers([jobs[key] for key in missing], builder, done, pool)
-        if missing:  # what workers built with a presumed compiler is loaded here next
-            builder.backend.confirm_toolchain(builder.device)
         for key in missing:
             start = time.perf_counter()
             loaded[key] = builder.resolve(jobs[key])  # built by a worker: a load

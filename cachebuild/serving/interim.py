@@ -208,9 +208,6 @@ class Swap:
                 pool.run(sorted(self._jobs, key=lambda j: -len(j.nodes)), finished)
             if failed:
                 raise BuildError("; ".join(failed))
-            # Built with a compiler the probe may have only presumed: confirmed (or
-            # refused: nothing is loaded or recorded) before anything is loaded here.
-            self.builder.backend.confirm_toolchain(self.builder.device)
             loaded = {}
             for key, job in jobs_of(self.entry, self.builder.config).items():
                 fn = self.builder.load(key, job)
