@@ -5,7 +5,7 @@
   scratch store that holds a freshly built artifact while it is proven.
 - ``Store``: what the builder, the runtime, the planner and the commands use, whatever the
   tiers: reads, writes, build locks, records, pins, maintenance. ``LocalStore``,
-  ``ReadOnlyLocalStore``, ``OverlayStore`` and ``TieredStore`` declare it.
+  a read-only ``LocalStore``, ``OverlayStore`` and ``TieredStore`` declare it.
 - ``LocalTier``: one machine's store as tiering, bundles and transfers use it: framed
   blobs in and out, verified with its own signing settings, and those settings.
   ``Store.local`` is a store's local tier (itself, for a local store).
@@ -172,7 +172,7 @@ class LocalTier(Store, Protocol):
     require_signature: bool
     #: The default wait of ``lock``, in seconds.
     lock_timeout: float
-    #: True: every write raises (``ReadOnlyLocalStore``).
+    #: True: every write raises (``LocalStore(path, read_only=True)``).
     read_only: bool
     #: Where every time it records comes from.
     clock: Clock

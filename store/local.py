@@ -47,7 +47,7 @@ from cachebuild import process_state
 from cachebuild.errors import StoreError
 from cachebuild.units import format_size
 
-from . import maintenance
+from . import maintenance, readonly
 from .blob import BlobHeader, CorruptBlob, StreamCheck, check_blob, encode_parts, read_blob_fd
 from .files import (
     OddFile,
@@ -59,7 +59,7 @@ from .files import (
 )
 from .index import INDEX_ERRORS, Index
 from .interface import LocalTier, Progress
-from .layout import Layout, check_key, check_suffix, prepare
+from .layout import Layout, check_key, check_suffix, open_read_only, prepare
 from .locking import build_lock, flocked, open_temp
 from .materialize import Materializer
 from .options import StoreOptions
@@ -158,13 +158,16 @@ class LocalStore(LocalTier):
     is the default wait of ``lock`` in seconds. ``work_dir``: where compilers write while
     a target builds (default ``v1/work``; ``stats`` counts it, ``gc`` empties it).
     ``clock``: where every time the store records comes from (``clock.SYSTEM_CLOCK``).
+    ``read_only``: this process only reads the store (an image layer, a read-only mount,
+    root's store served to another user): ``readonly.py`` says what changes, and every
+    write raises ReadOnlyStore before it touches anything.
     """
 
     def __init__(self, path: str | os.PathLike[str], *,
                  signing_key: bytes | None = None, require_signature: bool = False,
                  lock_timeout: float = 600.0,
                  work_dir: str | os.PathLike[str] | None = None,
-                 clock: Clock = SYSTEM_CLOCK) -> None:
+                 clock: Clock = SYSTEM_CLOCK, read_only: bool = False) -> None:
         if require_signature and not signing_key:
             raise StoreError("require_signature needs a signing key "
                              "(set CACHEBUILD_SIGNING_KEY)")
@@ -172,7 +175,8 @@ class LocalStore(LocalTier):
             raise TypeError("signing_key must be bytes")
         self.path = Path(path).expanduser()
         self.clock = clock
-        self._layout = self._open_layout(self.path)
+        self._read_only = read_only
+        self._layout = open_read_only(self.path) if read_only else prepare(self.path)
         self.root: Path = self._layout.root
         self._work_dir = Path(work_dir) if work_dir else self._layout.work
         self._index = self._open_index()
@@ -182,11 +186,21 @@ class LocalStore(LocalTier):
         self.lock_timeout = lock_timeout
         self._usage = Usage(clock)
         self._held = threading.local()  # build locks this thread holds, for nesting
-        self._files = Materializer(self._layout, clock, read_only=self.read_only)
-        self._finalizer = weakref.finalize(self, self._usage.flush, self._index)
+        self._files = Materializer(self._layout, clock, read_only=read_only)
+        self._damaged: set[str] = set()  # read-only: the damaged blobs said already
+        if not read_only:  # read-only: usage stays in this process's memory
+            weakref.finalize(self, self._usage.flush, self._index)
 
-    #: False: a store this process writes. ``ReadOnlyLocalStore`` only reads.
-    read_only = False
+    @property
+    def read_only(self) -> bool:
+        """True: this process only reads the store (see the class doc)."""
+        return self._read_only
+
+    def _writable(self, what: str) -> None:
+        """ReadOnlyStore (saying it could not ``what``) where the store is read-only."""
+        if self._read_only:
+            raise readonly.refusal(self.root, what)
+
     #: A store of this machine only.
     remote = None
 
@@ -196,12 +210,10 @@ class LocalStore(LocalTier):
         return self
 
     def reopen_options(self) -> StoreOptions | None:
+        if self._read_only:
+            return None  # another process could not write what it builds here
         return StoreOptions(cache_dir=self.path, signing_key=self._signing_key,
                             require_signature=self.require_signature, work_dir=self._work_dir)
-
-    def _open_layout(self, path: Path) -> Layout:
-        """Create (0700) and check the store's directories (``layout.prepare``)."""
-        return prepare(path)
 
     # -- a full disk --------------------------------------------------------------------
 
@@ -213,6 +225,8 @@ class LocalStore(LocalTier):
         return st.f_bavail * st.f_frsize
 
     def _open_index(self) -> Index:
+        if self._read_only:
+            return Index(self._layout.index, read_only=True)
         try:
             return Index(self._layout.index)
         except StoreError:
@@ -230,7 +244,7 @@ class LocalStore(LocalTier):
     def ensure_reserve(self) -> None:
         """Make the reserve file if it is missing and space is plentiful (best effort)."""
         path = self._layout.reserve
-        if os.path.lexists(path):
+        if self._read_only or os.path.lexists(path):
             return
         free = self._free_bytes()
         if free is None or free < RESERVE_MIN_FREE + RESERVE_BYTES:
@@ -259,11 +273,11 @@ class LocalStore(LocalTier):
         """A directory only this process uses, for files a loader must hand to another
         library by path (Inductor's kernels): made 0700 by us, checked like the store,
         removed at exit (or by ``gc`` once its process is gone). ``in_memory``: under
-        ``/dev/shm`` instead of the store (for a full disk)."""
-        return self._files.scratch_dir(in_memory=in_memory)
+        ``/dev/shm`` instead of the store (for a full disk; always where it is read-only)."""
+        return self._files.scratch_dir(in_memory=in_memory or self._read_only)
 
     def __repr__(self) -> str:
-        return f"LocalStore({str(self.path)!r})"
+        return f"LocalStore({str(self.path)!r}{', read_only=True' if self._read_only else ''})"
 
     def __enter__(self) -> LocalStore:
         return self
@@ -278,8 +292,10 @@ class LocalStore(LocalTier):
         self._files.close()
 
     def flush(self) -> None:
-        """Write this process's pending hits and last-used times to the index."""
-        self._usage.flush(self._index)
+        """Write this process's pending hits and last-used times to the index (where it
+        is read-only they stay in memory)."""
+        if not self._read_only:
+            self._usage.flush(self._index)
 
     @property
     def layout(self) -> Layout:
@@ -320,6 +336,7 @@ class LocalStore(LocalTier):
         who trusted that source (``Record.trusted``). An artifact built here
         (``unsigned_from`` None) replaces a stored one that is not trusted.
         """
+        self._writable(f"store {key}")
         check_key(key)
         refs = tuple(check_key(r) for r in refs)
         if isinstance(data, memoryview):
@@ -345,6 +362,7 @@ class LocalStore(LocalTier):
         fails) and stored byte for byte, so a signature made elsewhere is kept. Like
         ``put``, a key already stored is a no-op returning the existing record.
         """
+        self._writable(f"store {key}")
         check_key(key)
         refs = tuple(check_key(r) for r in refs)
         header = check_blob(blob, expected_key=key, signing_key=self._signing_key,
@@ -411,6 +429,7 @@ class LocalStore(LocalTier):
         header (whether the blob was signed decides it), and so may ``trusted``
         (``Record.trusted``).
         """
+        self._writable(f"store {key}")
         check_key(key)
         refs = tuple(check_key(r) for r in refs)
         existing = self._existing(key)
@@ -499,6 +518,7 @@ class LocalStore(LocalTier):
 
     def delete(self, key: str) -> bool:
         """Remove ``key``'s record, blob and materialized files; True if anything was there."""
+        self._writable(f"delete {key}")
         check_key(key)
         with flocked(self._layout.entry_lock(key)):
             had_record = self._index.delete(key)
@@ -668,6 +688,7 @@ class LocalStore(LocalTier):
         trusted it, and by what) as its ``trusted``, and is served from then on. Returns
         the keys marked; the mark is never cleared and never travels (a bundle or a
         remote does not carry it). ``keys``: only those (else every record)."""
+        self._writable(f"trust {source}")
         how = check_trust(how) or ""
         marked = []
         with self._index.transact():
@@ -691,6 +712,7 @@ class LocalStore(LocalTier):
         self._set_pinned(key, False)
 
     def _set_pinned(self, key: str, value: bool) -> None:
+        self._writable(f"{'pin' if value else 'unpin'} {key}")
         check_key(key)
         with self._index.transact():
             small = self._index.get_small(key)
@@ -711,6 +733,7 @@ class LocalStore(LocalTier):
         forever) and then raises LockTimeout naming the key and the lock file. A thread
         that already holds the lock may take it again (nested use does not deadlock).
         """
+        self._writable(f"lock {key} for a build")
         check_key(key)
         held: dict[str, int] = self._held.__dict__.setdefault("keys", {})
         if held.get(key):
@@ -754,6 +777,7 @@ class LocalStore(LocalTier):
         stats.tmp_files = maintenance.count_files(self._layout.tmp)
         stats.work = maintenance.work_usage(self.work_dir)
         stats.quarantine_files = maintenance.count_files(self._layout.quarantine)
+        stats.read_only = self._read_only
         return stats
 
     def gc(self, max_size: int | None = None, older_than: float | None = None,
@@ -765,6 +789,7 @@ class LocalStore(LocalTier):
         removes leftovers of interrupted writes. With ``dry_run`` nothing is removed and
         the report says what would be.
         """
+        self._writable("collect garbage")
         self.flush()
         report = maintenance.collect(self._layout, self._index, self.work_dir,
                                      max_size=max_size, older_than=older_than,
@@ -779,6 +804,10 @@ class LocalStore(LocalTier):
         With ``repair`` damaged blobs are quarantined and their records dropped, so the
         next lookup misses and rebuilds. Always removes leftovers of interrupted writes.
         """
+        if self._read_only:
+            if repair:
+                raise readonly.refusal(self.root, "repair")
+            return readonly.verify_reading(self._index, self.check_blob_file, progress)
         self.flush()
         return maintenance.verify(self._layout, self._index, self.check_blob_file,
                                   functools.partial(self.quarantine, quiet=True),
@@ -788,6 +817,8 @@ class LocalStore(LocalTier):
 
     def check_blob_file(self, key: str, small: dict[str, Any]) -> tuple[str | None, int | None]:
         """``(reason, inode)``: reason None if the blob of ``key`` verifies against ``small``."""
+        if not small:
+            return "index record is damaged", None
         try:
             fd = open_regular(self._layout.blob_str(key))
         except OddFile as e:
@@ -816,7 +847,12 @@ class LocalStore(LocalTier):
         replaced it meanwhile is left alone. Failures (read-only disk) only warn: the
         caller treats the entry as a miss either way. ``quiet``: the caller reports it
         (``verify --repair`` lists what it quarantined), so no log line says it twice.
+        Where the store is read-only nothing moves: the blob is a miss, said once.
         """
+        if self._read_only:
+            if not quiet:
+                readonly.say_damaged(self._damaged, self.root, key, reason)
+            return
         if not quiet:
             log.warning("blob %s failed verification (%s); quarantined, it will be rebuilt",
                         key, reason)

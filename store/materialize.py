@@ -81,7 +81,10 @@ class Materializer:
 
     def write(self, key: str, suffix: str, payload: bytes, index: Index) -> Path | None:
         """A new file beside the blob of ``key`` holding ``payload`` (verified by the
-        caller); None if the key was deleted meanwhile. In memory on a full disk."""
+        caller); None if the key was deleted meanwhile. In memory on a full disk, and
+        always where the store is read-only."""
+        if self.read_only:
+            return self.in_memory(key, suffix, payload)
         path = self.layout.materialized(key, suffix)
         try:
             fd, tmp_path = open_temp(self.layout.tmp, key + suffix)

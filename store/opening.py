@@ -27,10 +27,9 @@ def open_store(options: StoreOptions | None = None) -> Store:
                              "(--cache-dir, CACHEBUILD_DIR) or turn the remote off "
                              "(CACHEBUILD_REMOTE_MODE=off)")
         from .overlay import OverlayStore
-        from .readonly import ReadOnlyLocalStore
 
-        base = ReadOnlyLocalStore(options.cache_dir, signing_key=options.signing_key,
-                                  require_signature=options.require_signature)
+        base = LocalStore(options.cache_dir, signing_key=options.signing_key,
+                          require_signature=options.require_signature, read_only=True)
         return OverlayStore(base, options.overlay_dir, work_dir=options.work_dir,
                             opened_with=options)
     local = LocalStore(options.cache_dir, signing_key=options.signing_key,

@@ -23,10 +23,10 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
+from . import readonly
 from .interface import Progress, Store
 from .local import LocalStore
 from .options import StoreOptions
-from .readonly import ReadOnlyLocalStore
 from .record import GCReport, OverlaySummary, Record, StoreStats, VerifyReport
 
 log = logging.getLogger("cachebuild.store")
@@ -35,7 +35,7 @@ log = logging.getLogger("cachebuild.store")
 class OverlayStore(Store):
     """``base`` (read-only) below an overlay made on first write (see the module doc)."""
 
-    def __init__(self, base: ReadOnlyLocalStore, overlay_dir: Path | None = None,
+    def __init__(self, base: LocalStore, overlay_dir: Path | None = None,
                  work_dir: Path | None = None, opened_with: StoreOptions | None = None) -> None:
         """``work_dir``: where builds' compilers write (default: the overlay's ``work/``).
         ``opened_with``: the options ``open_store`` opened it with."""
@@ -105,7 +105,7 @@ class OverlayStore(Store):
     remote = None
 
     @property
-    def local(self) -> ReadOnlyLocalStore:
+    def local(self) -> LocalStore:
         """The read-only store (what ``export`` reads, and ``import`` refuses to write)."""
         return self.base
 
@@ -185,7 +185,7 @@ class OverlayStore(Store):
     def _overlay_holding(self, key: str, what: str) -> LocalStore:
         overlay = self.overlay
         if overlay is None or overlay.get_record(key) is None:
-            raise self.base._refuse(f"{what} {key}")
+            raise readonly.refusal(self.root, f"{what} {key}")
         return overlay
 
     def gc(self, max_size: int | None = None, older_than: float | None = None,
@@ -193,7 +193,7 @@ class OverlayStore(Store):
         """Collect the overlay (the read-only store is left as it is)."""
         overlay = self.overlay
         if overlay is None:
-            raise self.base._refuse("collect garbage (and there is no overlay)")
+            raise readonly.refusal(self.root, "collect garbage (and there is no overlay)")
         return overlay.gc(max_size=max_size, older_than=older_than, dry_run=dry_run)
 
     def verify(self, repair: bool = False, progress: Progress | None = None) -> VerifyReport:

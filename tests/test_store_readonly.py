@@ -19,7 +19,6 @@ from cachebuild.store import LocalStore, OverlaySummary, StoreOptions, open_stor
 from cachebuild.store.index import ReadOnlyStore
 from cachebuild.store.layout import UnsafeStore, writable_here
 from cachebuild.store.overlay import OverlayStore
-from cachebuild.store.readonly import ReadOnlyLocalStore
 
 
 def key(name: str) -> str:
@@ -107,7 +106,7 @@ def test_writes_go_to_an_overlay_made_on_first_write(read_only, written, tmp_pat
 
 
 def test_the_read_only_store_refuses_every_write_in_one_line(read_only):
-    store = ReadOnlyLocalStore(read_only)
+    store = LocalStore(read_only, read_only=True)
     for write in (lambda: store.put(key("x"), b"x", kind="target"),
                   lambda: store.delete(key("target")), lambda: store.gc(),
                   lambda: store.verify(repair=True), lambda: store.pin(key("target"))):
@@ -116,6 +115,59 @@ def test_the_read_only_store_refuses_every_write_in_one_line(read_only):
         assert e.value.exit_code == 2 and "\n" not in str(e.value)
     with pytest.raises(ReadOnlyStore), store.lock(key("target")):
         pass
+
+
+def test_read_only_mode_writes_nothing_even_where_the_folder_is_writable(written):
+    """Read-only is the store's mode, not the mount's: on a folder this process could
+    write, every write is refused before it touches anything, reads and loads work, and a
+    damaged blob is a miss that stays where it is. (SQLite's reader files beside a WAL
+    index, which any reader of a folder it may write makes, are not the store's.)"""
+    def files() -> set[tuple[str, int, int]]:
+        return {f for f in snapshot(written)
+                if not f[0].endswith(("-wal", "-shm")) and f[0] != "v1/index"}
+
+    before = files()
+    store = LocalStore(written, read_only=True)
+    assert store.read_only and store.reopen_options() is None and "read_only" in repr(store)
+    blob = store.read_blob(key("target"))
+    writes = {
+        "put": lambda: store.put(key("x"), b"x", kind="target"),
+        "write_blob": lambda: store.write_blob(key("x"), blob),
+        "write_blob_chunks": lambda: store.write_blob_chunks(key("x"), [blob]),
+        "delete": lambda: store.delete(key("target")),
+        "pin": lambda: store.pin(key("target")),
+        "unpin": lambda: store.unpin(key("target")),
+        "trust": lambda: store.trust("somewhere", "me"),
+        "gc": lambda: store.gc(max_size=0),
+        "repair": lambda: store.verify(repair=True),
+    }
+    for name, write in writes.items():
+        with pytest.raises(ReadOnlyStore, match="read-only here") as refused:
+            write()
+        assert refused.value.exit_code == 2 and "\n" not in str(refused.value), name
+    with pytest.raises(ReadOnlyStore), store.lock(key("entry")):
+        pass
+    assert store.get(key("entry")) == b"entry bytes"
+    assert store.verify().ok == 2
+    loaded = store.materialize(key("target"), ".so")  # the stored file, verified
+    assert loaded is not None and loaded.read_bytes() == b"artifact bytes"
+    fresh = store.materialize(key("entry"), ".bin")  # none stored: made in memory
+    assert fresh is not None and fresh.read_bytes() == b"entry bytes"
+    assert not str(fresh).startswith(str(written))
+    store.count("hits")
+    store.close()
+    assert files() == before
+    # A damaged blob: a miss, said once, and left where it is.
+    blob_path = LocalStore(written).layout.blob(key("entry"))
+    data = bytearray(blob_path.read_bytes())
+    data[-1] ^= 0xFF
+    blob_path.write_bytes(bytes(data))
+    damaged = files()
+    store = LocalStore(written, read_only=True)
+    assert store.get(key("entry")) is None and store.get(key("entry")) is None
+    assert [k for k, _ in store.verify().damaged] == [key("entry")]
+    store.close()
+    assert files() == damaged
 
 
 def test_a_store_root_owns_is_read_by_another_user_and_checked_for_writers(open_local, written):
@@ -161,7 +213,7 @@ def test_a_store_is_never_read_from_a_directory_another_user_owns(open_local, tm
     with pytest.raises(UnsafeStore, match="neither you .* nor root"):
         check_readable_dir(path)
     with pytest.raises(StoreError):
-        ReadOnlyLocalStore(path)
+        LocalStore(path, read_only=True)
 
 
 def test_a_store_says_how_another_process_opens_it(read_only, written, tmp_path):
@@ -174,7 +226,7 @@ def test_a_store_says_how_another_process_opens_it(read_only, written, tmp_path)
         with open_store(options) as again:
             assert type(again) is LocalStore and again.root == store.root
             assert again.get(key("target")) == b"artifact bytes"
-    assert ReadOnlyLocalStore(read_only).reopen_options() is None
+    assert LocalStore(read_only, read_only=True).reopen_options() is None
     in_memory = open_store(StoreOptions(cache_dir=read_only))
     assert in_memory.reopen_options() is None
     on_disk = StoreOptions(cache_dir=read_only, overlay_dir=tmp_path / "overlay")
