@@ -274,8 +274,12 @@ def compile(model: torch.nn.Module, config: CompileConfig | None = None,
     ``{0: 0, 1: 0}`` for ``forward(input_ids, positions)`` with a token dim. The store is
     ``CACHEBUILD_DIR`` (default ``~/.cache/cachebuild``) unless ``store`` is given.
     ``passes``: a ``cachebuild.passes.PassManager`` of custom passes, used instead of the
-    built-in passes ``config.passes`` enables.
+    built-in passes ``config.passes`` enables. A building variable of the environment set
+    to a value it does not take is a UsageError here (``building.settings``).
     """
+    from cachebuild.building.settings import check_settings
+
+    check_settings()
     return CompiledModule(model, check_config(config), check_dynamic_dims(dynamic_dims), store,
                           passes)
 

@@ -114,7 +114,7 @@ def explain(model: ModelSource, *, store: StoreArg = None, device: str | None = 
 def _entry(planned: Planned, records: list[Record]) -> EntryExplanation:
     """Why the planned model's entry was not used (see ``EntryExplanation``)."""
     from cachebuild.building.entry import read_entry
-    from cachebuild.building.nearest import nearest_entry
+    from cachebuild.building.nearest import fold_owners, nearest_entry
 
     found = planned.found
     said = EntryExplanation(found.key, found.why, [m.describe() for m in found.mismatches])
@@ -128,6 +128,6 @@ def _entry(planned: Planned, records: list[Record]) -> EntryExplanation:
     stored = read_entry(data) if data is not None else None  # None: another format
     if stored is not None:
         spec = planned.spec
-        said.differences += [m.describe() for m in stored.guard_set().mismatches(
-            spec.model, spec.example_inputs, known=stored.sources)]
+        said.differences += fold_owners([m.describe() for m in stored.guard_set().mismatches(
+            spec.model, spec.example_inputs, known=stored.sources)])
     return said

@@ -31,6 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cachebuild
+from cachebuild.errors import CachebuildError
 
 
 @torch.library.custom_op("cachebuild_examples::attention", mutates_args=())
@@ -171,4 +172,8 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except CachebuildError as e:  # bad settings, an unsafe store: one line that says what to do
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(e.exit_code)

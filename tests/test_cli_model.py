@@ -105,6 +105,35 @@ def test_a_path_that_is_no_model_file_is_one_line_before_anything_starts(tmp_pat
     assert not (tmp_path / "store").exists()
 
 
+@pytest.mark.parametrize("env,expected", [
+    ({"CACHEBUILD_REMOTE_MODE": "bogus"}, "must be one of rw, ro, off, not 'bogus'"),
+    ({"CACHEBUILD_DIR": "open"}, "Fix with: chmod 700"),
+])
+def test_the_quick_start_server_says_bad_settings_in_one_line(tmp_path, env, expected):
+    """``python examples/llama.py`` (the README's server) with a bad setting: one line,
+    exit 2, no traceback and nothing built."""
+    open_dir = tmp_path / "open"
+    open_dir.mkdir()
+    open_dir.chmod(0o777)
+    env = {k: str(open_dir) if v == "open" else v for k, v in env.items()}
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / "llama.py")],
+                          env={**os.environ, **SMALL, "CACHEBUILD_DIR": str(tmp_path / "s"),
+                               **env}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if not line.startswith("cachebuild")]
+    assert len([line for line in said if line.startswith("error: ")]) == 1, proc.stderr
+    assert expected in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "s" / "v1" / "objects").exists() or \
+        not any((tmp_path / "s" / "v1" / "objects").iterdir())
+
+
+def test_a_bad_building_variable_is_one_line_before_a_model_command_traces(tmp_path, model):
+    proc = cli(tmp_path / "store", "plan", str(model), env={"CACHEBUILD_BUILD_MEMORY": "lots"})
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.splitlines()[-1].startswith("error: CACHEBUILD_BUILD_MEMORY='lots'")
+    assert "tracing" not in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_a_model_file_imported_already_is_not_run_twice(tmp_path, monkeypatch):
     """A model file its server imported as a plain module (``import mymodel``) defines its
     custom ops once: loading it as a model file hands back that module."""

@@ -72,6 +72,9 @@ def test_ls(filled):
     assert table.exit_code == 0
     for k in (key("t1"), key("entry")):
         assert k in table.stdout  # full keys, never cut, so they can be pasted into pin
+    typo = run(filled, "ls", "--kind", "entyr")  # no such records: the kinds it holds
+    assert typo.exit_code == 0 and key("entry") not in typo.stdout
+    assert "no records of kind 'entyr' in this store; it holds entry, target" in typo.stderr
 
 
 def test_gc(open_local, filled):

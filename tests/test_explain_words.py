@@ -115,3 +115,16 @@ def test_a_model_never_warmed_is_said_so_with_the_command(warmed, tmp_path):
     assert re.search(r"entry [0-9a-f]{16}: none is stored for this model, config and input "
                      rf"shapes \(not warmed: run `cachebuild warm {re.escape(str(model))}`\)",
                      out), out
+
+
+def test_one_edited_file_is_said_once_for_every_module_it_defines():
+    from cachebuild.building.nearest import fold_owners
+
+    change = "source of llama.py 4e755663 → 68256244"
+    lines = [f"the model: Llama: {change}", f"layers.0: DecoderLayer: {change}",
+             "norm.eps: 1e-05 → 1e-06", f"layers.1: DecoderLayer: {change}",
+             "layers.0.rotary: Rotary: source of rope.py 1 → 2"]
+    assert fold_owners(lines) == [
+        f"{change} (the model: Llama; layers.0, layers.1: DecoderLayer)",
+        "norm.eps: 1e-05 → 1e-06",
+        "source of rope.py 1 → 2 (layers.0.rotary: Rotary)"]

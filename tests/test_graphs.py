@@ -56,6 +56,21 @@ def test_load_threads_from_environment(monkeypatch):
             load_threads()
 
 
+@pytest.mark.parametrize("name,bad", [("CACHEBUILD_BUILD_JOBS", "abc"),
+                                      ("CACHEBUILD_BUILD_MEMORY", "lots"),
+                                      ("CACHEBUILD_LOAD_THREADS", "zero"),
+                                      ("CACHEBUILD_VERIFY", "yes")])
+def test_a_bad_building_variable_is_refused_when_a_compile_starts(monkeypatch, tmp_path,
+                                                                 name, bad):
+    """Refused at the compile call, even where everything is stored and the variable would
+    never be read: not in silence until the day a build happens."""
+    monkeypatch.setenv(name, bad)
+    with pytest.raises(cachebuild.errors.UsageError, match=name):
+        cachebuild.compile(torch.nn.Linear(2, 2), store=None)
+    monkeypatch.delenv(name)
+    cachebuild.compile(torch.nn.Linear(2, 2), store=None)  # opens nothing yet
+
+
 @pytest.mark.parametrize("mode", ["none", "piecewise", "full"])
 def test_modes_match_eager(example_llama, mode, module_store):
     cfg = cachebuild.CompileConfig(

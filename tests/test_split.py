@@ -191,6 +191,19 @@ def test_forward_that_does_not_trace_as_one_graph():
         trace_model(GraphBreak(), (torch.randn(4, 4),), {0: 0})
 
 
+class RaisesInForward(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        raise ValueError("no weights loaded")
+
+
+def test_a_forward_that_raises_is_said_with_its_exception_and_where():
+    with pytest.raises(UsageError) as e:
+        trace_model(RaisesInForward(), (torch.randn(4, 4),), {0: 0})
+    said = str(e.value)
+    assert "\n" not in said and "no weights loaded" in said and "ValueError" in said
+    assert "test_split.py:" in said and "in forward" in said
+
+
 def test_plain_tensor_attribute_is_refused():
     with pytest.raises(UsageError, match="register_buffer"):
         trace_model(PlainTensorAttribute(), (torch.randn(3, 4),), {0: 0})

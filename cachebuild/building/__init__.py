@@ -5,7 +5,8 @@
 - ``build``: the Builder, the only way an artifact is produced or loaded; ``verify``:
   each artifact proven against its own piece; ``pool``: builds in worker processes;
 - ``notice``: a start that must build says so first; ``nearest``: why a target or entry
-  is missing, by the nearest stored one and what differs.
+  is missing, by the nearest stored one and what differs; ``settings``: the building
+  variables of the environment, checked when a run starts.
 
 May import: ``tracing``, ``backends`` and everything below them.
 """

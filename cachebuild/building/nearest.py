@@ -55,6 +55,31 @@ def describe(d: Difference) -> list[str]:
     return [d.describe()]
 
 
+def fold_owners(lines: list[str]) -> list[str]:
+    """Differences of the form ``owner: Class: change`` that say the same ``change`` (one
+    edited file seen from every module it defines: ``layers.0: DecoderLayer: source of
+    llama.py a → b``) said once, with their owners grouped by class: ``source of llama.py
+    a → b (the model: Llama; layers.0, layers.1: DecoderLayer)``. Other lines are kept as
+    they are, in order."""
+    owners: dict[str, dict[str, list[str]]] = {}
+    out: list[str] = []
+    for line in lines:
+        owner, _, rest = line.partition(": ")
+        qual, _, change = rest.partition(": ")
+        if not change or " " in qual:
+            out.append(line)
+            continue
+        if change not in owners:
+            owners[change] = {}
+            out.append(change)  # placeholder, filled in below
+        owners[change].setdefault(qual, []).append(owner)
+
+    def whose(change: str) -> str:
+        return "; ".join(", ".join(names) + f": {qual}" for qual, names in owners[change].items())
+
+    return [f"{line} ({whose(line)})" if line in owners else line for line in out]
+
+
 def explain(wanted: dict[str, Any], stored: list[tuple[str, dict[str, Any]]],
             sources: Sequence[str | None] | None = None) -> Explanation:
     """Compare a wanted manifest with the nearest of ``stored`` (key, manifest) pairs.

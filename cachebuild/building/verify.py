@@ -200,5 +200,5 @@ def verify_on_load() -> bool:
         from cachebuild.errors import UsageError
 
         raise UsageError(f"CACHEBUILD_VERIFY={value!r}: use 'load' (check targets on first load "
-                         "as well) or leave it unset")
+                         "as well), or 'build' or leave it unset (at build only)")
     return value == "load"

@@ -204,7 +204,11 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
 
 
 def _store_for(ctx: click.Context) -> Store:
-    """The command line's store (its worker processes ask it how to open it again)."""
+    """The command line's store (its worker processes ask it how to open it again), once
+    the building variables of the environment hold (``settings.check_settings``)."""
+    from cachebuild.building.settings import check_settings
+
+    check_settings()
     return state_of(ctx).open_store()
 
 

@@ -44,6 +44,10 @@ def ls_command(ctx: click.Context, as_json: bool, kind: str | None) -> None:
     store = open_existing_store(ctx)
     records = sorted(store.records(kind=kind, manifests=as_json),
                      key=lambda r: r.last_used, reverse=True)
+    if kind and not records:  # a typo, or a kind this store does not hold: say which it does
+        held = sorted({r.kind for r in store.records(manifests=False)})
+        click.echo(f"no records of kind {kind!r} in this store; it holds "
+                   f"{', '.join(held) if held else 'none'}", err=True)
     if as_json:
         click.echo(json.dumps([r.to_json() for r in records], indent=2))
         return
@@ -238,7 +242,7 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
               f"in {plural(report.records_after, 'record')}, {report.kept_pinned} kept by pins")
     if report.work_bytes:
         out.print(f"{verb} {format_size(report.work_bytes)} of build work files "
-                  "(compilers' caches and precompiled headers)")
+                  "(the compilers' caches and objects)")
     elif report.work_busy:
         out.print("build work files kept: a build is running")
     if report.tmp_removed or report.orphans_removed:

@@ -197,6 +197,23 @@ def check_shape_guards(guards: list[Any], symbols: set[Any],
                     f"keep every compile range on one side of that size")
 
 
+def _graph_break(e: BaseException) -> str:
+    """Dynamo's reason for a graph break in one line: its first line, what it says of the
+    cause (``Developer debug context``: the exception the forward raised, the call it
+    could not follow) and where in the user's code, as ``file:line in function``."""
+    lines = str(e).splitlines()
+    said = lines[0].strip() if lines else type(e).__name__
+    context = next((line.split(":", 1)[1].strip() for line in lines
+                    if line.strip().startswith("Developer debug context:")), "")
+    if context:
+        said += f" ({context})"
+    stack = getattr(e, "real_stack", None) or []
+    if stack:
+        frame = stack[-1]
+        said += f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+    return said
+
+
 def trace_model(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
                 dynamic_dims: dict[int, int],
                 compile_ranges: Sequence[tuple[int, int]] = ()) -> TracedGraph:
@@ -274,7 +291,8 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         with torch.no_grad():
             output = compiled(*args)
     except torch._dynamo.exc.Unsupported as e:
-        raise UsageError(f"the model's forward does not trace as one graph: {str(e).splitlines()[0]}") from e
+        raise UsageError(f"the model's forward does not trace as one graph: {_graph_break(e)}"
+                         ) from e
     except AssertionError as e:
         if not compat.is_rebuilt_object_guard(e):
             raise
