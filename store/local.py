@@ -15,7 +15,7 @@ Guarantees, and how they are kept:
   materialized file should be is moved to quarantine and is a miss; nothing blocks on it
   or follows it out of the store.
 - **A full disk can still be read and cleaned.** Each store this process writes keeps a
-  small reserve file (``readonly.Writable``);
+  small reserve file (``access.Writable``);
   when the disk is so full that the index cannot even be opened, the reserve is given
   up so that loads, ``gc`` and ``verify`` still work (it comes back after a ``gc``), and a
   file that must be materialized goes to memory instead.
@@ -29,7 +29,7 @@ read and one file read. Files a loader needs by path and private directories are
 ``materialize.py``'s; GC and verification are ``maintenance.py``'s, on this store's
 layout and index. Every time the store records comes from its ``clock`` (``clock.py``).
 What differs where a store is only read is decided by the ``Access`` it is given
-(``readonly.py``): every write asks it first, and so do opening the store, writing usage
+(``access.py``): every write asks it first, and so do opening the store, writing usage
 and a damaged blob.
 """
 
@@ -52,6 +52,7 @@ from cachebuild.errors import StoreError
 from cachebuild.units import format_size
 
 from . import maintenance
+from .access import Access, ReadOnly, Writable
 from .blob import BlobHeader, CorruptBlob, StreamCheck, check_blob, encode_parts, read_blob_fd
 from .files import (
     OddFile,
@@ -67,7 +68,6 @@ from .layout import Layout, check_key, check_suffix
 from .locking import build_lock, flocked, open_temp
 from .materialize import Materializer
 from .options import StoreOptions
-from .readonly import Access, ReadOnly, Writable
 from .record import (
     GCReport,
     KindTotals,
@@ -157,8 +157,8 @@ class LocalStore(LocalTier):
     a target builds (default ``v1/work``; ``stats`` counts it, ``gc`` empties it).
     ``clock``: where every time the store records comes from (``clock.SYSTEM_CLOCK``).
     ``read_only``: this process only reads the store (an image layer, a read-only mount,
-    root's store served to another user): the store is given ``readonly.ReadOnly``
-    instead of ``readonly.Writable`` as its access, and every write raises ReadOnlyStore
+    root's store served to another user): the store is given ``access.ReadOnly``
+    instead of ``access.Writable`` as its access, and every write raises ReadOnlyStore
     before it touches anything.
     """
 
