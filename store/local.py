@@ -14,7 +14,8 @@ Guarantees, and how they are kept:
 - **Only regular files are read.** A FIFO, a directory or a symlink where a blob or a
   materialized file should be is moved to quarantine and is a miss; nothing blocks on it
   or follows it out of the store.
-- **A full disk can still be read and cleaned.** Each store keeps a small reserve file;
+- **A full disk can still be read and cleaned.** Each store this process writes keeps a
+  small reserve file (``access.Writable``);
   when the disk is so full that the index cannot even be opened, the reserve is given
   up so that loads, ``gc`` and ``verify`` still work (it comes back after a ``gc``), and a
   file that must be materialized goes to memory instead.
@@ -27,6 +28,9 @@ at most about once a second (and on ``flush``/``close``/exit), so a hit costs on
 read and one file read. Files a loader needs by path and private directories are
 ``materialize.py``'s; GC and verification are ``maintenance.py``'s, on this store's
 layout and index. Every time the store records comes from its ``clock`` (``clock.py``).
+What differs where a store is only read is decided by the ``Access`` it is given
+(``access.py``): every write asks it first, and so do opening the store, writing usage
+and a damaged blob.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from cachebuild import process_state
 from cachebuild.errors import StoreError
 from cachebuild.units import format_size
 
-from . import maintenance, readonly
+from . import maintenance
+from .access import Access, ReadOnly, Writable
 from .blob import BlobHeader, CorruptBlob, StreamCheck, check_blob, encode_parts, read_blob_fd
 from .files import (
     OddFile,
@@ -59,7 +64,7 @@ from .files import (
 )
 from .index import INDEX_ERRORS, Index
 from .interface import LocalTier, Progress
-from .layout import Layout, check_key, check_suffix, open_read_only, prepare
+from .layout import Layout, check_key, check_suffix
 from .locking import build_lock, flocked, open_temp
 from .materialize import Materializer
 from .options import StoreOptions
@@ -140,13 +145,6 @@ def _read_all(fd: int) -> bytes:
     return data
 
 
-#: Bytes each store keeps in reserve, so that it can still be read and cleaned when the
-#: disk is full (opening the index writes a little).
-RESERVE_BYTES = 1 << 20
-#: The reserve is made (again) only while at least this much space is free besides it.
-RESERVE_MIN_FREE = 64 << 20
-
-
 class LocalStore(LocalTier):
     """A locked, content-addressed artifact store under ``path/v1`` (see the module doc).
 
@@ -159,8 +157,9 @@ class LocalStore(LocalTier):
     a target builds (default ``v1/work``; ``stats`` counts it, ``gc`` empties it).
     ``clock``: where every time the store records comes from (``clock.SYSTEM_CLOCK``).
     ``read_only``: this process only reads the store (an image layer, a read-only mount,
-    root's store served to another user): ``readonly.py`` says what changes, and every
-    write raises ReadOnlyStore before it touches anything.
+    root's store served to another user): the store is given ``access.ReadOnly``
+    instead of ``access.Writable`` as its access, and every write raises ReadOnlyStore
+    before it touches anything.
     """
 
     def __init__(self, path: str | os.PathLike[str], *,
@@ -175,11 +174,11 @@ class LocalStore(LocalTier):
             raise TypeError("signing_key must be bytes")
         self.path = Path(path).expanduser()
         self.clock = clock
-        self._read_only = read_only
-        self._layout = open_read_only(self.path) if read_only else prepare(self.path)
+        self._access: Access = ReadOnly(self.path) if read_only else Writable(self.path)
+        self._layout = self._access.layout
         self.root: Path = self._layout.root
         self._work_dir = Path(work_dir) if work_dir else self._layout.work
-        self._index = self._open_index()
+        self._index = self._access.open_index()
         self.ensure_reserve()
         self._signing_key = bytes(signing_key) if signing_key else None
         self.require_signature = require_signature
@@ -187,19 +186,12 @@ class LocalStore(LocalTier):
         self._usage = Usage(clock)
         self._held = threading.local()  # build locks this thread holds, for nesting
         self._files = Materializer(self._layout, clock, read_only=read_only)
-        self._damaged: set[str] = set()  # read-only: the damaged blobs said already
-        if not read_only:  # read-only: usage stays in this process's memory
-            weakref.finalize(self, self._usage.flush, self._index)
+        weakref.finalize(self, self._access.flush, self._usage, self._index)
 
     @property
     def read_only(self) -> bool:
         """True: this process only reads the store (see the class doc)."""
-        return self._read_only
-
-    def _writable(self, what: str) -> None:
-        """ReadOnlyStore (saying it could not ``what``) where the store is read-only."""
-        if self._read_only:
-            raise readonly.refusal(self.root, what)
+        return self._access.read_only
 
     #: A store of this machine only.
     remote = None
@@ -210,62 +202,17 @@ class LocalStore(LocalTier):
         return self
 
     def reopen_options(self) -> StoreOptions | None:
-        if self._read_only:
+        if self.read_only:
             return None  # another process could not write what it builds here
         return StoreOptions(cache_dir=self.path, signing_key=self._signing_key,
                             require_signature=self.require_signature, work_dir=self._work_dir)
 
     # -- a full disk --------------------------------------------------------------------
 
-    def _free_bytes(self) -> int | None:
-        try:
-            st = os.statvfs(self.root)
-        except OSError:
-            return None
-        return st.f_bavail * st.f_frsize
-
-    def _open_index(self) -> Index:
-        if self._read_only:
-            return Index(self._layout.index, read_only=True)
-        try:
-            return Index(self._layout.index)
-        except StoreError:
-            # Opening the index writes a little. On a full disk give up the reserve so
-            # that the store can still be read and cleaned, which is how space comes back.
-            free = self._free_bytes()
-            if free is None or free >= 2 * RESERVE_BYTES or not self._layout.reserve.exists():
-                raise
-            os.unlink(self._layout.reserve)
-            log.warning("the disk holding the store at %s is full: released the store's "
-                        "%s reserve so that it can still be read; free space, e.g. with "
-                        "`cachebuild gc --max-size SIZE`", self.root, format_size(RESERVE_BYTES))
-        return Index(self._layout.index)
-
     def ensure_reserve(self) -> None:
-        """Make the reserve file if it is missing and space is plentiful (best effort)."""
-        path = self._layout.reserve
-        if self._read_only or os.path.lexists(path):
-            return
-        free = self._free_bytes()
-        if free is None or free < RESERVE_MIN_FREE + RESERVE_BYTES:
-            return
-        try:
-            fd, tmp_path = open_temp(self._layout.tmp, "reserve")
-        except OSError:
-            return  # read-only, or full after all
-        try:
-            try:
-                os.posix_fallocate(fd, 0, RESERVE_BYTES)
-            except OSError:  # a file system without fallocate: write the bytes
-                write_all(fd, (bytes(RESERVE_BYTES),))
-            os.fsync(fd)
-            os.replace(tmp_path, path)
-        except OSError:
-            pass
-        finally:
-            os.close(fd)
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_path)
+        """Make the reserve file if it is missing and space is plentiful (best effort; a
+        store only read keeps none)."""
+        self._access.ensure_reserve()
 
     # -- private directories ------------------------------------------------------------
 
@@ -274,10 +221,10 @@ class LocalStore(LocalTier):
         library by path (Inductor's kernels): made 0700 by us, checked like the store,
         removed at exit (or by ``gc`` once its process is gone). ``in_memory``: under
         ``/dev/shm`` instead of the store (for a full disk; always where it is read-only)."""
-        return self._files.scratch_dir(in_memory=in_memory or self._read_only)
+        return self._files.scratch_dir(in_memory=in_memory or self._access.scratch_in_memory)
 
     def __repr__(self) -> str:
-        return f"LocalStore({str(self.path)!r}{', read_only=True' if self._read_only else ''})"
+        return f"LocalStore({str(self.path)!r}{', read_only=True' if self.read_only else ''})"
 
     def __enter__(self) -> LocalStore:
         return self
@@ -294,8 +241,7 @@ class LocalStore(LocalTier):
     def flush(self) -> None:
         """Write this process's pending hits and last-used times to the index (where it
         is read-only they stay in memory)."""
-        if not self._read_only:
-            self._usage.flush(self._index)
+        self._access.flush(self._usage, self._index)
 
     @property
     def layout(self) -> Layout:
@@ -336,7 +282,7 @@ class LocalStore(LocalTier):
         who trusted that source (``Record.trusted``). An artifact built here
         (``unsigned_from`` None) replaces a stored one that is not trusted.
         """
-        self._writable(f"store {key}")
+        self._access.check_writable(f"store {key}")
         check_key(key)
         refs = tuple(check_key(r) for r in refs)
         if isinstance(data, memoryview):
@@ -362,7 +308,7 @@ class LocalStore(LocalTier):
         fails) and stored byte for byte, so a signature made elsewhere is kept. Like
         ``put``, a key already stored is a no-op returning the existing record.
         """
-        self._writable(f"store {key}")
+        self._access.check_writable(f"store {key}")
         check_key(key)
         refs = tuple(check_key(r) for r in refs)
         header = check_blob(blob, expected_key=key, signing_key=self._signing_key,
@@ -429,7 +375,7 @@ class LocalStore(LocalTier):
         header (whether the blob was signed decides it), and so may ``trusted``
         (``Record.trusted``).
         """
-        self._writable(f"store {key}")
+        self._access.check_writable(f"store {key}")
         check_key(key)
         refs = tuple(check_key(r) for r in refs)
         existing = self._existing(key)
@@ -518,7 +464,7 @@ class LocalStore(LocalTier):
 
     def delete(self, key: str) -> bool:
         """Remove ``key``'s record, blob and materialized files; True if anything was there."""
-        self._writable(f"delete {key}")
+        self._access.check_writable(f"delete {key}")
         check_key(key)
         with flocked(self._layout.entry_lock(key)):
             had_record = self._index.delete(key)
@@ -688,7 +634,7 @@ class LocalStore(LocalTier):
         trusted it, and by what) as its ``trusted``, and is served from then on. Returns
         the keys marked; the mark is never cleared and never travels (a bundle or a
         remote does not carry it). ``keys``: only those (else every record)."""
-        self._writable(f"trust {source}")
+        self._access.check_writable(f"trust {source}")
         how = check_trust(how) or ""
         marked = []
         with self._index.transact():
@@ -712,7 +658,7 @@ class LocalStore(LocalTier):
         self._set_pinned(key, False)
 
     def _set_pinned(self, key: str, value: bool) -> None:
-        self._writable(f"{'pin' if value else 'unpin'} {key}")
+        self._access.check_writable(f"{'pin' if value else 'unpin'} {key}")
         check_key(key)
         with self._index.transact():
             small = self._index.get_small(key)
@@ -733,7 +679,7 @@ class LocalStore(LocalTier):
         forever) and then raises LockTimeout naming the key and the lock file. A thread
         that already holds the lock may take it again (nested use does not deadlock).
         """
-        self._writable(f"lock {key} for a build")
+        self._access.check_writable(f"lock {key} for a build")
         check_key(key)
         held: dict[str, int] = self._held.__dict__.setdefault("keys", {})
         if held.get(key):
@@ -777,7 +723,7 @@ class LocalStore(LocalTier):
         stats.tmp_files = maintenance.count_files(self._layout.tmp)
         stats.work = maintenance.work_usage(self.work_dir)
         stats.quarantine_files = maintenance.count_files(self._layout.quarantine)
-        stats.read_only = self._read_only
+        stats.read_only = self.read_only
         return stats
 
     def gc(self, max_size: int | None = None, older_than: float | None = None,
@@ -789,7 +735,7 @@ class LocalStore(LocalTier):
         removes leftovers of interrupted writes. With ``dry_run`` nothing is removed and
         the report says what would be.
         """
-        self._writable("collect garbage")
+        self._access.check_writable("collect garbage")
         self.flush()
         report = maintenance.collect(self._layout, self._index, self.work_dir,
                                      max_size=max_size, older_than=older_than,
@@ -804,14 +750,10 @@ class LocalStore(LocalTier):
         With ``repair`` damaged blobs are quarantined and their records dropped, so the
         next lookup misses and rebuilds. Always removes leftovers of interrupted writes.
         """
-        if self._read_only:
-            if repair:
-                raise readonly.refusal(self.root, "repair")
-            return readonly.verify_reading(self._index, self.check_blob_file, progress)
         self.flush()
-        return maintenance.verify(self._layout, self._index, self.check_blob_file,
-                                  functools.partial(self.quarantine, quiet=True),
-                                  repair=repair, progress=progress)
+        return self._access.verify(self._index, self.check_blob_file,
+                                   functools.partial(self.quarantine, quiet=True),
+                                   repair=repair, progress=progress)
 
     # -- checking blobs, and quarantine ---------------------------------------------------
 
@@ -849,13 +791,8 @@ class LocalStore(LocalTier):
         (``verify --repair`` lists what it quarantined), so no log line says it twice.
         Where the store is read-only nothing moves: the blob is a miss, said once.
         """
-        if self._read_only:
-            if not quiet:
-                readonly.say_damaged(self._damaged, self.root, key, reason)
+        if not self._access.damaged(key, reason, quiet=quiet):
             return
-        if not quiet:
-            log.warning("blob %s failed verification (%s); quarantined, it will be rebuilt",
-                        key, reason)
         blob_path = self._layout.blob(key)
         try:
             with flocked(self._layout.entry_lock(key)):

@@ -23,7 +23,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from . import readonly
+from . import access
 from .interface import Progress, Store
 from .local import LocalStore
 from .options import StoreOptions
@@ -185,7 +185,7 @@ class OverlayStore(Store):
     def _overlay_holding(self, key: str, what: str) -> LocalStore:
         overlay = self.overlay
         if overlay is None or overlay.get_record(key) is None:
-            raise readonly.refusal(self.root, f"{what} {key}")
+            raise access.refusal(self.root, f"{what} {key}")
         return overlay
 
     def gc(self, max_size: int | None = None, older_than: float | None = None,
@@ -193,7 +193,7 @@ class OverlayStore(Store):
         """Collect the overlay (the read-only store is left as it is)."""
         overlay = self.overlay
         if overlay is None:
-            raise readonly.refusal(self.root, "collect garbage (and there is no overlay)")
+            raise access.refusal(self.root, "collect garbage (and there is no overlay)")
         return overlay.gc(max_size=max_size, older_than=older_than, dry_run=dry_run)
 
     def verify(self, repair: bool = False, progress: Progress | None = None) -> VerifyReport:

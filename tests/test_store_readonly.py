@@ -184,7 +184,7 @@ def test_a_store_root_owns_is_read_by_another_user_and_checked_for_writers(open_
         # read): the child loads the store modules, then becomes the other user.
         code = ("import os, sys\n"
                 "from cachebuild.store import StoreOptions, open_store\n"
-                "import cachebuild.store.overlay, cachebuild.store.readonly, sqlite3, json\n"
+                "import cachebuild.store.overlay, cachebuild.store.access, sqlite3, json\n"
                 f"os.setgroups([]); os.setgid({NOBODY}); os.setuid({NOBODY})\n"
                 "store = open_store(StoreOptions(cache_dir=sys.argv[1]))\n"
                 "print(type(store).__name__, store.get(sys.argv[2]).decode())\n")
