@@ -215,15 +215,4 @@ class ReadOnly:
         quarantined; ``repair`` is refused."""
         if repair:
             self.check_writable("repair")
-        report = VerifyReport()
-        records = list(index.records(manifest=False))
-        for done, record in enumerate(records, 1):
-            report.checked += 1
-            reason, _ = check(record.key, index.get_small(record.key) or {})
-            if reason is None:
-                report.ok += 1
-            else:
-                report.damaged.append((record.key, reason))
-            if progress is not None:
-                progress(done, len(records))
-        return report
+        return maintenance.check_all(index, check, quarantine, repair=False, progress=progress)

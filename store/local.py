@@ -759,8 +759,6 @@ class LocalStore(LocalTier):
 
     def check_blob_file(self, key: str, small: dict[str, Any]) -> tuple[str | None, int | None]:
         """``(reason, inode)``: reason None if the blob of ``key`` verifies against ``small``."""
-        if not small:
-            return "index record is damaged", None
         try:
             fd = open_regular(self._layout.blob_str(key))
         except OddFile as e:

@@ -307,8 +307,17 @@ def collect(layout: Layout, index: Index, work_dir: Path, *, max_size: int | Non
 
 def verify(layout: Layout, index: Index, check: BlobCheck, quarantine: Quarantine, *,
            repair: bool, progress: Callable[[int, int], None] | None) -> VerifyReport:
-    """The work of ``LocalStore.verify`` (see there): ``check`` each blob, ``quarantine``
-    the damaged ones with ``repair``; the caller writes its pending usage first."""
+    """The work of ``LocalStore.verify`` (see there): ``check_all``, then the leftovers of
+    interrupted writes removed; the caller writes its pending usage first."""
+    report = check_all(index, check, quarantine, repair=repair, progress=progress)
+    report.tmp_removed, report.orphans_removed = clean_leftovers(layout, index)
+    return report
+
+
+def check_all(index: Index, check: BlobCheck, quarantine: Quarantine, *,
+              repair: bool, progress: Callable[[int, int], None] | None) -> VerifyReport:
+    """``check`` every blob ``index`` records; with ``repair`` drop damaged index records
+    and ``quarantine`` damaged blobs, else change nothing (a read-only store's verify)."""
     report = VerifyReport()
     keys = list(index.keys())
     for done, key in enumerate(keys, 1):
@@ -334,5 +343,4 @@ def verify(layout: Layout, index: Index, check: BlobCheck, quarantine: Quarantin
         if progress is not None:
             progress(done, len(keys))
     report.repaired = repair and bool(report.damaged)
-    report.tmp_removed, report.orphans_removed = clean_leftovers(layout, index)
     return report
