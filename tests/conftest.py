@@ -55,6 +55,7 @@ def _has_cuda() -> bool:
 
 def pytest_collection_modifyitems(config, items):
     _group_shared_fixtures(items)
+    _slow_first(items)
     if _has_cuda():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
@@ -72,6 +73,18 @@ def _group_shared_fixtures(items):
         defs = info.name2fixturedefs.values() if info is not None else ()
         if any(d[-1].scope in ("module", "package") for d in defs if d):
             item.add_marker(pytest.mark.xdist_group(item.module.__name__))
+
+
+def _slow_first(items):
+    """The slow tests that no group holds run first, so that a run with workers ends on
+    short tests rather than one worker's minutes-long test while the others wait
+    (pytest-xdist hands out groups first, then single tests in this order). A group's
+    tests keep their place: moving them apart would build its shared fixture twice."""
+    def later(item):
+        grouped = item.get_closest_marker("xdist_group") is not None
+        return grouped or item.get_closest_marker("slow") is None
+
+    items.sort(key=later)
 
 
 @pytest.fixture

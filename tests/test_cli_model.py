@@ -177,6 +177,7 @@ def test_a_model_file_imports_the_modules_beside_it_and_its_package(tmp_path, mo
         del sys.modules[name]
 
 
+@pytest.mark.slow
 def test_dry_run_plan_and_explain_change_nothing(tmp_path, model):
     """Looking is not using: ``warm --dry-run``, ``plan`` and ``explain`` store nothing and
     count no hit, so they change nothing GC goes by."""

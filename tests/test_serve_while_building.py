@@ -120,6 +120,7 @@ def test_what_serves_while_building():
         CompileConfig(while_building="eager")
 
 
+@pytest.mark.slow
 def test_a_cold_start_serves_interim_targets_then_swaps_between_calls(tmp_path):
     # The session's AOTI build of this model left its work folder (C++ objects, headers,
     # the ISA verdict): the background build here reuses it, as a second build would.

@@ -29,6 +29,7 @@ def assert_warm_group(reports, unique):
         assert (s["built"], s["traced"], s["entries_loaded"], s["loaded"]) == (0, 0, 1, unique)
 
 
+@pytest.mark.slow
 def test_two_ranks_eager_fusion_cold_then_warm(tmp_path):
     store = tmp_path / "store"
     cold = run_group(2, store)

@@ -73,6 +73,7 @@ def planted_shared_folder(marker: Path) -> Iterator[Path]:
         yield shared
 
 
+@pytest.mark.slow
 def test_warm_from_a_shared_folder_imports_nothing_planted_there(tmp_path):
     """The audit's case: ``cachebuild warm`` run in a folder where another user planted
     packages; the probe (a fresh folder: it runs) and the build workers import none of
@@ -107,6 +108,7 @@ llama.main()
 """
 
 
+@pytest.mark.slow
 def test_a_cold_start_from_a_shared_folder_imports_nothing_planted_there(tmp_path):
     """A server started in such a folder builds its targets in workers that import none
     of what was planted there, and serves what eager serves."""

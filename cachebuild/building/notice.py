@@ -4,7 +4,8 @@ A warm start is silent: it loads. When a start must trace (no entry, a stale one
 (targets missing), one warning line says what is missing, why (not warmed, the traced
 source changed, a value the trace read differs, evicted or damaged), and the command that
 would have avoided it. The builds then show progress: a bar on a terminal, else a line
-per target, so a log shows what the start is doing.
+per target, so a log shows what the start is doing; a wait that says nothing for
+``QUIET_S`` seconds says that it still runs (``Heartbeat``).
 """
 
 from __future__ import annotations
@@ -12,8 +13,9 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +23,9 @@ if TYPE_CHECKING:
     from cachebuild.store.interface import Store
 
 log = logging.getLogger("cachebuild")
+
+#: Seconds a long wait may go without a line on a log that is not a terminal.
+QUIET_S = 15.0
 
 #: What to run instead, said with every notice where the model file is not known.
 HINT = ("`cachebuild warm MODEL.py` (a file whose build() returns this model's ModelSpec) "
@@ -100,10 +105,57 @@ def must_build(model: Any, missing: int, total: int, warm: bool) -> None:
                     missing, total, type(model).__name__, hint(model))
 
 
+class Heartbeat:
+    """While a long wait runs, says ``still <what it does> (N s)`` through ``say`` each time
+    ``quiet`` seconds pass with nothing said: on a log that is not a terminal (which has a
+    live line instead), a minute-long probe, trace or build is never silent.
+
+    ``said(what)`` tells it a line was just said and, with ``what``, what the wait does
+    now (timed from then). Used as a context manager: the beats stop when the block ends.
+    """
+
+    def __init__(self, say: Callable[[str], None], quiet: float | None = None) -> None:
+        self._say = say
+        self._quiet = QUIET_S if quiet is None else quiet
+        self._lock = threading.Lock()
+        self._what: str | None = None
+        self._since = self._last = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, name="cachebuild-heartbeat",
+                                        daemon=True)
+
+    def said(self, what: str | None = None) -> None:
+        with self._lock:
+            self._last = time.monotonic()
+            if what is not None and what != self._what:
+                self._what, self._since = what, self._last
+
+    def _beat(self) -> None:
+        wait = self._quiet
+        while not self._stop.wait(wait):
+            with self._lock:
+                now = time.monotonic()
+                due = self._last + self._quiet
+                if now < due or self._what is None:
+                    wait = max(due - now, 0.1)
+                    continue
+                line = f"still {self._what} ({now - self._since:.0f} s)"
+                self._last, wait = now, self._quiet
+            self._say(line)
+
+    def __enter__(self) -> Heartbeat:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 @contextmanager
 def build_progress(total: int) -> Iterator[Any]:
     """A callback ``done(label, seconds)`` per target built: a bar on a terminal, else one
-    log line per target."""
+    log line per target, and one every ``QUIET_S`` seconds that no target finished."""
     if total <= 0:
         yield lambda label, seconds: None
         return
@@ -129,10 +181,13 @@ def build_progress(total: int) -> Iterator[Any]:
         return
     count = [0]
     start = time.perf_counter()
+    with Heartbeat(lambda line: log.warning("cachebuild: %s", line)) as heartbeat:
+        heartbeat.said(f"building {total} target{'s' if total != 1 else ''}")
 
-    def line(label: str, seconds: float) -> None:
-        count[0] += 1
-        log.warning("cachebuild: built %s in %.1f s (%d of %d, %.0f s so far)", label, seconds,
-                    count[0], total, time.perf_counter() - start)
+        def line(label: str, seconds: float) -> None:
+            count[0] += 1
+            log.warning("cachebuild: built %s in %.1f s (%d of %d, %.0f s so far)", label,
+                        seconds, count[0], total, time.perf_counter() - start)
+            heartbeat.said()
 
-    yield line
+        yield line

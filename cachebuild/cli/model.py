@@ -29,6 +29,7 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from cachebuild.building.notice import Heartbeat
 from cachebuild.cli.common import (
     MAX_JOBS,
     MAX_WORLD_SIZE,
@@ -111,24 +112,33 @@ def _progress(console: Console, verbose: bool = False
     work as it starts (importing the model, the toolchain probe, the trace, the builds).
     On a terminal, one live line shows the phase (a bar once targets finish) and the time
     since the command started; elsewhere, each phase and each target is a line, at once,
-    so that a log shows what the command is doing. ``verbose``: each built target's
+    so that a log shows what the command is doing, and a phase that says nothing for a
+    while says that it still runs (``Heartbeat``). ``verbose``: each built target's
     phases on a line of their own."""
     started = time.perf_counter()
     if not console.is_terminal:
-        def line(target: TargetReport, done: int, total: int) -> None:
-            what = {"built": "built", "failed": "failed", "stored": "found stored"}[target.state]
-            console.print(f"{what} {target.label} in {target.seconds:.1f} s ({done} of "
-                          f"{total})", markup=False, highlight=False)
-            phases = _phases_line(target) if verbose else None
-            if phases:
-                console.print(phases, markup=False, highlight=False)
-
-        def phase(text: str) -> None:
+        def say(text: str) -> None:
             console.print(f"[{time.perf_counter() - started:5.1f} s] {text}", markup=False,
                           highlight=False)
 
-        with _phases(phase):
-            yield line, phase
+        with Heartbeat(say) as heartbeat:
+            def line(target: TargetReport, done: int, total: int) -> None:
+                what = {"built": "built", "failed": "failed",
+                        "stored": "found stored"}[target.state]
+                console.print(f"{what} {target.label} in {target.seconds:.1f} s ({done} of "
+                              f"{total})", markup=False, highlight=False)
+                phases = _phases_line(target) if verbose else None
+                if phases:
+                    console.print(phases, markup=False, highlight=False)
+                heartbeat.said(f"building, {done} of {total} targets done" if done < total
+                               else None)
+
+            def phase(text: str) -> None:
+                say(text)
+                heartbeat.said(text)
+
+            with _phases(phase):
+                yield line, phase
         return
     columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn())

@@ -1,0 +1,77 @@
+"""A long wait on a log that is not a terminal is never silent: each phase is a line as
+it starts, and a phase that says nothing for ``QUIET_S`` seconds says that it still runs,
+in the library's start and in the CLI's piped output."""
+
+from __future__ import annotations
+
+import io
+import logging
+import threading
+import time
+
+from rich.console import Console
+
+from cachebuild.building import notice
+
+
+def wait_for(predicate, timeout: float = 30.0) -> bool:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if predicate():
+            return True
+        time.sleep(0.01)
+    return False
+
+
+def test_a_quiet_wait_says_what_still_runs_and_stops_when_the_block_ends():
+    lines: list[str] = []
+    with notice.Heartbeat(lines.append, quiet=0.05) as heartbeat:
+        time.sleep(0.2)
+        assert lines == []  # nothing runs yet: nothing to say
+        heartbeat.said("tracing Tiny")
+        assert wait_for(lambda: len(lines) >= 2)
+        heartbeat.said("building 2 targets")
+        assert wait_for(lambda: lines[-1].startswith("still building 2 targets ("))
+    assert lines[0].startswith("still tracing Tiny (") and lines[0].endswith(" s)")
+    said = len(lines)
+    time.sleep(0.2)
+    assert len(lines) == said  # the block ended: no more beats
+    assert not any(t.name == "cachebuild-heartbeat" for t in threading.enumerate())
+
+
+def test_a_line_said_puts_the_next_beat_off():
+    lines: list[str] = []
+    with notice.Heartbeat(lines.append, quiet=0.5) as heartbeat:
+        heartbeat.said("building 1 target")
+        for _ in range(8):  # a line every 0.1 s: never quiet for 0.5 s
+            time.sleep(0.1)
+            heartbeat.said()
+        assert lines == []
+
+
+def test_piped_warm_lines_name_each_phase_and_a_quiet_one(monkeypatch):
+    from cachebuild.cli.model import _progress
+
+    monkeypatch.setattr(notice, "QUIET_S", 0.05)
+    out = io.StringIO()
+    console = Console(file=out, force_terminal=False, width=200)
+    progress = logging.getLogger("cachebuild.progress")
+    with _progress(console) as (_, phase):
+        progress.info("tracing %s", "model.py")
+        assert wait_for(lambda: "still tracing model.py (" in out.getvalue())
+        phase("building 3 targets in worker processes")
+        assert wait_for(lambda: "still building 3 targets in worker processes (" in
+                        out.getvalue())
+    lines = out.getvalue().splitlines()
+    assert lines[0].endswith("] tracing model.py") and lines[0].startswith("[")
+    assert all(line.startswith("[") and " s] " in line for line in lines)
+
+
+def test_a_piped_start_says_each_target_and_that_builds_still_run(monkeypatch, caplog):
+    monkeypatch.setattr(notice, "QUIET_S", 0.05)
+    monkeypatch.setattr("sys.stderr", io.StringIO())  # not a terminal
+    with caplog.at_level(logging.WARNING, logger="cachebuild"), \
+            notice.build_progress(2) as done:
+        assert wait_for(lambda: "cachebuild: still building 2 targets (" in caplog.text)
+        done("piece 0 range 1-4", 1.5)
+        assert "built piece 0 range 1-4 in 1.5 s (1 of 2," in caplog.text
