@@ -20,17 +20,20 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, NoReturn
 
-from cachebuild.api import ModelSpec
 from cachebuild.errors import UsageError
-from cachebuild.tracing.guards import MODEL_MODULE_PREFIX
 from cachebuild.trust.processes import trusted_dir
 
+# What imports torch is imported where it is used: the CLI checks a MODEL.py argument with
+# this module before anything else (a wrong path is refused at once, not after torch).
 if TYPE_CHECKING:
+    from cachebuild.api import ModelSpec
     from cachebuild.store.interface import Store
 
 
 def module_name(path: Path) -> str:
     """A module name for a model file, the same in every process (workers import it too)."""
+    from cachebuild.tracing.guards import MODEL_MODULE_PREFIX
+
     return MODEL_MODULE_PREFIX + hashlib.sha1(str(path).encode()).hexdigest()[:16]
 
 
@@ -179,6 +182,8 @@ def _ended(path: Path, error: BaseException, when: str) -> UsageError:
 
 def load_spec(path: str | Path) -> ModelSpec:
     """Import ``path`` and call its ``build()``; the ModelSpec it returns."""
+    from cachebuild.api import ModelSpec
+
     module = import_model(path)
     resolved = Path(path).resolve()
     build = getattr(module, "build", None)

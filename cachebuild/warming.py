@@ -557,6 +557,8 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
             entry = next(e for e in report.entries if e.key == p.entry.key)
             entry.recorded = record_entry(p.entry, opened)
             entry.unrecordable = p.entry.unrecordable
+        if pool is not None:  # the workers' ends are part of the time the command takes
+            pool.close()
         return WarmReport(report.entries, report.targets, world_size,
                           seconds=time.perf_counter() - start, phases=model_phases)
     finally:

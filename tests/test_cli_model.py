@@ -103,6 +103,13 @@ def test_a_path_that_is_no_model_file_is_one_line_before_anything_starts(tmp_pat
     assert proc.returncode == 2, proc.stderr
     assert proc.stderr == f"error: {path}: {expected} -> cachebuild.ModelSpec\n"
     assert not (tmp_path / "store").exists()
+    # Refused at once: torch (seconds to import) is not imported for it.
+    code = ("import sys\nfrom click.testing import CliRunner\nfrom cachebuild.cli.main import main\n"
+            f"result = CliRunner().invoke(main, ['warm', {str(path)!r}])\n"
+            "print(result.exit_code, 'torch' in sys.modules)")
+    child = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           timeout=120)
+    assert child.stdout.split() == ["2", "False"], child.stderr
 
 
 @pytest.mark.parametrize("env,expected", [

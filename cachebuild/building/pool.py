@@ -306,10 +306,17 @@ class _Worker:
         return result
 
     def close(self) -> None:
+        self.stop()
+        self.wait()
+
+    def stop(self) -> None:
+        """Tell the worker to end after the job it holds (``wait`` waits for it)."""
         with contextlib.suppress(OSError):
             self.jobs.close()
         if not self.used and self.proc.poll() is None:
             self.proc.terminate()  # still importing, say: it holds nothing to finish
+
+    def wait(self) -> None:
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
@@ -413,8 +420,10 @@ class BuildPool:
         """End the workers (each after the job it holds), also any a ``run`` that was
         interrupted still holds."""
         workers, self._all, self._idle = self._all, [], []
+        for worker in workers:  # all told first: they end side by side, not one by one
+            worker.stop()
         for worker in workers:
-            worker.close()
+            worker.wait()
 
     def __enter__(self) -> BuildPool:
         return self
