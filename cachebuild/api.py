@@ -28,6 +28,7 @@ from cachebuild.errors import CompileFailed, UsageError, one_line
 from cachebuild.graph.facts import device_of
 from cachebuild.graph.inputs import layout_guards
 from cachebuild.passes import PassManager
+from cachebuild.serving.hooks import not_run, own_forward
 from cachebuild.serving.runtime import CaptureReport, ModelRuntime
 from cachebuild.serving.start import start, take_over
 from cachebuild.serving.stitch import direct_forward, on_device_forward, stitch
@@ -104,6 +105,9 @@ class CompiledModule(torch.nn.Module):
         #: The targets building in the background while interim ones serve
         #: (``while_building``), if any.
         self.swap: Swap | None = None
+        #: The instance's own forward as compiled (``hooks.own_forward``): one set later
+        #: is refused, never skipped.
+        self._forward = own_forward(model)
 
     @property
     def runtime(self) -> ModelRuntime | None:
@@ -122,6 +126,7 @@ class CompiledModule(torch.nn.Module):
         """
         began = time.perf_counter()
         # About this call or this process (an op library imported later), never remembered:
+        self._check_hooks()
         check_call_dims(list(args), self.dynamic_dims)
         check_splitting_ops(self.config.splitting_ops)
         started = start(self.model, self.config, self.dynamic_dims,
@@ -211,6 +216,7 @@ class CompiledModule(torch.nn.Module):
             return self.model(*args)  # on_failure="eager"
         if self._dynamo is not None:
             return self._through_dynamo(args)
+        self._check_hooks()
         if self.swap is not None and not self.swap.claimed and self.swap.done.is_set():
             self._swap_in(args)
         runtime = self._runtime  # read once: a call runs on one runtime from start to end
@@ -220,6 +226,13 @@ class CompiledModule(torch.nn.Module):
             if runtime is None:
                 return self.model(*args)  # on_failure="eager"
         return runtime(*args)
+
+    def _check_hooks(self) -> None:
+        """Refuse a call that would skip what ``model(x)`` runs besides its traced code
+        (a hook on the model, a global module hook, a forward set on the instance)."""
+        why = not_run(self.model, self._forward)
+        if why is not None:
+            raise UsageError(why)
 
     def _through_dynamo(self, args: tuple[Any, ...]) -> Any:
         import torch._dynamo

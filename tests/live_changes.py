@@ -72,7 +72,19 @@ class Net(nn.Module):
         if self.mode is QUADRUPLED:
             y = y * 4
         act = torch.relu if self.config.act == "relu" else torch.tanh
-        return act(y) + self.config.eps
+        return self.post(act(y) + self.config.eps)
+
+    def post(self, y: torch.Tensor) -> torch.Tensor:
+        return y
+
+
+def _tripled_post(self: Net, y: torch.Tensor) -> torch.Tensor:
+    return y * 3
+
+
+def _patch_method(net: Net) -> object:
+    original, Net.post = Net.post, _tripled_post
+    return original
 
 
 def _set_global(value: float) -> None:
@@ -112,6 +124,7 @@ CASES = [
     Case("forward hook", _hook, lambda n, handle: handle.remove()),
     Case("module-level object", lambda n: setattr(n, "mode", QUADRUPLED),
          lambda n, _: setattr(n, "mode", PLAIN)),
+    Case("method of the class", _patch_method, lambda n, original: setattr(Net, "post", original)),
 ]
 
 

@@ -7,7 +7,8 @@ nothing; replacing one (``module.weight = nn.Parameter(...)``,
 be used silently. torch calls global hooks whenever a parameter, buffer or submodule is
 registered; when the module is one a compiled model reads its weights through, the hook
 bumps one counter that every compiled model compares on each call (one integer
-comparison), looking its tensors up again when it moved.
+comparison), looking its tensors up again when it moved. A weight set to None or deleted
+calls no hook: the dicts that hold it are watched as well (``holders``).
 
 The hooks are hidden while a model is traced and while its guards are checked: Dynamo
 guards the hook registries like any global, and the entry must describe the process
@@ -68,6 +69,22 @@ def watch(model: torch.nn.Module, paths: list[str]) -> None:
         for part in path.split(".")[:-1]:
             module = module.get_submodule(part)
             _WATCHED.add(module)
+
+
+def holders(model: torch.nn.Module, paths: list[str]) -> list[tuple[dict[str, Any], str]]:
+    """The dicts that hold each dotted parameter or buffer path of ``model``, each with
+    the key it is held at: every module's ``_modules`` at the next name, the last one's
+    ``_parameters`` and ``_buffers`` at the weight's. Setting a weight to None or
+    deleting it calls no registration hook; it changes one of these (``dictwatch``)."""
+    pairs: list[tuple[dict[str, Any], str]] = []
+    for path in paths:
+        *parts, name = path.split(".")
+        module = model
+        for part in parts:
+            pairs.append((module._modules, part))
+            module = module.get_submodule(part)
+        pairs += [(module._parameters, name), (module._buffers, name)]
+    return pairs
 
 
 def generation() -> int:

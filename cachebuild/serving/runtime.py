@@ -106,14 +106,14 @@ class ModelRuntime:
         """Look up the model's parameters and buffers again (after they were replaced).
 
         Each is checked against what the compiled pieces were built for (device, dtype,
-        shape, layout): they read it by pointer.
+        shape, layout): they read it by pointer. One that is gone (set to None, deleted)
+        or does not fit is a UsageError, and is looked at again at the next call.
         """
-        self._generation = weights.generation()
+        generation = weights.generation()
         template: list[Any] = []
         for b, m in zip(self.bindings, self.metas, strict=True):
             if b.kind in ("param", "buffer"):
-                tensor = (self.model.get_parameter(b.path) if b.kind == "param"
-                          else self.model.get_buffer(b.path))
+                tensor = _weight(self.model, b.kind, b.path)
                 check_weight(f"{b.kind} {b.path}", tensor, m, self.device)
                 template.append(tensor)
             elif b.kind == "const":
@@ -123,6 +123,10 @@ class ModelRuntime:
         self._template = template
         self.check = CallCheck([(b.arg, m) for b, m in self._arg_metas], self.device,
                                self._dynamic_size, self.written_args)
+        # Armed once every weight passed: one refused above is looked up again next call.
+        self._generation = generation
+        self._held = compat.dict_watcher().watch(weights.holders(
+            self.model, [b.path for b in self.bindings if b.kind in ("param", "buffer")]))
 
     def _weights(self) -> list[Any]:
         """The graph inputs that come from the model (weights, constants) as bound now;
@@ -281,7 +285,7 @@ class ModelRuntime:
                 "(load_state_dict, param.data.copy_) or compile the model again")
 
     def _call(self, *args: Any) -> Any:
-        if self._generation != weights.GENERATION[0]:
+        if self._generation != weights.GENERATION[0] or not self._held():
             self._rebind_if_replaced()
         with self._on_device:  # graphs name the GPU by type: run on the model's
             if self.capturer is not None:
@@ -297,6 +301,16 @@ class ModelRuntime:
         pieces as they are, a capture pass's wrapped ones, a size's replayers)."""
         return forward_over(self.stitched, calls, self._weights, self._from_call,
                             self.make_output)
+
+
+def _weight(model: torch.nn.Module, kind: str, path: str) -> torch.Tensor:
+    """The model's parameter or buffer at ``path``; a UsageError where it is gone."""
+    try:
+        return model.get_parameter(path) if kind == "param" else model.get_buffer(path)
+    except AttributeError:
+        raise UsageError(f"{kind} {path} was compiled as a tensor of the model and is not "
+                         f"one now (set to None or deleted since): compile the model "
+                         "again") from None
 
 
 def _not_beside(entry: Entry) -> str | None:

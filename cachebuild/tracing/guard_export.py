@@ -385,6 +385,39 @@ def environment_records(records: list[GuardRecord], code_objects: Sequence[types
             for name in sorted(names)]
 
 
+def method_records(code_objects: Sequence[types.CodeType],
+                   model: torch.nn.Module) -> list[GuardRecord]:
+    """Records of the methods the trace inlined, by the class that holds them.
+
+    Dynamo does not guard which function a module's class gives for a method it called
+    (``self.post(y)``), so a method replaced on the class (``Model.post = ...``), in this
+    process after the start or in another before it, would go unnoticed. For each class
+    of the model's modules, every attribute (through its MRO) that is a function whose
+    code the trace ran is recorded by identity (its qualified name and code hash), once
+    per class, reached through the first module of that class.
+    """
+    traced = set(code_objects)
+    records: list[GuardRecord] = []
+    seen: set[type] = set()
+    for name, module in model.named_modules():
+        cls = type(module)
+        if cls in seen:
+            continue
+        seen.add(cls)
+        path: list[tuple[Any, ...]] = [("model",)]
+        for part in name.split(".") if name else []:
+            path += [("attr", "_modules"), ("item", part)]
+        methods: dict[str, types.FunctionType] = {}
+        for klass in reversed(cls.__mro__):
+            methods.update((k, v) for k, v in vars(klass).items()
+                           if isinstance(v, types.FunctionType))
+        for attr, function in sorted(methods.items()):
+            if function.__code__ in traced and attr not in vars(module):
+                records.append(GuardRecord((*path, ("type",), ("attr", attr)), "id", None,
+                                           fingerprint("id", function, None)))
+    return records
+
+
 def _reads_environment(record: GuardRecord, model: Any, args: Sequence[Any]) -> bool:
     for k, s in enumerate(record.path):
         if s == ("attr", "environ"):

@@ -240,6 +240,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         Collected,
         Unrecordable,
         environment_records,
+        method_records,
         records_from,
     )
 
@@ -336,6 +337,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         try:
             guards = records_from(collected, model, args, bound)
             guards += environment_records(guards, captured["code"], model, args)
+            guards += method_records(captured["code"], model)
             unrecordable, generated_from = _unkeyed_code(model, captured["code"])
         except Unrecordable as e:
             unrecordable = str(e)

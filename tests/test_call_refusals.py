@@ -1,0 +1,116 @@
+"""What a compiled forward cannot follow is refused in one line, never skipped.
+
+``model(x)`` runs hooks on the model itself, torch's global module hooks, and an
+instance's own ``forward``; the compiled forward runs what its trace saw, with the model's
+weights looked up by path. A weight set to None or deleted, a hook added to the model, a
+global module hook or a ``forward`` set on the instance would each make the compiled
+output differ from eager's in silence: each is a UsageError on the call, for as long as
+it lasts, and the compiled model answers as eager again once it is undone. A hook on the
+module ``cachebuild.compile`` returned runs around the compiled forward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import cachebuild
+from cachebuild.errors import UsageError
+
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.linspace(0.5, 1.5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x)) * self.scale
+
+
+def compiled_net(open_local, tmp_path):
+    torch.manual_seed(0)
+    net = Net().eval()
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    return net, cachebuild.compile(net, config, {0: 0}, store=open_local(tmp_path / "store"))
+
+
+def matches(compiled, net, x) -> None:
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), net(x), rtol=1e-5, atol=1e-5)
+
+
+def refused(compiled, x, match: str) -> None:
+    for _ in range(2):  # and again at the next call: nothing was armed by the refusal
+        with pytest.raises(UsageError, match=match), torch.no_grad():
+            compiled(x)
+
+
+def test_a_weight_set_to_none_or_deleted_is_refused_until_it_is_back(open_local, tmp_path):
+    net, compiled = compiled_net(open_local, tmp_path)
+    x = torch.randn(4, 8)
+    matches(compiled, net, x)
+    bias = net.lin.bias
+    net.lin.bias = None  # no registration hook runs for None
+    refused(compiled, x, "param lin.bias was compiled as a tensor of the model and is not one")
+    net.lin.bias = bias
+    matches(compiled, net, x)
+    scale = net.scale
+    del net.scale
+    refused(compiled, x, "buffer scale was compiled as a tensor of the model")
+    net.register_buffer("scale", scale * 2)  # a new tensor of the same layout: followed
+    matches(compiled, net, x)
+
+
+@pytest.mark.parametrize("hook", ["forward", "pre", "global forward", "global pre"])
+def test_a_hook_the_compiled_forward_would_skip_is_refused(open_local, tmp_path, hook):
+    net, compiled = compiled_net(open_local, tmp_path)
+    x = torch.randn(4, 8)
+    matches(compiled, net, x)
+    module_hooks = torch.nn.modules.module
+    handle = {
+        "forward": lambda: net.register_forward_hook(lambda m, a, out: out * 3),
+        "pre": lambda: net.register_forward_pre_hook(lambda m, a: (a[0] * 3,)),
+        "global forward": lambda: module_hooks.register_module_forward_hook(
+            lambda m, a, out: out * 3 if isinstance(m, nn.Linear) else None),
+        "global pre": lambda: module_hooks.register_module_forward_pre_hook(
+            lambda m, a: (a[0] * 2,)),
+    }[hook]()
+    try:
+        refused(compiled, x, "global module hook" if hook.startswith("global")
+                else "has a hook on the model itself")
+    finally:
+        handle.remove()
+    matches(compiled, net, x)
+
+
+def test_a_hook_on_the_compiled_module_runs_around_the_compiled_forward(open_local, tmp_path):
+    net, compiled = compiled_net(open_local, tmp_path)
+    x = torch.randn(4, 8)
+    compiled.register_forward_hook(lambda m, a, out: out * 3)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), net(x) * 3, rtol=1e-5, atol=1e-5)
+
+
+def test_a_forward_set_on_the_instance_is_refused(open_local, tmp_path):
+    net, compiled = compiled_net(open_local, tmp_path)
+    x = torch.randn(4, 8)
+    matches(compiled, net, x)
+    net.forward = lambda x: x * 3
+    refused(compiled, x, "forward was set on the instance")
+    del net.forward
+    matches(compiled, net, x)
+
+
+def test_a_cold_start_with_a_hook_on_the_model_says_so_before_tracing(open_local, tmp_path):
+    torch.manual_seed(0)
+    net = Net().eval()
+    net.register_forward_hook(lambda m, a, out: out * 3)
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    compiled = cachebuild.compile(net, config, {0: 0}, store=open_local(tmp_path / "store"))
+    before = cachebuild.stats()["traced"]
+    refused(compiled, torch.randn(4, 8), "has a hook on the model itself")
+    assert cachebuild.stats()["traced"] == before
