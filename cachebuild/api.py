@@ -209,7 +209,11 @@ class CompiledModule(torch.nn.Module):
         mode."""
         return self._runtime.capture_state() if self._runtime is not None else None
 
-    def forward(self, *args: Any) -> Any:
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs:  # a call's inputs are bound by position, as its entry and guards are
+            raise UsageError(f"the module cachebuild.compile returned takes its inputs by "
+                             f"position only; pass {', '.join(sorted(kwargs))} positionally "
+                             "(in the order of the model's forward)")
         if self._runtime is None and not self._eager:
             self.prepare(*args)
         if self._runtime is None:

@@ -114,3 +114,13 @@ def test_a_cold_start_with_a_hook_on_the_model_says_so_before_tracing(open_local
     before = cachebuild.stats()["traced"]
     refused(compiled, torch.randn(4, 8), "has a hook on the model itself")
     assert cachebuild.stats()["traced"] == before
+
+
+def test_keyword_inputs_and_inputs_an_op_refuses_are_one_line_errors(open_local, tmp_path):
+    net, compiled = compiled_net(open_local, tmp_path)
+    with pytest.raises(UsageError, match="takes its inputs by position only; pass x "):
+        compiled(x=torch.randn(4, 8))
+    # A wrong feature size: the op's own error, not Dynamo's page about fake tensors.
+    with pytest.raises(UsageError, match=r"fails on these inputs \(check that the same call "
+                       r"runs eagerly\): RuntimeError: a and b must have same reduction dim"):
+        compiled(torch.randn(4, 9))

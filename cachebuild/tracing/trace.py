@@ -21,7 +21,7 @@ import torch
 import torch.fx as fx
 
 from cachebuild import keep
-from cachebuild.errors import UsageError
+from cachebuild.errors import UsageError, one_line
 from cachebuild.graph.effects import graph_effects, might_write
 from cachebuild.graph.facts import SYMBOL, InputMeta, device_of, meta_of, torch_dir, unpin_device
 from cachebuild.graph.outputs import output_recipe
@@ -214,6 +214,26 @@ def _graph_break(e: BaseException) -> str:
     return said
 
 
+def _op_error(e: BaseException) -> str:
+    """The error an op raised under Dynamo, in one line, with where in the user's code:
+    the first exception of ``e``'s chain that is not Dynamo's own."""
+    import torch._dynamo.exc
+
+    seen: set[int] = set()
+    error: BaseException | None = e
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if not isinstance(error, torch._dynamo.exc.TorchDynamoException):
+            break
+        error = error.__cause__ or error.__context__
+    said = one_line(error if error is not None else e, typed=True)
+    stack = getattr(e, "real_stack", None) or []
+    if stack:
+        frame = stack[-1]
+        said += f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
+    return said
+
+
 def trace_model(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
                 dynamic_dims: dict[int, int],
                 compile_ranges: Sequence[tuple[int, int]] = ()) -> TracedGraph:
@@ -294,6 +314,11 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     except torch._dynamo.exc.Unsupported as e:
         raise UsageError(f"the model's forward does not trace as one graph: {_graph_break(e)}"
                          ) from e
+    except torch._dynamo.exc.TorchRuntimeError as e:
+        # An op refused the call's shapes or dtypes (as it would eagerly): the error is the
+        # op's, said in one line, not Dynamo's page about running FX nodes on fake tensors.
+        raise UsageError(f"the model's forward fails on these inputs (check that the same "
+                         f"call runs eagerly): {_op_error(e)}") from e
     except AssertionError as e:
         if not compat.is_rebuilt_object_guard(e):
             raise
