@@ -28,7 +28,7 @@ from cachebuild.errors import CompileFailed, UsageError, one_line
 from cachebuild.graph.facts import device_of
 from cachebuild.graph.inputs import layout_guards
 from cachebuild.passes import PassManager
-from cachebuild.serving.hooks import not_run, own_forward
+from cachebuild.serving.hooks import global_hooks, not_run, own_forward
 from cachebuild.serving.runtime import CaptureReport, ModelRuntime
 from cachebuild.serving.start import start, take_over
 from cachebuild.serving.stitch import direct_forward, on_device_forward, stitch
@@ -108,6 +108,7 @@ class CompiledModule(torch.nn.Module):
         #: The instance's own forward as compiled (``hooks.own_forward``): one set later
         #: is refused, never skipped.
         self._forward = own_forward(model)
+        self._said_not_run = False
 
     @property
     def runtime(self) -> ModelRuntime | None:
@@ -126,7 +127,9 @@ class CompiledModule(torch.nn.Module):
         """
         began = time.perf_counter()
         # About this call or this process (an op library imported later), never remembered:
-        self._check_hooks()
+        why = not_run(self.model, self._forward)
+        if why is not None:
+            return self._failed(UsageError(why), first=True)
         check_call_dims(list(args), self.dynamic_dims)
         check_splitting_ops(self.config.splitting_ops)
         started = start(self.model, self.config, self.dynamic_dims,
@@ -214,13 +217,18 @@ class CompiledModule(torch.nn.Module):
             raise UsageError(f"the module cachebuild.compile returned takes its inputs by "
                              f"position only; pass {', '.join(sorted(kwargs))} positionally "
                              "(in the order of the model's forward)")
-        if self._runtime is None and not self._eager:
-            self.prepare(*args)
+        if self._eager:
+            return self.model(*args)  # cannot be compiled, on_failure="eager"
+        # Dynamo runs the model's own hooks and forward, not torch's global module hooks.
+        why = global_hooks() if self._dynamo is not None else not_run(self.model, self._forward)
+        if why is not None:
+            return self._not_run(why, args)
         if self._runtime is None:
-            return self.model(*args)  # on_failure="eager"
+            self.prepare(*args)
+            if self._runtime is None:
+                return self.model(*args)  # on_failure="eager"
         if self._dynamo is not None:
             return self._through_dynamo(args)
-        self._check_hooks()
         if self.swap is not None and not self.swap.claimed and self.swap.done.is_set():
             self._swap_in(args)
         runtime = self._runtime  # read once: a call runs on one runtime from start to end
@@ -231,12 +239,17 @@ class CompiledModule(torch.nn.Module):
                 return self.model(*args)  # on_failure="eager"
         return runtime(*args)
 
-    def _check_hooks(self) -> None:
-        """Refuse a call that would skip what ``model(x)`` runs besides its traced code
-        (a hook on the model, a global module hook, a forward set on the instance)."""
-        why = not_run(self.model, self._forward)
-        if why is not None:
+    def _not_run(self, why: str, args: tuple[Any, ...]) -> Any:
+        """A call that would skip what ``model(x)`` runs besides its traced code (``why``:
+        a hook on the model, a global module hook, a forward set on the instance): refused,
+        or with ``on_failure="eager"`` run eagerly while it lasts, said once."""
+        if self.config.on_failure != "eager":
             raise UsageError(why)
+        if not self._said_not_run:
+            self._said_not_run = True
+            log.warning("cachebuild: %s runs eagerly while this lasts (on_failure='eager'): "
+                        "%s", type(self.model).__name__, why)
+        return self.model(*args)
 
     def _through_dynamo(self, args: tuple[Any, ...]) -> Any:
         import torch._dynamo

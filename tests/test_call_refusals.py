@@ -55,12 +55,14 @@ def test_a_weight_set_to_none_or_deleted_is_refused_until_it_is_back(open_local,
     matches(compiled, net, x)
     bias = net.lin.bias
     net.lin.bias = None  # no registration hook runs for None
-    refused(compiled, x, "param lin.bias was compiled as a tensor of the model and is not one")
+    refused(compiled, x, "param lin.bias was compiled as a param of the model and is not one")
     net.lin.bias = bias
     matches(compiled, net, x)
     scale = net.scale
+    net.scale = None
+    refused(compiled, x, "buffer scale was compiled as a buffer of the model and is not one")
     del net.scale
-    refused(compiled, x, "buffer scale was compiled as a tensor of the model")
+    refused(compiled, x, "buffer scale was compiled as a buffer of the model")
     net.register_buffer("scale", scale * 2)  # a new tensor of the same layout: followed
     matches(compiled, net, x)
 
@@ -124,3 +126,81 @@ def test_keyword_inputs_and_inputs_an_op_refuses_are_one_line_errors(open_local,
     with pytest.raises(UsageError, match=r"fails on these inputs \(check that the same call "
                        r"runs eagerly\): RuntimeError: a and b must have same reduction dim"):
         compiled(torch.randn(4, 9))
+
+
+def test_with_on_failure_eager_a_hook_on_the_model_runs_eagerly_while_it_is_there(open_local,
+                                                                                   tmp_path):
+    torch.manual_seed(0)
+    net = Net().eval()
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),),
+                                      on_failure="eager")
+    compiled = cachebuild.compile(net, config, {0: 0}, store=open_local(tmp_path / "store"))
+    x = torch.randn(4, 8)
+    matches(compiled, net, x)
+    handle = net.register_forward_hook(lambda m, a, out: out * 3)
+    matches(compiled, net, x)  # eager, hook and all
+    handle.remove()
+    traced = cachebuild.stats()["traced"]
+    matches(compiled, net, x)  # compiled again, on the forward it had
+    assert cachebuild.stats()["traced"] == traced
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+class Blocks(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.b0, self.b1 = Block(), Block()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b1(self.b0(x))
+
+
+def test_a_method_replaced_on_a_class_is_seen_when_one_instance_shadows_it(open_local,
+                                                                          tmp_path):
+    """The first Block's forward is its own (bound on the instance); the second one's is
+    the class's, which is replaced after the first call: the next call traces again."""
+    import types
+
+    torch.manual_seed(0)
+    net = Blocks().eval()
+    net.b0.forward = types.MethodType(Block.forward, net.b0)
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    compiled = cachebuild.compile(net, config, {0: 0}, store=open_local(tmp_path / "store"))
+    x = torch.randn(4, 8)
+    matches(compiled, net, x)
+    original = Block.forward
+    Block.forward = lambda self, x: torch.relu(self.lin(x)) * 3
+    try:
+        matches(compiled, net, x)
+    finally:
+        Block.forward = original
+
+
+def test_a_global_hook_is_refused_where_dynamo_serves_the_model(open_local, tmp_path):
+    """A forward bound with functools.partial is a value no record can check: the model
+    is served through torch.compile, whose guards do not follow global module hooks."""
+    import functools
+
+    torch.manual_seed(0)
+    net = Blocks().eval()
+    net.b0.forward = functools.partial(Block.forward, net.b0)
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    compiled = cachebuild.compile(net, config, {0: 0}, store=open_local(tmp_path / "store"))
+    x = torch.randn(4, 8)
+    matches(compiled, net, x)
+    assert compiled._dynamo is not None  # served through torch.compile
+    handle = torch.nn.modules.module.register_module_forward_hook(
+        lambda m, a, out: out * 3 if isinstance(m, nn.Linear) else None)
+    try:
+        refused(compiled, x, "global module hook")
+    finally:
+        handle.remove()
+    matches(compiled, net, x)

@@ -40,13 +40,29 @@ def test_a_quiet_wait_says_what_still_runs_and_stops_when_the_block_ends():
 
 
 def test_a_line_said_puts_the_next_beat_off():
-    lines: list[str] = []
-    with notice.Heartbeat(lines.append, quiet=0.5) as heartbeat:
-        heartbeat.said("building 1 target")
-        for _ in range(8):  # a line every 0.1 s: never quiet for 0.5 s
-            time.sleep(0.1)
-            heartbeat.said()
-        assert lines == []
+    """On a clock the test moves: a beat is due ``quiet`` seconds after the last line
+    said, names what runs and for how long, and nothing is due while nothing runs."""
+    now = [100.0]
+    heartbeat = notice.Heartbeat(lambda line: None, quiet=15.0, clock=lambda: now[0])
+    now[0] = 200.0
+    assert heartbeat.due(now[0])[0] is None  # quiet for long, but nothing runs
+    heartbeat.said("building 2 targets")
+    for _ in range(10):  # a line every 10 s: never quiet for 15 s
+        now[0] += 10.0
+        assert heartbeat.due(now[0])[0] is None
+        heartbeat.said()
+    now[0] += 15.0
+    line, wait = heartbeat.due(now[0])
+    assert line == "still building 2 targets (115 s)" and wait == 15.0
+    assert heartbeat.due(now[0] + 1.0)[0] is None  # the beat counts as a line said
+
+
+def test_a_closed_pipe_stops_the_beats_quietly():
+    def say(line: str) -> None:
+        raise BrokenPipeError
+    with notice.Heartbeat(say, quiet=0.05) as heartbeat:
+        heartbeat.said("tracing Tiny")
+        assert wait_for(lambda: not heartbeat._thread.is_alive())
 
 
 def test_piped_warm_lines_name_each_phase_and_a_quiet_one(monkeypatch):

@@ -108,40 +108,49 @@ def must_build(model: Any, missing: int, total: int, warm: bool) -> None:
 class Heartbeat:
     """While a long wait runs, says ``still <what it does> (N s)`` through ``say`` each time
     ``quiet`` seconds pass with nothing said: on a log that is not a terminal (which has a
-    live line instead), a minute-long probe, trace or build is never silent.
+    live line instead), a phase that runs for minutes is never silent.
 
     ``said(what)`` tells it a line was just said and, with ``what``, what the wait does
-    now (timed from then). Used as a context manager: the beats stop when the block ends.
+    now (timed from then). Used as a context manager: the beats stop when the block ends,
+    or for good when ``say`` fails (a closed pipe). ``due(now)`` is the line a beat would
+    say at ``now``, if any, and how long to wait before the next look.
     """
 
-    def __init__(self, say: Callable[[str], None], quiet: float | None = None) -> None:
+    def __init__(self, say: Callable[[str], None], quiet: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._say = say
         self._quiet = QUIET_S if quiet is None else quiet
+        self._clock = clock
         self._lock = threading.Lock()
         self._what: str | None = None
-        self._since = self._last = time.monotonic()
+        self._since = self._last = clock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, name="cachebuild-heartbeat",
                                         daemon=True)
 
     def said(self, what: str | None = None) -> None:
         with self._lock:
-            self._last = time.monotonic()
+            self._last = self._clock()
             if what is not None and what != self._what:
                 self._what, self._since = what, self._last
+
+    def due(self, now: float) -> tuple[str | None, float]:
+        with self._lock:
+            wait = self._last + self._quiet - now
+            if self._what is None or wait > 0:
+                return None, max(wait, self._quiet / 10) if self._what else self._quiet
+            self._last = now
+            return f"still {self._what} ({now - self._since:.0f} s)", self._quiet
 
     def _beat(self) -> None:
         wait = self._quiet
         while not self._stop.wait(wait):
-            with self._lock:
-                now = time.monotonic()
-                due = self._last + self._quiet
-                if now < due or self._what is None:
-                    wait = max(due - now, 0.1)
-                    continue
-                line = f"still {self._what} ({now - self._since:.0f} s)"
-                self._last, wait = now, self._quiet
-            self._say(line)
+            line, wait = self.due(self._clock())
+            if line is not None:
+                try:
+                    self._say(line)
+                except Exception:  # nowhere to say it (a closed pipe): stop beating
+                    return
 
     def __enter__(self) -> Heartbeat:
         self._thread.start()

@@ -131,7 +131,7 @@ def _progress(console: Console, verbose: bool = False
                 if phases:
                     console.print(phases, markup=False, highlight=False)
                 heartbeat.said(f"building, {done} of {total} targets done" if done < total
-                               else None)
+                               else "finishing, every target done")
 
             def phase(text: str) -> None:
                 say(text)

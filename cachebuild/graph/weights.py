@@ -8,7 +8,8 @@ be used silently. torch calls global hooks whenever a parameter, buffer or submo
 registered; when the module is one a compiled model reads its weights through, the hook
 bumps one counter that every compiled model compares on each call (one integer
 comparison), looking its tensors up again when it moved. A weight set to None or deleted
-calls no hook: the dicts that hold it are watched as well (``holders``).
+calls no hook: the dicts that hold it are watched as well (``holders``, through
+``dictwatch``: one more comparison on Python 3.12, a poll of their version tags on 3.11).
 
 The hooks are hidden while a model is traced and while its guards are checked: Dynamo
 guards the hook registries like any global, and the entry must describe the process
@@ -79,11 +80,14 @@ def holders(model: torch.nn.Module, paths: list[str]) -> list[tuple[dict[str, An
     pairs: list[tuple[dict[str, Any], str]] = []
     for path in paths:
         *parts, name = path.split(".")
-        module = model
+        module: Any = model
         for part in parts:
             pairs.append((module._modules, part))
-            module = module.get_submodule(part)
-        pairs += [(module._parameters, name), (module._buffers, name)]
+            module = module._modules.get(part)
+            if not isinstance(module, torch.nn.Module):
+                break  # gone already: the lookup that follows says so
+        else:
+            pairs += [(module._parameters, name), (module._buffers, name)]
     return pairs
 
 

@@ -109,7 +109,10 @@ class ModelRuntime:
         shape, layout): they read it by pointer. One that is gone (set to None, deleted)
         or does not fit is a UsageError, and is looked at again at the next call.
         """
+        # Read and armed before the lookups: a change made while they run is seen next call.
         generation = weights.generation()
+        held = compat.dict_watcher().watch(weights.holders(
+            self.model, [b.path for b in self.bindings if b.kind in ("param", "buffer")]))
         template: list[Any] = []
         for b, m in zip(self.bindings, self.metas, strict=True):
             if b.kind in ("param", "buffer"):
@@ -123,10 +126,8 @@ class ModelRuntime:
         self._template = template
         self.check = CallCheck([(b.arg, m) for b, m in self._arg_metas], self.device,
                                self._dynamic_size, self.written_args)
-        # Armed once every weight passed: one refused above is looked up again next call.
-        self._generation = generation
-        self._held = compat.dict_watcher().watch(weights.holders(
-            self.model, [b.path for b in self.bindings if b.kind in ("param", "buffer")]))
+        # Kept once every weight passed: one refused above is looked up again next call.
+        self._generation, self._held = generation, held
 
     def _weights(self) -> list[Any]:
         """The graph inputs that come from the model (weights, constants) as bound now;
@@ -306,11 +307,14 @@ class ModelRuntime:
 def _weight(model: torch.nn.Module, kind: str, path: str) -> torch.Tensor:
     """The model's parameter or buffer at ``path``; a UsageError where it is gone."""
     try:
-        return model.get_parameter(path) if kind == "param" else model.get_buffer(path)
+        tensor = model.get_parameter(path) if kind == "param" else model.get_buffer(path)
     except AttributeError:
-        raise UsageError(f"{kind} {path} was compiled as a tensor of the model and is not "
-                         f"one now (set to None or deleted since): compile the model "
-                         "again") from None
+        tensor = None
+    if tensor is None:  # get_buffer gives None for a buffer set to None
+        raise UsageError(f"{kind} {path} was compiled as a {kind} of the model and is not "
+                         "one now (set to None, deleted or made something else since): put "
+                         "it back, or compile the model again")
+    return tensor
 
 
 def _not_beside(entry: Entry) -> str | None:

@@ -392,27 +392,30 @@ def method_records(code_objects: Sequence[types.CodeType],
     Dynamo does not guard which function a module's class gives for a method it called
     (``self.post(y)``), so a method replaced on the class (``Model.post = ...``), in this
     process after the start or in another before it, would go unnoticed. For each class
-    of the model's modules, every attribute (through its MRO) that is a function whose
-    code the trace ran is recorded by identity (its qualified name and code hash), once
-    per class, reached through the first module of that class.
+    of the model's modules, every attribute (through its MRO, torch.nn.Module's own
+    machinery aside) that is a function whose code the trace ran is recorded by identity
+    (its qualified name and code hash), once per class and name, reached through the
+    first module of that class that does not shadow it with an attribute of its own.
     """
     traced = set(code_objects)
     records: list[GuardRecord] = []
-    seen: set[type] = set()
+    done: set[tuple[type, str]] = set()
+    methods_of: dict[type, dict[str, types.FunctionType]] = {}
     for name, module in model.named_modules():
         cls = type(module)
-        if cls in seen:
-            continue
-        seen.add(cls)
+        if cls not in methods_of:
+            found: dict[str, types.FunctionType] = {}
+            for klass in reversed(cls.__mro__):
+                if klass is not torch.nn.Module and klass is not object:
+                    found.update((k, v) for k, v in vars(klass).items()
+                                 if isinstance(v, types.FunctionType) and v.__code__ in traced)
+            methods_of[cls] = found
         path: list[tuple[Any, ...]] = [("model",)]
         for part in name.split(".") if name else []:
             path += [("attr", "_modules"), ("item", part)]
-        methods: dict[str, types.FunctionType] = {}
-        for klass in reversed(cls.__mro__):
-            methods.update((k, v) for k, v in vars(klass).items()
-                           if isinstance(v, types.FunctionType))
-        for attr, function in sorted(methods.items()):
-            if function.__code__ in traced and attr not in vars(module):
+        for attr, function in sorted(methods_of[cls].items()):
+            if (cls, attr) not in done and attr not in vars(module):
+                done.add((cls, attr))
                 records.append(GuardRecord((*path, ("type",), ("attr", attr)), "id", None,
                                            fingerprint("id", function, None)))
     return records
