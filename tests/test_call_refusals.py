@@ -163,19 +163,26 @@ class Blocks(nn.Module):
         return self.b1(self.b0(x))
 
 
+def blocks_with_own_forward(open_local, tmp_path, bind):
+    """``Blocks`` whose first block has its class's forward bound on the instance with
+    ``bind``, compiled and called once (checked against eager)."""
+    torch.manual_seed(0)
+    net = Blocks().eval()
+    net.b0.forward = bind(Block.forward, net.b0)
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    compiled = cachebuild.compile(net, config, {0: 0}, store=open_local(tmp_path / "store"))
+    x = torch.randn(4, 8)
+    matches(compiled, net, x)
+    return net, compiled, x
+
+
 def test_a_method_replaced_on_a_class_is_seen_when_one_instance_shadows_it(open_local,
                                                                           tmp_path):
     """The first Block's forward is its own (bound on the instance); the second one's is
     the class's, which is replaced after the first call: the next call traces again."""
     import types
 
-    torch.manual_seed(0)
-    net = Blocks().eval()
-    net.b0.forward = types.MethodType(Block.forward, net.b0)
-    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
-    compiled = cachebuild.compile(net, config, {0: 0}, store=open_local(tmp_path / "store"))
-    x = torch.randn(4, 8)
-    matches(compiled, net, x)
+    net, compiled, x = blocks_with_own_forward(open_local, tmp_path, types.MethodType)
     original = Block.forward
     Block.forward = lambda self, x: torch.relu(self.lin(x)) * 3
     try:
@@ -189,13 +196,7 @@ def test_a_global_hook_is_refused_where_dynamo_serves_the_model(open_local, tmp_
     is served through torch.compile, whose guards do not follow global module hooks."""
     import functools
 
-    torch.manual_seed(0)
-    net = Blocks().eval()
-    net.b0.forward = functools.partial(Block.forward, net.b0)
-    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
-    compiled = cachebuild.compile(net, config, {0: 0}, store=open_local(tmp_path / "store"))
-    x = torch.randn(4, 8)
-    matches(compiled, net, x)
+    net, compiled, x = blocks_with_own_forward(open_local, tmp_path, functools.partial)
     assert compiled._dynamo is not None  # served through torch.compile
     handle = torch.nn.modules.module.register_module_forward_hook(
         lambda m, a, out: out * 3 if isinstance(m, nn.Linear) else None)
