@@ -3,7 +3,8 @@
 - ``start``: a model's start in one pass (found and guards hold → load; else trace and
   build); ``interim``: serving while the targets build;
 - ``stitch``: compiled pieces dispatched by size, splitting ops run eagerly; ``runtime``:
-  the stitched forward bound to a live model;
+  the stitched forward bound to a live model; ``hooks``: what a call would skip (hooks on
+  the model, global module hooks, a forward set on the instance), refused;
 - ``capture``, ``cudagraphs`` and ``graphmodes``: which sizes are captured into device
   graphs, how, and which kind of graph serves a call.
 
