@@ -205,3 +205,32 @@ def test_a_global_hook_is_refused_where_dynamo_serves_the_model(open_local, tmp_
     finally:
         handle.remove()
     matches(compiled, net, x)
+
+
+class Scaled(Block):
+    def post(self, y: torch.Tensor) -> torch.Tensor:
+        return y * 2
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return Block.post(self, torch.relu(self.lin(x)))
+
+
+Block.post = lambda self, y: y + 1  # type: ignore[attr-defined]  # a method Scaled overrides
+
+
+def test_a_method_is_recorded_as_the_class_resolves_it(open_local, tmp_path):
+    """Scaled's forward calls its base's post explicitly; Scaled overrides post with code
+    the trace never ran. What the class gives for post is its own, so nothing is recorded
+    for it: the forward is served without Dynamo (a record that failed right after the
+    trace would send it through torch.compile) and later calls trace nothing again."""
+    torch.manual_seed(0)
+    net = Scaled().eval()
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    compiled = cachebuild.compile(net, config, {0: 0}, store=open_local(tmp_path / "store"))
+    x = torch.randn(4, 8)
+    matches(compiled, net, x)
+    assert compiled._dynamo is None
+    traced = cachebuild.stats()["traced"]
+    for _ in range(2):
+        matches(compiled, net, x)
+    assert cachebuild.stats()["traced"] == traced

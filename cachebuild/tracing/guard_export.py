@@ -404,12 +404,12 @@ def method_records(code_objects: Sequence[types.CodeType],
     for name, module in model.named_modules():
         cls = type(module)
         if cls not in methods_of:
-            found: dict[str, types.FunctionType] = {}
+            resolved: dict[str, Any] = {}  # what the class gives for each name, as getattr
             for klass in reversed(cls.__mro__):
                 if klass is not torch.nn.Module and klass is not object:
-                    found.update((k, v) for k, v in vars(klass).items()
-                                 if isinstance(v, types.FunctionType) and v.__code__ in traced)
-            methods_of[cls] = found
+                    resolved.update(vars(klass))
+            methods_of[cls] = {k: v for k, v in resolved.items()
+                               if isinstance(v, types.FunctionType) and v.__code__ in traced}
         path: list[tuple[Any, ...]] = [("model",)]
         for part in name.split(".") if name else []:
             path += [("attr", "_modules"), ("item", part)]

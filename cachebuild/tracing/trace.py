@@ -207,11 +207,16 @@ def _graph_break(e: BaseException) -> str:
                     if line.strip().startswith("Developer debug context:")), "")
     if context:
         said += f" ({context})"
+    return said + _where(e)
+
+
+def _where(e: BaseException) -> str:
+    """`` at file:line in function`` of the innermost frame Dynamo was tracing, or ""."""
     stack = getattr(e, "real_stack", None) or []
-    if stack:
-        frame = stack[-1]
-        said += f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
-    return said
+    if not stack:
+        return ""
+    frame = stack[-1]
+    return f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
 
 
 def _op_error(e: BaseException) -> str:
@@ -226,12 +231,7 @@ def _op_error(e: BaseException) -> str:
         if not isinstance(error, torch._dynamo.exc.TorchDynamoException):
             break
         error = error.__cause__ or error.__context__
-    said = one_line(error if error is not None else e, typed=True)
-    stack = getattr(e, "real_stack", None) or []
-    if stack:
-        frame = stack[-1]
-        said += f" at {os.path.basename(frame.filename)}:{frame.lineno} in {frame.name}"
-    return said
+    return one_line(error if error is not None else e, typed=True) + _where(e)
 
 
 def trace_model(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
