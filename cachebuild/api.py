@@ -23,7 +23,7 @@ from cachebuild.building.build import Builder, resolve_all
 from cachebuild.building.planner import Planner
 from cachebuild.config import CompileConfig, check_config, check_dynamic_dims
 from cachebuild.counters import COUNTERS, snapshot
-from cachebuild.dynamo_backend import GraphForward
+from cachebuild.dynamo_backend import GraphForward, graph_fakes, within_guards
 from cachebuild.errors import CompileFailed, UsageError, one_line
 from cachebuild.graph.facts import device_of
 from cachebuild.graph.inputs import layout_guards
@@ -324,7 +324,9 @@ def backend(config: CompileConfig | None = None, store: Store | None = None,
     config = check_config(config)
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
-        planner = Planner(torch.nn.Module(), config, {}, open_default_store(store), passes)
+        graph_config = within_guards(config, graph_fakes(gm, example_inputs))
+        planner = Planner(torch.nn.Module(), graph_config, {},
+                          open_default_store(store), passes)
 
         def plan(traced: TracedGraph) -> Any:
             entry = planner.plan(traced, {"front_door": "torch.compile"})

@@ -19,19 +19,26 @@ Two things differ from a cachebuild trace:
   tensor computation, as transformers' sliding-window cache counts its tokens) is not a
   reason for another build: the outputs made of it are worked out on each call
   (``Counts``).
+
+And one thing Dynamo decides for the backend: a graph traced on one side of a branch on
+the token count (a prompt longer than a sliding window: ``s0 >= 4``) holds on that side
+only, and Dynamo's guards keep every other count away from it. Its shape buckets are cut
+to that side (``within_guards``); the other counts get a graph of their own, as Dynamo
+recompiles for them.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 import torch.fx as fx
 
 from cachebuild import process_state
+from cachebuild.config import CompileConfig
 from cachebuild.graph.effects import eliminate_dead_code
 from cachebuild.graph.facts import copy_graph, device_of, meta_of, unpin_device
 from cachebuild.tracing.trace import TracedGraph
@@ -194,6 +201,67 @@ def _ancestors(nodes: list[fx.Node]) -> set[fx.Node]:
     return found
 
 
+def graph_fakes(gm: fx.GraphModule, example_inputs: list[Any]) -> list[Any]:
+    """The graph's inputs as Dynamo traced them (fake, with its symbols)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return [n.meta.get("example_value", v)
+            for n, v in zip(placeholders, example_inputs, strict=True)]
+
+
+def within_guards(config: CompileConfig, fakes: list[Any]) -> CompileConfig:
+    """``config`` with its shape buckets cut to the token counts Dynamo's guards let reach
+    the graph of ``fakes``: a range with an end where one of the graph's shape guards fails
+    is cut to the bounds those guards give its symbols, and an exact size where one fails
+    is left out (only the end that fails moves). ``config`` itself where every bucket
+    holds, or where cutting leaves no range (the build then says which guard fails)."""
+    import sympy
+
+    symbols = _tensor_symbols(fakes)
+    shape_env = next((f.fake_mode.shape_env for f in fakes if isinstance(f, torch.Tensor)
+                      and getattr(f, "fake_mode", None) is not None
+                      and f.fake_mode.shape_env is not None), None)
+    if shape_env is None or not symbols:
+        return config
+    # Only guards on the sizes themselves: each bucket stands for one count of every symbol.
+    guards = [g.expr for g in shape_env.guards
+              if g.expr.free_symbols and g.expr.free_symbols <= symbols]
+
+    def holds(size: int) -> bool:
+        value = {s: sympy.Integer(size) for s in symbols}
+        return all(bool(g.xreplace(value)) for g in guards)
+
+    if all(holds(n) for n in config.compile_sizes) and all(
+            holds(lo) and holds(hi) for lo, hi in config.compile_ranges):
+        return config
+    low, high = 1, None
+    for s in symbols:
+        bounds = shape_env.var_to_range.get(s)
+        if bounds is None:
+            continue
+        # torch's infinities are not sympy Integers
+        if isinstance(bounds.lower, sympy.Integer):
+            low = max(low, int(bounds.lower))
+        if isinstance(bounds.upper, sympy.Integer):
+            high = int(bounds.upper) if high is None else min(high, int(bounds.upper))
+    ranges = []
+    for lo, hi in config.compile_ranges:
+        # only the end that fails moves: a count Dynamo sends elsewhere anyway (0 or
+        # 1, which it specialises) is no reason to move the other
+        if not holds(lo):
+            lo = max(lo, low)
+        if not holds(hi) and high is not None:
+            hi = min(hi, high)
+        if lo <= hi and holds(lo) and holds(hi):
+            ranges.append((lo, hi))
+    if not ranges:
+        return config
+    sizes = tuple(n for n in config.compile_sizes
+                  if holds(n) and any(lo <= n <= hi for lo, hi in ranges))
+    log.info("cachebuild: Dynamo's guards keep this graph to sizes %s: its buckets are %s",
+             [str(g) for g in guards], ranges)
+    return replace(config, compile_ranges=tuple(ranges), compile_sizes=sizes)
+
+
 class GraphForward:
     """What the backend returns for one Dynamo graph: built on its first call, per set of
     scalar values."""
@@ -201,9 +269,7 @@ class GraphForward:
     def __init__(self, gm: fx.GraphModule, example_inputs: list[Any],
                  plan: Callable[[TracedGraph], Callable[..., Any]]) -> None:
         self.gm = gm
-        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        self.fakes = [n.meta.get("example_value", v)
-                      for n, v in zip(placeholders, example_inputs, strict=True)]
+        self.fakes = graph_fakes(gm, example_inputs)
         self.scalars = scalar_inputs(gm, self.fakes)
         # Scalars that only count (a cache's token count, bumped and handed back) reach
         # no tensor: the outputs they make are worked out on each call, and one build

@@ -273,3 +273,45 @@ def test_a_python_int_only_counted_is_one_build_for_every_value(open_local, tmp_
             torch.testing.assert_close(compiled(x, count), model(x, eager_count))
             assert count.seen == eager_count.seen
     assert cachebuild.stats()["built"] == built
+
+
+class Windowed(torch.nn.Module):
+    """A sliding window of 4 rows, as Mistral's mask takes it: the rows past the window
+    are cut, so a graph traced with more than 4 rows holds only for more than 4."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        if x.shape[0] > 4:
+            x = x[x.shape[0] - 4:]
+        return self.lin(x).relu()
+
+
+def test_a_graph_dynamo_guards_to_one_side_of_a_branch_builds_for_that_side(open_local,
+                                                                            tmp_path):
+    """Dynamo traces the first call (7 rows) dynamic and guards its graph to more than 4
+    rows: the graph's range is cut to 5-64 (a build across 4 would fail), and the calls
+    of 4 rows or fewer get Dynamo's other graph, built for 1-4. Every call is eager's."""
+    from cachebuild.dynamo_backend import graph_fakes, within_guards
+
+    torch.manual_seed(0)
+    model = Windowed().eval()
+    config = cachebuild.CompileConfig(compile_ranges=((1, 64),))
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.append(within_guards(config, graph_fakes(gm, example_inputs)).compile_ranges)
+        return cachebuild.backend(config, store=open_local(tmp_path / "store"))(
+            gm, example_inputs)
+
+    compiled = torch.compile(model, backend=backend, dynamic=True)
+    before = cachebuild.stats()
+    with torch.no_grad():
+        for rows in (7, 9, 2, 4, 30):
+            x = torch.randn(rows, 8)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert seen == [((5, 64),), ((1, 4),)]
+    delta = models.counters_delta(before, cachebuild.stats())
+    assert delta["failed"] == 0 and delta["built"] == 2
