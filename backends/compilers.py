@@ -5,18 +5,26 @@ Inductor's compiler work through this module (``compat.hook_compilers``, once pe
 process). Each C++ run is timed as the phase it is (``clock``: ``cxx_headers``,
 ``cxx_wrapper``, ``cxx_kernels``, ``cxx_link``; the ISA checks as ``cxx_isa``), and
 each file compiled from one source (an AOTInductor package's wrapper or kernels, a
-standalone artifact's kernels) is kept in the work folder's ``cxx/`` cache under a key
-of everything that decides its bytes: the compiler (its path, size and modification
-time), torch's version and build, the command line with the source's and the object's
-own paths taken out, and the source text (less the comments Inductor appends to it after
-a build). A later compile with the same key, in any process using that work folder,
-copies the object instead of compiling it: a piece whose kernels did not change (an edit
-elsewhere in the model, another bucket with the same code, a build after a failed one)
-builds only what did. An object is reused only if it hashes (SHA-256) to the record the
-store made when a build of ours kept it (``store.work.ObjectRecords``, kept in the
-store's ``built/`` folder, not in the work folder); one that does not is compiled again,
-and a warning says so once. Every artifact made from such objects is still proven
-against its piece before it is stored (``Builder``), as a fresh compile is.
+standalone artifact's kernels) is kept in a ``cxx/`` folder under a key of everything that
+decides its bytes: the compiler (its path, size and modification time), torch's version and
+build, the command line with the source's and the object's own paths taken out, and the
+source text (less the comment lines at its start and end, which Inductor fills with paths
+and commands). A later compile with
+the same key, in any process using that folder, copies the object instead of compiling it:
+a piece whose kernels did not change (an edit elsewhere in the model, another bucket with
+the same code, a build after a failed one, the same piece built for another store) builds
+only what did. An object is reused only if it hashes (SHA-256) to the record made when a
+build of ours kept it (``store.work.ObjectRecords``, kept in a private ``built/`` folder,
+never in a work folder the operator may have set); one that does not is compiled again,
+and a warning says so once. Every artifact made from such objects is still proven against
+its piece before it is stored (``Builder``), as a fresh compile is.
+
+The ``cxx/`` folder is the environment folder's (``environment.py``: what it holds depends
+on the compiler and torch, not on the store, so every store of the user shares it; a second
+store, a CI job or a typo in ``CACHEBUILD_DIR`` compiles no object twice), or the work
+folder's where the environment folder is not ours to write. It is counted by ``stats``;
+``gc`` removes the objects no build has made or reused for a week (``environment.OBJECT_AGE``)
+when no build holds the folder, and empties the work folder's.
 
 Inductor's checks of the CPU's vector instructions (a compile and a load per ISA, tens of
 seconds on a loaded machine; made at once, a thread per ISA) are recorded once per
@@ -24,10 +32,6 @@ environment (and compiler) in the environment folder,
 beside the toolchain's verdict (the probe's own build records them first), and every
 later build in any store that shares that folder takes the record instead of checking
 again.
-
-The cache lives in the work folder, so it has the work folder's rules: private to the
-store's owner and checked like the store, counted by ``stats``, emptied by ``gc`` when
-no build runs.
 """
 
 from __future__ import annotations
@@ -61,17 +65,17 @@ _cache: dict[str, Any] = {"dir": None, "records": None, "objects": None}
 
 
 @contextlib.contextmanager
-def watch(work: Path, records: Path | None = None,
+def watch(kept: Path, records: Path | None = None,
           objects: ObjectRecords | None = None) -> Iterator[Path]:
-    """Time this process's compiler work and, with ``objects`` (the store's records of
-    them), reuse C++ objects from ``work``'s ``cxx/`` cache while the block runs: an object
+    """Time this process's compiler work and, with ``objects`` (the records of them), reuse
+    C++ objects from ``kept``'s ``cxx/`` folder while the block runs: an object
     is reused only if it hashes to its record, else compiled again. Take Inductor's
     verdict on the CPU's vector ISAs from ``records`` (a private folder kept per
     environment, the probe's; default the cache folder), checking and recording it there
     once; yields the cache folder."""
     compat.hook_compilers(_cxx, clock.phase)
     compat.hook_vec_isa_list(_vec_isas)
-    folder = work / "cxx"
+    folder = kept / "cxx"
     folder.mkdir(mode=0o700, exist_ok=True)
     with _state:
         saved = dict(_cache)
@@ -178,6 +182,8 @@ def _cxx(build: CxxBuild, run: Callable[[], None]) -> None:
             except OSError:
                 run()  # unwritable: compile
                 return
+            with contextlib.suppress(OSError):
+                os.utime(kept)  # used: `gc` removes objects unused for a week
             if current is not None:
                 current.count("cxx_reused")
             return
@@ -195,7 +201,7 @@ def object_key(build: CxxBuild) -> str | None:
         return None  # a link: cheap, and its inputs are objects made here
     source = build.sources[0]
     try:
-        text = _without_trailing_comments(Path(source).read_bytes())
+        text = _without_edge_comments(Path(source).read_bytes())
     except OSError:
         return None
     command = build.command.replace(build.target, "@OUT@").replace(source, "@SRC@")
@@ -214,14 +220,25 @@ def object_key(build: CxxBuild) -> str | None:
     return h.hexdigest()
 
 
-def _without_trailing_comments(text: bytes) -> bytes:
-    """``text`` without the comment lines at its end: Inductor appends the compile and
-    link commands to a source after building it, so a source it finds written already
-    carries them; they change nothing the compiler makes."""
+def _without_edge_comments(text: bytes) -> bytes:
+    """``text`` without the comment lines at its start and its end, which change nothing
+    the compiler makes: Inductor appends the compile and link commands to a source after
+    building it (so a source it finds written already carries them), and starts a
+    kernel file with the path of its wrapper, which holds the work folder's (so the same
+    kernel built for another store would not be found). A comment line ending in a
+    backslash goes on into the next line, so it and what follows stay."""
     lines = text.split(b"\n")
-    while lines and (not lines[-1].strip() or lines[-1].lstrip().startswith(b"//")):
-        lines.pop()
-    return b"\n".join(lines)
+
+    def comment(line: bytes) -> bool:
+        stripped = line.strip()
+        return not stripped or (stripped.startswith(b"//") and not stripped.endswith(b"\\"))
+
+    start, end = 0, len(lines)
+    while end > start and comment(lines[end - 1]):
+        end -= 1
+    while start < end and comment(lines[start]):
+        start += 1
+    return b"\n".join(lines[start:end])
 
 
 def _write(dst: Path, data: bytes) -> None:

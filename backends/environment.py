@@ -2,14 +2,14 @@
 and shared by every store of that user.
 
 The C++ toolchain probe's verdicts, Inductor's checks of the CPU's vector ISAs, its
-precompiled headers (about 140 MB a compiler flag set) and the records of what builds
-keep in a work folder do not depend on the store: making them once per store would make
+precompiled headers (about 140 MB a compiler flag set), the C++ objects builds keep for
+reuse and their records do not depend on the store: making them once per store would make
 every new store (a typo in ``CACHEBUILD_DIR``, a CI job, a second store) pay them again.
 So they live in one folder per environment, under the user's cache folder::
 
     $XDG_CACHE_HOME (default ~/.cache)/cachebuild/env/<fingerprint>/
       environment.json   what the fingerprint is made of (torch, Python, CPU, ...)
-      aoti-<device>-*.json, vec_isa-*.json, headers/, built/
+      aoti-<device>-*.json, vec_isa-*.json, headers/, cxx/ (kept objects), built/
 
 ``$CACHEBUILD_PROBE_DIR`` names the folder itself instead. The folder is checked like the
 store (ours, private, no directory above it that another user could rename) by its users
@@ -18,8 +18,8 @@ loads them without it, and a build into a read-only store's overlay makes it her
 user's folder, or (where that cannot be written) keeps the verdict in memory.
 
 Every process that uses a folder holds its ``.in-use`` file shared (flock) while it does;
-``remove`` takes it alone, so ``cachebuild gc --environments`` never removes a folder a
-probe or a build is using. Listing and sizing import no torch (``cachebuild stats``); only
+``remove`` and ``clean_objects`` take it alone, so ``cachebuild gc`` never removes a
+folder, or objects, that a probe or a build is using. Listing and sizing import no torch (``cachebuild stats``); only
 ``fingerprint`` does.
 """
 
@@ -41,6 +41,10 @@ OVERRIDE = "CACHEBUILD_PROBE_DIR"
 DESCRIPTION = "environment.json"
 #: Held shared (flock) by every process using the folder, alone by ``remove``.
 IN_USE = ".in-use"
+#: The C++ objects builds keep for reuse (``compilers``), and their records.
+OBJECTS = ("cxx", "built/cxx")
+#: ``cachebuild gc`` removes a kept object no build has made or reused for this long.
+OBJECT_AGE = 7 * 24 * 3600.0
 
 
 def root() -> Path:
@@ -181,35 +185,74 @@ def listed() -> list[Folder]:
     return out
 
 
-def remove(path: Path, dry_run: bool) -> tuple[int, bool]:
-    """Remove the environment folder ``path`` unless a process holds it: ``(bytes,
-    removed)`` (with ``dry_run``, what would go). UnsafeStore if it is not a folder of ours
-    that only we can write, under directories no one else could rename: someone else's
-    folder is never emptied."""
-    import shutil
-
+@contextlib.contextmanager
+def _alone(path: Path) -> Iterator[Path | None]:
+    """Hold the environment folder ``path`` alone while the block runs: yields its real
+    path, or None where a process holds it (or it cannot be opened). UnsafeStore if it is
+    not a folder of ours that only we can write, under directories no one else could
+    rename: someone else's folder is never emptied."""
     from cachebuild.store import check_parents, check_private_dir, try_flock
 
     real = Path(os.path.realpath(path))
     check_private_dir(real, "environment folder")
     check_parents(real, "environment folder")
-    size, _ = tree_bytes(real)
     try:
         fd = os.open(real / IN_USE, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
                      0o600)
     except OSError:
-        return 0, False
+        yield None
+        return
     try:
-        if not try_flock(fd):
-            return 0, False  # a probe or a build is using it
-        if not dry_run:
-            # Renamed first, so no process finds a half-removed folder under its name.
-            gone = real.with_name(f".removing-{real.name}-{os.getpid()}")
-            os.rename(real, gone)
-            shutil.rmtree(gone, ignore_errors=True)
-        return size, True
+        yield real if try_flock(fd) else None
     finally:
         os.close(fd)
+
+
+def _remove_tree(path: Path) -> None:
+    """Renamed first, so no process finds a half-removed folder under its name."""
+    import shutil
+
+    gone = path.with_name(f".removing-{path.name}-{os.getpid()}")
+    os.rename(path, gone)
+    shutil.rmtree(gone, ignore_errors=True)
+
+
+def remove(path: Path, dry_run: bool) -> tuple[int, bool]:
+    """Remove the environment folder ``path`` unless a process holds it: ``(bytes,
+    removed)`` (with ``dry_run``, what would go)."""
+    with _alone(path) as real:
+        if real is None:
+            return 0, False
+        size, _ = tree_bytes(real)
+        if not dry_run:
+            _remove_tree(real)
+        return size, True
+
+
+def clean_objects(path: Path, dry_run: bool, older_than: float = OBJECT_AGE,
+                  now: float | None = None) -> tuple[int, bool]:
+    """Remove the C++ objects kept in the environment folder ``path`` that no build has
+    made or reused for ``older_than`` seconds, and their records, unless a process holds
+    the folder: ``(bytes, removed)`` (with ``dry_run``, what would go)."""
+    kept, records = (path / part for part in OBJECTS)
+    if not kept.is_dir():
+        return 0, True
+    cutoff = (time.time() if now is None else now) - older_than
+    with _alone(path) as real:
+        if real is None:
+            return 0, False
+        size = 0
+        for entry in os.scandir(real / kept.relative_to(path)):
+            with contextlib.suppress(OSError):
+                st = entry.stat(follow_symlinks=False)
+                if st.st_mtime >= cutoff:
+                    continue
+                size += st.st_size
+                if not dry_run:
+                    os.unlink(entry.path)
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(real / records.relative_to(path) / entry.name)
+        return size, True
 
 
 @dataclass
@@ -249,5 +292,6 @@ def disk_paid(store_root: Path, folders: list[Folder], work_path: str | None) ->
     for folder in folders:
         paid.parts.append(DiskPart("environment", folder.path, folder.bytes,
                                    f"{folder.summary()}; toolchain verdicts, ISA checks, "
-                                   "precompiled headers, shared by your stores"))
+                                   "precompiled headers, kept C++ objects, shared by your "
+                                   "stores"))
     return paid

@@ -174,12 +174,13 @@ def _building() -> Iterator[None]:
 def build_work_dir(store: Store) -> Iterator[Path]:
     """Point the compilers of a build at the store's work folder (``store.work_dir``:
     the store's ``work/``, or the folder the operator set) while the block runs, and put
-    everything back after: Inductor's cache, Triton's cache and the temp files both make,
-    and the C++ objects builds reuse (``compilers.watch``, which also times the compilers'
-    phases). Inductor's precompiled headers and ISA checks go to ``environment_dir``
-    (hundreds of MB a compiler flag set, the same for every store of an environment, as
-    torch keeps them per machine). ``cachebuild stats`` counts that folder; ``gc`` empties it
-    when no build holds it (each build holds it shared, by flock, while it runs).
+    everything back after: Inductor's cache, Triton's cache and the temp files both make.
+    Inductor's precompiled headers, its ISA checks and the C++ objects builds reuse
+    (``compilers.watch``, which also times the compilers' phases) go to ``environment_dir``
+    (the same for every store of an environment, as torch keeps them per machine: a second
+    store compiles no object the first one did). ``cachebuild stats`` counts that folder;
+    ``gc`` empties its objects when no build holds it (each build holds it shared, by flock,
+    while it runs).
 
     What a build reuses from the work folder goes into a target, so the folder is checked
     like the store first, parents included, and emptied if nothing records that a build of
@@ -223,7 +224,8 @@ def build_work_dir(store: Store) -> Iterator[Path]:
             environment / "headers" if environment is not None
             else folders["TORCHINDUCTOR_CACHE_DIR"] / "precompiled_headers"))
         try:
-            with watch(root, environment, objects):
+            with watch(environment if environment is not None else root, environment,
+                       objects):
                 yield root
         finally:
             undo_headers()

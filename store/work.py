@@ -12,9 +12,10 @@ else's code. So:
   it made this very folder (``claims/``, by real path, device and inode). A folder the
   store has no record of (made before these records, or by someone else, or put in the
   place of ours) is emptied before any build uses it, and then recorded.
-- ``ObjectRecords`` keeps the SHA-256 of each C++ object a build puts into the folder's
-  object cache (``objects/<key>``); an object is reused only if it still hashes to its
-  record, and the bytes that were hashed are the bytes used.
+- ``ObjectRecords`` keeps the SHA-256 of each C++ object a build keeps (in the environment
+  folder's ``cxx/``, or the work folder's where that folder is not ours); an object is
+  reused only if it still hashes to its record, and the bytes that were hashed are the
+  bytes used.
 
 The records never live in the work folder, so a file planted there cannot bring its own
 record: they are kept with the environment (the environment folder's ``built/``, checked like
@@ -98,7 +99,7 @@ def open_work_dir(path: Path, records: Path) -> Path:
 
 
 class ObjectRecords:
-    """The SHA-256 of each object a build kept in a work folder's object cache, by its key,
+    """The SHA-256 of each object a build kept (``backends.compilers``), by its key,
     in ``folder`` (a private folder of the store's)."""
 
     def __init__(self, folder: Path) -> None:
@@ -132,7 +133,7 @@ class ObjectRecords:
         if recorded is not None and recorded.decode(errors="replace").strip() == \
                 hashlib.sha256(data).hexdigest():
             return data
-        say_once(f"a C++ object in the work folder's cache ({kept.parent}) does not match "
+        say_once(f"a kept C++ object ({kept.parent}) does not match "
                  "the store's record of it: compiling it again (and any other such object)")
         return None
 

@@ -290,3 +290,30 @@ def test_the_folder_of_environment_folders_is_made_private(tmp_path):
     folder = Path(made.stdout.strip())
     assert folder.parent == home / ".cache" / "cachebuild" / "env"
     assert (folder.stat().st_mode & 0o777, folder.parent.stat().st_mode & 0o777) == (0o700, 0o700)
+
+
+def test_gc_removes_kept_objects_no_build_used_for_a_week_unless_a_build_holds_them(tmp_path):
+    """The C++ objects builds keep for reuse (every store of the user shares them) go
+    with their records once no build has made or reused them for a week; newer ones stay,
+    and nothing goes while a build holds the folder."""
+    import time
+
+    from cachebuild.backends import environment
+
+    folder = tmp_path / "environment"
+    for part in environment.OBJECTS:
+        (folder / part).mkdir(mode=0o700, parents=True)
+    os.chmod(folder, 0o700)
+    now = time.time()
+    for name, age_days in (("old.o", 8), ("new.o", 1)):
+        kept = folder / "cxx" / name
+        kept.write_bytes(b"x" * 100)
+        (folder / "built" / "cxx" / name).write_text("digest")
+        os.utime(kept, (now - age_days * 86400,) * 2)
+    with environment.in_use(folder):  # a build runs
+        assert environment.clean_objects(folder, dry_run=False, now=now) == (0, False)
+    assert environment.clean_objects(folder, dry_run=True, now=now) == (100, True)
+    assert (folder / "cxx" / "old.o").exists()
+    assert environment.clean_objects(folder, dry_run=False, now=now) == (100, True)
+    assert sorted(p.name for p in (folder / "cxx").iterdir()) == ["new.o"]
+    assert sorted(p.name for p in (folder / "built" / "cxx").iterdir()) == ["new.o"]

@@ -186,9 +186,11 @@ print("served", cachebuild.stats()["loaded"])
 
 @pytest.mark.slow
 def test_a_tampered_kept_object_never_reaches_a_signed_target(tmp_path):
-    """The audit's case: a C++ object kept in the work folder is changed (a constructor
-    linked in) between two builds with a key that signs every target; the second build
-    compiles that object again, and loading what it stored runs no planted code."""
+    """The audit's case: a C++ object kept for reuse (in the environment folder every
+    store of the user shares) is changed (a constructor linked in) between two builds into
+    two stores with a key that signs every target; the second build compiles that object
+    again, and loading what it stored runs no planted code. The test has an environment
+    folder of its own: the objects it plants are no other test's."""
     import shutil
     import subprocess
 
@@ -198,14 +200,14 @@ def test_a_tampered_kept_object_never_reaches_a_signed_target(tmp_path):
     if not (shutil.which("ld") and shutil.which("gcc")):
         pytest.skip("needs ld and gcc")
     marker = tmp_path / "planted-constructor-ran"
-    work = tmp_path / "work"
+    environment = tmp_path / "environment"
     model = tmp_path / "model.py"
     model.write_text(MODEL)
-    env = clean_env(CACHEBUILD_WORK_DIR=str(work), CACHEBUILD_SIGNING_KEY="fleet-key",
+    env = clean_env(CACHEBUILD_PROBE_DIR=str(environment), CACHEBUILD_SIGNING_KEY="fleet-key",
                     CACHEBUILD_REQUIRE_SIGNATURE="1", **SMALL)
     first = cli("--cache-dir", str(tmp_path / "one"), "warm", str(model), env=env, timeout=1500)
     assert first.returncode == 0, first.stderr[-3000:]
-    kept = sorted((work / "cxx").glob("*.o"))
+    kept = sorted((environment / "cxx").glob("*.o"))
     if not kept:
         pytest.skip("no C++ objects kept here (no AOTInductor build)")
     source = tmp_path / "planted.c"

@@ -217,7 +217,10 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
     """Evict records, least recently used first; pinned records and what they refer to stay.
 
     A model entry goes together with the targets no other entry refers to (the entry
-    first), so GC never leaves an entry whose targets are gone. With --environments, also
+    first), so GC never leaves an entry whose targets are gone. The build work folder is
+    emptied, and the C++ objects builds keep for reuse (in your environment folders, shared
+    by your stores) that no build used for 7 days are removed, where no build is running.
+    With --environments, also
     the environment folders this environment does not use (the current one stays: every
     build here needs it).
     """
@@ -245,6 +248,7 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
                   "(the compilers' caches and objects)")
     elif report.work_busy:
         out.print("build work files kept: a build is running")
+    _gc_objects(dry_run, verb)
     if report.tmp_removed or report.orphans_removed:
         out.print(f"cleaned {report.tmp_removed} abandoned temp files and "
                   f"{report.orphans_removed} unrecorded blobs")
@@ -253,6 +257,29 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
     if report.over_cap:
         click.echo(f"warning: pinned records alone take {format_size(report.bytes_after)}, "
                    f"more than --max-size {format_size(max_size or 0)}", err=True)
+
+
+def _gc_objects(dry_run: bool, verb: str) -> None:
+    """Remove the C++ objects builds keep for reuse in this user's environment folders that
+    no build has used for a week, where no build holds the folder, saying how much went."""
+    from cachebuild.backends import environment
+    from cachebuild.store import UnsafeStore
+
+    out = stdout()
+    freed, busy = 0, False
+    for folder in environment.listed():
+        try:
+            size, removed = environment.clean_objects(Path(folder.path), dry_run)
+        except UnsafeStore as e:  # not ours alone: left as it is
+            out.print(f"kept C++ objects of {safe_text(folder.path, 500)} stay: {e}")
+            continue
+        freed += size
+        busy |= not removed
+    if freed:
+        out.print(f"{verb} {format_size(freed)} of C++ objects no build used for "
+                  f"{environment.OBJECT_AGE / 86400:.0f} days")
+    elif busy:
+        out.print("C++ objects kept for reuse stay: a build is running")
 
 
 def _gc_environments(store: Store, dry_run: bool, verb: str) -> None:
