@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -102,19 +101,16 @@ def first_run(tmp_path_factory):
     file by file), the model file, and store A warmed from it with ``cachebuild warm``
     (output piped). Returns the folders, the environment for the commands, and the warm's
     result."""
-    from cachebuild.backends import environment, probe
+    from trust import linked_environment
 
-    probe.verdict("cpu")  # the session's probe folder, probed once per session
-    session = Path(os.environ["CACHEBUILD_PROBE_DIR"])
+    from cachebuild.backends import environment
+
     root = tmp_path_factory.mktemp("first-run")
     home = root / "home"
     home.mkdir(mode=0o700)
     folder = home / ".cache" / "cachebuild" / "env" / environment.fingerprint()
     folder.parent.mkdir(parents=True)
-    shutil.copytree(session, folder, copy_function=os.link,
-                    ignore=lambda _, names: [n for n in names if n.endswith(".lock")
-                                             or n == environment.IN_USE])
-    os.chmod(folder, 0o700)
+    linked_environment(folder)  # the session's probe folder, probed once per session
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("CACHEBUILD_") and k not in ("PYTHONPATH",)}
     env |= {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache"),

@@ -13,7 +13,15 @@ import os
 from pathlib import Path
 
 import pytest
-from trust import NOBODY, assert_one_line_error, clean_env, cli, public_dir, require_root
+from trust import (
+    NOBODY,
+    assert_one_line_error,
+    clean_env,
+    cli,
+    linked_environment,
+    public_dir,
+    require_root,
+)
 
 from cachebuild.backends import compilers
 from cachebuild.backends.kernel_dir import build_work_dir
@@ -190,7 +198,8 @@ def test_a_tampered_kept_object_never_reaches_a_signed_target(tmp_path):
     store of the user shares) is changed (a constructor linked in) between two builds into
     two stores with a key that signs every target; the second build compiles that object
     again, and loading what it stored runs no planted code. The test has an environment
-    folder of its own: the objects it plants are no other test's."""
+    folder of its own (the session's verdicts and headers, linked): the objects it plants
+    are no other test's."""
     import shutil
     import subprocess
 
@@ -200,7 +209,7 @@ def test_a_tampered_kept_object_never_reaches_a_signed_target(tmp_path):
     if not (shutil.which("ld") and shutil.which("gcc")):
         pytest.skip("needs ld and gcc")
     marker = tmp_path / "planted-constructor-ran"
-    environment = tmp_path / "environment"
+    environment = linked_environment(tmp_path / "environment")
     model = tmp_path / "model.py"
     model.write_text(MODEL)
     env = clean_env(CACHEBUILD_PROBE_DIR=str(environment), CACHEBUILD_SIGNING_KEY="fleet-key",

@@ -4,7 +4,8 @@
 one; ``assert_one_line_error`` checks that a process failed the way a user should see it
 fail (an exit code, one ``error:`` line, no traceback); ``as_nobody`` prefixes a command
 so that it runs as uid 65534 (tests run as root; skipped elsewhere); ``tmpfs`` mounts
-a small tmpfs (root only).
+a small tmpfs (root only); ``linked_environment`` makes an environment folder of a
+test's own from the session's.
 """
 
 from __future__ import annotations
@@ -118,3 +119,20 @@ def fill(directory: Path) -> None:
                 f.write(b"\0" * size)
             except OSError:
                 size //= 2
+
+
+def linked_environment(folder: Path) -> Path:
+    """An environment folder at ``folder`` with the session's verdicts and headers (its
+    probe folder, probed first if need be), linked file by file, and none of its kept C++
+    objects or records: what a test plants or removes there is no other test's, and it
+    pays no probe."""
+    from cachebuild.backends import environment, probe
+
+    probe.verdict("cpu")
+    session = Path(os.environ["CACHEBUILD_PROBE_DIR"])
+    skipped = {environment.IN_USE, *(part.split("/")[0] for part in environment.OBJECTS)}
+    shutil.copytree(session, folder, copy_function=os.link,
+                    ignore=lambda _, names: [n for n in names if n.endswith(".lock")
+                                             or n in skipped])
+    os.chmod(folder, 0o700)
+    return folder
