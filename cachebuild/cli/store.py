@@ -245,7 +245,7 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
               f"in {plural(report.records_after, 'record')}, {report.kept_pinned} kept by pins")
     if report.work_bytes:
         out.print(f"{verb} {format_size(report.work_bytes)} of build work files "
-                  "(the compilers' caches and objects)")
+                  "(the compilers' caches and temp files)")
     elif report.work_busy:
         out.print("build work files kept: a build is running")
     _gc_objects(dry_run, verb)
