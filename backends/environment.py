@@ -19,8 +19,8 @@ user's folder, or (where that cannot be written) keeps the verdict in memory.
 
 Every process that uses a folder holds its ``.in-use`` file shared (flock) while it does;
 ``remove`` and ``clean_objects`` take it alone, so ``cachebuild gc`` never removes a
-folder, or objects, that a probe or a build is using. Listing and sizing import no torch (``cachebuild stats``); only
-``fingerprint`` does.
+folder, or objects, that a probe or a build is using. Listing and sizing import no torch
+(``cachebuild stats``); only ``fingerprint`` does.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ from typing import Any
 OVERRIDE = "CACHEBUILD_PROBE_DIR"
 #: The file that says what the fingerprint is made of.
 DESCRIPTION = "environment.json"
-#: Held shared (flock) by every process using the folder, alone by ``remove``.
+#: Held shared (flock) by every process using the folder, alone by ``remove`` and
+#: ``clean_objects``.
 IN_USE = ".in-use"
 #: The C++ objects builds keep for reuse (``compilers``), and their records.
 OBJECTS = ("cxx", "built/cxx")
@@ -166,23 +167,29 @@ def _folder(path: Path) -> Folder:
                   else None, last_used)
 
 
-def listed() -> list[Folder]:
+def paths() -> list[Path]:
     """Every environment folder of this user: the one ``$CACHEBUILD_PROBE_DIR`` names, and
-    each under ``root()``; folders that do not exist are left out. Imports no torch."""
-    paths: list[Path] = []
+    each under ``root()``, each once; folders that do not exist are left out. Imports no
+    torch, reads no folder's contents."""
+    found: list[Path] = []
     given = overridden()
     if given is not None and given.is_dir():
-        paths.append(given)
+        found.append(given)
     with contextlib.suppress(OSError):
-        paths += sorted(p for p in root().iterdir() if p.is_dir() and not p.is_symlink())
+        found += sorted(p for p in root().iterdir() if p.is_dir() and not p.is_symlink())
     seen: set[str] = set()
     out = []
-    for path in paths:
+    for path in found:
         real = os.path.realpath(path)
         if real not in seen:
             seen.add(real)
-            out.append(_folder(path))
+            out.append(path)
     return out
+
+
+def listed() -> list[Folder]:
+    """``paths()``, each with its size and description."""
+    return [_folder(path) for path in paths()]
 
 
 @contextlib.contextmanager
@@ -208,24 +215,20 @@ def _alone(path: Path) -> Iterator[Path | None]:
         os.close(fd)
 
 
-def _remove_tree(path: Path) -> None:
-    """Renamed first, so no process finds a half-removed folder under its name."""
-    import shutil
-
-    gone = path.with_name(f".removing-{path.name}-{os.getpid()}")
-    os.rename(path, gone)
-    shutil.rmtree(gone, ignore_errors=True)
-
-
 def remove(path: Path, dry_run: bool) -> tuple[int, bool]:
     """Remove the environment folder ``path`` unless a process holds it: ``(bytes,
     removed)`` (with ``dry_run``, what would go)."""
+    import shutil
+
     with _alone(path) as real:
         if real is None:
             return 0, False
         size, _ = tree_bytes(real)
         if not dry_run:
-            _remove_tree(real)
+            # Renamed first, so no process finds a half-removed folder under its name.
+            gone = real.with_name(f".removing-{real.name}-{os.getpid()}")
+            os.rename(real, gone)
+            shutil.rmtree(gone, ignore_errors=True)
         return size, True
 
 
@@ -234,15 +237,15 @@ def clean_objects(path: Path, dry_run: bool, older_than: float = OBJECT_AGE,
     """Remove the C++ objects kept in the environment folder ``path`` that no build has
     made or reused for ``older_than`` seconds, and their records, unless a process holds
     the folder: ``(bytes, removed)`` (with ``dry_run``, what would go)."""
-    kept, records = (path / part for part in OBJECTS)
-    if not kept.is_dir():
+    if not (path / OBJECTS[0]).is_dir():
         return 0, True
     cutoff = (time.time() if now is None else now) - older_than
     with _alone(path) as real:
         if real is None:
             return 0, False
+        kept, records = (real / part for part in OBJECTS)
         size = 0
-        for entry in os.scandir(real / kept.relative_to(path)):
+        for entry in os.scandir(kept):
             with contextlib.suppress(OSError):
                 st = entry.stat(follow_symlinks=False)
                 if st.st_mtime >= cutoff:
@@ -251,7 +254,7 @@ def clean_objects(path: Path, dry_run: bool, older_than: float = OBJECT_AGE,
                 if not dry_run:
                     os.unlink(entry.path)
                     with contextlib.suppress(FileNotFoundError):
-                        os.unlink(real / records.relative_to(path) / entry.name)
+                        os.unlink(records / entry.name)
         return size, True
 
 

@@ -267,11 +267,11 @@ def _gc_objects(dry_run: bool, verb: str) -> None:
 
     out = stdout()
     freed, busy = 0, False
-    for folder in environment.listed():
+    for folder in environment.paths():
         try:
-            size, removed = environment.clean_objects(Path(folder.path), dry_run)
+            size, removed = environment.clean_objects(folder, dry_run)
         except UnsafeStore as e:  # not ours alone: left as it is
-            out.print(f"kept C++ objects of {safe_text(folder.path, 500)} stay: {e}")
+            out.print(f"kept C++ objects of {safe_text(folder, 500)} stay: {e}")
             continue
         freed += size
         busy |= not removed
