@@ -67,6 +67,18 @@ def test_replaced_tensors_are_rebound(store, replace):
     models.assert_matches_eager(compiled, model, models.inputs(3))
 
 
+def test_a_weight_replaced_inside_a_replaced_submodule_is_rebound(store):
+    """The new submodule is watched like the old one: replacing a weight inside it later
+    is seen too."""
+    model, compiled = compiled_model(store, "none")
+    other = models.make(models.Decoder, layers=2, seed=7)
+    model.layers[1] = other.layers[1]
+    models.assert_matches_eager(compiled, model, models.inputs(8))
+    model.layers[1].down.weight = torch.nn.Parameter(torch.randn_like(model.layers[1].down.weight))
+    models.assert_matches_eager(compiled, model, models.inputs(8))
+    models.assert_matches_eager(compiled, model, models.inputs(5))
+
+
 @pytest.mark.parametrize("mode", ["piecewise", "full"])
 def test_a_replaced_weight_after_graph_capture_is_an_error(store, mode):
     model, compiled = compiled_model(store, mode)

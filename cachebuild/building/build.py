@@ -178,6 +178,12 @@ class Builder:
                  for m in job.input_metas]
         return job if metas == job.input_metas else replace(job, input_metas=metas)
 
+    def missing(self, entry: Entry) -> list[BuildJob]:
+        """The jobs of ``entry``'s unique targets that are not stored, as this builder
+        would build them (``here``)."""
+        return [self.here(job) for key, job in jobs_of(entry, self.config).items()
+                if not self.store.contains(key)]
+
     def build(self, job: BuildJob) -> bool:
         """Make sure ``job``'s target is stored; True if this call compiled it."""
         job = self.here(job)

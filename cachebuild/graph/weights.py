@@ -1,4 +1,5 @@
-"""Noticing that a model's weights were replaced by other tensor objects.
+"""A model's weights looked up by path (``lookup``), and noticed when replaced by other
+tensor objects.
 
 A compiled model holds its parameters and buffers by object (the pieces take them as
 inputs). Copying new values into them in place (``load_state_dict``, ``p.copy_``) needs
@@ -25,6 +26,8 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from cachebuild.errors import UsageError
 
 _LOCK = threading.Lock()
 #: (registry, handle id, hook) of the hooks this module installed.
@@ -70,6 +73,19 @@ def watch(model: torch.nn.Module, paths: list[str]) -> None:
         for part in path.split(".")[:-1]:
             module = module.get_submodule(part)
             _WATCHED.add(module)
+
+
+def lookup(model: torch.nn.Module, kind: str, path: str) -> torch.Tensor:
+    """The model's parameter or buffer at ``path``; a UsageError where it is gone."""
+    try:
+        tensor = model.get_parameter(path) if kind == "param" else model.get_buffer(path)
+    except AttributeError:
+        tensor = None
+    if tensor is None:  # get_buffer gives None for a buffer set to None
+        raise UsageError(f"{kind} {path} was compiled as a {kind} of the model and is not "
+                         "one now (set to None, deleted or made something else since): put "
+                         "it back, or compile the model again")
+    return tensor
 
 
 def holders(model: torch.nn.Module, paths: list[str]) -> list[tuple[dict[str, Any], str]]:

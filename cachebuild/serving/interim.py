@@ -85,33 +85,26 @@ def serve_while_building(model: torch.nn.Module, config: CompileConfig, builder:
     interim = interim_config(config)
     if interim is None:  # the default ("wait"): no store lookups on any start
         return None
-    store = builder.store
-    missing = [key for key in entry.target_keys() if not store.contains(key)]
-    if not missing:
+    jobs = builder.missing(entry)
+    if not jobs:
         return None
     if swap is None or not swap.pending or swap.entry.key != entry.key:
-        every = jobs_of(entry, config)
-        jobs = [builder.here(every[key]) for key in missing]
-        setup = setup_for(jobs, store, builder.passes)
+        setup = setup_for(jobs, builder.store, builder.passes)
         if setup is None:
             log.warning("cachebuild: %s builds its targets before serving "
                         "(while_building=%r): worker processes could not build them as "
                         "this process would (ops or passes of its own, or a store they "
                         "cannot open)", type(model).__name__, config.while_building)
             return None
-
-        def stored(loaded: dict[str, Any]) -> None:
-            if why != "fresh":
-                record_entry(entry, store)  # its targets all stored: a later start is warm
-
         # Started first, so the workers' start overlaps the interim builds here, and
         # one CPU left to this process unless the environment says how many.
         workers = cold_start_jobs(len(jobs))
         if not os.environ.get("CACHEBUILD_BUILD_JOBS", "").strip():
             workers = max(1, min(workers, usable_cpus() - 1))
-        swap = Swap(entry, builder, jobs, workers, setup, stored)
+        # Its targets all stored, the entry is recorded there: a later start is warm.
+        swap = Swap(entry, builder, jobs, workers, setup, record=why != "fresh")
     served = interim_entry(entry, interim, builder.passes)
-    interim_builder = Builder(store, interim, builder.passes, builder.device)
+    interim_builder = Builder(builder.store, interim, builder.passes, builder.device)
     try:
         loaded = resolve_all(served, interim_builder, warm=warm, workers=False)
     except ToolchainRefuted:
@@ -123,7 +116,7 @@ def serve_while_building(model: torch.nn.Module, config: CompileConfig, builder:
         return entry, swap.take(), swap
     log.warning("cachebuild: %s serves with %s targets while its %d missing targets "
                 "build in the background", type(model).__name__,
-                config.while_building, len(missing))
+                config.while_building, len(jobs))
     return served, loaded, swap
 
 
@@ -131,12 +124,12 @@ class Swap:
     """The missing targets of an entry, building in worker processes in the background,
     then loaded there too (``done`` is set once they are, or once a build failed:
     ``error`` says why, and the model keeps serving with what it has).
-    ``on_stored(loaded)`` is called on that thread once they are all stored and loaded
-    (the entry is recorded there). The swap itself is the serving thread's: the next call
+    With ``record``, the entry is recorded on that thread once they are all stored and
+    loaded (not for an entry that is stored already). The swap itself is the serving thread's: the next call
     ``claim``s the targets and runs on a runtime over them from its start to its end."""
 
     def __init__(self, entry: Entry, builder: Builder, jobs: list[BuildJob], workers: int,
-                 setup: Any, on_stored: Callable[[dict[str, Any]], None]) -> None:
+                 setup: Any, *, record: bool) -> None:
         self.entry = entry
         self.builder = builder
         self.done = threading.Event()
@@ -147,7 +140,7 @@ class Swap:
         self._loaded: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._jobs, self._workers, self._setup = jobs, workers, setup
-        self._on_stored = on_stored
+        self._record = record
         self._thread = threading.Thread(target=self._run, name="cachebuild-swap", daemon=True)
         self._thread.start()
 
@@ -216,7 +209,8 @@ class Swap:
                 loaded[key] = fn
             self.seconds = time.perf_counter() - start
             self._loaded = loaded
-            self._on_stored(loaded)
+            if self._record:
+                record_entry(self.entry, self.builder.store)
         except Exception as e:  # the model keeps serving with the targets it has
             self.error = f"{type(e).__name__}: {e}"
             log.warning("cachebuild: the targets building in the background failed, so the "

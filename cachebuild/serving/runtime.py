@@ -57,8 +57,6 @@ class ModelRuntime:
         self.entry = entry
         self.model = model
         self.config = config
-        #: What the trace read besides tensors, checked by the front door before each call.
-        self.guards = CallGuards(entry.guard_set(), entry.sources)
         self.dynamic_dims = dict(dynamic_dims)
         self.bindings = list(entry.bindings)
         self.metas = list(entry.input_metas)
@@ -89,7 +87,8 @@ class ModelRuntime:
         self.stitched = stitch(entry, loaded, layouts)
         self._exact = forward_over(self.stitched, self.stitched.calls, self._weights,
                                    self._from_call, self.make_output)
-        weights.watch(model, [b.path for b in self.bindings if b.kind in ("param", "buffer")])
+        #: What the trace read besides tensors, checked by the front door before each call.
+        self.guards = CallGuards(entry.guard_set(), entry.sources)
         compat.custom_ops_without_dynamo()  # splitting ops run eagerly at every call
         self.capturer: Capturer | None = None
         if mode != "none":
@@ -109,14 +108,16 @@ class ModelRuntime:
         shape, layout): they read it by pointer. One that is gone (set to None, deleted)
         or does not fit is a UsageError, and is looked at again at the next call.
         """
-        # Read and armed before the lookups: a change made while they run is seen next call.
+        # Watched, read and armed before the lookups: a change made while they run is seen
+        # next call. Watched again each time: a replaced submodule's own weights are new.
+        paths = [b.path for b in self.bindings if b.kind in ("param", "buffer")]
+        weights.watch(self.model, paths)
         generation = weights.generation()
-        held = compat.dict_watcher().watch(weights.holders(
-            self.model, [b.path for b in self.bindings if b.kind in ("param", "buffer")]))
+        held = compat.dict_watcher().watch(weights.holders(self.model, paths))
         template: list[Any] = []
         for b, m in zip(self.bindings, self.metas, strict=True):
             if b.kind in ("param", "buffer"):
-                tensor = _weight(self.model, b.kind, b.path)
+                tensor = weights.lookup(self.model, b.kind, b.path)
                 check_weight(f"{b.kind} {b.path}", tensor, m, self.device)
                 template.append(tensor)
             elif b.kind == "const":
@@ -302,19 +303,6 @@ class ModelRuntime:
         pieces as they are, a capture pass's wrapped ones, a size's replayers)."""
         return forward_over(self.stitched, calls, self._weights, self._from_call,
                             self.make_output)
-
-
-def _weight(model: torch.nn.Module, kind: str, path: str) -> torch.Tensor:
-    """The model's parameter or buffer at ``path``; a UsageError where it is gone."""
-    try:
-        tensor = model.get_parameter(path) if kind == "param" else model.get_buffer(path)
-    except AttributeError:
-        tensor = None
-    if tensor is None:  # get_buffer gives None for a buffer set to None
-        raise UsageError(f"{kind} {path} was compiled as a {kind} of the model and is not "
-                         "one now (set to None, deleted or made something else since): put "
-                         "it back, or compile the model again")
-    return tensor
 
 
 def _not_beside(entry: Entry) -> str | None:

@@ -68,58 +68,58 @@ class Started:
 
 def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int, int],
           store: Store, passes: PassManager | None, args: tuple[Any, ...], *,
-          capture: bool = True, swap: Swap | None = None, replanned: bool = False) -> Started:
+          capture: bool = True, swap: Swap | None = None) -> Started:
     """The compiled forward of ``model`` for calls shaped like ``args`` (see the module
     doc); ``capture=False``: no eager capture now (``runtime.capture()`` does it later).
     ``swap``: the model's targets already building in the background from an earlier
     start, if any (not started again while pending). Raises what is the machine's or the
-    store's trouble; returns any other error."""
-    planner = Planner(model, config, dynamic_dims, store, passes)
-    found = planner.lookup(args)
+    store's trouble; returns any other error.
+
+    A build that finds the compiler its plan presumed refuted (``ToolchainRefuted``)
+    plans once more: the verdict is known then, so the new plan keys its targets by it."""
     failed = process_state.current().failed
-    remembered = failed.get(found.key)
-    if remembered is not None:
-        return Started(None, remembered)
-    warm = found.entry is not None
-    pool = None
-    try:
-        if not warm and config.while_building == "wait":
-            # A cold start's build workers start before its trace: their imports overlap it.
-            pool = early_pool(store, config)
-        entry = found.entry
-        if entry is None:
-            notice.must_trace(model, found.why, store, found.factors)
-            entry = planner.trace(args, found)
-        builder = Builder(store, config, planner.passes, device_of([*args, *model.parameters()]))
-        interim = serve_while_building(model, config, builder, entry, found.why, warm, swap)
-        if interim is not None:
-            entry, loaded, swap = interim
-        else:
-            loaded = resolve_all(entry, builder, warm=warm, pool=pool,
-                                 on_missing=lambda n, total: notice.must_build(model, n, total,
-                                                                               warm))
-            if found.why != "fresh":
-                record_entry(entry, store)
-    except ToolchainRefuted as e:
-        if replanned:
-            raise
-        # Once: the verdict is known now, so the next plan keys its targets by it.
-        log.warning("cachebuild: %s; planning %s again", e, type(model).__name__)
-        planner.backend.forget_refuted(e.device)
-        refuted = True
-    except Exception as e:
-        if isinstance(e, StoreError) or transient(e):
-            raise  # the machine's or the store's trouble: another start may succeed
-        failed[found.key] = e
-        return Started(None, e, first=True)
-    else:
-        refuted = False
-    finally:
-        if pool is not None:
-            pool.close()
-    if refuted:
-        return start(model, config, dynamic_dims, store, passes, args, capture=capture,
-                     swap=swap, replanned=True)
+    for last_try in (False, True):
+        planner = Planner(model, config, dynamic_dims, store, passes)
+        found = planner.lookup(args)
+        remembered = failed.get(found.key)
+        if remembered is not None:
+            return Started(None, remembered)
+        warm = found.entry is not None
+        pool = None
+        try:
+            if not warm and config.while_building == "wait":
+                # A cold start's build workers start before its trace: their imports
+                # overlap it.
+                pool = early_pool(store, config)
+            entry = found.entry
+            if entry is None:
+                notice.must_trace(model, found.why, store, found.factors)
+                entry = planner.trace(args, found)
+            builder = Builder(store, config, planner.passes,
+                              device_of([*args, *model.parameters()]))
+            interim = serve_while_building(model, config, builder, entry, found.why, warm, swap)
+            if interim is not None:
+                entry, loaded, swap = interim
+            else:
+                loaded = resolve_all(entry, builder, warm=warm, pool=pool,
+                                     on_missing=lambda n, total, warm=warm: notice.must_build(
+                                         model, n, total, warm))
+                if found.why != "fresh":
+                    record_entry(entry, store)
+            break
+        except ToolchainRefuted as e:
+            if last_try:
+                raise
+            log.warning("cachebuild: %s; planning %s again", e, type(model).__name__)
+            planner.backend.forget_refuted(e.device)
+        except Exception as e:
+            if isinstance(e, StoreError) or transient(e):
+                raise  # the machine's or the store's trouble: another start may succeed
+            failed[found.key] = e
+            return Started(None, e, first=True)
+        finally:
+            if pool is not None:
+                pool.close()
     runtime = ModelRuntime(entry, loaded, model, config, dynamic_dims)
     started = Started(runtime, ready_at=time.perf_counter(), swap=swap)
     if capture and runtime.capturer is not None and runtime.capturer.policy == "eager":
@@ -128,7 +128,6 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
         log.info("captured %d sizes in %.2f s (%d bytes of graph memory)", len(report.sizes),
                  report.seconds, report.pool_bytes)
     return started
-
 
 def take_over(swap: Swap, model: torch.nn.Module, config: CompileConfig,
               dynamic_dims: dict[int, int], args: tuple[Any, ...]) -> Started | None:
