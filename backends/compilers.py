@@ -51,6 +51,7 @@ import xxhash
 
 from cachebuild import clock, compat
 from cachebuild.compat import CxxBuild
+from cachebuild.store import write_whole
 
 if TYPE_CHECKING:
     from cachebuild.store import ObjectRecords
@@ -178,7 +179,7 @@ def _cxx(build: CxxBuild, run: Callable[[], None]) -> None:
         data = objects.verified(kept.name, kept)
         if data is not None:
             try:
-                _write(Path(build.target), data)
+                write_whole(Path(build.target), data)
             except OSError:
                 run()  # unwritable: compile
                 return
@@ -189,9 +190,7 @@ def _cxx(build: CxxBuild, run: Callable[[], None]) -> None:
             return
         run()
         with contextlib.suppress(OSError):  # a full disk costs only the reuse
-            data = Path(build.target).read_bytes()
-            _write(kept, data)
-            objects.record(kept.name, data)
+            objects.keep(kept.name, kept, Path(build.target).read_bytes())
 
 
 def object_key(build: CxxBuild) -> str | None:
@@ -225,30 +224,21 @@ def _without_edge_comments(text: bytes) -> bytes:
     the compiler makes: Inductor appends the compile and link commands to a source after
     building it (so a source it finds written already carries them), and starts a
     kernel file with the path of its wrapper, which holds the work folder's (so the same
-    kernel built for another store would not be found). A comment line ending in a
-    backslash goes on into the next line, so it and what follows stay."""
+    kernel built for another store would not be found). A line ending in a backslash
+    goes on into the next one: a comment line that ends so stays with what follows, and
+    a line after one that ends so is part of it (a string's text, say), so it stays."""
     lines = text.split(b"\n")
 
     def comment(line: bytes) -> bool:
         stripped = line.strip()
         return not stripped or (stripped.startswith(b"//") and not stripped.endswith(b"\\"))
 
+    def continued(i: int) -> bool:
+        return i > 0 and lines[i - 1].rstrip().endswith(b"\\")
+
     start, end = 0, len(lines)
-    while end > start and comment(lines[end - 1]):
+    while end > start and comment(lines[end - 1]) and not continued(end - 1):
         end -= 1
     while start < end and comment(lines[start]):
         start += 1
     return b"\n".join(lines[start:end])
-
-
-def _write(dst: Path, data: bytes) -> None:
-    """Write ``data`` to ``dst`` by a temp file and a rename: no reader sees half a file."""
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dst.with_name(f".{dst.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, dst)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)

@@ -195,20 +195,15 @@ def listed() -> list[Folder]:
 @contextlib.contextmanager
 def _alone(path: Path) -> Iterator[Path | None]:
     """Hold the environment folder ``path`` alone while the block runs: yields its real
-    path, or None where a process holds it (or it cannot be opened). UnsafeStore if it is
-    not a folder of ours that only we can write, under directories no one else could
-    rename: someone else's folder is never emptied."""
+    path, or None where a process holds it. UnsafeStore if it is not a folder of ours that
+    only we can write, under directories no one else could rename: someone else's folder
+    is never emptied. OSError where its lock file cannot be opened (a read-only folder)."""
     from cachebuild.store import check_parents, check_private_dir, try_flock
 
     real = Path(os.path.realpath(path))
     check_private_dir(real, "environment folder")
     check_parents(real, "environment folder")
-    try:
-        fd = os.open(real / IN_USE, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     0o600)
-    except OSError:
-        yield None
-        return
+    fd = os.open(real / IN_USE, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         yield real if try_flock(fd) else None
     finally:
@@ -229,6 +224,8 @@ def remove(path: Path, dry_run: bool) -> tuple[int, bool]:
             gone = real.with_name(f".removing-{real.name}-{os.getpid()}")
             os.rename(real, gone)
             shutil.rmtree(gone, ignore_errors=True)
+            if gone.exists():  # what could not be removed is not counted as removed
+                size -= tree_bytes(gone)[0]
         return size, True
 
 
@@ -246,15 +243,15 @@ def clean_objects(path: Path, dry_run: bool, older_than: float = OBJECT_AGE,
         kept, records = (real / part for part in OBJECTS)
         size = 0
         for entry in os.scandir(kept):
-            with contextlib.suppress(OSError):
+            with contextlib.suppress(OSError):  # counted once it is gone, not before
                 st = entry.stat(follow_symlinks=False)
                 if st.st_mtime >= cutoff:
                     continue
-                size += st.st_size
                 if not dry_run:
                     os.unlink(entry.path)
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(records / entry.name)
+                size += st.st_size
         return size, True
 
 

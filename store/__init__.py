@@ -16,6 +16,7 @@ them on arrival.
 from cachebuild.errors import LockTimeout, StoreError
 
 from .blob import CorruptBlob, decode_blob, encode_blob
+from .files import write_whole
 from .interface import ArtifactSource, RemoteTier, Store
 from .layout import (
     FORMAT_DIR,
@@ -96,6 +97,7 @@ __all__ = [
     "register_refs",
     "try_flock",
     "writable_here",
+    "write_whole",
 ]
 
 

@@ -19,6 +19,7 @@ import os
 import shutil
 import stat
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -104,6 +105,18 @@ def write_all(fd: int, parts: Sequence[bytes | bytearray | memoryview]) -> None:
             written = os.write(fd, view)
             view = view[written:]
 
+
+def write_whole(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` by a temp file and a rename: no reader sees half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
 
 def remove_stored_files(layout: Layout, key: str) -> bool:
     """Remove the blob of ``key`` and the files materialized from it (hold the key's entry

@@ -25,20 +25,22 @@ own ``built/`` (``Store.work_records``) where that folder is not ours to write.
 
 from __future__ import annotations
 
-import contextlib
 import fcntl
 import hashlib
 import json
 import logging
 import os
-import threading
 from pathlib import Path
 
 from cachebuild import process_state
 
-from .files import open_regular, remove_any
+from .files import open_regular, remove_any, write_whole
 from .layout import make_private_dir, prepare_work_dir
+from .locking import flocked, flocked_shared
 from .maintenance import WORK_LOCK  # held shared by every build, exclusive by ``gc``
+
+#: In a folder of object records: held while an object and its record are written or read.
+OBJECTS_LOCK = ".lock"
 
 log = logging.getLogger("cachebuild.building.build")
 
@@ -100,7 +102,12 @@ def open_work_dir(path: Path, records: Path) -> Path:
 
 class ObjectRecords:
     """The SHA-256 of each object a build kept (``backends.compilers``), by its key,
-    in ``folder`` (a private folder of the store's)."""
+    in ``folder`` (a private folder of the store's or the environment's).
+
+    Two builds may keep the same object at once, with bytes that differ (a compiler
+    writes the object's own path into it): an object and its record are written together
+    under the folder's lock, and read together under it, so no build sees one build's
+    object with another's record."""
 
     def __init__(self, folder: Path) -> None:
         make_private_dir(folder)
@@ -111,31 +118,30 @@ class ObjectRecords:
             raise ValueError(f"bad object name {name!r}")
         return self.folder / name
 
-    def record(self, name: str, data: bytes) -> None:
-        """Record that the object ``name`` is ``data`` (written whole, or not at all)."""
-        path = self._path(name)
-        tmp = path.with_name(f".{name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        try:
-            tmp.write_text(hashlib.sha256(data).hexdigest())
-            os.replace(tmp, path)
-        finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(tmp)
+    def keep(self, name: str, kept: Path, data: bytes) -> None:
+        """Keep ``data`` at ``kept`` as the object ``name``, with its record (each file
+        written whole, or not at all)."""
+        with flocked(self.folder / OBJECTS_LOCK):
+            write_whole(kept, data)
+            write_whole(self._path(name), hashlib.sha256(data).hexdigest().encode())
 
     def verified(self, name: str, kept: Path) -> bytes | None:
         """The bytes of ``kept`` if they hash to the record of ``name``; None if there is no
         such file, or no record (``say_once`` says so when a file is there but does not
-        match its record, or has none)."""
-        data = _read_regular(kept)
-        if data is None:
-            return None
-        recorded = _read_regular(self._path(name))
-        if recorded is not None and recorded.decode(errors="replace").strip() == \
-                hashlib.sha256(data).hexdigest():
+        match its record)."""
+        with flocked_shared(self.folder / OBJECTS_LOCK):
+            data = _read_regular(kept)
+            if data is None:
+                return None
+            recorded = _read_regular(self._path(name))
+        if recorded is None:
+            return None  # a build stopped between the two writes: nothing to say
+        if recorded.decode(errors="replace").strip() == hashlib.sha256(data).hexdigest():
             return data
         say_once(f"a kept C++ object ({kept.parent}) does not match "
                  "the store's record of it: compiling it again (and any other such object)")
         return None
+
 
 
 def _read_regular(path: Path) -> bytes | None:

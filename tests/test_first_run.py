@@ -313,3 +313,52 @@ def test_gc_removes_kept_objects_no_build_used_for_a_week_unless_a_build_holds_t
     assert environment.clean_objects(folder, dry_run=False, now=now) == (100, True)
     assert sorted(p.name for p in (folder / "cxx").iterdir()) == ["new.o"]
     assert sorted(p.name for p in (folder / "built" / "cxx").iterdir()) == ["new.o"]
+
+
+def test_gc_counts_only_the_objects_it_removed_and_names_a_folder_it_cannot_lock(
+        tmp_path, monkeypatch):
+    """An object that cannot be removed is not reported as removed (run again, it is not
+    counted twice); a folder whose lock cannot be opened is named with the reason, not
+    taken for one a build holds."""
+    import time
+
+    from click.testing import CliRunner
+
+    from cachebuild.backends import environment
+    from cachebuild.cli import main as cli
+    from cachebuild.store import LocalStore
+
+    folder = tmp_path / "environment"
+    for part in environment.OBJECTS:
+        (folder / part).mkdir(mode=0o700, parents=True)
+    os.chmod(folder, 0o700)
+    now = time.time()
+    for name in ("stuck.o", "gone.o"):
+        kept = folder / "cxx" / name
+        kept.write_bytes(b"x" * 100)
+        (folder / "built" / "cxx" / name).write_text("digest")
+        os.utime(kept, (now - 8 * 86400,) * 2)
+    unlink = os.unlink
+
+    def refuse(path, *args, **kwargs):
+        if str(path).endswith("cxx/stuck.o"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return unlink(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "unlink", refuse)
+    assert environment.clean_objects(folder, dry_run=False, now=now) == (100, True)
+    assert environment.clean_objects(folder, dry_run=False, now=now) == (0, True)
+    assert [p.name for p in (folder / "cxx").iterdir()] == ["stuck.o"]
+    monkeypatch.undo()
+
+    (folder / environment.IN_USE).unlink(missing_ok=True)
+    (folder / environment.IN_USE).mkdir()  # a lock file that cannot be opened
+    with pytest.raises(OSError):
+        environment.clean_objects(folder, dry_run=False, now=now)
+    monkeypatch.setenv("CACHEBUILD_PROBE_DIR", str(folder))
+    with LocalStore(tmp_path / "store"):
+        pass
+    result = CliRunner().invoke(cli.main, ["--cache-dir", str(tmp_path / "store"), "gc"])
+    assert result.exit_code == 0, result.output
+    assert f"kept C++ objects of {folder} stay: " in result.output, result.output
+    assert "a build is running" not in result.output

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -160,6 +162,57 @@ def test_a_kept_object_is_linked_only_if_it_matches_its_record(tmp_path, caplog)
         target.unlink()
         compilers._cxx(build, run)
         assert runs == [1, 1, 1, 1]
+
+
+
+
+def test_a_kernel_key_leaves_out_only_comment_lines_at_the_edges():
+    """Comment lines at a source's start and end (the work folder's path, the commands
+    Inductor appends) change no key; a line a backslash continues into is code (here a
+    string's text), so two sources that differ there have different keys."""
+    strip = compilers._without_edge_comments
+    body = b"int f() { return 1; }"
+    assert strip(b"// /work/a/wrapper.cpp\n" + body + b"\n// g++ -c x\n") == \
+        strip(b"// /work/b/wrapper.cpp\n" + body + b"\n// g++ -c y\n\n") == body
+    spliced = b'int g();\nconst char* s = "abc\\\n'
+    assert strip(spliced + b'// one";\n') != strip(spliced + b'// two";\n')
+    assert strip(b"// goes on \\\nint h;\n" + body) == b"// goes on \\\nint h;\n" + body
+
+
+#: Keeps 200 objects 5 times over, each time with bytes of this process's own (as two
+#: builds of one object differ), reading each back as a build would; exits 1 if a read
+#: ever finds an object that does not match its record.
+KEEP_MANY = """
+import sys
+from pathlib import Path
+from cachebuild.store.work import ObjectRecords
+
+folder, seed = Path(sys.argv[1]), sys.argv[2]
+records = ObjectRecords(folder / "records")
+for r in range(5):
+    for i in range(200):
+        name = f"{i:04x}.o"
+        kept = folder / "cxx" / name
+        records.keep(name, kept, f"object {i} by process {seed}, round {r}".encode())
+        if records.verified(name, kept) is None:
+            sys.exit(f"object {name} does not match its record")
+"""
+
+
+def test_two_builds_keeping_one_object_at_once_leave_it_matching_its_record(tmp_path):
+    """Two processes keep the same objects at the same time with different bytes (real
+    processes): every read and every object left matches its record, and nothing is
+    said about objects that do not match."""
+    procs = [subprocess.Popen([sys.executable, "-c", KEEP_MANY, str(tmp_path), str(seed)],
+                              stderr=subprocess.PIPE, text=True) for seed in (1, 2)]
+    for proc in procs:
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == 0, err
+        assert "does not match" not in err, err
+    records = ObjectRecords(tmp_path / "records")
+    kept = sorted((tmp_path / "cxx").glob("*.o"))
+    assert len(kept) == 200
+    assert all(records.verified(path.name, path) is not None for path in kept)
 
 
 #: A constructor that leaves a marker when the library it is linked into is loaded.

@@ -27,7 +27,7 @@ from cachebuild.cli.common import (
     state_of,
     stdout,
 )
-from cachebuild.errors import UsageError
+from cachebuild.errors import UsageError, one_line
 from cachebuild.units import format_size
 
 if TYPE_CHECKING:
@@ -270,8 +270,8 @@ def _gc_objects(dry_run: bool, verb: str) -> None:
     for folder in environment.paths():
         try:
             size, removed = environment.clean_objects(folder, dry_run)
-        except UnsafeStore as e:  # not ours alone: left as it is
-            out.print(f"kept C++ objects of {safe_text(folder, 500)} stay: {e}")
+        except (UnsafeStore, OSError) as e:  # not ours alone, or not writable: left as it is
+            out.print(f"kept C++ objects of {safe_text(folder, 500)} stay: {one_line(e)}")
             continue
         freed += size
         busy |= not removed
@@ -288,7 +288,7 @@ def _gc_environments(store: Store, dry_run: bool, verb: str) -> None:
     import os
 
     from cachebuild.backends import environment
-    from cachebuild.store import FORMAT_DIR
+    from cachebuild.store import FORMAT_DIR, UnsafeStore
 
     out = stdout()
     current = os.path.realpath(environment.current())  # imports torch: its fingerprint
@@ -301,7 +301,11 @@ def _gc_environments(store: Store, dry_run: bool, verb: str) -> None:
     if not candidates:
         out.print("no environment folders of other environments")
     for path, about in candidates:
-        size, removed = environment.remove(path, dry_run)
+        try:
+            size, removed = environment.remove(path, dry_run)
+        except (UnsafeStore, OSError) as e:  # not ours alone, or not writable
+            out.print(f"kept environment folder {safe_text(path, 500)}: {one_line(e)}")
+            continue
         if removed:
             out.print(f"{verb} environment folder {safe_text(path, 500)} ({safe_text(about)}; "
                       f"{format_size(size)})")
