@@ -335,7 +335,7 @@ def backend(config: CompileConfig | None = None, store: Store | None = None,
             return lambda: on_device_forward(direct_forward(
                 stitch(entry, resolve_all(entry, builder), layout_guards(entry.pieces))), device)
 
-        return GraphForward(gm, example_inputs, plan)
+        return GraphForward(gm, example_inputs, plan, graph_config)
 
     return compile_graph
 

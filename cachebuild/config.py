@@ -279,6 +279,21 @@ class CompileConfig:
     def inductor_options_dict(self) -> dict[str, Any]:
         return dict(self.inductor_options)
 
+    def in_buckets(self, size: int) -> bool:
+        """Whether a shape bucket holds ``size`` (a range does: exact sizes lie in one)."""
+        return any(lo <= size <= hi for lo, hi in self.compile_ranges)
+
+    def outside(self, size: int) -> str | None:
+        """What a call whose dynamic dim is ``size`` is told: None where a bucket holds it;
+        where none does, the warning it runs eagerly with (``out_of_range="eager"``), or
+        else the error it raises."""
+        if self.in_buckets(size):
+            return None
+        if self.out_of_range == "eager":
+            return f"size {size} is outside every compile range; running eagerly"
+        return (f"size {size} of the dynamic dim is outside every compile range "
+                f"{list(self.compile_ranges)}; add a range or set out_of_range='eager'")
+
     def buckets(self) -> list[dict[str, Any]]:
         """Every shape bucket: exact sizes first, then ranges (the dispatch order)."""
         return [{"size": s} for s in self.compile_sizes] + [

@@ -30,6 +30,7 @@ recompiles for them.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -39,8 +40,9 @@ import torch.fx as fx
 
 from cachebuild import process_state
 from cachebuild.config import CompileConfig
+from cachebuild.errors import UsageError
 from cachebuild.graph.effects import eliminate_dead_code
-from cachebuild.graph.facts import copy_graph, device_of, meta_of, unpin_device
+from cachebuild.graph.facts import copy_graph, device_of, meta_of, on_device, unpin_device
 from cachebuild.tracing.trace import TracedGraph
 
 log = logging.getLogger("cachebuild")
@@ -264,12 +266,26 @@ def within_guards(config: CompileConfig, fakes: list[Any]) -> CompileConfig:
 
 class GraphForward:
     """What the backend returns for one Dynamo graph: built on its first call, per set of
-    scalar values."""
+    scalar values. A call whose token count no bucket of ``config`` holds is refused, or
+    with ``out_of_range="eager"`` runs the graph eagerly (one warning per graph), as
+    ``cachebuild.compile`` does."""
 
     def __init__(self, gm: fx.GraphModule, example_inputs: list[Any],
-                 plan: Callable[[TracedGraph], Callable[..., Any]]) -> None:
+                 plan: Callable[[TracedGraph], Callable[..., Any]],
+                 config: CompileConfig) -> None:
         self.gm = gm
+        self.config = config
         self.fakes = graph_fakes(gm, example_inputs)
+        # Where each call's token counts are: every dim that is a bare symbol.
+        self.counted = [(i, d) for i, f in enumerate(self.fakes) if isinstance(f, torch.Tensor)
+                        for d, size in enumerate(f.shape) if isinstance(size, torch.SymInt)
+                        and size.node.expr.is_Symbol]
+        self._warned_eager = False
+        # The graph as Dynamo made it, for the calls that run eagerly (planning below
+        # names the traced GPU by its type in ``gm``).
+        self._eager_gm = (fx.GraphModule(gm, copy_graph(gm.graph))
+                          if config.out_of_range == "eager" else None)
+        self._device = device_of(self.fakes)
         self.scalars = scalar_inputs(gm, self.fakes)
         # Scalars that only count (a cache's token count, bumped and handed back) reach
         # no tensor: the outputs they make are worked out on each call, and one build
@@ -303,11 +319,25 @@ class GraphForward:
         return self.plan(traced)
 
     def __call__(self, *args: Any) -> Any:
+        for i, d in self.counted:
+            said = self.config.outside(args[i].shape[d])
+            if said is not None:
+                return self._outside(said, args)
         key = self._key(args)
         fn = self.variants.get(key)
         if fn is None:
             fn = self._build(key, args)
         return self.counts.put(fn(*args), args)
+
+    def _outside(self, said: str, args: Sequence[Any]) -> Any:
+        """A call no bucket holds: refused, or run eagerly where the config says so."""
+        if self._eager_gm is None:
+            raise UsageError(said)
+        if not self._warned_eager:
+            warnings.warn(said, stacklevel=3)
+            self._warned_eager = True
+        with on_device(self._device):
+            return self._eager_gm(*args)
 
     def _build(self, key: tuple[Any, ...], args: Sequence[Any]) -> Callable[..., Any]:
         resolve = self._pending.pop(key, None)

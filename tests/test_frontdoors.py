@@ -315,3 +315,34 @@ def test_a_graph_dynamo_guards_to_one_side_of_a_branch_builds_for_that_side(open
     assert seen == [((5, 64),), ((1, 4),)]
     delta = models.counters_delta(before, cachebuild.stats())
     assert delta["failed"] == 0 and delta["built"] == 2
+
+
+@pytest.mark.parametrize("out_of_range", ["error", "eager"])
+def test_torch_compile_door_keeps_out_of_range_as_the_config_says(open_local, tmp_path,
+                                                                   out_of_range):
+    """A call whose token count no bucket holds is refused with the same words as
+    ``cachebuild.compile`` says them, or runs eagerly (one warning for the graph) and
+    matches eager; calls in range still run the built targets."""
+    import warnings
+
+    model = models.make(models.Decoder, layers=2)
+    store = open_local(tmp_path / "store")
+    config = models.config(compile_ranges=((1, 16),), out_of_range=out_of_range)
+    compiled = torch_compiled(model, config, store, mark_dynamic=True)
+    models.assert_matches_eager(compiled, model, models.inputs(9))
+    before = cachebuild.stats()
+    if out_of_range == "error":
+        with pytest.raises(UsageError, match=r"size 30 of the dynamic dim is outside every "
+                                             r"compile range \[\(1, 16\)\]; add a range"):
+            compiled(*models.inputs(30))
+    else:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for size in (30, 40):
+                models.assert_matches_eager(compiled, model, models.inputs(size))
+        said = [w for w in caught if "outside every compile range" in str(w.message)]
+        assert [str(w.message) for w in said] == [
+            "size 30 is outside every compile range; running eagerly"]
+    models.assert_matches_eager(compiled, model, models.inputs(12))
+    delta = models.counters_delta(before, cachebuild.stats())
+    assert delta["built"] == 0 and delta["failed"] == 0

@@ -234,22 +234,18 @@ class ModelRuntime:
         return self.capturer.replayers() if self.capturer is not None else []
 
     def in_buckets(self, size: int) -> bool:
-        return size in self.config.compile_sizes or any(
-            lo <= size <= hi for lo, hi in self.config.compile_ranges)
+        return self.config.in_buckets(size)
 
     def __call__(self, *args: Any) -> Any:
         size = self._check(args)
-        if size is not None and not self.in_buckets(size):
-            if self.config.out_of_range == "eager":
-                if not self._warned_eager:
-                    warnings.warn(f"size {size} is outside every compile range; running eagerly",
-                                  stacklevel=2)
-                    self._warned_eager = True
-                return self.model(*args)
-            raise UsageError(
-                f"size {size} of the dynamic dim is outside every compile range "
-                f"{list(self.config.compile_ranges)}; add a range or set out_of_range='eager'"
-            )
+        said = self.config.outside(size) if size is not None else None
+        if said is not None:
+            if self.config.out_of_range != "eager":
+                raise UsageError(said)
+            if not self._warned_eager:
+                warnings.warn(said, stacklevel=2)
+                self._warned_eager = True
+            return self.model(*args)
         if (size is not None and self.config.pad_to_capture_size and self.captured_sizes
                 and size not in self.captured_sizes):
             padded = next_capture_size(size, self.captured_sizes)
