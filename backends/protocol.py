@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from cachebuild.graph.facts import InputMeta
+from cachebuild.graph.facts import InputMeta, holds_at
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -224,8 +224,6 @@ def check_kept_symbolic(shape_env: Any, symbols: set[Any], bucket: dict[str, Any
     bounds = bucket_bounds(bucket)
     if bounds is None or not symbols:
         return
-    import sympy
-
     # Symbols Dynamo found equal to a range symbol stand for the same size.
     symbols = set(symbols) | {s for s, r in shape_env.replacements.items()
                               if r.free_symbols & symbols}
@@ -239,7 +237,6 @@ def check_kept_symbolic(shape_env: Any, symbols: set[Any], bucket: dict[str, Any
         if not expr.free_symbols & symbols:
             continue
         for size in bounds:
-            values = {s: sympy.Integer(size) for s in expr.free_symbols & symbols}
-            if expr.xreplace(values) is not sympy.true:
+            if not holds_at(expr, symbols, size):
                 raise ValueError(f"the trace specialised the range's size: guard {expr} "
                                  f"fails at size {size} of range {bounds[0]}-{bounds[1]}")

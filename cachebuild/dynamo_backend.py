@@ -42,7 +42,14 @@ from cachebuild import process_state
 from cachebuild.config import CompileConfig
 from cachebuild.errors import UsageError
 from cachebuild.graph.effects import eliminate_dead_code
-from cachebuild.graph.facts import copy_graph, device_of, meta_of, on_device, unpin_device
+from cachebuild.graph.facts import (
+    copy_graph,
+    device_of,
+    holds_at,
+    meta_of,
+    on_device,
+    unpin_device,
+)
 from cachebuild.tracing.trace import TracedGraph
 
 log = logging.getLogger("cachebuild")
@@ -229,8 +236,7 @@ def within_guards(config: CompileConfig, fakes: list[Any]) -> CompileConfig:
               if g.expr.free_symbols and g.expr.free_symbols <= symbols]
 
     def holds(size: int) -> bool:
-        value = {s: sympy.Integer(size) for s in symbols}
-        return all(bool(g.xreplace(value)) for g in guards)
+        return all(holds_at(g, symbols, size) for g in guards)
 
     if all(holds(n) for n in config.compile_sizes) and all(
             holds(lo) and holds(hi) for lo, hi in config.compile_ranges):

@@ -23,7 +23,15 @@ import torch.fx as fx
 from cachebuild import keep
 from cachebuild.errors import UsageError, one_line
 from cachebuild.graph.effects import graph_effects, might_write
-from cachebuild.graph.facts import SYMBOL, InputMeta, device_of, meta_of, torch_dir, unpin_device
+from cachebuild.graph.facts import (
+    SYMBOL,
+    InputMeta,
+    device_of,
+    holds_at,
+    meta_of,
+    torch_dir,
+    unpin_device,
+)
 from cachebuild.graph.outputs import output_recipe
 from cachebuild.graph.weights import hooks_hidden
 from cachebuild.tracing.guards import GuardRecord, GuardSet
@@ -175,8 +183,6 @@ def check_shape_guards(guards: list[Any], symbols: set[Any],
     special case for short inputs): the one traced graph is only right on its side.
     ``symbols`` all stand for the token count.
     """
-    import sympy
-
     for guard in guards:
         if not guard.free_symbols & symbols:
             continue
@@ -184,8 +190,7 @@ def check_shape_guards(guards: list[Any], symbols: set[Any],
             raise UsageError(f"the traced forward depends on sizes other than the token count "
                              f"({guard}): mark only the token dim dynamic")
         for lo, hi in compile_ranges:
-            failing = [n for n in range(lo, hi + 1) if not bool(
-                guard.xreplace({s: sympy.Integer(n) for s in symbols}))]
+            failing = [n for n in range(lo, hi + 1) if not holds_at(guard, symbols, n)]
             if failing:
                 bad = min(failing, key=lambda n: abs(n - traced_at))  # where the branch flips
                 text = str(guard)
