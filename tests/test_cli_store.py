@@ -120,7 +120,7 @@ def test_gc_evicts_an_entry_with_its_targets_and_never_strands_one(open_local, s
     assert done.exit_code == 0 and "removed 3 records" in done.stdout, done.output
     left = {r.key for r in open_local(store_dir).records()}
     assert left == {key("new-entry"), key("shared"), key("b1")}
-    assert run(store_dir, "gc", "--max-size", "1").exit_code == 0
+    assert run(store_dir, "gc", "--max-size", "1B").exit_code == 0
     assert list(open_local(store_dir).records()) == []  # the entry went first, then the rest
     report = open_local(store_dir).gc(max_size=0, dry_run=True)
     assert report.units == []
@@ -132,6 +132,17 @@ def test_bad_usage_exits_2(filled, args):
     result = run(filled, *args)
     assert result.exit_code == 2
     assert "Traceback" not in result.output
+
+
+@pytest.mark.parametrize(("option", "value", "says"), [
+    ("--older-than", "7", "'7' has no unit: give one, e.g. 7d or 7h (7s for seconds)"),
+    ("--max-size", "20", "'20' has no unit: give one, e.g. 20G or 20M (20B for bytes)")])
+def test_gc_refuses_a_bare_number_and_removes_nothing(open_local, filled, option, value, says):
+    """A slip (7 for 7d, 20 for 20G) would evict every record: refused, exit 2."""
+    result = run(filled, "gc", option, value)
+    assert result.exit_code == 2 and says in result.output, result.output
+    assert len(list(open_local(filled).records())) == 4
+    assert run(filled, "gc", option, "0", "--dry-run").exit_code == 0  # 0 is 0 in any unit
 
 
 def test_pin_and_unpin(open_local, filled):

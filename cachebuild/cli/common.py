@@ -223,33 +223,58 @@ def install_warning_display() -> None:
 
 # -- argument types ----------------------------------------------------------------------
 
+def _bare(value: str) -> bool:
+    """Whether ``value`` is a number without a unit (0 is 0 in every unit)."""
+    text = value.strip()
+    try:
+        return float(text) != 0
+    except ValueError:
+        return False
+
+
 class SizeParam(click.ParamType):
-    """A size such as ``20G`` or ``512M`` (binary multiples), in bytes."""
+    """A size such as ``20G`` or ``512M`` (binary multiples), in bytes. ``unit``: a bare
+    number other than 0 is refused (where a slip, 20 for 20G, would remove everything)."""
 
     name = "size"
+
+    def __init__(self, *, unit: bool = False) -> None:
+        self.unit = unit
 
     def convert(self, value: Any, param: click.Parameter | None, ctx: click.Context | None) -> int:
         if isinstance(value, int):
             return value
         try:
-            return parse_size(value)
+            size = parse_size(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
+        if self.unit and _bare(value):
+            self.fail(f"{value.strip()!r} has no unit: give one, e.g. {value.strip()}G or "
+                      f"{value.strip()}M ({value.strip()}B for bytes)", param, ctx)
+        return size
 
 
 class DurationParam(click.ParamType):
-    """A duration such as ``7d``, ``12h`` or ``1h30m``, in seconds."""
+    """A duration such as ``7d``, ``12h`` or ``1h30m``, in seconds. ``unit``: a bare number
+    other than 0 is refused (where a slip, 7 for 7d, would remove everything)."""
 
     name = "duration"
+
+    def __init__(self, *, unit: bool = False) -> None:
+        self.unit = unit
 
     def convert(self, value: Any, param: click.Parameter | None,
                 ctx: click.Context | None) -> float:
         if isinstance(value, int | float):
             return float(value)
         try:
-            return parse_duration(value)
+            seconds = parse_duration(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
+        if self.unit and _bare(value):
+            self.fail(f"{value.strip()!r} has no unit: give one, e.g. {value.strip()}d or "
+                      f"{value.strip()}h ({value.strip()}s for seconds)", param, ctx)
+        return seconds
 
 
 def model_file(ctx: click.Context, param: click.Parameter, value: str) -> str:

@@ -201,10 +201,13 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
 
 
 @click.command("gc")
-@click.option("--max-size", type=SizeParam(), metavar="SIZE",
-              help="Evict least recently used records until the store fits, e.g. 20G.")
-@click.option("--older-than", type=DurationParam(), metavar="AGE",
-              help="Evict records unused for this long, e.g. 7d.")
+@click.option("--max-size", type=SizeParam(unit=True), metavar="SIZE",
+              help="Evict least recently used records until the store fits, e.g. 20G "
+                   "(a unit is needed: K, M, G, T, or B for bytes; 0 evicts every unpinned "
+                   "record).")
+@click.option("--older-than", type=DurationParam(unit=True), metavar="AGE",
+              help="Evict records unused for this long, e.g. 7d, 12h or 1h30m (a unit is "
+                   "needed: s, m, h, d or w).")
 @click.option("--dry-run", is_flag=True, help="Show what would go; remove nothing.")
 @click.option("--environments", is_flag=True,
               help="Also remove your environment folders of other environments (another "
@@ -216,13 +219,13 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
                dry_run: bool, environments: bool) -> None:
     """Evict records, least recently used first; pinned records and what they refer to stay.
 
-    A model entry goes together with the targets no other entry refers to (the entry
-    first), so GC never leaves an entry whose targets are gone. The build work folder is
-    emptied, and the C++ objects builds keep for reuse (in your environment folders, shared
-    by your stores) that no build used for 7 days are removed, where no build is running.
-    With --environments, also
-    the environment folders this environment does not use (the current one stays: every
-    build here needs it).
+    Records go only as --max-size or --older-than says (with neither, none do). A model
+    entry goes together with the targets no other entry refers to (the entry first), so
+    GC never leaves an entry whose targets are gone. Every run empties the build work
+    folder and removes the C++ objects builds keep for reuse (in your environment folders,
+    shared by your stores) that no build used for 7 days, where no build is running. With
+    --environments, also the environment folders this environment does not use (the
+    current one stays: every build here needs it).
     """
     store = open_existing_store(ctx)
     report = store.gc(max_size=max_size, older_than=older_than, dry_run=dry_run)
