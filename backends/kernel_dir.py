@@ -171,10 +171,13 @@ def _building() -> Iterator[None]:
             _state.notify_all()
 
 @contextlib.contextmanager
-def build_work_dir(store: Store) -> Iterator[Path]:
+def build_work_dir(store: Store, *, cxx: bool = False) -> Iterator[Path]:
     """Point the compilers of a build at the store's work folder (``store.work_dir``:
     the store's ``work/``, or the folder the operator set) while the block runs, and put
     everything back after: Inductor's cache, Triton's cache and the temp files both make.
+    ``cxx``: the build compiles C++ through Inductor, which is imported first where it is
+    not yet (a warm server rebuilding a damaged target): Inductor fixes its header folder
+    as it is imported, and only then can it be pointed at the environment's.
     Inductor's precompiled headers, its ISA checks and the C++ objects builds reuse
     (``compilers.watch``, which also times the compilers' phases) go to ``environment_dir``
     (the same for every store of an environment, as torch keeps them per machine: a second
@@ -220,6 +223,8 @@ def build_work_dir(store: Store) -> Iterator[Path]:
         # first on their path: the caller's working directory may be anyone's.
         os.environ["PYTHONSAFEPATH"] = "1"
         tempfile.tempdir = None  # read TMPDIR again
+        if cxx and not inductor_loaded:
+            import torch._inductor.codecache  # noqa: F401
         undo_headers = compat.point_header_dir(str(
             environment / "headers" if environment is not None
             else folders["TORCHINDUCTOR_CACHE_DIR"] / "precompiled_headers"))

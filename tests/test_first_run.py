@@ -151,6 +151,35 @@ def test_a_first_run_says_each_phase_and_keeps_the_environment_out_of_the_store(
         "traced": 0, "built": 0, "entries_loaded": 1, "equal": True}
 
 
+def test_a_server_rebuilding_a_damaged_target_uses_the_environment_headers(first_run):
+    """A warm server (Inductor not imported yet) that finds its target damaged rebuilds it
+    in its own process with the environment folder's precompiled headers: none are
+    compiled into the store, and the answer is eager's."""
+    import shutil
+
+    from cachebuild.store import LocalStore
+
+    store = first_run["root"] / "damaged"
+    shutil.copytree(first_run["store"], store, symlinks=True)
+    with LocalStore(store) as opened:
+        targets = [r.key for r in opened.records() if r.kind.startswith("aoti")]
+    assert targets
+    for key in targets:
+        blob = store / "v1" / "objects" / key[:2] / key
+        data = bytearray(blob.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        os.chmod(blob, 0o600)
+        blob.write_bytes(bytes(data))
+        for made in blob.parent.glob(key + ".*"):  # what a load made of it
+            made.unlink()
+    served = _run(first_run, sys.executable, "fr.py", cwd=first_run["app"],
+                  CACHEBUILD_DIR=str(store))
+    assert served.returncode == 0, served.stderr
+    assert json.loads(served.stdout.splitlines()[-1]) == {
+        "traced": 0, "built": len(targets), "entries_loaded": 1, "equal": True}
+    assert list(store.rglob("*.gch")) == [], "precompiled headers made in the store"
+
+
 def test_a_second_store_uses_the_same_environment_folder_and_probes_nothing(first_run):
     folder = first_run["folder"]
     (verdict_file,) = folder.glob("aoti-cpu-*.json")

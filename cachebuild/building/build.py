@@ -200,11 +200,13 @@ class Builder:
             start = time.perf_counter()
             where = f"piece {job.target.piece} ({bucket_label(job.target.bucket)}, key {key})"
             layout = job.target.manifest.get("distributed")
+            toolchain = job.target.manifest["backend"].get("toolchain", {})
             gpu = on_device(device_of(job.input_metas))
             clock = BuildClock()
             try:
                 with measuring(clock), clock.phase("lowering"), quiet_compiler_warnings(), \
-                        local_groups(layout), gpu, keep.rng(), build_work_dir(self.store):
+                        local_groups(layout), gpu, keep.rng(), \
+                        build_work_dir(self.store, cxx=bool(toolchain)):
                     artifact = self.backend.compile(BuildRequest(
                         # Compilers trace the graph and check what it calls by name:
                         # the original arithmetic, not its bounded stand-ins.
@@ -214,7 +216,7 @@ class Builder:
                         config=self.config,
                         key=key,
                         passes=self.passes,
-                        toolchain=job.target.manifest["backend"].get("toolchain", {}),
+                        toolchain=toolchain,
                     ))
             except Exception as e:
                 COUNTERS.failed += 1
@@ -225,7 +227,8 @@ class Builder:
                 raise BuildError(f"{where} failed to compile: {type(e).__name__}: {first}{hint}") from e
             seconds = time.perf_counter() - start
             with measuring(clock), clock.phase("proof"), timed("verify"), local_groups(layout), \
-                    on_device(device_of(job.input_metas)), keep.rng(), build_work_dir(self.store):
+                    on_device(device_of(job.input_metas)), keep.rng(), \
+                    build_work_dir(self.store, cxx=bool(toolchain)):
                 self._prove(job, artifact, where)
             with measuring(clock), clock.phase("store"):
                 self.store.put(key, artifact.payload, kind=artifact.kind,
