@@ -648,13 +648,17 @@ def environ_dict() -> tuple[dict[Any, Any], Callable[[str], Any]] | None:
 def process_state_signature() -> tuple[Any, ...]:
     """A cheap summary of torch's process-wide state that ``guards.process_state`` reads:
     equal summaries mean equal states (default dtype and device, deterministic algorithms,
-    autocast, the torch-function modes that set a default device). A few C calls, where
-    ``torch.get_default_device()`` alone costs microseconds."""
+    autocast and its dtypes, how matmuls may round, the torch-function modes that set a
+    default device). A few C calls, where ``torch.get_default_device()`` alone costs
+    microseconds."""
     c = torch._C
     depth = c._len_torch_function_stack()
     modes = tuple(c._get_function_stack_at(i) for i in range(depth)) if depth else ()
     autocast = c._is_any_autocast_enabled()
-    detail = (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda")) \
-        if autocast else ()
+    # Which dtype autocast casts to matters where it is on (a forward reads it then).
+    detail = (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
+              c.get_autocast_dtype("cpu"), c.get_autocast_dtype("cuda")) if autocast else ()
     return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
-            autocast, detail, modes)
+            c._get_deterministic_algorithms_warn_only(), autocast, detail,
+            c._get_cublas_allow_tf32(), c._get_cublas_allow_fp16_reduced_precision_reduction(),
+            c._get_cublas_allow_bf16_reduced_precision_reduction(), modes)

@@ -276,3 +276,48 @@ def test_size_outside_every_range_runs_eagerly_with_one_warning(open_local, tmp_
         warnings.simplefilter("error")  # a second out-of-range call warns no more
         models.assert_matches_eager(compiled, model, models.hidden_inputs(33))
     models.assert_matches_eager(compiled, model, models.hidden_inputs(16))
+
+
+def test_compiled_pieces_refuse_autocast_and_say_once_they_answer_without_autograd(
+        caplog, fresh_dynamo):
+    """AOTI pieces are built without autocast and run without autograd: a call under
+    ``torch.autocast`` is refused through both doors (their outputs would keep float32);
+    a call with autograd on answers eager's values and says once that the outputs carry
+    no gradient history. A call outside autocast afterwards still runs."""
+    warmed = models.aoti_store()
+    before = cachebuild.stats()
+    model = models.make(models.Decoder, layers=2)
+    compiled = cachebuild.compile(model, models.aoti_config(), DYN,
+                                  store=LocalStore(warmed["path"]))
+    args = models.inputs(5)
+    with caplog.at_level("WARNING", logger="cachebuild"):
+        for _ in range(2):
+            out = compiled(*args)
+            torch.testing.assert_close(out, model(*args).detach(), **models.TOL)
+    said = [r for r in caplog.records if "carry no gradient history" in r.getMessage()]
+    assert len(said) == 1, caplog.text
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.raises(UsageError, match=r"called under torch.autocast \(cpu\)"):
+        compiled(*args)
+    models.assert_matches_eager(compiled, model, args)
+    door = torch.compile(model, backend=cachebuild.backend(
+        models.aoti_config(), store=LocalStore(warmed["path"])))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), \
+            pytest.raises(Exception, match=r"called under torch.autocast \(cpu\)"):
+        door(*args)
+    assert models.counters_delta(before, cachebuild.stats())["built"] == 0
+
+
+def test_eager_fusion_pieces_run_under_the_callers_autocast(open_local, tmp_path, fresh_dynamo):
+    """``eager_fusion`` pieces run eagerly, so autocast around the call applies to them as
+    to the model: the same dtype and values as eager (bfloat16 tolerance), before and
+    after a call without it."""
+    model = models.make(models.Decoder, layers=2)
+    compiled = cachebuild.compile(model, models.config(), DYN, store=open_local(tmp_path / "s"))
+    args = models.inputs(6)
+    models.assert_matches_eager(compiled, model, args)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, want = compiled(*args), model(*args)
+    assert out.dtype == want.dtype == torch.bfloat16
+    torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+    models.assert_matches_eager(compiled, model, args)

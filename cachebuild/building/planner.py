@@ -21,6 +21,7 @@ from cachebuild.backends import Backend, get_backend
 from cachebuild.building.entry import Entry, entry_factors, make_entry, stored_entry
 from cachebuild.config import CompileConfig, check_inductor_options
 from cachebuild.counters import COUNTERS, timed
+from cachebuild.errors import UsageError
 from cachebuild.graph.facts import device_of
 from cachebuild.keys import make_key, variant_key
 from cachebuild.passes import PassManager
@@ -62,6 +63,21 @@ class Lookup:
     factors: dict[str, Any]
     mismatches: list[Mismatch] = field(default_factory=list)  # of the last entry tried
 
+
+def refuse_ambient_autocast(config: CompileConfig) -> None:
+    """UsageError where the call runs under ``torch.autocast`` and the config's backend
+    compiles its pieces: they are built without autocast and never apply the one around
+    the call (their outputs would keep the model's dtype). ``eager_fusion`` pieces run
+    eagerly, under it."""
+    on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
+    if not on or config.backend == "eager_fusion":
+        return
+    raise UsageError(
+        f"the model is called under torch.autocast ({', '.join(on)}), which the pieces the "
+        f"{config.backend} backend compiles do not apply (they are built without it, and "
+        "would answer in the model's own dtype): convert the model instead "
+        "(model.to(torch.bfloat16)) and call it outside autocast, or use "
+        "backend='eager_fusion', whose pieces run under it")
 
 class Planner:
     """Trace → split → targets → entry for one model and call signature."""
@@ -135,6 +151,7 @@ class Planner:
         """Trace the model, split it, plan its targets: a new (not yet stored) Entry, to be
         stored where ``found`` (the lookup that missed) says."""
         found = found or self.lookup(args)
+        refuse_ambient_autocast(self.config)
         check_splitting_ops(self.config.splitting_ops)
         check_inductor_options(self.config)
         self.start_toolchain(args)
@@ -156,6 +173,7 @@ class Planner:
             start(self.config, str(tensor.device))
 
     def plan(self, traced: TracedGraph, factors: dict[str, Any], key: str | None = None) -> Entry:
+        refuse_ambient_autocast(self.config)  # the torch.compile door plans as Dynamo traces
         check_inductor_options(self.config)  # a trace has loaded Inductor's config
         with timed("split"):
             split = split_graph(traced, self.config.splitting_ops)

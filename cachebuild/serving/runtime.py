@@ -10,6 +10,7 @@ and runs graphs where a size has them, the compiled pieces directly where not.
 
 from __future__ import annotations
 
+import logging
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -31,6 +32,8 @@ from cachebuild.serving.cudagraphs import capture_for, next_capture_size, pad_ar
 from cachebuild.serving.graphmodes import sizes_for
 from cachebuild.serving.stitch import forward_over, stitch
 from cachebuild.tracing.guard_watch import CallGuards
+
+log = logging.getLogger("cachebuild")
 
 
 @dataclass
@@ -80,6 +83,9 @@ class ModelRuntime:
         not_beside = _not_beside(entry)
         self._warned_eager = False
         self._first_call = True
+        # Compiled pieces answer without autograd: said once if a call could expect it.
+        self._no_autograd_unsaid = config.backend != "eager_fusion" and any(
+            p.requires_grad for p in model.parameters())
         # The inputs: weights and call arguments checked, then the layouts pieces expect.
         self.rebind()
         layouts = layout_guards(entry.pieces)
@@ -237,6 +243,12 @@ class ModelRuntime:
         return self.config.in_buckets(size)
 
     def __call__(self, *args: Any) -> Any:
+        if self._no_autograd_unsaid and torch.is_grad_enabled():
+            self._no_autograd_unsaid = False
+            log.warning("cachebuild: %s is called with autograd on, and its compiled pieces "
+                        "run without it: the outputs carry no gradient history (as under "
+                        "torch.no_grad()); serve it under torch.inference_mode() or "
+                        "torch.no_grad()", type(self.model).__name__)
         size = self._check(args)
         said = self.config.outside(size) if size is not None else None
         if said is not None:

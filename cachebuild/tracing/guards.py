@@ -402,13 +402,24 @@ def process_state(name: str) -> Any:
         return str(torch.get_default_device())
     if name == "autocast":
         return [torch.is_autocast_enabled(d) for d in ("cpu", "cuda")]
+    if name == "autocast_dtype":  # where autocast is on: the summary reads it only then
+        return [str(torch.get_autocast_dtype(d)) if torch.is_autocast_enabled(d) else None
+                for d in ("cpu", "cuda")]
+    if name == "deterministic_warn_only":
+        return torch.is_deterministic_algorithms_warn_only_enabled()
+    if name == "matmul_precision":  # what a forward may read of how matmuls round
+        return [torch.backends.cuda.matmul.allow_tf32,
+                torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
+                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction]
     if name == "torch_function_modes":
         return len(torch.overrides._get_current_function_mode_stack())
     raise KeyError(name)
 
 
-#: Process state recorded with every entry: Dynamo's global-state guards in plain form.
+#: Process state recorded with every entry: Dynamo's global-state guards in plain form
+#: (grad mode aside: the trace and every compiled forward run without autograd).
 STATE_NAMES = ("default_dtype", "deterministic", "default_device", "autocast",
+               "autocast_dtype", "deterministic_warn_only", "matmul_precision",
                "torch_function_modes")
 
 
