@@ -24,6 +24,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 
 import torch
@@ -172,6 +173,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    # A server's log: each warning (a remote store that is down, say) on one line.
+    warnings.formatwarning = lambda message, category, *_, **__: (
+        f"warning: {category.__name__}: {message}\n")
     try:
         main()
     except CachebuildError as e:  # bad settings, an unsafe store: one line that says what to do

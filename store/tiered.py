@@ -112,8 +112,9 @@ class TieredStore(Store):
             if not allow_unsigned:
                 raise UsageError(
                     f"remote {remote.display_url} needs a signing key (CACHEBUILD_SIGNING_KEY): "
-                    "artifacts contain code that runs on load; pass --allow-unsigned to use "
-                    "it without one"
+                    "artifacts contain code that runs on load; to use it without one, pass "
+                    "--allow-unsigned (the command line) or set CACHEBUILD_ALLOW_UNSIGNED=1 "
+                    "(a server)"
                 )
             warnings.warn(
                 f"using remote {remote.display_url} without a signing key: anyone who can "

@@ -412,3 +412,10 @@ def test_piped_output_is_never_wrapped_and_repair_reports_once(filled):
     rows = [line for line in listing.stdout.splitlines() if key("entry") in line]
     assert len(rows) == 1 and "entry" in rows[0].split()[1:]  # one line per record, uncut
     assert max(len(line) for line in listing.stdout.splitlines()) > 80
+
+
+def test_the_command_alone_prints_its_help_as_it_reads():
+    result = CliRunner().invoke(cli.main, [], prog_name="cachebuild")
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("Usage: cachebuild")
+    assert "\nCommands:\n" in result.output and "error:" not in result.output

@@ -29,6 +29,10 @@ from cachebuild.store import StoreOptions, UnknownKey
 COMMANDS = (*store.COMMANDS, *model.COMMANDS, *fleet.COMMANDS)
 
 
+#: What click 8.2+ raises for a group called with no command (8.1 prints its help itself).
+_NO_ARGS: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
+
+
 class _Group(click.Group):
     """A click group that says every error the same way: one ``error: <message>`` line,
     exit 2 for bad usage or input, 1 for an operation that failed (``CachebuildError``
@@ -44,6 +48,9 @@ class _Group(click.Group):
             sys.exit(code if isinstance(code, int) else 0)
         except click.exceptions.Exit as e:
             sys.exit(e.exit_code)
+        except _NO_ARGS as e:  # `cachebuild` alone: its help, as it reads
+            click.echo(e.format_message())
+            sys.exit(0)
         except click.ClickException as e:
             hint = ""
             ctx = getattr(e, "ctx", None)
