@@ -130,7 +130,9 @@ def check_private_dir(path: Path, what: str = "store directory") -> None:
         raise UnsafeStore(f"refusing {what} {path}: it is a symlink; give the directory "
                          "it points to")
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeStore(f"{what} {path} is not a directory")
+        hint = (": give the store a folder (--cache-dir, CACHEBUILD_DIR)"
+                if what == "store directory" else "")
+        raise UnsafeStore(f"{what} {path} is not a directory{hint}")
     euid = os.geteuid()
     if st.st_uid != euid:
         raise UnsafeStore(
@@ -295,7 +297,8 @@ def check_readable_dir(path: Path) -> None:
         raise UnsafeStore(f"refusing store path {path}: it is a symlink; give the directory "
                          "it points to")
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeStore(f"store path {path} is not a directory")
+        raise UnsafeStore(f"store path {path} is not a directory: give the store a folder "
+                          "(--cache-dir, CACHEBUILD_DIR)")
     euid = os.geteuid()
     if st.st_uid not in (0, euid):
         raise UnsafeStore(
