@@ -3,12 +3,15 @@
 Tracing runs the forward once, a build makes random example inputs and proves the
 artifact on more, capture runs the forward at every size: none of that is the caller's
 computation. So none of it may advance torch's generators (``rng``), and what it writes
-in place into tensors that outlive it (a cache, a counter) is put back (``Tensors``).
+in place into tensors that outlive it (a cache, a counter) is put back (``Tensors``), and
+so is what importing torch's compilers writes into the process environment
+(``environment``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -23,6 +26,26 @@ def rng() -> Iterator[None]:
                if torch.cuda.is_available() and torch.cuda.is_initialized() else [])
     with torch.random.fork_rng(devices=devices):
         yield
+
+
+#: Variables torch writes into the process environment as it imports its compilers
+#: (Inductor's ``cache_dir()`` sets its default folder there the first time it is asked).
+TORCH_WRITES = ("TORCHINDUCTOR_CACHE_DIR",)
+
+
+@contextlib.contextmanager
+def environment(names: Iterable[str] = TORCH_WRITES) -> Iterator[None]:
+    """Run the block with the environment variables ``names`` put back afterwards as they
+    were (unset where they were unset): importing Dynamo for a trace sets one."""
+    saved = {name: os.environ.get(name) for name in names}
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
 
 
 class Tensors:

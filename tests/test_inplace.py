@@ -225,3 +225,30 @@ def test_compiling_leaves_the_callers_random_state_alone(open_local, tmp_path):
     with torch.no_grad():
         compiled(*[a.clone() for a in args])  # cold: trace, build, prove, capture, run
     assert torch.equal(torch.rand(4), want)
+
+
+#: A cold start in a process whose environment names no Inductor folder (torch writes its
+#: default one there as Dynamo is imported): prints which variables changed.
+COLD_ENV_CHILD = """
+import json, os
+os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
+import torch
+import cachebuild
+import models
+from cachebuild.store import LocalStore
+
+before = dict(os.environ)
+model = models.make(models.Decoder, layers=2)
+compiled = cachebuild.compile(model, models.config(), {0: 0, 1: 0},
+                              store=LocalStore(os.environ["STORE"]))
+models.assert_matches_eager(compiled, model, models.inputs(5))
+after = dict(os.environ)
+print(json.dumps({"traced": cachebuild.stats()["traced"],
+                  "changed": sorted(k for k in set(before) | set(after)
+                                    if before.get(k) != after.get(k))}))
+"""
+
+
+def test_compiling_leaves_the_callers_environment_alone(tmp_path):
+    child = models.run_python(COLD_ENV_CHILD, env={"STORE": str(tmp_path / "store")})
+    assert child == {"traced": 1, "changed": []}

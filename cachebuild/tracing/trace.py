@@ -244,7 +244,9 @@ def trace_model(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
                 compile_ranges: Sequence[tuple[int, int]] = ()) -> TracedGraph:
     """See ``_trace``: the same, with cachebuild's own weight hooks out of the way (Dynamo
     would record them as globals the trace read)."""
-    with hooks_hidden(), keep.rng():  # the trace's run of the forward is not the caller's
+    # The trace's run of the forward is not the caller's, nor is what importing Dynamo
+    # writes into the environment.
+    with hooks_hidden(), keep.rng(), keep.environment():
         return _trace(model, args, dynamic_dims, compile_ranges)
 
 
