@@ -605,6 +605,9 @@ def _probe_all(device: str, candidates: list[str],
             continue
         ok, why = results[path]
         if ok:
+            log.warning("the C++ compiler for AOTInductor on %s is %s (%s): chosen by the "
+                        "probe in %.0f s, kept for every build in this environment", kind,
+                        path, versions[path], time.monotonic() - started)
             return Verdict(kind, Compiler.found(path, versions[path] or ""), refused)
         refused.append((path, why))
         log.warning("AOTInductor probe: %s refused for %s: %s", path, kind, why)
