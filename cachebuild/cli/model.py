@@ -291,7 +291,8 @@ def explain_command(ctx: click.Context, model: str, device: str | None,
     (with --world-size: of every rank, naming the ranks a target serves)."""
     from cachebuild.explain import explain
 
-    report = explain(model, store=_store_for(ctx), device=device, world_size=world_size)
+    with _progress(_console()):  # importing the model, tracing it: said as they start
+        report = explain(model, store=_store_for(ctx), device=device, world_size=world_size)
     console = stdout()
     # Manifests may come from a shared tier: everything is printed as plain, escaped text.
     for entry in report.entries:
