@@ -75,6 +75,7 @@ def test_ls(filled):
     typo = run(filled, "ls", "--kind", "entyr")  # no such records: the kinds it holds
     assert typo.exit_code == 0 and key("entry") not in typo.stdout
     assert "no records of kind 'entyr' in this store; it holds entry, target" in typo.stderr
+    assert typo.stdout == ""  # no empty table under it
 
 
 def test_gc(open_local, filled):

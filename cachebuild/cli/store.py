@@ -48,6 +48,8 @@ def ls_command(ctx: click.Context, as_json: bool, kind: str | None) -> None:
         held = sorted({r.kind for r in store.records(manifests=False)})
         click.echo(f"no records of kind {kind!r} in this store; it holds "
                    f"{', '.join(held) if held else 'none'}", err=True)
+        if not as_json:
+            return  # no empty table under the line that says why
     if as_json:
         click.echo(json.dumps([r.to_json() for r in records], indent=2))
         return
