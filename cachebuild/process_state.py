@@ -36,19 +36,38 @@ class Stoppable(Protocol):
 
 
 @dataclass
+class Failure:
+    """A model that failed to compile: the error; the key of the entry it would have had;
+    and where its trace got that far, what that trace read (``changed(model, args)``:
+    whether a live value differs from it, as the per-call check says)."""
+
+    error: BaseException
+    key: str = ""
+    changed: Any = None  # Callable[[model, args], bool], or None: not traced
+
+    def meets(self, key: str, model: Any, args: Any) -> bool:
+        """Whether a start for ``key`` of ``model`` called with ``args`` is this failure:
+        one that reads the same values (where the trace got that far), else one for the
+        same entry key."""
+        if self.changed is not None:
+            return not self.changed(model, args)
+        return key == self.key
+
+
+@dataclass
 class ProcessState:
     """What one process remembers.
 
     ``loaded``: loaded targets by (key, device); ``verified``: keys of targets proven
     against their piece (built here, by a worker for this process, or checked on load);
-    ``failed``: the error of each model that failed to compile, by the key of the entry
-    it would have had; ``said``: what was said once already (``first_saying``);
+    ``failed``: the models that failed to compile (``Failure``), by the entry key of
+    their code, config and shapes (a model's values lead to variants of it); ``said``: what was said once already (``first_saying``);
     ``capturers``: capturers whose background thread may be running.
     """
 
     loaded: dict[tuple[str, str], Any] = field(default_factory=dict)
     verified: set[str] = field(default_factory=set)
-    failed: dict[str, BaseException] = field(default_factory=dict)
+    failed: dict[str, list[Failure]] = field(default_factory=dict)
     said: set[str] = field(default_factory=set)
     capturers: weakref.WeakSet[Stoppable] = field(default_factory=weakref.WeakSet)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)

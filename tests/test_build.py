@@ -14,7 +14,7 @@ import torch
 import cachebuild
 from cachebuild.backends import register_backend
 from cachebuild.backends.eager_fusion import EagerFusionBackend
-from cachebuild.errors import BuildError
+from cachebuild.errors import BuildError, CompileFailed
 from cachebuild.keys import canonical_json, make_key
 from cachebuild.passes import PassManager
 
@@ -286,3 +286,38 @@ def test_an_export_that_narrowed_the_range_is_refused():
     fixed = torch.export.export(Double(), (x,))
     with pytest.raises(ValueError, match="fixed the range's size to 8"):
         _check_range_kept(fixed, [{0: "s0"}], (1, 32))
+
+
+class Dropped(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.drop(self.lin(x))
+
+
+def test_a_piece_that_draws_random_numbers_names_them_when_its_proof_fails(open_local,
+                                                                           tmp_path):
+    """Dropout in train mode: the proof cannot match eager's draws, and the error says
+    the piece draws random numbers and what to do; nothing is stored. In eval() the same
+    model builds and matches eager: it read another value, so it is not the failure
+    remembered, which a start in train mode again still meets at once, with no trace."""
+    torch.manual_seed(0)
+    model = Dropped().train()
+    store = open_local(tmp_path / "store")
+    config = models.config(splitting_ops=(), compile_ranges=((1, 16),))
+    compiled = cachebuild.compile(model, config, {0: 0}, store=store)
+    with pytest.raises(BuildError, match=r"draws random numbers \(dropout\).*serve the model "
+                                         r"in eval\(\)"), torch.no_grad():
+        compiled(torch.randn(4, 8))
+    assert not [r for r in store.records() if r.kind == "fx-graph"]
+    model.eval()
+    compiled = cachebuild.compile(model, config, {0: 0}, store=store)
+    models.assert_matches_eager(compiled, model, (torch.randn(4, 8),))
+    model.train()
+    before = cachebuild.stats()
+    with pytest.raises(CompileFailed, match="failed earlier in this process"), torch.no_grad():
+        cachebuild.compile(model, config, {0: 0}, store=store)(torch.randn(4, 8))
+    assert models.counters_delta(before, cachebuild.stats())["traced"] == 0

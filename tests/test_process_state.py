@@ -21,7 +21,7 @@ def test_a_fresh_state_remembers_nothing_and_the_old_one_comes_back_after():
     old = process_state.current()
     old.loaded["k", "cpu"] = object()
     old.verified.add("k")
-    old.failed["entry"] = ValueError("no")
+    old.failed["entry"] = [process_state.Failure(ValueError("no"), "entry")]
     assert old.first_saying("bundle.tar")
     capturer = _Thread()
     old.capturers.add(capturer)

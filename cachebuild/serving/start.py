@@ -38,12 +38,15 @@ from cachebuild.building.planner import Planner
 from cachebuild.counters import timed
 from cachebuild.errors import StoreError, ToolchainRefuted, one_line, transient
 from cachebuild.graph.facts import device_of
+from cachebuild.keys import make_key
 from cachebuild.serving.interim import serve_while_building
 from cachebuild.serving.runtime import CaptureReport, ModelRuntime
+from cachebuild.tracing.guard_watch import CallGuards
 
 if TYPE_CHECKING:
     import torch
 
+    from cachebuild.building.entry import Entry
     from cachebuild.config import CompileConfig
     from cachebuild.passes import PassManager
     from cachebuild.serving.interim import Swap
@@ -81,11 +84,14 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     for last_try in (False, True):
         planner = Planner(model, config, dynamic_dims, store, passes)
         found = planner.lookup(args)
-        remembered = failed.get(found.key)
+        base = make_key(found.factors)  # the model's code, config and shapes
+        remembered = next((f for f in failed.get(base, ()) if f.meets(found.key, model, args)),
+                          None)
         if remembered is not None:
-            return Started(None, remembered)
+            return Started(None, remembered.error)
         warm = found.entry is not None
         pool = None
+        traced: Entry | None = None
         try:
             if not warm and config.while_building == "wait":
                 # A cold start's build workers start before its trace: their imports
@@ -94,7 +100,7 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             entry = found.entry
             if entry is None:
                 notice.must_trace(model, found.why, store, found.factors)
-                entry = planner.trace(args, found)
+                entry = traced = planner.trace(args, found)
             builder = Builder(store, config, planner.passes,
                               device_of([*args, *model.parameters()]))
             interim = serve_while_building(model, config, builder, entry, found.why, warm, swap)
@@ -115,7 +121,10 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
         except Exception as e:
             if isinstance(e, StoreError) or transient(e):
                 raise  # the machine's or the store's trouble: another start may succeed
-            failed[found.key] = e
+            # Remembered with what its trace read, where it got that far: the same model
+            # with other values (eval() after train()) is another start, not this failure.
+            failed.setdefault(base, []).append(process_state.Failure(
+                e, found.key, None if traced is None else _reads(traced)))
             return Started(None, e, first=True)
         finally:
             if pool is not None:
@@ -128,6 +137,13 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
         log.info("captured %d sizes in %.2f s (%d bytes of graph memory)", len(report.sizes),
                  report.seconds, report.pool_bytes)
     return started
+
+
+def _reads(entry: Entry) -> Any:
+    """Whether a live model and call read other values than ``entry``'s trace did."""
+    guards = CallGuards(entry.guard_set(), entry.sources)
+    return lambda model, args: bool(guards.mismatches(model, args))
+
 
 def take_over(swap: Swap, model: torch.nn.Module, config: CompileConfig,
               dynamic_dims: dict[int, int], args: tuple[Any, ...]) -> Started | None:
