@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import click
+from rich import box
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import (
@@ -245,12 +246,13 @@ def _plan_table(report: PlanReport, console: Console) -> None:
         n = len(report.entries)
         title = (f"{report.world_size} ranks: {n} entr{'y' if n == 1 else 'ies'}, "
                  f"{len(report.targets)} unique targets")
-    table = Table(title=escape(title))
+    # As ``ls`` draws its table: a rule under the header, and whole keys (to paste).
+    table = Table(title=escape(title), title_justify="left", box=box.SIMPLE_HEAD)
     columns = ["piece", "bucket", "key"] + (["used by"] if report.world_size else []) + ["state"]
     for column in columns:
-        table.add_column(column)
+        table.add_column(column, no_wrap=column == "key")
     for t in report.targets:
-        row = [", ".join(map(str, t.pieces)), t.bucket, t.key[:16]]
+        row = [", ".join(map(str, t.pieces)), t.bucket, t.key]
         if report.world_size:
             row.append(rank_ranges(t.ranks))
         table.add_row(*row, t.state)
