@@ -217,23 +217,25 @@ def build_work_dir(store: Store, *, cxx: bool = False) -> Iterator[Path]:
         inductor_loaded = "torch._inductor.codecache" in sys.modules
         saved_env = {name: os.environ.get(name) for name in _BUILD_ENV}
         saved_tempdir = tempfile.tempdir
-        os.environ.update({name: str(folder) for name, folder in folders.items()})
-        # The Python processes the compilers start (Inductor's ISA checks run
-        # ``python -c``) put neither their working directory nor their script's folder
-        # first on their path: the caller's working directory may be anyone's.
-        os.environ["PYTHONSAFEPATH"] = "1"
-        tempfile.tempdir = None  # read TMPDIR again
-        if cxx and not inductor_loaded:
-            import torch._inductor.codecache  # noqa: F401
-        undo_headers = compat.point_header_dir(str(
-            environment / "headers" if environment is not None
-            else folders["TORCHINDUCTOR_CACHE_DIR"] / "precompiled_headers"))
+        undo_headers: Any = None
         try:
+            os.environ.update({name: str(folder) for name, folder in folders.items()})
+            # The Python processes the compilers start (Inductor's ISA checks run
+            # ``python -c``) put neither their working directory nor their script's folder
+            # first on their path: the caller's working directory may be anyone's.
+            os.environ["PYTHONSAFEPATH"] = "1"
+            tempfile.tempdir = None  # read TMPDIR again
+            if cxx and not inductor_loaded:
+                import torch._inductor.codecache  # noqa: F401
+            undo_headers = compat.point_header_dir(str(
+                environment / "headers" if environment is not None
+                else folders["TORCHINDUCTOR_CACHE_DIR"] / "precompiled_headers"))
             with watch(environment if environment is not None else root, environment,
                        objects):
                 yield root
         finally:
-            undo_headers()
+            if undo_headers is not None:
+                undo_headers()
             for name, value in saved_env.items():
                 if value is None:
                     os.environ.pop(name, None)

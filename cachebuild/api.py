@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from cachebuild.building.build import Builder, resolve_all
-from cachebuild.building.planner import Planner
+from cachebuild.building.planner import Planner, autocast_refusal
 from cachebuild.config import CompileConfig, check_config, check_dynamic_dims
 from cachebuild.counters import COUNTERS, snapshot
 from cachebuild.dynamo_backend import GraphForward, graph_fakes, within_guards
@@ -130,6 +130,9 @@ class CompiledModule(torch.nn.Module):
         why = not_run(self.model, self._forward)
         if why is not None:
             return self._failed(UsageError(why), first=True)
+        why = autocast_refusal(self.config)
+        if why is not None:  # about this call: raised, not remembered
+            raise UsageError(why)
         check_call_dims(list(args), self.dynamic_dims)
         check_splitting_ops(self.config.splitting_ops)
         started = start(self.model, self.config, self.dynamic_dims,
@@ -221,6 +224,8 @@ class CompiledModule(torch.nn.Module):
             return self.model(*args)  # cannot be compiled, on_failure="eager"
         # Dynamo runs the model's own hooks and forward, not torch's global module hooks.
         why = global_hooks() if self._dynamo is not None else not_run(self.model, self._forward)
+        if why is None:
+            why = autocast_refusal(self.config)
         if why is not None:
             return self._not_run(why, args)
         if self._runtime is None:

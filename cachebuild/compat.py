@@ -659,6 +659,23 @@ def process_state_signature() -> tuple[Any, ...]:
     detail = (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
               c.get_autocast_dtype("cpu"), c.get_autocast_dtype("cuda")) if autocast else ()
     return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
-            c._get_deterministic_algorithms_warn_only(), autocast, detail,
-            c._get_cublas_allow_tf32(), c._get_cublas_allow_fp16_reduced_precision_reduction(),
-            c._get_cublas_allow_bf16_reduced_precision_reduction(), modes)
+            c._get_deterministic_algorithms_warn_only(), autocast, detail, matmul_rounding(),
+            modes)
+
+
+#: torch's reader of the float32 matmul precision (torch 2.9+): its legacy ``allow_tf32``
+#: raises in a process that set this newer setting.
+_FP32_PRECISION: Any = getattr(torch._C, "_get_fp32_precision_getter", None)
+
+
+def matmul_rounding() -> tuple[Any, ...]:
+    """How CUDA matmuls may round, as a forward could read it: float32's precision (TF32
+    or not: the legacy flag, the cheaper read, or the newer setting where a process set
+    that one) and whether float16 and bfloat16 reductions may round. C calls only."""
+    c = torch._C
+    try:
+        fp32: Any = c._get_cublas_allow_tf32()
+    except RuntimeError:  # the newer setting was used: read as it says
+        fp32 = _FP32_PRECISION("cuda", "matmul") if _FP32_PRECISION is not None else None
+    return (fp32, c._get_cublas_allow_fp16_reduced_precision_reduction(),
+            c._get_cublas_allow_bf16_reduced_precision_reduction())

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterable, Iterator
 
 import torch
@@ -28,24 +29,23 @@ def rng() -> Iterator[None]:
         yield
 
 
-#: Variables torch writes into the process environment as it imports its compilers
-#: (Inductor's ``cache_dir()`` sets its default folder there the first time it is asked).
-TORCH_WRITES = ("TORCHINDUCTOR_CACHE_DIR",)
-
-
 @contextlib.contextmanager
-def environment(names: Iterable[str] = TORCH_WRITES) -> Iterator[None]:
-    """Run the block with the environment variables ``names`` put back afterwards as they
-    were (unset where they were unset): importing Dynamo for a trace sets one."""
-    saved = {name: os.environ.get(name) for name in names}
+def environment() -> Iterator[None]:
+    """Run the block with what importing torch's compilers writes into the process
+    environment taken back afterwards: Inductor's ``cache_dir()`` sets
+    ``TORCHINDUCTOR_CACHE_DIR`` to its default folder the first time it is asked (as
+    importing Dynamo for a trace does). Only that value, and only where the variable was
+    unset: a folder a build or a load on another thread points it at meanwhile
+    (``backends.kernel_dir``) is theirs to put back."""
+    name = "TORCHINDUCTOR_CACHE_DIR"
+    unset = name not in os.environ
     try:
         yield
     finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+        utils = sys.modules.get("torch._inductor.runtime.cache_dir_utils")
+        if unset and utils is not None and \
+                os.environ.get(name) == os.path.abspath(utils.default_cache_dir()):
+            os.environ.pop(name, None)
 
 
 class Tensors:

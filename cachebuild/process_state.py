@@ -37,21 +37,20 @@ class Stoppable(Protocol):
 
 @dataclass
 class Failure:
-    """A model that failed to compile: the error; the key of the entry it would have had;
-    and where its trace got that far, what that trace read (``changed(model, args)``:
-    whether a live value differs from it, as the per-call check says)."""
+    """A model that failed to compile: the error, and ``changed(key, model, args)``:
+    whether a start for entry key ``key`` of ``model`` called with ``args`` differs from
+    the one that failed (by what its trace read, where it got that far). None: a start
+    for the same entry key is the same."""
 
     error: BaseException
     key: str = ""
-    changed: Any = None  # Callable[[model, args], bool], or None: not traced
+    changed: Any = None  # Callable[[str, model, args], bool] | None
 
     def meets(self, key: str, model: Any, args: Any) -> bool:
-        """Whether a start for ``key`` of ``model`` called with ``args`` is this failure:
-        one that reads the same values (where the trace got that far), else one for the
-        same entry key."""
-        if self.changed is not None:
-            return not self.changed(model, args)
-        return key == self.key
+        """Whether a start for ``key`` of ``model`` called with ``args`` is this failure."""
+        if self.changed is None:
+            return key == self.key
+        return not self.changed(key, model, args)
 
 
 @dataclass

@@ -129,11 +129,14 @@ class ObjectRecords:
         """The bytes of ``kept`` if they hash to the record of ``name``; None if there is no
         such file, or no record (``say_once`` says so when a file is there but does not
         match its record)."""
-        with flocked_shared(self.folder / OBJECTS_LOCK):
-            data = _read_regular(kept)
-            if data is None:
-                return None
-            recorded = _read_regular(self._path(name))
+        try:
+            with flocked_shared(self.folder / OBJECTS_LOCK):
+                data = _read_regular(kept)
+                if data is None:
+                    return None
+                recorded = _read_regular(self._path(name))
+        except OSError:  # the lock cannot be had (a read-only or full disk): compile again
+            return None
         if recorded is None:
             return None  # a build stopped between the two writes: nothing to say
         if recorded.decode(errors="replace").strip() == hashlib.sha256(data).hexdigest():

@@ -54,6 +54,42 @@ def test_a_failure_is_raised_at_once_after_the_first_time(open_local, tmp_path):
         compiled(torch.randn(0, 8))
 
 
+class BreaksInTraining(nn.Module):
+    """Its forward breaks the graph in train() only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            torch._dynamo.graph_break()
+        return torch.relu(self.proj(x))
+
+
+def test_a_failure_is_the_models_with_the_values_it_had(open_local, tmp_path):
+    """A trace that fails in train() is not eval()'s failure: eval() compiles (and matches
+    eager); train() fails again, and from then on at once, with no new trace."""
+    import torch._dynamo
+
+    store = open_local(tmp_path / "store")
+    model = BreaksInTraining().train()
+    config = cachebuild.CompileConfig(compile_ranges=((1, 16),), backend="eager_fusion")
+    with pytest.raises(UsageError, match="does not trace as one graph"), torch.no_grad():
+        cachebuild.compile(model, config, {0: 0}, store=store)(torch.randn(4, 8))
+    model.eval()
+    compiled = cachebuild.compile(model, config, {0: 0}, store=store)
+    models.assert_matches_eager(compiled, model, (torch.randn(4, 8),))
+    model.train()
+    # A variant of the stored eval() entry now: its own failure, met once more.
+    with pytest.raises(UsageError, match="does not trace as one graph"), torch.no_grad():
+        cachebuild.compile(model, config, {0: 0}, store=store)(torch.randn(4, 8))
+    before = cachebuild.stats()
+    with pytest.raises(CompileFailed, match="does not trace as one graph"), torch.no_grad():
+        cachebuild.compile(model, config, {0: 0}, store=store)(torch.randn(4, 8))
+    assert models.counters_delta(before, cachebuild.stats())["traced"] == 0
+
+
 def test_with_on_failure_eager_the_model_runs_eagerly_after_one_warning(open_local, tmp_path, caplog):
     store = open_local(tmp_path / "store")
     model = NoSplit().eval()

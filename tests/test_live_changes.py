@@ -151,7 +151,8 @@ def test_the_check_sees_every_kind_of_change(change):
         torch.set_default_dtype(dtype)
 
 
-@pytest.mark.parametrize("change", ["matmul precision", "autocast dtype", "warn only"])
+@pytest.mark.parametrize("change", ["matmul precision", "fp32 precision", "autocast dtype",
+                                    "warn only"])
 def test_the_check_sees_torch_state_a_forward_may_read(change):
     """Torch's process state that Dynamo's global-state guard holds and a forward may
     branch on: how matmuls may round, the dtype autocast casts to (where it is on),
@@ -166,20 +167,25 @@ def test_the_check_sees_torch_state_a_forward_may_read(change):
         args = (torch.zeros(2, 4),)
         assert watch.mismatches(model, args) == []
         tf32 = torch.backends.cuda.matmul.allow_tf32
+        fp32 = torch.backends.cuda.matmul.fp32_precision
         warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
         deterministic = torch.are_deterministic_algorithms_enabled()
         try:
             if change == "matmul precision":
                 torch.backends.cuda.matmul.allow_tf32 = not tf32
+            elif change == "fp32 precision":  # the newer setting, which the legacy flag's
+                torch.backends.cuda.matmul.fp32_precision = "tf32"  # reader refuses then
             elif change == "autocast dtype":
                 torch.set_autocast_dtype("cpu", torch.float16)
             else:
                 torch.use_deterministic_algorithms(deterministic, warn_only=not warn_only)
             wrong = watch.mismatches(model, args)
             assert [m.name for m in wrong] == ["torch " + {
-                "matmul precision": "matmul precision", "autocast dtype": "autocast dtype",
+                "matmul precision": "matmul precision", "fp32 precision": "matmul precision",
+                "autocast dtype": "autocast dtype",
                 "warn only": "deterministic warn only"}[change]], wrong
         finally:
+            torch.backends.cuda.matmul.fp32_precision = fp32
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.set_autocast_dtype("cpu", torch.bfloat16)
             torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)

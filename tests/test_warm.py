@@ -8,6 +8,7 @@ import importlib.util
 import sys
 import textwrap
 import warnings
+from dataclasses import replace
 
 import models
 import pytest
@@ -306,6 +307,32 @@ def test_compiled_pieces_refuse_autocast_and_say_once_they_answer_without_autogr
             pytest.raises(Exception, match=r"called under torch.autocast \(cpu\)"):
         door(*args)
     assert models.counters_delta(before, cachebuild.stats())["built"] == 0
+
+
+def test_a_call_under_autocast_is_refused_before_anything_and_never_remembered(
+        open_local, tmp_path):
+    """On an empty store too: refused before a trace, and not remembered as the model's
+    failure, so a call without autocast is compiled as usual (not 'failed earlier')."""
+    from cachebuild import process_state
+
+    model = models.make(models.Decoder, layers=2)
+    compiled = cachebuild.compile(model, models.aoti_config(), DYN,
+                                  store=open_local(tmp_path / "store"))
+    before = cachebuild.stats()
+    for _ in range(2):
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), \
+                pytest.raises(UsageError, match=r"called under torch.autocast \(cpu\)"):
+            compiled(*models.inputs(5))
+    assert not process_state.current().failed
+    assert models.counters_delta(before, cachebuild.stats())["traced"] == 0
+    # With on_failure="eager", such a call runs eagerly (autocast applies) while it lasts.
+    config = replace(models.aoti_config(), on_failure="eager")
+    lenient = cachebuild.compile(model, config, DYN, store=open_local(tmp_path / "store"))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out, want = lenient(*models.inputs(5)), model(*models.inputs(5))
+    assert out.dtype == want.dtype == torch.bfloat16 and torch.equal(out, want)
+    assert not lenient._eager  # not for good: the next call without autocast compiles
+    assert models.counters_delta(before, cachebuild.stats())["traced"] == 0
 
 
 def test_eager_fusion_pieces_run_under_the_callers_autocast(open_local, tmp_path, fresh_dynamo):

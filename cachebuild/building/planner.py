@@ -64,20 +64,28 @@ class Lookup:
     mismatches: list[Mismatch] = field(default_factory=list)  # of the last entry tried
 
 
-def refuse_ambient_autocast(config: CompileConfig) -> None:
-    """UsageError where the call runs under ``torch.autocast`` and the config's backend
-    compiles its pieces: they are built without autocast and never apply the one around
-    the call (their outputs would keep the model's dtype). ``eager_fusion`` pieces run
-    eagerly, under it."""
+def autocast_refusal(config: CompileConfig) -> str | None:
+    """Why a call may not run now, where it runs under ``torch.autocast`` and the config's
+    backend compiles its pieces: they are built without autocast and never apply the one
+    around the call (their outputs would keep the model's dtype); else None. ``eager_fusion``
+    pieces run eagerly, under it. About this call, never remembered as a failure."""
+    if config.backend == "eager_fusion" or not torch._C._is_any_autocast_enabled():
+        return None
     on = [d for d in ("cpu", "cuda") if torch.is_autocast_enabled(d)]
-    if not on or config.backend == "eager_fusion":
-        return
-    raise UsageError(
-        f"the model is called under torch.autocast ({', '.join(on)}), which the pieces the "
-        f"{config.backend} backend compiles do not apply (they are built without it, and "
-        "would answer in the model's own dtype): convert the model instead "
-        "(model.to(torch.bfloat16)) and call it outside autocast, or use "
-        "backend='eager_fusion', whose pieces run under it")
+    if not on:
+        return None
+    return (f"the model is called under torch.autocast ({', '.join(on)}), which the pieces "
+            f"the {config.backend} backend compiles do not apply (they are built without it, "
+            "and would answer in the model's own dtype): convert the model instead "
+            "(model.to(torch.bfloat16)) and call it outside autocast, or use "
+            "backend='eager_fusion', whose pieces run under it")
+
+
+def refuse_ambient_autocast(config: CompileConfig) -> None:
+    """UsageError where ``autocast_refusal`` says why."""
+    why = autocast_refusal(config)
+    if why is not None:
+        raise UsageError(why)
 
 class Planner:
     """Trace → split → targets → entry for one model and call signature."""

@@ -65,13 +65,17 @@ def install() -> None:
 
 
 def watch(model: torch.nn.Module, paths: list[str]) -> None:
-    """Watch the modules along each dotted parameter or buffer path of ``model``."""
+    """Watch the modules along each dotted parameter or buffer path of ``model``, as far
+    as each path leads (a submodule set to None or deleted ends it: ``lookup`` says so)."""
     install()
     for path in paths:
         module = model
         _WATCHED.add(module)
         for part in path.split(".")[:-1]:
-            module = module.get_submodule(part)
+            try:
+                module = module.get_submodule(part)
+            except AttributeError:
+                break
             _WATCHED.add(module)
 
 

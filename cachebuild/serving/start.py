@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cachebuild import process_state
+from cachebuild import compat, process_state
 from cachebuild.building import notice
 from cachebuild.building.build import Builder, early_pool, resolve_all
 from cachebuild.building.entry import record_entry
@@ -124,7 +124,8 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             # Remembered with what its trace read, where it got that far: the same model
             # with other values (eval() after train()) is another start, not this failure.
             failed.setdefault(base, []).append(process_state.Failure(
-                e, found.key, None if traced is None else _reads(traced)))
+                e, found.key, _untraced(found.key, model) if traced is None
+                else _reads(traced)))
             return Started(None, e, first=True)
         finally:
             if pool is not None:
@@ -142,7 +143,18 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
 def _reads(entry: Entry) -> Any:
     """Whether a live model and call read other values than ``entry``'s trace did."""
     guards = CallGuards(entry.guard_set(), entry.sources)
-    return lambda model, args: bool(guards.mismatches(model, args))
+    return lambda key, model, args: bool(guards.mismatches(model, args))
+
+
+def _untraced(key: str, model: torch.nn.Module) -> Any:
+    """For a failure before its trace was done (nothing says what it read): whether a
+    start has another entry key, or another ``training`` on some module, or other torch
+    process state (a graph break in train() alone is not eval()'s)."""
+    def state(model: torch.nn.Module) -> tuple[Any, ...]:
+        return tuple(m.training for m in model.modules()), compat.process_state_signature()
+
+    was = state(model)
+    return lambda k, model, args: k != key or state(model) != was
 
 
 def take_over(swap: Swap, model: torch.nn.Module, config: CompileConfig,

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from cachebuild import compat
 from cachebuild.graph.weights import hooks_hidden
 from cachebuild.trust.codehash import code_hash
 from cachebuild.trust.sources import code_change, find_module, is_label, module_label, object_label
@@ -408,9 +409,7 @@ def process_state(name: str) -> Any:
     if name == "deterministic_warn_only":
         return torch.is_deterministic_algorithms_warn_only_enabled()
     if name == "matmul_precision":  # what a forward may read of how matmuls round
-        return [torch.backends.cuda.matmul.allow_tf32,
-                torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction,
-                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction]
+        return [str(value) for value in compat.matmul_rounding()]
     if name == "torch_function_modes":
         return len(torch.overrides._get_current_function_mode_stack())
     raise KeyError(name)
