@@ -115,10 +115,17 @@ def generation() -> int:
     return GENERATION[0]
 
 
-def replaced(before: list[object], after: list[object]) -> list[int]:
-    """Positions where ``after`` holds another tensor object than ``before``."""
-    return [i for i, (a, b) in enumerate(zip(before, after, strict=True))
-            if isinstance(a, torch.Tensor) and a is not b]
+def addresses(tensors: list[object]) -> list[int]:
+    """Where each tensor's memory starts (0 for what is not a tensor)."""
+    return [t.data_ptr() if isinstance(t, torch.Tensor) else 0 for t in tensors]
+
+
+def replaced(before: list[object], after: list[object], at: list[int]) -> list[int]:
+    """Positions where ``after`` holds another tensor object than ``before``, or the same
+    one whose memory no longer starts where it did (``at``: ``addresses(before)`` when it
+    was bound; ``.data`` replaced)."""
+    return [i for i, (a, b, p) in enumerate(zip(before, after, at, strict=True))
+            if isinstance(a, torch.Tensor) and (a is not b or b.data_ptr() != p)]
 
 
 @contextlib.contextmanager

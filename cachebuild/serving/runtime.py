@@ -135,6 +135,12 @@ class ModelRuntime:
                                self._dynamic_size, self.written_args)
         # Kept once every weight passed: one refused above is looked up again next call.
         self._generation, self._held = generation, held
+        # A weight whose memory moved under the same tensor object (``model.half()``,
+        # ``model.to(...)`` set every weight's ``.data``): one pointer compared per call
+        # sees a whole-model conversion, which no hook or watched dict does.
+        self._sentinel = next((t for t in template if isinstance(t, torch.Tensor)), None)
+        self._sentinel_at = self._sentinel.data_ptr() if self._sentinel is not None else 0
+        self._addresses = weights.addresses(template)
 
     def _weights(self) -> list[Any]:
         """The graph inputs that come from the model (weights, constants) as bound now;
@@ -281,24 +287,30 @@ class ModelRuntime:
 
     def _rebind_if_replaced(self) -> None:
         """Use weights that replaced the model's tensors since the last call. Captured
-        graphs hold the old tensors: with any captured, a replaced weight is an error."""
-        before = self._template
+        graphs hold the old tensors' memory: with any captured, a replaced weight (or one
+        whose ``.data`` was replaced) is an error."""
+        before, at = self._template, self._addresses
         self.rebind()
-        moved = weights.replaced(before, self._template)
+        moved = weights.replaced(before, self._template, at)
         if moved and self.captured_sizes:
-            self._template = before
+            self._template, self._addresses = before, at
             self._generation = -1  # refuse again at the next call
             names = [self.bindings[i].path for i in moved[:3]]
             raise UsageError(
-                f"{', '.join(map(str, names))} were replaced by new tensors after graph capture, "
+                f"{', '.join(map(str, names))} were replaced by new tensors (or new memory under "
+                "their .data) after graph capture, "
                 "which still reads the old ones: copy new weights in place "
                 "(load_state_dict, param.data.copy_) or compile the model again")
 
     def _call(self, *args: Any) -> Any:
-        if self._generation != weights.GENERATION[0] or not self._held():
+        if self._generation != weights.GENERATION[0] or not self._held() or (
+                self._sentinel is not None and self._sentinel.data_ptr() != self._sentinel_at):
             self._rebind_if_replaced()
         with self._on_device:  # graphs name the GPU by type: run on the model's
             if self.capturer is not None:
+                if torch.is_grad_enabled():  # graphs and their buffers serve inference only
+                    with torch.no_grad():
+                        return self.capturer(args)
                 return self.capturer(args)
             return self._forward(*args)
 
