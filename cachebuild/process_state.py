@@ -60,8 +60,8 @@ class ProcessState:
     ``loaded``: loaded targets by (key, device); ``verified``: keys of targets proven
     against their piece (built here, by a worker for this process, or checked on load);
     ``failed``: the models that failed to compile (``Failure``), by the entry key of
-    their code, config and shapes (a model's values lead to variants of it); ``said``: what was said once already (``first_saying``);
-    ``capturers``: capturers whose background thread may be running.
+    their code, config and shapes (a model's values lead to variants of it); ``said``:
+    what was said once already (``first_saying``); ``capturers``: capturers whose background thread may be running.
     """
 
     loaded: dict[tuple[str, str], Any] = field(default_factory=dict)

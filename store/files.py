@@ -118,6 +118,7 @@ def write_whole(path: Path, data: bytes) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
 
+
 def remove_stored_files(layout: Layout, key: str) -> bool:
     """Remove the blob of ``key`` and the files materialized from it (hold the key's entry
     lock); True if the blob was there."""

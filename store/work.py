@@ -146,7 +146,6 @@ class ObjectRecords:
         return None
 
 
-
 def _read_regular(path: Path) -> bytes | None:
     """The bytes of the regular file at ``path``; None if it is missing or something else
     (a symlink is not followed, a FIFO not waited on)."""

@@ -81,12 +81,6 @@ def autocast_refusal(config: CompileConfig) -> str | None:
             "backend='eager_fusion', whose pieces run under it")
 
 
-def refuse_ambient_autocast(config: CompileConfig) -> None:
-    """UsageError where ``autocast_refusal`` says why."""
-    why = autocast_refusal(config)
-    if why is not None:
-        raise UsageError(why)
-
 class Planner:
     """Trace → split → targets → entry for one model and call signature."""
 
@@ -159,7 +153,6 @@ class Planner:
         """Trace the model, split it, plan its targets: a new (not yet stored) Entry, to be
         stored where ``found`` (the lookup that missed) says."""
         found = found or self.lookup(args)
-        refuse_ambient_autocast(self.config)
         check_splitting_ops(self.config.splitting_ops)
         check_inductor_options(self.config)
         self.start_toolchain(args)
@@ -181,7 +174,9 @@ class Planner:
             start(self.config, str(tensor.device))
 
     def plan(self, traced: TracedGraph, factors: dict[str, Any], key: str | None = None) -> Entry:
-        refuse_ambient_autocast(self.config)  # the torch.compile door plans as Dynamo traces
+        why = autocast_refusal(self.config)  # the torch.compile door plans as Dynamo traces
+        if why is not None:
+            raise UsageError(why)
         check_inductor_options(self.config)  # a trace has loaded Inductor's config
         with timed("split"):
             split = split_graph(traced, self.config.splitting_ops)

@@ -223,13 +223,16 @@ def install_warning_display() -> None:
 
 # -- argument types ----------------------------------------------------------------------
 
-def _bare(value: str) -> bool:
-    """Whether ``value`` is a number without a unit (0 is 0 in every unit)."""
+def _unit_missing(value: str, examples: str) -> str | None:
+    """Why ``value`` needs a unit, where it is a number without one other than 0 (0 is 0
+    in every unit); ``examples`` says what to write, ``{0}`` standing for the number."""
     text = value.strip()
     try:
-        return float(text) != 0
+        if float(text) == 0:
+            return None
     except ValueError:
-        return False
+        return None
+    return f"{text!r} has no unit: give one, e.g. {examples.format(text)}"
 
 
 class SizeParam(click.ParamType):
@@ -248,9 +251,9 @@ class SizeParam(click.ParamType):
             size = parse_size(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
-        if self.unit and _bare(value):
-            self.fail(f"{value.strip()!r} has no unit: give one, e.g. {value.strip()}G or "
-                      f"{value.strip()}M ({value.strip()}B for bytes)", param, ctx)
+        why = _unit_missing(value, "{0}G or {0}M ({0}B for bytes)") if self.unit else None
+        if why is not None:
+            self.fail(why, param, ctx)
         return size
 
 
@@ -271,9 +274,9 @@ class DurationParam(click.ParamType):
             seconds = parse_duration(value)
         except ValueError as e:
             self.fail(str(e), param, ctx)
-        if self.unit and _bare(value):
-            self.fail(f"{value.strip()!r} has no unit: give one, e.g. {value.strip()}d or "
-                      f"{value.strip()}h ({value.strip()}s for seconds)", param, ctx)
+        why = _unit_missing(value, "{0}d or {0}h ({0}s for seconds)") if self.unit else None
+        if why is not None:
+            self.fail(why, param, ctx)
         return seconds
 
 

@@ -61,7 +61,6 @@ class InputMeta:
         return found
 
 
-
 def holds_at(guard: Any, symbols: set[Any], size: int) -> bool:
     """Whether the symbolic-shape ``guard`` (a sympy boolean of torch's shape guards) holds
     when each of ``symbols``, which all stand for the token count, is ``size``; a guard
@@ -70,6 +69,7 @@ def holds_at(guard: Any, symbols: set[Any], size: int) -> bool:
 
     value = sympy.Integer(size)
     return guard.xreplace({s: value for s in guard.free_symbols & symbols}) is sympy.true
+
 
 def _dim(value: Any) -> int | str:
     if isinstance(value, torch.SymInt):

@@ -124,8 +124,9 @@ class Swap:
     then loaded there too (``done`` is set once they are, or once a build failed:
     ``error`` says why, and the model keeps serving with what it has).
     With ``record``, the entry is recorded on that thread once they are all stored and
-    loaded (not for an entry that is stored already). The swap itself is the serving thread's: the next call
-    ``claim``s the targets and runs on a runtime over them from its start to its end."""
+    loaded (not for an entry that is stored already). The swap itself is the serving
+    thread's: the next call ``claim``s the targets and runs on a runtime over them from
+    its start to its end."""
 
     def __init__(self, entry: Entry, builder: Builder, jobs: list[BuildJob], workers: int,
                  setup: Any, *, record: bool) -> None:
