@@ -172,8 +172,8 @@ def test_a_kernel_key_leaves_out_only_comment_lines_at_the_edges():
     string's text), so two sources that differ there have different keys."""
     strip = compilers._without_edge_comments
     body = b"int f() { return 1; }"
-    assert strip(b"// /work/a/wrapper.cpp\n" + body + b"\n// g++ -c x\n") == \
-        strip(b"// /work/b/wrapper.cpp\n" + body + b"\n// g++ -c y\n\n") == body
+    assert strip(b"// /srv/store-a/wrapper.cpp\n" + body + b"\n// g++ -c x\n") == \
+        strip(b"// /srv/store-b/wrapper.cpp\n" + body + b"\n// g++ -c y\n\n") == body
     spliced = b'int g();\nconst char* s = "abc\\\n'
     assert strip(spliced + b'// one";\n') != strip(spliced + b'// two";\n')
     assert strip(b"// goes on \\\nint h;\n" + body) == b"// goes on \\\nint h;\n" + body
