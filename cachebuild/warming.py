@@ -211,10 +211,11 @@ Say = Callable[[str], None]
 def plan_model(source: Source, store: Store, device: str | None = None,
                pending: dict[str, Entry] | None = None, rank: int | None = None,
                say: Say | None = None,
-               on_trace: Callable[[CompileConfig], None] | None = None) -> Planned:
+               on_trace: Callable[[CompileConfig, bool], None] | None = None) -> Planned:
     """Build the model's spec and find its entry: the stored one (or one in ``pending``,
     planned for another rank) if fresh, else a new trace (``say`` is told why, and
-    ``on_trace(config)`` called first)."""
+    ``on_trace(config, edited)`` called first: ``edited``, the model was warmed before
+    and its code changed since, ``nearest.edited_since``)."""
     from cachebuild.building.planner import Planner
 
     progress.info("importing %s and building its model", source.name)
@@ -230,7 +231,10 @@ def plan_model(source: Source, store: Store, device: str | None = None,
             who = f" as rank {rank}" if rank is not None else ""
             say(f"tracing {source.name}{who}: {reason(found.why, store, found.factors)}")
         if on_trace is not None:
-            on_trace(spec.config)
+            from cachebuild.building.nearest import edited_since
+
+            on_trace(spec.config, found.why == "no entry"
+                     and edited_since(store, found.factors))
         progress.info("tracing %s%s", source.name, f" as rank {rank}" if rank is not None
                       else "")
         entry = planner.trace(spec.example_inputs, found)
@@ -239,7 +243,8 @@ def plan_model(source: Source, store: Store, device: str | None = None,
 
 def plan_group(source: Source, store: Store, device: str | None = None,
                world_size: int | None = None, say: Say | None = None,
-               on_trace: Callable[[CompileConfig], None] | None = None) -> Iterator[Planned]:
+               on_trace: Callable[[CompileConfig, bool], None] | None = None
+               ) -> Iterator[Planned]:
     """``plan_model(...)``, or with ``world_size`` one Planned per rank, each planned in
     this process under torch's fake process group as that rank, and handed out while that
     rank's group is up (what the caller checks on the rank's model sees it as the rank).
@@ -501,8 +506,9 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
             if pool is None and not dry_run and source.file is not None and options is not None:
                 pool = start_pool(jobs or jobs_here(targets), str(source.file), options)
 
-        def before_trace(config: CompileConfig) -> None:  # a guess: the trace says later
-            start_workers(expected_targets(len(config.buckets())))
+        def before_trace(config: CompileConfig, edited: bool) -> None:
+            # a guess: the trace says later
+            start_workers(expected_targets(len(config.buckets()), edited=edited))
 
         group = list(plan_group(source, opened, device, world_size, say, before_trace))
         report = _report(group, opened, world_size)

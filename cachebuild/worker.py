@@ -56,17 +56,34 @@ def serve(results_fd: int) -> None:
         importlib.import_module(name)
     warnings.showwarning = forward
     store = open_store(setup.options)
-    while True:
-        try:
-            job = receive(jobs)
-        except EOFError:
-            return
-        done = build_one(store, job)
-        result = Result(job.target.key, done.built, done.seconds, done.error, list(said),
-                        done.phases)
-        said.clear()
-        send(results, result)
+    try:
+        while True:
+            try:
+                job = receive(jobs)
+            except EOFError:
+                return
+            done = build_one(store, job)
+            result = Result(job.target.key, done.built, done.seconds, done.error,
+                            list(said), done.phases)
+            said.clear()
+            send(results, result)
+    finally:
+        store.close()
+
+
+def end() -> None:
+    """End the process at once, its exit handlers run (scratch folders removed, probe
+    children stopped) and its output flushed. Every build's results are stored, synced
+    and sent by then; the interpreter's own teardown of torch and Inductor would only
+    add about a second to every caller's wait for its workers (``BuildPool.close``)."""
+    import atexit
+
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
     serve(int(sys.argv[1]))
+    end()

@@ -218,3 +218,23 @@ def test_a_warm_start_with_targets_gone_builds_them_in_workers(tmp_path, monkeyp
         models.assert_matches_eager(again, model, models.inputs(9))
     assert "warm start from entry" in caplog.text
     assert "building 2 targets in 2 worker processes" in caplog.text
+
+
+def test_a_worker_ends_at_once_with_its_exit_handlers_run(tmp_path):
+    """A worker done with its jobs skips the interpreter's teardown (about a second that
+    every caller waits for at ``BuildPool.close``), but runs its exit handlers (scratch
+    folders removed, probe children stopped) and flushes what it printed."""
+    import subprocess
+    import sys
+
+    done = tmp_path / "handled"
+    code = ("import atexit, pathlib, sys\n"
+            f"atexit.register(pathlib.Path({str(done)!r}).write_text, 'yes')\n"
+            "print('said', end='')\n"
+            "from cachebuild.worker import end\n"
+            "end()\n"
+            "sys.exit(3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=120)
+    assert (proc.returncode, proc.stdout) == (0, "said"), proc.stderr
+    assert done.read_text() == "yes"

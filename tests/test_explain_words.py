@@ -128,3 +128,34 @@ def test_one_edited_file_is_said_once_for_every_module_it_defines():
         f"{change} (the model: Llama; layers.0, layers.1: DecoderLayer)",
         "norm.eps: 1e-05 → 1e-06",
         "source of rope.py 1 → 2 (layers.0.rotary: Rotary)"]
+
+
+def test_a_warm_after_an_edit_expects_few_missing_targets(warmed, tmp_path):
+    """Before its trace, a warm guesses how many targets will be missing and starts that
+    many build workers (their imports share the CPUs with the trace): after an edit of a
+    model warmed before, the guess is an edit's; for settings never warmed, or a store
+    that never saw the model, it is a whole model's."""
+    from cachebuild.building.pool import expected_targets
+    from cachebuild.store import LocalStore
+    from cachebuild.warming import plan_model, source_of
+
+    store, model = warmed
+    edited = tmp_path / "model.py"
+    edited.write_text(model.read_text().replace("F.silu(", "F.gelu("))
+
+    def guess(path: Path, store_dir: Path) -> bool:
+        seen: list[bool] = []
+        with LocalStore(store_dir) as opened:
+            plan_model(source_of(str(path)), opened,
+                       on_trace=lambda config, edited: seen.append(edited))
+        assert len(seen) == 1  # traced: nothing stored is fresh for it
+        return seen[0]
+
+    assert guess(edited, store) is True
+    # Other parameter shapes as well: not an edit of the code alone.
+    wide = tmp_path / "wide" / "model.py"
+    wide.parent.mkdir()
+    wide.write_text(model.read_text().replace('"WIDTH", "64"', '"WIDTH", "96"'))
+    assert guess(wide, store) is False
+    assert guess(edited, tmp_path / "empty-store") is False
+    assert expected_targets(2, edited=True) == 2 < expected_targets(2)

@@ -256,16 +256,39 @@ def start(device: str, work: Path) -> dict[str, str]:
     return info
 
 
+def without_objects(folder: Path) -> Path:
+    """A copy, at ``folder``, of the primed environment folder (``CACHEBUILD_PROBE_DIR``)
+    without the C++ objects builds keep there (its files hard-linked, not copied): the
+    toolchain's verdict and precompiled headers as on a machine that has built other
+    models, but nothing of this one. Every store on a machine shares those objects, so a
+    cold build measured with the folder an earlier child filled would reuse that child's
+    compiles and be no cold build."""
+    import shutil
+
+    from cachebuild.backends.environment import OBJECTS
+
+    primed_dir = Path(os.environ["CACHEBUILD_PROBE_DIR"])
+    skip = {primed_dir / name for name in OBJECTS}
+    shutil.copytree(primed_dir, folder, copy_function=os.link,
+                    ignore=lambda d, names: [n for n in names if Path(d) / n in skip])
+    return folder
+
+
 def run_child(mode: str, layers: int, inductor_dir: Path, store_dir: Path | None = None,
               artifact: Path | None = None, timeout: float = 900,
-              size: dict[str, str] | None = None, home: Path | None = None) -> dict[str, Any]:
+              size: dict[str, str] | None = None, home: Path | None = None,
+              environment: Path | None = None) -> dict[str, Any]:
     """One fresh process of ``child``; its JSON report (or an ``error``) plus ``wall_s``.
     ``home``: run it as on a new machine, with HOME and XDG_CACHE_HOME there (a new empty
-    folder) and no shared probe folder. With ``$BENCH_TIMELINE`` (``--timeline``) set, the
-    child logs what it does, timed from its start, and its standard error is kept there."""
+    folder) and no shared probe folder. ``environment``: its environment folder instead
+    of the shared one (``without_objects``). With ``$BENCH_TIMELINE`` (``--timeline``)
+    set, the child logs what it does, timed from its start, and its standard error is
+    kept there."""
     env = dict(os.environ, **(size or SIZE_ENV), LLAMA_LAYERS=str(layers),
                TORCHINDUCTOR_CACHE_DIR=str(inductor_dir),
                PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    if environment is not None:
+        env["CACHEBUILD_PROBE_DIR"] = str(environment)
     if home is not None:
         home.mkdir(mode=0o700, parents=True)
         env.update(HOME=str(home), XDG_CACHE_HOME=str(home / ".cache"))
@@ -338,31 +361,36 @@ def bench_depth(layers: int, repeat: int, work: Path, warm_jobs: list[int] = (),
         runs["torch_cold"].append(run_child("torch", layers, ind, size=size))
         runs["torch_warm"].append(run_child("torch", layers, ind, size=size))
         store = work / f"L{layers}-store-{i}"
+        # Each cold build with an environment folder of its own, without the objects
+        # earlier children kept; its second process and its edit reuse that folder.
+        environment = without_objects(work / f"L{layers}-env-{i}")
         runs["cb_cold"].append(run_child("cachebuild", layers, work / f"L{layers}-cbind-{i}",
-                                         store, size=size))
+                                         store, size=size, environment=environment))
         runs["cb_warm"].append(run_child("cachebuild", layers, work / f"L{layers}-cbind2-{i}",
-                                         store, size=size))
+                                         store, size=size, environment=environment))
         said = [f"torch cold {_s(runs['torch_cold'][-1])}, warm {_s(runs['torch_warm'][-1])}",
                 f"cachebuild cold {_s(runs['cb_cold'][-1])}, 2nd {_s(runs['cb_warm'][-1])}"]
         for jobs in warm_jobs:
             name = f"warm_j{jobs}"
             runs.setdefault(name, []).append(run_child(
                 f"warm:{jobs}", layers, work / f"L{layers}-wind-{jobs}-{i}",
-                work / f"L{layers}-wstore-{jobs}-{i}", size=size))
+                work / f"L{layers}-wstore-{jobs}-{i}", size=size,
+                environment=without_objects(work / f"L{layers}-wenv-{jobs}-{i}")))
             said.append(f"warm -j {runs[name][-1].get('jobs', jobs or 'default')} "
                         f"{_s(runs[name][-1])}")
         if edit and warm_jobs:
             jobs = warm_jobs[-1]
             edited = edited_model(work / f"L{layers}-edit-{i}")
             r = run_child("rewarm", layers, work / f"L{layers}-wind-{jobs}-{i}",
-                          work / f"L{layers}-wstore-{jobs}-{i}", edited, size=size)
+                          work / f"L{layers}-wstore-{jobs}-{i}", edited, size=size,
+                          environment=work / f"L{layers}-wenv-{jobs}-{i}")
             r["cold_warm_s"] = runs[f"warm_j{jobs}"][-1].get("seconds")
             runs.setdefault("edit", []).append(r)
             said.append(f"edit rebuild {_s(r)} ({r.get('built')} built)")
         if serve:
             runs.setdefault("serve", []).append(run_child(
                 "serve", layers, work / f"L{layers}-sind-{i}", work / f"L{layers}-sstore-{i}",
-                size=size))
+                size=size, environment=without_objects(work / f"L{layers}-senv-{i}")))
             r = runs["serve"][-1]
             said.append(f"serving while building: first output {_s(r)}, own targets at "
                         f"{r.get('swapped_s', float('nan')):.2f} s")

@@ -412,16 +412,18 @@ def _build_in_workers(jobs: list[BuildJob], builder: Builder,
         started.run(ordered, finished)
 
 
-def early_pool(store: Store, config: CompileConfig) -> BuildPool | None:
+def early_pool(store: Store, config: CompileConfig, *, edited: bool = False
+               ) -> BuildPool | None:
     """Build workers for a cold start, started before its trace so that their imports
     overlap it (``expected_targets`` of them; told what to build after the plan), or None
-    where its builds would not go to workers: one job (``CACHEBUILD_BUILD_JOBS=1``), a
-    backend not built in, a store workers cannot open."""
+    where its builds would not go to workers: one job (``CACHEBUILD_BUILD_JOBS=1``, or
+    one expected after an edit: ``edited``), a backend not built in, a store workers
+    cannot open."""
     from cachebuild.building.pool import BuildPool, cold_start_jobs, expected_targets, store_options
 
     if config.backend not in ("inductor", "eager_fusion") or store_options(store) is None:
         return None
-    workers = cold_start_jobs(expected_targets(len(config.buckets())))
+    workers = cold_start_jobs(expected_targets(len(config.buckets()), edited=edited))
     return BuildPool(workers) if workers > 1 else None
 
 

@@ -127,11 +127,13 @@ def jobs_here(targets: int) -> int:
     return max(1, jobs)
 
 
-def expected_targets(buckets: int) -> int:
-    """How many targets a model is expected to have before its trace says: a decoder's
+def expected_targets(buckets: int, *, edited: bool = False) -> int:
+    """How many targets a model is expected to miss before its trace says: a decoder's
     pieces come in three kinds (the first, the repeated middle, the last), each built per
-    bucket. A pool started on this guess grows if the plan asks for more."""
-    return 3 * max(1, buckets)
+    bucket; after an edit of a model warmed before (``edited``, ``nearest.edited_since``),
+    one piece per bucket. A pool started on this guess grows if the plan asks for more.
+    (Guessing high costs an edit's trace: the workers' imports share the CPUs with it.)"""
+    return (1 if edited else 3) * max(1, buckets)
 
 
 def cold_start_jobs(targets: int) -> int:

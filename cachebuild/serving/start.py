@@ -34,6 +34,7 @@ from cachebuild import compat, process_state
 from cachebuild.building import notice
 from cachebuild.building.build import Builder, early_pool, resolve_all
 from cachebuild.building.entry import record_entry
+from cachebuild.building.nearest import edited_since
 from cachebuild.building.planner import Planner
 from cachebuild.counters import timed
 from cachebuild.errors import StoreError, ToolchainRefuted, one_line, transient
@@ -95,8 +96,9 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
         try:
             if not warm and config.while_building == "wait":
                 # A cold start's build workers start before its trace: their imports
-                # overlap it.
-                pool = early_pool(store, config)
+                # overlap it (fewer after an edit: its trace would share the CPUs).
+                pool = early_pool(store, config, edited=found.why == "no entry"
+                                  and edited_since(store, found.factors))
             entry = found.entry
             if entry is None:
                 notice.must_trace(model, found.why, store, found.factors)
