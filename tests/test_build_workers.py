@@ -238,3 +238,52 @@ def test_a_worker_ends_at_once_with_its_exit_handlers_run(tmp_path):
                           timeout=120)
     assert (proc.returncode, proc.stdout) == (0, "said"), proc.stderr
     assert done.read_text() == "yes"
+
+
+#: A server's cold start of a one-layer decoder, as a fresh process; it prints whether it
+#: imported Inductor's compiler, and what it built and loaded.
+_SERVER = """
+import json, os, sys
+import cachebuild, models
+from cachebuild.store import LocalStore
+
+before = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+model = models.make(models.Decoder, layers=1)
+compiled = cachebuild.compile(model, models.config(), {0: 0, 1: 0},
+                              store=LocalStore(sys.argv[1]))
+models.assert_matches_eager(compiled, model, models.inputs(7))
+stats = cachebuild.stats()
+print(json.dumps({"inductor": "torch._inductor.compile_fx" in sys.modules,
+                  "environment": os.environ.get("TORCHINDUCTOR_CACHE_DIR") == before,
+                  "built": stats["built"], "loaded": stats["loaded"],
+                  "keys": sorted(compiled.runtime.entry.target_keys())}))
+"""
+
+
+def test_a_server_builds_even_one_missing_target_in_a_worker(tmp_path):
+    """By default (no ``CACHEBUILD_BUILD_JOBS``) a cold start's targets build in worker
+    processes, one missing target too (a warm start that lost one): the serving process
+    never imports Inductor's compiler nor points its folders anywhere for a build."""
+    import json
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    env = {k: v for k, v in os.environ.items() if k != "CACHEBUILD_BUILD_JOBS"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(models.__file__).parent),
+                                         env.get("PYTHONPATH", "")])
+
+    def serve() -> dict:
+        proc = subprocess.run([sys.executable, "-c", _SERVER, str(store)], env=env,
+                              capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])
+
+    cold = serve()
+    assert cold["built"] == len(cold["keys"]) >= 2 and cold["loaded"] == cold["built"]
+    assert (cold["inductor"], cold["environment"]) == (False, True)
+    with LocalStore(store) as opened:
+        assert opened.delete(cold["keys"][0])
+    again = serve()
+    assert (again["built"], again["loaded"]) == (1, len(cold["keys"]))
+    assert (again["inductor"], again["environment"]) == (False, True)

@@ -367,16 +367,17 @@ def load_needs(keys: list[str], builder: Builder) -> LoadNeeds:
 
 def _build_in_workers(jobs: list[BuildJob], builder: Builder,
                       done: Callable[[str, float], None], pool: BuildPool | None = None) -> None:
-    """Build ``jobs`` in worker processes at once where that can be done exactly as here
-    (``workers.setup_for``) and more than one worker is to be had (``cold_start_jobs``);
-    else leave them to the caller, which builds them one after another. A job a worker
-    failed is left too: building it here raises its error, as a build here would.
-    ``pool``: workers started already (``early_pool``; the caller closes it)."""
-    from cachebuild.building.pool import BuildPool, cold_start_jobs, setup_for
+    """Build ``jobs`` in worker processes (``cold_start_jobs`` of them) where that can be
+    done exactly as here (``workers.setup_for``) and the operator did not ask for builds
+    here (``builds_here``); else leave them to the caller, which builds them one after
+    another. A job a worker failed is left too: building it here raises its error, as a
+    build here would. ``pool``: workers started already (``early_pool``; the caller
+    closes it)."""
+    from cachebuild.building.pool import BuildPool, builds_here, cold_start_jobs, setup_for
 
-    workers = cold_start_jobs(len(jobs))
-    if workers <= 1:
+    if builds_here():
         return
+    workers = cold_start_jobs(len(jobs))
     jobs = [builder.here(job) for job in jobs]
     setup = setup_for(jobs, builder.store, builder.passes)
     if setup is None:
@@ -415,16 +416,21 @@ def _build_in_workers(jobs: list[BuildJob], builder: Builder,
 def early_pool(store: Store, config: CompileConfig, *, edited: bool = False
                ) -> BuildPool | None:
     """Build workers for a cold start, started before its trace so that their imports
-    overlap it (``expected_targets`` of them; told what to build after the plan), or None
-    where its builds would not go to workers: one job (``CACHEBUILD_BUILD_JOBS=1``, or
-    one expected after an edit: ``edited``), a backend not built in, a store workers
-    cannot open."""
-    from cachebuild.building.pool import BuildPool, cold_start_jobs, expected_targets, store_options
+    overlap it (``expected_targets`` of them, fewer after an edit: ``edited``; told what
+    to build after the plan), or None where its builds would not go to workers:
+    ``CACHEBUILD_BUILD_JOBS=1``, a backend not built in, a store workers cannot open."""
+    from cachebuild.building.pool import (
+        BuildPool,
+        builds_here,
+        cold_start_jobs,
+        expected_targets,
+        store_options,
+    )
 
-    if config.backend not in ("inductor", "eager_fusion") or store_options(store) is None:
+    if config.backend not in ("inductor", "eager_fusion") or store_options(store) is None \
+            or builds_here():
         return None
-    workers = cold_start_jobs(expected_targets(len(config.buckets()), edited=edited))
-    return BuildPool(workers) if workers > 1 else None
+    return BuildPool(cold_start_jobs(expected_targets(len(config.buckets()), edited=edited)))
 
 
 #: Ops that draw from torch's generators, by their last name.
@@ -496,7 +502,7 @@ def resolve_all(entry: Entry, builder: Builder, *, warm: bool = False,
     if missing and on_missing is not None:
         on_missing(len(missing), len(jobs))
     with build_progress(len(missing)) as done:
-        if workers and len(missing) > 1:
+        if workers and missing:
             _build_in_workers([jobs[key] for key in missing], builder, done, pool)
         for key in missing:
             start = time.perf_counter()

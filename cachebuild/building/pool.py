@@ -136,9 +136,18 @@ def expected_targets(buckets: int, *, edited: bool = False) -> int:
     return (1 if edited else 3) * max(1, buckets)
 
 
+def builds_here() -> bool:
+    """Whether the operator asked for builds in the calling process
+    (``CACHEBUILD_BUILD_JOBS=1``). Otherwise a cold start builds in worker processes
+    wherever they can build as it would, one target too: the serving process then
+    neither imports Inductor nor points the compilers' folders at a store for a build."""
+    value = os.environ.get("CACHEBUILD_BUILD_JOBS", "").strip()
+    return value.isdigit() and int(value) == 1
+
+
 def cold_start_jobs(targets: int) -> int:
     """Workers a cold start builds ``targets`` missing targets in: ``CACHEBUILD_BUILD_JOBS``
-    if set (1: in the calling process), else ``jobs_here``."""
+    if set (1: in the calling process, ``builds_here``), else ``jobs_here``."""
     value = os.environ.get("CACHEBUILD_BUILD_JOBS", "").strip()
     if not value:
         return jobs_here(targets)
