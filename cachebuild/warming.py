@@ -211,11 +211,12 @@ Say = Callable[[str], None]
 def plan_model(source: Source, store: Store, device: str | None = None,
                pending: dict[str, Entry] | None = None, rank: int | None = None,
                say: Say | None = None,
-               on_trace: Callable[[CompileConfig, bool], None] | None = None) -> Planned:
+               on_trace: Callable[[CompileConfig, Callable[[], bool]], None] | None = None
+               ) -> Planned:
     """Build the model's spec and find its entry: the stored one (or one in ``pending``,
     planned for another rank) if fresh, else a new trace (``say`` is told why, and
-    ``on_trace(config, edited)`` called first: ``edited``, the model was warmed before
-    and its code changed since, ``nearest.edited_since``)."""
+    ``on_trace(config, edited)`` called first: ``edited()`` says whether the model was
+    warmed before and its code changed since, ``nearest.edited_since``, a store scan)."""
     from cachebuild.building.planner import Planner
 
     progress.info("importing %s and building its model", source.name)
@@ -233,8 +234,7 @@ def plan_model(source: Source, store: Store, device: str | None = None,
         if on_trace is not None:
             from cachebuild.building.nearest import edited_since
 
-            on_trace(spec.config, found.why == "no entry"
-                     and edited_since(store, found.factors))
+            on_trace(spec.config, lambda: edited_since(found.why, store, found.factors))
         progress.info("tracing %s%s", source.name, f" as rank {rank}" if rank is not None
                       else "")
         entry = planner.trace(spec.example_inputs, found)
@@ -243,7 +243,7 @@ def plan_model(source: Source, store: Store, device: str | None = None,
 
 def plan_group(source: Source, store: Store, device: str | None = None,
                world_size: int | None = None, say: Say | None = None,
-               on_trace: Callable[[CompileConfig, bool], None] | None = None
+               on_trace: Callable[[CompileConfig, Callable[[], bool]], None] | None = None
                ) -> Iterator[Planned]:
     """``plan_model(...)``, or with ``world_size`` one Planned per rank, each planned in
     this process under torch's fake process group as that rank, and handed out while that
@@ -501,14 +501,14 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
             prepare_work_dir(Path(opened.work_dir))
         source = source_of(model)
 
-        def start_workers(targets: int) -> None:
+        def start_workers(targets: Callable[[], int]) -> None:
             nonlocal pool
             if pool is None and not dry_run and source.file is not None and options is not None:
-                pool = start_pool(jobs or jobs_here(targets), str(source.file), options)
+                pool = start_pool(jobs or jobs_here(targets()), str(source.file), options)
 
-        def before_trace(config: CompileConfig, edited: bool) -> None:
+        def before_trace(config: CompileConfig, edited: Callable[[], bool]) -> None:
             # a guess: the trace says later
-            start_workers(expected_targets(len(config.buckets()), edited=edited))
+            start_workers(lambda: expected_targets(len(config.buckets()), edited=edited()))
 
         group = list(plan_group(source, opened, device, world_size, say, before_trace))
         report = _report(group, opened, world_size)
@@ -545,7 +545,7 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
 
         if missing:
             if source.file is not None and options is not None:
-                start_workers(len(missing))
+                start_workers(lambda: len(missing))
                 assert pool is not None
                 if jobs is None:  # the guess at the trace may have been short
                     pool.grow(jobs_here(len(missing)))

@@ -4,6 +4,7 @@ and send each result on file descriptor FD."""
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import sys
@@ -79,8 +80,9 @@ def end() -> None:
     import atexit
 
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # none, or closed: nothing to flush
+            stream.flush()
     os._exit(0)
 
 

@@ -133,9 +133,8 @@ def test_one_edited_file_is_said_once_for_every_module_it_defines():
 def test_a_warm_after_an_edit_expects_few_missing_targets(warmed, tmp_path):
     """Before its trace, a warm guesses how many targets will be missing and starts that
     many build workers (their imports share the CPUs with the trace): after an edit of a
-    model warmed before, the guess is an edit's; for settings never warmed, or a store
-    that never saw the model, it is a whole model's."""
-    from cachebuild.building.pool import expected_targets
+    model warmed before (its own file, or a file it imports), the guess is an edit's; for
+    settings never warmed, or a store that never saw the model, it is a whole model's."""
     from cachebuild.store import LocalStore
     from cachebuild.warming import plan_model, source_of
 
@@ -147,7 +146,7 @@ def test_a_warm_after_an_edit_expects_few_missing_targets(warmed, tmp_path):
         seen: list[bool] = []
         with LocalStore(store_dir) as opened:
             plan_model(source_of(str(path)), opened,
-                       on_trace=lambda config, edited: seen.append(edited))
+                       on_trace=lambda config, edited: seen.append(edited()))
         assert len(seen) == 1  # traced: nothing stored is fresh for it
         return seen[0]
 
@@ -158,4 +157,25 @@ def test_a_warm_after_an_edit_expects_few_missing_targets(warmed, tmp_path):
     wide.write_text(model.read_text().replace('"WIDTH", "64"', '"WIDTH", "96"'))
     assert guess(wide, store) is False
     assert guess(edited, tmp_path / "empty-store") is False
-    assert expected_targets(2, edited=True) == 2 < expected_targets(2)
+    # A file the model's class imports, edited under the same entry key: its traced
+    # source changed.
+    layers = tmp_path / "split"
+    layers.mkdir()
+    (layers / "parts.py").write_text("import torch.nn.functional as F\n\n"
+                                     "def act(x):\n    return F.silu(x)\n")
+    split_model = layers / "model.py"
+    split_model.write_text(model.read_text().replace(
+        "import cachebuild\n", "import cachebuild\nfrom parts import act\n").replace(
+        "F.silu(", "act("))
+    cli(store, "warm", str(split_model))
+    (layers / "parts.py").write_text((layers / "parts.py").read_text().replace("silu", "gelu"))
+    assert guess(split_model, store) is True
+
+
+def test_after_an_edit_early_workers_leave_the_trace_a_cpu(monkeypatch):
+    from cachebuild.building.pool import expected_targets
+
+    monkeypatch.setattr("cachebuild.building.pool.usable_cpus", lambda: 2)
+    assert (expected_targets(1), expected_targets(1, edited=True)) == (3, 1)
+    monkeypatch.setattr("cachebuild.building.pool.usable_cpus", lambda: 16)
+    assert expected_targets(2, edited=True) == expected_targets(2) == 6

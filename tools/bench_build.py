@@ -269,7 +269,13 @@ def without_objects(folder: Path) -> Path:
 
     primed_dir = Path(os.environ["CACHEBUILD_PROBE_DIR"])
     skip = {primed_dir / name for name in OBJECTS}
-    shutil.copytree(primed_dir, folder, copy_function=os.link,
+    def link(source: str, target: str) -> None:
+        try:
+            os.link(source, target)
+        except OSError:  # another filesystem
+            shutil.copy2(source, target)
+
+    shutil.copytree(primed_dir, folder, copy_function=link,
                     ignore=lambda d, names: [n for n in names if Path(d) / n in skip])
     return folder
 

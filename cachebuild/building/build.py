@@ -413,12 +413,13 @@ def _build_in_workers(jobs: list[BuildJob], builder: Builder,
         started.run(ordered, finished)
 
 
-def early_pool(store: Store, config: CompileConfig, *, edited: bool = False
-               ) -> BuildPool | None:
+def early_pool(store: Store, config: CompileConfig,
+               edited: Callable[[], bool] = lambda: False) -> BuildPool | None:
     """Build workers for a cold start, started before its trace so that their imports
-    overlap it (``expected_targets`` of them, fewer after an edit: ``edited``; told what
-    to build after the plan), or None where its builds would not go to workers:
-    ``CACHEBUILD_BUILD_JOBS=1``, a backend not built in, a store workers cannot open."""
+    overlap it (``expected_targets`` of them, fewer after an edit: ``edited()``, asked
+    only here; told what to build after the plan), or None where its builds would not go
+    to workers: ``CACHEBUILD_BUILD_JOBS=1``, a backend not built in, a store workers
+    cannot open."""
     from cachebuild.building.pool import (
         BuildPool,
         builds_here,
@@ -430,7 +431,8 @@ def early_pool(store: Store, config: CompileConfig, *, edited: bool = False
     if config.backend not in ("inductor", "eager_fusion") or store_options(store) is None \
             or builds_here():
         return None
-    return BuildPool(cold_start_jobs(expected_targets(len(config.buckets()), edited=edited)))
+    return BuildPool(cold_start_jobs(expected_targets(len(config.buckets()),
+                                                      edited=edited())))
 
 
 #: Ops that draw from torch's generators, by their last name.

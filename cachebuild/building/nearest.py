@@ -228,27 +228,6 @@ def nearest_entry(factors: dict[str, Any], records: Iterable[Record]
                   ) -> tuple[str, list[str]] | None:
     """The stored entry of the same model class whose key factors differ least from
     ``factors``, with those differences in words (None if there is none)."""
-    best = _nearest(factors, records)
-    if best is None:
-        return None
-    return best[0], [r for d in best[1] for r in describe_entry(d)]
-
-
-def edited_since(store: Store, factors: dict[str, Any]) -> bool:
-    """Whether the nearest stored entry of the model's class differs from ``factors``
-    (an entry key's) in the model's code alone: an edit since it was warmed, after which
-    most of its targets are likely stored already. False where nothing of that class is
-    stored, or the store cannot say."""
-    try:
-        best = _nearest(factors, entries_of(store, factors["model"]["class"]))
-    except Exception:  # a damaged record: no guess, the caller plans as for a new model
-        return False
-    return best is not None and bool(best[1]) and all(
-        d.path == "model.source" or d.path.startswith("model.code") for d in best[1])
-
-
-def _nearest(factors: dict[str, Any], records: Iterable[Record]
-             ) -> tuple[str, list[Difference]] | None:
     best: tuple[int, str, list[Difference]] | None = None
     for record in records:
         manifest = record.manifest or {}
@@ -258,4 +237,27 @@ def _nearest(factors: dict[str, Any], records: Iterable[Record]
         diffs = diff_manifests(manifest, factors)
         if best is None or len(diffs) < best[0]:
             best = (len(diffs), record.key, diffs)
-    return None if best is None else (best[1], best[2])
+    if best is None:
+        return None
+    return best[1], [r for d in best[2] for r in describe_entry(d)]
+
+
+def edited_since(why: str, store: Store, factors: dict[str, Any]) -> bool:
+    """Whether a lookup that missed (``why``, the key's ``factors``) missed because the
+    model's code was edited since it was warmed: a traced source file changed under its
+    entry, or a stored entry of its class differs from ``factors`` in the model's code
+    alone. Most of its targets are then likely stored already. False for anything else,
+    or where the store cannot say (a damaged record)."""
+    if why.startswith("traced source changed"):
+        return True
+    if why != "no entry":
+        return False
+    try:
+        for record in entries_of(store, factors["model"]["class"]):
+            diffs = diff_manifests(record.manifest or {}, factors)
+            if diffs and all(d.path == "model.source" or d.path.startswith("model.code")
+                             for d in diffs):
+                return True
+    except Exception:  # no guess: the caller plans as for a model never warmed
+        return False
+    return False

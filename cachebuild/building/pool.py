@@ -128,12 +128,14 @@ def jobs_here(targets: int) -> int:
 
 
 def expected_targets(buckets: int, *, edited: bool = False) -> int:
-    """How many targets a model is expected to miss before its trace says: a decoder's
+    """How many targets a start prepares workers for before its trace says: a decoder's
     pieces come in three kinds (the first, the repeated middle, the last), each built per
-    bucket; after an edit of a model warmed before (``edited``, ``nearest.edited_since``),
-    one piece per bucket. A pool started on this guess grows if the plan asks for more.
-    (Guessing high costs an edit's trace: the workers' imports share the CPUs with it.)"""
-    return (1 if edited else 3) * max(1, buckets)
+    bucket. After an edit of a model warmed before (``edited``, ``nearest.edited_since``)
+    some are likely stored, and workers importing on every CPU would slow the trace that
+    finds which: no more than the CPUs beside the trace's (one, on two). A pool started
+    on this guess grows if the plan asks for more."""
+    full = 3 * max(1, buckets)
+    return min(full, max(1, usable_cpus() - 1)) if edited else full
 
 
 def builds_here() -> bool:

@@ -97,8 +97,8 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             if not warm and config.while_building == "wait":
                 # A cold start's build workers start before its trace: their imports
                 # overlap it (fewer after an edit: its trace would share the CPUs).
-                pool = early_pool(store, config, edited=found.why == "no entry"
-                                  and edited_since(store, found.factors))
+                pool = early_pool(store, config, lambda found=found: edited_since(
+                    found.why, store, found.factors))
             entry = found.entry
             if entry is None:
                 notice.must_trace(model, found.why, store, found.factors)
