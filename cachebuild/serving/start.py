@@ -133,10 +133,16 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             if pool is not None:
                 pool.close()
     runtime = ModelRuntime(entry, loaded, model, config, dynamic_dims)
+    return _ready(runtime, swap, args if capture else None)
+
+
+def _ready(runtime: ModelRuntime, swap: Swap | None, like: tuple[Any, ...] | None) -> Started:
+    """``runtime`` started: with the ``eager`` capture policy, every size captured first,
+    shaped ``like`` a call (none captured without one: ``runtime.capture()`` later)."""
     started = Started(runtime, ready_at=time.perf_counter(), swap=swap)
-    if capture and runtime.capturer is not None and runtime.capturer.policy == "eager":
+    if like is not None and runtime.capturer is not None and runtime.capturer.policy == "eager":
         with timed("capture"):
-            report = started.capture_report = runtime.capture(like=args)
+            report = started.capture_report = runtime.capture(like=like)
         log.info("captured %d sizes in %.2f s (%d bytes of graph memory)", len(report.sizes),
                  report.seconds, report.pool_bytes)
     return started
@@ -170,14 +176,10 @@ def take_over(swap: Swap, model: torch.nn.Module, config: CompileConfig,
     if loaded is None:
         return None
     try:
-        runtime = ModelRuntime(swap.entry, loaded, model, config, dynamic_dims)
-        started = Started(runtime, ready_at=time.perf_counter(), swap=swap)
-        if runtime.capturer is not None and runtime.capturer.policy == "eager":
-            with timed("capture"):
-                started.capture_report = runtime.capture(like=args)
+        return _ready(ModelRuntime(swap.entry, loaded, model, config, dynamic_dims), swap,
+                      args)
     except Exception as e:  # keep serving with what runs
         swap.error = f"{type(e).__name__}: {e}"
         log.warning("cachebuild: %s keeps serving with its interim targets: its own "
                     "could not take over: %s", type(model).__name__, one_line(e, typed=True))
         return None
-    return started
