@@ -32,7 +32,7 @@ from .layout import (
 )
 from .local import LocalStore, UnknownKey
 from .locking import flocked_shared, try_flock
-from .maintenance import WORK_LOCK
+from .maintenance import QUARANTINE_KEEP_S, WORK_LOCK
 from .opening import open_store
 from .options import StoreOptions, cache_home
 from .record import (
@@ -49,6 +49,7 @@ from .refs import register_refs
 from .work import ObjectRecords, open_work_dir
 
 __all__ = [
+    "QUARANTINE_KEEP_S",
     "FORMAT_DIR",
     "WORK_LOCK",
     "ArtifactSource",

@@ -172,7 +172,11 @@ class Index:
                                        eviction_policy="none", size_limit=2**62, cull_limit=0,
                                        statistics=0, tag_index=0)
         except INDEX_ERRORS as e:
-            raise StoreError(f"cannot open the store index in {directory}: {e}") from None
+            raise StoreError(
+                f"cannot open the store index in {directory}: {e}; if it is damaged, move "
+                "that folder aside (the store then starts with no records, and `cachebuild "
+                "gc` moves the blobs no record points to into quarantine/) or restore it "
+                "from a backup") from None
         self._warned: set[str] = set()
 
     def close(self) -> None:

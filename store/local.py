@@ -748,7 +748,9 @@ class LocalStore(LocalTier):
         """Read and check every blob; report the damaged ones (and missing blobs).
 
         With ``repair`` damaged blobs are quarantined and their records dropped, so the
-        next lookup misses and rebuilds. Always removes leftovers of interrupted writes.
+        next lookup misses and rebuilds, and so are the blobs no record points to (else
+        only counted: ``VerifyReport.unrecorded``). Always removes the abandoned temp files
+        of interrupted writes.
         """
         self.flush()
         return self._access.verify(self._index, self.check_blob_file,

@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from .files import remove_abandoned_scratch, remove_any, remove_stored_files
+from .files import move_to_quarantine, remove_abandoned_scratch, remove_any, remove_stored_files
 from .index import Index
 from .layout import Layout, check_key, check_parents, check_private_dir
 from .locking import flocked, remove_if_abandoned, try_flock
@@ -129,14 +129,17 @@ def count_files(directory: Path) -> int:
         return 0
 
 
-def clean_leftovers(layout: Layout, index: Index) -> tuple[int, int]:
-    """Remove abandoned temp files, private directories of processes that are gone, and
-    blobs that no record points to.
+def clean_leftovers(layout: Layout, index: Index, *, orphans: bool = True) -> tuple[int, int]:
+    """Remove abandoned temp files and private directories of processes that are gone;
+    with ``orphans``, move the blobs no record points to into quarantine/ (kept
+    ``QUARANTINE_KEEP_S``), and remove the files materialized from them. Else those are
+    only counted.
 
     A temp file is abandoned when no process holds its flock (its writer died); a blob
-    without a record is what a writer killed between rename and index write leaves. Both
-    are checked under the lock their writer would hold, so nothing in progress is
-    touched. Returns ``(temp files removed, orphans removed)``.
+    without a record is what a writer killed between rename and index write leaves, or
+    every blob of a store whose index was lost: so it is never deleted outright. Both are
+    checked under the lock their writer would hold, so nothing in progress is touched.
+    Returns ``(temp files removed, unrecorded blobs quarantined, or found)``.
     """
     tmp_removed = 0
     with contextlib.suppress(FileNotFoundError):
@@ -144,18 +147,25 @@ def clean_leftovers(layout: Layout, index: Index) -> tuple[int, int]:
             if entry.name.endswith(".tmp") and remove_if_abandoned(Path(entry.path)):
                 tmp_removed += 1
     tmp_removed += remove_abandoned_scratch(layout.scratch)
-    orphans = 0
+    found = 0
     known = set(index.keys())
     for entry in list(_object_files(layout)):
         key = entry.name.split(".", 1)[0]
         if key in known or not _is_key(key):
             continue
+        if not orphans:
+            found += entry.name == key
+            continue
         with flocked(layout.entry_lock(key)):
             if key in index:  # stored meanwhile
                 continue
-            if remove_any(entry.path):
-                orphans += 1
-    return tmp_removed, orphans
+            if entry.name != key:  # made from a blob: made again from it if it comes back
+                remove_any(entry.path)
+            elif os.path.lexists(entry.path):
+                move_to_quarantine(layout, Path(entry.path), "no record points to it",
+                                   time.time())
+                found += 1
+    return tmp_removed, found
 
 
 def _clean_old_files(layout: Layout, now: float) -> int:
@@ -307,10 +317,15 @@ def collect(layout: Layout, index: Index, work_dir: Path, *, max_size: int | Non
 
 def verify(layout: Layout, index: Index, check: BlobCheck, quarantine: Quarantine, *,
            repair: bool, progress: Callable[[int, int], None] | None) -> VerifyReport:
-    """The work of ``LocalStore.verify`` (see there): ``check_all``, then the leftovers of
-    interrupted writes removed; the caller writes its pending usage first."""
+    """The work of ``LocalStore.verify`` (see there): ``check_all``, then the abandoned
+    temp files of interrupted writes removed, and the blobs no record points to counted
+    (with ``repair``, quarantined); the caller writes its pending usage first."""
     report = check_all(index, check, quarantine, repair=repair, progress=progress)
-    report.tmp_removed, report.orphans_removed = clean_leftovers(layout, index)
+    report.tmp_removed, unrecorded = clean_leftovers(layout, index, orphans=repair)
+    if repair:
+        report.orphans_removed = unrecorded
+    else:
+        report.unrecorded = unrecorded
     return report
 
 

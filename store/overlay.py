@@ -207,6 +207,7 @@ class OverlayStore(Store):
             report.ok += more.ok
             report.damaged += more.damaged
             report.tmp_removed, report.orphans_removed = more.tmp_removed, more.orphans_removed
+            report.unrecorded = more.unrecorded
             report.repaired = more.repaired and not base_damaged
         return report
 

@@ -232,7 +232,9 @@ class VerifyReport:
     untrusted: list[tuple[str, str]] = field(default_factory=list)
     repaired: bool = False
     tmp_removed: int = 0
+    #: Blobs no record points to: quarantined (``repair``), or only found.
     orphans_removed: int = 0
+    unrecorded: int = 0
 
     @property
     def clean(self) -> bool:

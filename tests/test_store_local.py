@@ -370,6 +370,8 @@ def test_gc_and_verify_clean_leftovers(open_local, store_dir):
         report = store.gc()
         assert (report.tmp_removed, report.orphans_removed) == (1, 1)
         assert not abandoned.exists() and not orphan.exists()
+        # Never deleted outright: a blob without a record may be all a lost index left.
+        assert [p.name.split(".")[0] for p in (store.root / "quarantine").iterdir()] == [key(4)]
         assert in_progress.exists()
     finally:
         os.close(fd)
@@ -377,6 +379,28 @@ def test_gc_and_verify_clean_leftovers(open_local, store_dir):
     assert report.clean and report.tmp_removed == 1
     assert list(tmp.iterdir()) == []
     assert store.get(key(1)) == b"kept"
+
+
+def test_a_lost_index_loses_no_blob(open_local, store_dir):
+    """A store whose index is gone (removed, or moved aside as damaged) holds blobs no
+    record points to: a plain verify only counts them; gc and verify --repair move them
+    into quarantine, never delete them."""
+    import shutil
+
+    store = open_local(store_dir)
+    for i in range(3):
+        store.put(key(i), b"blob %d" % i, kind="k")
+    blobs = sorted(blob_path(store, key(i)).read_bytes() for i in range(3))
+    store.close()
+    shutil.rmtree(store_dir / "v1" / "index")
+    store = open_local(store_dir)
+    report = store.verify()
+    assert (report.unrecorded, report.orphans_removed) == (3, 0)
+    assert sorted(blob_path(store, key(i)).read_bytes() for i in range(3)) == blobs
+    report = store.verify(repair=True)
+    assert report.orphans_removed == 3
+    kept = sorted(p.read_bytes() for p in (store.root / "quarantine").iterdir())
+    assert kept == blobs
 
 
 # -- permissions ----------------------------------------------------------------------

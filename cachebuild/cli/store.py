@@ -28,11 +28,15 @@ from cachebuild.cli.common import (
     stdout,
 )
 from cachebuild.errors import UsageError, one_line
+from cachebuild.store import QUARANTINE_KEEP_S
 from cachebuild.units import format_size
 
 if TYPE_CHECKING:
     from cachebuild.store import StoreStats
     from cachebuild.store.interface import Store
+
+#: How long quarantined blobs are kept, in days, as the messages say.
+_QUARANTINE_DAYS = QUARANTINE_KEEP_S // 86400
 
 
 @click.command("ls")
@@ -255,8 +259,9 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
         out.print("build work files kept: a build is running")
     _gc_objects(dry_run, verb)
     if report.tmp_removed or report.orphans_removed:
-        out.print(f"cleaned {report.tmp_removed} abandoned temp files and "
-                  f"{report.orphans_removed} unrecorded blobs")
+        out.print(f"cleaned {report.tmp_removed} abandoned temp files; moved "
+                  f"{report.orphans_removed} blobs no record points to into quarantine/ "
+                  f"(kept {_QUARANTINE_DAYS} days)")
     if environments:
         _gc_environments(store, dry_run, verb)
     if report.over_cap:
@@ -376,9 +381,15 @@ def verify_command(ctx: click.Context, repair: bool) -> None:
     if report.unsigned:
         summary += f" ({len(report.unsigned)} of them entered unsigned)"
     if report.tmp_removed or report.orphans_removed:
-        summary += (f"; cleaned {report.tmp_removed} abandoned temp files and "
-                    f"{report.orphans_removed} unrecorded blobs")
+        summary += (f"; cleaned {report.tmp_removed} abandoned temp files; moved "
+                    f"{report.orphans_removed} blobs no record points to into quarantine/ "
+                    f"(kept {_QUARANTINE_DAYS} days)")
     click.echo(summary)
+    if report.unrecorded:
+        click.echo(f"{plural(report.unrecorded, 'blob')} no record points to (left by an "
+                   "interrupted write, or a lost index): `cachebuild verify --repair` or "
+                   f"`cachebuild gc` moves them into quarantine/, kept {_QUARANTINE_DAYS} days",
+                   err=True)
     if (report.damaged or refused) and not repair:
         click.echo("run `cachebuild verify --repair` to quarantine or remove them", err=True)
         ctx.exit(1)
