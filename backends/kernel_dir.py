@@ -52,6 +52,7 @@ import xxhash
 
 from cachebuild import compat
 from cachebuild.backends.pack import check_name
+from cachebuild.errors import UsageError
 from cachebuild.store.interface import ArtifactSource, Store
 
 _ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -205,6 +206,12 @@ def build_work_dir(store: Store, *, cxx: bool = False) -> Iterator[Path]:
 
     environment = environment_dir()
     records = environment / "built" if environment is not None else Path(store.work_records)
+    if cxx and any(c.isspace() for c in str(store.work_dir)):
+        # Inductor's compiler command is a string split on whitespace.
+        raise UsageError(f"the build work folder {store.work_dir} has a space in its path, "
+                         "which the C++ compiler's command cannot take: set "
+                         "CACHEBUILD_WORK_DIR to a folder whose path has none (or use a store "
+                         "path without one)")
     root = open_work_dir(Path(store.work_dir), records)
     folders = {"TORCHINDUCTOR_CACHE_DIR": root / "inductor", "TRITON_CACHE_DIR": root / "triton",
                "TMPDIR": root / "tmp"}

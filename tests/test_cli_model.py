@@ -270,3 +270,31 @@ def test_failing_target_is_reported_and_the_others_build(tmp_path):
     assert proc.returncode == 1
     text = " ".join(proc.stderr.split())
     assert "this compiler rejects the piece" in text and "piece 0 range 1-512" in text
+
+
+def test_a_store_path_with_a_space_says_how_to_build_there(tmp_path):
+    """Inductor splits its C++ compiler's command on whitespace: a build whose work folder
+    has a space in its path is refused in words that say what to set, not with the
+    compiler's "C++ compile error"."""
+    path = tmp_path / "model.py"
+    path.write_text(MODEL.replace('backend="eager_fusion"', 'backend="inductor"'))
+    proc = cli(tmp_path / "sp ace" / "store", "warm", str(path))
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    text = " ".join(proc.stderr.split())
+    assert "has a space in its path" in text and "CACHEBUILD_WORK_DIR" in text, text[-2000:]
+
+
+def test_a_failed_cxx_compile_says_what_the_compiler_said():
+    from torch._inductor.exc import CppCompileError
+
+    from cachebuild.building.build import compiler_said
+
+    output = "In file included from x.h:1,\nx.cpp:3:5: error: 'y' was not declared\n"
+    try:
+        try:
+            raise CppCompileError(["g++", "x.cpp"], output)
+        except CppCompileError as inner:
+            raise RuntimeError("InductorError: CppCompileError: C++ compile error") from inner
+    except RuntimeError as e:
+        assert compiler_said(e) == "x.cpp:3:5: error: 'y' was not declared"
+    assert compiler_said(ValueError("no compiler here")) is None

@@ -221,6 +221,9 @@ class Builder:
             except Exception as e:
                 COUNTERS.failed += 1
                 first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                said = compiler_said(e)
+                if said:
+                    first += f": the compiler said: {said}"
                 machine = transient(e)
                 hint = (f" ({machine}: the machine ran short; free some and build again)"
                         if machine else "")
@@ -297,6 +300,26 @@ class Builder:
                 return fn
             self.build(job)
         raise BuildError(f"target {job.target.key} was built but cannot be loaded back")
+
+
+def compiler_said(error: BaseException) -> str | None:
+    """The first line of a failed C++ compile's output that reports an error (else its
+    first line), where ``error`` is, or wraps, such a failure (Inductor's
+    ``CppCompileError``: an ``output`` beside its ``cmd``); else None. The error's own
+    first line only says "C++ compile error"."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        output = getattr(e, "output", None)
+        if isinstance(output, str) and hasattr(e, "cmd"):
+            lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+            return next((ln for ln in lines if "error" in ln.lower()), lines[0] if lines else None)
+        todo += [e.__cause__, e.__context__, getattr(e, "inner_exception", None)]
+    return None
 
 
 def device_copy(job: BuildJob, device: str) -> BuildJob:
