@@ -57,7 +57,8 @@ def test_a_start_that_must_build_says_so_and_a_warm_one_is_silent(open_local, tm
         s.delete(target)
     lost = notices(start(store))
     assert lost[0] == ("cachebuild: 1 of 2 targets of Decoder's stored entry are missing "
-                       "(evicted by gc, or damaged and quarantined); building them; "
+                       "(their build failed when it was warmed, or gc evicted them, or "
+                       "they were damaged and quarantined); building them; "
                        "`cachebuild warm MODEL.py` (a file whose build() returns this "
                        "model's ModelSpec) before the server starts avoids this"), lost
     assert len([line for line in lost if line.startswith("cachebuild: built piece ")]) == 1

@@ -97,11 +97,13 @@ def _changes(store: Store | None, factors: dict[str, Any] | None) -> list[str]:
 
 
 def must_build(model: Any, missing: int, total: int, warm: bool) -> None:
-    """``missing`` of the entry's ``total`` targets will be built: say so (a warm start
-    whose targets went missing was evicted or damaged; a trace's were never built)."""
+    """``missing`` of the entry's ``total`` targets will be built: say so (a warm start's
+    may have failed to build when it was warmed, been evicted or been damaged; a trace's
+    were never built)."""
     if warm:
-        log.warning("cachebuild: %d of %d targets of %s's stored entry are missing (evicted "
-                    "by gc, or damaged and quarantined); building them; %s",
+        log.warning("cachebuild: %d of %d targets of %s's stored entry are missing (their "
+                    "build failed when it was warmed, or gc evicted them, or they were "
+                    "damaged and quarantined); building them; %s",
                     missing, total, type(model).__name__, hint(model))
 
 

@@ -9,11 +9,13 @@ stored graph from a live model, with no Dynamo.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import logging
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,6 +204,23 @@ def check_shape_guards(guards: list[Any], symbols: set[Any],
                     f"keep every compile range on one side of that size")
 
 
+@contextlib.contextmanager
+def _quiet_meta_failures() -> Iterator[None]:
+    """While the block runs, drop the traceback torch logs (at ERROR) when an op's meta
+    kernel refuses a call's shapes: the same error reaches the trace, which says it in one
+    line (``_op_error``). The caller's logging is as it was after."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+
+    def keep_others(record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
+
+    logger.addFilter(keep_others)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep_others)
+
+
 def _graph_break(e: BaseException) -> str:
     """Dynamo's reason for a graph break in one line: its first line, what it says of the
     cause (``Developer debug context``: the exception the forward raised, the call it
@@ -316,7 +335,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=False,
                              options={"guard_filter_fn": collected})
     try:
-        with torch.no_grad():
+        with torch.no_grad(), _quiet_meta_failures():
             output = compiled(*args)
     except torch._dynamo.exc.Unsupported as e:
         raise UsageError(f"the model's forward does not trace as one graph: {_graph_break(e)}"
