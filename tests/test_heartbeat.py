@@ -49,7 +49,8 @@ def test_a_line_said_puts_the_next_beat_off():
     heartbeat.said("building 2 targets")
     for _ in range(10):  # a line every 10 s: never quiet for 15 s
         now[0] += 10.0
-        assert heartbeat.due(now[0])[0] is None
+        line, wait = heartbeat.due(now[0])
+        assert line is None and wait == 5.0  # looked at again just when a beat falls due
         heartbeat.said()
     now[0] += 15.0
     line, wait = heartbeat.due(now[0])

@@ -140,7 +140,8 @@ class Heartbeat:
         with self._lock:
             wait = self._last + self._quiet - now
             if self._what is None or wait > 0:
-                return None, max(wait, self._quiet / 10) if self._what else self._quiet
+                # Looked at again when the beat falls due (a little after, never before).
+                return None, max(wait, 0.05) if self._what else self._quiet
             self._last = now
             return f"still {self._what} ({now - self._since:.0f} s)", self._quiet
 
