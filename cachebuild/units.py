@@ -28,7 +28,7 @@ def parse_size(text: str) -> int:
     """
     m = _SIZE_RE.fullmatch(text)
     if not m:
-        raise ValueError(f"not a size: {text!r} (expected e.g. 20G, 512M, 64K or bytes)")
+        raise ValueError(f"not a size: {text!r} (expected e.g. 20G, 512M or 64K)")
     number, unit = m.groups()
     if len(number) > 40:  # longer than any size a disk has, and costly to parse
         raise ValueError(f"size {text[:20]!r}… is too large (at most 8 EiB)")

@@ -295,6 +295,10 @@ def test_export_selection(filled, tmp_path):
     assert run(filled, "export", str(kinds), "--kind", "target").exit_code == 0
     with tarfile.open(kinds) as tar:
         assert sum(m.name.startswith("objects/") for m in tar) == 3
+    typo = run(filled, "export", str(tmp_path / "typo.tar"), "--kind", "targte")
+    assert typo.exit_code == 2 and "no records of kind 'targte' in this store; it holds " \
+        in typo.output, typo.output
+    assert not (tmp_path / "typo.tar").exists()
 
 
 def _damage_member(bundle, k):

@@ -434,6 +434,11 @@ def export_command(ctx: click.Context, file: Path, model: str | None,
                          "exist")
     store = open_existing_store(ctx).local
     keys = [resolve_key(ctx, model)] if model else None
+    held = {r.kind for r in store.records(manifests=False)}
+    unheld = [k for k in kinds if k not in held]
+    if unheld:  # a typo, or a kind this store does not hold: say which it does
+        raise UsageError(f"no records of kind {', '.join(map(repr, unheld))} in this store; "
+                         f"it holds {', '.join(sorted(held)) if held else 'none'}")
     with progress_bar("exporting") as on_progress:
         report = export_bundle(store, file, keys=keys, kinds=kinds or None, progress=on_progress)
     click.echo(f"exported {plural(len(report.exported), 'record')} ({format_size(report.bytes)}) "
