@@ -439,6 +439,7 @@ def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: d
             inputs.append({"dtype": m.dtype, "shape": shape, "device": m.device_type})
         else:
             inputs.append({"value": repr(a)})
+    shared = shared_tensors(model)
     return {
         "schema": SCHEMA_VERSION,
         "entry_format": ENTRY_FORMAT,
@@ -448,10 +449,30 @@ def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: d
         "targets": target_factors,
         "params": _tensor_table(model.named_parameters(remove_duplicate=False)),
         "buffers": _tensor_table(model.named_buffers(remove_duplicate=False)),
+        # Only where there is any, so that the keys of models sharing nothing stay as
+        # they were.
+        **({"shared": shared} if shared else {}),
         "inputs": inputs,
         "dynamic_dims": sorted([i, d] for i, d in dynamic_dims.items()),
         "env": env_factors(device_of([*args, *model.parameters()])),
     }
+
+
+def shared_tensors(model: torch.nn.Module) -> list[list[str]]:
+    """The names of the model's parameters and buffers that are one tensor, or views of
+    one memory, each group sorted: weights tied (an embedding and its head), a layer
+    object used twice, a buffer that is a view of another. A model built so traces to
+    another graph than one built without (one input for both names, or reads that follow
+    writes), so it is another entry."""
+    groups: dict[tuple[str, int], list[str]] = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False),
+                    *model.named_buffers(remove_duplicate=False)]:
+        try:  # memory a tensor owns (0: none, as a meta tensor's; or none to ask)
+            memory = t.untyped_storage().data_ptr()
+        except Exception:
+            memory = 0
+        groups.setdefault(("memory", memory) if memory else ("object", id(t)), []).append(name)
+    return sorted(sorted(names) for names in groups.values() if len(names) > 1)
 
 
 def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,

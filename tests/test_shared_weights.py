@@ -1,0 +1,66 @@
+"""Weights tied and layers shared: a model built with them traces to another graph than
+one built without (one input for both names), so its entry is another, in every process
+(the entry key says which names are one tensor, or views of one memory)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+import cachebuild
+from cachebuild.building.entry import shared_tensors
+
+
+class Tied(nn.Module):
+    def __init__(self, tie: bool, share: bool = False) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        first = nn.Linear(8, 8)
+        self.blocks = nn.ModuleList([first, first if share else nn.Linear(8, 8)])
+        self.head = nn.Linear(8, 16, bias=False)
+        if tie:
+            self.head.weight = self.embed.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = torch.softmax(self.embed(ids), -1)
+        for block in self.blocks:
+            h = torch.relu(block(h))
+        return self.head(h)
+
+
+def _config() -> cachebuild.CompileConfig:
+    return cachebuild.CompileConfig(splitting_ops=("aten::softmax",),
+                                    compile_ranges=((1, 16),), backend="eager_fusion")
+
+
+def _served(model: nn.Module, store) -> int:
+    """Compile ``model`` from ``store`` and check it against eager; how many traces that
+    took."""
+    before = cachebuild.stats()["traced"]
+    compiled = cachebuild.compile(model, _config(), {0: 0}, store=store)
+    for n in (5, 11):
+        ids = torch.randint(0, 16, (n,))
+        torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
+    return cachebuild.stats()["traced"] - before
+
+
+def test_a_model_with_weights_tied_and_one_without_are_other_entries(open_local, tmp_path):
+    store = open_local(tmp_path / "store")
+    torch.manual_seed(0)
+    assert _served(Tied(tie=True).eval(), store) == 1
+    torch.manual_seed(1)
+    assert _served(Tied(tie=True).eval(), store) == 0  # the same model: warm
+    assert _served(Tied(tie=False).eval(), store) == 1
+    assert _served(Tied(tie=False, share=True).eval(), store) == 1
+    assert _served(Tied(tie=True, share=True).eval(), store) == 1
+
+
+def test_the_names_that_are_one_tensor_are_told():
+    assert shared_tensors(Tied(tie=False)) == []
+    assert shared_tensors(Tied(tie=True)) == [["embed.weight", "head.weight"]]
+    assert shared_tensors(Tied(tie=False, share=True)) == [
+        ["blocks.0.bias", "blocks.1.bias"], ["blocks.0.weight", "blocks.1.weight"]]
+    views = nn.Module()
+    views.register_buffer("a", torch.zeros(8))
+    views.register_buffer("b", views.a[:4])
+    assert shared_tensors(views) == [["a", "b"]]
