@@ -237,7 +237,7 @@ class CompiledModule(torch.nn.Module):
         if self.swap is not None and not self.swap.claimed and self.swap.done.is_set():
             self._swap_in(args)
         runtime = self._runtime  # read once: a call runs on one runtime from start to end
-        wrong = runtime.guards.mismatches(self.model, args)
+        wrong = runtime.mismatches(self.model, args)
         if wrong:
             runtime = self._resolve(args, wrong)
             if runtime is None:
@@ -280,7 +280,7 @@ class CompiledModule(torch.nn.Module):
             f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
         current = self._runtime
         for runtime in reversed(self._variants):
-            if runtime is not current and not runtime.guards.mismatches(self.model, args):
+            if runtime is not current and not runtime.mismatches(self.model, args):
                 COUNTERS.variant_switches += 1
                 log.info("cachebuild: %s changed since its last call (%s): it runs on the "
                          "forward this process made earlier for these values", name, changed)
@@ -292,7 +292,7 @@ class CompiledModule(torch.nn.Module):
         runtime = self.prepare(*args)
         if runtime is None:
             return None
-        left = runtime.guards.mismatches(self.model, args)
+        left = runtime.mismatches(self.model, args)
         if left:  # a trace must read what it was given: never run a forward that differs
             raise UsageError(f"{name}'s forward for its current values does not hold right "
                              f"after it was made ({left[0].describe()}), so it is not run: "

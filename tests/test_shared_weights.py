@@ -64,3 +64,34 @@ def test_the_names_that_are_one_tensor_are_told():
     views.register_buffer("a", torch.zeros(8))
     views.register_buffer("b", views.a[:4])
     assert shared_tensors(views) == [["a", "b"]]
+
+
+def test_a_tying_undone_or_made_after_the_first_call_gets_its_own_forward(open_local,
+                                                                         tmp_path):
+    """A compiled forward binds a tied weight once: a new head weight set after the first
+    call (or a shared layer replaced, or weights tied then) is another forward, traced or
+    found, never the old one reading the old tensor; tied back, the first runs again."""
+    store = open_local(tmp_path / "store")
+    torch.manual_seed(0)
+    model = Tied(tie=True).eval()
+    compiled = cachebuild.compile(model, _config(), {0: 0}, store=store)
+    ids = torch.randint(0, 16, (5,))
+
+    def same() -> None:
+        torch.testing.assert_close(compiled(ids), model(ids), rtol=1e-5, atol=1e-5)
+
+    same()
+    traced = cachebuild.stats()["traced"]
+    tied = model.head.weight
+    model.head.weight = nn.Parameter(torch.randn(16, 8))  # untied
+    same()
+    assert cachebuild.stats()["traced"] == traced + 1
+    model.head.weight = tied  # tied again: the first forward, found in this process
+    same()
+    assert cachebuild.stats()["traced"] == traced + 1
+    model.blocks[1] = model.blocks[0]  # a layer shared from now on
+    same()
+    assert cachebuild.stats()["traced"] == traced + 2
+    model.blocks[1] = nn.Linear(8, 8)  # unshared: tied as at first, that forward again
+    same()
+    assert cachebuild.stats()["traced"] == traced + 2

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from cachebuild import compat, keep
-from cachebuild.building.entry import Entry
+from cachebuild.building.entry import Entry, shared_tensors
 from cachebuild.config import CompileConfig
 from cachebuild.errors import UsageError
 from cachebuild.graph import weights
@@ -32,6 +32,7 @@ from cachebuild.serving.cudagraphs import capture_for, next_capture_size, pad_ar
 from cachebuild.serving.graphmodes import sizes_for
 from cachebuild.serving.stitch import forward_over, stitch
 from cachebuild.tracing.guard_watch import CallGuards
+from cachebuild.tracing.guards import Mismatch
 
 log = logging.getLogger("cachebuild")
 
@@ -95,6 +96,11 @@ class ModelRuntime:
                                    self._from_call, self.make_output)
         #: What the trace read besides tensors, checked by the front door before each call.
         self.guards = CallGuards(entry.guard_set(), entry.sources)
+        #: Which weights were one tensor at the trace (``entry.shared_tensors``): each is
+        #: bound once, so a tying undone (or made) since needs another forward.
+        self._shared = entry.factors.get("shared", [])
+        self._shared_at = -1
+        self._shared_held: Callable[[], bool] = lambda: False
         compat.custom_ops_without_dynamo()  # splitting ops run eagerly at every call
         self.capturer: Capturer | None = None
         if mode != "none":
@@ -116,7 +122,7 @@ class ModelRuntime:
         """
         # Watched, read and armed before the lookups: a change made while they run is seen
         # next call. Watched again each time: a replaced submodule's own weights are new.
-        paths = [b.path for b in self.bindings if b.kind in ("param", "buffer")]
+        paths = self._watched_paths()
         weights.watch(self.model, paths)
         generation = weights.generation()
         held = compat.dict_watcher().watch(weights.holders(self.model, paths))
@@ -141,6 +147,29 @@ class ModelRuntime:
         self._sentinel = next((t for t in template if isinstance(t, torch.Tensor)), None)
         self._sentinel_at = self._sentinel.data_ptr() if self._sentinel is not None else 0
         self._addresses = weights.addresses(template)
+
+    def _watched_paths(self) -> list[str]:
+        """The bound weights' paths, and every other name of a weight that was one tensor
+        with another at the trace (a tied head's): setting any of them is seen."""
+        paths = [b.path for b in self.bindings if b.kind in ("param", "buffer")]
+        return paths + [n for group in self.entry.factors.get("shared", []) for n in group
+                        if n not in paths]
+
+    def mismatches(self, model: torch.nn.Module, args: tuple[Any, ...]) -> list[Mismatch]:
+        """What differs now from the trace this forward was made from (none: it may run):
+        the values its guards read, and which weights are one tensor. Looked at again only
+        after a weight or submodule was set somewhere on the watched paths."""
+        wrong = self.guards.mismatches(model, args)
+        if wrong or (self._shared_at == weights.generation() and self._shared_held()):
+            return wrong
+        at = weights.generation()
+        held = compat.dict_watcher().watch(weights.holders(model, self._watched_paths()))
+        now = shared_tensors(model)
+        if now != self._shared:
+            return [Mismatch("the weights that are one tensor (tied, or a layer used twice)",
+                             self._shared, now)]
+        self._shared_at, self._shared_held = at, held
+        return []
 
     def _weights(self) -> list[Any]:
         """The graph inputs that come from the model (weights, constants) as bound now;
