@@ -4,7 +4,8 @@
 2,000 for a 22-layer Llama) are unchanged (``cachebuild/tracing/guard_watch.py``). This measures,
 on a warm process serving ``examples/generate.py``'s paged Llama:
 
-- ``check``: the per-call check alone (``runtime.guards.mismatches``), mean over many calls;
+- ``check``: the per-call check alone (``runtime.mismatches``: the guards, and which
+  weights are one tensor), mean over many calls;
 - ``step``: a decode step at batch 1, 8 and 32 through the compiled module (check
   included), median over ``--steps`` calls (CUDA events on a GPU);
 - ``step_unchecked``: the same step through the runtime directly (no check);
@@ -83,7 +84,7 @@ def main() -> None:
             n = 20000
             start = time.perf_counter()
             for _ in range(n):
-                guards.mismatches(model, inputs)
+                runtime.mismatches(model, inputs)
             check = (time.perf_counter() - start) / n
             step = _step(lambda inputs=inputs: compiled(*inputs), args.steps, cuda)
             bare = _step(lambda inputs=inputs: runtime(*inputs), args.steps, cuda)

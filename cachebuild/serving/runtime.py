@@ -100,7 +100,6 @@ class ModelRuntime:
         #: bound once, so a tying undone (or made) since needs another forward.
         self._shared = entry.factors.get("shared", [])
         self._shared_at = -1
-        self._shared_held: Callable[[], bool] = lambda: False
         compat.custom_ops_without_dynamo()  # splitting ops run eagerly at every call
         self.capturer: Capturer | None = None
         if mode != "none":
@@ -157,18 +156,18 @@ class ModelRuntime:
 
     def mismatches(self, model: torch.nn.Module, args: tuple[Any, ...]) -> list[Mismatch]:
         """What differs now from the trace this forward was made from (none: it may run):
-        the values its guards read, and which weights are one tensor. Looked at again only
-        after a weight or submodule was set somewhere on the watched paths."""
+        the values its guards read, and which weights are one tensor. Those are looked at
+        again only after a weight or submodule was set on a watched path (tying or untying
+        sets one: its registration moves ``weights.generation``)."""
         wrong = self.guards.mismatches(model, args)
-        if wrong or (self._shared_at == weights.generation() and self._shared_held()):
-            return wrong
         at = weights.generation()
-        held = compat.dict_watcher().watch(weights.holders(model, self._watched_paths()))
+        if wrong or self._shared_at == at:
+            return wrong
         now = shared_tensors(model)
         if now != self._shared:
             return [Mismatch("the weights that are one tensor (tied, or a layer used twice)",
                              self._shared, now)]
-        self._shared_at, self._shared_held = at, held
+        self._shared_at = at
         return []
 
     def _weights(self) -> list[Any]:
