@@ -95,3 +95,54 @@ def test_a_tying_undone_or_made_after_the_first_call_gets_its_own_forward(open_l
     model.blocks[1] = nn.Linear(8, 8)  # unshared: tied as at first, that forward again
     same()
     assert cachebuild.stats()["traced"] == traced + 2
+
+
+class Counting(nn.Module):
+    """Writes a buffer of its own in place at every call (a cache, a counter)."""
+
+    def __init__(self, view: bool = False) -> None:
+        super().__init__()
+        self.register_buffer("state", torch.zeros(16))
+        if view:  # a second buffer that is a view of the first
+            self.register_buffer("window", self.state[:8])
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.state.add_(1)
+        seen = self.window if hasattr(self, "window") else self.state[:8]
+        return torch.softmax(self.lin(x), -1) + seen
+
+
+def test_an_argument_that_is_memory_the_model_writes_is_refused(open_local, tmp_path):
+    """Compiled code reads each input as if it were alone: an argument sharing memory with
+    a buffer the model writes in place would be read as it was before the write. Refused
+    in one line; other calls match eager, the buffer's writes too."""
+    import copy
+
+    import pytest
+
+    from cachebuild.errors import UsageError
+
+    torch.manual_seed(0)
+    model = Counting().eval()
+    eager = copy.deepcopy(model)
+    compiled = cachebuild.compile(model, _config(), {0: 0}, store=open_local(tmp_path / "s"))
+    for n in (3, 7):
+        x = torch.randn(n, 8)
+        torch.testing.assert_close(compiled(x), eager(x))
+        torch.testing.assert_close(model.state, eager.state)
+    with pytest.raises(UsageError, match=r"argument 0 shares memory with buffer state, which "
+                       r"the compiled model writes in place"):
+        compiled(model.state[:8].view(1, 8))
+
+
+def test_a_buffer_viewing_one_the_model_writes_is_refused(open_local, tmp_path):
+    import pytest
+
+    from cachebuild.errors import UsageError
+
+    model = Counting(view=True).eval()
+    compiled = cachebuild.compile(model, _config(), {0: 0}, store=open_local(tmp_path / "s"))
+    with pytest.raises(UsageError, match=r"buffer window shares memory with buffer state, "
+                       r"which the model writes in place"):
+        compiled(torch.randn(3, 8))

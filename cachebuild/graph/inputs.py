@@ -129,9 +129,13 @@ class CallCheck:
 
     def __init__(self, args: Sequence[tuple[int, InputMeta]], device: torch.device,
                  size_of: Callable[[tuple[Any, ...]], int | None],
-                 written: Sequence[int] = ()) -> None:
+                 written: Sequence[int] = (),
+                 written_weights: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
         self.args = list(args)
         self.written = list(written)
+        #: The model's own tensors it writes in place (a cache buffer), by name, with the
+        #: memory each covers: no argument may share it.
+        self.written_weights = [(name, _extent(t)) for name, t in written_weights]
         self.device = device
         self.size_of = size_of
         self.count = 1 + max((i for i, _ in self.args), default=-1)
@@ -178,7 +182,7 @@ class CallCheck:
                     self._wrong_layout(i, a, "contiguous")
             elif stride and not same_layout(a.shape, a.stride(), stride):
                 self._wrong_layout(i, a, f"strides {stride}")
-        if self.written:
+        if self.written or self.written_weights:
             self._check_unshared(args)
         return size
 
@@ -192,6 +196,32 @@ class CallCheck:
                         f"argument {i}, which the compiled model writes in place, shares "
                         f"memory with argument {j}; pass tensors that do not overlap "
                         "(clone one of them)")
+        for name, (lo, hi) in self.written_weights:
+            for j, (start, end) in memory.items():
+                if start < hi and lo < end:
+                    raise UsageError(
+                        f"argument {j} shares memory with {name}, which the compiled model "
+                        "writes in place (compiled code reads each input as if it were "
+                        "alone); pass a tensor that does not overlap it (a clone)")
+
+
+def check_unshared_weights(weights: Sequence[tuple[str, torch.Tensor]],
+                           written: Sequence[str]) -> None:
+    """Raise UsageError where one of the model's tensors that it writes in place (named in
+    ``written``) shares memory with another of its tensors (a buffer that is a view of
+    it): compiled code reads each input as if it were alone, so the other would be read
+    as it was before the write."""
+    extents = [(name, _extent(t)) for name, t in weights if isinstance(t, torch.Tensor)]
+    for name, (lo, hi) in extents:
+        if name not in written:
+            continue
+        for other, (start, end) in extents:
+            if other != name and start < hi and lo < end:
+                raise UsageError(
+                    f"{other} shares memory with {name}, which the model writes in place: "
+                    "compiled code reads each input as if it were alone, so it would read "
+                    f"{other} as it was before the write; register {other} as a tensor of "
+                    "its own (a clone), or compute it from the other in forward")
 
     def _wrong_device(self, i: int, a: torch.Tensor) -> None:
         if a.device.type == "meta":

@@ -25,7 +25,7 @@ from cachebuild.config import CompileConfig
 from cachebuild.errors import UsageError
 from cachebuild.graph import weights
 from cachebuild.graph.facts import device_of, on_device
-from cachebuild.graph.inputs import CallCheck, check_weight, layout_guards
+from cachebuild.graph.inputs import CallCheck, check_unshared_weights, check_weight, layout_guards
 from cachebuild.graph.outputs import output_builder
 from cachebuild.serving.capture import CallShape, Capturer, CaptureState
 from cachebuild.serving.cudagraphs import capture_for, next_capture_size, pad_args, unpad_outputs
@@ -135,9 +135,16 @@ class ModelRuntime:
                 template.append(b.dim)
             else:
                 template.append(None)
+        named = [(f"{b.kind} {b.path}", t) for b, t in zip(self.bindings, template, strict=True)
+                 if b.kind in ("param", "buffer")]
+        written = {f"{self.bindings[i].kind} {self.bindings[i].path}"
+                   for i in self.entry.written_inputs
+                   if self.bindings[i].kind in ("param", "buffer")}
+        check_unshared_weights(named, sorted(written))
         self._template = template
         self.check = CallCheck([(b.arg, m) for b, m in self._arg_metas], self.device,
-                               self._dynamic_size, self.written_args)
+                               self._dynamic_size, self.written_args,
+                               [(n, t) for n, t in named if n in written])
         # Kept once every weight passed: one refused above is looked up again next call.
         self._generation, self._held = generation, held
         # A weight whose memory moved under the same tensor object (``model.half()``,
