@@ -146,3 +146,35 @@ def test_a_buffer_viewing_one_the_model_writes_is_refused(open_local, tmp_path):
     with pytest.raises(UsageError, match=r"buffer window shares memory with buffer state, "
                        r"which the model writes in place"):
         compiled(torch.randn(3, 8))
+
+
+class Adapted(nn.Module):
+    """A base layer and a low-rank adapter beside it (LoRA's shape)."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__()
+        self.base = nn.Linear(8, 8)
+        self.down = nn.Linear(8, rank, bias=False)
+        self.up = nn.Linear(rank, 8, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.softmax(self.base(x) + self.up(self.down(x)), -1)
+
+
+def test_an_adapter_of_another_rank_swapped_in_after_the_first_call_is_compiled(open_local,
+                                                                              tmp_path):
+    """Weights of another shape are another forward (found or traced), as eager runs
+    them; the first rank's forward serves again once it is back."""
+    torch.manual_seed(0)
+    model = Adapted(rank=4).eval()
+    compiled = cachebuild.compile(model, _config(), {0: 0}, store=open_local(tmp_path / "s"))
+    x = torch.randn(5, 8)
+    torch.testing.assert_close(compiled(x), model(x))
+    traced = cachebuild.stats()["traced"]
+    first = (model.down, model.up)
+    model.down, model.up = nn.Linear(8, 16, bias=False), nn.Linear(16, 8, bias=False)
+    torch.testing.assert_close(compiled(x), model(x))
+    assert cachebuild.stats()["traced"] == traced + 1
+    model.down, model.up = first
+    torch.testing.assert_close(compiled(x), model(x))
+    assert cachebuild.stats()["traced"] == traced + 1

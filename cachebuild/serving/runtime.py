@@ -163,9 +163,10 @@ class ModelRuntime:
 
     def mismatches(self, model: torch.nn.Module, args: tuple[Any, ...]) -> list[Mismatch]:
         """What differs now from the trace this forward was made from (none: it may run):
-        the values its guards read, and which weights are one tensor. Those are looked at
-        again only after a weight or submodule was set on a watched path (tying or untying
-        sets one: its registration moves ``weights.generation``)."""
+        the values its guards read, which weights are one tensor, and each weight's shape
+        and dtype (an adapter of another rank swapped in). Weights are looked at again
+        only after one, or a submodule, was set on a watched path: its registration moves
+        ``weights.generation``."""
         wrong = self.guards.mismatches(model, args)
         at = weights.generation()
         if wrong or self._shared_at == at:
@@ -174,6 +175,16 @@ class ModelRuntime:
         if now != self._shared:
             return [Mismatch("the weights that are one tensor (tied, or a layer used twice)",
                              self._shared, now)]
+        for b, m in zip(self.bindings, self.metas, strict=True):
+            if b.kind not in ("param", "buffer"):
+                continue
+            try:
+                t = weights.lookup(model, b.kind, b.path)
+            except UsageError:
+                continue  # gone: the call says so (``rebind``)
+            if str(t.dtype).removeprefix("torch.") != m.dtype or tuple(t.shape) != tuple(m.shape):
+                return [Mismatch(f"{b.kind} {b.path}", f"{m.dtype} {list(m.shape)}",
+                                 f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}")]
         self._shared_at = at
         return []
 
