@@ -204,25 +204,6 @@ class CallCheck:
                         "writes in place (compiled code reads each input as if it were "
                         "alone); pass a tensor that does not overlap it (a clone)")
 
-
-def check_unshared_weights(weights: Sequence[tuple[str, torch.Tensor]],
-                           written: Sequence[str]) -> None:
-    """Raise UsageError where one of the model's tensors that it writes in place (named in
-    ``written``) shares memory with another of its tensors (a buffer that is a view of
-    it): compiled code reads each input as if it were alone, so the other would be read
-    as it was before the write."""
-    extents = [(name, _extent(t)) for name, t in weights if isinstance(t, torch.Tensor)]
-    for name, (lo, hi) in extents:
-        if name not in written:
-            continue
-        for other, (start, end) in extents:
-            if other != name and start < hi and lo < end:
-                raise UsageError(
-                    f"{other} shares memory with {name}, which the model writes in place: "
-                    "compiled code reads each input as if it were alone, so it would read "
-                    f"{other} as it was before the write; register {other} as a tensor of "
-                    "its own (a clone), or compute it from the other in forward")
-
     def _wrong_device(self, i: int, a: torch.Tensor) -> None:
         if a.device.type == "meta":
             raise UsageError(f"argument {i} is a meta tensor, which holds no data: the compiled "
@@ -251,6 +232,25 @@ def check_unshared_weights(weights: Sequence[tuple[str, torch.Tensor]],
         raise UsageError(f"argument {i} has strides {tuple(a.stride())}, but the compiled model "
                          f"reads it as {want} (an expanded or sliced view?); pass "
                          f"`.contiguous()` of it")
+
+
+def check_unshared_weights(weights: Sequence[tuple[str, torch.Tensor]],
+                           written: Sequence[str]) -> None:
+    """Raise UsageError where one of the model's tensors that it writes in place (named in
+    ``written``) shares memory with another of its tensors (a buffer that is a view of
+    it): compiled code reads each input as if it were alone, so the other would be read
+    as it was before the write."""
+    extents = [(name, _extent(t)) for name, t in weights if isinstance(t, torch.Tensor)]
+    for name, (lo, hi) in extents:
+        if name not in written:
+            continue
+        for other, (start, end) in extents:
+            if other != name and start < hi and lo < end:
+                raise UsageError(
+                    f"{other} shares memory with {name}, which the model writes in place: "
+                    "compiled code reads each input as if it were alone, so it would read "
+                    f"{other} as it was before the write; register {other} as a tensor of "
+                    "its own (a clone), or compute it from the other in forward")
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:
