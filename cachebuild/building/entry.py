@@ -459,19 +459,17 @@ def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: d
 
 
 def shared_tensors(model: torch.nn.Module) -> list[list[str]]:
-    """The names of the model's parameters and buffers that are one tensor, or views of
-    one memory, each group sorted: weights tied (an embedding and its head), a layer
-    object used twice, a buffer that is a view of another. A model built so traces to
-    another graph than one built without (one input for both names, or reads that follow
-    writes), so it is another entry."""
-    groups: dict[tuple[str, int], list[str]] = {}
+    """The names of the model's parameters and buffers that are one tensor object, each
+    group sorted: weights tied (an embedding and its head), a layer object used twice. A
+    model built so traces to another graph than one built without (one input for both
+    names), so it is another entry. By object, not by memory: views of one storage stay
+    apart (a ``.to(device)`` or another loader may part them) and bind as two inputs;
+    where the model writes one of them, the runtime refuses the other
+    (``inputs.check_unshared_weights``)."""
+    groups: dict[int, list[str]] = {}
     for name, t in [*model.named_parameters(remove_duplicate=False),
                     *model.named_buffers(remove_duplicate=False)]:
-        try:  # memory a tensor owns (0: none, as a meta tensor's; or none to ask)
-            memory = t.untyped_storage().data_ptr()
-        except Exception:
-            memory = 0
-        groups.setdefault(("memory", memory) if memory else ("object", id(t)), []).append(name)
+        groups.setdefault(id(t), []).append(name)
     return sorted(sorted(names) for names in groups.values() if len(names) > 1)
 
 

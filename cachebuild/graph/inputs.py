@@ -20,6 +20,7 @@ trace's size symbols (``"s0"``, ``"64*s0"``); ``eval_dim`` evaluates them with p
 from __future__ import annotations
 
 import ast
+import bisect
 import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
@@ -133,9 +134,13 @@ class CallCheck:
                  written_weights: Sequence[tuple[str, torch.Tensor]] = ()) -> None:
         self.args = list(args)
         self.written = list(written)
-        #: The model's own tensors it writes in place (a cache buffer), by name, with the
-        #: memory each covers: no argument may share it.
-        self.written_weights = [(name, _extent(t)) for name, t in written_weights]
+        #: The memory of the model's own tensors it writes in place (a cache buffer),
+        #: sorted, with their names: no argument may share it. They never overlap each
+        #: other (``check_unshared_weights``), so one bisection per argument finds the
+        #: only one an argument could overlap.
+        self.written_weights = sorted((*memory, name) for name, t in written_weights
+                                      if (memory := _memory(t)) is not None)
+        self._written_starts = [lo for lo, _, _ in self.written_weights]
         self.device = device
         self.size_of = size_of
         self.count = 1 + max((i for i, _ in self.args), default=-1)
@@ -196,13 +201,13 @@ class CallCheck:
                         f"argument {i}, which the compiled model writes in place, shares "
                         f"memory with argument {j}; pass tensors that do not overlap "
                         "(clone one of them)")
-        for name, (lo, hi) in self.written_weights:
-            for j, (start, end) in memory.items():
-                if start < hi and lo < end:
-                    raise UsageError(
-                        f"argument {j} shares memory with {name}, which the compiled model "
-                        "writes in place (compiled code reads each input as if it were "
-                        "alone); pass a tensor that does not overlap it (a clone)")
+        for j, (start, end) in memory.items():
+            k = bisect.bisect_left(self._written_starts, end) - 1
+            if start < end and k >= 0 and self.written_weights[k][1] > start:
+                raise UsageError(
+                    f"argument {j} shares memory with {self.written_weights[k][2]}, which the "
+                    "compiled model writes in place (compiled code reads each input as if it "
+                    "were alone); pass a tensor that does not overlap it (a clone)")
 
     def _wrong_device(self, i: int, a: torch.Tensor) -> None:
         if a.device.type == "meta":
@@ -240,7 +245,7 @@ def check_unshared_weights(weights: Sequence[tuple[str, torch.Tensor]],
     ``written``) shares memory with another of its tensors (a buffer that is a view of
     it): compiled code reads each input as if it were alone, so the other would be read
     as it was before the write."""
-    extents = [(name, _extent(t)) for name, t in weights if isinstance(t, torch.Tensor)]
+    extents = [(name, memory) for name, t in weights if (memory := _memory(t)) is not None]
     for name, (lo, hi) in extents:
         if name not in written:
             continue
@@ -251,6 +256,18 @@ def check_unshared_weights(weights: Sequence[tuple[str, torch.Tensor]],
                     "compiled code reads each input as if it were alone, so it would read "
                     f"{other} as it was before the write; register {other} as a tensor of "
                     "its own (a clone), or compute it from the other in forward")
+
+
+def _memory(t: Any) -> tuple[int, int] | None:
+    """``_extent`` of a tensor that owns memory here; None for anything else (no data, a
+    wrapper subclass whose pointer is 0, a tensor that refuses to give one)."""
+    if not isinstance(t, torch.Tensor):
+        return None
+    try:
+        lo, hi = _extent(t)
+    except RuntimeError:
+        return None
+    return (lo, hi) if lo and hi > lo else None
 
 
 def _extent(t: torch.Tensor) -> tuple[int, int]:

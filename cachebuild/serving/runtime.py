@@ -158,19 +158,26 @@ class ModelRuntime:
         """The bound weights' paths, and every other name of a weight that was one tensor
         with another at the trace (a tied head's): setting any of them is seen."""
         paths = [b.path for b in self.bindings if b.kind in ("param", "buffer")]
+        bound = set(paths)
         return paths + [n for group in self.entry.factors.get("shared", []) for n in group
-                        if n not in paths]
+                        if n not in bound]
 
     def mismatches(self, model: torch.nn.Module, args: tuple[Any, ...]) -> list[Mismatch]:
         """What differs now from the trace this forward was made from (none: it may run):
         the values its guards read, which weights are one tensor, and each weight's shape
-        and dtype (an adapter of another rank swapped in). Weights are looked at again
+        (an adapter of another rank swapped in). Weights are looked at again
         only after one, or a submodule, was set on a watched path: its registration moves
-        ``weights.generation``."""
+        ``weights.generation``, and a write into a module's dicts that skips registration
+        (``module._parameters[name] = p``, set to None) changes a watched dict (``rebind``'s
+        watch over the same paths)."""
         wrong = self.guards.mismatches(model, args)
         at = weights.generation()
-        if wrong or self._shared_at == at:
+        if wrong or (self._shared_at == at and self._held()):
             return wrong
+        # Modules set on the paths since the last rebind are watched from now on, even if
+        # this call never reaches one (refused, or run eagerly out of range).
+        weights.watch(model, self._watched_paths())
+        at = weights.generation()
         now = shared_tensors(model)
         if now != self._shared:
             return [Mismatch("the weights that are one tensor (tied, or a layer used twice)",
@@ -182,9 +189,11 @@ class ModelRuntime:
                 t = weights.lookup(model, b.kind, b.path)
             except UsageError:
                 continue  # gone: the call says so (``rebind``)
-            if str(t.dtype).removeprefix("torch.") != m.dtype or tuple(t.shape) != tuple(m.shape):
-                return [Mismatch(f"{b.kind} {b.path}", f"{m.dtype} {list(m.shape)}",
-                                 f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}")]
+            # Another shape is another model (an adapter of another rank); another dtype is
+            # a conversion (``model.half()``), which ``rebind`` refuses until it is undone.
+            if tuple(t.shape) != tuple(m.shape):
+                return [Mismatch(f"{b.kind} {b.path}", f"shape {list(m.shape)}",
+                                 f"shape {list(t.shape)}")]
         self._shared_at = at
         return []
 

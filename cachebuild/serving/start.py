@@ -114,6 +114,9 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
                                          model, n, total, warm))
                 if found.why != "fresh":
                     record_entry(entry, store)
+            # A runtime that refuses the live model (a buffer viewing one it writes) is this
+            # start's failure: remembered, and run eagerly where the config says.
+            runtime = ModelRuntime(entry, loaded, model, config, dynamic_dims)
             break
         except ToolchainRefuted as e:
             if last_try:
@@ -132,7 +135,6 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
         finally:
             if pool is not None:
                 pool.close()
-    runtime = ModelRuntime(entry, loaded, model, config, dynamic_dims)
     return _ready(runtime, swap, args if capture else None)
 
 
