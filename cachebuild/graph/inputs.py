@@ -22,7 +22,7 @@ from __future__ import annotations
 import ast
 import bisect
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import Any, Protocol
 
 import torch
@@ -240,7 +240,7 @@ class CallCheck:
 
 
 def check_unshared_weights(weights: Sequence[tuple[str, torch.Tensor]],
-                           written: Sequence[str]) -> None:
+                           written: Collection[str]) -> None:
     """Raise UsageError where one of the model's tensors that it writes in place (named in
     ``written``) shares memory with another of its tensors (a buffer that is a view of
     it): compiled code reads each input as if it were alone, so the other would be read

@@ -87,6 +87,9 @@ class ModelRuntime:
         # Compiled pieces answer without autograd: said once if a call could expect it.
         self._no_autograd_unsaid = config.backend != "eager_fusion" and any(
             p.requires_grad for p in model.parameters())
+        #: Which weights were one tensor at the trace (``entry.shared_tensors``): each is
+        #: bound once, so a tying undone (or made) since needs another forward.
+        self._shared: list[list[str]] = entry.factors.get("shared", [])
         # The inputs: weights and call arguments checked, then the layouts pieces expect.
         self.rebind()
         layouts = layout_guards(entry.pieces)
@@ -96,9 +99,6 @@ class ModelRuntime:
                                    self._from_call, self.make_output)
         #: What the trace read besides tensors, checked by the front door before each call.
         self.guards = CallGuards(entry.guard_set(), entry.sources)
-        #: Which weights were one tensor at the trace (``entry.shared_tensors``): each is
-        #: bound once, so a tying undone (or made) since needs another forward.
-        self._shared = entry.factors.get("shared", [])
         self._shared_at = -1
         compat.custom_ops_without_dynamo()  # splitting ops run eagerly at every call
         self.capturer: Capturer | None = None
@@ -140,7 +140,7 @@ class ModelRuntime:
         written = {f"{self.bindings[i].kind} {self.bindings[i].path}"
                    for i in self.entry.written_inputs
                    if self.bindings[i].kind in ("param", "buffer")}
-        check_unshared_weights(named, sorted(written))
+        check_unshared_weights(named, written)
         self._template = template
         self.check = CallCheck([(b.arg, m) for b, m in self._arg_metas], self.device,
                                self._dynamic_size, self.written_args,
@@ -159,8 +159,7 @@ class ModelRuntime:
         with another at the trace (a tied head's): setting any of them is seen."""
         paths = [b.path for b in self.bindings if b.kind in ("param", "buffer")]
         bound = set(paths)
-        return paths + [n for group in self.entry.factors.get("shared", []) for n in group
-                        if n not in bound]
+        return paths + [n for group in self._shared for n in group if n not in bound]
 
     def mismatches(self, model: torch.nn.Module, args: tuple[Any, ...]) -> list[Mismatch]:
         """What differs now from the trace this forward was made from (none: it may run):
