@@ -2,7 +2,8 @@
 
 Each case of ``tests/live_changes.py`` (an attribute, a nested attribute, ``train()``, a
 global, a config value, a list's contents, an environment variable, a forward hook, one
-module-level object swapped for another of its class) runs in
+module-level object swapped for another of its class, a function's or a method's code
+swapped in place) runs in
 a process of its own, through both front doors, cold then warm against one store, every
 output compared with the live eager model's. Through ``cachebuild.compile``: a change costs
 one trace the first time, undoing it none (the forward for the old values is still there),
@@ -76,10 +77,10 @@ def test_every_live_change_through_cachebuild_compile_cold_then_warm(tmp_path):
 #: What torch.compile's own guards do not follow (torch 2.11-2.13): a forward hook added
 #: after the first call (``torch._dynamo.config.skip_nnmodule_hook_guards``), an
 #: environment variable the forward reads, ``x is Y`` between two objects of one
-#: class (guarded by their type alone) and a method replaced on the model's class. That
-#: door is Dynamo's; the README says so.
+#: class (guarded by their type alone), a method replaced on the model's class or given
+#: other code in place. That door is Dynamo's; the README says so.
 DYNAMO_UNGUARDED = ("environment variable", "forward hook", "module-level object",
-                    "method of the class")
+                    "method of the class", "code of a method")
 
 
 def test_every_live_change_through_torch_compile(tmp_path):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import enum
 import keyword
+import operator
 import sys
 import types
 from collections.abc import Callable, Sequence
@@ -142,6 +143,9 @@ class _Plan:
         self.names = 0
         self.lines: list[str] = []
         self.state: tuple[Any, ...] | None = None  # ``compat.process_state_signature``
+        #: Functions an identity check names: the same object may be given other code
+        #: (``fn.__code__ = ...``, as reloaders do), which no watched dict sees.
+        self.functions: list[types.FunctionType] = []
 
     # -- pass 1: what is watched --------------------------------------------------------
 
@@ -162,6 +166,9 @@ class _Plan:
     def visit(self, v: _Visit) -> bool:
         """Fill in ``v`` and below; True where the generated check must read ``v``."""
         for i, check, arg in v.node.checks:
+            function = getattr(v.value, "__func__", v.value)
+            if check in ("id", "equals") and isinstance(function, types.FunctionType):
+                self.functions.append(function)
             if not (v.watched and self.covered(v.value, check, arg)):
                 v.open.append((i, check, arg))
         for s, child in v.node.children.values():
@@ -301,11 +308,16 @@ class _Plan:
         self.lines = ["    if not UNCHANGED():", "        return False"]
         if self.state is not None:
             self.lines += [f"    if STATE() != {self.const(self.state)}:", "        return False"]
+        if self.functions:  # one comparison for all: identity first, element by element
+            codes = [f.__code__ for f in self.functions]
+            self.lines += [f"    if list(map(CODE, {self.const(self.functions)})) != "
+                           f"{self.const(codes)}:", "        return False"]
         for v in self.roots:
             if v.needed:
                 self.emit(v, None)
         source = "def check(model, args):\n" + "\n".join(self.lines) + "\n    return True\n"
         scope: dict[str, Any] = {"K": self.consts, "STEP": step, "UNCHANGED": unchanged,
+                                 "CODE": operator.attrgetter("__code__"),
                                  "STATE": compat.process_state_signature,
                                  "ROOT": lambda root: root_value(root, None, ())}
         exec(compile(source, "<cachebuild guards>", "exec"), scope)
