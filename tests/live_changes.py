@@ -68,6 +68,7 @@ class Net(nn.Module):
         self.config = Config()
         self.extra = ["a"]  # a list whose contents the forward reads
         self.mode = PLAIN
+        self.env_name = "LIVE_TRIPLE"  # a variable named by an attribute, not a constant
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.b(x) if self.use_b else self.a(x)
@@ -76,6 +77,8 @@ class Net(nn.Module):
             y = y + 1
         if os.environ.get("LIVE_DOUBLE") == "1":
             y = y * 2
+        if os.environ.get(self.env_name) == "1":
+            y = y * 3
         for name in self.extra:
             y = y + getattr(self, name)(x)
         if self.mode is QUADRUPLED:
@@ -108,11 +111,11 @@ def _set_global(value: float) -> None:
     SCALE = value
 
 
-def _set_env(value: str | None) -> None:
+def _set_env(value: str | None, name: str = "LIVE_DOUBLE") -> None:
     if value is None:
-        os.environ.pop("LIVE_DOUBLE", None)
+        os.environ.pop(name, None)
     else:
-        os.environ["LIVE_DOUBLE"] = value
+        os.environ[name] = value
 
 
 @dataclass
@@ -137,6 +140,8 @@ CASES = [
          lambda n, _: setattr(n.config, "act", "relu")),
     Case("list contents", lambda n: n.extra.append("b"), lambda n, _: n.extra.pop()),
     Case("environment variable", lambda n: _set_env("1"), lambda n, _: _set_env(None)),
+    Case("environment variable named by an attribute", lambda n: _set_env("1", n.env_name),
+         lambda n, _: _set_env(None, n.env_name)),
     Case("forward hook", _hook, lambda n, handle: handle.remove()),
     Case("module-level object", lambda n: setattr(n, "mode", QUADRUPLED),
          lambda n, _: setattr(n, "mode", PLAIN)),

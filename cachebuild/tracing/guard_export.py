@@ -372,15 +372,21 @@ def environment_records(records: list[GuardRecord], code_objects: Sequence[types
 
     Dynamo guards the environment object when traced code reads it, but not the variable
     read (not even its absence), so a variable set later would go unnoticed. Where the
-    trace read the environment, every upper-case string constant of the traced code is
-    taken for a variable name and its value recorded: more than were read, never fewer
-    named by a constant.
+    trace read the environment, every upper-case string constant of the traced code, and
+    every upper-case string the trace's other records compare a value with (a name held
+    by an attribute or a config object: ``os.environ.get(self.flag_name)``), is taken for
+    a variable name and its value recorded: more than were read, never fewer named by a
+    constant or a value the trace read. A name the forward builds from other strings
+    (``"_".join(parts).upper()``) is not known; the README says so.
     """
     if not any(_reads_environment(r, model, args) for r in records):
         return []
     names: set[str] = set()
     for code in code_objects:
         names |= {c for c in _constants(code) if _ENV_NAME.match(c)}
+    for r in records:
+        if r.check == "equals":
+            names |= {s for s in _strings(r.expected) if _ENV_NAME.match(s)}
     return [GuardRecord((("env", name),), "equals", None, os.environ.get(name))
             for name in sorted(names)]
 
@@ -429,6 +435,18 @@ def _reads_environment(record: GuardRecord, model: Any, args: Sequence[Any]) -> 
             except Exception:
                 return False
     return False
+
+
+def _strings(value: Any) -> list[str]:
+    """The strings in a record's expected value (a plain value: strings, numbers, lists
+    and dicts of them)."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, (list, tuple)):
+        return [s for v in value for s in _strings(v)]
+    if isinstance(value, dict):
+        return [s for v in value.values() for s in _strings(v)]
+    return []
 
 
 def _constants(code: types.CodeType) -> list[str]:
