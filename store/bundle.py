@@ -22,7 +22,13 @@ its record and its tar header declare. A record must be a well-formed record obj
 signing key, unsigned blobs are refused unless the importer says otherwise
 (``allow_unsigned``; ``cachebuild import --allow-unsigned``). Whatever a bundle's records
 say, trust is the importer's: an unsigned blob is served only once its source is trusted
-(``cachebuild import --trust``, ``cachebuild trust``). Bundles are written 0600.
+(``cachebuild import --trust``, ``cachebuild trust``), and its source is the bundle file
+it was imported from, never a name its record gives. A key the store already holds is
+compared with what the bundle brings: the same payload is already present, other bytes
+are refused unless they replace a copy that is not served by one that will be
+(``LocalStore.write_blob_chunks``); ``--trust`` marks only records that hold exactly the
+bytes this bundle brought. A key's blob appears once in a bundle; a second copy is
+refused unread. Bundles are written 0600.
 """
 
 from __future__ import annotations
@@ -79,8 +85,10 @@ class ExportReport:
 
 @dataclass
 class ImportReport:
-    """Entries imported, entries already present, and entries refused with the reason
-    (the first ``MAX_REPORTED`` by name, the others counted in ``more_refused``)."""
+    """Entries imported (written by this import), entries already present (the store held
+    exactly the bytes the bundle brought), and entries refused with the reason (the first
+    ``MAX_REPORTED`` by name, the others counted in ``more_refused``). A key is imported
+    or present at most once, so neither list is longer than the bundle's entries."""
 
     imported: list[str] = field(default_factory=list)
     existing: list[str] = field(default_factory=list)
@@ -224,7 +232,12 @@ def _pieces(f: Any, size: int) -> Iterable[bytes]:
 
 def _import_entry(store: LocalTier, key: str, record: Record, f: Any, size: int,
                   report: ImportReport, allow_unsigned: bool, source: str,
-                  trusted: str | None) -> None:
+                  trusted: str | None, brought: dict[str, str]) -> None:
+    """Verify and store the blob of ``key`` streamed from ``f`` against the bundle's
+    ``record``, and put the key in ``report``: imported (written), existing (the store held
+    the same payload) or refused (damaged, not what its record says, or other bytes than
+    the store holds and may keep). ``brought``: the payload checksum of every key this
+    bundle's bytes are now stored for, for ``--trust`` to mark those and no others."""
     def accept(header: BlobHeader) -> None:
         if (header.kind, header.length, header.checksum) != (
                 record.kind, record.size, record.checksum):
@@ -237,10 +250,13 @@ def _import_entry(store: LocalTier, key: str, record: Record, f: Any, size: int,
                               "--allow-unsigned if you trust the bundle", key)
 
     def origin(header: BlobHeader) -> str | None:
-        # A mark the bundle carries stays; a blob our key did not verify gets one.
-        if record.unsigned_from is not None:
+        # A blob our key did not verify came from this bundle file, whatever its record
+        # claims: trust goes by source, and a name written inside a bundle would let it
+        # borrow the trust of the bundle it names. A blob our key verified is trusted by
+        # that signature, not by a name, so it keeps the provenance its record gives.
+        if store.signing_key is not None and header.signed:
             return record.unsigned_from
-        return None if store.signing_key is not None and header.signed else source
+        return source
 
     def trust_of(header: BlobHeader) -> str | None:
         # The importer's word (--trust), or the fleet key's signature on this very blob.
@@ -250,16 +266,17 @@ def _import_entry(store: LocalTier, key: str, record: Record, f: Any, size: int,
             else None
 
     try:
-        if store.contains(key):
-            report.existing.append(key)
-            return
-        store.write_blob_chunks(key, _pieces(f, size), manifest=record.manifest,
-                                refs=record.refs, pinned=record.pinned, accept=accept,
-                                unsigned_from=origin, trusted=trust_of)
+        # Read and verified even when the key is stored: what the bundle brings is
+        # compared with what is there, never assumed to be the same.
+        done = store.write_blob_chunks(key, _pieces(f, size), manifest=record.manifest,
+                                       refs=record.refs, pinned=record.pinned,
+                                       accept=accept, unsigned_from=origin,
+                                       trusted=trust_of)
     except CorruptBlob as e:
         report.refuse(key, e.reason)
-    else:
-        report.imported.append(key)
+        return
+    brought[key] = done.record.checksum
+    (report.imported if done.written else report.existing).append(key)
 
 
 def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
@@ -273,10 +290,16 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
     ``trust``); the rest are imported. What comes in unsigned is marked with the bundle
     as its source (``Record.unsigned_from``) and is not served until that source is
     trusted: ``trust`` trusts it at once (``Record.trusted`` names this import), else
-    ``LocalStore.trust`` does later; a store's own key's signature on a blob trusts it. Members are streamed (see the module doc), so a bundle that inflates to
-    more than memory holds costs no more memory than a small one. A truncated bundle imports what came before the damage.
-    Entries already in the store are left as they are. Raises UsageError if ``path``
-    is not a bundle at all.
+    ``LocalStore.trust`` does later; a store's own key's signature on a blob trusts it.
+    The source is this bundle file (``bundle NAME``), never what its records say.
+    Members are streamed (see the module doc), so a bundle that inflates to more than
+    memory holds costs no more memory than a small one. A truncated bundle imports what
+    came before the damage. A key already stored is compared with what the bundle brings:
+    the same payload is counted as present; other bytes are refused (the stored copy
+    stays) unless the stored copy is not served and the bundle's will be (``trust``, the
+    store's key), which then replace it. ``trust`` marks only records holding the bytes
+    this bundle brought. A key's blob is read once; a second copy is refused. Raises
+    UsageError if ``path`` is not a bundle at all.
     """
     src = Path(path)
     try:
@@ -294,6 +317,7 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
         records: dict[str, tuple[Record | str, int]] = {}
         pending = 0  # bytes of the record members in ``records``
         seen: set[str] = set()
+        brought: dict[str, str] = {}  # key -> payload checksum of what this bundle stored
         current: str | None = None  # the blob being read, named if the archive breaks
         members = 0
         try:
@@ -320,6 +344,14 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
                     pending += size
                 elif m := _OBJECT_RE.fullmatch(name):
                     key = current = m.group(1)
+                    if key in seen:
+                        # An export writes each blob once: a second copy is not read, so a
+                        # key is never counted twice nor stored from two different copies.
+                        pending -= records.pop(key, (None, 0))[1]
+                        report.refuse(key, "blob appears more than once in the bundle; "
+                                           "only the first copy was read")
+                        current = None
+                        continue
                     seen.add(key)
                     f = tar.extractfile(member) if member.isfile() else None
                     record, size = records.pop(key, (None, 0))
@@ -332,7 +364,7 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
                         report.refuse(key, record)
                     else:
                         _import_entry(store, key, record, f, member.size, report,
-                                      allow_unsigned or trust, source, how)
+                                      allow_unsigned or trust, source, how, brought)
                     current = None
                     if progress is not None:
                         progress(len(seen), max(len(expected), len(seen)))
@@ -347,9 +379,10 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
             if isinstance(key, str) and key not in seen:
                 report.refuse(_printable(key), "listed in the bundle but missing from it")
     if how is not None:
-        # What an earlier import of the same bundle brought in without --trust (a write of
-        # a stored key leaves it as it was): trusted now.
-        store.trust(source, how, keys=[*report.existing, *report.imported])
+        # What an earlier import brought in without --trust and this bundle brought again
+        # byte for byte: trusted now. By content, not by source name: a record stored
+        # from other bytes stays untrusted whatever bundle it says it came from.
+        store.trust_blobs(how, {k: brought[k] for k in report.existing})
     return report
 
 

@@ -18,14 +18,14 @@ factors, refs to other keys).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any, Protocol
 
 from cachebuild.store.blob import BlobHeader
 from cachebuild.store.options import StoreOptions
-from cachebuild.store.record import GCReport, Record, StoreStats, VerifyReport
+from cachebuild.store.record import BlobWrite, GCReport, Record, StoreStats, VerifyReport
 from cachebuild.store.timekeeping import Clock
 
 #: Progress callback: (done, total).
@@ -203,12 +203,20 @@ class LocalTier(Store, Protocol):
                           accept: Callable[[BlobHeader], None] | None = None,
                           unsigned_from: Callable[[BlobHeader], str | None] | str | None = None,
                           trusted: Callable[[BlobHeader], str | None] | str | None = None,
-                          ) -> Record:
-        """``write_blob`` for a blob that arrives in pieces, verified as it is written."""
+                          ) -> BlobWrite:
+        """``write_blob`` for a blob that arrives in pieces, verified as it is written and
+        compared with what the key holds: the same payload is not written again, other
+        bytes replace only a stored blob that is not served by one that would be, else
+        CorruptBlob (``BlobConflict``) and the stored one stays."""
         ...
 
     def trust(self, source: str, how: str, keys: Iterable[str] | None = None) -> list[str]:
         """Mark what came unsigned from ``source`` as trusted by ``how``; the keys marked."""
+        ...
+
+    def trust_blobs(self, how: str, checksums: Mapping[str, str]) -> list[str]:
+        """Mark the records of these keys trusted by ``how`` where they hold the payload of
+        the checksum given, whatever source they name; the keys marked."""
         ...
 
     def flush(self) -> None:

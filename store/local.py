@@ -42,7 +42,7 @@ import logging
 import os
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -53,7 +53,16 @@ from cachebuild.units import format_size
 
 from . import maintenance
 from .access import Access, ReadOnly, Writable
-from .blob import BlobHeader, CorruptBlob, StreamCheck, check_blob, encode_parts, read_blob_fd
+from .blob import (
+    MAX_HEADER_SIZE,
+    BlobHeader,
+    CorruptBlob,
+    StreamCheck,
+    check_blob,
+    encode_parts,
+    parse_header,
+    read_blob_fd,
+)
 from .files import (
     OddFile,
     is_regular,
@@ -69,6 +78,7 @@ from .locking import build_lock, flocked, open_temp
 from .materialize import Materializer
 from .options import StoreOptions
 from .record import (
+    BlobWrite,
     GCReport,
     KindTotals,
     Record,
@@ -94,6 +104,53 @@ class UnknownKey(StoreError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0])
+
+
+class BlobConflict(CorruptBlob):
+    """An arriving blob for a key that already holds other bytes, refused (the stored blob
+    is kept). Keys name immutable content, so one of the two is not what the key names;
+    which one is not for an import to guess."""
+
+    def __init__(self, key: str, stored: Record, incoming: str) -> None:
+        served = "not trusted" if stored.is_untrusted else "trusted or built here"
+        super().__init__(f"differs from the blob already stored under this key (payload "
+                         f"checksum {incoming}, stored {stored.checksum}, {served}); the "
+                         "stored one is kept", key)
+
+
+#: Bytes compared at a time when an arriving blob is checked against the stored one.
+_COMPARE_CHUNK = 1 << 20
+
+
+def _payload_of(fd: int) -> tuple[int, int]:
+    """``(offset, length)`` of the payload of the blob open as ``fd`` (header checked)."""
+    header = parse_header(os.pread(fd, MAX_HEADER_SIZE, 0))
+    return header.header_size, header.length
+
+
+def _same_payload(path_a: str | Path, path_b: str | Path) -> bool:
+    """True if the blob files at ``path_a`` and ``path_b`` hold the same payload byte for
+    byte (their headers and signatures may differ). Checksums are not enough to call two
+    blobs the same: xxh3 is not made to resist someone who crafts a collision."""
+    fd_a = os.open(path_a, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        fd_b = os.open(path_b, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            (at_a, length), (at_b, length_b) = _payload_of(fd_a), _payload_of(fd_b)
+            if length != length_b:
+                return False
+            done = 0
+            while done < length:
+                n = min(_COMPARE_CHUNK, length - done)
+                piece = os.pread(fd_a, n, at_a + done)
+                if len(piece) != n or piece != os.pread(fd_b, n, at_b + done):
+                    return False
+                done += n
+            return True
+        finally:
+            os.close(fd_b)
+    finally:
+        os.close(fd_a)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -356,7 +413,7 @@ class LocalStore(LocalTier):
     def _install(self, record: Record, parts: Sequence[bytes | bytearray | memoryview]) -> Record:
         with self._temp_blob(record) as (fd, tmp_path):
             write_all(fd, parts)
-            return self._commit(record, fd, tmp_path)
+            return self._commit(record, fd, tmp_path)[0]
 
     def write_blob_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview], *,
                           manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
@@ -364,7 +421,7 @@ class LocalStore(LocalTier):
                           accept: Callable[[BlobHeader], None] | None = None,
                           unsigned_from: Callable[[BlobHeader], str | None] | str | None = None,
                           trusted: Callable[[BlobHeader], str | None] | str | None = None,
-                          ) -> Record:
+                          ) -> BlobWrite:
         """``write_blob`` for a blob that arrives in pieces, never held whole in memory.
 
         Each piece is verified as it is written to a temp file (StreamCheck): a blob that
@@ -374,13 +431,16 @@ class LocalStore(LocalTier):
         ``unsigned_from`` (``Record.unsigned_from``) may be a function of the verified
         header (whether the blob was signed decides it), and so may ``trusted``
         (``Record.trusted``).
+
+        The blob is read and verified whether or not the key is stored, and then compared
+        with what is (``_arrival_replaces``): the same payload is not written again
+        (``BlobWrite.written`` False); other bytes replace the stored blob only where it
+        is not served (``Record.is_untrusted``) and the arriving one would be, else
+        BlobConflict, and the stored blob and record stay as they were.
         """
         self._access.check_writable(f"store {key}")
         check_key(key)
         refs = tuple(check_key(r) for r in refs)
-        existing = self._existing(key)
-        if existing is not None:
-            return existing
         checker = StreamCheck(expected_key=key, signing_key=self._signing_key,
                               require_signature=self.require_signature)
         placeholder = Record(key=key, kind="blob", size=0, checksum="", created=0.0,
@@ -404,21 +464,50 @@ class LocalStore(LocalTier):
                             unsigned_from=check_origin(origin),
                             trusted=_trust_of(
                                 origin, trusted(header) if callable(trusted) else trusted))
-            return self._commit(record, fd, tmp_path)
+            stored, written = self._commit(record, fd, tmp_path, functools.partial(
+                self._arrival_replaces, record, tmp_path))
+            return BlobWrite(stored, written)
 
-    def _commit(self, record: Record, fd: int, tmp_path: Path) -> Record:
+    def _arrival_replaces(self, record: Record, tmp_path: Path, current: Record) -> bool:
+        """Whether the verified blob at ``tmp_path``, arriving as ``record``, takes the place
+        of the stored ``current`` (called under the key's entry lock, with a regular file
+        where the blob is). False for the same payload (nothing to write); True where the
+        stored blob no longer verifies (moved to quarantine first: the arrival repairs
+        it), or where what is stored is not served and the arrival would be (the build
+        of our own, the importer's --trust or the fleet key outranks an unvetted copy).
+        Otherwise BlobConflict: other bytes never silently take a key's place, and the
+        stored ones are never lost to an import."""
+        blob_path = self._layout.blob(record.key)
+        damage, _ = self.check_blob_file(record.key, current.to_json())
+        if damage is not None:
+            move_to_quarantine(self._layout, blob_path, damage, self.clock.time())
+            self._index.incr("quarantined", 1)
+            return True
+        if (current.kind, current.size, current.checksum) == (
+                record.kind, record.size, record.checksum) \
+                and _same_payload(blob_path, tmp_path):
+            return False
+        if current.is_untrusted and not record.is_untrusted:
+            return True
+        raise BlobConflict(record.key, current, record.checksum)
+
+    def _commit(self, record: Record, fd: int, tmp_path: Path,
+                replaces: Callable[[Record], bool] | None = None) -> tuple[Record, bool]:
         """Make the written temp file ``tmp_path`` (open as ``fd``) the blob of ``record``
-        and record it, unless another process stored the key first. OSError on failure;
-        the store is then as it was."""
+        and record it, unless the key is stored and ``replaces(current)`` (asked under the
+        key's entry lock; default: a build of our own replaces what is not trusted) says
+        it stays. ``(the key's record, whether it was written)``. OSError on failure, or
+        whatever ``replaces`` raises; the store is then as it was."""
         key = record.key
         blob_path = self._layout.blob(key)
         os.fsync(fd)
         with flocked(self._layout.entry_lock(key)):
             current = self._index.get(key)
-            replaces = current is not None and current.is_untrusted \
-                and record.unsigned_from is None
-            if current is not None and is_regular(blob_path) and not replaces:
-                return current  # another process stored it first
+            if current is not None and is_regular(blob_path):
+                goes_ahead = replaces(current) if replaces is not None \
+                    else current.is_untrusted and record.unsigned_from is None
+                if not goes_ahead:
+                    return current, False  # stored already (by another process, perhaps)
             blob_path.parent.mkdir(mode=0o700, exist_ok=True)
             if os.path.lexists(blob_path) and not is_regular(blob_path):
                 move_to_quarantine(self._layout, blob_path, "not-a-regular-file", self.clock.time())
@@ -439,7 +528,7 @@ class LocalStore(LocalTier):
                 with contextlib.suppress(OSError):
                     os.unlink(blob_path)
                 raise
-        return record
+        return record, True
 
     def _write_error(self, e: OSError, record: Record) -> StoreError:
         what = f"{record.key} ({record.kind}, {format_size(record.size)})"
@@ -642,6 +731,26 @@ class LocalStore(LocalTier):
                 small = self._index.get_small(key)
                 if small is not None and small.get("unsigned_from") == source \
                         and small.get("trusted") is None:
+                    small["trusted"] = how
+                    self._index.set_small(key, small)
+                    marked.append(key)
+        return marked
+
+    def trust_blobs(self, how: str, checksums: Mapping[str, str]) -> list[str]:
+        """Trust the stored records of the keys in ``checksums`` whose payload checksum is
+        the one given for the key (the bytes whoever trusts, ``how``, vouched for: what a
+        bundle imported with --trust brought), whatever source they name: a record not
+        trusted yet keeps ``how`` as its ``trusted``. A record that holds other bytes is
+        left as it is. Returns the keys marked (see ``trust``)."""
+        self._access.check_writable("trust what was brought")
+        how = check_trust(how) or ""
+        marked = []
+        # One transaction: the checksum compared is the one of the record marked.
+        with self._index.transact():
+            for key, checksum in checksums.items():
+                small = self._index.get_small(check_key(key))
+                if small is not None and small.get("unsigned_from") is not None \
+                        and small.get("trusted") is None and small.get("checksum") == checksum:
                     small["trusted"] = how
                     self._index.set_small(key, small)
                     marked.append(key)

@@ -72,6 +72,16 @@ class Record:
         return cls(key=rec_key, **fields)
 
 
+@dataclass(frozen=True)
+class BlobWrite:
+    """What writing an arriving blob did (``LocalTier.write_blob_chunks``): ``record`` is
+    the key's record now; ``written`` is False when exactly these bytes were already
+    stored under the key, and nothing was written."""
+
+    record: Record
+    written: bool
+
+
 #: What a kind may look like: a short name (``entry``, ``aoti-cuda``, ``fx-graph``).
 KIND_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")
 _CHECKSUM_RE = re.compile(r"[0-9a-f]{16}|[0-9a-f]{32}")

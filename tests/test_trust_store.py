@@ -471,7 +471,7 @@ def test_a_bundle_of_countless_members_is_read_up_to_a_bound_and_said_in_a_few_l
         pytest.skip("needs prlimit (util-linux) to run the importer with bounded memory")
     proc = cli("import", str(bundle), env=env_for(tmp_path / "target"),
                prefix=("prlimit", f"--as={384 << 20}"), timeout=600)
-    assert_one_line_error(proc, 1, rf"refused {MAX_MEMBERS + 1} damaged or incomplete")
+    assert_one_line_error(proc, 1, rf"refused {MAX_MEMBERS + 1} records \(damaged, incomplete")
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == MAX_LISTED + 2, lines[-5:]  # the first ones, "and N more", error
     assert f"refused: and {MAX_MEMBERS + 1 - MAX_LISTED} more" in proc.stderr

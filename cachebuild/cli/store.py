@@ -488,7 +488,8 @@ def import_command(ctx: click.Context, file: Path, allow_unsigned: bool, trust: 
     if report.refused_count > MAX_LISTED:
         click.echo(f"refused: and {report.refused_count - MAX_LISTED} more", err=True)
     if report.refused_count:
-        click.echo(f"error: refused {report.refused_count} damaged or incomplete records",
+        click.echo(f"error: refused {report.refused_count} records (damaged, incomplete, or "
+                   "other bytes than the store holds under their key; each is named above)",
                    err=True)
         ctx.exit(1)
 

@@ -1,0 +1,216 @@
+"""Importing a bundle into a store that already holds its keys: what the bundle brings is
+compared with what is stored, trust goes to bytes and to the bundle file imported (never
+to a name a bundle writes into its records), and the counts say what happened."""
+
+from __future__ import annotations
+
+import io
+import json
+import tarfile
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cachebuild.cli import main as cli
+from cachebuild.keys import make_key
+from cachebuild.store import LocalStore, encode_blob, export_bundle, import_bundle
+from cachebuild.store.blob import parse_header, payload_checksum
+
+PAYLOADS = {"t1": b"a" * 3000, "t2": b"b" * 2000, "entry": b"entry", "loose": b"c" * 5000}
+
+
+def key(name: str) -> str:
+    return make_key({"bundle-trust": name})
+
+
+def run(store_dir: Path, *args: str):
+    return CliRunner().invoke(cli.main, ["--cache-dir", str(store_dir), *args])
+
+
+@pytest.fixture
+def genuine(tmp_path) -> Path:
+    """A genuine bundle ``good/cache.tar`` of four records from a store built here."""
+    with LocalStore(tmp_path / "source") as store:
+        for name, payload in PAYLOADS.items():
+            store.put(key(name), payload, kind="target", manifest={"graph": name})
+        (tmp_path / "good").mkdir()
+        export_bundle(store, tmp_path / "good" / "cache.tar")
+    return tmp_path / "good" / "cache.tar"
+
+
+def members(path: Path) -> list[tuple[str, bytes]]:
+    with tarfile.open(path) as tar:
+        return [(m.name, tar.extractfile(m).read()) for m in tar]
+
+
+def write_bundle(path: Path, content: list[tuple[str, bytes]]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tarfile.open(path, "w") as tar:
+        for name, data in content:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    return path
+
+
+def forged(genuine: Path, out: Path, victim: str, payload: bytes, *,
+           claim: str | None = "bundle cache.tar") -> Path:
+    """``genuine`` with ``victim``'s blob holding ``payload`` under a valid checksum, and
+    every record claiming to come unsigned from ``claim`` (what evil.py does)."""
+    content = []
+    for name, data in members(genuine):
+        if name == f"objects/{victim}":
+            kind = parse_header(data).kind
+            data = encode_blob(victim, kind, payload)
+        elif name.startswith("records/"):
+            record = json.loads(data)
+            record["unsigned_from"] = claim
+            if record["key"] == victim:
+                record["size"], record["checksum"] = len(payload), payload_checksum(payload)
+            data = json.dumps(record).encode()
+        content.append((name, data))
+    return write_bundle(out, content)
+
+
+def flip_payload_byte(path: Path, k: str) -> None:
+    """Damage one payload byte of ``k``'s blob in place (its checksum no longer holds)."""
+    with tarfile.open(path) as tar:
+        member = tar.getmember(f"objects/{k}")
+        offset = member.offset_data + member.size - 10
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
+
+
+EVIL = b"import os; os.system('owned')  # " + b"x" * 64
+
+
+def test_a_forged_bundle_then_the_genuine_one_trusted_serves_the_genuine_bytes(
+        open_local, tmp_path, genuine):
+    store_dir, victim = tmp_path / "store", key("t1")
+    evil = forged(genuine, tmp_path / "evil.tar", victim, EVIL)
+    first = run(store_dir, "import", str(evil))
+    assert first.exit_code == 0 and "imported 4 records" in first.stdout, first.output
+    # The claim inside the bundle is not its source: the file it came from is.
+    assert "not trusted: 4 records from bundle evil.tar" in first.stderr
+    borrowed = run(store_dir, "trust", "bundle cache.tar")
+    assert borrowed.exit_code == 2, borrowed.output
+
+    result = run(store_dir, "import", "--trust", str(genuine))
+    assert result.exit_code == 0, result.output
+    # The forged copy was never served, and the operator vouches for this bundle: its
+    # bytes take the key; the three identical records are already present.
+    assert "imported 1 record from" in result.stdout and "3 already present" in result.stdout
+    store = open_local(store_dir)
+    for name, payload in PAYLOADS.items():
+        assert store.get(key(name)) == payload
+    record = store.get_record(victim)
+    assert record.checksum == payload_checksum(PAYLOADS["t1"]) and record.trusted
+    assert store.verify().clean
+
+
+def test_the_genuine_bundle_without_trust_refuses_the_key_a_forgery_holds(
+        open_local, tmp_path, genuine):
+    store_dir, victim = tmp_path / "store", key("t1")
+    evil = forged(genuine, tmp_path / "elsewhere" / "cache.tar", victim, EVIL)  # same name
+    assert run(store_dir, "import", str(evil)).exit_code == 0
+    result = run(store_dir, "import", str(genuine))
+    assert result.exit_code == 1, result.output
+    assert "imported 0 records" in result.stdout and "3 already present" in result.stdout
+    assert f"refused {victim}: differs from the blob already stored" in result.stderr
+    store = open_local(store_dir)
+    assert store.get_record(victim).checksum == payload_checksum(EVIL)
+    assert store.get(victim) is None  # untrusted, never served
+    # Trusting by the (shared) name is the operator's word for both files; --trust of the
+    # genuine one afterwards still replaces the forgery by content.
+    assert run(store_dir, "import", "--trust", str(genuine)).exit_code == 0
+    assert store.get(victim) == PAYLOADS["t1"]
+
+
+def test_trust_marks_only_records_holding_the_bytes_the_bundle_brought(
+        open_local, tmp_path, genuine):
+    store_dir, victim = tmp_path / "store", key("t1")
+    evil = forged(genuine, tmp_path / "evil.tar", victim, EVIL)
+    assert run(store_dir, "import", str(evil)).exit_code == 0
+    store = open_local(store_dir)
+    brought = {key(n): payload_checksum(p) for n, p in PAYLOADS.items()}
+    marked = store.trust_blobs("test", brought)
+    assert sorted(marked) == sorted(k for k in brought if k != victim)
+    assert store.get_record(victim).is_untrusted and store.get(victim) is None
+
+
+def test_a_trusted_record_is_never_replaced_by_a_bundle(open_local, tmp_path, genuine):
+    victim = key("t1")
+    evil = forged(genuine, tmp_path / "evil.tar", victim, EVIL, claim=None)
+    # The store the genuine bundle was exported from: built here, so trusted.
+    result = run(tmp_path / "source", "import", "--trust", str(evil))
+    assert result.exit_code == 1, result.output
+    assert f"refused {victim}: differs from the blob already stored" in result.stderr
+    assert "imported 0 records" in result.stdout and "3 already present" in result.stdout
+    store = open_local(tmp_path / "source")
+    assert store.get(victim) == PAYLOADS["t1"] and store.get_record(victim).trusted is None
+    assert store.verify().clean
+
+
+def test_a_flipped_byte_into_a_store_holding_the_keys_is_refused(open_local, tmp_path, genuine):
+    store_dir = tmp_path / "store"
+    assert run(store_dir, "import", "--trust", str(genuine)).exit_code == 0
+    before = {r.key: r for r in open_local(store_dir).records()}
+    flip_payload_byte(genuine, key("t2"))
+    result = run(store_dir, "import", "--trust", str(genuine))
+    assert result.exit_code == 1, result.output
+    assert f"refused {key('t2')}: payload checksum mismatch" in result.stderr
+    assert "imported 0 records" in result.stdout and "3 already present" in result.stdout
+    store = open_local(store_dir)
+    assert {r.key: r for r in store.records()} == before
+    assert store.get(key("t2")) == PAYLOADS["t2"] and store.verify().clean
+
+
+def test_a_duplicate_member_is_counted_once(open_local, tmp_path, genuine):
+    k = key("t2")
+    content = members(genuine)
+    blob = dict(content)[f"objects/{k}"]
+    damaged = blob[:-10] + bytes([blob[-10] ^ 0xFF]) + blob[-9:]
+    dup = write_bundle(tmp_path / "dup.tar", [*content, (f"records/{k}.json",
+                                                         dict(content)[f"records/{k}.json"]),
+                                              (f"objects/{k}", damaged)])
+    report = import_bundle(open_local(tmp_path / "store"), dup)
+    assert sorted(report.imported) == sorted(key(n) for n in PAYLOADS)
+    assert not report.existing and not report.ok
+    assert report.refused == [(k, "blob appears more than once in the bundle; "
+                                  "only the first copy was read")]
+    again = import_bundle(open_local(tmp_path / "store"), dup)
+    assert not again.imported and len(again.existing) == len(PAYLOADS)
+    assert len(again.refused) == 1
+
+
+def test_a_plain_reimport_is_all_already_present(open_local, tmp_path, genuine):
+    store_dir = tmp_path / "store"
+    first = run(store_dir, "import", str(genuine))
+    assert first.exit_code == 0 and "imported 4 records" in first.stdout, first.output
+    again = run(store_dir, "import", str(genuine))
+    assert again.exit_code == 0, again.output
+    assert "imported 0 records" in again.stdout and "4 already present" in again.stdout
+    # --trust of the same bundle later trusts those very records.
+    trusted = run(store_dir, "import", "--trust", str(genuine))
+    assert trusted.exit_code == 0 and "4 already present" in trusted.stdout
+    store = open_local(store_dir)
+    assert all(store.get(key(n)) == p for n, p in PAYLOADS.items())
+
+
+def test_a_stored_blob_damaged_on_disk_is_repaired_by_the_same_bytes(
+        open_local, tmp_path, genuine):
+    store_dir = tmp_path / "store"
+    assert run(store_dir, "import", "--trust", str(genuine)).exit_code == 0
+    store = open_local(store_dir)
+    path = store.layout.blob(key("loose"))
+    path.chmod(0o600)
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    result = run(store_dir, "import", "--trust", str(genuine))
+    assert result.exit_code == 0 and "imported 1 record" in result.stdout, result.output
+    assert store.get(key("loose")) == PAYLOADS["loose"] and store.verify().clean
