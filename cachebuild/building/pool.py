@@ -64,10 +64,6 @@ def job_label(job: BuildJob) -> str:
 #: Memory one build takes at its peak, by default (see the module doc).
 BUILD_MEMORY = int(1.5 * 2**30)
 
-#: Operator namespaces every worker has without importing anything of the model's.
-BUILTIN_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d",
-                                "_c10d_functional_autograd", "cachebuild"})
-
 
 # -- how many ------------------------------------------------------------------------------
 
@@ -166,6 +162,8 @@ def op_modules(jobs: Iterable[BuildJob]) -> list[str] | None:
     registered, or None where some op's module cannot be imported by name (defined in
     ``__main__``, a notebook, ``exec``) or only from a folder a worker does not import
     from (``processes.import_path``): such jobs build in the calling process."""
+    from cachebuild.graph.facts import KEYED_NAMESPACES
+
     modules: list[str] = []
     for job in jobs:
         for node in job.nodes:
@@ -173,7 +171,7 @@ def op_modules(jobs: Iterable[BuildJob]) -> list[str] | None:
             if not isinstance(target, str) or not target.startswith("op:"):
                 continue
             qualname = target[3:].split(".")[0]
-            if qualname.split("::")[0] in BUILTIN_NAMESPACES:
+            if qualname.split("::")[0] in KEYED_NAMESPACES:
                 continue
             module = _module_of_op(qualname)
             if module is None:

@@ -137,6 +137,49 @@ def torch_dir() -> str:
     return os.path.dirname(torch.__file__) + os.sep
 
 
+#: Namespaces whose ops are torch's own (their code is in every key through its version)
+#: or cachebuild's fusion ops (whose sources the pass manager's factors hold).
+KEYED_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d",
+                              "_c10d_functional_autograd", "cachebuild"})
+_REGISTERED_AT = re.compile(r"registered at (.+?):\d+")
+
+
+def user_ops(graph: fx.Graph) -> list[str]:
+    """The operators ``graph`` calls (``ns::name``) outside ``KEYED_NAMESPACES``, sorted."""
+    names = set()
+    for n in graph.nodes:
+        if n.op != "call_function":
+            continue
+        if isinstance(n.target, torch._ops.OpOverload):
+            names.add(n.target._schema.name)
+        elif isinstance(n.target, torch._ops.OpOverloadPacket):  # Dynamo's ``torch.ops.ns.op``
+            names.add(n.target._qualified_op_name)
+    return sorted(q for q in names if q.split("::")[0] not in KEYED_NAMESPACES)
+
+
+@functools.cache
+def op_files(qualname: str) -> tuple[str, ...]:
+    """The Python files outside torch that registered operator ``qualname`` or one of its
+    kernels, as torch's dispatcher records them (the file that made its
+    ``torch.library.Library``), and the file of a ``torch.library.custom_op``'s function.
+    A build may inline what they define (a ``CompositeImplicitAutograd`` kernel, a fake
+    kernel's shapes), so a piece calling the op is made from them too. Once per process:
+    a file edited after it was imported is not the code this process runs."""
+    from torch._library import custom_ops
+
+    try:
+        dump = torch._C._dispatch_dump(qualname)
+    except RuntimeError:
+        dump = ""
+    found = set(_REGISTERED_AT.findall(dump))
+    opdef = custom_ops.OPDEFS.get(qualname)
+    code = getattr(getattr(opdef, "_init_fn", None), "__code__", None)
+    if code is not None:
+        found.add(code.co_filename)
+    return tuple(sorted(os.path.abspath(f) for f in found if f.endswith(".py")
+                        and os.path.isfile(f) and not os.path.abspath(f).startswith(torch_dir())))
+
+
 def on_device(device: str | torch.device) -> Any:
     """A context in which ``device`` (``cuda:1``) is the current device of its type, which
     is what a bare ``cuda`` in a graph (``unpin_device``) means; a no-op context for a

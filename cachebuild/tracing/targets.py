@@ -24,12 +24,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from cachebuild.graph.facts import SYMBOL, InputMeta, torch_dir
+from cachebuild.graph.facts import SYMBOL, InputMeta, op_files, torch_dir, user_ops
 from cachebuild.graph.graphdiff import user_frame
 from cachebuild.keys import make_key
 from cachebuild.tracing.distributed import layout_factors
 from cachebuild.tracing.split import Piece
 from cachebuild.trust.fxjson import graph_to_data
+from cachebuild.trust.sources import digest_of
 
 if TYPE_CHECKING:
     from cachebuild.config import CompileConfig
@@ -115,6 +116,20 @@ def piece_data(piece: Piece) -> list[dict[str, Any]]:
     return graph_to_data(piece.gm.graph)
 
 
+def op_sources(graph: Any) -> dict[str, list[str | None]]:
+    """The source hashes of the files that registered each operator ``graph`` calls beyond
+    torch's and cachebuild's (``facts.op_files``): a build may inline their kernels (a
+    ``CompositeImplicitAutograd`` decomposition), which the graph names only by the op's
+    name, so an edit of them is another target. Empty where there is none (other keys
+    stay as they were)."""
+    out: dict[str, list[str | None]] = {}
+    for qualname in user_ops(graph):
+        files = op_files(qualname)
+        if files:
+            out[qualname] = [digest_of(f) for f in files]
+    return out
+
+
 def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend: dict[str, Any],
                  passes: dict[str, Any], env: dict[str, Any]) -> dict[int, list[Target]]:
     """Every target of every compiled piece, keyed by the factors above.
@@ -130,12 +145,15 @@ def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend:
         layout = layout_factors(nodes)
         sources = tuple(user_frame(n.meta.get("stack_trace"), torch_dir())
                         for n in piece.gm.graph.nodes)
+        ops = op_sources(piece.gm.graph)
         targets = []
         for bucket in buckets if piece.size_input is not None else [{"static": True}]:
             manifest = {"graph": graph, "bucket": bucket, "backend": backend,
                         "passes": passes, "env": env}
             if layout is not None:
                 manifest["distributed"] = layout
+            if ops:
+                manifest["ops"] = ops
             targets.append(Target(make_key(manifest), piece.index, bucket, manifest, sources))
         out[piece.index] = targets
     return out

@@ -31,8 +31,10 @@ from cachebuild.graph.facts import (
     device_of,
     holds_at,
     meta_of,
+    op_files,
     torch_dir,
     unpin_device,
+    user_ops,
 )
 from cachebuild.graph.outputs import output_recipe
 from cachebuild.graph.weights import hooks_hidden
@@ -396,7 +398,10 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         wrong = GuardSet.of(guards).mismatches(model, args)
         if wrong:
             unrecordable = f"{wrong[0].describe()} right after tracing"
-    files, stamps = _traced_files(captured["code"], generated_from)
+    # The files that registered the ops the graph calls: a build may inline their kernels,
+    # so an edit of one makes the entry stale (and its targets other ones).
+    op_defs = [f for q in user_ops(gm.graph) for f in op_files(q)]
+    files, stamps = _traced_files(captured["code"], [*generated_from, *op_defs])
     return TracedGraph(
         gm=gm,
         bindings=bindings,
