@@ -9,12 +9,20 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import logging
 import os
 import secrets
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 from cachebuild.errors import LockTimeout
+
+log = logging.getLogger("cachebuild.store")
+
+#: How long a short lock is waited for before the wait is said (its holders keep it for
+#: milliseconds: a longer wait is another process stopped while holding it).
+SAY_WAIT_AFTER_S = 2.0
 
 
 @contextlib.contextmanager
@@ -46,10 +54,24 @@ def flocked(path: Path) -> Iterator[None]:
     # Read-only is enough for flock, and still works on a read-only file system.
     fd = os.open(path, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
+        _wait_saying(fd, path)
         yield
     finally:
         os.close(fd)  # closing the last descriptor releases the flock
+
+
+def _wait_saying(fd: int, path: Path) -> None:
+    """Take the exclusive flock on ``fd``; a wait longer than ``SAY_WAIT_AFTER_S`` is said
+    once, naming the lock file, before waiting on (never silently for long)."""
+    deadline = time.monotonic() + SAY_WAIT_AFTER_S
+    while not try_flock(fd):
+        if time.monotonic() >= deadline:
+            log.warning("waiting for the lock %s, which another process holds (a cachebuild "
+                        "command or server using this store, stopped or busy): it goes on "
+                        "once that process releases it or ends", path)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            return
+        time.sleep(0.05)
 
 
 @contextlib.contextmanager

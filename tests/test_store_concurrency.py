@@ -335,3 +335,30 @@ def test_gc_while_another_process_reads(open_local, store_dir):
     assert reader.exitcode == 0
     assert rounds > 3 and hits > 0 and misses > 0
     assert store.verify().clean
+
+
+def test_a_short_lock_held_long_by_another_process_is_waited_for_out_loud(tmp_path, caplog):
+    """A process stopped while holding an entry lock (a store's short lock): a `gc` waits for
+    it, and says so, naming the lock, instead of hanging silently."""
+    import subprocess
+    import sys
+
+    from store.locking import SAY_WAIT_AFTER_S, flocked
+
+    lock = tmp_path / "entry.lock"
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import fcntl, os, sys, time\n"
+        f"fd = os.open({str(lock)!r}, os.O_RDONLY | os.O_CREAT, 0o600)\n"
+        "fcntl.flock(fd, fcntl.LOCK_EX)\nprint('held', flush=True)\n"
+        f"time.sleep({SAY_WAIT_AFTER_S + 2})\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
+        with caplog.at_level("WARNING", logger="cachebuild.store"), flocked(lock):
+            waited = time.monotonic() - started
+        assert waited >= SAY_WAIT_AFTER_S
+        said = [r.getMessage() for r in caplog.records if "waiting for the lock" in r.getMessage()]
+        assert len(said) == 1 and str(lock) in said[0]
+    finally:
+        holder.kill()
+        holder.wait()
