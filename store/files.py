@@ -54,7 +54,8 @@ def open_regular(path: str | os.PathLike[str]) -> int | None:
     """A read-only fd on the regular file at ``path``, or None if nothing is there.
 
     Raises OddFile if something else is there: a symlink is not followed and a FIFO is
-    not waited on, so neither can redirect or hang a reader.
+    not waited on, so neither can redirect or hang a reader; and for a file owned by
+    another user than us or root, who could rewrite it.
     """
     try:
         fd = os.open(path, _READ_FLAGS)
@@ -72,6 +73,10 @@ def open_regular(path: str | os.PathLike[str]) -> int | None:
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
         raise OddFile(_kind_of(st.st_mode), st.st_ino)
+    if st.st_uid not in (os.geteuid(), 0):
+        # Its owner could rewrite it in place, whatever the folders' modes say.
+        os.close(fd)
+        raise OddFile(f"a file owned by another user (uid {st.st_uid})", st.st_ino)
     return fd
 
 

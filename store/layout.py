@@ -257,7 +257,20 @@ def prepare(path: Path) -> Layout:
     for name in SUBDIRS:
         make_private_dir(layout.root / name)
     make_private_dir(layout.entry_lock("00").parent)
+    for folder in _fan_out(layout):
+        check_private_dir(folder, "objects folder")
     return layout
+
+
+def _fan_out(layout: Layout) -> list[Path]:
+    """The folders blobs are spread over (``objects/ab/``): checked like the store at
+    every open (a few hundred lstat calls), since whoever may write one could replace
+    the blobs in it."""
+    try:
+        names = os.listdir(layout.objects)
+    except OSError:
+        return []
+    return [layout.objects / n for n in sorted(names) if len(n) == 2]
 
 
 # -- a store this process may only read --------------------------------------------------
@@ -327,6 +340,6 @@ def open_read_only(path: Path) -> Layout:
     check_readable_dir(path)
     check_parents(path)
     layout = Layout(path / FORMAT_DIR)
-    for folder in (layout.root, layout.index, layout.objects):
+    for folder in (layout.root, layout.index, layout.objects, *_fan_out(layout)):
         check_readable_dir(folder)
     return layout

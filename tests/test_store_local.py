@@ -418,6 +418,27 @@ def test_writable_by_others_is_refused(open_local, tmp_path, mode, who):
     assert f"writable by {who}" in msg and "code that runs" in msg and f"chmod 700 {d}" in msg
 
 
+def test_a_fan_out_folder_made_writable_is_refused(open_local, store_dir):
+    """``objects/ab/`` holds blobs too: whoever may write it could replace them."""
+    store = open_local(store_dir)
+    store.put(key(1), b"payload", kind="target")
+    store.close()
+    fan_out = blob_path(store, key(1)).parent
+    os.chmod(fan_out, 0o777)
+    with pytest.raises(StoreError, match=f"objects folder {fan_out}: it is writable"):
+        open_local(store_dir)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_a_blob_owned_by_another_user_is_never_read(open_local, store_dir):
+    """Its owner could rewrite it in place: treated as damage (a miss), not loaded."""
+    store = open_local(store_dir)
+    store.put(key(2), b"payload", kind="target")
+    os.chown(blob_path(store, key(2)), 65534, 65534)
+    assert store.get(key(2)) is None
+    assert not blob_path(store, key(2)).exists()  # quarantined, with its record dropped
+
+
 def test_subdirectory_made_writable_is_refused(open_local, store_dir):
     open_local(store_dir)
     os.chmod(store_dir / "v1" / "objects", 0o777)
