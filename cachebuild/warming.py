@@ -563,6 +563,7 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
             entry = next(e for e in report.entries if e.key == p.entry.key)
             entry.recorded = record_entry(p.entry, opened)
             entry.unrecordable = p.entry.unrecordable
+        _lost_meanwhile(report.targets, opened)
         if pool is not None:  # the workers' ends are part of the time the command takes
             pool.close()
         return WarmReport(report.entries, report.targets, world_size,
@@ -572,6 +573,17 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
             pool.close()
         if owned:
             opened.close()
+
+
+def _lost_meanwhile(targets: list[TargetReport], store: Store) -> None:
+    """Say failed each target built or found that is not in ``store`` now the entries are
+    recorded: a ``cachebuild gc`` between its build and its entry's record (nothing refers
+    to a target until then) took it. Recorded, the entry protects what is built next."""
+    for t in targets:
+        if t.state in ("built", "stored") and not store.contains(t.key):
+            t.state, t.error = "failed", (
+                "removed from the store before the entry that keeps it was recorded (a "
+                "`cachebuild gc` meanwhile?): run `cachebuild warm` again to build it")
 
 
 def _new_entries(group: list[Planned]) -> list[Planned]:

@@ -136,3 +136,29 @@ def test_a_model_file_builds_in_workers_and_the_command_prints_a_line_per_target
     assert any(line.startswith("model: trace ") for line in lines), lines
     report = cachebuild.warm(path, store=store)
     assert report.built == [] and len(report.stored) == total
+
+
+def test_a_target_gc_takes_before_the_entry_is_recorded_is_said_failed(tmp_path, monkeypatch):
+    """Nothing refers to a built target until its entry is recorded: a `cachebuild gc` in
+    that window may take it. The report says so (failed, with what to do), not "built"."""
+    from cachebuild.building import entry as entry_module
+    from cachebuild.store import LocalStore
+
+    real = entry_module.record_entry
+    taken = []
+
+    def gc_first(entry, store):
+        with LocalStore(tmp_path / "store") as other:  # another process's gc, in effect
+            taken.append(entry.target_keys()[0])
+            other.delete(taken[0])
+        return real(entry, store)
+
+    monkeypatch.setattr(entry_module, "record_entry", gc_first)
+    report = cachebuild.warm(spec(), store=tmp_path / "store")
+    assert not report.ok
+    lost = [t for t in report.targets if t.key == taken[0]]
+    assert lost[0].state == "failed" and "cachebuild warm` again" in lost[0].error
+    assert all(t.state == "built" for t in report.targets if t.key != taken[0])
+    monkeypatch.setattr(entry_module, "record_entry", real)
+    again = cachebuild.warm(spec(), store=tmp_path / "store")
+    assert again.ok and [t.key for t in again.built] == taken
