@@ -171,6 +171,16 @@ def _building() -> Iterator[None]:
                 _active["builder"] = None
             _state.notify_all()
 
+def check_cxx_work_dir(work_dir: str | Path) -> None:
+    """UsageError where C++ builds cannot use ``work_dir``: Inductor's compiler command is
+    a string split on whitespace, so a path with a space in it breaks every build."""
+    if any(c.isspace() for c in str(work_dir)):
+        raise UsageError(f"the build work folder {work_dir} has a space in its path, "
+                         "which the C++ compiler's command cannot take: set "
+                         "CACHEBUILD_WORK_DIR to a folder whose path has none (or use a store "
+                         "path without one)")
+
+
 @contextlib.contextmanager
 def build_work_dir(store: Store, *, cxx: bool = False) -> Iterator[Path]:
     """Point the compilers of a build at the store's work folder (``store.work_dir``:
@@ -206,12 +216,8 @@ def build_work_dir(store: Store, *, cxx: bool = False) -> Iterator[Path]:
 
     environment = environment_dir()
     records = environment / "built" if environment is not None else Path(store.work_records)
-    if cxx and any(c.isspace() for c in str(store.work_dir)):
-        # Inductor's compiler command is a string split on whitespace.
-        raise UsageError(f"the build work folder {store.work_dir} has a space in its path, "
-                         "which the C++ compiler's command cannot take: set "
-                         "CACHEBUILD_WORK_DIR to a folder whose path has none (or use a store "
-                         "path without one)")
+    if cxx:
+        check_cxx_work_dir(store.work_dir)
     root = open_work_dir(Path(store.work_dir), records)
     folders = {"TORCHINDUCTOR_CACHE_DIR": root / "inductor", "TRITON_CACHE_DIR": root / "triton",
                "TMPDIR": root / "tmp"}

@@ -507,6 +507,11 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
                 pool = start_pool(jobs or jobs_here(targets()), str(source.file), options)
 
         def before_trace(config: CompileConfig, edited: Callable[[], bool]) -> None:
+            if not dry_run and config.backend != "eager_fusion":
+                # Every C++ build would fail on it: said before the trace, as a usage error.
+                from cachebuild.backends.kernel_dir import check_cxx_work_dir
+
+                check_cxx_work_dir(opened.work_dir)
             # a guess: the trace says later
             start_workers(lambda: expected_targets(len(config.buckets()), edited=edited()))
 

@@ -275,13 +275,14 @@ def test_failing_target_is_reported_and_the_others_build(tmp_path):
 def test_a_store_path_with_a_space_says_how_to_build_there(tmp_path):
     """Inductor splits its C++ compiler's command on whitespace: a build whose work folder
     has a space in its path is refused in words that say what to set, not with the
-    compiler's "C++ compile error"."""
+    compiler's "C++ compile error": a usage error (exit 2), before the model is traced."""
     path = tmp_path / "model.py"
     path.write_text(MODEL.replace('backend="eager_fusion"', 'backend="inductor"'))
     proc = cli(tmp_path / "sp ace" / "store", "warm", str(path))
-    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert proc.returncode == 2, proc.stderr[-2000:]
     text = " ".join(proc.stderr.split())
     assert "has a space in its path" in text and "CACHEBUILD_WORK_DIR" in text, text[-2000:]
+    assert "targets of model.py" not in text and "built piece" not in text, text[-2000:]
 
 
 def test_a_failed_cxx_compile_says_what_the_compiler_said():
