@@ -531,7 +531,10 @@ class LocalStore(LocalTier):
         return record, True
 
     def _write_error(self, e: OSError, record: Record) -> StoreError:
-        what = f"{record.key} ({record.kind}, {format_size(record.size)})"
+        # An arriving blob's kind and size are known only once it is read (its record then
+        # is ``write_blob_chunks``'s placeholder, with no checksum yet).
+        what = (f"{record.key} ({record.kind}, {format_size(record.size)})" if record.checksum
+                else f"the arriving blob {record.key}")
         if e.errno in (errno.ENOSPC, errno.EDQUOT):
             return StoreError(f"no space left on the device to store {what} in {self.root}: "
                               "free disk space or shrink the store "
