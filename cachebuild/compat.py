@@ -128,19 +128,6 @@ def unowned_alias(t: torch.Tensor) -> torch.Tensor:
         unowned, t.storage_offset(), t.size(), t.stride())
 
 
-def memory_unmoved(tensors: list[torch.Tensor]) -> Callable[[], bool]:
-    """A check, cheap enough for every call, that each of ``tensors`` still has its memory
-    where it has it now (False once any ``.data`` was replaced). One C++ call over all of
-    them where torch has it (its CUDA builds: CUDA graph trees use it), else one ``map``."""
-    at = [t.data_ptr() for t in tensors]
-    batch = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-    if batch is not None:
-        every = list(range(len(tensors)))
-        return lambda: batch(tensors, at, every)
-    data_ptr = torch.Tensor.data_ptr
-    return lambda: list(map(data_ptr, tensors)) == at
-
-
 def custom_ops_without_dynamo() -> None:
     """Let kernels of ops made with ``torch.library.custom_op`` run without importing Dynamo.
 

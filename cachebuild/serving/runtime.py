@@ -147,11 +147,11 @@ class ModelRuntime:
                                [(n, t) for n, t in named if n in written])
         # Kept once every weight passed: one refused above is looked up again next call.
         self._generation, self._held = generation, held
-        # A weight whose memory moved under the same tensor object (``w.data = ...``;
-        # ``model.half()`` and ``model.to(...)`` set every weight's): no hook or watched
-        # dict sees it, so every weight's address is compared at every call.
-        self._unmoved = compat.memory_unmoved(
-            [t for t in template if isinstance(t, torch.Tensor)])
+        # A weight whose memory moved under the same tensor object (``model.half()``,
+        # ``model.to(...)`` set every weight's ``.data``): one pointer compared per call
+        # sees a whole-model conversion, which no hook or watched dict does.
+        self._sentinel = next((t for t in template if isinstance(t, torch.Tensor)), None)
+        self._sentinel_at = self._sentinel.data_ptr() if self._sentinel is not None else 0
         self._addresses = weights.addresses(template)
 
     def _watched_paths(self) -> list[str]:
@@ -171,7 +171,7 @@ class ModelRuntime:
         watch over the same paths)."""
         wrong = self.guards.mismatches(model, args)
         at = weights.generation()
-        if wrong or (self._shared_at == at and self._held() and self._unmoved()):
+        if wrong or (self._shared_at == at and self._held()):
             return wrong
         # Modules set on the paths since the last rebind are watched from now on, even if
         # this call never reaches one (refused, or run eagerly out of range).
@@ -357,8 +357,8 @@ class ModelRuntime:
                 "(load_state_dict, param.data.copy_) or compile the model again")
 
     def _call(self, *args: Any) -> Any:
-        if self._generation != weights.GENERATION[0] or not self._held() or \
-                not self._unmoved():
+        if self._generation != weights.GENERATION[0] or not self._held() or (
+                self._sentinel is not None and self._sentinel.data_ptr() != self._sentinel_at):
             self._rebind_if_replaced()
         with self._on_device:  # graphs name the GPU by type: run on the model's
             if self.capturer is not None:
