@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from trust import flip_payload_byte
 
 from cachebuild.cli import main as cli
 from cachebuild.keys import make_key
@@ -71,18 +72,6 @@ def forged(genuine: Path, out: Path, victim: str, payload: bytes, *,
             data = json.dumps(record).encode()
         content.append((name, data))
     return write_bundle(out, content)
-
-
-def flip_payload_byte(path: Path, k: str) -> None:
-    """Damage one payload byte of ``k``'s blob in place (its checksum no longer holds)."""
-    with tarfile.open(path) as tar:
-        member = tar.getmember(f"objects/{k}")
-        offset = member.offset_data + member.size - 10
-    with open(path, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
 
 
 EVIL = b"import os; os.system('owned')  # " + b"x" * 64

@@ -11,6 +11,7 @@ import tarfile
 
 import pytest
 from click.testing import CliRunner
+from trust import flip_payload_byte
 
 from cachebuild.cli import main as cli
 from cachebuild.keys import make_key
@@ -301,21 +302,10 @@ def test_export_selection(filled, tmp_path):
     assert not (tmp_path / "typo.tar").exists()
 
 
-def _damage_member(bundle, k):
-    with tarfile.open(bundle) as tar:
-        member = tar.getmember(f"objects/{k}")
-        offset = member.offset_data + member.size - 10
-    with open(bundle, "r+b") as f:
-        f.seek(offset)
-        byte = f.read(1)
-        f.seek(offset)
-        f.write(bytes([byte[0] ^ 0xFF]))
-
-
 def test_import_refuses_damaged_entries_and_names_them(open_local, filled, tmp_path):
     bundle = tmp_path / "cache.tar"
     assert run(filled, "export", str(bundle)).exit_code == 0
-    _damage_member(bundle, key("t2"))
+    flip_payload_byte(bundle, key("t2"))
     target = tmp_path / "elsewhere"
     result = run(target, "import", str(bundle))
     assert result.exit_code == 1

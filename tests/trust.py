@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -136,3 +137,16 @@ def linked_environment(folder: Path) -> Path:
                                              or n in skipped])
     os.chmod(folder, 0o700)
     return folder
+
+
+def flip_payload_byte(bundle: Path, key: str) -> None:
+    """Damage one payload byte of ``key``'s blob inside the bundle at ``bundle``, in place
+    (its checksum no longer holds)."""
+    with tarfile.open(bundle) as tar:
+        member = tar.getmember(f"objects/{key}")
+        offset = member.offset_data + member.size - 10
+    with open(bundle, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)
+        f.seek(offset)
+        f.write(bytes([byte[0] ^ 0xFF]))
