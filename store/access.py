@@ -115,6 +115,9 @@ class Writable:
 
     def __init__(self, path: Path) -> None:
         self.layout = prepare(path)
+        #: This process gave up the reserve to open the index: the disk is full, and the
+        #: space freed is left to what frees more (``gc``), not spent on usage counters.
+        self.disk_full = False
 
     def check_writable(self, what: str) -> None:
         pass
@@ -130,6 +133,7 @@ class Writable:
             if free is None or free >= 2 * RESERVE_BYTES or not self.layout.reserve.exists():
                 raise
             os.unlink(self.layout.reserve)
+            self.disk_full = True
             log.warning("the disk holding the store at %s is full: released the store's "
                         "%s reserve so that it can still be read; free space, e.g. with "
                         "`cachebuild gc --max-size SIZE`", self.layout.root,
@@ -155,6 +159,7 @@ class Writable:
                 write_all(fd, (bytes(RESERVE_BYTES),))
             os.fsync(fd)
             os.replace(tmp_path, path)
+            self.disk_full = False
         except OSError:
             pass
         finally:
@@ -163,7 +168,8 @@ class Writable:
                 os.unlink(tmp_path)
 
     def flush(self, usage: Usage, index: Index) -> None:
-        usage.flush(index)
+        if not self.disk_full:  # else kept in memory, as a read-only store's
+            usage.flush(index)
 
     def damaged(self, key: str, reason: str, *, quiet: bool) -> bool:
         if not quiet:
