@@ -583,9 +583,10 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
 def _lost_meanwhile(targets: list[TargetReport], store: Store) -> None:
     """Say failed each target built or found that is not in ``store`` now the entries are
     recorded: a ``cachebuild gc`` between its build and its entry's record (nothing refers
-    to a target until then) took it. Recorded, the entry protects what is built next."""
+    to a target until then) took it. Recorded, the entry protects what is built next.
+    By record alone: the builds and the plan read every payload already."""
     for t in targets:
-        if t.state in ("built", "stored") and not store.contains(t.key):
+        if t.state in ("built", "stored") and store.get_record(t.key) is None:
             t.state, t.error = "failed", (
                 "removed from the store before the entry that keeps it was recorded (a "
                 "`cachebuild gc` meanwhile?): run `cachebuild warm` again to build it")
