@@ -38,7 +38,7 @@ from cachebuild.tracing.split import check_splitting_ops
 from cachebuild.tracing.trace import TracedGraph, check_call_dims
 
 if TYPE_CHECKING:
-    from cachebuild.serving.interim import Swap
+    from cachebuild.building.background import BackgroundBuild
 
 log = logging.getLogger("cachebuild")
 
@@ -104,7 +104,7 @@ class CompiledModule(torch.nn.Module):
         self.capture_report: CaptureReport | None = None  # of the latest eager capture
         #: The targets building in the background while interim ones serve
         #: (``while_building``), if any.
-        self.swap: Swap | None = None
+        self.swap: BackgroundBuild | None = None
         #: The instance's own forward as compiled (``hooks.own_forward``): one set later
         #: is refused, never skipped.
         self._forward = own_forward(model)

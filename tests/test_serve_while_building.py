@@ -179,7 +179,7 @@ def test_a_failed_background_build_keeps_serving_the_interim_targets(tmp_path, m
     import cachebuild
     from cachebuild.store import LocalStore
 
-    monkeypatch.setattr("cachebuild.building.pool.BuildPool", _FailingPool)
+    monkeypatch.setattr("cachebuild.building.background.BuildPool", _FailingPool)
     model = models.make(models.Decoder, layers=1)
     config = models.config(backend="inductor", flavour="aoti", while_building="eager_fusion")
     store = LocalStore(tmp_path / "store")

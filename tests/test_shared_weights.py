@@ -8,7 +8,7 @@ import torch
 import torch.nn as nn
 
 import cachebuild
-from cachebuild.building.entry import shared_tensors
+from cachebuild.building.entry_key import shared_tensors
 
 
 class Tied(nn.Module):

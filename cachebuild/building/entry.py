@@ -4,10 +4,8 @@ An entry (store kind ``entry``, refs = its target keys) records the stitching gr
 piece (compiled pieces by graph and target keys, splitting-op pieces by graph), how each
 graph input is bound to the live model and call, how to rebuild the output, the source
 files Dynamo traced with the hash of their syntax trees, and the guards: every value the
-trace read besides tensors (``guards.py``). Its key covers the model class (by its file,
-or by its code where it has no file), the model's config where it offers one, the
-CompileConfig, the backend and pass factors, parameter and buffer metadata (never
-values), the call's input metadata with the dynamic dims, and the environment.
+trace read besides tensors (``guards.py``). Its key is computed from the live model and
+call without a trace (``entry_key.entry_factors``).
 
 The recorded guards are the source of truth: an entry whose guards fail on the live model
 is not used, and the model's own entry is then looked for under a key derived from the
@@ -25,26 +23,22 @@ from __future__ import annotations
 
 import json
 import logging
-import math
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from cachebuild.config import CompileConfig
-from cachebuild.graph.facts import InputMeta, device_of, meta_of
+from cachebuild.graph.facts import InputMeta, device_of
 from cachebuild.keys import guard_seal_key, make_key
 from cachebuild.store import register_refs
 from cachebuild.store.interface import Store
-from cachebuild.tracing.env import SCHEMA_VERSION, env_factors
 from cachebuild.tracing.guards import GuardSet, check_data
 from cachebuild.tracing.split import SplitPlan
 from cachebuild.tracing.targets import Target, piece_data
 from cachebuild.tracing.trace import Binding, TracedGraph
-from cachebuild.trust.codehash import class_hash, code_file, sourceless_classes
 from cachebuild.trust.fxjson import GraphFormatError, data_to_graph, graph_to_data
-from cachebuild.trust.sources import digest_of, labels_in, source_data, stale
+from cachebuild.trust.sources import labels_in, source_data, stale
 
 log = logging.getLogger("cachebuild")
 
@@ -363,114 +357,6 @@ def payload_refs(payload: bytes) -> list[str]:
 # The store reads what an entry refers to through this (also declared as the
 # ``cachebuild.refs`` entry point, for processes that never import this module).
 register_refs("entry", payload_refs)
-
-
-def _tensor_table(items: Any) -> list[list[Any]]:
-    return [[name, list(t.shape), str(t.dtype).removeprefix("torch."), t.device.type]
-            for name, t in items]
-
-
-def model_factor(model: torch.nn.Module) -> dict[str, Any]:
-    """The model class by name and by the syntax tree of the source defining it (a file,
-    or the text linecache holds for a notebook cell), and the code of every module class
-    that has no source at all (defined in ``python -c``, or through an ``exec`` that
-    registered no text), by what its code objects contain.
-
-    Not by module name nor path: the same file is ``__main__`` in a server and something
-    else when ``cachebuild warm`` imports it, in another folder in an image, and all must
-    find one entry.
-    """
-    cls = type(model)
-    filename = code_file(cls)
-    factor: dict[str, Any] = {"class": cls.__qualname__,
-                              "source": digest_of(filename) if filename else None}
-    code = {c.__qualname__: class_hash(c) for c in sourceless_classes(model)}
-    if code:
-        factor["code"] = code
-    return factor
-
-
-#: Config fields that say where a config came from, not what the model computes.
-_PROVENANCE = ("transformers_version", "_name_or_path", "name_or_path", "_commit_hash")
-
-
-def config_factor(model: torch.nn.Module) -> dict[str, Any]:
-    """Every config object the model's modules hold (a Hugging Face ``config``, anything
-    with ``to_dict()``), by the module path holding it first: ``{"hf.config": {...}}``."""
-    found: dict[str, Any] = {}
-    seen: set[int] = set()
-    for name, module in model.named_modules():
-        config = module.__dict__.get("config")
-        to_dict = getattr(config, "to_dict", None)
-        if config is None or id(config) in seen or not callable(to_dict):
-            continue
-        seen.add(id(config))
-        try:
-            values = to_dict()
-        except Exception:
-            continue
-        found[f"{name}.config" if name else "config"] = {
-            k: _config_value(v) for k, v in sorted(values.items()) if k not in _PROVENANCE}
-    return found
-
-
-def _config_value(value: Any) -> Any:
-    if isinstance(value, dict):
-        return {str(k): _config_value(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_config_value(v) for v in value]
-    if isinstance(value, float) and not math.isfinite(value):
-        return repr(value)
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, (torch.dtype, torch.device)):
-        return str(value)
-    return f"<{type(value).__qualname__}>"  # no repr: it may hold an address
-
-
-def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: dict[int, int],
-                  config: CompileConfig, target_factors: dict[str, Any]) -> dict[str, Any]:
-    """The factors of a model's entry key (no tracing needed to compute them)."""
-    inputs = []
-    for i, a in enumerate(args):
-        if isinstance(a, torch.Tensor):
-            m = meta_of(a)
-            shape = ["dyn" if dynamic_dims.get(i) == d else s for d, s in enumerate(m.shape)]
-            inputs.append({"dtype": m.dtype, "shape": shape, "device": m.device_type})
-        else:
-            inputs.append({"value": repr(a)})
-    shared = shared_tensors(model)
-    return {
-        "schema": SCHEMA_VERSION,
-        "entry_format": ENTRY_FORMAT,
-        "model": model_factor(model),
-        "model_config": config_factor(model),
-        "config": config.factors(),
-        "targets": target_factors,
-        "params": _tensor_table(model.named_parameters(remove_duplicate=False)),
-        "buffers": _tensor_table(model.named_buffers(remove_duplicate=False)),
-        # Only where there is any, so that the keys of models sharing nothing stay as
-        # they were.
-        **({"shared": shared} if shared else {}),
-        "inputs": inputs,
-        "dynamic_dims": sorted([i, d] for i, d in dynamic_dims.items()),
-        "env": env_factors(device_of([*args, *model.parameters()])),
-    }
-
-
-def shared_tensors(model: torch.nn.Module) -> list[list[str]]:
-    """The names of the model's parameters and buffers that are one tensor object, each
-    group sorted: weights tied (an embedding and its head), a layer object used twice. A
-    model built so traces to another graph than one built without (one input for both
-    names), so it is another entry. By object, not by memory: views of one storage stay
-    apart (a ``.to(device)`` or another loader may part them) and bind as two inputs;
-    where the model writes one of them, the runtime refuses the other
-    (``inputs.check_unshared_weights``)."""
-    groups: dict[int, list[str]] = {}
-    for name, t in [*model.named_parameters(remove_duplicate=False),
-                    *model.named_buffers(remove_duplicate=False)]:
-        groups.setdefault(id(t), []).append(name)
-    return sorted(sorted(names) for names in groups.values() if len(names) > 1)
 
 
 def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,

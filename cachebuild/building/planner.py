@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from cachebuild.backends import Backend, get_backend
-from cachebuild.building.entry import Entry, entry_factors, make_entry, stored_entry
+from cachebuild.building.entry import Entry, make_entry, stored_entry
+from cachebuild.building.entry_key import entry_factors
 from cachebuild.config import CompileConfig, check_inductor_options
 from cachebuild.counters import COUNTERS, timed
 from cachebuild.errors import UsageError

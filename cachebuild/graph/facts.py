@@ -53,13 +53,6 @@ class InputMeta:
     def device_type(self) -> str:
         return self.device.split(":")[0]
 
-    def symbols(self) -> list[str]:
-        found: list[str] = []
-        for dim in self.shape:
-            if isinstance(dim, str):
-                found += [s for s in SYMBOL.findall(dim) if s not in found]
-        return found
-
 
 def holds_at(guard: Any, symbols: set[Any], size: int) -> bool:
     """Whether the symbolic-shape ``guard`` (a sympy boolean of torch's shape guards) holds

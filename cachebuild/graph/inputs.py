@@ -29,7 +29,7 @@ import torch
 
 from cachebuild.counters import COUNTERS
 from cachebuild.errors import UsageError
-from cachebuild.graph.facts import InputMeta
+from cachebuild.graph.facts import SYMBOL, InputMeta
 
 _FUNCTIONS: dict[str, Callable[..., int]] = {
     "Max": max, "Min": min, "FloorDiv": lambda a, b: a // b,
@@ -52,6 +52,15 @@ def _compiled(expr: str) -> Any:
         if isinstance(node, ast.Constant) and not isinstance(node.value, int):
             raise ValueError(f"non-integer constant in size expression {expr!r}")
     return compile(tree, "<size>", "eval")
+
+
+def symbols_in(meta: InputMeta) -> list[str]:
+    """The size symbols ``meta``'s shape names (``s0``, ``u1``), each once, in order."""
+    found: list[str] = []
+    for dim in meta.shape:
+        if isinstance(dim, str):
+            found += [s for s in SYMBOL.findall(dim) if s not in found]
+    return found
 
 
 def eval_dim(dim: int | str, values: dict[str, int]) -> int:
@@ -109,8 +118,8 @@ def _symbol_values(metas: Sequence[InputMeta], shapes: Sequence[Sequence[int] | 
 
 def _traced_contiguous(m: InputMeta) -> bool:
     """True if the traced strides are the contiguous ones for every value of the symbols."""
-    probe = {s: 7 for s in m.symbols()}  # any value: strides are polynomials in the sizes
-    probe2 = {s: 11 for s in m.symbols()}
+    probe = {s: 7 for s in symbols_in(m)}  # any value: strides are polynomials in the sizes
+    probe2 = {s: 11 for s in symbols_in(m)}
     for values in (probe, probe2):
         shape = [eval_dim(d, values) for d in m.shape]
         if tuple(eval_dim(s, values) for s in m.stride) != contiguous_strides(shape):
@@ -288,7 +297,7 @@ class LayoutGuard:
         self.metas = list(metas)
         self.checked = [i for i in checked if metas[i].kind == "tensor"]
         # The inputs whose sizes give the symbols' values: they key the strides' cache.
-        self.symbolic = [i for i, m in enumerate(metas) if m.kind == "tensor" and m.symbols()]
+        self.symbolic = [i for i, m in enumerate(metas) if m.kind == "tensor" and symbols_in(m)]
         self._wanted: dict[tuple[Any, ...], list[tuple[int, ...] | None]] = {}
 
     def _strides(self, args: Sequence[Any]) -> list[tuple[int, ...] | None]:

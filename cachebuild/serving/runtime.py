@@ -20,7 +20,8 @@ from typing import Any
 import torch
 
 from cachebuild import compat, keep
-from cachebuild.building.entry import Entry, shared_tensors
+from cachebuild.building.entry import Entry
+from cachebuild.building.entry_key import shared_tensors
 from cachebuild.config import CompileConfig
 from cachebuild.errors import UsageError
 from cachebuild.graph import weights

@@ -11,7 +11,7 @@ A cold start whose targets build in worker processes where they can
 (``build.resolve_all``) may serve meanwhile, if the config asks
 (``CompileConfig.while_building``): it builds and serves the same pieces for a backend
 that builds in seconds while its own targets build in the background
-(``interim.serve_while_building``, ``interim.Swap``);
+(``interim.serve_while_building``, ``background.BackgroundBuild``);
 the entry is recorded once they are stored, and ``take_over`` makes the runtime over them
 that a later call runs on.
 
@@ -40,17 +40,17 @@ from cachebuild.counters import timed
 from cachebuild.errors import StoreError, ToolchainRefuted, one_line, transient
 from cachebuild.graph.facts import device_of
 from cachebuild.keys import make_key
-from cachebuild.serving.interim import serve_while_building
+from cachebuild.serving.interim import interim_config, serve_while_building
 from cachebuild.serving.runtime import CaptureReport, ModelRuntime
 from cachebuild.tracing.guard_watch import CallGuards
 
 if TYPE_CHECKING:
     import torch
 
+    from cachebuild.building.background import BackgroundBuild
     from cachebuild.building.entry import Entry
     from cachebuild.config import CompileConfig
     from cachebuild.passes import PassManager
-    from cachebuild.serving.interim import Swap
     from cachebuild.store.interface import Store
 
 log = logging.getLogger("cachebuild")
@@ -67,12 +67,12 @@ class Started:
     capture_report: CaptureReport | None = None
     #: The model's own targets building in the background while interim ones serve
     #: (``while_building``), if any.
-    swap: Swap | None = None
+    swap: BackgroundBuild | None = None
 
 
 def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int, int],
           store: Store, passes: PassManager | None, args: tuple[Any, ...], *,
-          capture: bool = True, swap: Swap | None = None) -> Started:
+          capture: bool = True, swap: BackgroundBuild | None = None) -> Started:
     """The compiled forward of ``model`` for calls shaped like ``args`` (see the module
     doc); ``capture=False``: no eager capture now (``runtime.capture()`` does it later).
     ``swap``: the model's targets already building in the background from an earlier
@@ -105,7 +105,10 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
                 entry = traced = planner.trace(args, found)
             builder = Builder(store, config, planner.passes,
                               device_of([*args, *model.parameters()]))
-            interim = serve_while_building(model, config, builder, entry, found.why, warm, swap)
+            # Serving meanwhile, where the config asks, while what is missing builds.
+            jobs = builder.missing(entry) if interim_config(config) is not None else []
+            interim = serve_while_building(model, config, builder, entry, jobs, found.why,
+                                           warm, swap)
             if interim is not None:
                 entry, loaded, swap = interim
             else:
@@ -138,7 +141,7 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     return _ready(runtime, swap, args if capture else None)
 
 
-def _ready(runtime: ModelRuntime, swap: Swap | None, like: tuple[Any, ...] | None) -> Started:
+def _ready(runtime: ModelRuntime, swap: BackgroundBuild | None, like: tuple[Any, ...] | None) -> Started:
     """``runtime`` started: with the ``eager`` capture policy, every size captured first,
     shaped ``like`` a call (none captured without one: ``runtime.capture()`` later)."""
     started = Started(runtime, ready_at=time.perf_counter(), swap=swap)
@@ -167,7 +170,7 @@ def _untraced(key: str, model: torch.nn.Module) -> Any:
     return lambda k, model, args: k != key or state(model) != was
 
 
-def take_over(swap: Swap, model: torch.nn.Module, config: CompileConfig,
+def take_over(swap: BackgroundBuild, model: torch.nn.Module, config: CompileConfig,
               dynamic_dims: dict[int, int], args: tuple[Any, ...]) -> Started | None:
     """Before a call: the runtime over the targets built in the background, if they are
     ready and this is the first call to ask (``swap.claim``); with the ``eager`` capture

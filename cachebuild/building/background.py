@@ -1,0 +1,137 @@
+"""Targets built in the background: in worker processes, then loaded on a thread.
+
+A cold start that serves meanwhile (``serving.interim``) hands its missing targets to a
+``BackgroundBuild``: workers build them (never the calling process, whose calls, random
+streams and environment a build must not touch), a thread loads them once all are stored
+and records the entry, and the first caller to ``claim`` them gets them, once.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from typing import Any
+
+from cachebuild import process_state
+from cachebuild.building.build import Builder, BuildJob, jobs_of
+from cachebuild.building.entry import Entry, record_entry
+from cachebuild.building.pool import BuildPool, WorkerSetup, cold_start_jobs, setup_for, usable_cpus
+from cachebuild.counters import COUNTERS
+from cachebuild.errors import BuildError
+from cachebuild.tracing.targets import bucket_label
+
+log = logging.getLogger("cachebuild")
+
+
+class BackgroundBuild:
+    """The missing targets of an entry, building in worker processes in the background,
+    then loaded there too (``done`` is set once they are, or once a build failed:
+    ``error`` says why, and the caller keeps what it has).
+    With ``record``, the entry is recorded on that thread once they are all stored and
+    loaded (not for an entry that is stored already). The targets go to the first caller
+    that ``claim``s them (the serving thread's next call), once."""
+
+    @classmethod
+    def start(cls, entry: Entry, builder: Builder, jobs: list[BuildJob], *,
+              record: bool) -> BackgroundBuild | None:
+        """Start building ``jobs`` (``builder.missing(entry)``) in the background, or None
+        where no worker could build them as this process would (``pool.setup_for``).
+        Workers as for a cold start, one CPU left to this process unless the environment
+        says how many: it goes on working meanwhile."""
+        setup = setup_for(jobs, builder.store, builder.passes)
+        if setup is None:
+            return None
+        workers = cold_start_jobs(len(jobs))
+        if not os.environ.get("CACHEBUILD_BUILD_JOBS", "").strip():
+            workers = max(1, min(workers, usable_cpus() - 1))
+        return cls(entry, builder, jobs, workers, setup, record=record)
+
+    def __init__(self, entry: Entry, builder: Builder, jobs: list[BuildJob], workers: int,
+                 setup: WorkerSetup, *, record: bool) -> None:
+        self.entry = entry
+        self.builder = builder
+        self.done = threading.Event()
+        self.error: str | None = None
+        self.seconds = 0.0
+        #: set once a call (or ``take``) took the targets: nothing is pending any more
+        self.claimed = False
+        self._loaded: dict[str, Any] = {}
+        self._lock = threading.Lock()
+        self._jobs, self._workers, self._setup = jobs, workers, setup
+        self._record = record
+        self._thread = threading.Thread(target=self._run, name="cachebuild-swap", daemon=True)
+        self._thread.start()
+
+    @property
+    def pending(self) -> bool:
+        """True while the targets build, or are built and no call took them yet."""
+        return not self.claimed and self.error is None
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the targets are built and loaded, or failed; True if that is over."""
+        return self.done.wait(timeout)
+
+    def claim(self) -> dict[str, Any] | None:
+        """The loaded targets, to the first caller after they are ready (None to any
+        other, and while they build or after they failed)."""
+        if not self.done.is_set() or self.error is not None:
+            return None
+        with self._lock:
+            if self.claimed:
+                return None
+            self.claimed = True
+            return self._loaded
+
+    def take(self) -> dict[str, Any]:
+        """The targets, once built, for a caller that has nothing else to serve with
+        (its interim targets failed): raises BuildError if they failed too."""
+        self.done.wait()
+        if self.error is not None:
+            raise BuildError(self.error)
+        with self._lock:
+            self.claimed = True
+            return self._loaded
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        failed: list[str] = []
+
+        def finished(job: BuildJob, result: Any) -> None:
+            where = f"piece {job.target.piece} {bucket_label(job.target.bucket)}"
+            if result.error:
+                failed.append(f"{where}: {result.error}")
+                return
+            log.info("cachebuild: built %s in %.1f s in the background", where,
+                     result.seconds)
+            if result.built:
+                COUNTERS.built += 1
+                COUNTERS.misses += 1
+                COUNTERS.add_time("build", result.seconds)
+                # proven by the worker before it stored it
+                process_state.current().verified.add(job.target.key)
+            if result.phases:
+                self.builder.worker_phases[job.target.key] = result.phases
+
+        try:
+            with BuildPool(self._workers, self._setup) as pool:
+                pool.run(sorted(self._jobs, key=lambda j: -len(j.nodes)), finished)
+            if failed:
+                raise BuildError("; ".join(failed))
+            loaded = {}
+            for key, job in jobs_of(self.entry, self.builder.config).items():
+                fn = self.builder.load(key, job)
+                if fn is None:
+                    raise BuildError(f"target {key} was built but cannot be loaded back")
+                loaded[key] = fn
+            self.seconds = time.perf_counter() - start
+            self._loaded = loaded
+            if self._record:
+                record_entry(self.entry, self.builder.store)
+        except Exception as e:  # the caller keeps what it has
+            self.error = f"{type(e).__name__}: {e}"
+            log.warning("cachebuild: the targets building in the background failed, so the "
+                        "model keeps serving with its interim targets: %s", self.error)
+        finally:
+            self.done.set()
