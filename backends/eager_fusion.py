@@ -30,6 +30,7 @@ VERSION = "2"  # 2: lowered to aten before functionalisation (sizes stay symboli
 
 class EagerFusionBackend(Backend):
     name = "eager_fusion"
+    generates_code = False  # graphs rewritten and stored as data: no compiler runs
 
     def factors(self, config: Any) -> dict[str, Any]:
         return {"name": self.name, "version": VERSION}

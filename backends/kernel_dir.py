@@ -28,8 +28,9 @@ them only from the environment they inherit. A folder fixed once for the process
 not do either: each store has its own work folder, checked and locked per store, and a
 process may build into several. So ``build_work_dir`` and ``private_cache_dir`` set the
 variables for as long as their block runs and put back what was there. Builds are kept
-out of a serving process where they can be: in worker processes (``workers``) the swap
-touches the environment of a process that does nothing else.
+out of a serving process where they can be: in worker processes (``pool``) the swap
+touches the environment of a process that does nothing else; and a backend that
+generates no code (``eager_fusion``) builds with no swap at all.
 
 Before it builds or loads CPU kernels, Inductor compiles small check programs for each
 vector ISA the CPU reports (seconds apiece), and which flags its checks and kernels get

@@ -85,9 +85,14 @@ class Backend(Protocol):
     overlaps it). ``toolchain`` may answer before that is done with what it presumes;
     ``confirm_toolchain`` then waits for the answer and raises ToolchainRefuted if it
     differs (to every caller, until ``forget_refuted``, called before planning again):
-    called before anything built with it is built in or loaded into this process."""
+    called before anything built with it is built in or loaded into this process.
+    ``generates_code``: its ``compile`` runs compilers that write files (Inductor's,
+    Triton's, the C++ compiler's), which a build points at the store's work folder; a
+    backend that only rewrites graphs says False, and its builds touch nothing of the
+    process (its environment included)."""
 
     name: str
+    generates_code: bool = True
 
     def factors(self, config: CompileConfig) -> dict[str, Any]: ...
 

@@ -4,6 +4,7 @@ same time), weights are bound live, and a failing piece is reported and stores n
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -164,6 +165,34 @@ class FailingBackend(EagerFusionBackend):
         if any(n.op == "call_function" and "silu" in str(n.target) for n in request.gm.graph.nodes):
             raise RuntimeError("no kernel for silu on this device\nsecond line of detail")
         return super().compile(request)
+
+
+class EnvironmentSeeingBackend(EagerFusionBackend):
+    """eager_fusion, remembering the process environment each build ran in."""
+
+    name = "environment_seeing_for_tests"
+    seen: list[dict[str, str]] = []
+
+    def compile(self, request):
+        EnvironmentSeeingBackend.seen.append(dict(os.environ))
+        return super().compile(request)
+
+
+def test_a_build_that_generates_no_code_leaves_the_process_environment_alone(open_local,
+                                                                           tmp_path):
+    """A backend that only rewrites graphs builds in this process (a backend of its own)
+    with the process environment as the caller left it: no compiler folder swapped in."""
+    register_backend(EnvironmentSeeingBackend.name, EnvironmentSeeingBackend)
+    EnvironmentSeeingBackend.seen.clear()
+    before = dict(os.environ)
+    model = models.make(models.Decoder, layers=2)
+    compiled = cachebuild.compile(model, models.config(backend=EnvironmentSeeingBackend.name),
+                                  DYN, store=open_local(tmp_path / "store"))
+    models.assert_matches_eager(compiled, model, models.inputs(5))
+    assert EnvironmentSeeingBackend.seen, "nothing was built"
+    for seen in EnvironmentSeeingBackend.seen:
+        assert seen == before
+    assert dict(os.environ) == before
 
 
 def test_failing_piece_names_piece_bucket_and_key_and_stores_nothing_partial(open_local, tmp_path):

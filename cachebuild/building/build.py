@@ -15,6 +15,7 @@ process group at all.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -205,8 +206,7 @@ class Builder:
             clock = BuildClock()
             try:
                 with measuring(clock), clock.phase("lowering"), quiet_compiler_warnings(), \
-                        local_groups(layout), gpu, keep.rng(), \
-                        build_work_dir(self.store, cxx=bool(toolchain)):
+                        local_groups(layout), gpu, keep.rng(), self._compilers(toolchain):
                     artifact = self.backend.compile(BuildRequest(
                         # Compilers trace the graph and check what it calls by name:
                         # the original arithmetic, not its bounded stand-ins.
@@ -231,7 +231,7 @@ class Builder:
             seconds = time.perf_counter() - start
             with measuring(clock), clock.phase("proof"), timed("verify"), local_groups(layout), \
                     on_device(device_of(job.input_metas)), keep.rng(), \
-                    build_work_dir(self.store, cxx=bool(toolchain)):
+                    self._compilers(toolchain):
                 self._prove(job, artifact, where)
             with measuring(clock), clock.phase("store"):
                 self.store.put(key, artifact.payload, kind=artifact.kind,
@@ -251,6 +251,16 @@ class Builder:
                      len(artifact.payload), summary(clock.seconds),
                      f"; {reused} C++ objects reused" if reused else "")
             return True
+
+    def _compilers(self, toolchain: dict[str, Any]) -> contextlib.AbstractContextManager[Any]:
+        """Where a build's compilers write while it runs: the store's work folder
+        (``build_work_dir``), for a backend that generates code. For one that only
+        rewrites graphs nothing is pointed anywhere: the process environment stays as it
+        is, but for what importing torch's compilers writes there (a pass may import
+        them), taken back (``keep.environment``)."""
+        if not self.backend.generates_code:
+            return keep.environment()
+        return build_work_dir(self.store, cxx=bool(toolchain))
 
     def _prove(self, job: BuildJob, artifact: Any, where: str) -> None:
         """Raise BuildError unless the artifact matches its piece run eagerly."""
