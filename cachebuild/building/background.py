@@ -61,7 +61,7 @@ class BackgroundBuild:
         self._lock = threading.Lock()
         self._jobs, self._workers, self._setup = jobs, workers, setup
         self._record = record
-        self._thread = threading.Thread(target=self._run, name="cachebuild-swap", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="cachebuild-background-build", daemon=True)
         self._thread.start()
 
     @property
