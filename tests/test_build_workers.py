@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import models
+import pytest
 import torch
 
 import cachebuild
@@ -17,6 +18,7 @@ from cachebuild import process_state
 from cachebuild.building.build import BuildJob
 from cachebuild.building.pool import jobs_here, op_modules
 from cachebuild.clock import PHASES, BuildClock, measuring, phase
+from cachebuild.errors import BuildError
 from cachebuild.store import LocalStore
 
 
@@ -287,3 +289,100 @@ def test_a_server_builds_even_one_missing_target_in_a_worker(tmp_path):
     again = serve()
     assert (again["built"], again["loaded"]) == (1, len(cold["keys"]))
     assert (again["inductor"], again["environment"]) == (False, True)
+
+
+_DIES_ONCE = '''
+import os
+from pathlib import Path
+
+import torch
+
+MARK = Path(os.environ["CB_TESTS_DIES_MARK"])
+
+
+@torch.library.custom_op("cb_tests_dies::step", mutates_args=())
+def step(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+@step.register_fake
+def _(x):
+    # The first build worker to plan this op dies at once, as one killed for its memory
+    # does; the calling process (which traces it too) and later workers go on.
+    if os.getpid() != int(os.environ["CB_TESTS_PARENT_PID"]) and not MARK.exists():
+        if os.environ.get("CB_TESTS_FAIL"):  # a build that fails, every time
+            raise RuntimeError("no kernel for step in a build worker")
+        MARK.touch()
+        os.kill(os.getpid(), 9)
+    return torch.empty_like(x)
+
+
+class Model(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        return torch.ops.cb_tests_dies.step(self.lin(x)).relu()
+'''
+
+
+def test_a_job_whose_worker_died_is_built_again_in_a_new_worker_never_here(
+        tmp_path, monkeypatch, caplog):
+    """A worker killed while it builds (kill -9, as the kernel's OOM killer does): its job
+    is built once more in a new worker, and the calling process (a server, whose memory
+    the build could exhaust in turn) builds nothing itself."""
+    import importlib
+
+    from cachebuild.building.build import Builder
+
+    (tmp_path / "cb_tests_dies_once.py").write_text(_DIES_ONCE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("CB_TESTS_DIES_MARK", str(tmp_path / "died"))
+    monkeypatch.setenv("CB_TESTS_PARENT_PID", str(os.getpid()))
+    monkeypatch.setenv("CACHEBUILD_BUILD_JOBS", "2")
+
+    def not_here(self, job):
+        raise AssertionError(f"piece {job.target.piece} was built in the calling process")
+
+    monkeypatch.setattr(Builder, "build", not_here)
+    module = importlib.import_module("cb_tests_dies_once")
+    model = module.Model()
+    with caplog.at_level(logging.WARNING, logger="cachebuild"):
+        compiled = cachebuild.compile(model, models.config(splitting_ops=()), {0: 0},
+                                      store=LocalStore(tmp_path / "store"))
+        x = torch.randn(5, 16)
+        torch.testing.assert_close(compiled(x), model(x), **models.TOL)
+    assert (tmp_path / "died").exists(), "no worker died: the test did not test anything"
+    assert "the build worker was killed by signal 9 while building it; building it again " \
+           "in a new worker" in caplog.text
+    x = torch.randn(11, 16)
+    torch.testing.assert_close(compiled(x), model(x), **models.TOL)
+
+
+def test_a_build_that_fails_in_a_worker_raises_its_words_and_builds_nothing_here(
+        tmp_path, monkeypatch):
+    import importlib
+
+    from cachebuild.building.build import Builder
+
+    (tmp_path / "cb_tests_fails.py").write_text(_DIES_ONCE.replace("cb_tests_dies::",
+                                                                   "cb_tests_fails::")
+                                                .replace("cb_tests_dies.", "cb_tests_fails."))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("CB_TESTS_DIES_MARK", str(tmp_path / "died"))
+    monkeypatch.setenv("CB_TESTS_PARENT_PID", str(os.getpid()))
+    monkeypatch.setenv("CB_TESTS_FAIL", "1")
+    monkeypatch.setenv("CACHEBUILD_BUILD_JOBS", "2")
+
+    def not_here(self, job):
+        raise AssertionError(f"piece {job.target.piece} was built in the calling process")
+
+    monkeypatch.setattr(Builder, "build", not_here)
+    model = importlib.import_module("cb_tests_fails").Model()
+    store = LocalStore(tmp_path / "store")
+    compiled = cachebuild.compile(model, models.config(splitting_ops=()), {0: 0}, store=store)
+    with pytest.raises(BuildError, match="no kernel for step in a build worker"):
+        compiled(torch.randn(5, 16))
+    assert not (tmp_path / "died").exists()
+    assert not [r for r in store.records() if r.kind != "guards"]  # nothing stored

@@ -403,10 +403,21 @@ def _build_in_workers(jobs: list[BuildJob], builder: Builder,
     """Build ``jobs`` in worker processes (``cold_start_jobs`` of them) where that can be
     done exactly as here (``workers.setup_for``) and the operator did not ask for builds
     here (``builds_here``); else leave them to the caller, which builds them one after
-    another. A job a worker failed is left too: building it here raises its error, as a
-    build here would. ``pool``: workers started already (``early_pool``; the caller
-    closes it)."""
-    from cachebuild.building.pool import BuildPool, builds_here, cold_start_jobs, setup_for
+    another. ``pool``: workers started already (``early_pool``; the caller closes it).
+
+    A job a worker failed is never built here: a build that crashed or exhausted its
+    worker would take the calling process (a server) down with it. A job whose worker
+    ended while it held it is built once more in a new worker, alone; a job that failed
+    again, or whose build failed, raises BuildError with the worker's words (where the
+    toolchain the job was planned with is refuted meanwhile, ToolchainRefuted, so that
+    the start plans again)."""
+    from cachebuild.building.pool import (
+        BuildPool,
+        builds_here,
+        cold_start_jobs,
+        job_label,
+        setup_for,
+    )
 
     if builds_here():
         return
@@ -419,12 +430,12 @@ def _build_in_workers(jobs: list[BuildJob], builder: Builder,
                  len(jobs))
         return
     log.info("building %d targets in %d worker processes", len(jobs), workers)
+    failed: list[tuple[BuildJob, Any]] = []
 
     def finished(job: BuildJob, result: Any) -> None:
         target = job.target
         if result.error:
-            log.warning("piece %d %s failed in a worker, building it here: %s", target.piece,
-                        bucket_label(target.bucket), result.error)
+            failed.append((job, result))
             return
         if result.built:
             COUNTERS.built += 1
@@ -434,16 +445,30 @@ def _build_in_workers(jobs: list[BuildJob], builder: Builder,
             process_state.current().verified.add(target.key)
         if result.phases:
             builder.worker_phases[target.key] = result.phases
-        done(f"piece {target.piece} {bucket_label(target.bucket)}", result.seconds)
+        done(job_label(job), result.seconds)
 
     ordered = sorted(jobs, key=lambda j: -len(j.nodes))
     if pool is not None:
         pool.begin(setup)
         pool.grow(workers)
         pool.run(ordered, finished)
-        return
-    with BuildPool(workers, setup) as started:
-        started.run(ordered, finished)
+    else:
+        with BuildPool(workers, setup) as started:
+            started.run(ordered, finished)
+    again = [job for job, result in failed if result.died]
+    if again and len(again) == len(failed):
+        for job, result in failed:
+            log.warning("%s: %s; building it again in a new worker", job_label(job),
+                        result.error)
+        failed.clear()
+        with BuildPool(1, setup) as fresh:
+            fresh.run(again, finished)
+    if failed:
+        for job, _ in failed:  # a worker's build with a compiler refuted since
+            builder.backend.confirm_toolchain(device_of(job.input_metas))
+        raise BuildError("; ".join(result.error if not result.died
+                                   else f"{job_label(job)}: {result.error}"
+                                   for job, result in failed))
 
 
 def early_pool(store: Store, config: CompileConfig,

@@ -265,7 +265,9 @@ class WorkerSetup:
 @dataclass
 class Result:
     """One job's outcome: built (True) or found stored (False), its seconds, its error,
-    the warnings a worker hands on (class name, message), and the build's phases."""
+    the warnings a worker hands on (class name, message), and the build's phases.
+    ``died``: no worker gave a verdict on it (the worker ended while it held the job, or
+    none could start): its error is the process's, not the piece's."""
 
     key: str
     built: bool
@@ -273,6 +275,7 @@ class Result:
     error: str | None = None
     warnings: list[tuple[str, str]] = field(default_factory=list)
     phases: dict[str, Any] = field(default_factory=dict)
+    died: bool = False
 
 
 class _Worker:
@@ -313,7 +316,8 @@ class _Worker:
         if not isinstance(result, Result):
             code = self.proc.wait()
             how = f"was killed by signal {-code}" if code < 0 else f"exited with status {code}"
-            return Result(job.target.key, False, 0.0, f"the build worker {how} while building it")
+            return Result(job.target.key, False, 0.0, f"the build worker {how} while building it",
+                          died=True)
         return result
 
     def close(self) -> None:
@@ -405,7 +409,8 @@ class BuildPool:
                     result = worker.run(job)
                 except Exception as e:  # a worker that cannot start: the job fails, said why
                     result = Result(job.target.key, False, 0.0,
-                                    f"no build worker could run it: {type(e).__name__}: {e}")
+                                    f"no build worker could run it: {type(e).__name__}: {e}",
+                                    died=True)
                 with lock:
                     finished.append((job, result))
                     ready.notify_all()
