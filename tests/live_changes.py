@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+from live_classes import Doubled, Gate, LoudGate, Scale
 
 import cachebuild
 
@@ -69,6 +70,9 @@ class Net(nn.Module):
         self.extra = ["a"]  # a list whose contents the forward reads
         self.mode = PLAIN
         self.env_name = "LIVE_TRIPLE"  # a variable named by an attribute, not a constant
+        self.count = 1  # made True: equal to 1 in Python, yet another value
+        self.gate = Gate()  # given another class in place
+        self.scale = Scale()  # a submodule given another class in place
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.b(x) if self.use_b else self.a(x)
@@ -83,6 +87,9 @@ class Net(nn.Module):
             y = y + getattr(self, name)(x)
         if self.mode is QUADRUPLED:
             y = y * 4
+        if self.count is True:
+            y = y * 5
+        y = self.scale(self.gate.apply(y))
         act = torch.relu if self.config.act == "relu" else torch.tanh
         return finish(self.post(act(y) + self.config.eps))
 
@@ -150,6 +157,12 @@ CASES = [
          lambda n, old: _swap_code(finish, old)),
     Case("code of a method", lambda n: _swap_code(Net.post, _tripled_post.__code__),
          lambda n, old: _swap_code(Net.post, old)),
+    Case("an int made a bool", lambda n: setattr(n, "count", True),
+         lambda n, _: setattr(n, "count", 1)),
+    Case("class of an object", lambda n: setattr(n.gate, "__class__", LoudGate),
+         lambda n, _: setattr(n.gate, "__class__", Gate)),
+    Case("class of a submodule", lambda n: setattr(n.scale, "__class__", Doubled),
+         lambda n, _: setattr(n.scale, "__class__", Scale)),
 ]
 
 

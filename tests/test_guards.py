@@ -315,9 +315,9 @@ def test_guards_alone_tell_config_values_apart(open_local, tmp_path, monkeypatch
     model's entry: they are the source of truth."""
     import hf_families
 
-    from cachebuild.building import entry
+    from cachebuild.building import entry_key
 
-    monkeypatch.setattr(entry, "config_factor", lambda model: {})
+    monkeypatch.setattr(entry_key, "config_factor", lambda model: {})
     family = hf_families.FAMILIES["llama"]
     store = open_local(tmp_path / "store")
     a, b = family.model(rms_norm_eps=1e-6), family.model(rms_norm_eps=0.5)

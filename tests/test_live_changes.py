@@ -3,7 +3,8 @@
 Each case of ``tests/live_changes.py`` (an attribute, a nested attribute, ``train()``, a
 global, a config value, a list's contents, an environment variable, a forward hook, one
 module-level object swapped for another of its class, a function's or a method's code
-swapped in place) runs in
+swapped in place, an int made a bool, an object's or a submodule's class swapped in
+place) runs in
 a process of its own, through both front doors, cold then warm against one store, every
 output compared with the live eager model's. Through ``cachebuild.compile``: a change costs
 one trace the first time, undoing it none (the forward for the old values is still there),
@@ -116,7 +117,7 @@ def _records(model: Flagged) -> GuardSet:
     hook dict, a list's length, the process state."""
     hooks = [["model"], ["attr", "_modules"], ["item", "lin"], ["attr", "_forward_hooks"]]
     return GuardSet([
-        [[["model"], ["attr", "flag"]], "equals", None, False],
+        [[["model"], ["attr", "flag"]], "equals", None, {"bool": False}],
         [[["model"], ["attr", "_modules"], ["item", "lin"]], "type", None,
          {"type": "torch.nn.modules.linear.Linear"}],
         [hooks, "len", None, 0],

@@ -44,7 +44,7 @@ log = logging.getLogger("cachebuild")
 
 #: The layout of a stored entry; bumped when it changes, so older entries are never misread
 #: (it is an entry-key factor: an old entry is simply not found, and the model retraced).
-ENTRY_FORMAT = 4  # 4: code named by its source, wherever it was loaded from
+ENTRY_FORMAT = 5  # 5: a bool read by the trace told from an int (True is not 1)
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,10 @@ _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, range, enum.Enu
 #: A pair to watch: a dict and a key of it (``ANY``: every key).
 Pair = tuple[dict[Any, Any], Any]
 
+#: ``Py_TPFLAGS_HEAPTYPE``: a class made by a ``class`` statement (or ``type()``), whose
+#: instances may be given another such class.
+_HEAPTYPE = 1 << 9
+
 
 def _singleton(check: str, value: Any) -> tuple[dict[str, Any], str] | None:
     """Where a module global holds ``value``, if an ``id`` check names it by that global
@@ -146,6 +150,10 @@ class _Plan:
         #: Functions an identity check names: the same object may be given other code
         #: (``fn.__code__ = ...``, as reloaders do), which no watched dict sees.
         self.functions: list[types.FunctionType] = []
+        #: Objects whose type a guard reads (a type check, or a step to the class): the
+        #: same object may be given another class (``obj.__class__ = Other``), which no
+        #: watched dict sees either. By id, each once, with its type now.
+        self.typed: dict[int, tuple[Any, type]] = {}
 
     # -- pass 1: what is watched --------------------------------------------------------
 
@@ -211,7 +219,8 @@ class _Plan:
             return None
         kind = s[0]
         if kind == "type":
-            return []
+            self.retypable(parent)
+            return []  # the same type while the per-call check finds it so (``generate``)
         if kind == "item":
             key = decode_key(s[1])
             if isinstance(parent, dict):
@@ -254,7 +263,8 @@ class _Plan:
         if value is UNRESOLVED:
             return True  # its path is watched where it stopped reading
         if check == "type":
-            return True
+            self.retypable(value)
+            return True  # while the per-call check finds the same type (``generate``)
         if check in ("id", "equals", "process_group") and _immutable(value):
             return True
         held = _singleton(check, value)
@@ -276,6 +286,13 @@ class _Plan:
             self.pairs.append((own, arg))
             return True
         return False
+
+    def retypable(self, value: Any) -> None:
+        """Have the per-call check compare ``value``'s type, where it may be given
+        another: an instance of a class defined in Python, or a module. Python refuses
+        ``__class__ =`` on any other object (a dict, a list, a builtin's)."""
+        if type(value).__flags__ & _HEAPTYPE or isinstance(value, types.ModuleType):
+            self.typed.setdefault(id(value), (value, type(value)))
 
     # -- pass 2: the per-call check -----------------------------------------------------
 
@@ -312,6 +329,10 @@ class _Plan:
             codes = [f.__code__ for f in self.functions]
             self.lines += [f"    if list(map(CODE, {self.const(self.functions)})) != "
                            f"{self.const(codes)}:", "        return False"]
+        if self.typed:  # one comparison for all, as for the functions' code
+            objects, classes = zip(*self.typed.values(), strict=True)
+            self.lines += [f"    if list(map(type, {self.const(list(objects))})) != "
+                           f"{self.const(list(classes))}:", "        return False"]
         for v in self.roots:
             if v.needed:
                 self.emit(v, None)

@@ -55,7 +55,9 @@ def plain(value: Any) -> Any:
 
     Raises Unplain for objects compared by identity or by an ``__eq__`` we cannot see.
     """
-    if value is None or isinstance(value, (bool, int, str)):
+    if isinstance(value, bool):  # True == 1 in Python and in JSON's readers: kept apart
+        return {"bool": value}
+    if value is None or isinstance(value, (int, str)):
         return value
     if isinstance(value, float):
         return {"float": repr(value)}
@@ -162,7 +164,7 @@ def short(fingerprint: Any) -> str:
             return v
         if tag in ("class", "type"):
             return v.rsplit(".", 1)[-1]
-        if tag in ("module", "torch", "enum", "op"):
+        if tag in ("module", "torch", "enum", "op", "bool"):
             return str(v)
         if tag == "bytes":
             return repr(bytes.fromhex(v))
