@@ -274,3 +274,27 @@ def test_a_flag_flipped_after_graph_capture_on_the_gpu(tmp_path, mode):
                 x = torch.randn(size, 4, device="cuda")
                 torch.testing.assert_close(compiled(x).clone(), model(x))
     assert cachebuild.stats()["variant_switches"] >= 2
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, scale: object) -> torch.Tensor:
+        return self.lin(x) * scale
+
+
+def test_a_value_where_a_tensor_was_traced_is_another_forward_not_an_error(open_local):
+    """An argument that is a float, then a tensor, then the float again (all of which
+    eager runs): each call runs on the forward for what it passed."""
+    import cachebuild
+
+    torch.manual_seed(0)
+    model = Scaled().eval()
+    compiled = cachebuild.compile(model, cachebuild.CompileConfig(
+        backend="eager_fusion", compile_ranges=((1, 16),)), {0: 0}, store=open_local())
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        for scale in (2.0, 3.0, torch.tensor(2.0), 2.0, torch.tensor(0.5), 3.0):
+            torch.testing.assert_close(compiled(x, scale), model(x, scale))

@@ -82,6 +82,9 @@ class ModelRuntime:
                            if b.kind in ("arg", "size")]
         self._arg_metas = [(b, m) for b, m in zip(self.bindings, self.metas, strict=True)
                            if b.kind == "arg"]
+        #: The call's arguments traced as tensors (no guard reads them: the call check
+        #: does, and a value there instead is another forward's call, not an error).
+        self._tensor_args = sorted({b.arg for b, m in self._arg_metas if m.kind == "tensor"})
         not_beside = _not_beside(entry)
         self._warned_eager = False
         self._first_call = True
@@ -171,6 +174,11 @@ class ModelRuntime:
         (``module._parameters[name] = p``, set to None) changes a watched dict (``rebind``'s
         watch over the same paths)."""
         wrong = self.guards.mismatches(model, args)
+        if not wrong:  # a value where a tensor was traced: another forward, as in eager
+            other = next((i for i in self._tensor_args
+                          if i < len(args) and not isinstance(args[i], torch.Tensor)), None)
+            if other is not None:
+                wrong = [Mismatch(f"argument {other}", "a tensor", type(args[other]).__name__)]
         at = weights.generation()
         if wrong or (self._shared_at == at and self._held()):
             return wrong
