@@ -212,19 +212,23 @@ def test_proof_compares_what_pieces_write(open_local, monkeypatch, tmp_path):
 
 def test_compiling_leaves_the_callers_random_state_alone(open_local, tmp_path):
     """Tracing, building, proving and capturing draw from copies of torch's generators: a
-    seeded caller draws the same numbers whether the call it made compiled or not."""
+    seeded caller draws the same numbers whether the call it made compiled or not. The
+    model keeps the attributes it had."""
     model = im.make(im.MutatedInput)
     args = im.call_args(im.MutatedInput, 5)[:3]
     torch.manual_seed(123)
     with torch.no_grad():
         model(*[a.clone() for a in args])
     want = torch.rand(4)
-    compiled = cachebuild.compile(im.make(im.MutatedInput), mode_config("full"), {0: 0, 1: 0},
+    served = im.make(im.MutatedInput)
+    attributes = dict(vars(served))
+    compiled = cachebuild.compile(served, mode_config("full"), {0: 0, 1: 0},
                                   store=open_local(tmp_path / "store"))
     torch.manual_seed(123)
     with torch.no_grad():
         compiled(*[a.clone() for a in args])  # cold: trace, build, prove, capture, run
     assert torch.equal(torch.rand(4), want)
+    assert vars(served) == attributes  # nor is anything set on the model (by torch.compile)
 
 
 #: A cold start in a process whose environment names no Inductor folder (torch writes its

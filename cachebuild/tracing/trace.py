@@ -334,6 +334,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     # A fresh Dynamo state: an earlier trace of the same code would otherwise be reused
     # from Dynamo's own cache and never reach our backend.
     torch._dynamo.reset()
+    marked = "_is_torch_compile" in vars(model)  # torch.compile marks the model it wraps
     compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=False,
                              options={"guard_filter_fn": collected})
     try:
@@ -357,6 +358,8 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
             "model, backend=cachebuild.backend(...))") from e
     finally:
         torch._dynamo.reset()
+        if not marked:  # the caller's model as it was
+            vars(model).pop("_is_torch_compile", None)
 
     if captured["mutated"]:
         raise UsageError(
