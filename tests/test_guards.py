@@ -9,6 +9,8 @@ model's function.
 
 from __future__ import annotations
 
+import enum
+import json
 import logging
 import os
 
@@ -419,3 +421,23 @@ def test_guard_lists_are_checked_as_data_and_never_import():
                 [[[["model"], ["call", "system"]], "id", None, 1]], {"guards": []}, [[]]):
         with pytest.raises(ValueError):
             check_data(bad)
+
+
+class _Level(enum.IntEnum):
+    LOW = 1
+
+
+class _Name(enum.StrEnum):
+    FAST = "fast"
+
+
+def test_values_equal_in_python_that_a_forward_tells_apart_have_other_plain_values():
+    """``True == 1`` and ``_Level.LOW == 1``, yet ``x is True`` or ``x is _Level.LOW`` in a
+    forward sees the difference: their recorded values differ, in this process and after
+    JSON (another process)."""
+    pairs = [(True, 1), (False, 0), (_Level.LOW, 1), (_Name.FAST, "fast"), (1.0, 1),
+             ((True,), (1,)), ({"k": True}, {"k": 1})]
+    for a, b in pairs:
+        assert plain(a) != plain(b), (a, b)
+        assert json.loads(json.dumps(plain(a))) != json.loads(json.dumps(plain(b))), (a, b)
+    assert plain(True) == plain(True) and plain(_Level.LOW) == plain(_Level(1))

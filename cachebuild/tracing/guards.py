@@ -55,16 +55,19 @@ def plain(value: Any) -> Any:
 
     Raises Unplain for objects compared by identity or by an ``__eq__`` we cannot see.
     """
-    if isinstance(value, bool):  # True == 1 in Python and in JSON's readers: kept apart
+    # Values equal in Python that a forward can still tell apart (``x is True``,
+    # ``isinstance``, ``mode is Mode.FAST``) are kept apart: True is not 1, nor is an
+    # IntEnum member its value.
+    if isinstance(value, bool):
         return {"bool": value}
+    if isinstance(value, enum.Enum):
+        return {"enum": f"{qualname(type(value))}.{value.name}"}
     if value is None or isinstance(value, (int, str)):
         return value
     if isinstance(value, float):
         return {"float": repr(value)}
     if isinstance(value, bytes):
         return {"bytes": value.hex()}
-    if isinstance(value, enum.Enum):
-        return {"enum": f"{qualname(type(value))}.{value.name}"}
     if isinstance(value, (torch.dtype, torch.device, torch.layout, torch.memory_format)):
         return {"torch": str(value)}
     if isinstance(value, (list, tuple)):
