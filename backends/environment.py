@@ -58,7 +58,8 @@ def root() -> Path:
 
 def factors() -> dict[str, Any]:
     """What makes an environment (imports torch): the environment factors of CPU targets
-    (torch and its build, Triton, Python, the CPU's architecture and vector ISA)."""
+    (torch and its build, Python, the CPU's architecture and vector ISA; Triton where it
+    can build for the CPU)."""
     from cachebuild.tracing.env import env_factors
 
     return env_factors("cpu")
@@ -124,7 +125,8 @@ class Folder:
         if not isinstance(f, dict):
             return "no description"
         parts = [f"torch {f.get('torch')}", f"Python {f.get('python')}",
-                 " ".join(str(f[k]) for k in ("machine", "cpu_isa") if f.get(k))]
+                 " ".join(str(f[k]) for k in ("machine", "cpu_isa") if f.get(k)),
+                 f"Triton {f['triton']}" if f.get("triton") else ""]
         return ", ".join(p for p in parts if p.strip())
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
 from cachebuild.building.nearest import describe, explain
@@ -47,3 +49,25 @@ def test_explain_picks_the_nearest_manifest_and_says_why_in_words():
     why = explain(wanted, [("far", far), ("near", near)])
     assert why.nearest == "near" and why.reasons == ["pass rms_quant changed"]
     assert explain(wanted, []).nearest is None
+
+
+def test_triton_is_a_factor_of_cpu_targets_only_where_it_builds_for_the_cpu(tmp_path,
+                                                                            monkeypatch):
+    """A stock Triton (GPUs alone) installed, upgraded or removed leaves CPU keys as they
+    were (a CPU build never runs it); a Triton with a CPU backend is a factor."""
+    from cachebuild.tracing import env
+
+    fake = tmp_path / "site" / "triton"
+    (fake / "backends" / "nvidia").mkdir(parents=True)
+    (fake / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path / "site"))
+    monkeypatch.delitem(sys.modules, "triton", raising=False)  # found, not the one imported
+    monkeypatch.setattr(env, "_triton_version", lambda: "9.9.9")
+    env._triton_builds_for_cpu.cache_clear()
+    try:
+        assert env.env_factors("cpu")["triton"] is None
+        (fake / "backends" / "cpu").mkdir()
+        env._triton_builds_for_cpu.cache_clear()
+        assert env.env_factors("cpu")["triton"] == "9.9.9"
+    finally:
+        env._triton_builds_for_cpu.cache_clear()
