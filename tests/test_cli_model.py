@@ -299,3 +299,13 @@ def test_a_failed_cxx_compile_says_what_the_compiler_said():
     except RuntimeError as e:
         assert compiler_said(e) == "x.cpp:3:5: error: 'y' was not declared"
     assert compiler_said(ValueError("no compiler here")) is None
+
+
+def test_a_long_list_said_is_cut_after_an_item_not_inside_a_word():
+    from cachebuild.cli.common import printable
+
+    owners = "; ".join(f"layers.{i}: DecoderLayer" for i in range(40))
+    said = printable(f"source of llama.py a → b ({owners})", 300)
+    assert said.endswith("DecoderLayer; …") and len(said) <= 303
+    assert printable("x" * 400, 300) == "x" * 300 + "…"
+    assert printable("a\x1b[2Jb", 300) == "a\\x1b[2Jb"

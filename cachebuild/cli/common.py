@@ -105,11 +105,15 @@ def open_existing_store(ctx: click.Context) -> Store:
 
 def printable(value: object, limit: int = 200) -> str:
     """``value`` as plain text that is safe to echo: control characters (terminal escape
-    sequences among them) written as ``\\xNN``, cut at ``limit`` characters."""
+    sequences among them) written as ``\\xNN``, cut at ``limit`` characters (after the
+    last item of a ``;`` list that fits, where that keeps most of it: no word cut in two)."""
     text = str(value)
-    cut = len(text) > limit
-    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text[:limit]) + (
-        "…" if cut else "")
+    end = limit
+    if len(text) > limit:
+        items = text.rfind("; ", 0, limit)
+        end = items if items > limit * 0.6 else limit
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text[:end]) + (
+        ("; …" if end < limit else "…") if len(text) > limit else "")
 
 
 def safe_text(value: object, limit: int = 200) -> str:
