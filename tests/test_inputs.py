@@ -118,3 +118,32 @@ def test_weights_are_checked_when_bound(open_local, tmp_path):
         model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach().t().contiguous().t())
     with pytest.raises(UsageError, match="lm_head.weight has strides"):
         compiled.runtime.rebind()
+
+
+class _TwoTokenInputs(torch.nn.Module):
+    """Two inputs whose dim 0 is the token count; Dynamo gives each a symbol of its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(16, 16)
+        self.b = torch.nn.Linear(8, 16)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.a(x) + self.b(y).sum(0) + y.shape[0]
+
+
+def test_dynamic_dims_of_other_sizes_are_refused_at_every_call(open_local):
+    """Every dynamic dim is the token count: a later call whose dims differ is refused
+    (not served by the target of one of the sizes, which would read the other wrong)."""
+    torch.manual_seed(0)
+    model = _TwoTokenInputs().eval()
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 8),),
+                                      compile_sizes=(3,))
+    compiled = cachebuild.compile(model, config, {0: 0, 1: 0}, store=open_local())
+    with torch.no_grad():
+        for n in (4, 3, 7):
+            args = (torch.randn(n, 16), torch.randn(n, 8))
+            torch.testing.assert_close(compiled(*args), model(*args))
+        for x, y in ((3, 5), (4, 12), (5, 4)):
+            with pytest.raises(UsageError, match="every dynamic dim must have the same size"):
+                compiled(torch.randn(x, 16), torch.randn(y, 8))

@@ -155,15 +155,17 @@ class CallCheck:
         self.count = 1 + max((i for i, _ in self.args), default=-1)
         self._dtypes = {i: getattr(torch, m.dtype) for i, m in self.args}
         self._contiguous = {i: _traced_contiguous(m) for i, m in self.args}
-        self._symbol = next((d for _, m in self.args for d in m.shape
-                             if isinstance(d, str) and d.isidentifier()), None)
+        #: The symbols that are a whole dim of an argument: the dynamic dims, every one
+        #: of them the call's token count (Dynamo may give equal dims symbols of their own).
+        self._symbols = sorted({d for _, m in self.args for d in m.shape
+                                if isinstance(d, str) and d.isidentifier()})
         self._expected: dict[int | None, dict[int, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
 
     def expected(self, size: int | None) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:
         """Per argument, the (shape, strides) a call of dynamic size ``size`` must have."""
         found = self._expected.get(size)
         if found is None:
-            values = {self._symbol: size} if self._symbol is not None and size is not None else {}
+            values = dict.fromkeys(self._symbols, size) if size is not None else {}
             found = {}
             for i, m in self.args:
                 try:
