@@ -14,7 +14,8 @@ import torch
 
 import cachebuild
 from cachebuild.config import default_capture_sizes
-from cachebuild.serving.cudagraphs import next_capture_size, pad_args, unpad_outputs
+from cachebuild.graph.facts import InputMeta
+from cachebuild.serving.cudagraphs import next_capture_size, pad_args, pad_plan, unpad_outputs
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples"))
 import llama  # noqa: E402
@@ -39,8 +40,54 @@ def test_pad_and_unpad():
     padded = pad_args((ids, pos), {0: 0, 1: 0}, 8)
     assert padded[0].tolist() == [0, 1, 2, 3, 4, 0, 0, 0]
     assert padded[1].shape == (8,)
-    out = unpad_outputs((torch.ones(8, 3), torch.ones(3)), 8, 5)
-    assert out[0].shape == (5, 3) and out[1].shape == (3,)
+    # Cut where the traced outputs' dims are the token count, and only there.
+    tokens = InputMeta(kind="tensor", dtype="float32", shape=("s0", 3), stride=(3, 1))
+    outputs = [InputMeta(kind="tensor", dtype="float32", shape=("s0", 3), stride=(3, 1)),
+               InputMeta(kind="tensor", dtype="float32", shape=(3, "s0"), stride=(1, 3)),
+               InputMeta(kind="tensor", dtype="float32", shape=(8, 8), stride=(8, 1)),
+               InputMeta(kind="symint", shape=("s0",))]
+    plan = pad_plan(outputs, [tokens])
+    assert plan == [(0,), (1,), (), "size"]
+    out = unpad_outputs((torch.ones(8, 3), torch.ones(3, 8), torch.ones(8, 8), 8), plan, 5)
+    assert [o.shape for o in out[:3]] == [(5, 3), (3, 5), (8, 8)] and out[3] == 5
+    doubled = InputMeta(kind="tensor", dtype="float32", shape=("2*s0", 3), stride=(3, 1))
+    assert "as 2*s0" in pad_plan([doubled], [tokens])
+    assert "without a value" in pad_plan([None], [tokens])
+
+
+class _Shapes(torch.nn.Module):
+    """Outputs whose token dim is not the first, a weight-shaped one, a size; and with
+    ``doubled``, one whose rows are twice the tokens (no call can be padded)."""
+
+    def __init__(self, doubled: bool = False) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.w = torch.nn.Parameter(torch.randn(8, 8))
+        self.doubled = doubled
+
+    def forward(self, x: torch.Tensor) -> object:
+        y = self.lin(x)
+        if self.doubled:
+            return torch.cat([y, y]).relu()
+        return y, y.t().contiguous(), self.w * 2, x.shape[0]
+
+
+@pytest.mark.parametrize("doubled", [False, True])
+def test_a_padded_call_returns_what_its_own_size_returns(module_store, doubled, caplog):
+    torch.manual_seed(0)
+    model = _Shapes(doubled).eval()
+    cfg = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),),
+                                   cudagraph_mode="piecewise", capture="eager",
+                                   capture_sizes=(4, 8), pad_to_capture_size=True)
+    compiled = cachebuild.compile(model, cfg, {0: 0}, store=module_store)
+    with torch.no_grad():
+        for n in (4, 8, 5, 3):  # 5 and 3 are padded to 8 and 4 where they can be
+            x = torch.randn(n, 16)
+            got, want = compiled(x), model(x)
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    assert ("not padded to a captured one" in caplog.text) == doubled
+    replays = {s: r.replays for s, r in compiled.runtime.capturer.ready.items()}
+    assert replays == ({4: 1, 8: 1} if doubled else {4: 2, 8: 2})
 
 
 def test_load_threads_from_environment(monkeypatch):

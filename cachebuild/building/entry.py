@@ -44,7 +44,7 @@ log = logging.getLogger("cachebuild")
 
 #: The layout of a stored entry; bumped when it changes, so older entries are never misread
 #: (it is an entry-key factor: an old entry is simply not found, and the model retraced).
-ENTRY_FORMAT = 5  # 5: a bool read by the trace told from an int (True is not 1)
+ENTRY_FORMAT = 5  # 5: a bool read by the trace told from an int; the outputs' dims
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,9 @@ class Entry:
     #: Where the seal of its guard list is stored (made from its key and that list): an
     #: entry whose guards no key can be made of is not made (ValueError, TypeError).
     seal: str = field(init=False)
+    #: What each graph output is (dims as sizes or symbols; None where unknown): how a
+    #: padded call's outputs are cut back (``cudagraphs.pad_plan``).
+    output_metas: list[InputMeta | None] = field(default_factory=list)
     #: Why this entry may not be stored (its trace read what a warm start cannot check
     #: without Dynamo), or None; never stored itself.
     unrecordable: str | None = field(default=None, compare=False)
@@ -172,6 +175,8 @@ class Entry:
             "manifests": self.manifests, "guards": self.guards,
             "written_inputs": self.written_inputs, "sources": self.sources,
             "source_stamps": self.source_stamps, "source_libraries": self.source_libraries,
+            "output_metas": [m.to_data() if m is not None else None
+                             for m in self.output_metas],
         }
         return json.dumps(data, separators=(",", ":")).encode()
 
@@ -203,6 +208,8 @@ class Entry:
             # finds them by where they lie here).
             source_libraries={str(k): str(v)
                               for k, v in raw.get("source_libraries", {}).items()},
+            output_metas=[InputMeta.from_data(m) if m is not None else None
+                          for m in raw["output_metas"]],
         )
 
 
@@ -394,6 +401,7 @@ def make_entry(factors: dict[str, Any], traced: TracedGraph, plan: SplitPlan,
         sources=source_data(labels_in([g.to_data() for g in traced.guards])),
         source_stamps=dict(traced.source_stamps),
         source_libraries=dict(traced.source_libraries),
+        output_metas=list(traced.output_metas),
         unrecordable=traced.unrecordable,
     )
 

@@ -289,12 +289,47 @@ def pad_args(args: tuple[Any, ...], dynamic_dims: dict[int, int], size: int) -> 
     return tuple(out)
 
 
-def unpad_outputs(outputs: Any, padded: int, size: int) -> Any:
-    """Slice every output tensor whose first dim is ``padded`` back to ``size`` rows."""
+#: How one graph output of a padded call comes back to the call's size: the dims to cut
+#: (a tensor whose dims are the token count), the size itself (a size the model returns),
+#: or nothing (it does not depend on the token count).
+Unpad = tuple[int, ...] | str
 
-    def cut(t: Any) -> Any:
-        if isinstance(t, torch.Tensor) and t.dim() > 0 and t.shape[0] == padded:
-            return t[:size]
-        return t
 
-    return pytree.tree_map(cut, outputs)
+def pad_plan(output_metas: Sequence[Any], input_metas: Sequence[Any]) -> list[Unpad] | str:
+    """How each graph output of a padded call is cut back (``unpad_outputs``), or why a
+    call cannot be padded: an output that depends on the token count other than as a
+    whole dim of its own (``2 * T`` rows, a sum over tokens in a size), or one whose
+    traced value is unknown. The token count is every symbol that is a whole dim of an
+    input (the dynamic dims)."""
+    tokens = {d for m in input_metas if m.kind == "tensor" for d in m.shape
+              if isinstance(d, str) and d.isidentifier()}
+    plan: list[Unpad] = []
+    for i, m in enumerate(output_metas):
+        if m is None:
+            return f"output {i} was traced without a value to say what it is"
+        dims = list(m.shape) if m.kind in ("tensor", "symint") else []
+        odd = [d for d in dims if isinstance(d, str) and d not in tokens]
+        if odd:
+            return f"output {i} depends on the token count as {odd[0]}, not as a dim of its own"
+        cut = tuple(j for j, d in enumerate(dims) if isinstance(d, str))
+        plan.append(("size" if m.kind == "symint" else cut) if cut else ())
+    return plan
+
+
+def unpad_outputs(outputs: Any, plan: list[Unpad], size: int) -> Any:
+    """The outputs of a call padded to a capture size, as the call of ``size`` tokens
+    gives them: each output's token dims cut back to ``size`` (``pad_plan``), a size it
+    returns made ``size``. ``outputs`` is the model's output structure over the graph's
+    outputs in order (a plain pytree)."""
+    leaves, spec = pytree.tree_flatten(outputs)
+    if len(leaves) != len(plan):
+        raise RuntimeError(f"padded call returned {len(leaves)} values, {len(plan)} planned")
+    out = []
+    for leaf, how in zip(leaves, plan, strict=True):
+        if how == "size":
+            leaf = size if not isinstance(leaf, torch.Tensor) else torch.full_like(leaf, size)
+        else:
+            for dim in how:
+                leaf = leaf.narrow(dim, 0, size)
+        out.append(leaf)
+    return pytree.tree_unflatten(out, spec)

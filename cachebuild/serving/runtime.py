@@ -27,9 +27,15 @@ from cachebuild.errors import UsageError
 from cachebuild.graph import weights
 from cachebuild.graph.facts import device_of, on_device
 from cachebuild.graph.inputs import CallCheck, check_unshared_weights, check_weight, layout_guards
-from cachebuild.graph.outputs import output_builder
+from cachebuild.graph.outputs import TREE, output_builder
 from cachebuild.serving.capture import CallShape, Capturer, CaptureState
-from cachebuild.serving.cudagraphs import capture_for, next_capture_size, pad_args, unpad_outputs
+from cachebuild.serving.cudagraphs import (
+    capture_for,
+    next_capture_size,
+    pad_args,
+    pad_plan,
+    unpad_outputs,
+)
 from cachebuild.serving.graphmodes import sizes_for
 from cachebuild.serving.stitch import forward_over, stitch
 from cachebuild.tracing.guard_watch import CallGuards
@@ -73,6 +79,10 @@ class ModelRuntime:
         #: call arguments the forward writes in place (a KV cache passed in): never copied
         self.written_args = sorted({entry.bindings[i].arg for i in entry.written_inputs
                                     if entry.bindings[i].kind == "arg"})
+        #: How a padded call's outputs come back to its size, or why calls are not padded.
+        self._pad = (pad_plan(entry.output_metas, entry.input_metas)
+                     if entry.out_spec.startswith(TREE) else
+                     f"its output ({type(model).__name__}'s) is not a plain structure of tensors")
         if config.pad_to_capture_size and entry.written_inputs:
             raise UsageError(
                 "pad_to_capture_size pads calls with rows of zeros, and this model writes in "
@@ -87,6 +97,7 @@ class ModelRuntime:
         self._tensor_args = sorted({b.arg for b, m in self._arg_metas if m.kind == "tensor"})
         not_beside = _not_beside(entry)
         self._warned_eager = False
+        self._warned_pad = False
         self._first_call = True
         # Compiled pieces answer without autograd: said once if a call could expect it.
         self._no_autograd_unsaid = config.backend != "eager_fusion" and any(
@@ -330,12 +341,24 @@ class ModelRuntime:
         if (size is not None and self.config.pad_to_capture_size and self.captured_sizes
                 and size not in self.captured_sizes):
             padded = next_capture_size(size, self.captured_sizes)
-            if padded is not None:
+            if padded is not None and self._padding():
                 out = self._call(*pad_args(args, self.dynamic_dims, padded))
-                return unpad_outputs(out, padded, size)
+                return unpad_outputs(out, self._pad, size)
         if self._first_call and self.capturer is not None:
             return self._first(args)
         return self._call(*args)
+
+    def _padding(self) -> bool:
+        """Whether calls are padded to a captured size; where they cannot be (``pad_plan``
+        says why), said once, and every call runs at its own size."""
+        if isinstance(self._pad, list):
+            return True
+        if not self._warned_pad:
+            self._warned_pad = True
+            log.warning("cachebuild: %s runs each call at its own size, not padded to a "
+                        "captured one (pad_to_capture_size): %s", type(self.model).__name__,
+                        self._pad)
+        return False
 
     def _first(self, args: tuple[Any, ...]) -> Any:
         """The first call: served first, then background capture starts (a first output

@@ -82,6 +82,23 @@ class TracedGraph:
     #: Each traced file of an installed library: its path inside the library folder
     #: (``sources.library_path``), by which a later process finds it.
     source_libraries: dict[str, str] = field(default_factory=dict)
+    #: What each graph output is (its dims, as sizes or symbols), None where unknown.
+    output_metas: list[InputMeta | None] = field(default_factory=list)
+
+
+def _output_metas(gm: fx.GraphModule) -> list[InputMeta | None]:
+    """Each output of ``gm`` as its traced value says (a tensor's dims, a size's symbol);
+    None where no value was recorded, or it is no tensor, size or number."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    metas: list[InputMeta | None] = []
+    for value in out.args[0]:  # Dynamo's graphs return one flat tuple
+        if isinstance(value, fx.Node):
+            value = value.meta.get("example_value")
+        try:
+            metas.append(meta_of(value))
+        except UsageError:
+            metas.append(None)
+    return metas
 
 
 def _traced_files(code_objects: list[Any], more: Sequence[str] = ()
@@ -413,6 +430,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         source_stamps=stamps,
         source_libraries=library_paths(files),
         out_spec=output_recipe(output, list(captured.get("outputs", ()))),
+        output_metas=_output_metas(gm),
         num_outputs=num_outputs,
         fake_inputs=fakes,
         guards=guards,
