@@ -320,7 +320,7 @@ class GraphForward:
         traced = TracedGraph(
             gm=gm, bindings=[], input_metas=[meta_of(f) for f in self.fakes], source_files={},
             out_spec=pytree.treespec_dumps(pytree.tree_structure(list(range(n_out)))),
-            num_outputs=n_out, fake_inputs=self.fakes,
+            num_outputs=n_out, fake_inputs=self.fakes, whole=False,
         )
         return self.plan(traced)
 

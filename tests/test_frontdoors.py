@@ -93,6 +93,27 @@ def test_torch_compile_with_graph_breaks(open_local, tmp_path):
     assert models.counters_delta(before, cachebuild.stats())["built"] > 0
 
 
+def test_a_graph_between_breaks_that_calls_no_splitting_op_is_one_piece(open_local, tmp_path):
+    """A graph break after the last attention leaves Dynamo a graph without any splitting
+    op: one piece, as with torch.compile's own backends, not a refusal."""
+
+    class Tail(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = models.make(models.Decoder, layers=1)
+
+        def forward(self, ids, pos):
+            x = self.inner.layers[0](self.inner.embed(ids), pos)
+            torch._dynamo.graph_break()
+            return self.inner.lm_head(self.inner.norm(x))
+
+    model = Tail().eval()
+    compiled = torch.compile(model, backend=cachebuild.backend(
+        models.config(), store=open_local(tmp_path / "store")))
+    for size in (5, 12):
+        models.assert_matches_eager(compiled, model, models.inputs(size))
+
+
 def test_first_call_with_one_token(open_local, tmp_path):
     model = models.make(models.Decoder, layers=2)
     compiled = cachebuild.compile(model, models.config(), DYN, store=open_local(tmp_path / "s"))

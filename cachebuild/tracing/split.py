@@ -148,9 +148,10 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
         if node.op == "call_function":
             seen |= op_names(node.target) & wanted
     # A registered op the graph does not call is fine (a config lists every op a family
-    # of models may split at); an op no library registered, or none found, is a mistake.
+    # of models may split at); an op no library registered, or none found in a whole
+    # forward, is a mistake (a graph between two graph breaks may call none: one piece).
     unknown = {name for name in wanted - seen if not _registered(name)} or (
-        wanted if wanted and not seen else set())
+        wanted if wanted and not seen and traced.whole else set())
     if unknown:
         raise UsageError(
             f"splitting op(s) {sorted(unknown)} not found in the traced graph; it contains: "

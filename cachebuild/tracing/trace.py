@@ -84,6 +84,10 @@ class TracedGraph:
     source_libraries: dict[str, str] = field(default_factory=dict)
     #: What each graph output is (its dims, as sizes or symbols), None where unknown.
     output_metas: list[InputMeta | None] = field(default_factory=list)
+    #: The model's whole forward (``cachebuild.compile``); False for one of the graphs
+    #: Dynamo hands the torch.compile door between graph breaks, which need not call a
+    #: splitting op.
+    whole: bool = True
 
 
 def _output_metas(gm: fx.GraphModule) -> list[InputMeta | None]:
