@@ -243,5 +243,12 @@ def check_kept_symbolic(shape_env: Any, symbols: set[Any], bucket: dict[str, Any
             continue
         for size in bounds:
             if not holds_at(expr, symbols, size):
+                other = [b for b in bounds if b != size]
+                cut = (f"compile_ranges=(({size}, {size}), ({size + 1}, {other[0]}))"
+                       if size == bounds[0] and other else
+                       f"compile_ranges=(({other[0]}, {size - 1}), ({size}, {size}))"
+                       if other else "another range")
                 raise ValueError(f"the trace specialised the range's size: guard {expr} "
-                                 f"fails at size {size} of range {bounds[0]}-{bounds[1]}")
+                                 f"fails at size {size} of range {bounds[0]}-{bounds[1]} "
+                                 f"(the forward branches on the token count there): give "
+                                 f"that size a range of its own, e.g. {cut}")

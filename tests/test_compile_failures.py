@@ -171,3 +171,28 @@ def test_a_start_after_the_model_file_changed_says_the_source_changed(open_local
     assert "because its source changed since it was warmed: the file defining the model's " \
            "class was edited (source " in said[0], said[0]
     assert "not warmed" not in said[0]
+
+
+class LastTokens(torch.nn.Module):
+    """Keeps the last 4 tokens: a branch on the token count at size 1 of a range."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x)[max(0, x.shape[0] - 4):]
+
+
+def test_a_branch_on_the_token_count_inside_a_range_says_which_ranges_would_do(open_local):
+    model = LastTokens().eval()
+    config = cachebuild.CompileConfig(compile_ranges=((1, 16),), backend="eager_fusion")
+    with pytest.raises(Exception, match=r"give that size a range of its own, e\.g\. "
+                                        r"compile_ranges=\(\(1, 1\), \(2, 16\)\)"):
+        cachebuild.compile(model, config, {0: 0}, store=open_local())(torch.randn(6, 8))
+    split = cachebuild.CompileConfig(compile_ranges=((1, 1), (2, 16)), backend="eager_fusion")
+    compiled = cachebuild.compile(model, split, {0: 0}, store=open_local())
+    with torch.no_grad():
+        for n in (6, 1, 3, 16):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(compiled(x), model(x))
