@@ -126,7 +126,9 @@ class CompileConfig:
       call replays a full graph, in the two modes that have them; each must be a capture
       size. None (default): every capture size up to 256.
     - ``pad_to_capture_size``: run a call whose size was not captured at the next captured
-      size, zero-padding the dynamic dim and slicing outputs back (token-parallel models).
+      size, zero-padding the dynamic dim and cutting outputs back where their traced dims
+      are the token count (token-parallel models); a model whose outputs depend on it
+      otherwise (``2 * T`` rows) runs every call at its own size, said once.
     - ``out_of_range``: a call whose size is outside every range raises (``"error"``)
       or runs the model eagerly with a one-time warning (``"eager"``).
     - ``on_failure``: a model that cannot be compiled (its trace, split or a build
