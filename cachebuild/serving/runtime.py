@@ -79,10 +79,9 @@ class ModelRuntime:
         #: call arguments the forward writes in place (a KV cache passed in): never copied
         self.written_args = sorted({entry.bindings[i].arg for i in entry.written_inputs
                                     if entry.bindings[i].kind == "arg"})
-        #: How a padded call's outputs come back to its size, or why calls are not padded.
-        self._pad = (pad_plan(entry.output_metas, entry.input_metas)
-                     if entry.out_spec.startswith(TREE) else
-                     f"its output ({type(model).__name__}'s) is not a plain structure of tensors")
+        #: How a padded call's outputs come back to its size, or why calls are not padded
+        #: (``_padding``: worked out at the first call that could be padded).
+        self._pad: list[Any] | str | None = None
         if config.pad_to_capture_size and entry.written_inputs:
             raise UsageError(
                 "pad_to_capture_size pads calls with rows of zeros, and this model writes in "
@@ -351,6 +350,10 @@ class ModelRuntime:
     def _padding(self) -> bool:
         """Whether calls are padded to a captured size; where they cannot be (``pad_plan``
         says why), said once, and every call runs at its own size."""
+        if self._pad is None:
+            self._pad = (pad_plan(self.entry.output_metas, self.entry.input_metas)
+                         if self.entry.out_spec.startswith(TREE) else
+                         "its output is not a plain structure of tensors and sizes")
         if isinstance(self._pad, list):
             return True
         if not self._warned_pad:
