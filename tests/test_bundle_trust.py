@@ -203,3 +203,28 @@ def test_a_stored_blob_damaged_on_disk_is_repaired_by_the_same_bytes(
     result = run(store_dir, "import", "--trust", str(genuine))
     assert result.exit_code == 0 and "imported 1 record" in result.stdout, result.output
     assert store.get(key("loose")) == PAYLOADS["loose"] and store.verify().clean
+
+
+def test_a_start_over_an_untrusted_entry_says_why_it_is_not_served(tmp_path, caplog):
+    """An imported entry nobody trusted yet is not served: the start that traces says so,
+    not that the model was never warmed."""
+    import logging
+
+    import models
+    import torch
+
+    import cachebuild
+
+    model = models.make(models.Decoder, layers=1)
+    with LocalStore(tmp_path / "source") as source:
+        warm = cachebuild.compile(model, models.config(), {0: 0, 1: 0}, store=source)
+        models.assert_matches_eager(warm, model, models.inputs(5))
+        export_bundle(source, tmp_path / "cache.tar")
+    caplog.clear()
+    with LocalStore(tmp_path / "store") as store:
+        import_bundle(store, tmp_path / "cache.tar")
+        compiled = cachebuild.compile(model, models.config(), {0: 0, 1: 0}, store=store)
+        with caplog.at_level(logging.WARNING, logger="cachebuild"), torch.no_grad():
+            models.assert_matches_eager(compiled, model, models.inputs(5))
+    assert "its stored entry is not served here" in caplog.text
+    assert "it was not warmed" not in caplog.text

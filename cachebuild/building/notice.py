@@ -57,6 +57,9 @@ def reason(why: str, store: Store | None = None,
     stored entry of the same class, to say what changed since it was warmed (the model's
     source, a config value) instead of "not warmed"."""
     if why == "no entry":
+        if _refused(store, factors):
+            return ("its stored entry is not served here (it came unsigned from a source "
+                    "no one trusted, or it is damaged: see the message above)")
         changes = _changes(store, factors)
         if not changes:
             return ("it was not warmed (no stored entry for this model, config and input "
@@ -79,6 +82,20 @@ def must_trace(model: Any, why: str, store: Store | None = None,
                 "and building what is missing can take minutes; %s",
                 type(model).__name__, _model_file(model), reason(why, store, factors),
                 hint(model))
+
+
+def _refused(store: Store | None, factors: dict[str, Any] | None) -> bool:
+    """Whether the store holds a record under the entry key of ``factors`` that a lookup
+    could not read (a blob not served: untrusted, or damaged)."""
+    if store is None or not isinstance(factors, dict):
+        return False
+    from cachebuild.keys import make_key
+
+    try:
+        return store.get_record(make_key(factors)) is not None
+    except Exception as e:  # a damaged index explains nothing; the start goes on
+        log.debug("no record: %s", e)
+        return False
 
 
 def _changes(store: Store | None, factors: dict[str, Any] | None) -> list[str]:
