@@ -14,13 +14,17 @@ import threading
 import time
 from typing import Any
 
-from cachebuild import process_state
 from cachebuild.building.build import Builder, BuildJob, jobs_of
 from cachebuild.building.entry import Entry, record_entry
-from cachebuild.building.pool import BuildPool, WorkerSetup, cold_start_jobs, setup_for, usable_cpus
-from cachebuild.counters import COUNTERS
+from cachebuild.building.pool import (
+    BuildPool,
+    WorkerSetup,
+    cold_start_jobs,
+    job_label,
+    setup_for,
+    usable_cpus,
+)
 from cachebuild.errors import BuildError
-from cachebuild.tracing.targets import bucket_label
 
 log = logging.getLogger("cachebuild")
 
@@ -61,7 +65,8 @@ class BackgroundBuild:
         self._lock = threading.Lock()
         self._jobs, self._workers, self._setup = jobs, workers, setup
         self._record = record
-        self._thread = threading.Thread(target=self._run, name="cachebuild-background-build", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="cachebuild-background-build",
+                                        daemon=True)
         self._thread.start()
 
     @property
@@ -99,20 +104,12 @@ class BackgroundBuild:
         failed: list[str] = []
 
         def finished(job: BuildJob, result: Any) -> None:
-            where = f"piece {job.target.piece} {bucket_label(job.target.bucket)}"
             if result.error:
-                failed.append(f"{where}: {result.error}")
+                failed.append(f"{job_label(job)}: {result.error}")
                 return
-            log.info("cachebuild: built %s in %.1f s in the background", where,
+            log.info("cachebuild: built %s in %.1f s in the background", job_label(job),
                      result.seconds)
-            if result.built:
-                COUNTERS.built += 1
-                COUNTERS.misses += 1
-                COUNTERS.add_time("build", result.seconds)
-                # proven by the worker before it stored it
-                process_state.current().verified.add(job.target.key)
-            if result.phases:
-                self.builder.worker_phases[job.target.key] = result.phases
+            self.builder.built_by_worker(job, result)
 
         try:
             with BuildPool(self._workers, self._setup) as pool:

@@ -168,6 +168,17 @@ class Builder:
             process_state.current().loaded[job.target.key, self.device] = fn
         return fn
 
+    def built_by_worker(self, job: BuildJob, result: Any) -> None:
+        """Count what a worker did for ``job`` (``pool.Result``, no error) as this process
+        counts its own builds; what it built was proven there before it was stored."""
+        if result.built:
+            COUNTERS.built += 1
+            COUNTERS.misses += 1
+            COUNTERS.add_time("build", result.seconds)
+            process_state.current().verified.add(job.target.key)
+        if result.phases:
+            self.worker_phases[job.target.key] = result.phases
+
     def here(self, job: BuildJob) -> BuildJob:
         """``job`` with its tensors on this builder's GPU where only the index differs (an
         entry traced by another rank): each rank builds and proves on its own GPU."""
@@ -433,18 +444,10 @@ def _build_in_workers(jobs: list[BuildJob], builder: Builder,
     failed: list[tuple[BuildJob, Any]] = []
 
     def finished(job: BuildJob, result: Any) -> None:
-        target = job.target
         if result.error:
             failed.append((job, result))
             return
-        if result.built:
-            COUNTERS.built += 1
-            COUNTERS.misses += 1
-            COUNTERS.add_time("build", result.seconds)
-            # proven by the worker before it stored it
-            process_state.current().verified.add(target.key)
-        if result.phases:
-            builder.worker_phases[target.key] = result.phases
+        builder.built_by_worker(job, result)
         done(job_label(job), result.seconds)
 
     ordered = sorted(jobs, key=lambda j: -len(j.nodes))

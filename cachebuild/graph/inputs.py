@@ -63,6 +63,14 @@ def symbols_in(meta: InputMeta) -> list[str]:
     return found
 
 
+def token_symbols(metas: Iterable[InputMeta]) -> set[str]:
+    """The symbols that are a whole dim of a tensor among ``metas``: the dynamic dims,
+    every one of them the call's token count (Dynamo may give equal dims symbols of their
+    own)."""
+    return {d for m in metas if m.kind == "tensor" for d in m.shape
+            if isinstance(d, str) and d.isidentifier()}
+
+
 def eval_dim(dim: int | str, values: dict[str, int]) -> int:
     """The value of a size or stride ``dim`` given the symbols' ``values``."""
     if isinstance(dim, int):
@@ -155,10 +163,7 @@ class CallCheck:
         self.count = 1 + max((i for i, _ in self.args), default=-1)
         self._dtypes = {i: getattr(torch, m.dtype) for i, m in self.args}
         self._contiguous = {i: _traced_contiguous(m) for i, m in self.args}
-        #: The symbols that are a whole dim of an argument: the dynamic dims, every one
-        #: of them the call's token count (Dynamo may give equal dims symbols of their own).
-        self._symbols = sorted({d for _, m in self.args for d in m.shape
-                                if isinstance(d, str) and d.isidentifier()})
+        self._symbols = sorted(token_symbols(m for _, m in self.args))
         self._expected: dict[int | None, dict[int, tuple[tuple[int, ...], tuple[int, ...]]]] = {}
 
     def expected(self, size: int | None) -> dict[int, tuple[tuple[int, ...], tuple[int, ...]]]:

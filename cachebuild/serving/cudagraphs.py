@@ -34,6 +34,8 @@ from typing import Any, Protocol
 import torch
 import torch.utils._pytree as pytree
 
+from cachebuild.graph.inputs import token_symbols
+
 log = logging.getLogger("cachebuild")
 
 
@@ -300,9 +302,8 @@ def pad_plan(output_metas: Sequence[Any], input_metas: Sequence[Any]) -> list[Un
     call cannot be padded: an output that depends on the token count other than as a
     whole dim of its own (``2 * T`` rows, a sum over tokens in a size), or one whose
     traced value is unknown. The token count is every symbol that is a whole dim of an
-    input (the dynamic dims)."""
-    tokens = {d for m in input_metas if m.kind == "tensor" for d in m.shape
-              if isinstance(d, str) and d.isidentifier()}
+    input (``inputs.token_symbols``)."""
+    tokens = token_symbols(input_metas)
     plan: list[Unpad] = []
     for i, m in enumerate(output_metas):
         if m is None:
