@@ -113,6 +113,14 @@ class InductorBackend(Backend):
 
         forget_refuted(device)
 
+    def toolchain_proven(self, device: str, toolchain: dict[str, Any], kind: str) -> None:
+        """An AOTI package built with ``toolchain``'s compiler loaded and ran in a worker:
+        the probe still running for ``device`` takes it (``probe.proven``)."""
+        from cachebuild.backends.probe import proven
+
+        if kind in ("aoti-cpu", "aoti-cuda") and toolchain.get("cxx"):
+            proven(device, toolchain["cxx"])
+
     # -- compile -----------------------------------------------------------------------
 
     def compile(self, request: BuildRequest) -> Artifact:

@@ -46,6 +46,16 @@ where there is one candidate, which is then the one builds use; with several, wh
 wins is not known until the packages load, so none precompiles any and the first build
 makes those of the winner: the probe builds no more than a first build needs.
 
+On a CPU a first cold start's builds prove the presumed compiler themselves: each build
+loads its package in its worker, runs it and compares it with its piece before it is
+stored (``Builder``), all that the probe's own package would show (``proven``). So a
+child started by ``start`` stops after its small library and the ISA checks and builds
+its package only if someone waits for the verdict before any build proved its compiler
+(builds in the calling process, a start whose targets are all stored); on two cores its
+package would otherwise take a CPU from the builds for tens of seconds. On a GPU the
+probe's package is also captured in a CUDA graph, which a build does not do: it is
+always built.
+
 Run ``python -m cachebuild.backends.probe DEVICE [COMPILER]`` to probe by hand.
 """
 
@@ -62,7 +72,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -81,6 +90,8 @@ PROBE_TIMEOUT_S = 900.0
 #: Compilers tried after ``$CXX`` and the ones ``PATH`` finds, in this order.
 SYSTEM_COMPILERS = ("/usr/bin/g++", "/usr/bin/c++")
 _VERDICTS: dict[str, Verdict] = {}
+#: How a candidate passed without its child's package (``proven``).
+PROVEN_BY_BUILD = "a build's package made with it loaded and ran in a worker"
 
 
 @dataclass(frozen=True)
@@ -298,14 +309,25 @@ _inflight_lock = threading.Lock()
 @dataclass
 class _Inflight:
     """A probe ``start`` runs: ``done`` when its verdict is known; ``guess`` as soon as
-    it can be presumed (``presumed``)."""
+    it can be presumed (``presumed``). While it runs it is told the compilers whose
+    packages builds proved (``proven``) and whether anyone waits for its verdict
+    (``wanted``): a CPU candidate's child builds its own package only then."""
 
     done: Future[None] = field(default_factory=Future)
     guess: Future[Verdict] = field(default_factory=Future)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    proven: set[str] = field(default_factory=set)
+    wanted: bool = False
 
     def presume(self, found: Verdict) -> None:
         if not self.guess.done():
             self.guess.set_result(found)
+
+    def news(self) -> tuple[set[str], bool]:
+        """The compilers proven so far (real paths), and whether the verdict is wanted:
+        read together, so that a proof given before a wait is never missed."""
+        with self.lock:
+            return set(self.proven), self.wanted
 
 
 _inflight: dict[str, _Inflight] = {}
@@ -331,7 +353,7 @@ def start(device: str, folder: Path | None = None) -> None:
     def run() -> None:
         error: BaseException | None = None
         try:
-            running.presume(_verdict(device, folder, running.presume))
+            running.presume(_verdict(device, folder, running))
         except BaseException as e:  # noqa: BLE001  # the waiter finds it again, and says it
             error = e
             if not running.guess.done():
@@ -359,6 +381,8 @@ def verdict(device: str, folder: Path | None = None) -> Verdict:
         running = _inflight.get(_inflight_key(device, folder))
     if running is not None and threading.current_thread().name != "cachebuild-probe":
         if not running.done.done():
+            with running.lock:
+                running.wanted = True
             progress.info("waiting for the C++ toolchain probe (once per machine and "
                           "environment)")
         with contextlib.suppress(BaseException):
@@ -416,12 +440,27 @@ def forget_refuted(device: str) -> None:
     _PRESUMED.pop(device.split(":")[0], None)
 
 
+def proven(device: str, compiler: str) -> None:
+    """A worker process built an AOTInductor package for ``device`` with ``compiler``,
+    loaded it beside torch and ran it against its piece (a build's proof): on a CPU, all
+    that the probe's own package would show, so the probe running for that device takes
+    it as the compiler's pass and builds no package of its own. On a GPU the probe also
+    captures its package in a CUDA graph, which a build does not: nothing is taken."""
+    kind = device.split(":")[0]
+    if kind != "cpu":
+        return
+    with _inflight_lock:
+        running = [r for key, r in _inflight.items() if key.split("|")[0] == kind]
+    for each in running:
+        with each.lock:
+            each.proven.add(os.path.realpath(compiler))
+
+
 def _chosen(found: Verdict) -> dict[str, str] | None:
     return found.compiler.factors() if found.compiler is not None else None
 
 
-def _verdict(device: str, folder: Path | None,
-             presume: Callable[[Verdict], None] | None = None) -> Verdict:
+def _verdict(device: str, folder: Path | None, running: _Inflight | None = None) -> Verdict:
     from filelock import FileLock
 
     from cachebuild.backends.environment import in_use
@@ -445,12 +484,12 @@ def _verdict(device: str, folder: Path | None,
         except StoreError:
             found = None
         if found is None or unusable(found) is not None:
-            found = _probe_all(device, candidates, untrusted, presume=presume)
+            found = _probe_all(device, candidates, untrusted, running=running)
         _VERDICTS[fingerprint] = found
         return found
     real = usable_dir(folder)
     if real is None:
-        found = _probe_all(device, candidates, untrusted, presume=presume)
+        found = _probe_all(device, candidates, untrusted, running=running)
         _VERDICTS[fingerprint] = found
         return found
     verdict_file = real / f"aoti-{kind}-{fingerprint}.json"
@@ -460,7 +499,7 @@ def _verdict(device: str, folder: Path | None,
         if why is not None:
             log.warning("probing the C++ toolchain again: %s", why)
         if found is None or why is not None:
-            found = _probe_all(device, candidates, untrusted, real, presume)
+            found = _probe_all(device, candidates, untrusted, real, running)
             tmp = verdict_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(found.to_json()))
             os.replace(tmp, verdict_file)
@@ -545,16 +584,21 @@ def _stop_children() -> None:
 
 def _probe_all(device: str, candidates: list[str],
                untrusted: list[tuple[str, str]] | None = None,
-               records: Path | None = None,
-               presume: Callable[[Verdict], None] | None = None) -> Verdict:
+               records: Path | None = None, running: _Inflight | None = None) -> Verdict:
     """Probe every candidate at once (each in its own child); the first in order that
     passes wins as soon as every one before it is refused, and the children still
     running are stopped. Those before it (and ``untrusted``, never run) are refused with
     why. Each child records in ``records`` (the environment folder) the CPU's vector ISAs
     its build checked (``compilers.watch``); a lone candidate's child also keeps the
     headers it precompiled there, so builds with that compiler make neither again.
-    ``presume`` is told, once, the first candidate in order whose small library loaded
-    (``presumed``), as soon as that is known."""
+    ``running`` (the probe ``start`` runs) is told, once, the first candidate in order
+    whose small library loaded (``presumed``), as soon as that is known.
+
+    On a CPU, with ``running``, a child stops after its small library and the ISA checks
+    and waits: a build that proves a package made with its compiler (``proven``) is its
+    pass, and it builds its own package only once someone waits for the verdict. A first
+    cold start's builds, which prove their packages anyway, then share the CPUs with no
+    package built only to be thrown away. No child's wait counts against its time."""
     import tempfile
 
     kind = device.split(":")[0]
@@ -566,35 +610,53 @@ def _probe_all(device: str, candidates: list[str],
     refused: list[tuple[str, str]] = list(untrusted or [])
     results: dict[str, tuple[bool, str]] = {}
     started = time.monotonic()
+    wait = running is not None and kind == "cpu"
+    # Until when each child may run; None while it waits, its checks done, to be told to
+    # build its package (``told``).
+    deadline: dict[str, float | None] = {p: started + PROBE_TIMEOUT_S for p in runnable}
+    told: set[str] = set()
+    presume = running.presume if running is not None else None
     with tempfile.TemporaryDirectory(prefix="cachebuild-probe-") as work:
-        running = {path: _start_one(device, path, Path(work) / str(i),
-                                    records, headers=len(runnable) == 1)
-                   for i, path in enumerate(runnable)}
+        children = {path: _start_one(device, path, Path(work) / str(i), records,
+                                     headers=len(runnable) == 1, wait=wait)
+                    for i, path in enumerate(runnable)}
         try:
             while True:
-                for path, (proc, out, err) in list(running.items()):
-                    if path not in results and proc.poll() is not None:
+                proofs, wanted = running.news() if running is not None else (set(), False)
+                for path, (proc, out, err) in list(children.items()):
+                    if path in results:
+                        continue
+                    if os.path.realpath(path) in proofs:
+                        results[path] = (True, PROVEN_BY_BUILD)
+                    elif proc.poll() is not None:
                         results[path] = _outcome(proc, out, err)
                         _children.discard(proc)
                         log.info("AOTInductor probe: %s %s after %.1f s", path,
                                  "passed" if results[path][0] else
                                  f"refused ({results[path][1]})", time.monotonic() - started)
+                    elif wait and path not in told and \
+                            "checked" in out.read_text(errors="replace").split():
+                        if wanted:
+                            _ask_for_package(proc)
+                            told.add(path)
+                            deadline[path] = time.monotonic() + PROBE_TIMEOUT_S
+                        else:
+                            deadline[path] = None
                 if presume is not None:
-                    guess = _presumption(candidates, versions, results, running)
+                    guess = _presumption(candidates, versions, results, children)
                     if guess is not None:
                         presume(_verdict_of(kind, guess, versions, refused, results))
                         presume = None
                 decided = _decided(candidates, versions, results)
                 if decided is not None:
                     break
-                if time.monotonic() - started > PROBE_TIMEOUT_S:
-                    for path in running:
-                        results.setdefault(path, (False, f"timed out after "
-                                                         f"{PROBE_TIMEOUT_S:.0f} s"))
-                    break
+                now = time.monotonic()
+                for path, until in deadline.items():
+                    if path not in results and until is not None and now > until:
+                        results[path] = (False, f"timed out after {PROBE_TIMEOUT_S:.0f} s")
                 time.sleep(0.1)
         finally:
-            for proc, _, _ in running.values():
+            for proc, _, _ in children.values():
                 if proc.poll() is None:
                     _kill(proc)
                 proc.wait()
@@ -606,8 +668,9 @@ def _probe_all(device: str, candidates: list[str],
         ok, why = results[path]
         if ok:
             log.warning("the C++ compiler for AOTInductor on %s is %s (%s): chosen by the "
-                        "probe in %.0f s, kept for every build in this environment", kind,
-                        path, versions[path], time.monotonic() - started)
+                        "probe in %.0f s%s, kept for every build in this environment", kind,
+                        path, versions[path], time.monotonic() - started,
+                        f" ({why})" if why != "ok" else "")
             return Verdict(kind, Compiler.found(path, versions[path] or ""), refused)
         refused.append((path, why))
         log.warning("AOTInductor probe: %s refused for %s: %s", path, kind, why)
@@ -616,7 +679,7 @@ def _probe_all(device: str, candidates: list[str],
 
 def _presumption(candidates: list[str], versions: dict[str, str | None],
                  results: dict[str, tuple[bool, str]],
-                 running: dict[str, tuple[subprocess.Popen[bytes], Path, Path]]) -> str | None:
+                 children: dict[str, tuple[subprocess.Popen[bytes], Path, Path]]) -> str | None:
     """The candidate to presume (``""``: none passes), or None while that waits on a
     child: the first in order that passed, or whose small library loaded (its child said
     ``library``), every one before it refused."""
@@ -627,11 +690,19 @@ def _presumption(candidates: list[str], versions: dict[str, str | None],
             if results[path][0]:
                 return path
             continue
-        out = running[path][1]
+        out = children[path][1]
         if "library" in out.read_text(errors="replace").split():
             return path
         return None
     return ""
+
+
+def _ask_for_package(proc: subprocess.Popen[bytes]) -> None:
+    """Tell a child waiting after its checks to build, load and run its package."""
+    with contextlib.suppress(OSError, ValueError):
+        assert proc.stdin is not None
+        proc.stdin.write(b"package\n")
+        proc.stdin.flush()
 
 
 def _verdict_of(kind: str, path: str, versions: dict[str, str | None],
@@ -659,10 +730,12 @@ def _decided(candidates: list[str], versions: dict[str, str | None],
 
 
 def _start_one(device: str, compiler: str, work: Path, records: Path | None,
-               headers: bool) -> tuple[subprocess.Popen[bytes], Path, Path]:
+               headers: bool, wait: bool = False) -> tuple[subprocess.Popen[bytes], Path, Path]:
     """Start the child that builds, loads and runs the tiny package with ``compiler``, in
     ``work`` (its compilers' caches and temp files, removed after), recording its ISA
-    checks (and, with ``headers``, keeping its precompiled headers) in ``records``."""
+    checks (and, with ``headers``, keeping its precompiled headers) in ``records``. With
+    ``wait``, it says ``checked`` after its small library and the ISA checks and builds
+    the package only once told ``package`` on its standard input."""
     from cachebuild.trust.processes import child_env, python_command
 
     work.mkdir(mode=0o700)
@@ -676,12 +749,13 @@ def _start_one(device: str, compiler: str, work: Path, records: Path | None,
     # so that what it records (ISA checks, precompiled headers, keyed by the command line)
     # is what they look for.
     command = python_command("cachebuild.backends.probe", device, os.path.realpath(compiler),
-                             str(records or ""), "headers" if headers else "")
+                             str(records or ""), "headers" if headers else "",
+                             "wait" if wait else "")
     out, err = work / "stdout", work / "stderr"
     with open(out, "wb") as o, open(err, "wb") as e:
         # A session of its own: stopping it stops the compilers it started too.
-        proc = subprocess.Popen(command, stdout=o, stderr=e, cwd=work, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(command, stdin=subprocess.PIPE if wait else subprocess.DEVNULL,
+                                stdout=o, stderr=e, cwd=work, env=env, start_new_session=True)
     _children.add(proc)
     return proc, out, err
 
@@ -730,11 +804,15 @@ def _runtime_check(compiler: str, folder: str) -> None:
     print("library", flush=True)
 
 
-def _probe(device: str, compiler: str | None, records: str = "", headers: str = "") -> None:
+def _probe(device: str, compiler: str | None, records: str = "", headers: str = "",
+           wait: str = "") -> None:
     """The child: build a small C++ library with ``compiler`` and use it beside torch,
-    then the tiny package (recording the ISA checks the build makes in ``records``, if
-    named, and keeping the headers it precompiles there with ``headers``: what every
-    later build with that compiler takes; else building none), load it, run it, check it."""
+    check the CPU's vector ISAs with it (recorded in ``records``, if named), then build
+    the tiny package (keeping the headers it precompiles in ``records`` with ``headers``:
+    what every later build with that compiler takes; else building none), load it, run
+    it, check it. With ``wait``, between the two it says ``checked`` and builds the
+    package only if its standard input says ``package`` (else it ends: a build proved
+    the compiler, or the verdict came from another candidate)."""
     import tempfile
 
     import torch
@@ -766,6 +844,10 @@ def _probe(device: str, compiler: str | None, records: str = "", headers: str = 
             with watch(Path(tmp), Path(records) if records else None), \
                     aoti.compiling_with(compiler):
                 cpu_vec_isa.valid_vec_isa_list()
+        if wait:
+            print("checked", flush=True)
+            if sys.stdin.readline().strip() != "package":
+                return
         ep = torch.export.export(Tiny(), (x, w), strict=False)
         with watch(Path(tmp), Path(records) if records else None):
             package = aoti.build_package(ep, os.path.join(tmp, "probe.pt2"), options, compiler)
@@ -790,5 +872,5 @@ def _probe(device: str, compiler: str | None, records: str = "", headers: str = 
 
 
 if __name__ == "__main__":
-    _args = sys.argv[1:] + ["", "", "", ""]
-    _probe(_args[0] or "cpu", _args[1] or None, _args[2], _args[3])
+    _args = sys.argv[1:] + ["", "", "", "", ""]
+    _probe(_args[0] or "cpu", _args[1] or None, _args[2], _args[3], _args[4])

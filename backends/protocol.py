@@ -86,6 +86,9 @@ class Backend(Protocol):
     ``confirm_toolchain`` then waits for the answer and raises ToolchainRefuted if it
     differs (to every caller, until ``forget_refuted``, called before planning again):
     called before anything built with it is built in or loaded into this process.
+    ``toolchain_proven``: a worker process built an artifact of ``kind`` with
+    ``toolchain`` for ``device`` and proved it (loaded, run, matched its piece), which
+    may answer what ``start_toolchain`` began finding.
     ``generates_code``: its ``compile`` runs compilers that write files (Inductor's,
     Triton's, the C++ compiler's), which a build points at the store's work folder; a
     backend that only rewrites graphs says False, and its builds touch nothing of the
@@ -106,6 +109,9 @@ class Backend(Protocol):
         return None
 
     def forget_refuted(self, device: str) -> None:
+        return None
+
+    def toolchain_proven(self, device: str, toolchain: dict[str, Any], kind: str) -> None:
         return None
 
     def compile(self, request: BuildRequest) -> Artifact: ...

@@ -482,7 +482,7 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
               on_target: Callable[[TargetReport, int, int], None] | None = None
               ) -> WarmReport:
     """``warm``, once."""
-    from cachebuild.building.build import jobs_of
+    from cachebuild.building.build import jobs_of, proven_by_build
     from cachebuild.building.entry import record_entry
     from cachebuild.building.pool import expected_targets, jobs_here
     from cachebuild.counters import COUNTERS
@@ -538,6 +538,8 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
 
         def finished(job: BuildJob, built: bool, seconds: float, error: str | None) -> None:
             target = by_key[job.target.key]
+            if built and not error:
+                proven_by_build(job, opened)
             target.state, target.seconds, target.error = ("failed" if error else
                                                           "built" if built else "stored",
                                                           seconds, error)

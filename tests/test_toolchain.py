@@ -122,6 +122,32 @@ def test_a_compiler_presumed_and_then_refused_is_never_used_and_the_start_plans_
     assert [v.to_json() for v in cached] == [verdict.to_json()]
 
 
+@pytest.mark.slow
+def test_a_first_cold_starts_builds_prove_the_compiler_and_the_probe_builds_no_package(tmp_path):
+    """On a CPU the probe's child checks its compiler's small library and the vector ISAs
+    and then waits: the first cold start's builds, proven in their workers, are the
+    verdict, and the child builds no package of its own. Answers match eager; the verdict
+    is kept for the next process."""
+    candidates = probe.candidate_compilers()
+    if not candidates:
+        pytest.skip("no C++ compiler here")
+    folder = tmp_path / "probe"
+    env = {k: v for k, v in os.environ.items() if k != "CXX"} | {
+        "CACHEBUILD_PROBE_DIR": str(folder), "CACHEBUILD_BUILD_JOBS": "2"}
+    code = COLD_START.replace("STORE", repr(str(tmp_path / "store")))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["equal"], out
+    assert out["stats"]["traced"] == 1 and out["stats"]["built"] == 2, out["stats"]
+    verdict = probe.Verdict.from_json(out["verdict"])
+    assert verdict.compiler is not None
+    assert os.path.realpath(verdict.compiler.path) == os.path.realpath(out["candidates"][0])
+    assert probe.PROVEN_BY_BUILD in proc.stderr, proc.stderr[-3000:]
+    assert [v.to_json() for v in probe.cached_verdicts(folder)] == [verdict.to_json()]
+
+
 def test_the_presumption_is_the_first_candidate_whose_library_loaded(tmp_path):
     versions = {"a": "1", "b": "1", "c": None}  # c does not run
     running = {name: (None, tmp_path / name, None) for name in "ab"}  # a child's stdout
@@ -168,9 +194,9 @@ def test_confirm_waits_for_the_verdict_and_refuses_what_it_did_not_choose(monkey
     for final, refused in ((gxx, False), (other, True)):
         release = threading.Event()
 
-        def found(device, folder, presume=None, final=final, release=release):
-            if presume is not None:  # the probe thread: presumes, then takes its time
-                presume(probe.Verdict("cpu", gxx))
+        def found(device, folder, running=None, final=final, release=release):
+            if running is not None:  # the probe thread: presumes, then takes its time
+                running.presume(probe.Verdict("cpu", gxx))
                 release.wait(30)
             return probe.Verdict("cpu", final)
 

@@ -176,6 +176,7 @@ class Builder:
             COUNTERS.misses += 1
             COUNTERS.add_time("build", result.seconds)
             process_state.current().verified.add(job.target.key)
+            proven_by_build(job, self.store)
         if result.phases:
             self.worker_phases[job.target.key] = result.phases
 
@@ -397,6 +398,18 @@ def load_threads() -> int:
     if not value.isdigit() or int(value) < 1:
         raise UsageError(f"CACHEBUILD_LOAD_THREADS={value!r}: give a whole number of threads, 1 or more")
     return int(value)
+
+
+def proven_by_build(job: BuildJob, store: Store) -> None:
+    """A build (a worker's, most often) made ``job``'s target and proved it before storing
+    it: tell its backend,
+    for what that shows of the toolchain it was built with (``Backend.toolchain_proven``:
+    a probe still running may take it as its answer)."""
+    factors = job.target.manifest["backend"]
+    record = store.get_record(job.target.key)
+    if record is not None and "name" in factors:
+        get_backend(factors["name"]).toolchain_proven(
+            device_of(job.input_metas), factors.get("toolchain", {}), record.kind)
 
 
 def load_needs(keys: list[str], builder: Builder) -> LoadNeeds:
