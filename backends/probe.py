@@ -51,10 +51,11 @@ loads its package in its worker, runs it and compares it with its piece before i
 stored (``Builder``), all that the probe's own package would show (``proven``). So a
 child started by ``start`` stops after its small library and the ISA checks and builds
 its package only if someone waits for the verdict before any build proved its compiler
-(builds in the calling process, a start whose targets are all stored); on two cores its
-package would otherwise take a CPU from the builds for tens of seconds. On a GPU the
-probe's package is also captured in a CUDA graph, which a build does not do: it is
-always built.
+(builds in the calling process, a start whose targets are all stored), or, at the lowest
+CPU priority, if no proof came for ``PROOF_PATIENCE_S`` (a start whose trace failed
+still reaches a verdict); on two cores its package would otherwise take a CPU from the
+builds for tens of seconds. On a GPU the probe's package is also captured in a CUDA
+graph, which a build does not do: it is always built.
 
 Run ``python -m cachebuild.backends.probe DEVICE [COMPILER]`` to probe by hand.
 """
@@ -90,6 +91,11 @@ PROBE_TIMEOUT_S = 900.0
 #: Compilers tried after ``$CXX`` and the ones ``PATH`` finds, in this order.
 SYSTEM_COMPILERS = ("/usr/bin/g++", "/usr/bin/c++")
 _VERDICTS: dict[str, Verdict] = {}
+#: A child waiting for a build's proof (``_probe_all``) builds its own package after this
+#: long without one, at the lowest CPU priority: a process whose builds never come (its
+#: trace failed, it serves eagerly) still reaches a verdict, and frees the verdict's lock
+#: that other processes of this environment wait on.
+PROOF_PATIENCE_S = 30.0
 #: How a candidate passed without its child's package (``proven``).
 PROVEN_BY_BUILD = "a build's package made with it loaded and ran in a worker"
 
@@ -596,7 +602,8 @@ def _probe_all(device: str, candidates: list[str],
 
     On a CPU, with ``running``, a child stops after its small library and the ISA checks
     and waits: a build that proves a package made with its compiler (``proven``) is its
-    pass, and it builds its own package only once someone waits for the verdict. A first
+    pass, and it builds its own package (precompiling no headers) once someone waits for
+    the verdict, or on its own at the lowest priority after ``PROOF_PATIENCE_S``. A first
     cold start's builds, which prove their packages anyway, then share the CPUs with no
     package built only to be thrown away. No child's wait counts against its time."""
     import tempfile
@@ -634,14 +641,16 @@ def _probe_all(device: str, candidates: list[str],
                         log.info("AOTInductor probe: %s %s after %.1f s", path,
                                  "passed" if results[path][0] else
                                  f"refused ({results[path][1]})", time.monotonic() - started)
-                    elif wait and path not in told and \
-                            "checked" in out.read_text(errors="replace").split():
-                        if wanted:
-                            _ask_for_package(proc)
-                            told.add(path)
-                            deadline[path] = time.monotonic() + PROBE_TIMEOUT_S
-                        else:
-                            deadline[path] = None
+                    elif wait and path not in told:
+                        said = out.read_text(errors="replace").split()
+                        if "checked" in said:
+                            if wanted and "package" not in said:
+                                _ask_for_package(proc)
+                            if wanted or "package" in said:  # its package's time begins
+                                told.add(path)
+                                deadline[path] = time.monotonic() + PROBE_TIMEOUT_S
+                            else:
+                                deadline[path] = None
                 if presume is not None:
                     guess = _presumption(candidates, versions, results, children)
                     if guess is not None:
@@ -735,7 +744,9 @@ def _start_one(device: str, compiler: str, work: Path, records: Path | None,
     ``work`` (its compilers' caches and temp files, removed after), recording its ISA
     checks (and, with ``headers``, keeping its precompiled headers) in ``records``. With
     ``wait``, it says ``checked`` after its small library and the ISA checks and builds
-    the package only once told ``package`` on its standard input."""
+    the package (without headers) once told ``package`` on its standard input, or on its
+    own at the lowest priority after ``PROOF_PATIENCE_S``; it says ``package`` as it
+    begins."""
     from cachebuild.trust.processes import child_env, python_command
 
     work.mkdir(mode=0o700)
@@ -749,8 +760,8 @@ def _start_one(device: str, compiler: str, work: Path, records: Path | None,
     # so that what it records (ISA checks, precompiled headers, keyed by the command line)
     # is what they look for.
     command = python_command("cachebuild.backends.probe", device, os.path.realpath(compiler),
-                             str(records or ""), "headers" if headers else "",
-                             "wait" if wait else "")
+                             str(records or ""), "headers" if headers and not wait else "",
+                             str(PROOF_PATIENCE_S) if wait else "")
     out, err = work / "stdout", work / "stderr"
     with open(out, "wb") as o, open(err, "wb") as e:
         # A session of its own: stopping it stops the compilers it started too.
@@ -810,9 +821,10 @@ def _probe(device: str, compiler: str | None, records: str = "", headers: str = 
     check the CPU's vector ISAs with it (recorded in ``records``, if named), then build
     the tiny package (keeping the headers it precompiles in ``records`` with ``headers``:
     what every later build with that compiler takes; else building none), load it, run
-    it, check it. With ``wait``, between the two it says ``checked`` and builds the
-    package only if its standard input says ``package`` (else it ends: a build proved
-    the compiler, or the verdict came from another candidate)."""
+    it, check it. With ``wait`` (seconds), between the two it says ``checked`` and waits:
+    it builds the package once its standard input says ``package``, or at the lowest
+    priority after ``wait`` seconds without a word (it ends if its input is closed),
+    saying ``package`` as it begins."""
     import tempfile
 
     import torch
@@ -846,8 +858,14 @@ def _probe(device: str, compiler: str | None, records: str = "", headers: str = 
                 cpu_vec_isa.valid_vec_isa_list()
         if wait:
             print("checked", flush=True)
-            if sys.stdin.readline().strip() != "package":
+            import select
+
+            told, _, _ = select.select([sys.stdin], [], [], float(wait))
+            if told and sys.stdin.readline().strip() != "package":
                 return
+            if not told:
+                os.nice(19)
+            print("package", flush=True)
         ep = torch.export.export(Tiny(), (x, w), strict=False)
         with watch(Path(tmp), Path(records) if records else None):
             package = aoti.build_package(ep, os.path.join(tmp, "probe.pt2"), options, compiler)

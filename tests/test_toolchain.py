@@ -148,6 +148,23 @@ def test_a_first_cold_starts_builds_prove_the_compiler_and_the_probe_builds_no_p
     assert [v.to_json() for v in probe.cached_verdicts(folder)] == [verdict.to_json()]
 
 
+@pytest.mark.slow
+def test_a_probe_waiting_for_a_proof_that_never_comes_still_reaches_a_verdict(tmp_path,
+                                                                             monkeypatch):
+    """A process whose builds never come (its trace failed) must not hold the verdict, and
+    its lock, forever: the waiting child builds its own package after a while."""
+    candidates = probe.candidate_compilers()
+    if not candidates:
+        pytest.skip("no C++ compiler here")
+    monkeypatch.setattr(probe, "PROOF_PATIENCE_S", 0.5)
+    running = probe._Inflight()
+    found = probe._probe_all("cpu", candidates[:1], records=tmp_path, running=running)
+    assert found.compiler is not None and found.compiler.path == candidates[0], found
+    assert running.guess.done() and running.guess.result().compiler == found.compiler
+    assert not running.wanted and not running.proven  # nobody asked, nothing proved it
+    assert not (tmp_path / "headers").exists()  # a waiting child precompiles none
+
+
 def test_the_presumption_is_the_first_candidate_whose_library_loaded(tmp_path):
     versions = {"a": "1", "b": "1", "c": None}  # c does not run
     running = {name: (None, tmp_path / name, None) for name in "ab"}  # a child's stdout
