@@ -327,27 +327,36 @@ class Model(torch.nn.Module):
 '''
 
 
+def _dies_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str,
+               fails: bool = False) -> torch.nn.Module:
+    """``_DIES_ONCE`` as module ``name`` (its op in a namespace of that name), importable;
+    its first build worker dies (or, with ``fails``, every build fails); two workers.
+    Returns its model."""
+    import importlib
+
+    (tmp_path / f"{name}.py").write_text(_DIES_ONCE.replace("cb_tests_dies", name))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("CB_TESTS_DIES_MARK", str(tmp_path / "died"))
+    monkeypatch.setenv("CB_TESTS_PARENT_PID", str(os.getpid()))
+    if fails:
+        monkeypatch.setenv("CB_TESTS_FAIL", "1")
+    monkeypatch.setenv("CACHEBUILD_BUILD_JOBS", "2")
+    return importlib.import_module(name).Model()
+
+
 def test_a_job_whose_worker_died_is_built_again_in_a_new_worker_never_here(
         tmp_path, monkeypatch, caplog):
     """A worker killed while it builds (kill -9, as the kernel's OOM killer does): its job
     is built once more in a new worker, and the calling process (a server, whose memory
     the build could exhaust in turn) builds nothing itself."""
-    import importlib
-
     from cachebuild.building.build import Builder
 
-    (tmp_path / "cb_tests_dies_once.py").write_text(_DIES_ONCE)
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("CB_TESTS_DIES_MARK", str(tmp_path / "died"))
-    monkeypatch.setenv("CB_TESTS_PARENT_PID", str(os.getpid()))
-    monkeypatch.setenv("CACHEBUILD_BUILD_JOBS", "2")
+    model = _dies_once(tmp_path, monkeypatch, "cb_tests_dies_once")
 
     def not_here(self, job):
         raise AssertionError(f"piece {job.target.piece} was built in the calling process")
 
     monkeypatch.setattr(Builder, "build", not_here)
-    module = importlib.import_module("cb_tests_dies_once")
-    model = module.Model()
     with caplog.at_level(logging.WARNING, logger="cachebuild"):
         compiled = cachebuild.compile(model, models.config(splitting_ops=()), {0: 0},
                                       store=LocalStore(tmp_path / "store"))
@@ -360,26 +369,50 @@ def test_a_job_whose_worker_died_is_built_again_in_a_new_worker_never_here(
     torch.testing.assert_close(compiled(x), model(x), **models.TOL)
 
 
-def test_a_build_that_fails_in_a_worker_raises_its_words_and_builds_nothing_here(
-        tmp_path, monkeypatch):
-    import importlib
-
+@pytest.mark.slow
+def test_a_background_build_whose_worker_died_builds_it_again_in_a_new_worker(
+        tmp_path, monkeypatch, caplog):
+    """The same for a server that serves while it builds: its background build gives the
+    job a second worker too, and the swap comes; nothing of the model's own backend is
+    built in the serving process."""
     from cachebuild.building.build import Builder
 
-    (tmp_path / "cb_tests_fails.py").write_text(_DIES_ONCE.replace("cb_tests_dies::",
-                                                                   "cb_tests_fails::")
-                                                .replace("cb_tests_dies.", "cb_tests_fails."))
-    monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("CB_TESTS_DIES_MARK", str(tmp_path / "died"))
-    monkeypatch.setenv("CB_TESTS_PARENT_PID", str(os.getpid()))
-    monkeypatch.setenv("CB_TESTS_FAIL", "1")
-    monkeypatch.setenv("CACHEBUILD_BUILD_JOBS", "2")
+    model = _dies_once(tmp_path, monkeypatch, "cb_tests_bg_dies")
+    build = Builder.build
+
+    def interim_only(self, job):
+        assert self.config.backend == "eager_fusion", \
+            f"piece {job.target.piece} was built in the calling process"
+        return build(self, job)
+
+    monkeypatch.setattr(Builder, "build", interim_only)
+    config = models.config(splitting_ops=(), backend="inductor", flavour="standalone",
+                           while_building="eager_fusion")
+    before = cachebuild.stats()["swaps"]
+    with caplog.at_level(logging.WARNING, logger="cachebuild"):
+        compiled = cachebuild.compile(model, config, {0: 0},
+                                      store=LocalStore(tmp_path / "store"))
+        x = torch.randn(5, 16)
+        torch.testing.assert_close(compiled(x), model(x), **models.TOL)
+        assert compiled.wait_built(timeout=600)
+        torch.testing.assert_close(compiled(x), model(x), **models.TOL)
+    assert (tmp_path / "died").exists(), "no worker died: the test did not test anything"
+    assert "building it again in a new worker" in caplog.text
+    assert cachebuild.stats()["swaps"] == before + 1
+    x = torch.randn(11, 16)
+    torch.testing.assert_close(compiled(x), model(x), **models.TOL)
+
+
+def test_a_build_that_fails_in_a_worker_raises_its_words_and_builds_nothing_here(
+        tmp_path, monkeypatch):
+    from cachebuild.building.build import Builder
+
+    model = _dies_once(tmp_path, monkeypatch, "cb_tests_fails", fails=True)
 
     def not_here(self, job):
         raise AssertionError(f"piece {job.target.piece} was built in the calling process")
 
     monkeypatch.setattr(Builder, "build", not_here)
-    model = importlib.import_module("cb_tests_fails").Model()
     store = LocalStore(tmp_path / "store")
     compiled = cachebuild.compile(model, models.config(splitting_ops=()), {0: 0}, store=store)
     with pytest.raises(BuildError, match="no kernel for step in a build worker"):

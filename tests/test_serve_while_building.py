@@ -156,30 +156,16 @@ def test_a_cold_start_serves_interim_targets_then_swaps_between_calls(tmp_path):
     assert again["kinds"] == warmed["kinds"]
 
 
-class _FailingPool:
-    """A build pool whose every build fails (a worker killed, say)."""
-
-    def __init__(self, workers, setup):
-        pass
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
-
-    def run(self, jobs, on_done):
-        from cachebuild.building.pool import Result
-
-        for job in jobs:
-            on_done(job, Result(job.target.key, False, 0.0, "the build worker was killed"))
+def _failing_workers(jobs, builder, setup, workers, built, pool=None):
+    """Workers whose every build fails (a worker killed, say)."""
+    return [(job, "the build worker was killed") for job in jobs]
 
 
 def test_a_failed_background_build_keeps_serving_the_interim_targets(tmp_path, monkeypatch):
     import cachebuild
     from cachebuild.store import LocalStore
 
-    monkeypatch.setattr("cachebuild.building.background.BuildPool", _FailingPool)
+    monkeypatch.setattr("cachebuild.building.background.run_in_workers", _failing_workers)
     model = models.make(models.Decoder, layers=1)
     config = models.config(backend="inductor", flavour="aoti", while_building="eager_fusion")
     store = LocalStore(tmp_path / "store")

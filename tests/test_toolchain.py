@@ -82,6 +82,18 @@ print(json.dumps({"equal": equal, "candidates": probe.candidate_compilers(),
 """
 
 
+def cold_start(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.CompletedProcess[str],
+                                                              dict]:
+    """``COLD_START`` in a fresh process with ``env``, a new probe folder (``probe``) and
+    store under ``tmp_path`` and two build workers: the process and what it printed."""
+    env = env | {"CACHEBUILD_PROBE_DIR": str(tmp_path / "probe"), "CACHEBUILD_BUILD_JOBS": "2"}
+    code = COLD_START.replace("STORE", repr(str(tmp_path / "store")))
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.slow
 def test_a_compiler_presumed_and_then_refused_is_never_used_and_the_start_plans_again(tmp_path,
                                                                                        monkeypatch):
@@ -93,13 +105,7 @@ def test_a_compiler_presumed_and_then_refused_is_never_used_and_the_start_plans_
         pytest.skip("no C++ compiler here")
     bad = crashing_compiler(tmp_path)
     # A fresh process with CXX set to the wrapper, as an image might set it.
-    env = {**os.environ, "CXX": str(bad), "CACHEBUILD_PROBE_DIR": str(tmp_path / "probe"),
-           "CACHEBUILD_BUILD_JOBS": "2"}
-    code = COLD_START.replace("STORE", repr(str(tmp_path / "store")))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc, out = cold_start(tmp_path, {**os.environ, "CXX": str(bad)})
     assert out["equal"], out
     assert out["candidates"][0] == str(bad)  # $CXX is tried first
     verdict = probe.Verdict.from_json(out["verdict"])
@@ -132,13 +138,7 @@ def test_a_first_cold_starts_builds_prove_the_compiler_and_the_probe_builds_no_p
     if not candidates:
         pytest.skip("no C++ compiler here")
     folder = tmp_path / "probe"
-    env = {k: v for k, v in os.environ.items() if k != "CXX"} | {
-        "CACHEBUILD_PROBE_DIR": str(folder), "CACHEBUILD_BUILD_JOBS": "2"}
-    code = COLD_START.replace("STORE", repr(str(tmp_path / "store")))
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    proc, out = cold_start(tmp_path, {k: v for k, v in os.environ.items() if k != "CXX"})
     assert out["equal"], out
     assert out["stats"]["traced"] == 1 and out["stats"]["built"] == 2, out["stats"]
     verdict = probe.Verdict.from_json(out["verdict"])

@@ -9,21 +9,13 @@ and records the entry, and the first caller to ``claim`` them gets them, once.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from typing import Any
 
-from cachebuild.building.build import Builder, BuildJob, jobs_of
+from cachebuild.building.build import Builder, BuildJob, jobs_of, run_in_workers
 from cachebuild.building.entry import Entry, record_entry
-from cachebuild.building.pool import (
-    BuildPool,
-    WorkerSetup,
-    cold_start_jobs,
-    job_label,
-    setup_for,
-    usable_cpus,
-)
+from cachebuild.building.pool import WorkerSetup, background_jobs, job_label, setup_for
 from cachebuild.errors import BuildError
 
 log = logging.getLogger("cachebuild")
@@ -47,10 +39,7 @@ class BackgroundBuild:
         setup = setup_for(jobs, builder.store, builder.passes)
         if setup is None:
             return None
-        workers = cold_start_jobs(len(jobs))
-        if not os.environ.get("CACHEBUILD_BUILD_JOBS", "").strip():
-            workers = max(1, min(workers, usable_cpus() - 1))
-        return cls(entry, builder, jobs, workers, setup, record=record)
+        return cls(entry, builder, jobs, background_jobs(len(jobs)), setup, record=record)
 
     def __init__(self, entry: Entry, builder: Builder, jobs: list[BuildJob], workers: int,
                  setup: WorkerSetup, *, record: bool) -> None:
@@ -101,21 +90,16 @@ class BackgroundBuild:
 
     def _run(self) -> None:
         start = time.perf_counter()
-        failed: list[str] = []
 
-        def finished(job: BuildJob, result: Any) -> None:
-            if result.error:
-                failed.append(f"{job_label(job)}: {result.error}")
-                return
+        def built(job: BuildJob, result: Any) -> None:
             log.info("cachebuild: built %s in %.1f s in the background", job_label(job),
                      result.seconds)
-            self.builder.built_by_worker(job, result)
 
         try:
-            with BuildPool(self._workers, self._setup) as pool:
-                pool.run(sorted(self._jobs, key=lambda j: -len(j.nodes)), finished)
+            failed = run_in_workers(self._jobs, self.builder, self._setup, self._workers,
+                                    built)
             if failed:
-                raise BuildError("; ".join(failed))
+                raise BuildError("; ".join(why for _, why in failed))
             loaded = {}
             for key, job in jobs_of(self.entry, self.builder.config).items():
                 fn = self.builder.load(key, job)

@@ -53,7 +53,7 @@ from cachebuild.trust.fxjson import data_to_module
 
 if TYPE_CHECKING:
     from cachebuild.building.entry import Entry
-    from cachebuild.building.pool import BuildPool
+    from cachebuild.building.pool import BuildPool, WorkerSetup
     from cachebuild.passes import PassManager
     from cachebuild.store.interface import Store
 
@@ -430,18 +430,11 @@ def _build_in_workers(jobs: list[BuildJob], builder: Builder,
     another. ``pool``: workers started already (``early_pool``; the caller closes it).
 
     A job a worker failed is never built here: a build that crashed or exhausted its
-    worker would take the calling process (a server) down with it. A job whose worker
-    ended while it held it is built once more in a new worker, alone; a job that failed
-    again, or whose build failed, raises BuildError with the worker's words (where the
-    toolchain the job was planned with is refuted meanwhile, ToolchainRefuted, so that
-    the start plans again)."""
-    from cachebuild.building.pool import (
-        BuildPool,
-        builds_here,
-        cold_start_jobs,
-        job_label,
-        setup_for,
-    )
+    worker would take the calling process (a server) down with it (``run_in_workers``);
+    a job that failed raises BuildError with the worker's words (where the toolchain the
+    job was planned with is refuted meanwhile, ToolchainRefuted, so that the start plans
+    again)."""
+    from cachebuild.building.pool import builds_here, cold_start_jobs, job_label, setup_for
 
     if builds_here():
         return
@@ -454,6 +447,25 @@ def _build_in_workers(jobs: list[BuildJob], builder: Builder,
                  len(jobs))
         return
     log.info("building %d targets in %d worker processes", len(jobs), workers)
+    failed = run_in_workers(jobs, builder, setup, workers,
+                            lambda job, result: done(job_label(job), result.seconds), pool)
+    if failed:
+        for job, _ in failed:  # a worker's build with a compiler refuted since
+            builder.backend.confirm_toolchain(device_of(job.input_metas))
+        raise BuildError("; ".join(why for _, why in failed))
+
+
+def run_in_workers(jobs: list[BuildJob], builder: Builder, setup: WorkerSetup, workers: int,
+                   built: Callable[[BuildJob, Any], None], pool: BuildPool | None = None
+                   ) -> list[tuple[BuildJob, str]]:
+    """Build ``jobs`` in ``workers`` worker processes set up with ``setup`` (``pool``:
+    started already, told ``setup`` now; the caller closes it). ``built(job, result)``
+    is called for each job built (or found stored) once ``builder`` counted it
+    (``Builder.built_by_worker``). A job whose worker ended while it held it (killed for
+    its memory, say) is built once more in a new worker, alone, where every failure was
+    such an end. Returns each job that failed, with why in the worker's words."""
+    from cachebuild.building.pool import BuildPool, job_label
+
     failed: list[tuple[BuildJob, Any]] = []
 
     def finished(job: BuildJob, result: Any) -> None:
@@ -461,7 +473,7 @@ def _build_in_workers(jobs: list[BuildJob], builder: Builder,
             failed.append((job, result))
             return
         builder.built_by_worker(job, result)
-        done(job_label(job), result.seconds)
+        built(job, result)
 
     ordered = sorted(jobs, key=lambda j: -len(j.nodes))
     if pool is not None:
@@ -471,20 +483,16 @@ def _build_in_workers(jobs: list[BuildJob], builder: Builder,
     else:
         with BuildPool(workers, setup) as started:
             started.run(ordered, finished)
-    again = [job for job, result in failed if result.died]
-    if again and len(again) == len(failed):
+    if failed and all(result.died for _, result in failed):
+        again = [job for job, _ in failed]
         for job, result in failed:
             log.warning("%s: %s; building it again in a new worker", job_label(job),
                         result.error)
         failed.clear()
         with BuildPool(1, setup) as fresh:
             fresh.run(again, finished)
-    if failed:
-        for job, _ in failed:  # a worker's build with a compiler refuted since
-            builder.backend.confirm_toolchain(device_of(job.input_metas))
-        raise BuildError("; ".join(result.error if not result.died
-                                   else f"{job_label(job)}: {result.error}"
-                                   for job, result in failed))
+    return [(job, result.error if not result.died else f"{job_label(job)}: {result.error}")
+            for job, result in failed]
 
 
 def early_pool(store: Store, config: CompileConfig,

@@ -155,6 +155,16 @@ def cold_start_jobs(targets: int) -> int:
     return min(int(value), max(targets, 1))
 
 
+def background_jobs(targets: int) -> int:
+    """Workers a build in the background (the process serves meanwhile) uses for
+    ``targets`` targets: ``CACHEBUILD_BUILD_JOBS`` if set, else a cold start's count with
+    one CPU left to the serving process."""
+    workers = cold_start_jobs(targets)
+    if not os.environ.get("CACHEBUILD_BUILD_JOBS", "").strip():
+        workers = max(1, min(workers, usable_cpus() - 1))
+    return workers
+
+
 # -- which modules a worker imports -------------------------------------------------------
 
 def op_modules(jobs: Iterable[BuildJob]) -> list[str] | None:
