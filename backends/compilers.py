@@ -26,6 +26,11 @@ folder's where the environment folder is not ours to write. It is counted by ``s
 ``gc`` removes the objects no build has made or reused for a week (``environment.OBJECT_AGE``)
 when no build holds the folder, and empties the work folder's.
 
+A CPU package's two precompiled headers (the wrapper's and the kernels' prefix, seconds
+apiece, once per environment) are made side by side on two threads
+(``compat.hook_header_precompiles``), not one after the other while a second build
+waits for them.
+
 Inductor's checks of the CPU's vector instructions (a compile and a load per ISA, tens of
 seconds on a loaded machine; made at once, a thread per ISA) are recorded once per
 environment (and compiler) in the environment folder,
@@ -76,6 +81,7 @@ def watch(kept: Path, records: Path | None = None,
     once; yields the cache folder."""
     compat.hook_compilers(_cxx, clock.phase)
     compat.hook_vec_isa_list(_vec_isas)
+    compat.hook_header_precompiles(_beside)
     folder = kept / "cxx"
     folder.mkdir(mode=0o700, exist_ok=True)
     with _state:
@@ -138,6 +144,14 @@ def _vec_isas(check: Callable[[], list[Any]]) -> list[Any]:
                 os.replace(tmp, record)
     _isas[key] = isas
     return isas
+
+
+def _beside(precompile: Callable[[], object]) -> None:
+    """A header precompiled on a thread beside the build's own (``compat``): on a clock
+    of its own, its time being the build's wait for it; its error (if any) Inductor
+    meets again when it asks for the header itself."""
+    with contextlib.suppress(Exception), clock.measuring(clock.BuildClock()):
+        precompile()
 
 
 def _as_isa_check(check: Callable[[], object]) -> object:

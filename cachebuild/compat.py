@@ -572,6 +572,49 @@ def check_vec_isas_at_once(run: Callable[[Callable[[], object]], object]) -> Non
                 done.result()
 
 
+def hook_header_precompiles(side: Callable[[Callable[[], object]], object]) -> None:
+    """Once per process: AOTInductor's two precompiled headers on a CPU, side by side.
+
+    A CPU package's build precompiles the wrapper's header and then the kernels' prefix
+    header, one after the other, each under a lock of its own (seconds apiece, once per
+    environment): a second build waiting for the first header leaves a CPU idle. Here the
+    call for the wrapper's header (the one given ``min_optimize``) also precompiles the
+    prefix header, with the same command, on a thread of its own (``side(run)`` runs
+    it: the caller's bookkeeping), and returns once both are made; Inductor's own call
+    for the prefix header then finds it made. Where this torch names these otherwise,
+    nothing changes."""
+    if _HOOKED.get("headers"):
+        return
+    _HOOKED["headers"] = True
+    import contextvars
+    import threading
+
+    from torch._inductor import codecache
+
+    original = getattr(codecache, "_precompile_header", None)
+    prefix_of = getattr(codecache, "_get_cpp_prefix_header", None)
+    if original is None or prefix_of is None:
+        return
+
+    def precompile(header: str, hashable_cmd_line: str, **compile_command: Any) -> str:
+        device = str(compile_command.get("device_type", ""))
+        prefix = prefix_of(device) if "min_optimize" in compile_command else None
+        if prefix is None or prefix == header:
+            return original(header, hashable_cmd_line, **compile_command)
+        rest = {k: v for k, v in compile_command.items() if k != "min_optimize"}
+        run = contextvars.copy_context().run  # Inductor's config patches (the compiler)
+        beside = threading.Thread(
+            target=run, args=(side, lambda: original(prefix, hashable_cmd_line, **rest)),
+            name="cachebuild-header", daemon=True)
+        beside.start()
+        try:
+            return original(header, hashable_cmd_line, **compile_command)
+        finally:
+            beside.join()
+
+    codecache._precompile_header = precompile
+
+
 def vec_isa_record(isas: list[Any]) -> list[list[str]]:
     """Inductor's usable ISAs as data: ``[[name, flags], ...]``."""
     return [[str(isa), isa.build_arch_flags()] for isa in isas]

@@ -186,6 +186,47 @@ def test_a_pool_started_before_its_setup_waits_for_it_and_closes_its_unused_work
     assert all(p.poll() is not None for p in procs)
 
 
+def test_a_cpu_packages_two_headers_are_precompiled_side_by_side(monkeypatch):
+    """The call for the wrapper's header also precompiles the kernels' prefix header with
+    the same command, at the same time, on another thread; a GPU's (no prefix header)
+    and every other call are left as they are."""
+    import threading
+    import time
+
+    from torch._inductor import codecache
+
+    from cachebuild import compat
+
+    calls: list[tuple[str, str, dict, str, float, float]] = []
+
+    def precompile(header, cmd, **options):
+        start = time.monotonic()
+        time.sleep(0.3)
+        calls.append((header, cmd, options, threading.current_thread().name, start,
+                      time.monotonic()))
+        return f"/headers/{header}"
+
+    monkeypatch.setattr(codecache, "_precompile_header", precompile)
+    monkeypatch.setitem(compat._HOOKED, "headers", False)
+    beside: list[str] = []
+    compat.hook_header_precompiles(lambda run: beside.append(str(run())))
+    options = {"device_type": "cpu", "aot_mode": True, "vec_isa": "avx2"}
+    wrapper = "torch/csrc/inductor/aoti_include/cpu.h"
+    assert codecache._precompile_header(wrapper, "g++ -O1", min_optimize=True,
+                                        **options) == f"/headers/{wrapper}"
+    prefix = codecache._get_cpp_prefix_header("cpu")
+    assert sorted((c[0], c[1], c[2]) for c in calls) == sorted([
+        (wrapper, "g++ -O1", {"min_optimize": True, **options}), (prefix, "g++ -O1", options)])
+    (first, second) = calls
+    assert first[3] != second[3] and first[4] < second[5] and second[4] < first[5]  # at once
+    assert beside == [f"/headers/{prefix}"]
+    calls.clear()
+    codecache._precompile_header(prefix, "g++ -O1", **options)  # Inductor's own call
+    codecache._precompile_header("torch/csrc/inductor/aoti_include/cuda.h", "g++",
+                                 min_optimize=True, device_type="cuda")
+    assert [c[0] for c in calls] == [prefix, "torch/csrc/inductor/aoti_include/cuda.h"]
+
+
 def test_the_operators_compile_threads_are_kept(monkeypatch):
     from cachebuild.building.pool import compile_threads
 

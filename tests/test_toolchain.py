@@ -146,6 +146,9 @@ def test_a_first_cold_starts_builds_prove_the_compiler_and_the_probe_builds_no_p
     assert os.path.realpath(verdict.compiler.path) == os.path.realpath(out["candidates"][0])
     assert probe.PROVEN_BY_BUILD in proc.stderr, proc.stderr[-3000:]
     assert [v.to_json() for v in probe.cached_verdicts(folder)] == [verdict.to_json()]
+    # The builds precompiled the package's two headers, side by side, into the folder; the
+    # one beside the wrapper's is the one Inductor then asked for (no third).
+    assert len(list((folder / "headers").glob("*.gch"))) == 2
 
 
 @pytest.mark.slow
