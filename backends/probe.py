@@ -51,10 +51,10 @@ loads its package in its worker, runs it and compares it with its piece before i
 stored (``Builder``), all that the probe's own package would show (``proven``). So a
 child started by ``start`` stops after its small library and the ISA checks and builds
 its package only if someone waits for the verdict before any build proved its compiler
-(builds in the calling process, a start whose targets are all stored), or, at the lowest
-CPU priority, if no proof came for ``PROOF_PATIENCE_S`` (a start whose trace failed
-still reaches a verdict); on two cores its package would otherwise take a CPU from the
-builds for tens of seconds. On a GPU the probe's package is also captured in a CUDA
+(builds in the calling process, a start whose targets are all stored, another process
+waiting for the verdict's lock), or if no proof came for ``PROOF_PATIENCE_S`` (a start
+whose trace failed still reaches a verdict); on two cores its package would otherwise
+take a CPU from the builds for tens of seconds. On a GPU the probe's package is also captured in a CUDA
 graph, which a build does not do: it is always built.
 
 Run ``python -m cachebuild.backends.probe DEVICE [COMPILER]`` to probe by hand.
@@ -73,6 +73,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -92,10 +93,10 @@ PROBE_TIMEOUT_S = 900.0
 SYSTEM_COMPILERS = ("/usr/bin/g++", "/usr/bin/c++")
 _VERDICTS: dict[str, Verdict] = {}
 #: A child waiting for a build's proof (``_probe_all``) builds its own package after this
-#: long without one, at the lowest CPU priority: a process whose builds never come (its
-#: trace failed, it serves eagerly) still reaches a verdict, and frees the verdict's lock
-#: that other processes of this environment wait on.
-PROOF_PATIENCE_S = 30.0
+#: long without one: a process whose builds never come (its trace failed, it serves
+#: eagerly) still reaches a verdict. (Another process waiting for the verdict asks for it
+#: at once.)
+PROOF_PATIENCE_S = 120.0
 #: How a candidate passed without its child's package (``proven``).
 PROVEN_BY_BUILD = "a build's package made with it loaded and ran in a worker"
 
@@ -467,8 +468,6 @@ def _chosen(found: Verdict) -> dict[str, str] | None:
 
 
 def _verdict(device: str, folder: Path | None, running: _Inflight | None = None) -> Verdict:
-    from filelock import FileLock
-
     from cachebuild.backends.environment import in_use
     from cachebuild.errors import StoreError
     from cachebuild.store import check_readable_dir, writable_here
@@ -499,19 +498,42 @@ def _verdict(device: str, folder: Path | None, running: _Inflight | None = None)
         _VERDICTS[fingerprint] = found
         return found
     verdict_file = real / f"aoti-{kind}-{fingerprint}.json"
-    with in_use(real), FileLock(str(verdict_file) + ".lock"):
+    # Made by a process that waits for the lock: the one holding it, probing, is asked to
+    # decide now (its child builds its package instead of waiting for a build's proof).
+    asked = verdict_file.with_suffix(".wanted")
+    with in_use(real), _verdict_lock(verdict_file, asked):
         found = _read(verdict_file)
         why = unusable(found) if found is not None else None
         if why is not None:
             log.warning("probing the C++ toolchain again: %s", why)
         if found is None or why is not None:
-            found = _probe_all(device, candidates, untrusted, real, running)
+            found = _probe_all(device, candidates, untrusted, real, running, asked)
             tmp = verdict_file.with_suffix(".tmp")
             tmp.write_text(json.dumps(found.to_json()))
             os.replace(tmp, verdict_file)
+            asked.unlink(missing_ok=True)
             log.info("%s", found.describe())
     _VERDICTS[fingerprint] = found
     return found
+
+
+@contextlib.contextmanager
+def _verdict_lock(verdict_file: Path, asked: Path) -> Iterator[None]:
+    """Hold the lock of ``verdict_file``; where another process holds it (probing), say
+    so in ``asked`` before waiting for it."""
+    from filelock import FileLock, Timeout
+
+    lock = FileLock(str(verdict_file) + ".lock")
+    try:
+        lock.acquire(timeout=0)
+    except Timeout:
+        with contextlib.suppress(OSError):
+            asked.touch()
+        lock.acquire()
+    try:
+        yield
+    finally:
+        lock.release()
 
 
 def _read(path: Path) -> Verdict | None:
@@ -582,15 +604,22 @@ def _kill(child: subprocess.Popen[bytes]) -> None:
         os.killpg(child.pid, signal.SIGKILL)
 
 
+#: Set as this process ends: a child killed then says nothing of its compiler, and the
+#: probe it belonged to keeps no verdict (``_probe_all``).
+_ENDING = threading.Event()
+
+
 @atexit.register
 def _stop_children() -> None:
+    _ENDING.set()
     for child in list(_children):
         _kill(child)
 
 
 def _probe_all(device: str, candidates: list[str],
                untrusted: list[tuple[str, str]] | None = None,
-               records: Path | None = None, running: _Inflight | None = None) -> Verdict:
+               records: Path | None = None, running: _Inflight | None = None,
+               asked: Path | None = None) -> Verdict:
     """Probe every candidate at once (each in its own child); the first in order that
     passes wins as soon as every one before it is refused, and the children still
     running are stopped. Those before it (and ``untrusted``, never run) are refused with
@@ -603,9 +632,10 @@ def _probe_all(device: str, candidates: list[str],
     On a CPU, with ``running``, a child stops after its small library and the ISA checks
     and waits: a build that proves a package made with its compiler (``proven``) is its
     pass, and it builds its own package (precompiling no headers) once someone waits for
-    the verdict, or on its own at the lowest priority after ``PROOF_PATIENCE_S``. A first
-    cold start's builds, which prove their packages anyway, then share the CPUs with no
-    package built only to be thrown away. No child's wait counts against its time."""
+    the verdict (in this process, or in another one, which then makes the file
+    ``asked``), or on its own after ``PROOF_PATIENCE_S``. A first cold start's builds,
+    which prove their packages anyway, then share the CPUs with no package built only to
+    be thrown away. No child's wait counts against its time."""
     import tempfile
 
     kind = device.split(":")[0]
@@ -630,6 +660,7 @@ def _probe_all(device: str, candidates: list[str],
         try:
             while True:
                 proofs, wanted = running.news() if running is not None else (set(), False)
+                wanted = wanted or (asked is not None and asked.exists())
                 for path, (proc, out, err) in list(children.items()):
                     if path in results:
                         continue
@@ -670,6 +701,8 @@ def _probe_all(device: str, candidates: list[str],
                     _kill(proc)
                 proc.wait()
                 _children.discard(proc)
+    if _ENDING.is_set():  # what a child killed at the exit said is not a verdict
+        raise CachebuildError("the process ended before the C++ toolchain probe did")
     for path in candidates:
         if versions[path] is None:
             refused.append((path, "does not run (`--version` failed)"))
@@ -745,8 +778,7 @@ def _start_one(device: str, compiler: str, work: Path, records: Path | None,
     checks (and, with ``headers``, keeping its precompiled headers) in ``records``. With
     ``wait``, it says ``checked`` after its small library and the ISA checks and builds
     the package (without headers) once told ``package`` on its standard input, or on its
-    own at the lowest priority after ``PROOF_PATIENCE_S``; it says ``package`` as it
-    begins."""
+    own after ``PROOF_PATIENCE_S``; it says ``package`` as it begins."""
     from cachebuild.trust.processes import child_env, python_command
 
     work.mkdir(mode=0o700)
@@ -822,9 +854,9 @@ def _probe(device: str, compiler: str | None, records: str = "", headers: str = 
     the tiny package (keeping the headers it precompiles in ``records`` with ``headers``:
     what every later build with that compiler takes; else building none), load it, run
     it, check it. With ``wait`` (seconds), between the two it says ``checked`` and waits:
-    it builds the package once its standard input says ``package``, or at the lowest
-    priority after ``wait`` seconds without a word (it ends if its input is closed),
-    saying ``package`` as it begins."""
+    it builds the package once its standard input says ``package``, or after ``wait``
+    seconds without a word (it ends if its input is closed), saying ``package`` as it
+    begins."""
     import tempfile
 
     import torch
@@ -863,8 +895,6 @@ def _probe(device: str, compiler: str | None, records: str = "", headers: str = 
             told, _, _ = select.select([sys.stdin], [], [], float(wait))
             if told and sys.stdin.readline().strip() != "package":
                 return
-            if not told:
-                os.nice(19)
             print("package", flush=True)
         ep = torch.export.export(Tiny(), (x, w), strict=False)
         with watch(Path(tmp), Path(records) if records else None):

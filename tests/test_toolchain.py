@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import models
@@ -166,6 +167,85 @@ def test_a_probe_waiting_for_a_proof_that_never_comes_still_reaches_a_verdict(tm
     assert running.guess.done() and running.guess.result().compiler == found.compiler
     assert not running.wanted and not running.proven  # nobody asked, nothing proved it
     assert not (tmp_path / "headers").exists()  # a waiting child precompiles none
+
+
+#: A process whose probe waits for a build's proof that never comes (as in a start whose
+#: trace failed): it starts the probe, waits until its child has done its checks (or,
+#: with "verdict", until another process made the verdict file), and ends.
+HOLDER = """
+import atexit, sys, time, weakref
+from pathlib import Path
+
+class Kept:
+    pass
+
+KEPT = Kept()
+weakref.finalize(KEPT, print)  # weakref's exit hook (temporary folders) first, as torch's
+atexit.register(time.sleep, 1.0)  # more of the process's own ending, after the probe's
+from cachebuild.backends import probe
+
+folder, until = Path(sys.argv[1]), sys.argv[2]
+probe.PROOF_PATIENCE_S = 3600.0  # only another process's wish decides it
+probe.start("cpu", folder)
+for _ in range(6000):
+    time.sleep(0.1)
+    if until == "checked" and list(folder.glob("vec_isa-*.json")):
+        time.sleep(0.5)
+        break
+    if until == "verdict" and list(folder.glob("aoti-cpu-*.json")):
+        break
+print("ending", flush=True)
+"""
+
+
+def _probing_in(folder: Path) -> dict[str, str]:
+    """This process's environment, its probe folder ``folder`` (not the session's)."""
+    return {**os.environ, "CACHEBUILD_PROBE_DIR": str(folder)}
+
+
+@pytest.mark.slow
+def test_a_process_ending_while_its_probe_waits_keeps_no_verdict(tmp_path):
+    """Its child killed at the exit is no verdict on the compiler: none is kept, and the
+    next process probes again (before, a kill could be kept as "crashed")."""
+    if not probe.candidate_compilers():
+        pytest.skip("no C++ compiler here")
+    folder = tmp_path / "probe"
+    proc = subprocess.run([sys.executable, "-c", HOLDER, str(folder), "checked"],
+                          capture_output=True, text=True, timeout=600, env=_probing_in(folder))
+    assert proc.returncode == 0 and "ending" in proc.stdout, proc.stderr[-3000:]
+    assert list(folder.glob("vec_isa-*.json")), "the child never did its checks"
+    assert not list(folder.glob("aoti-cpu-*.json")), [p.read_text() for p in
+                                                      folder.glob("aoti-cpu-*.json")]
+
+
+@pytest.mark.slow
+def test_another_process_waiting_for_the_verdict_has_it_decided_at_once(tmp_path):
+    """A process (a replica, another rank) that wants the verdict while a first one's
+    probe waits for its builds' proof asks that one to decide: its child builds its
+    package, and both go on (without the ask this waits for an hour)."""
+    if not probe.candidate_compilers():
+        pytest.skip("no C++ compiler here")
+    folder = tmp_path / "probe"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(folder), "verdict"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=_probing_in(folder))
+    try:
+        for _ in range(3000):  # the holder's child has done its checks: it holds the lock
+            if list(folder.glob("vec_isa-*.json")):
+                break
+            time.sleep(0.1)
+        waiter = subprocess.run(
+            [sys.executable, "-c", "import sys; from pathlib import Path; "
+             "from cachebuild.backends import probe; "
+             "print(probe.verdict('cpu', Path(sys.argv[1])).describe())", str(folder)],
+            capture_output=True, text=True, timeout=600, env=_probing_in(folder))
+        out, err = holder.communicate(timeout=600)
+    finally:
+        holder.kill()
+    assert waiter.returncode == 0, waiter.stderr[-3000:]
+    assert "AOTInductor (cpu): " in waiter.stdout and "no compiler" not in waiter.stdout
+    assert "ending" in out, err[-3000:]
+    assert not list(folder.glob("*.wanted"))  # the ask is gone with the verdict
 
 
 def test_the_presumption_is_the_first_candidate_whose_library_loaded(tmp_path):

@@ -406,10 +406,13 @@ def proven_by_build(job: BuildJob, store: Store) -> None:
     for what that shows of the toolchain it was built with (``Backend.toolchain_proven``:
     a probe still running may take it as its answer)."""
     factors = job.target.manifest["backend"]
-    record = store.get_record(job.target.key)
-    if record is not None and "name" in factors:
-        get_backend(factors["name"]).toolchain_proven(
-            device_of(job.input_metas), factors.get("toolchain", {}), record.kind)
+    try:
+        record = store.get_record(job.target.key)
+        if record is not None and "name" in factors:
+            get_backend(factors["name"]).toolchain_proven(
+                device_of(job.input_metas), factors.get("toolchain", {}), record.kind)
+    except Exception as e:  # news for a probe, never the build's failure
+        log.debug("no toolchain news from %s: %s", job.target.key, e)
 
 
 def load_needs(keys: list[str], builder: Builder) -> LoadNeeds:
@@ -463,7 +466,8 @@ def run_in_workers(jobs: list[BuildJob], builder: Builder, setup: WorkerSetup, w
     is called for each job built (or found stored) once ``builder`` counted it
     (``Builder.built_by_worker``). A job whose worker ended while it held it (killed for
     its memory, say) is built once more in a new worker, alone, where every failure was
-    such an end. Returns each job that failed, with why in the worker's words."""
+    such an end. Returns each job that failed, with why in the worker's words (naming
+    its piece)."""
     from cachebuild.building.pool import BuildPool, job_label
 
     failed: list[tuple[BuildJob, Any]] = []
@@ -491,7 +495,8 @@ def run_in_workers(jobs: list[BuildJob], builder: Builder, setup: WorkerSetup, w
         failed.clear()
         with BuildPool(1, setup) as fresh:
             fresh.run(again, finished)
-    return [(job, result.error if not result.died else f"{job_label(job)}: {result.error}")
+    return [(job, result.error if result.error.startswith(f"piece {job.target.piece} ")
+             and not result.died else f"{job_label(job)}: {result.error}")
             for job, result in failed]
 
 
