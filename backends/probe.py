@@ -382,7 +382,7 @@ def verdict(device: str, folder: Path | None = None) -> Verdict:
     calls (in any process sharing the environment folder) read the cached verdict. Every
     call checks the verdict's compiler again (``unusable``) and probes again if it fails.
     Where ``start`` is finding it already, waits for that (said on the
-    ``cachebuild.progress`` log, at once).
+    ``cachebuild.progress`` log within half a second, unless it is decided by then).
     """
     with _inflight_lock:
         running = _inflight.get(_inflight_key(device, folder))
@@ -390,6 +390,11 @@ def verdict(device: str, folder: Path | None = None) -> Verdict:
         if not running.done.done():
             with running.lock:
                 running.wanted = True
+            # A build's proof given just before is taken within a turn of the probe's loop:
+            # no line for that.
+            with contextlib.suppress(BaseException):
+                running.done.result(timeout=0.5)
+        if not running.done.done():
             progress.info("waiting for the C++ toolchain probe (once per machine and "
                           "environment)")
         with contextlib.suppress(BaseException):
