@@ -248,6 +248,19 @@ def test_another_process_waiting_for_the_verdict_has_it_decided_at_once(tmp_path
     assert not list(folder.glob("*.wanted"))  # the ask is gone with the verdict
 
 
+def test_a_builds_proof_reaches_only_a_cpu_probe(monkeypatch):
+    """On a GPU the probe's package is also captured in a CUDA graph, which a build does
+    not do: a CUDA build proves nothing to it. A CPU probe in flight takes the proof, by
+    the compiler's real path."""
+    cpu, cuda = probe._Inflight(), probe._Inflight()
+    monkeypatch.setattr(probe, "_inflight", {"cpu|": cpu, "cuda|": cuda})
+    gxx = probe.candidate_compilers()[0] if probe.candidate_compilers() else "/usr/bin/g++"
+    probe.proven("cuda:0", gxx)
+    assert cpu.news() == (set(), False) and cuda.news() == (set(), False)
+    probe.proven("cpu", gxx)
+    assert cpu.news() == ({os.path.realpath(gxx)}, False) and cuda.news() == (set(), False)
+
+
 def test_the_presumption_is_the_first_candidate_whose_library_loaded(tmp_path):
     versions = {"a": "1", "b": "1", "c": None}  # c does not run
     running = {name: (None, tmp_path / name, None) for name in "ab"}  # a child's stdout
