@@ -54,8 +54,8 @@ its package only if someone waits for the verdict before any build proved its co
 (builds in the calling process, a start whose targets are all stored, another process
 waiting for the verdict's lock), or if no proof came for ``PROOF_PATIENCE_S`` (a start
 whose trace failed still reaches a verdict); on two cores its package would otherwise
-take a CPU from the builds for tens of seconds. On a GPU the probe's package is also captured in a CUDA
-graph, which a build does not do: it is always built.
+take a CPU from the builds for tens of seconds. On a GPU the probe's package is also
+captured in a CUDA graph, which a build does not do: it is always built.
 
 Run ``python -m cachebuild.backends.probe DEVICE [COMPILER]`` to probe by hand.
 """

@@ -402,9 +402,8 @@ def load_threads() -> int:
 
 def proven_by_build(job: BuildJob, store: Store) -> None:
     """A build (a worker's, most often) made ``job``'s target and proved it before storing
-    it: tell its backend,
-    for what that shows of the toolchain it was built with (``Backend.toolchain_proven``:
-    a probe still running may take it as its answer)."""
+    it: tell its backend, for what that shows of the toolchain it was built with
+    (``Backend.toolchain_proven``: a probe still running may take it as its answer)."""
     factors = job.target.manifest["backend"]
     try:
         record = store.get_record(job.target.key)
