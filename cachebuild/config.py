@@ -40,7 +40,7 @@ DEFAULT_MAX_DECODE = 256
 CAPTURE_POLICIES = ("auto", "eager", "background", "lazy")
 OUT_OF_RANGE = ("error", "eager")
 #: What a cold start serves with while its targets build (``while_building``).
-WHILE_BUILDING = ("wait", "eager_fusion", "standalone")
+WHILE_BUILDING = ("auto", "wait", "eager_fusion", "standalone")
 ON_FAILURE = ("error", "eager")
 #: Fields that decide how a loaded model runs, not what is built or stored.
 RUNTIME_ONLY = ("cudagraph_mode", "capture", "capture_sizes", "decode_sizes",
@@ -138,10 +138,14 @@ class CompileConfig:
       until they are: nothing, it waits for them (``"wait"``); or targets of a backend that
       builds in seconds (``"eager_fusion"``, or the inductor backend's ``"standalone"``
       flavour), built first, while the missing targets build in worker processes; once all
-      are stored, the next call swaps to them (no call mixes the two). A model whose
-      targets workers cannot build as its process would (custom passes or ops defined in
-      ``__main__``) waits, with a warning; so do ``cachebuild warm`` and the torch.compile
-      front door (``cachebuild.backend``).
+      are stored, the next call swaps to them (no call mixes the two), and a process that
+      ends first waits for them at its exit (Ctrl-C leaves them). ``"auto"`` (default):
+      ``$CACHEBUILD_WHILE_BUILDING`` where set, else ``"standalone"`` for AOTInductor
+      targets on a CPU (their C++ wrappers are most of a cold build there, and standalone
+      pieces run the same kernels) and ``"wait"`` elsewhere. A model whose targets workers
+      cannot build as its process would (custom passes or ops defined in ``__main__``, or
+      ``CACHEBUILD_BUILD_JOBS=1``) waits (with a warning where it asked for another);
+      so do ``cachebuild warm`` and the torch.compile front door (``cachebuild.backend``).
     """
 
     splitting_ops: tuple[str, ...] = ()
@@ -158,7 +162,7 @@ class CompileConfig:
     pad_to_capture_size: bool = False
     out_of_range: str = "error"
     on_failure: str = "error"
-    while_building: str = "wait"
+    while_building: str = "auto"
 
     def __post_init__(self) -> None:
         # Normalise containers so equal configs hash equal and are immutable; refuse any

@@ -67,7 +67,10 @@ def serve(results_fd: int) -> None:
             result = Result(job.target.key, done.built, done.seconds, done.error,
                             list(said), done.phases)
             said.clear()
-            send(results, result)
+            try:
+                send(results, result)
+            except BrokenPipeError:  # the caller is gone: what was built is stored
+                return
     finally:
         store.close()
 

@@ -12,12 +12,13 @@ import os
 import subprocess
 import sys
 import textwrap
+from dataclasses import replace
 
 import models
 import pytest
 
 from cachebuild.config import CompileConfig
-from cachebuild.errors import ConfigError
+from cachebuild.errors import ConfigError, UsageError
 from cachebuild.serving.interim import interim_config
 
 SERVER = textwrap.dedent("""
@@ -105,17 +106,41 @@ def _run(script: str, store, env) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_what_serves_while_building():
+def test_what_serves_while_building(monkeypatch):
+    monkeypatch.delenv("CACHEBUILD_WHILE_BUILDING", raising=False)
+    monkeypatch.delenv("CACHEBUILD_BUILD_JOBS", raising=False)
     aoti = models.aoti_config()
-    assert interim_config(aoti) is None  # waits, by default
+    assert aoti.while_building == "auto"
+    # By default: standalone pieces for AOTI packages on a CPU, waiting on a GPU.
+    served = interim_config(aoti, "cpu")
+    assert (served.backend, served.flavour, served.while_building) == \
+        ("inductor", "standalone", "wait")
+    assert interim_config(CompileConfig(), "cpu").flavour == "standalone"
+    assert interim_config(aoti, "cuda:0") is None
+    assert interim_config(CompileConfig(flavour="standalone"), "cpu") is None
+    assert interim_config(CompileConfig(backend="eager_fusion"), "cpu") is None
+    # The operator's word, for "auto" only; builds asked in this process wait.
+    monkeypatch.setenv("CACHEBUILD_WHILE_BUILDING", "wait")
+    assert interim_config(aoti, "cpu") is None
+    assert interim_config(replace(aoti, while_building="standalone"), "cpu") is not None
+    monkeypatch.setenv("CACHEBUILD_WHILE_BUILDING", "eager_fusion")
+    assert interim_config(aoti, "cuda:0").backend == "eager_fusion"
+    monkeypatch.setenv("CACHEBUILD_WHILE_BUILDING", "eager")
+    with pytest.raises(UsageError, match="CACHEBUILD_WHILE_BUILDING='eager': choose one of"):
+        interim_config(aoti, "cpu")
+    monkeypatch.delenv("CACHEBUILD_WHILE_BUILDING")
+    monkeypatch.setenv("CACHEBUILD_BUILD_JOBS", "1")
+    assert interim_config(aoti, "cpu") is None
+    # Asked for by name, on any device.
     assert interim_config(CompileConfig(while_building="eager_fusion",
-                                        backend="eager_fusion")) is None
-    served = interim_config(CompileConfig(while_building="eager_fusion", flavour="aoti"))
+                                        backend="eager_fusion"), "cpu") is None
+    served = interim_config(CompileConfig(while_building="eager_fusion", flavour="aoti"), "cpu")
     assert (served.backend, served.while_building) == ("eager_fusion", "wait")
-    served = interim_config(CompileConfig(while_building="standalone", flavour="aoti"))
+    served = interim_config(CompileConfig(while_building="standalone", flavour="aoti"),
+                            "cuda:0")
     assert (served.backend, served.flavour) == ("inductor", "standalone")
     assert interim_config(CompileConfig(while_building="standalone",
-                                        flavour="standalone")) is None
+                                        flavour="standalone"), "cpu") is None
     with pytest.raises(ConfigError, match="while_building"):
         CompileConfig(while_building="eager")
 

@@ -8,7 +8,9 @@ and records the entry, and the first caller to ``claim`` them gets them, once.
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
 import threading
 import time
 from typing import Any
@@ -16,9 +18,25 @@ from typing import Any
 from cachebuild.building.build import Builder, BuildJob, jobs_of, run_in_workers
 from cachebuild.building.entry import Entry, record_entry
 from cachebuild.building.pool import WorkerSetup, background_jobs, job_label, setup_for
-from cachebuild.errors import BuildError
+from cachebuild.errors import BuildError, UsageError
 
 log = logging.getLogger("cachebuild")
+
+#: What ``CACHEBUILD_WHILE_BUILDING`` may say (``CompileConfig.while_building="auto"``).
+WHILE_BUILDING_SETTINGS = ("wait", "standalone", "eager_fusion")
+
+
+def while_building_setting() -> str | None:
+    """What ``while_building="auto"`` serves with by the operator's word
+    (``CACHEBUILD_WHILE_BUILDING``), or None where unset; UsageError for another value."""
+    value = os.environ.get("CACHEBUILD_WHILE_BUILDING", "").strip()
+    if not value:
+        return None
+    if value not in WHILE_BUILDING_SETTINGS:
+        raise UsageError(f"CACHEBUILD_WHILE_BUILDING={value!r}: choose one of "
+                         f"{', '.join(WHILE_BUILDING_SETTINGS)} (unset: standalone pieces "
+                         "on a CPU, wait elsewhere)")
+    return value
 
 
 class BackgroundBuild:
@@ -57,6 +75,8 @@ class BackgroundBuild:
         self._thread = threading.Thread(target=self._run, name="cachebuild-background-build",
                                         daemon=True)
         self._thread.start()
+        # Registered after the toolchain probe's own exit handler, so run before it.
+        atexit.register(self.finish_at_exit)
 
     @property
     def pending(self) -> bool:
@@ -87,6 +107,21 @@ class BackgroundBuild:
         with self._lock:
             self.claimed = True
             return self._loaded
+
+    def finish_at_exit(self) -> None:
+        """A process that ends while its targets build waits for them, saying so, so that
+        its next start finds them stored (and the entry recorded); Ctrl-C leaves them,
+        to be built again by the next start."""
+        if self.done.is_set():
+            return
+        log.warning("cachebuild: waiting for the %d targets building in the background, "
+                    "so that the next start finds them stored (Ctrl-C leaves them)",
+                    len(self._jobs))
+        try:
+            self.done.wait()
+        except KeyboardInterrupt:
+            log.warning("cachebuild: left the targets building in the background; the "
+                        "next start builds what is missing")
 
     def _run(self) -> None:
         start = time.perf_counter()

@@ -127,8 +127,11 @@ class Builder:
         if record is None:
             return None
         # Perhaps built (here or by a worker) with a compiler the probe only presumed:
-        # nothing of it is loaded into this process before the verdict confirms it.
-        self.backend.confirm_toolchain(self.device)
+        # nothing of it is loaded into this process before the verdict confirms it. On a
+        # CPU but what a worker built for this process, then loaded beside torch and ran
+        # there (its proof): all the verdict would show of this very library.
+        if not (self.device.split(":")[0] == "cpu" and key in process_state.current().verified):
+            self.backend.confirm_toolchain(self.device)
         start = time.perf_counter()
         try:
             fn = self.backend.load(record.kind, key, self.store, self.device)

@@ -2,7 +2,7 @@
 
 Each is read where it is used (``pool``: ``CACHEBUILD_BUILD_JOBS``,
 ``CACHEBUILD_BUILD_MEMORY``; ``build``: ``CACHEBUILD_LOAD_THREADS``; ``verify``:
-``CACHEBUILD_VERIFY``), which may be never in a run that finds everything stored. A typo
+``CACHEBUILD_VERIFY``; ``background``: ``CACHEBUILD_WHILE_BUILDING``), which may be never in a run that finds everything stored. A typo
 would then pass in silence and bite on the day a build happens; so a compile call and every
 model command check them all first, with the same parsers and the same one-line
 UsageError.
@@ -10,6 +10,7 @@ UsageError.
 
 from __future__ import annotations
 
+from cachebuild.building.background import while_building_setting
 from cachebuild.building.build import load_threads
 from cachebuild.building.pool import build_memory, cold_start_jobs
 from cachebuild.building.verify import verify_on_load
@@ -22,3 +23,4 @@ def check_settings() -> None:
     build_memory()
     load_threads()
     verify_on_load()
+    while_building_setting()

@@ -20,10 +20,11 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from cachebuild.building.background import BackgroundBuild
+from cachebuild.building.background import BackgroundBuild, while_building_setting
 from cachebuild.building.build import Builder, BuildJob, resolve_all
 from cachebuild.building.entry import Entry
 from cachebuild.building.planner import target_factors
+from cachebuild.building.pool import BuildPool, builds_here, setup_for
 from cachebuild.config import CompileConfig
 from cachebuild.errors import ToolchainRefuted, one_line
 from cachebuild.keys import make_key
@@ -35,10 +36,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("cachebuild")
 
 
-def interim_config(config: CompileConfig) -> CompileConfig | None:
-    """The config of the targets a cold start serves with while ``config``'s build, or
-    None where there are none to serve with (``wait``, or the same backend anyway)."""
+def interim_config(config: CompileConfig, device: str) -> CompileConfig | None:
+    """The config of the targets a cold start on ``device`` serves with while
+    ``config``'s build, or None where there are none to serve with (``wait``, or the same
+    backend anyway). ``auto``: as the operator says (``while_building_setting``), else
+    standalone pieces where AOTInductor packages would build for a CPU in workers (their C++
+    wrappers are most of a cold build there; a standalone piece runs the same kernels
+    with a Python wrapper), and ``wait`` elsewhere (on a GPU a swap would capture every
+    size's graphs twice, and a package's wrapper is a small part of its build)."""
     choice = config.while_building
+    if choice == "auto":
+        choice = while_building_setting() or (
+            "standalone" if config.backend == "inductor" and config.flavour != "standalone"
+            and device.split(":")[0] == "cpu" and not builds_here() else "wait")
     if choice == "wait" or config.backend == "eager_fusion":  # nothing builds faster
         return None
     if choice == "eager_fusion":
@@ -67,38 +77,55 @@ def interim_entry(entry: Entry, config: CompileConfig, passes: PassManager) -> E
 
 def serve_while_building(model: torch.nn.Module, config: CompileConfig, builder: Builder,
                          entry: Entry, jobs: list[BuildJob], why: str, warm: bool,
-                         swap: BackgroundBuild | None
+                         swap: BackgroundBuild | None, pool: BuildPool | None = None
                          ) -> tuple[Entry, dict[str, Any], BackgroundBuild] | None:
-    """With ``while_building`` and targets missing (``jobs``, ``Builder.missing``): start
-    building them in worker processes (unless ``swap`` already builds them), build (or
-    load) the interim targets here, and return the entry to serve with, its targets and
-    the background build; the first call after the missing targets are stored and loaded
-    takes over (``take_over``). None where there is nothing to do, or no worker could
-    build the missing targets as this process would (then the caller builds them here)."""
-    interim = interim_config(config)
+    """With ``while_building`` and targets missing (``jobs``, ``Builder.missing``): load
+    the interim targets, or build them (eager_fusion ones here, in seconds; code-generating
+    ones in worker processes, ``pool`` if started already, and proven there: nothing a
+    compiler the probe only presumed made runs here before a worker ran it), then start
+    building the missing targets in worker processes (unless ``swap`` already builds
+    them), and return the entry to serve with, its targets and the background build; the
+    first call after the missing targets are stored and loaded takes over
+    (``take_over``). None where there is nothing to do, or no worker could build the
+    missing targets as this process would (then the caller builds them here)."""
+    interim = interim_config(config, builder.device)
     if interim is None or not jobs:
         return None
+    if config.while_building == "auto" and not all(
+            m["backend"].get("toolchain", {}).get("aoti") for m in entry.manifests.values()):
+        return None  # no compiler makes packages that load here: its own are standalone
     served = interim_entry(entry, interim, builder.passes)
-    if swap is None or not swap.pending or swap.entry.key != entry.key:
-        # Its targets all stored, the entry is recorded there: a later start is warm.
-        swap = BackgroundBuild.start(entry, builder, jobs, record=why != "fresh")
-        if swap is None:
-            log.warning("cachebuild: %s builds its targets before serving "
-                        "(while_building=%r): worker processes could not build them as "
-                        "this process would (ops or passes of its own, or a store they "
-                        "cannot open)", type(model).__name__, config.while_building)
-            return None
+    if swap is not None and swap.pending and swap.entry.key == entry.key:
+        pass  # already building
+    elif setup_for(jobs, builder.store, builder.passes) is None:
+        log.log(logging.INFO if config.while_building == "auto" else logging.WARNING,
+                "cachebuild: %s builds its targets before serving (while_building=%r): "
+                "worker processes could not build them as this process would (ops or "
+                "passes of its own, or a store they cannot open)", type(model).__name__,
+                config.while_building)
+        return None
+    else:
+        swap = None
     interim_builder = Builder(builder.store, interim, builder.passes, builder.device)
+    kind = interim.backend if interim.backend != "inductor" else interim.flavour
+    failed = None
     try:
-        loaded = resolve_all(served, interim_builder, warm=warm, workers=False)
+        loaded = resolve_all(served, interim_builder, warm=warm, pool=pool,
+                             workers=interim_builder.backend.generates_code)
     except ToolchainRefuted:
         raise  # the start plans again
     except Exception as e:  # nothing to serve with meanwhile: wait for the real ones
+        failed = e
+    if swap is None:
+        # Started once the interim targets are ready, not beside their build: a first
+        # output is what a cold server waits for, and the two would share the CPUs.
+        # Its targets all stored, the entry is recorded there: a later start is warm.
+        swap = BackgroundBuild.start(entry, builder, jobs, record=why != "fresh")
+    if failed is not None:
         log.warning("cachebuild: %s has no %s targets to serve with while it builds "
-                    "(%s); waiting for its own", type(model).__name__,
-                    config.while_building, one_line(e, typed=True))
+                    "(%s); waiting for its own", type(model).__name__, kind,
+                    one_line(failed, typed=True))
         return entry, swap.take(), swap
     log.warning("cachebuild: %s serves with %s targets while its %d missing targets "
-                "build in the background", type(model).__name__,
-                config.while_building, len(jobs))
+                "build in the background", type(model).__name__, kind, len(jobs))
     return served, loaded, swap

@@ -94,23 +94,25 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
         pool = None
         traced: Entry | None = None
         try:
-            if not warm and config.while_building == "wait":
+            device = device_of([*args, *model.parameters()])
+            interim = interim_config(config, device)
+            if not warm and (interim is None or interim.backend != "eager_fusion"):
                 # A cold start's build workers start before its trace: their imports
-                # overlap it (fewer after an edit: its trace would share the CPUs).
+                # overlap it (fewer after an edit: its trace would share the CPUs). They
+                # build its own targets, or those it serves with meanwhile.
                 pool = early_pool(store, config, lambda found=found: edited_since(
                     found.why, store, found.factors))
             entry = found.entry
             if entry is None:
                 notice.must_trace(model, found.why, store, found.factors)
                 entry = traced = planner.trace(args, found)
-            builder = Builder(store, config, planner.passes,
-                              device_of([*args, *model.parameters()]))
+            builder = Builder(store, config, planner.passes, device)
             # Serving meanwhile, where the config asks, while what is missing builds.
-            jobs = builder.missing(entry) if interim_config(config) is not None else []
-            interim = serve_while_building(model, config, builder, entry, jobs, found.why,
-                                           warm, swap)
-            if interim is not None:
-                entry, loaded, swap = interim
+            jobs = builder.missing(entry) if interim is not None else []
+            serving = serve_while_building(model, config, builder, entry, jobs, found.why,
+                                           warm, swap, pool)
+            if serving is not None:
+                entry, loaded, swap = serving
             else:
                 loaded = resolve_all(entry, builder, warm=warm, pool=pool,
                                      on_missing=lambda n, total, warm=warm: notice.must_build(
