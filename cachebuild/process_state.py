@@ -61,7 +61,8 @@ class ProcessState:
     against their piece (built here, by a worker for this process, or checked on load);
     ``failed``: the models that failed to compile (``Failure``), by the entry key of
     their code, config and shapes (a model's values lead to variants of it); ``said``:
-    what was said once already (``first_saying``); ``capturers``: capturers whose background thread may be running.
+    what was said once already (``first_saying``); ``capturers``: capturers whose
+    background thread may be running; ``building``: builds in the background.
     """
 
     loaded: dict[tuple[str, str], Any] = field(default_factory=dict)
@@ -69,6 +70,9 @@ class ProcessState:
     failed: dict[str, list[Failure]] = field(default_factory=dict)
     said: set[str] = field(default_factory=set)
     capturers: weakref.WeakSet[Stoppable] = field(default_factory=weakref.WeakSet)
+    #: builds running in the background (``background.BackgroundBuild``): their entries
+    #: count as stored for a lookup, as they will be (``start.pending_entries``)
+    building: weakref.WeakSet[Any] = field(default_factory=weakref.WeakSet)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def first_saying(self, what: str) -> bool:

@@ -206,3 +206,63 @@ def test_a_failed_background_build_keeps_serving_the_interim_targets(tmp_path, m
     assert models.counters_delta(before, cachebuild.stats()).get("swaps", 0) == 0
     # Nothing recorded: a later start looks for its own targets again.
     assert not any(r.kind == "entry" for r in store.records())
+
+
+#: A cold start with a newcomer's defaults (``CompileConfig`` as given, no building
+#: variables): a model whose forward reads a plain attribute the caller changes between
+#: calls. Prints what served each call and what the process counted.
+DEFAULTS = textwrap.dedent("""
+    import json, sys
+    import torch
+    import cachebuild, models
+    from cachebuild.store import LocalStore
+
+    class Scaled(models.Decoder):
+        def __init__(self):
+            super().__init__(layers=1)
+            self.scale = 1.0
+
+        def forward(self, input_ids, positions):
+            return super().forward(input_ids, positions) * self.scale
+
+    model = models.make(Scaled)
+    store = LocalStore(sys.argv[1])
+    config = cachebuild.CompileConfig(splitting_ops=(models.ATTENTION,),
+                                      compile_ranges=(models.AOTI_RANGE,))
+    compiled = cachebuild.compile(model, config, {0: 0, 1: 0}, store=store)
+    kinds = []
+    for size, scale in ((3, 1.0), (8, 0.5), (5, 1.0), (3, 0.5)):
+        model.scale = scale
+        models.assert_matches_eager(compiled, model, models.inputs(size))
+        kinds.append(sorted({store.get_record(k).kind
+                             for k in compiled.runtime.entry.target_keys()}))
+    s = cachebuild.stats()
+    print(json.dumps({"kinds": kinds, "traced": s["traced"], "built": s["built"],
+                      "swaps": s["swaps"]}))
+""")
+
+
+@pytest.mark.slow
+def test_a_newcomers_cold_start_serves_standalone_pieces_and_its_exit_keeps_its_own(tmp_path):
+    # The defaults on a CPU: the first calls run standalone pieces (built in workers, the
+    # same kernels as AOTInductor's), a changed attribute is another variant served the
+    # same way, and a process that ends before the AOTI packages are stored waits for
+    # them at its exit: the next process starts warm on them.
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CACHEBUILD_BUILD_JOBS", "CACHEBUILD_WHILE_BUILDING")}
+    env["PYTHONPATH"] = str(models.TESTS_DIR)
+    store = tmp_path / "store"
+    done = subprocess.run([sys.executable, "-c", DEFAULTS, str(store)], capture_output=True,
+                          text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cold = json.loads(done.stdout.strip().splitlines()[-1])
+    assert cold["traced"] == 2, cold  # one variant per value of `scale`
+    assert cold["kinds"][:2] == [["standalone"], ["standalone"]], cold
+    assert "serves with standalone targets while its" in done.stderr
+    assert "waiting for the" in done.stderr or cold["swaps"] == 2, done.stderr[-2000:]
+    again = subprocess.run([sys.executable, "-c", DEFAULTS, str(store)], capture_output=True,
+                           text=True, timeout=600, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
+    warm = json.loads(again.stdout.strip().splitlines()[-1])
+    assert (warm["traced"], warm["built"], warm["swaps"]) == (0, 0, 0), warm
+    assert warm["kinds"] == [["aoti-cpu"]] * 4, warm

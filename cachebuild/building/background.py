@@ -15,6 +15,7 @@ import threading
 import time
 from typing import Any
 
+from cachebuild import process_state
 from cachebuild.building.build import Builder, BuildJob, jobs_of, run_in_workers
 from cachebuild.building.entry import Entry, record_entry
 from cachebuild.building.pool import WorkerSetup, background_jobs, job_label, setup_for
@@ -75,6 +76,7 @@ class BackgroundBuild:
         self._thread = threading.Thread(target=self._run, name="cachebuild-background-build",
                                         daemon=True)
         self._thread.start()
+        process_state.current().building.add(self)
         # Registered after the toolchain probe's own exit handler, so run before it.
         atexit.register(self.finish_at_exit)
 

@@ -84,7 +84,7 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     failed = process_state.current().failed
     for last_try in (False, True):
         planner = Planner(model, config, dynamic_dims, store, passes)
-        found = planner.lookup(args)
+        found = planner.lookup(args, pending_entries())
         base = make_key(found.factors)  # the model's code, config and shapes
         remembered = next((f for f in failed.get(base, ()) if f.meets(found.key, model, args)),
                           None)
@@ -141,6 +141,15 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             if pool is not None:
                 pool.close()
     return _ready(runtime, swap, args if capture else None)
+
+
+def pending_entries() -> dict[str, Entry]:
+    """The entries of the builds running in the background (``while_building``), by key:
+    each is recorded once its targets are stored, so a lookup counts it as stored
+    already (another variant of the model, traced meanwhile, is keyed as a variant of it,
+    not given its key)."""
+    return {b.entry.key: b.entry for b in list(process_state.current().building)
+            if b.error is None}
 
 
 def _ready(runtime: ModelRuntime, swap: BackgroundBuild | None, like: tuple[Any, ...] | None) -> Started:
