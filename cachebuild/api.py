@@ -103,8 +103,10 @@ class CompiledModule(torch.nn.Module):
         self._dynamo: Any = None
         self.capture_report: CaptureReport | None = None  # of the latest eager capture
         #: The targets building in the background while interim ones serve
-        #: (``while_building``), if any.
+        #: (``while_building``): the latest start's, if any; and each interim runtime
+        #: (one per variant) with the build it swaps to once that is ready.
         self.swap: BackgroundBuild | None = None
+        self._interim: list[tuple[ModelRuntime, BackgroundBuild]] = []
         #: The instance's own forward as compiled (``hooks.own_forward``): one set later
         #: is refused, never skipped.
         self._forward = own_forward(model)
@@ -136,8 +138,7 @@ class CompiledModule(torch.nn.Module):
         check_call_dims(list(args), self.dynamic_dims)
         check_splitting_ops(self.config.splitting_ops)
         started = start(self.model, self.config, self.dynamic_dims,
-                        open_default_store(self._store), self._passes, args, capture=capture,
-                        swap=self.swap)
+                        open_default_store(self._store), self._passes, args, capture=capture)
         if started.runtime is None:
             assert started.error is not None
             return self._failed(started.error, first=started.first)
@@ -154,36 +155,49 @@ class CompiledModule(torch.nn.Module):
                 self.config, self._store, self._passes))
         if started.swap is not None:
             self.swap = started.swap
+            self._interim.append((started.runtime, started.swap))
         if started.capture_report is not None:
             self.capture_report = started.capture_report
         return self._runtime
 
     def _swap_in(self, args: tuple[Any, ...]) -> None:
-        """Before a call: run on the targets built in the background if they are ready
-        (``while_building``, ``start.take_over``); the interim runtime and its graphs go."""
-        swap = self.swap
-        started = take_over(swap, self.model, self.config, self.dynamic_dims, args) \
-            if swap is not None else None
-        if started is None or started.runtime is None:
-            return
-        if started.capture_report is not None:
-            self.capture_report = started.capture_report
-        old, self._runtime = self._runtime, started.runtime
-        if old in self._variants:
-            self._variants.remove(old)  # its targets were the interim ones
-        self._remember(started.runtime)
-        if old is not None and old.capturer is not None:
-            old.capturer.stop()  # its graphs replay the interim targets: they go with it
-        COUNTERS.swaps += 1
-        log.info("cachebuild: %s now serves with its %d targets, built in %.1f s in the "
-                 "background", type(self.model).__name__,
-                 len(set(started.runtime.entry.target_keys())), swap.seconds)
+        """Before a call: each interim runtime (one per variant, ``while_building``) whose
+        own targets are ready is replaced by a runtime over them (``start.take_over``);
+        its graphs go with it. Which runtime the call runs on is decided after, as ever."""
+        for pair in list(self._interim):
+            interim, swap = pair
+            if swap.running:
+                continue
+            self._interim.remove(pair)
+            started = take_over(swap, self, self.model, self.config, self.dynamic_dims, args)
+            if started is None or started.runtime is None:
+                continue  # failed: the interim runtime keeps serving (``swap.error``)
+            if started.capture_report is not None:
+                self.capture_report = started.capture_report
+            if interim in self._variants:
+                self._variants.remove(interim)  # its targets were the interim ones
+            self._remember(started.runtime)
+            if self._runtime is interim:
+                self._runtime = started.runtime
+            if interim.capturer is not None:
+                interim.capturer.stop()  # its graphs replay the interim targets
+            COUNTERS.swaps += 1
+            log.info("cachebuild: %s now serves with its %d targets, built in %.1f s in the "
+                     "background", type(self.model).__name__,
+                     len(set(started.runtime.entry.target_keys())), swap.seconds)
 
     def wait_built(self, timeout: float | None = None) -> bool:
-        """Wait until the targets building in the background (``while_building``) are
-        stored and loaded, or failed to build (``swap.error`` says why); True when nothing
-        is building any more. The next call then runs on them."""
-        return self.swap.wait(timeout) if self.swap is not None else True
+        """Wait until the targets building in the background (``while_building``) for
+        every variant this model started are stored and loaded, or failed to build
+        (``swap.error`` says why); True when nothing is building any more. The next call
+        then runs on them."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        builds = [swap for _, swap in self._interim] + ([self.swap] if self.swap else [])
+        for swap in builds:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not swap.wait(left):
+                return False
+        return True
 
     def _failed(self, error: BaseException, first: bool) -> None:
         """A model that cannot be compiled: raise (the error itself the first time, then
@@ -234,7 +248,7 @@ class CompiledModule(torch.nn.Module):
                 return self.model(*args)  # on_failure="eager"
         if self._dynamo is not None:
             return self._through_dynamo(args)
-        if self.swap is not None and not self.swap.claimed and self.swap.done.is_set():
+        if self._interim:
             self._swap_in(args)
         runtime = self._runtime  # read once: a call runs on one runtime from start to end
         wrong = runtime.mismatches(self.model, args)

@@ -142,10 +142,11 @@ class CompileConfig:
       ends first waits for them at its exit (Ctrl-C leaves them). ``"auto"`` (default):
       ``$CACHEBUILD_WHILE_BUILDING`` where set, else ``"standalone"`` for AOTInductor
       targets on a CPU (their C++ wrappers are most of a cold build there, and standalone
-      pieces run the same kernels) and ``"wait"`` elsewhere. A model whose targets workers
-      cannot build as its process would (custom passes or ops defined in ``__main__``, or
-      ``CACHEBUILD_BUILD_JOBS=1``) waits (with a warning where it asked for another);
-      so do ``cachebuild warm`` and the torch.compile front door (``cachebuild.backend``).
+      pieces run the same kernels) and ``"wait"`` elsewhere, or where builds run in the
+      calling process (``CACHEBUILD_BUILD_JOBS=1``). A model whose targets workers cannot
+      build as its process would (custom passes or ops defined in ``__main__``) waits
+      (with a warning where it asked for another); so do ``cachebuild warm`` and the
+      torch.compile front door (``cachebuild.backend``).
     """
 
     splitting_ops: tuple[str, ...] = ()

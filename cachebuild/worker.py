@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
+import signal
 import sys
 from typing import Any
 
@@ -19,6 +20,10 @@ _FORWARDED_WARNINGS = ("RemoteDownWarning", "UnsignedRemoteWarning")
 
 def serve(results_fd: int) -> None:
     """Set up, then build each job sent until stdin closes."""
+    # A Ctrl-C at a terminal reaches the caller's whole process group: the caller decides
+    # (it leaves a background build, or stops waiting); a worker whose caller has gone
+    # ends once its job is stored (its next send fails, or stdin closes).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import warnings
 
     jobs = sys.stdin.buffer

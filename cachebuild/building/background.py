@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any
@@ -20,6 +21,7 @@ from cachebuild.building.build import Builder, BuildJob, jobs_of, run_in_workers
 from cachebuild.building.entry import Entry, record_entry
 from cachebuild.building.pool import WorkerSetup, background_jobs, job_label, setup_for
 from cachebuild.errors import BuildError, UsageError
+from cachebuild.store.interface import Store
 
 log = logging.getLogger("cachebuild")
 
@@ -40,13 +42,36 @@ def while_building_setting() -> str | None:
     return value
 
 
+def running_builds(store: Store, key: str | None = None) -> list[BackgroundBuild]:
+    """The builds of this process running in the background into ``store`` (one that
+    reopens the same way), of the entry ``key`` if given."""
+    options = store.reopen_options()
+    return [b for b in list(process_state.current().building)
+            if b.running and b.error is None and b.store_options == options
+            and (key is None or b.entry.key == key)]
+
+
+def _leave(builds: list[BackgroundBuild]) -> None:
+    for b in builds:
+        b.left = True
+    log.warning("cachebuild: left the targets building in the background; the next start "
+                "builds what is missing")
+
+
+def _exiting() -> bool:
+    """Whether the interpreter is ending (its main thread done: exit handlers run)."""
+    return not threading.main_thread().is_alive()
+
+
 class BackgroundBuild:
     """The missing targets of an entry, building in worker processes in the background,
     then loaded there too (``done`` is set once they are, or once a build failed:
     ``error`` says why, and the caller keeps what it has).
     With ``record``, the entry is recorded on that thread once they are all stored and
-    loaded (not for an entry that is stored already). The targets go to the first caller
-    that ``claim``s them (the serving thread's next call), once."""
+    loaded (not for an entry that is stored already). Each caller that ``claim``s them
+    (a compiled model's next call) gets them once; builds of this process for a store
+    are found by ``running_builds`` (a start of the same entry joins one, a lookup counts
+    its entry as stored)."""
 
     @classmethod
     def start(cls, entry: Entry, builder: Builder, jobs: list[BuildJob], *,
@@ -64,11 +89,14 @@ class BackgroundBuild:
                  setup: WorkerSetup, *, record: bool) -> None:
         self.entry = entry
         self.builder = builder
+        #: how the store reopens (``Store.reopen_options``): which store this builds into
+        self.store_options = builder.store.reopen_options()
         self.done = threading.Event()
         self.error: str | None = None
         self.seconds = 0.0
-        #: set once a call (or ``take``) took the targets: nothing is pending any more
-        self.claimed = False
+        #: set where the process, ending, was told not to wait for it (Ctrl-C)
+        self.left = False
+        self._claimants: set[int] = set()  # ids of the owners that took the targets
         self._loaded: dict[str, Any] = {}
         self._lock = threading.Lock()
         self._jobs, self._workers, self._setup = jobs, workers, setup
@@ -81,56 +109,72 @@ class BackgroundBuild:
         atexit.register(self.finish_at_exit)
 
     @property
-    def pending(self) -> bool:
-        """True while the targets build, or are built and no call took them yet."""
-        return not self.claimed and self.error is None
+    def running(self) -> bool:
+        """True while the targets build (or load), before they are ready or failed."""
+        return not self.done.is_set()
+
+    @property
+    def claimed(self) -> bool:
+        """True once some caller took the targets (``claim``)."""
+        return bool(self._claimants)
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the targets are built and loaded, or failed; True if that is over."""
         return self.done.wait(timeout)
 
-    def claim(self) -> dict[str, Any] | None:
-        """The loaded targets, to the first caller after they are ready (None to any
-        other, and while they build or after they failed)."""
+    def claim(self, owner: object) -> dict[str, Any] | None:
+        """The loaded targets, to ``owner`` the first time it asks after they are ready
+        (None after that, and while they build or after they failed)."""
         if not self.done.is_set() or self.error is not None:
             return None
         with self._lock:
-            if self.claimed:
+            if id(owner) in self._claimants:
                 return None
-            self.claimed = True
+            self._claimants.add(id(owner))
             return self._loaded
 
     def take(self) -> dict[str, Any]:
-        """The targets, once built, for a caller that has nothing else to serve with
-        (its interim targets failed): raises BuildError if they failed too."""
+        """The targets, once built, for a start that has nothing else to serve with (its
+        interim targets failed) and serves them at once: raises BuildError if they
+        failed too."""
         self.done.wait()
         if self.error is not None:
             raise BuildError(self.error)
-        with self._lock:
-            self.claimed = True
-            return self._loaded
+        return self._loaded
 
     def finish_at_exit(self) -> None:
-        """A process that ends while its targets build waits for them, saying so, so that
-        its next start finds them stored (and the entry recorded); Ctrl-C leaves them,
-        to be built again by the next start."""
-        if self.done.is_set():
+        """A process that ends while its targets build waits for them (and for every other
+        build of the process, in one wait that says what it waits for), so that its next
+        start finds them stored and the entries recorded. Ctrl-C, or an exit that a
+        Ctrl-C caused, leaves them: the next start builds what is missing."""
+        pending = [b for b in list(process_state.current().building)
+                   if b.running and not b.left]
+        if not pending:
             return
-        log.warning("cachebuild: waiting for the %d targets building in the background, "
-                    "so that the next start finds them stored (Ctrl-C leaves them)",
-                    len(self._jobs))
+        if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+            _leave(pending)
+            return
+        count = sum(len(b._jobs) for b in pending)
+        log.warning("cachebuild: waiting for the %d target%s building in the background, so "
+                    "that the next start finds them stored (Ctrl-C leaves them)", count,
+                    "" if count == 1 else "s")
+        began = time.monotonic()
         try:
-            self.done.wait()
+            for b in pending:
+                while not b.done.wait(15):
+                    log.warning("cachebuild: still building in the background (%.0f s)",
+                                time.monotonic() - began)
         except KeyboardInterrupt:
-            log.warning("cachebuild: left the targets building in the background; the "
-                        "next start builds what is missing")
+            _leave(pending)
 
     def _run(self) -> None:
         start = time.perf_counter()
 
         def built(job: BuildJob, result: Any) -> None:
-            log.info("cachebuild: built %s in %.1f s in the background", job_label(job),
-                     result.seconds)
+            # Said at exit too, where the process waits for it (``finish_at_exit``).
+            log.log(logging.WARNING if _exiting() else logging.INFO,
+                    "cachebuild: built %s in %.1f s in the background", job_label(job),
+                    result.seconds)
 
         try:
             failed = run_in_workers(self._jobs, self.builder, self._setup, self._workers,

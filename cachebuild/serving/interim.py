@@ -20,7 +20,11 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from cachebuild.building.background import BackgroundBuild, while_building_setting
+from cachebuild.building.background import (
+    BackgroundBuild,
+    running_builds,
+    while_building_setting,
+)
 from cachebuild.building.build import Builder, BuildJob, resolve_all
 from cachebuild.building.entry import Entry
 from cachebuild.building.planner import target_factors
@@ -77,26 +81,27 @@ def interim_entry(entry: Entry, config: CompileConfig, passes: PassManager) -> E
 
 def serve_while_building(model: torch.nn.Module, config: CompileConfig, builder: Builder,
                          entry: Entry, jobs: list[BuildJob], why: str, warm: bool,
-                         swap: BackgroundBuild | None, pool: BuildPool | None = None
-                         ) -> tuple[Entry, dict[str, Any], BackgroundBuild] | None:
+                         pool: BuildPool | None = None
+                         ) -> tuple[Entry, dict[str, Any], BackgroundBuild | None] | None:
     """With ``while_building`` and targets missing (``jobs``, ``Builder.missing``): load
     the interim targets, or build them (eager_fusion ones here, in seconds; code-generating
     ones in worker processes, ``pool`` if started already, and proven there: nothing a
     compiler the probe only presumed made runs here before a worker ran it), then start
-    building the missing targets in worker processes (unless ``swap`` already builds
-    them), and return the entry to serve with, its targets and the background build; the
+    building the missing targets in worker processes (unless a build of this process
+    already builds them into this store: ``running_builds``), and return the entry to serve with, its targets and the background build; the
     first call after the missing targets are stored and loaded takes over
     (``take_over``). None where there is nothing to do, or no worker could build the
     missing targets as this process would (then the caller builds them here)."""
     interim = interim_config(config, builder.device)
     if interim is None or not jobs:
         return None
-    if config.while_building == "auto" and not all(
+    if interim.backend == "inductor" and not all(
             m["backend"].get("toolchain", {}).get("aoti") for m in entry.manifests.values()):
         return None  # no compiler makes packages that load here: its own are standalone
     served = interim_entry(entry, interim, builder.passes)
-    if swap is not None and swap.pending and swap.entry.key == entry.key:
-        pass  # already building
+    swap = next(iter(running_builds(builder.store, entry.key)), None)
+    if swap is not None:
+        pass  # building already (for another compiled model of this one, say)
     elif setup_for(jobs, builder.store, builder.passes) is None:
         log.log(logging.INFO if config.while_building == "auto" else logging.WARNING,
                 "cachebuild: %s builds its targets before serving (while_building=%r): "
@@ -104,8 +109,6 @@ def serve_while_building(model: torch.nn.Module, config: CompileConfig, builder:
                 "passes of its own, or a store they cannot open)", type(model).__name__,
                 config.while_building)
         return None
-    else:
-        swap = None
     interim_builder = Builder(builder.store, interim, builder.passes, builder.device)
     kind = interim.backend if interim.backend != "inductor" else interim.flavour
     failed = None
@@ -125,7 +128,7 @@ def serve_while_building(model: torch.nn.Module, config: CompileConfig, builder:
         log.warning("cachebuild: %s has no %s targets to serve with while it builds "
                     "(%s); waiting for its own", type(model).__name__, kind,
                     one_line(failed, typed=True))
-        return entry, swap.take(), swap
+        return entry, swap.take(), None  # its own targets: nothing to swap to later
     log.warning("cachebuild: %s serves with %s targets while its %d missing targets "
                 "build in the background", type(model).__name__, kind, len(jobs))
     return served, loaded, swap

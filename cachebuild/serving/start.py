@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from cachebuild import compat, process_state
 from cachebuild.building import notice
+from cachebuild.building.background import running_builds
 from cachebuild.building.build import Builder, early_pool, resolve_all
 from cachebuild.building.entry import record_entry
 from cachebuild.building.nearest import edited_since
@@ -72,11 +73,11 @@ class Started:
 
 def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int, int],
           store: Store, passes: PassManager | None, args: tuple[Any, ...], *,
-          capture: bool = True, swap: BackgroundBuild | None = None) -> Started:
+          capture: bool = True) -> Started:
     """The compiled forward of ``model`` for calls shaped like ``args`` (see the module
     doc); ``capture=False``: no eager capture now (``runtime.capture()`` does it later).
-    ``swap``: the model's targets already building in the background from an earlier
-    start, if any (not started again while pending). Raises what is the machine's or the
+    A build of this process running in the background into ``store`` (``while_building``)
+    counts as stored for the lookup, and a start of its entry joins it. Raises what is the machine's or the
     store's trouble; returns any other error.
 
     A build that finds the compiler its plan presumed refuted (``ToolchainRefuted``)
@@ -84,7 +85,7 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     failed = process_state.current().failed
     for last_try in (False, True):
         planner = Planner(model, config, dynamic_dims, store, passes)
-        found = planner.lookup(args, pending_entries())
+        found = planner.lookup(args, pending_entries(store))
         base = make_key(found.factors)  # the model's code, config and shapes
         remembered = next((f for f in failed.get(base, ()) if f.meets(found.key, model, args)),
                           None)
@@ -110,7 +111,8 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             # Serving meanwhile, where the config asks, while what is missing builds.
             jobs = builder.missing(entry) if interim is not None else []
             serving = serve_while_building(model, config, builder, entry, jobs, found.why,
-                                           warm, swap, pool)
+                                           warm, pool)
+            swap = None
             if serving is not None:
                 entry, loaded, swap = serving
             else:
@@ -143,13 +145,13 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     return _ready(runtime, swap, args if capture else None)
 
 
-def pending_entries() -> dict[str, Entry]:
-    """The entries of the builds running in the background (``while_building``), by key:
-    each is recorded once its targets are stored, so a lookup counts it as stored
-    already (another variant of the model, traced meanwhile, is keyed as a variant of it,
-    not given its key)."""
-    return {b.entry.key: b.entry for b in list(process_state.current().building)
-            if b.error is None}
+def pending_entries(store: Store) -> dict[str, Entry]:
+    """The entries of this process's builds running in the background into ``store``
+    (``while_building``), by key: each is recorded there once its targets are stored, so
+    a lookup counts it as stored already (another variant of the model, traced
+    meanwhile, is keyed as a variant of it, not given its key). Another store has its
+    own entries."""
+    return {b.entry.key: b.entry for b in running_builds(store)}
 
 
 def _ready(runtime: ModelRuntime, swap: BackgroundBuild | None, like: tuple[Any, ...] | None) -> Started:
@@ -181,14 +183,15 @@ def _untraced(key: str, model: torch.nn.Module) -> Any:
     return lambda k, model, args: k != key or state(model) != was
 
 
-def take_over(swap: BackgroundBuild, model: torch.nn.Module, config: CompileConfig,
-              dynamic_dims: dict[int, int], args: tuple[Any, ...]) -> Started | None:
+def take_over(swap: BackgroundBuild, owner: object, model: torch.nn.Module,
+              config: CompileConfig, dynamic_dims: dict[int, int], args: tuple[Any, ...]
+              ) -> Started | None:
     """Before a call: the runtime over the targets built in the background, if they are
-    ready and this is the first call to ask (``swap.claim``); with the ``eager`` capture
+    ready and ``owner`` has not taken them yet (``swap.claim``); with the ``eager`` capture
     policy it captures its sizes first, here. None while they build, after they failed,
     or where the runtime could not be made (``swap.error`` then says why: the model keeps
     serving with what runs)."""
-    loaded = swap.claim()
+    loaded = swap.claim(owner)
     if loaded is None:
         return None
     try:
