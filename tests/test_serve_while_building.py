@@ -266,3 +266,112 @@ def test_a_newcomers_cold_start_serves_standalone_pieces_and_its_exit_keeps_its_
     warm = json.loads(again.stdout.strip().splitlines()[-1])
     assert (warm["traced"], warm["built"], warm["swaps"]) == (0, 0, 0), warm
     assert warm["kinds"] == [["aoti-cpu"]] * 4, warm
+
+
+#: Two stores in one process, a compiled model each, the defaults otherwise; on the first,
+#: a value read by the trace changes between calls. Waits for the background builds, then
+#: calls every variant again.
+TWO_STORES = textwrap.dedent("""
+    import json, sys
+    import cachebuild, models
+    from cachebuild.store import LocalStore
+
+    model = models.make(models.Decoder, layers=1)
+    config = cachebuild.CompileConfig(splitting_ops=(models.ATTENTION,),
+                                      compile_ranges=(models.AOTI_RANGE,))
+    stores = [LocalStore(sys.argv[1]), LocalStore(sys.argv[2])]
+    compiled = [cachebuild.compile(model, config, {0: 0, 1: 0}, store=s) for s in stores]
+    variants = ((3, 1e-5), (8, 1e-3), (5, 1e-5))  # the final norm's epsilon
+    for size, eps in variants:
+        model.norm.eps = eps
+        models.assert_matches_eager(compiled[0], model, models.inputs(size))
+    model.norm.eps = 1e-5
+    models.assert_matches_eager(compiled[1], model, models.inputs(4))
+    assert all(c.wait_built(timeout=600) for c in compiled)
+    kinds = []
+    for size, eps in variants:
+        model.norm.eps = eps
+        models.assert_matches_eager(compiled[0], model, models.inputs(size))
+        kinds.append(sorted({stores[0].get_record(k).kind
+                             for k in compiled[0].runtime.entry.target_keys()}))
+    s = cachebuild.stats()
+    print(json.dumps({"kinds": kinds, "swaps": s["swaps"], "traced": s["traced"]}))
+""")
+
+#: A warm start on one store: what it traced and built, and the kinds it serves.
+WARM_ON = textwrap.dedent("""
+    import json, sys
+    import cachebuild, models
+    from cachebuild.store import LocalStore
+
+    model = models.make(models.Decoder, layers=1)
+    config = cachebuild.CompileConfig(splitting_ops=(models.ATTENTION,),
+                                      compile_ranges=(models.AOTI_RANGE,))
+    store = LocalStore(sys.argv[1])
+    compiled = cachebuild.compile(model, config, {0: 0, 1: 0}, store=store)
+    models.assert_matches_eager(compiled, model, models.inputs(4))
+    s = cachebuild.stats()
+    print(json.dumps({"traced": s["traced"], "built": s["built"], "kinds": sorted(
+        {store.get_record(k).kind for k in compiled.runtime.entry.target_keys()})}))
+""")
+
+
+def _defaults_env() -> dict[str, str]:
+    """A newcomer's building settings (none), the test session's folders otherwise."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("CACHEBUILD_BUILD_JOBS", "CACHEBUILD_WHILE_BUILDING")}
+    env["PYTHONPATH"] = str(models.TESTS_DIR)
+    return env
+
+
+@pytest.mark.slow
+def test_every_variant_swaps_to_its_own_targets_and_each_store_records_its_entry(tmp_path):
+    env = _defaults_env()
+    a, b = tmp_path / "a", tmp_path / "b"
+    done = subprocess.run([sys.executable, "-c", TWO_STORES, str(a), str(b)],
+                          capture_output=True, text=True, timeout=900, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    # Both variants on the first store run on their own AOTI targets after the builds (two
+    # swaps; the second store's model swaps at its next call); three traces: two
+    # variants, and the second store's own.
+    assert out["kinds"] == [["aoti-cpu"]] * 3, out
+    assert (out["swaps"], out["traced"]) == (2, 3), out
+    # The second store holds its own entry: its next process starts warm.
+    again = _run(WARM_ON, b, env)
+    assert (again["traced"], again["built"], again["kinds"]) == (0, 0, ["aoti-cpu"]), again
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_an_ending_process_waits_leaves_the_build_and_the_store_whole(tmp_path):
+    import signal
+    import time
+
+    env = _defaults_env()
+    store = tmp_path / "store"
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as stderr:
+        # Its own process group, as a terminal's foreground job: Ctrl-C reaches every
+        # process in it, the build workers too.
+        proc = subprocess.Popen([sys.executable, "-c", DEFAULTS, str(store)], env=env,
+                                stdout=subprocess.PIPE, stderr=stderr, text=True,
+                                start_new_session=True)
+        deadline = time.monotonic() + 600
+        while "waiting for the" not in err.read_text() and time.monotonic() < deadline:
+            assert proc.poll() is None, err.read_text()[-3000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)
+        began = time.monotonic()
+        proc.wait(timeout=120)
+        ended_in = time.monotonic() - began
+    said = err.read_text()
+    assert "left the targets building in the background" in said, said[-3000:]
+    assert "building it again" not in said and "KeyboardInterrupt" not in said, said[-3000:]
+    assert ended_in < 30, (ended_in, said[-2000:])  # not after the builds
+    verified = subprocess.run([sys.executable, "-m", "cachebuild.cli", "--cache-dir", str(store),
+                               "verify"], capture_output=True, text=True, env=env, timeout=300)
+    assert verified.returncode == 0, verified.stdout + verified.stderr
+    # The next start builds what is missing and answers right.
+    again = subprocess.run([sys.executable, "-c", DEFAULTS, str(store)], capture_output=True,
+                           text=True, timeout=900, env=env)
+    assert again.returncode == 0, again.stderr[-3000:]
