@@ -124,6 +124,8 @@ def serve_while_building(model: torch.nn.Module, config: CompileConfig, builder:
         # output is what a cold server waits for, and the two would share the CPUs.
         # Its targets all stored, the entry is recorded there: a later start is warm.
         swap = BackgroundBuild.start(entry, builder, jobs, record=why != "fresh")
+        if swap is None:  # no worker can build them after all: the caller builds them
+            return None
     if failed is not None:
         log.warning("cachebuild: %s has no %s targets to serve with while it builds "
                     "(%s); waiting for its own", type(model).__name__, kind,
