@@ -19,7 +19,7 @@ from typing import Any
 from cachebuild import process_state
 from cachebuild.building.build import Builder, BuildJob, jobs_of, run_in_workers
 from cachebuild.building.entry import Entry, record_entry
-from cachebuild.building.pool import WorkerSetup, background_jobs, job_label, setup_for
+from cachebuild.building.pool import WorkerSetup, background_jobs, job_label
 from cachebuild.errors import BuildError, UsageError
 from cachebuild.store.interface import Store
 
@@ -74,15 +74,13 @@ class BackgroundBuild:
     its entry as stored)."""
 
     @classmethod
-    def start(cls, entry: Entry, builder: Builder, jobs: list[BuildJob], *,
-              record: bool) -> BackgroundBuild | None:
-        """Start building ``jobs`` (``builder.missing(entry)``) in the background, or None
-        where no worker could build them as this process would (``pool.setup_for``).
-        Workers as for a cold start, one CPU left to this process unless the environment
-        says how many: it goes on working meanwhile."""
-        setup = setup_for(jobs, builder.store, builder.passes)
-        if setup is None:
-            return None
+    def start(cls, entry: Entry, builder: Builder, jobs: list[BuildJob], setup: WorkerSetup,
+              *, record: bool) -> BackgroundBuild:
+        """Start building ``jobs`` (``builder.missing(entry)``) in the background, in
+        workers set up with ``setup`` (``pool.setup_for``, which the caller asked first:
+        None there means no worker can build them as this process would). Workers as for
+        a cold start, one CPU left to this process unless the environment says how many:
+        it goes on working meanwhile."""
         return cls(entry, builder, jobs, background_jobs(len(jobs)), setup, record=record)
 
     def __init__(self, entry: Entry, builder: Builder, jobs: list[BuildJob], workers: int,

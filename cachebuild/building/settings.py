@@ -2,10 +2,10 @@
 
 Each is read where it is used (``pool``: ``CACHEBUILD_BUILD_JOBS``,
 ``CACHEBUILD_BUILD_MEMORY``; ``build``: ``CACHEBUILD_LOAD_THREADS``; ``verify``:
-``CACHEBUILD_VERIFY``; ``background``: ``CACHEBUILD_WHILE_BUILDING``), which may be never in a run that finds everything stored. A typo
-would then pass in silence and bite on the day a build happens; so a compile call and every
-model command check them all first, with the same parsers and the same one-line
-UsageError.
+``CACHEBUILD_VERIFY``; ``background``: ``CACHEBUILD_WHILE_BUILDING``), which may be never
+in a run that finds everything stored. A typo would then pass in silence and bite on the
+day a build happens; so a compile call and every model command check them all first, with
+the same parsers and the same one-line UsageError.
 """
 
 from __future__ import annotations

@@ -79,30 +79,31 @@ def interim_entry(entry: Entry, config: CompileConfig, passes: PassManager) -> E
     return replace(entry, pieces=pieces, manifests=manifests)
 
 
-def serve_while_building(model: torch.nn.Module, config: CompileConfig, builder: Builder,
-                         entry: Entry, jobs: list[BuildJob], why: str, warm: bool,
+def serve_while_building(model: torch.nn.Module, config: CompileConfig,
+                         interim: CompileConfig, builder: Builder, entry: Entry,
+                         jobs: list[BuildJob], why: str, warm: bool,
                          pool: BuildPool | None = None
                          ) -> tuple[Entry, dict[str, Any], BackgroundBuild | None] | None:
-    """With ``while_building`` and targets missing (``jobs``, ``Builder.missing``): load
-    the interim targets, or build them (eager_fusion ones here, in seconds; code-generating
-    ones in worker processes, ``pool`` if started already, and proven there: nothing a
-    compiler the probe only presumed made runs here before a worker ran it), then start
-    building the missing targets in worker processes (unless a build of this process
-    already builds them into this store: ``running_builds``), and return the entry to serve with, its targets and the background build; the
-    first call after the missing targets are stored and loaded takes over
-    (``take_over``). None where there is nothing to do, or no worker could build the
-    missing targets as this process would (then the caller builds them here)."""
-    interim = interim_config(config, builder.device)
-    if interim is None or not jobs:
+    """With the config of the targets to serve meanwhile (``interim_config``) and targets
+    missing (``jobs``, ``Builder.missing``): load the interim targets, or build them
+    (eager_fusion ones here, in seconds; code-generating ones in worker processes,
+    ``pool`` if started already, and proven there: nothing a compiler the probe only
+    presumed made runs here before a worker ran it), then start building the missing
+    targets in worker processes (unless a build of this process already builds them into
+    this store: ``running_builds``), and return the entry to serve with, its targets and
+    the background build; the first call after the missing targets are stored and loaded
+    takes over (``take_over``). None where there is nothing to do, or no worker could
+    build the missing targets as this process would (then the caller builds them here)."""
+    if not jobs:
         return None
     if interim.backend == "inductor" and not all(
             m["backend"].get("toolchain", {}).get("aoti") for m in entry.manifests.values()):
         return None  # no compiler makes packages that load here: its own are standalone
     served = interim_entry(entry, interim, builder.passes)
+    # Building already (for another compiled model of this one, say), or to be started.
     swap = next(iter(running_builds(builder.store, entry.key)), None)
-    if swap is not None:
-        pass  # building already (for another compiled model of this one, say)
-    elif setup_for(jobs, builder.store, builder.passes) is None:
+    setup = setup_for(jobs, builder.store, builder.passes) if swap is None else None
+    if swap is None and setup is None:
         log.log(logging.INFO if config.while_building == "auto" else logging.WARNING,
                 "cachebuild: %s builds its targets before serving (while_building=%r): "
                 "worker processes could not build them as this process would (ops or "
@@ -119,13 +120,11 @@ def serve_while_building(model: torch.nn.Module, config: CompileConfig, builder:
         raise  # the start plans again
     except Exception as e:  # nothing to serve with meanwhile: wait for the real ones
         failed = e
-    if swap is None:
+    if setup is not None:
         # Started once the interim targets are ready, not beside their build: a first
         # output is what a cold server waits for, and the two would share the CPUs.
         # Its targets all stored, the entry is recorded there: a later start is warm.
-        swap = BackgroundBuild.start(entry, builder, jobs, record=why != "fresh")
-        if swap is None:  # no worker can build them after all: the caller builds them
-            return None
+        swap = BackgroundBuild.start(entry, builder, jobs, setup, record=why != "fresh")
     if failed is not None:
         log.warning("cachebuild: %s has no %s targets to serve with while it builds "
                     "(%s); waiting for its own", type(model).__name__, kind,

@@ -77,8 +77,8 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     """The compiled forward of ``model`` for calls shaped like ``args`` (see the module
     doc); ``capture=False``: no eager capture now (``runtime.capture()`` does it later).
     A build of this process running in the background into ``store`` (``while_building``)
-    counts as stored for the lookup, and a start of its entry joins it. Raises what is the machine's or the
-    store's trouble; returns any other error.
+    counts as stored for the lookup, and a start of its entry joins it. Raises what is the
+    machine's or the store's trouble; returns any other error.
 
     A build that finds the compiler its plan presumed refuted (``ToolchainRefuted``)
     plans once more: the verdict is known then, so the new plan keys its targets by it."""
@@ -109,9 +109,9 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
                 entry = traced = planner.trace(args, found)
             builder = Builder(store, config, planner.passes, device)
             # Serving meanwhile, where the config asks, while what is missing builds.
-            jobs = builder.missing(entry) if interim is not None else []
-            serving = serve_while_building(model, config, builder, entry, jobs, found.why,
-                                           warm, pool)
+            serving = None if interim is None else serve_while_building(
+                model, config, interim, builder, entry, builder.missing(entry), found.why,
+                warm, pool)
             swap = None
             if serving is not None:
                 entry, loaded, swap = serving
