@@ -109,9 +109,11 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
                 entry = traced = planner.trace(args, found)
             builder = Builder(store, config, planner.passes, device)
             # Serving meanwhile, where the config asks, while what is missing builds.
-            serving = None if interim is None else serve_while_building(
-                model, config, interim, builder, entry, builder.missing(entry), found.why,
-                warm, pool)
+            serving = None
+            if interim is not None:
+                jobs = builder.missing(entry)
+                serving = serve_while_building(model, config, interim, builder, entry, jobs,
+                                               found.why, warm, pool)
             swap = None
             if serving is not None:
                 entry, loaded, swap = serving
