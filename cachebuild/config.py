@@ -22,7 +22,7 @@ import operator
 import re
 import sys
 from collections.abc import Mapping, Sequence, Set
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 from cachebuild.errors import ConfigError
@@ -306,6 +306,30 @@ class CompileConfig:
         return [{"size": s} for s in self.compile_sizes] + [
             {"range": [lo, hi]} for lo, hi in sorted(self.compile_ranges)
         ]
+
+    def interim(self, device: str, *, setting: str | None = None,
+                builds_here: bool = False) -> CompileConfig | None:
+        """The config of the targets a cold start on ``device`` serves with while this
+        config's build (``while_building``), or None where there are none to serve with
+        (``wait``, or the same backend anyway). ``auto`` means ``setting`` (the operator's
+        ``$CACHEBUILD_WHILE_BUILDING``, read by the caller) where given, else standalone
+        pieces where AOTInductor packages would build for a CPU in workers (their C++
+        wrappers are most of a cold build there; a standalone piece runs the same kernels
+        with a Python wrapper), and ``wait`` on a GPU (a swap would capture every size's
+        graphs twice, and a package's wrapper is a small part of its build) or where
+        builds run in the calling process (``builds_here``)."""
+        choice = self.while_building
+        if choice == "auto":
+            choice = setting or (
+                "standalone" if self.backend == "inductor" and self.flavour != "standalone"
+                and device.split(":")[0] == "cpu" and not builds_here else "wait")
+        if choice == "wait" or self.backend == "eager_fusion":  # nothing builds faster
+            return None
+        if choice == "eager_fusion":
+            return replace(self, backend="eager_fusion", while_building="wait")
+        if self.backend == "inductor" and self.flavour == "standalone":
+            return None
+        return replace(self, backend="inductor", flavour="standalone", while_building="wait")
 
     def factors(self) -> dict[str, Any]:
         """The config as key factors (used by the entry key).

@@ -19,7 +19,7 @@ import pytest
 
 from cachebuild.config import CompileConfig
 from cachebuild.errors import ConfigError, UsageError
-from cachebuild.serving.interim import interim_config
+from cachebuild.serving.start import interim_config
 
 SERVER = textwrap.dedent("""
     import json, os, sys, time

@@ -19,7 +19,7 @@ from typing import Any
 from cachebuild import process_state
 from cachebuild.building.build import Builder, BuildJob, jobs_of, run_in_workers
 from cachebuild.building.entry import Entry, record_entry
-from cachebuild.building.pool import WorkerSetup, background_jobs, job_label
+from cachebuild.building.pool import WorkerSetup, job_label
 from cachebuild.errors import BuildError, UsageError
 from cachebuild.store.interface import Store
 
@@ -73,18 +73,12 @@ class BackgroundBuild:
     are found by ``running_builds`` (a start of the same entry joins one, a lookup counts
     its entry as stored)."""
 
-    @classmethod
-    def start(cls, entry: Entry, builder: Builder, jobs: list[BuildJob], setup: WorkerSetup,
-              *, record: bool) -> BackgroundBuild:
-        """Start building ``jobs`` (``builder.missing(entry)``) in the background, in
-        workers set up with ``setup`` (``pool.setup_for``, which the caller asked first:
-        None there means no worker can build them as this process would). Workers as for
-        a cold start, one CPU left to this process unless the environment says how many:
-        it goes on working meanwhile."""
-        return cls(entry, builder, jobs, background_jobs(len(jobs)), setup, record=record)
-
     def __init__(self, entry: Entry, builder: Builder, jobs: list[BuildJob], workers: int,
                  setup: WorkerSetup, *, record: bool) -> None:
+        """Start building ``jobs`` (``builder.missing(entry)``) in the background, in
+        ``workers`` workers (``pool.background_jobs``) set up with ``setup``
+        (``pool.setup_for``, which the caller asked first: None there means no worker can
+        build them as this process would)."""
         self.entry = entry
         self.builder = builder
         #: how the store reopens (``Store.reopen_options``): which store this builds into

@@ -20,15 +20,11 @@ import logging
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from cachebuild.building.background import (
-    BackgroundBuild,
-    running_builds,
-    while_building_setting,
-)
+from cachebuild.building.background import BackgroundBuild, running_builds
 from cachebuild.building.build import Builder, BuildJob, resolve_all
 from cachebuild.building.entry import Entry
 from cachebuild.building.planner import target_factors
-from cachebuild.building.pool import BuildPool, builds_here, setup_for
+from cachebuild.building.pool import BuildPool, background_jobs, setup_for
 from cachebuild.config import CompileConfig
 from cachebuild.errors import ToolchainRefuted, one_line
 from cachebuild.keys import make_key
@@ -38,28 +34,6 @@ if TYPE_CHECKING:
     import torch
 
 log = logging.getLogger("cachebuild")
-
-
-def interim_config(config: CompileConfig, device: str) -> CompileConfig | None:
-    """The config of the targets a cold start on ``device`` serves with while
-    ``config``'s build, or None where there are none to serve with (``wait``, or the same
-    backend anyway). ``auto``: as the operator says (``while_building_setting``), else
-    standalone pieces where AOTInductor packages would build for a CPU in workers (their C++
-    wrappers are most of a cold build there; a standalone piece runs the same kernels
-    with a Python wrapper), and ``wait`` elsewhere (on a GPU a swap would capture every
-    size's graphs twice, and a package's wrapper is a small part of its build)."""
-    choice = config.while_building
-    if choice == "auto":
-        choice = while_building_setting() or (
-            "standalone" if config.backend == "inductor" and config.flavour != "standalone"
-            and device.split(":")[0] == "cpu" and not builds_here() else "wait")
-    if choice == "wait" or config.backend == "eager_fusion":  # nothing builds faster
-        return None
-    if choice == "eager_fusion":
-        return replace(config, backend="eager_fusion", while_building="wait")
-    if config.backend == "inductor" and config.flavour == "standalone":
-        return None
-    return replace(config, backend="inductor", flavour="standalone", while_building="wait")
 
 
 def interim_entry(entry: Entry, config: CompileConfig, passes: PassManager) -> Entry:
@@ -84,7 +58,7 @@ def serve_while_building(model: torch.nn.Module, config: CompileConfig,
                          jobs: list[BuildJob], why: str, warm: bool,
                          pool: BuildPool | None = None
                          ) -> tuple[Entry, dict[str, Any], BackgroundBuild | None] | None:
-    """With the config of the targets to serve meanwhile (``interim_config``) and targets
+    """With the config of the targets to serve meanwhile (``start.interim_config``) and targets
     missing (``jobs``, ``Builder.missing``): load the interim targets, or build them
     (eager_fusion ones here, in seconds; code-generating ones in worker processes,
     ``pool`` if started already, and proven there: nothing a compiler the probe only
@@ -100,9 +74,11 @@ def serve_while_building(model: torch.nn.Module, config: CompileConfig,
             m["backend"].get("toolchain", {}).get("aoti") for m in entry.manifests.values()):
         return None  # no compiler makes packages that load here: its own are standalone
     served = interim_entry(entry, interim, builder.passes)
+    # How workers would build them (None: none can as this process would), and how many.
+    setup = setup_for(jobs, builder.store, builder.passes)
+    workers = background_jobs(len(jobs))
     # Building already (for another compiled model of this one, say), or to be started.
     swap = next(iter(running_builds(builder.store, entry.key)), None)
-    setup = setup_for(jobs, builder.store, builder.passes) if swap is None else None
     if swap is None and setup is None:
         log.log(logging.INFO if config.while_building == "auto" else logging.WARNING,
                 "cachebuild: %s builds its targets before serving (while_building=%r): "
@@ -120,11 +96,11 @@ def serve_while_building(model: torch.nn.Module, config: CompileConfig,
         raise  # the start plans again
     except Exception as e:  # nothing to serve with meanwhile: wait for the real ones
         failed = e
-    if setup is not None:
+    if swap is None:
         # Started once the interim targets are ready, not beside their build: a first
         # output is what a cold server waits for, and the two would share the CPUs.
         # Its targets all stored, the entry is recorded there: a later start is warm.
-        swap = BackgroundBuild.start(entry, builder, jobs, setup, record=why != "fresh")
+        swap = BackgroundBuild(entry, builder, jobs, workers, setup, record=why != "fresh")
     if failed is not None:
         log.warning("cachebuild: %s has no %s targets to serve with while it builds "
                     "(%s); waiting for its own", type(model).__name__, kind,

@@ -23,6 +23,7 @@ from cachebuild import compat, keep
 from cachebuild.building.entry import Entry
 from cachebuild.building.entry_key import shared_tensors
 from cachebuild.config import CompileConfig
+from cachebuild.counters import timed
 from cachebuild.errors import UsageError
 from cachebuild.graph import weights
 from cachebuild.graph.facts import device_of, on_device
@@ -259,6 +260,17 @@ class ModelRuntime:
         if self.capturer is None:
             raise UsageError("cudagraph_mode is 'none': nothing to capture")
         return self.capturer
+
+    def capture_if_eager(self, like: Sequence[Any]) -> CaptureReport | None:
+        """With the ``eager`` capture policy, every size captured now, shaped ``like`` a
+        call (``capture``), and what it captured; None with any other policy."""
+        if self.capturer is None or self.capturer.policy != "eager":
+            return None
+        with timed("capture"):
+            report = self.capture(like=like)
+        log.info("captured %d sizes in %.2f s (%d bytes of graph memory)", len(report.sizes),
+                 report.seconds, report.pool_bytes)
+        return report
 
     def capture(self, sizes: Sequence[int] | None = None,
                 make_args: Callable[[int], tuple[Any, ...]] | None = None,

@@ -32,16 +32,16 @@ from typing import TYPE_CHECKING, Any
 
 from cachebuild import compat, process_state
 from cachebuild.building import notice
-from cachebuild.building.background import running_builds
+from cachebuild.building.background import running_builds, while_building_setting
 from cachebuild.building.build import Builder, early_pool, resolve_all
 from cachebuild.building.entry import record_entry
 from cachebuild.building.nearest import edited_since
 from cachebuild.building.planner import Planner
-from cachebuild.counters import timed
+from cachebuild.building.pool import builds_here
 from cachebuild.errors import StoreError, ToolchainRefuted, one_line, transient
 from cachebuild.graph.facts import device_of
 from cachebuild.keys import make_key
-from cachebuild.serving.interim import interim_config, serve_while_building
+from cachebuild.serving.interim import serve_while_building
 from cachebuild.serving.runtime import CaptureReport, ModelRuntime
 from cachebuild.tracing.guard_watch import CallGuards
 
@@ -83,6 +83,10 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     A build that finds the compiler its plan presumed refuted (``ToolchainRefuted``)
     plans once more: the verdict is known then, so the new plan keys its targets by it."""
     failed = process_state.current().failed
+    device = device_of([*args, *model.parameters()])
+    interim = interim_config(config, device)
+    # What a failure before the end of its trace is remembered by: the state it began in.
+    was = _state(model)
     for last_try in (False, True):
         planner = Planner(model, config, dynamic_dims, store, passes)
         found = planner.lookup(args, pending_entries(store))
@@ -95,8 +99,6 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
         pool = None
         traced: Entry | None = None
         try:
-            device = device_of([*args, *model.parameters()])
-            interim = interim_config(config, device)
             if not warm and (interim is None or interim.backend != "eager_fusion"):
                 # A cold start's build workers start before its trace: their imports
                 # overlap it (fewer after an edit: its trace would share the CPUs). They
@@ -138,13 +140,23 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             # Remembered with what its trace read, where it got that far: the same model
             # with other values (eval() after train()) is another start, not this failure.
             failed.setdefault(base, []).append(process_state.Failure(
-                e, found.key, _untraced(found.key, model) if traced is None
-                else _reads(traced)))
+                e, found.key, _reads(traced) if traced is not None else
+                lambda k, model, args, key=found.key: k != key or _state(model) != was))
             return Started(None, e, first=True)
         finally:
             if pool is not None:
                 pool.close()
-    return _ready(runtime, swap, args if capture else None)
+    started = Started(runtime, ready_at=time.perf_counter(), swap=swap)
+    if capture:
+        started.capture_report = runtime.capture_if_eager(like=args)
+    return started
+
+
+def interim_config(config: CompileConfig, device: str) -> CompileConfig | None:
+    """The config of the targets a cold start of ``config`` on ``device`` serves with while
+    its own build (``CompileConfig.interim``, with the operator's word and where builds
+    run taken from the environment), or None."""
+    return config.interim(device, setting=while_building_setting(), builds_here=builds_here())
 
 
 def pending_entries(store: Store) -> dict[str, Entry]:
@@ -156,33 +168,17 @@ def pending_entries(store: Store) -> dict[str, Entry]:
     return {b.entry.key: b.entry for b in running_builds(store)}
 
 
-def _ready(runtime: ModelRuntime, swap: BackgroundBuild | None, like: tuple[Any, ...] | None) -> Started:
-    """``runtime`` started: with the ``eager`` capture policy, every size captured first,
-    shaped ``like`` a call (none captured without one: ``runtime.capture()`` later)."""
-    started = Started(runtime, ready_at=time.perf_counter(), swap=swap)
-    if like is not None and runtime.capturer is not None and runtime.capturer.policy == "eager":
-        with timed("capture"):
-            report = started.capture_report = runtime.capture(like=like)
-        log.info("captured %d sizes in %.2f s (%d bytes of graph memory)", len(report.sizes),
-                 report.seconds, report.pool_bytes)
-    return started
-
-
 def _reads(entry: Entry) -> Any:
     """Whether a live model and call read other values than ``entry``'s trace did."""
     guards = CallGuards(entry.guard_set(), entry.sources)
     return lambda key, model, args: bool(guards.mismatches(model, args))
 
 
-def _untraced(key: str, model: torch.nn.Module) -> Any:
-    """For a failure before its trace was done (nothing says what it read): whether a
-    start has another entry key, or another ``training`` on some module, or other torch
-    process state (a graph break in train() alone is not eval()'s)."""
-    def state(model: torch.nn.Module) -> tuple[Any, ...]:
-        return tuple(m.training for m in model.modules()), compat.process_state_signature()
-
-    was = state(model)
-    return lambda k, model, args: k != key or state(model) != was
+def _state(model: torch.nn.Module) -> tuple[Any, ...]:
+    """What a failure before its trace was done (nothing says what it read) is told by
+    besides its entry key: ``training`` on every module, and torch's process state (a
+    graph break in train() alone is not eval()'s)."""
+    return tuple(m.training for m in model.modules()), compat.process_state_signature()
 
 
 def take_over(swap: BackgroundBuild, owner: object, model: torch.nn.Module,
@@ -197,8 +193,10 @@ def take_over(swap: BackgroundBuild, owner: object, model: torch.nn.Module,
     if loaded is None:
         return None
     try:
-        return _ready(ModelRuntime(swap.entry, loaded, model, config, dynamic_dims), swap,
-                      args)
+        runtime = ModelRuntime(swap.entry, loaded, model, config, dynamic_dims)
+        started = Started(runtime, ready_at=time.perf_counter(), swap=swap)
+        started.capture_report = runtime.capture_if_eager(like=args)
+        return started
     except Exception as e:  # keep serving with what runs
         swap.error = f"{type(e).__name__}: {e}"
         log.warning("cachebuild: %s keeps serving with its interim targets: its own "
