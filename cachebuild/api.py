@@ -13,6 +13,7 @@ traces every process, but targets are still built once and loaded from then on.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -107,6 +108,7 @@ class CompiledModule(torch.nn.Module):
         #: (one per variant) with the build it swaps to once that is ready.
         self.swap: BackgroundBuild | None = None
         self._interim: list[tuple[ModelRuntime, BackgroundBuild]] = []
+        self._swapping = threading.Lock()  # calls on two threads swap one pair once
         #: The instance's own forward as compiled (``hooks.own_forward``): one set later
         #: is refused, never skipped.
         self._forward = own_forward(model)
@@ -161,30 +163,38 @@ class CompiledModule(torch.nn.Module):
         return self._runtime
 
     def _swap_in(self, args: tuple[Any, ...]) -> None:
-        """Before a call: each interim runtime (one per variant, ``while_building``) whose
-        own targets are ready is replaced by a runtime over them (``start.take_over``);
-        its graphs go with it. Which runtime the call runs on is decided after, as ever."""
-        for pair in list(self._interim):
-            interim, swap = pair
-            if swap.running:
-                continue
-            self._interim.remove(pair)
-            started = take_over(swap, self, self.model, self.config, self.dynamic_dims, args)
-            if started is None or started.runtime is None:
-                continue  # failed: the interim runtime keeps serving (``swap.error``)
-            if started.capture_report is not None:
-                self.capture_report = started.capture_report
-            if interim in self._variants:
-                self._variants.remove(interim)  # its targets were the interim ones
-            self._remember(started.runtime)
-            if self._runtime is interim:
-                self._runtime = started.runtime
-            if interim.capturer is not None:
-                interim.capturer.stop()  # its graphs replay the interim targets
-            COUNTERS.swaps += 1
-            log.info("cachebuild: %s now serves with its %d targets, built in %.1f s in the "
-                     "background", type(self.model).__name__,
-                     len(set(started.runtime.entry.target_keys())), swap.seconds)
+        """Before a call: the interim runtime (one per variant, ``while_building``) that
+        serves this call, once its own targets are ready, is replaced by a runtime over
+        them (``start.take_over``); its graphs go with it. Another variant's swaps at a
+        call of its own: the runtime over its targets binds the live model as that variant
+        has it (an adapter of another rank has other weights). Which runtime the call runs
+        on is decided after, as ever."""
+        with self._swapping:
+            for pair in list(self._interim):
+                interim, swap = pair
+                if swap.running or interim.mismatches(self.model, args):
+                    continue
+                self._interim.remove(pair)
+                self._take_over(interim, swap, args)
+
+    def _take_over(self, interim: ModelRuntime, swap: BackgroundBuild,
+                   args: tuple[Any, ...]) -> None:
+        started = take_over(swap, self, self.model, self.config, self.dynamic_dims, args)
+        if started is None:
+            return  # failed to build or to take over: the interim runtime keeps serving
+        if started.capture_report is not None:
+            self.capture_report = started.capture_report
+        if interim in self._variants:
+            self._variants.remove(interim)  # its targets were the interim ones
+        self._remember(started.runtime)
+        if self._runtime is interim:
+            self._runtime = started.runtime
+        if interim.capturer is not None:
+            interim.capturer.stop()  # its graphs replay the interim targets
+        COUNTERS.swaps += 1
+        log.info("cachebuild: %s now serves with its %d targets, built in %.1f s in the "
+                 "background", type(self.model).__name__,
+                 len(set(started.runtime.entry.target_keys())), swap.seconds)
 
     def wait_built(self, timeout: float | None = None) -> bool:
         """Wait until the targets building in the background (``while_building``) for

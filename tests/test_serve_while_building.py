@@ -342,6 +342,78 @@ def test_every_variant_swaps_to_its_own_targets_and_each_store_records_its_entry
     assert (again["traced"], again["built"], again["kinds"]) == (0, 0, ["aoti-cpu"]), again
 
 
+#: One model whose head carries a low-rank adapter, switched to one of another rank while
+#: its first build runs (other weights: another entry), and a second compiled model of it
+#: that waits (``while_building="wait"``) started meanwhile.
+ADAPTERS = textwrap.dedent("""
+    import json, sys
+    from dataclasses import replace
+    import torch
+    from torch import nn
+    import cachebuild, models
+    from cachebuild.store import LocalStore
+
+    class Adapted(nn.Module):
+        def __init__(self, base, rank):
+            super().__init__()
+            self.base = base
+            self.down = nn.Linear(base.in_features, rank, bias=False)
+            self.up = nn.Linear(rank, base.out_features, bias=False)
+            with torch.no_grad():
+                self.down.weight.normal_(0, 0.2)
+                self.up.weight.normal_(0, 0.2)
+
+        def forward(self, x):
+            return self.base(x) + self.up(self.down(x))
+
+    model = models.make(models.Decoder, layers=1)
+    head = model.lm_head
+    adapters = {2: Adapted(head, 2).eval(), 4: Adapted(head, 4).eval()}
+    config = cachebuild.CompileConfig(splitting_ops=(models.ATTENTION,),
+                                      compile_ranges=(models.AOTI_RANGE,))
+    store = LocalStore(sys.argv[1])
+    compiled = cachebuild.compile(model, config, {0: 0, 1: 0}, store=store)
+    kind = lambda c: sorted({store.get_record(k).kind for k in c.runtime.entry.target_keys()})
+    model.lm_head = adapters[2]
+    models.assert_matches_eager(compiled, model, models.inputs(3))
+    served = [kind(compiled)]
+    # Started while rank 2's own targets build: it waits for them, it builds none again.
+    other = cachebuild.compile(model, replace(config, while_building="wait"), {0: 0, 1: 0},
+                               store=store)
+    building = compiled.swap.running
+    models.assert_matches_eager(other, model, models.inputs(4))
+    joined = building and cachebuild.stats()["entries_loaded"] == 0  # loaded no entry
+    waited = kind(other)
+    model.lm_head = adapters[4]
+    models.assert_matches_eager(compiled, model, models.inputs(5))
+    served.append(kind(compiled))
+    assert compiled.wait_built(timeout=600)
+    # Rank 2's build is ready while rank 4 is live: each swaps at a call of its own.
+    for rank, size in ((4, 5), (2, 3), (4, 6)):
+        model.lm_head = adapters[rank]
+        models.assert_matches_eager(compiled, model, models.inputs(size))
+        served.append(kind(compiled))
+    s = cachebuild.stats()
+    stored = [r.kind for r in store.records(manifests=False)
+              if r.kind not in ("entry", "guards")]  # the artifacts
+    print(json.dumps({"served": served, "waited": waited, "joined": joined, "swaps": s["swaps"],
+                      "built": s["built"], "stored": len(stored),
+                      "kinds": sorted(stored)}))
+""")
+
+
+@pytest.mark.slow
+def test_a_variant_swaps_at_its_own_call_and_a_waiting_start_joins_the_build(tmp_path):
+    out = _run(ADAPTERS, tmp_path / "store", _defaults_env())
+    # Standalone pieces first for each rank; then every call on its own AOTI targets.
+    assert out["served"][:2] == [["standalone"]] * 2, out
+    assert out["served"][2:] == [["aoti-cpu"]] * 3, out
+    assert out["waited"] == ["aoti-cpu"] and out["joined"], out
+    assert out["swaps"] == 2, out
+    # Every target built once: the waiting start built none of rank 2's again.
+    assert out["built"] == out["stored"], out
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_an_ending_process_waits_leaves_the_build_and_the_store_whole(tmp_path):
     import signal

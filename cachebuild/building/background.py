@@ -3,7 +3,8 @@
 A cold start that serves meanwhile (``serving.interim``) hands its missing targets to a
 ``BackgroundBuild``: workers build them (never the calling process, whose calls, random
 streams and environment a build must not touch), a thread loads them once all are stored
-and records the entry, and the first caller to ``claim`` them gets them, once.
+and records the entry, and each caller that ``claim``s them (a compiled model) gets them
+once.
 """
 
 from __future__ import annotations
@@ -63,6 +64,32 @@ def _exiting() -> bool:
     return not threading.main_thread().is_alive()
 
 
+def finish_at_exit() -> None:
+    """A process that ends while its targets build waits for them (and for every other
+    build of the process, in one wait that says what it waits for), so that its next
+    start finds them stored and the entries recorded. Ctrl-C, or an exit that a
+    Ctrl-C caused, leaves them: the next start builds what is missing."""
+    pending = [b for b in list(process_state.current().building)
+               if b.running and not b.left]
+    if not pending:
+        return
+    if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
+        _leave(pending)
+        return
+    count = sum(len(b._jobs) for b in pending)
+    log.warning("cachebuild: waiting for the %d target%s building in the background, so "
+                "that the next start finds them stored (Ctrl-C leaves them)", count,
+                "" if count == 1 else "s")
+    began = time.monotonic()
+    try:
+        for b in pending:
+            while not b.done.wait(15):
+                log.warning("cachebuild: still building in the background (%.0f s)",
+                            time.monotonic() - began)
+    except KeyboardInterrupt:
+        _leave(pending)
+
+
 class BackgroundBuild:
     """The missing targets of an entry, building in worker processes in the background,
     then loaded there too (``done`` is set once they are, or once a build failed:
@@ -97,8 +124,9 @@ class BackgroundBuild:
                                         daemon=True)
         self._thread.start()
         process_state.current().building.add(self)
-        # Registered after the toolchain probe's own exit handler, so run before it.
-        atexit.register(self.finish_at_exit)
+        # Registered after the toolchain probe's own exit handler, so run before it; the
+        # function, not this build: a finished build is not kept alive until the exit.
+        atexit.register(finish_at_exit)
 
     @property
     def running(self) -> bool:
@@ -133,31 +161,6 @@ class BackgroundBuild:
         if self.error is not None:
             raise BuildError(self.error)
         return self._loaded
-
-    def finish_at_exit(self) -> None:
-        """A process that ends while its targets build waits for them (and for every other
-        build of the process, in one wait that says what it waits for), so that its next
-        start finds them stored and the entries recorded. Ctrl-C, or an exit that a
-        Ctrl-C caused, leaves them: the next start builds what is missing."""
-        pending = [b for b in list(process_state.current().building)
-                   if b.running and not b.left]
-        if not pending:
-            return
-        if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
-            _leave(pending)
-            return
-        count = sum(len(b._jobs) for b in pending)
-        log.warning("cachebuild: waiting for the %d target%s building in the background, so "
-                    "that the next start finds them stored (Ctrl-C leaves them)", count,
-                    "" if count == 1 else "s")
-        began = time.monotonic()
-        try:
-            for b in pending:
-                while not b.done.wait(15):
-                    log.warning("cachebuild: still building in the background (%.0f s)",
-                                time.monotonic() - began)
-        except KeyboardInterrupt:
-            _leave(pending)
 
     def _run(self) -> None:
         start = time.perf_counter()

@@ -78,7 +78,9 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     doc); ``capture=False``: no eager capture now (``runtime.capture()`` does it later).
     A build of this process running in the background into ``store`` (``while_building``)
     counts as stored for the lookup, and a start of its entry joins it. Raises what is the
-    machine's or the store's trouble; returns any other error.
+    machine's or the store's trouble, and a building variable set to a value it refuses
+    (``settings.check_settings`` checked them at the compile call; one set since is the
+    operator's to fix, not the model's failure); returns any other error.
 
     A build that finds the compiler its plan presumed refuted (``ToolchainRefuted``)
     plans once more: the verdict is known then, so the new plan keys its targets by it."""
@@ -89,7 +91,8 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     was = _state(model)
     for last_try in (False, True):
         planner = Planner(model, config, dynamic_dims, store, passes)
-        found = planner.lookup(args, pending_entries(store))
+        pending = pending_entries(store)
+        found = planner.lookup(args, pending)
         base = make_key(found.factors)  # the model's code, config and shapes
         remembered = next((f for f in failed.get(base, ()) if f.meets(found.key, model, args)),
                           None)
@@ -120,11 +123,16 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             if serving is not None:
                 entry, loaded, swap = serving
             else:
-                loaded = resolve_all(entry, builder, warm=warm, pool=pool,
-                                     on_missing=lambda n, total, warm=warm: notice.must_build(
-                                         model, n, total, warm))
-                if found.why != "fresh":
-                    record_entry(entry, store)
+                # An entry building in the background (for another compiled model of this
+                # one that serves meanwhile) is waited for, not built a second time.
+                loaded = _joined(store, entry) if pending.get(entry.key) is entry else None
+                if loaded is None:
+                    loaded = resolve_all(
+                        entry, builder, warm=warm, pool=pool,
+                        on_missing=lambda n, total, warm=warm: notice.must_build(
+                            model, n, total, warm))
+                    if found.why != "fresh":
+                        record_entry(entry, store)
             # A runtime that refuses the live model (a buffer viewing one it writes) is this
             # start's failure: remembered, and run eagerly where the config says.
             runtime = ModelRuntime(entry, loaded, model, config, dynamic_dims)
@@ -156,7 +164,21 @@ def interim_config(config: CompileConfig, device: str) -> CompileConfig | None:
     """The config of the targets a cold start of ``config`` on ``device`` serves with while
     its own build (``CompileConfig.interim``, with the operator's word and where builds
     run taken from the environment), or None."""
-    return config.interim(device, setting=while_building_setting(), builds_here=builds_here())
+    setting = while_building_setting() if config.while_building == "auto" else None
+    return config.interim(device, setting=setting, builds_here=builds_here())
+
+
+def _joined(store: Store, entry: Entry) -> dict[str, Any] | None:
+    """The targets of ``entry``, waited for where a build of this process builds them in
+    the background into ``store``; None where none does any more, or it failed (the
+    caller loads or builds them itself)."""
+    build = next(iter(running_builds(store, entry.key)), None)
+    if build is None:
+        return None
+    log.warning("cachebuild: waiting for the targets of entry %s, building in the background "
+                "for another start of this model", entry.key[:12])
+    build.wait()
+    return build.take() if build.error is None else None
 
 
 def pending_entries(store: Store) -> dict[str, Entry]:
@@ -186,9 +208,10 @@ def take_over(swap: BackgroundBuild, owner: object, model: torch.nn.Module,
               ) -> Started | None:
     """Before a call: the runtime over the targets built in the background, if they are
     ready and ``owner`` has not taken them yet (``swap.claim``); with the ``eager`` capture
-    policy it captures its sizes first, here. None while they build, after they failed,
-    or where the runtime could not be made (``swap.error`` then says why: the model keeps
-    serving with what runs)."""
+    policy it captures its sizes first, here. None while they build, after they failed
+    (``swap.error`` says why), or where this owner's runtime could not be made (said in a
+    warning; another owner of the same build may still take it): the model keeps serving
+    with what runs."""
     loaded = swap.claim(owner)
     if loaded is None:
         return None
@@ -198,7 +221,6 @@ def take_over(swap: BackgroundBuild, owner: object, model: torch.nn.Module,
         started.capture_report = runtime.capture_if_eager(like=args)
         return started
     except Exception as e:  # keep serving with what runs
-        swap.error = f"{type(e).__name__}: {e}"
         log.warning("cachebuild: %s keeps serving with its interim targets: its own "
                     "could not take over: %s", type(model).__name__, one_line(e, typed=True))
         return None
