@@ -114,6 +114,14 @@ class CompiledModule(torch.nn.Module):
         self._forward = own_forward(model)
         self._said_not_run = False
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # Its forwards are bound to the model it was compiled from (weights, guards, the
+        # watches on its dicts): another model set here would be served the old one's.
+        if name == "model" and "model" in self._modules:
+            raise UsageError("a compiled module serves the model it was compiled from; "
+                             "compile the other model: cachebuild.compile(other, ...)")
+        super().__setattr__(name, value)
+
     @property
     def runtime(self) -> ModelRuntime | None:
         return self._runtime

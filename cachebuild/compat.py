@@ -107,6 +107,16 @@ def pin_vec_isa(name: str | None, flags: str | None) -> Callable[[], None]:
     return undo
 
 
+def data_ptrs_unchanged(tensors: list[torch.Tensor], at: list[int]) -> bool:
+    """Whether each of ``tensors`` still has its memory where ``at`` says: in one C call
+    where torch has one (its CUDA builds, for CUDA graph trees), else in Python (about
+    12 µs for 200 tensors on a CPU)."""
+    fast = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
+    if fast is not None:
+        return fast(tensors, at, list(range(len(tensors))))
+    return [t.data_ptr() for t in tensors] == at
+
+
 def cuda_graph_for_capture() -> tuple[Any, bool]:
     """A ``torch.cuda.CUDAGraph`` and whether it must be instantiated by a call of its own:
     True where this torch has ``keep_graph`` (capture and instantiation then time apart),

@@ -106,7 +106,7 @@ def test_modules_built_elsewhere_do_not_rebind(store, monkeypatch):
 @pytest.mark.parametrize("mode", MODES)
 def test_a_converted_model_is_refused_until_compiled_again(store, mode):
     """``model.half()`` sets every weight's ``.data`` under the same tensor objects: the
-    next call sees it (one pointer compared per call) and is refused in every mode, as
+    next call sees it (every weight's pointer compared per call) and is refused in every mode, as
     long as the weights stay converted. Converted back, the model answers eager's again
     where pieces take weights per call; captured graphs still read the old memory, so
     there the call is refused."""
@@ -121,6 +121,39 @@ def test_a_converted_model_is_refused_until_compiled_again(store, mode):
         return
     with pytest.raises(UsageError, match=r"new memory under their \.data\) after graph capture"):
         compiled(*models.inputs(8))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_converted_submodule_is_refused(store, mode):
+    """``submodule.half()`` sets the ``.data`` of that submodule's weights alone, none of
+    them the first weight the model binds: every weight's memory is compared at every
+    call, so the call is refused (the pieces would read float16 bytes as float32)."""
+    model, compiled = compiled_model(store, mode)
+    assert compiled.runtime._bound[0] is not model.layers[1].down.weight
+    model.layers[1].down.half()
+    for _ in range(2):
+        with pytest.raises(UsageError, match=r"layers\.1\.down\.weight.* is torch\.float16, "
+                                             r"not torch\.float32"):
+            compiled(*models.inputs(8))
+
+
+@pytest.mark.parametrize("mode", ["piecewise", "full"])
+def test_new_memory_under_the_last_weights_data_after_capture_is_an_error(store, mode):
+    """``w.data = ...`` on one weight late in the model, after graph capture: refused, never
+    replayed over the old memory."""
+    model, compiled = compiled_model(store, mode)
+    weight = model.lm_head.weight
+    weight.data = torch.randn_like(weight)
+    with pytest.raises(UsageError, match=r"lm_head\.weight were replaced by new tensors "
+                                         r"\(or new memory under their \.data\) after graph capture"):
+        compiled(*models.inputs(8))
+
+
+def test_another_model_set_on_the_compiled_module_is_refused(store):
+    model, compiled = compiled_model(store, "none")
+    with pytest.raises(UsageError, match="serves the model it was compiled from"):
+        compiled.model = models.make(models.Decoder, layers=2, seed=7)
+    models.assert_matches_eager(compiled, model, models.inputs(8))
 
 
 def test_new_memory_under_a_weights_data_is_read_without_graphs(store):

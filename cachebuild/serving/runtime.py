@@ -162,11 +162,12 @@ class ModelRuntime:
                                [(n, t) for n, t in named if n in written])
         # Kept once every weight passed: one refused above is looked up again next call.
         self._generation, self._held = generation, held
-        # A weight whose memory moved under the same tensor object (``model.half()``,
-        # ``model.to(...)`` set every weight's ``.data``): one pointer compared per call
-        # sees a whole-model conversion, which no hook or watched dict does.
-        self._sentinel = next((t for t in template if isinstance(t, torch.Tensor)), None)
-        self._sentinel_at = self._sentinel.data_ptr() if self._sentinel is not None else 0
+        # A weight whose memory moved under the same tensor object (``model.half()``, a
+        # submodule's ``.float()``, ``w.data = ...``: ``.data`` set, which no hook or
+        # watched dict sees): every weight's pointer is compared at every call, as the
+        # pieces read it with the dtype and layout they were built for.
+        self._bound = [t for t in template if isinstance(t, torch.Tensor)]
+        self._bound_at = [t.data_ptr() for t in self._bound]
         self._addresses = weights.addresses(template)
 
     def _watched_paths(self) -> list[str]:
@@ -404,8 +405,8 @@ class ModelRuntime:
                 "(load_state_dict, param.data.copy_) or compile the model again")
 
     def _call(self, *args: Any) -> Any:
-        if self._generation != weights.GENERATION[0] or not self._held() or (
-                self._sentinel is not None and self._sentinel.data_ptr() != self._sentinel_at):
+        if self._generation != weights.GENERATION[0] or not self._held() or \
+                not compat.data_ptrs_unchanged(self._bound, self._bound_at):
             self._rebind_if_replaced()
         with self._on_device:  # graphs name the GPU by type: run on the model's
             if self.capturer is not None:
