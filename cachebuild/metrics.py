@@ -66,6 +66,9 @@ def check_target(path: str | os.PathLike[str]) -> Path | None:
     if target.is_dir():
         raise UsageError(f"--prometheus {path} is a directory: give a file name in it, e.g. "
                          f"{target / 'cachebuild.prom'}")
+    if target.exists() and not target.is_file():  # a device, a socket: never replaced
+        raise UsageError(f"--prometheus {path} exists and is not a regular file: give a file "
+                         "name (or - for stdout)")
     parent = target.parent
     if not parent.is_dir():
         raise UsageError(f"--prometheus {path}: the folder {parent} does not exist")

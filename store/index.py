@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator
@@ -153,6 +154,21 @@ class _ReadOnlyCache:
     transact = set = delete = incr = _refuse
 
 
+
+#: Free bytes under which a store index that cannot be opened is said to be on a full disk
+#: (SQLite's "disk I/O error" says nothing of it).
+FULL_BELOW = 1 << 20
+
+
+def _free_bytes(directory: Path) -> int | None:
+    """Bytes free to us on the file system holding ``directory`` (None if unknown)."""
+    try:
+        st = os.statvfs(directory)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
 class Index:
     """Records keyed by store key, in a diskcache database at ``directory`` (opened to
     read only, writing nothing, with ``read_only``)."""
@@ -172,6 +188,12 @@ class Index:
                                        eviction_policy="none", size_limit=2**62, cull_limit=0,
                                        statistics=0, tag_index=0)
         except INDEX_ERRORS as e:
+            free = _free_bytes(directory)
+            if free is not None and free < FULL_BELOW:
+                raise StoreError(
+                    f"cannot open the store index in {directory}: {e}; the disk holding it "
+                    f"is full ({free} bytes free): free some space and try again (nothing "
+                    "stored is lost)") from None
             raise StoreError(
                 f"cannot open the store index in {directory}: {e}; if it is damaged, move "
                 "that folder aside (the store then starts with no records, and `cachebuild "

@@ -306,6 +306,9 @@ def check_readable_dir(path: Path) -> None:
         raise UnsafeStore(f"cannot access store directory {path}: {e.strerror}; a store "
                           "built by another user must be made readable to be served "
                           "(e.g. chmod -R a+rX on it after warming)") from None
+    except OSError as e:  # a file in the path, a name too long, a loop of links
+        raise UnsafeStore(f"cannot use store directory {path}: {e.strerror or e}; check "
+                          "--cache-dir or CACHEBUILD_DIR") from None
     if stat.S_ISLNK(st.st_mode):
         raise UnsafeStore(f"refusing store path {path}: it is a symlink; give the directory "
                          "it points to")

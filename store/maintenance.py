@@ -76,25 +76,33 @@ def disk_usage(layout: Layout) -> dict[str, int]:
 #: The file a build holds shared (flock) in the work folder while it runs: ``gc`` empties
 #: the folder only when it can hold it alone.
 WORK_LOCK = ".builds"
+#: What builds make in the work folder: the lock, Inductor's and Triton's caches, the
+#: compilers' temp files and kept C++ objects. Nothing else there is ours to count or
+#: remove (the operator may have pointed ``CACHEBUILD_WORK_DIR`` at a folder of theirs).
+WORK_ENTRIES = (WORK_LOCK, "inductor", "triton", "tmp", "cxx")
 
 
 def work_usage(folder: Path) -> WorkUsage:
     """A folder's files (the build work folder): its bytes and file count (0 if it is
     missing)."""
     size = files = 0
-    for dirpath, _, names in os.walk(folder):
-        for name in names:
-            if name == WORK_LOCK and dirpath == str(folder):
-                continue
+    for entry in WORK_ENTRIES[1:]:
+        top = os.path.join(folder, entry)
+        if os.path.isfile(top) and not os.path.islink(top):
             with contextlib.suppress(OSError):
-                size += os.lstat(os.path.join(dirpath, name)).st_size
+                size += os.lstat(top).st_size
                 files += 1
+        for dirpath, _, names in os.walk(top):
+            for name in names:
+                with contextlib.suppress(OSError):
+                    size += os.lstat(os.path.join(dirpath, name)).st_size
+                    files += 1
     return WorkUsage(str(folder), size, files)
 
 
 def clean_work(folder: Path, dry_run: bool) -> tuple[int, bool]:
-    """Empty the build work folder unless a build holds it: ``(bytes, emptied)`` (with
-    ``dry_run``, what would go). UnsafeStore if the folder is not checked like the store
+    """Empty the build work folder of what builds made there (``WORK_ENTRIES``) unless a
+    build holds it: ``(bytes, emptied)`` (with ``dry_run``, what would go). UnsafeStore if the folder is not checked like the store
     (ours, private, under directories no one else could rename)."""
     size = work_usage(folder).bytes
     if size == 0 or not folder.is_dir():
@@ -106,7 +114,10 @@ def clean_work(folder: Path, dry_run: bool) -> tuple[int, bool]:
     check_parents(folder, "work folder")
     lock = folder / WORK_LOCK
     try:
-        fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
+                     | (0 if dry_run else os.O_CREAT), 0o600)
+    except FileNotFoundError:
+        return size, True  # a dry run, and no build ever held it
     except OSError:
         return 0, False
     try:
@@ -114,7 +125,7 @@ def clean_work(folder: Path, dry_run: bool) -> tuple[int, bool]:
             return 0, False  # a build is running: its files stay
         if not dry_run:
             for entry in os.scandir(folder):
-                if entry.name != WORK_LOCK:
+                if entry.name in WORK_ENTRIES[1:]:  # what builds made, nothing else
                     remove_any(entry.path)
         return size, True
     finally:

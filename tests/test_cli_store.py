@@ -257,6 +257,39 @@ def test_export_to_a_missing_directory_is_bad_input(filled, tmp_path):
                              f"directory {tmp_path / 'nowhere'} does not exist\n")
 
 
+def test_a_path_that_cannot_be_a_store_is_one_line(tmp_path):
+    """A file where a folder must be, or a name too long: one line naming the path, exit 2,
+    for a command that reads a store and for one that makes it."""
+    file = tmp_path / "a-file"
+    file.write_text("")
+    bundle = tmp_path / "b.tar"
+    bundle.write_bytes(b"")
+    for store, args in ((file / "sub", ["import", str(bundle)]),
+                        (tmp_path / ("x" * 300), ["stats"])):
+        result = run(store, *args)
+        assert result.exit_code == 2, result.output
+        assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, \
+            result.stderr
+        assert "Traceback" not in result.output
+
+
+def test_export_never_replaces_what_is_not_a_bundle(filled, tmp_path):
+    """No file name, a path inside the store (its index, say) or something that is not a
+    regular file (a FIFO here, a device as root): refused before anything is written, and
+    the store still reads."""
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    index = next((filled / "v1" / "index").glob("*.db"))
+    for target, says in (("", "give the bundle a file name"),
+                         (str(index), "inside the store"),
+                         (str(fifo), "exists and is not a regular file")):
+        result = run(filled, "export", target)
+        assert result.exit_code == 2 and says in result.stderr, result.output
+    result = run(filled, "stats", "--prometheus", str(fifo))
+    assert result.exit_code == 2 and "not a regular file" in result.stderr, result.output
+    assert run(filled, "ls").exit_code == 0
+
+
 # -- export / import ----------------------------------------------------------------------
 
 

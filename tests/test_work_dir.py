@@ -148,6 +148,32 @@ def test_the_operator_names_the_work_folder(tmp_path, monkeypatch):
     assert f"({tmp_path / 'scratch-disk'})" in " ".join(done.stdout.split())
 
 
+def test_a_folder_of_the_operators_own_is_never_emptied(tmp_path, monkeypatch):
+    """``CACHEBUILD_WORK_DIR`` set to a folder of the operator's by mistake (their home,
+    say): ``gc`` counts and removes only what builds make there, and a build refuses the
+    folder rather than empty it."""
+    from cachebuild.store import UnsafeStore
+
+    mine = tmp_path / "home"
+    (mine / "projects").mkdir(mode=0o700, parents=True)
+    mine.chmod(0o700)
+    (mine / ".bashrc").write_text("a")
+    (mine / "projects" / "x.py").write_text("b")
+    (mine / "tmp").mkdir(mode=0o700)
+    (mine / "tmp" / "left.o").write_bytes(b"x" * 100)  # what a build leaves: removed
+    monkeypatch.setenv("CACHEBUILD_WORK_DIR", str(mine))
+    store = open_store(StoreOptions.from_env(cache_dir=tmp_path / "store"))
+    done = subprocess.run([sys.executable, "-m", "cachebuild.cli", "--cache-dir",
+                           str(tmp_path / "store"), "gc"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "100 B of build work files" in " ".join(done.stdout.split()), done.stdout
+    assert sorted(p.name for p in mine.iterdir()) == [".bashrc", ".builds", "projects"]
+    with pytest.raises(UnsafeStore, match=r"holds what no build put there \(\.bashrc, projects\)"):
+        with build_work_dir(store):
+            pass
+    assert (mine / ".bashrc").read_text() == "a" and (mine / "projects" / "x.py").exists()
+
+
 @pytest.mark.slow
 def test_an_inductor_build_keeps_its_precompiled_headers_with_the_environment():
     """The session's AOTI store was built in this process: Inductor's headers are in the

@@ -429,10 +429,18 @@ def export_command(ctx: click.Context, file: Path, model: str | None,
     model's entry and everything it refers to."""
     from cachebuild.store import export_bundle
 
+    if not file.name or file.name in (".", ".."):
+        raise UsageError("give the bundle a file name (FILE.tar, or FILE.tar.gz to compress)")
+    if file.exists() and not file.is_file():  # a device, a folder: never replaced
+        raise UsageError(f"cannot write the bundle {file}: it exists and is not a regular file")
     if not file.parent.is_dir():
         raise UsageError(f"cannot write the bundle {file}: directory {file.parent} does not "
                          "exist")
     store = open_existing_store(ctx).local
+    inside = file.parent.resolve()
+    if inside == store.path.resolve() or store.path.resolve() in inside.parents:
+        raise UsageError(f"cannot write the bundle {file} inside the store {store.path}: "
+                         "give a path outside it")
     keys = [resolve_key(ctx, model)] if model else None
     held = {r.kind for r in store.records(manifests=False)}
     unheld = [k for k in kinds if k not in held]
