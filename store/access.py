@@ -34,7 +34,7 @@ from cachebuild.units import format_size
 
 from . import maintenance
 from .files import write_all
-from .index import Index, ReadOnlyStore
+from .index import Index, ReadOnlyStore, free_bytes
 from .interface import Progress
 from .layout import Layout, open_read_only, prepare
 from .locking import open_temp
@@ -98,14 +98,6 @@ class Access(Protocol):
         ...
 
 
-def _free_bytes(root: Path) -> int | None:
-    try:
-        st = os.statvfs(root)
-    except OSError:
-        return None
-    return st.f_bavail * st.f_frsize
-
-
 class Writable:
     """The store is this process's to write: made if missing, with a reserve for a full
     disk, usage written to its index, damaged blobs quarantined."""
@@ -129,7 +121,7 @@ class Writable:
         except StoreError:
             # Opening the index writes a little. On a full disk give up the reserve so
             # that the store can still be read and cleaned, which is how space comes back.
-            free = _free_bytes(self.layout.root)
+            free = free_bytes(self.layout.root)
             if free is None or free >= 2 * RESERVE_BYTES or not self.layout.reserve.exists():
                 raise
             os.unlink(self.layout.reserve)
@@ -145,7 +137,7 @@ class Writable:
         path = self.layout.reserve
         if os.path.lexists(path):
             return
-        free = _free_bytes(self.layout.root)
+        free = free_bytes(self.layout.root)
         if free is None or free < RESERVE_MIN_FREE + RESERVE_BYTES:
             return
         try:

@@ -160,7 +160,7 @@ class _ReadOnlyCache:
 FULL_BELOW = 1 << 20
 
 
-def _free_bytes(directory: Path) -> int | None:
+def free_bytes(directory: Path) -> int | None:
     """Bytes free to us on the file system holding ``directory`` (None if unknown)."""
     try:
         st = os.statvfs(directory)
@@ -188,7 +188,7 @@ class Index:
                                        eviction_policy="none", size_limit=2**62, cull_limit=0,
                                        statistics=0, tag_index=0)
         except INDEX_ERRORS as e:
-            free = _free_bytes(directory)
+            free = free_bytes(directory)
             if free is not None and free < FULL_BELOW:
                 raise StoreError(
                     f"cannot open the store index in {directory}: {e}; the disk holding it "
