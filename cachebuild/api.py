@@ -293,7 +293,10 @@ class CompiledModule(torch.nn.Module):
 
         for i, d in self.dynamic_dims.items():
             torch._dynamo.maybe_mark_dynamic(args[i], d)
-        return self._dynamo(*args)
+        # Guards on every module's hooks: by default Dynamo builds none on empty hook
+        # dicts, and a hook set on a submodule later would not run.
+        with torch._dynamo.config.patch(skip_nnmodule_hook_guards=False):
+            return self._dynamo(*args)
 
     def _remember(self, runtime: ModelRuntime) -> None:
         """Keep ``runtime`` among the variants, the oldest forgotten past ``KEPT_FORWARDS``."""

@@ -215,6 +215,23 @@ def test_a_global_hook_is_refused_where_dynamo_serves_the_model(open_local, tmp_
     matches(compiled, net, x)
 
 
+def test_a_hook_added_to_a_submodule_is_run_where_dynamo_serves_the_model(open_local,
+                                                                          tmp_path):
+    """Served through torch.compile (a forward no record can check), a first hook set on
+    a submodule after the first call is run: torch.compile by default builds no guard on
+    a module's empty hook dicts, so without cachebuild asking for them it would not be."""
+    import functools
+
+    net, compiled, x = blocks_with_own_forward(open_local, tmp_path, functools.partial)
+    assert compiled._dynamo is not None
+    handle = net.b1.lin.register_forward_hook(lambda m, a, out: out * 3)
+    try:
+        matches(compiled, net, x)
+    finally:
+        handle.remove()
+    matches(compiled, net, x)
+
+
 class Scaled(Block):
     def post(self, y: torch.Tensor) -> torch.Tensor:
         return y * 2
