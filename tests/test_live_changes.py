@@ -196,6 +196,24 @@ def test_the_check_sees_torch_state_a_forward_may_read(change):
         assert watch.mismatches(model, args) == []
 
 
+def test_a_change_between_the_full_check_and_arming_is_seen(monkeypatch):
+    """Another thread sets the flag after the full check held and before the watch is
+    set: the armed check must not take the new value as the traced one."""
+    model = Flagged()
+    watch = guard_watch.CallGuards(_records(model))
+    args = (torch.zeros(2, 4),)
+    walk = guard_watch._Plan.walk
+
+    def walk_after_a_change(plan, *a):
+        model.flag = True  # what the other thread does, in the window
+        walk(plan, *a)
+
+    monkeypatch.setattr(guard_watch._Plan, "walk", walk_after_a_change)
+    assert watch.mismatches(model, args) == []  # the call that raced the change
+    monkeypatch.setattr(guard_watch._Plan, "walk", walk)
+    assert watch.mismatches(model, args), "the flag set meanwhile went unseen"
+
+
 def test_an_equal_value_in_a_new_object_arms_again_without_a_mismatch():
     model = Flagged()
     watch = guard_watch.CallGuards(_records(model))

@@ -110,6 +110,11 @@ class CallGuards:
         wrong = self.guards.mismatches(model, args, known=self.known)
         if not wrong:
             self.arm(model, args)
+            # A change made by another thread after that check and before the watch was
+            # set would be the armed check's baseline: checked once more, now that the
+            # watch is set, so that it is seen at the next call.
+            if self.guards.mismatches(model, args, known=self.known):
+                self._fast = None
         return wrong
 
     def arm(self, model: Any, args: Sequence[Any]) -> None:
