@@ -343,10 +343,12 @@ def test_import_refuses_damaged_entries_and_names_them(open_local, filled, tmp_p
     result = run(target, "import", str(bundle))
     assert result.exit_code == 1
     assert f"refused {key('t2')}: payload checksum mismatch" in result.stderr
-    assert "imported 3 records" in result.stdout
+    # The entry came whole, but one of its targets did not: not kept without it.
+    assert f"refused {key('entry')}: refers to 1 record not in the store" in result.stderr
+    assert "imported 2 records" in result.stdout
     dst = open_local(target)
-    assert not dst.contains(key("t2"))
-    assert {r.key for r in dst.records()} == {key("t1"), key("entry"), key("loose")}
+    assert not dst.contains(key("t2")) and not dst.contains(key("entry"))
+    assert {r.key for r in dst.records()} == {key("t1"), key("loose")}
     assert dst.verify().clean
 
 
@@ -362,7 +364,11 @@ def test_import_truncated_bundle(open_local, filled, tmp_path):
     assert result.exit_code == 1
     assert "bundle is damaged or truncated" in result.stderr
     dst = open_local(target)
-    assert len(list(dst.records())) == 2 and dst.verify().clean
+    # What came before the damage, but the entry whose target it held: no record is kept
+    # without what it refers to.
+    records = list(dst.records())
+    assert len(records) == 1 and dst.verify().clean, records
+    assert all(dst.get_record(ref) is not None for r in records for ref in r.refs)
     missing = third.name.split("/")[1]
     assert missing in result.stderr and not dst.contains(missing)
 
