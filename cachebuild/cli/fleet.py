@@ -31,14 +31,17 @@ if TYPE_CHECKING:
 
 
 def _tiered(ctx: click.Context, command: str) -> tuple[Store, RemoteTier]:
-    """The command line's store and its remote tier, which it must have."""
-    store = open_store(ctx)
-    if store.remote is None:
-        options = state_of(ctx).options
+    """The command line's store and its remote tier, which it must have (asked before the
+    store is opened: a command refused makes no store)."""
+    options = state_of(ctx).options
+    if not options.uses_remote:
         why = ("the remote is off (--remote-mode off)" if options.remote else
                "no remote is configured")
         raise UsageError(f"{command} needs a remote tier, but {why}; use --remote URL "
                          "or CACHEBUILD_REMOTE")
+    store = open_store(ctx)
+    if store.remote is None:
+        raise UsageError(f"{command} needs a remote tier, but this store has none")
     return store, store.remote
 
 
