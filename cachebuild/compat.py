@@ -108,12 +108,10 @@ def pin_vec_isa(name: str | None, flags: str | None) -> Callable[[], None]:
 
 
 def data_ptrs_unchanged(tensors: list[torch.Tensor], at: list[int]) -> bool:
-    """Whether each of ``tensors`` still has its memory where ``at`` says: in one C call
-    where torch has one (its CUDA builds, for CUDA graph trees), else in Python (about
-    12 µs for 200 tensors on a CPU)."""
-    fast = getattr(torch._C, "_tensors_data_ptrs_at_indices_equal", None)
-    if fast is not None:
-        return fast(tensors, at, list(range(len(tensors))))
+    """Whether each of ``tensors`` still has its memory where ``at`` says. In Python: on
+    an H200's host torch's own batch comparison (``_tensors_data_ptrs_at_indices_equal``,
+    CUDA builds only) took 23 µs for 200 tensors against 16 µs for reading each pointer
+    (2026-12-05); about 15 µs on a 2-core CPU."""
     return [t.data_ptr() for t in tensors] == at
 
 
