@@ -378,7 +378,7 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
         for key in expected[:MAX_MEMBERS]:
             if isinstance(key, str) and key not in seen:
                 report.refuse(_printable(key), "listed in the bundle but missing from it")
-    _drop_stranded(store, report)
+    _drop_stranded(store, report, seen | {k for k in expected if isinstance(k, str)})
     if how is not None:
         # What an earlier import brought in without --trust and this bundle brought again
         # byte for byte: trusted now. By content, not by source name: a record stored
@@ -387,18 +387,20 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
     return report
 
 
-def _drop_stranded(store: LocalTier, report: ImportReport) -> None:
-    """Take back what this import wrote for a record whose refs are not all recorded in
-    the store now (an entry whose target was refused, or damaged in the bundle): kept, it
-    would send a start, ``verify`` and ``export`` to targets that are not there. Repeated,
-    as a record taken back may strand another that refers to it. What the store held
-    before the import is never touched."""
+def _drop_stranded(store: LocalTier, report: ImportReport, offered: set[str]) -> None:
+    """Take back what this import wrote for a record that refers to a record the bundle
+    held (``offered``) but the store does not: an entry whose target was refused, damaged
+    or truncated away. Kept, it would send a start, ``verify`` and ``export`` to a target
+    that is not there. A ref the bundle never held (an export of entries alone, their
+    targets served by a remote tier) is not this import's to judge. Repeated, as a record
+    taken back may strand another; what the store held before the import is never
+    touched."""
     while True:
         stranded = []
         for key in report.imported:
             record = store.get_record(key)
             missing = [r for r in (record.refs if record else ())
-                       if store.get_record(r) is None]
+                       if r in offered and store.get_record(r) is None]
             if missing:
                 stranded.append((key, missing))
         if not stranded:
@@ -406,8 +408,10 @@ def _drop_stranded(store: LocalTier, report: ImportReport) -> None:
         for key, missing in stranded:
             store.delete(key)
             report.imported.remove(key)
+            offered.add(key)
             report.refuse(key, f"refers to {len(missing)} record{'s' if len(missing) > 1 else ''}"
-                               f" not in the store ({missing[0][:12]}...): not kept")
+                               f" the bundle held but that was not stored ({missing[0][:12]}...): "
+                               "not kept")
 
 
 def _printable(name: str) -> str:

@@ -344,12 +344,23 @@ def test_import_refuses_damaged_entries_and_names_them(open_local, filled, tmp_p
     assert result.exit_code == 1
     assert f"refused {key('t2')}: payload checksum mismatch" in result.stderr
     # The entry came whole, but one of its targets did not: not kept without it.
-    assert f"refused {key('entry')}: refers to 1 record not in the store" in result.stderr
+    assert f"refused {key('entry')}: refers to 1 record the bundle held but that" in result.stderr
     assert "imported 2 records" in result.stdout
     dst = open_local(target)
     assert not dst.contains(key("t2")) and not dst.contains(key("entry"))
     assert {r.key for r in dst.records()} == {key("t1"), key("loose")}
     assert dst.verify().clean
+
+
+def test_import_of_entries_alone_keeps_them(open_local, filled, tmp_path):
+    """A bundle of entries without their targets (which a remote tier serves, say): the
+    import keeps them; only a target the bundle held and did not store strands one."""
+    bundle = tmp_path / "entries.tar"
+    assert run(filled, "export", str(bundle), "--kind", "entry").exit_code == 0
+    target = tmp_path / "elsewhere"
+    result = run(target, "import", str(bundle))
+    assert result.exit_code == 0, result.output
+    assert {r.key for r in open_local(target).records()} == {key("entry")}
 
 
 def test_import_truncated_bundle(open_local, filled, tmp_path):
