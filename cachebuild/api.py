@@ -187,6 +187,8 @@ class CompiledModule(torch.nn.Module):
 
     def _take_over(self, interim: ModelRuntime, swap: BackgroundBuild,
                    args: tuple[Any, ...]) -> None:
+        """Serve with the runtime over ``swap``'s targets where ``interim`` served; its
+        graphs stop with it."""
         started = take_over(swap, self, self.model, self.config, self.dynamic_dims, args)
         if started is None:
             return  # failed to build or to take over: the interim runtime keeps serving
