@@ -104,14 +104,16 @@ def clean_work(folder: Path, dry_run: bool) -> tuple[int, bool]:
     """Empty the build work folder of what builds made there (``WORK_ENTRIES``) unless a
     build holds it: ``(bytes, emptied)`` (with ``dry_run``, what would go). UnsafeStore if the folder is not checked like the store
     (ours, private, under directories no one else could rename)."""
-    size = work_usage(folder).bytes
-    if size == 0 or not folder.is_dir():
+    if not folder.is_dir():
         return 0, True
-    # Checked like the store before anything in it is removed: a work folder set to
-    # someone else's directory is refused (UnsafeStore), never emptied.
+    # Checked like the store before anything in it is counted or removed: a work folder
+    # set to someone else's directory is refused (UnsafeStore), never emptied.
     folder = Path(os.path.realpath(folder))
     check_private_dir(folder, "work folder")
     check_parents(folder, "work folder")
+    size = work_usage(folder).bytes
+    if size == 0:
+        return 0, True
     lock = folder / WORK_LOCK
     try:
         fd = os.open(lock, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW
