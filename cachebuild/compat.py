@@ -107,15 +107,6 @@ def pin_vec_isa(name: str | None, flags: str | None) -> Callable[[], None]:
     return undo
 
 
-def data_ptrs_unchanged(tensors: list[torch.Tensor], at: list[int]) -> bool:
-    """Whether each of ``tensors`` still has its memory where ``at`` says. In Python, on
-    every build: torch's own batch comparison (``_tensors_data_ptrs_at_indices_equal``)
-    is in its CUDA builds only, and no faster to count on (for 200 CUDA tensors on
-    2026-12-05: 23 against 16 µs on an H200's host, 14 against 18 µs on an H100's);
-    about 15 µs on a 2-core CPU."""
-    return [t.data_ptr() for t in tensors] == at
-
-
 def cuda_graph_for_capture() -> tuple[Any, bool]:
     """A ``torch.cuda.CUDAGraph`` and whether it must be instantiated by a call of its own:
     True where this torch has ``keep_graph`` (capture and instantiation then time apart),

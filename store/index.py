@@ -154,7 +154,6 @@ class _ReadOnlyCache:
     transact = set = delete = incr = _refuse
 
 
-
 #: Free bytes under which a store index that cannot be opened is said to be on a full disk
 #: (SQLite's "disk I/O error" says nothing of it).
 FULL_BELOW = 1 << 20

@@ -76,17 +76,17 @@ def disk_usage(layout: Layout) -> dict[str, int]:
 #: The file a build holds shared (flock) in the work folder while it runs: ``gc`` empties
 #: the folder only when it can hold it alone.
 WORK_LOCK = ".builds"
-#: What builds make in the work folder: the lock, Inductor's and Triton's caches, the
-#: compilers' temp files and kept C++ objects. Nothing else there is ours to count or
+#: What builds make in the work folder beside the lock: Inductor's and Triton's caches,
+#: the compilers' temp files and kept C++ objects. Nothing else there is ours to count or
 #: remove (the operator may have pointed ``CACHEBUILD_WORK_DIR`` at a folder of theirs).
-WORK_ENTRIES = (WORK_LOCK, "inductor", "triton", "tmp", "cxx")
+WORK_FOLDERS = ("inductor", "triton", "tmp", "cxx")
 
 
 def work_usage(folder: Path) -> WorkUsage:
     """A folder's files (the build work folder): its bytes and file count (0 if it is
     missing)."""
     size = files = 0
-    for entry in WORK_ENTRIES[1:]:
+    for entry in WORK_FOLDERS:
         top = os.path.join(folder, entry)
         if os.path.isfile(top) and not os.path.islink(top):
             with contextlib.suppress(OSError):
@@ -101,9 +101,10 @@ def work_usage(folder: Path) -> WorkUsage:
 
 
 def clean_work(folder: Path, dry_run: bool) -> tuple[int, bool]:
-    """Empty the build work folder of what builds made there (``WORK_ENTRIES``) unless a
-    build holds it: ``(bytes, emptied)`` (with ``dry_run``, what would go). UnsafeStore if the folder is not checked like the store
-    (ours, private, under directories no one else could rename)."""
+    """Empty the build work folder of what builds made there (``WORK_FOLDERS``) unless a
+    build holds it: ``(bytes, emptied)`` (with ``dry_run``, what would go). UnsafeStore if
+    the folder is not checked like the store (ours, private, under directories no one
+    else could rename)."""
     if not folder.is_dir():
         return 0, True
     # Checked like the store before anything in it is counted or removed: a work folder
@@ -127,7 +128,7 @@ def clean_work(folder: Path, dry_run: bool) -> tuple[int, bool]:
             return 0, False  # a build is running: its files stay
         if not dry_run:
             for entry in os.scandir(folder):
-                if entry.name in WORK_ENTRIES[1:]:  # what builds made, nothing else
+                if entry.name in WORK_FOLDERS:  # what builds made, nothing else
                     remove_any(entry.path)
         return size, True
     finally:

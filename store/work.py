@@ -12,7 +12,7 @@ else's code. So:
   it made this very folder (``claims/``, by real path, device and inode). A folder the
   store has no record of (made before these records, or by someone else, or put in the
   place of ours) is emptied before any build uses it, and then recorded; one that holds
-  anything but what builds make there (``WORK_ENTRIES``) is refused instead, as it is
+  anything but what builds make there (``WORK_FOLDERS``) is refused instead, as it is
   somebody's folder named by mistake.
 - ``ObjectRecords`` keeps the SHA-256 of each C++ object a build keeps (in the environment
   folder's ``cxx/``, or the work folder's where that folder is not ours); an object is
@@ -39,7 +39,7 @@ from cachebuild import process_state
 from .files import open_regular, remove_any, write_whole
 from .layout import UnsafeStore, make_private_dir, prepare_work_dir
 from .locking import flocked, flocked_shared
-from .maintenance import WORK_ENTRIES, WORK_LOCK
+from .maintenance import WORK_FOLDERS, WORK_LOCK
 
 #: In a folder of object records: held while an object and its record are written or read.
 OBJECTS_LOCK = ".lock"
@@ -89,7 +89,7 @@ def open_work_dir(path: Path, records: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # no build may be reading it while it is emptied
         if not _claimed(claim, identity):
             found = [e.name for e in os.scandir(real) if e.name != WORK_LOCK]
-            foreign = sorted(name for name in found if name not in WORK_ENTRIES)
+            foreign = sorted(name for name in found if name not in WORK_FOLDERS)
             if foreign:
                 # Not emptied: a folder of the operator's, named by mistake, would be lost.
                 raise UnsafeStore(

@@ -69,9 +69,7 @@ class _Group(click.Group):
         try:
             return super().invoke(ctx)
         except CachebuildError as e:
-            state = ctx.obj if isinstance(ctx.obj, CliState) else None
-            if state is not None and state.verbose:
-                logging.getLogger("cachebuild").debug("error details", exc_info=True)
+            _details(ctx)
             hint = "; `cachebuild ls` lists the store's keys" if isinstance(e, UnknownKey) else ""
             click.echo(f"error: {one_line(e)}{hint}", err=True)
             ctx.exit(e.exit_code)
@@ -79,15 +77,20 @@ class _Group(click.Group):
             # A path that cannot be used as given (a file where a folder must be, a name
             # too long, a loop of links) or a disk that is full, met where no message was
             # made for it: one line naming the path, as every other error.
-            state = ctx.obj if isinstance(ctx.obj, CliState) else None
-            if state is not None and state.verbose:
-                logging.getLogger("cachebuild").debug("error details", exc_info=True)
+            _details(ctx)
             full = e.errno in (errno.ENOSPC, errno.EDQUOT)
             where = f"{e.filename}: " if e.filename else ""
             advice = ("free some space and try again" if full else
                       "check the paths given (--cache-dir, CACHEBUILD_DIR, the files named)")
             click.echo(f"error: {where}{e.strerror or e}; {advice}", err=True)
             ctx.exit(1 if full or e.errno in (errno.EIO, errno.EROFS) else 2)
+
+
+def _details(ctx: click.Context) -> None:
+    """With ``-v``, the traceback of the error being handled, in the log."""
+    state = ctx.obj if isinstance(ctx.obj, CliState) else None
+    if state is not None and state.verbose:
+        logging.getLogger("cachebuild").debug("error details", exc_info=True)
 
 
 #: The handler the command line logs through (one per process, however often it runs).

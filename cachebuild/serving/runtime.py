@@ -167,7 +167,7 @@ class ModelRuntime:
         # watched dict sees): every weight's pointer is compared at every call, as the
         # pieces read it with the dtype and layout they were built for.
         self._bound = [t for t in template if isinstance(t, torch.Tensor)]
-        self._bound_at = [t.data_ptr() for t in self._bound]
+        self._bound_at = weights.addresses(self._bound)
         self._addresses = weights.addresses(template)
 
     def _watched_paths(self) -> list[str]:
@@ -406,7 +406,7 @@ class ModelRuntime:
 
     def _call(self, *args: Any) -> Any:
         if self._generation != weights.GENERATION[0] or not self._held() or \
-                not compat.data_ptrs_unchanged(self._bound, self._bound_at):
+                not weights.unmoved(self._bound, self._bound_at):
             self._rebind_if_replaced()
         with self._on_device:  # graphs name the GPU by type: run on the model's
             if self.capturer is not None:
