@@ -187,11 +187,18 @@ def test_a_model_file_imports_the_modules_beside_it_and_its_package(tmp_path, mo
 @pytest.mark.slow
 def test_dry_run_plan_and_explain_change_nothing(tmp_path, model):
     """Looking is not using: ``warm --dry-run``, ``plan`` and ``explain`` store nothing and
-    count no hit, so they change nothing GC goes by."""
+    count no hit, so they change nothing GC goes by; where there is no store they make none
+    (a mistyped path stays absent), and say so."""
     store = tmp_path / "store"
     for args in (["warm", "--dry-run"], ["plan"], ["explain"]):
         proc = cli(store, *args, str(model))
         assert proc.returncode == 0, proc.stderr
+        assert f"no store at {store} yet" in " ".join(proc.stderr.split()), proc.stderr
+        assert "missing" in proc.stdout + proc.stderr
+        assert not store.exists(), args
+    store.mkdir()  # an empty folder is no store either, and stays empty
+    assert "would be built" in cli(store, "warm", "--dry-run", str(model)).stderr
+    assert not any(store.iterdir())
     assert snapshot(store) == {("hits", 0), ("misses", 0)}  # an empty store stays empty
     assert "would be built" in cli(store, "warm", "--dry-run", str(model)).stderr
     warm = cli(store, "warm", str(model), "--jobs", "2")

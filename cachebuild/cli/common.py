@@ -8,11 +8,14 @@ exit with the error's code (2 bad usage or input, 1 an operation that failed); t
 
 from __future__ import annotations
 
+import dataclasses
 import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import click
@@ -43,6 +46,8 @@ class CliState:
     options: StoreOptions
     verbose: bool = False
     store: Store | None = None
+    #: Where a command that only looks opened an empty store instead of making one.
+    scratch: tempfile.TemporaryDirectory[str] | None = None
 
     def open_store(self) -> Store:
         """The store the options select (opened once, closed when the command ends)."""
@@ -52,10 +57,26 @@ class CliState:
             self.store = open_store(self.options)
         return self.store
 
+    def open_store_to_look(self) -> tuple[Store, bool]:
+        """The store for a command that only looks (``plan``, ``explain``, ``warm
+        --dry-run``), and whether it is there: where the options name no store, an empty
+        one in a temporary folder (its remote tier, if any, still asked), removed when the
+        command ends, so that looking makes no store where a path may be mistyped."""
+        from cachebuild.store import FORMAT_DIR
+
+        if self.store is None and not (Path(self.options.cache_dir) / FORMAT_DIR).is_dir():
+            self.scratch = tempfile.TemporaryDirectory(prefix="cachebuild-look-")
+            self.options = dataclasses.replace(self.options, cache_dir=self.scratch.name)
+            return self.open_store(), False
+        return self.open_store(), self.scratch is None
+
     def close(self) -> None:
         if self.store is not None:
             self.store.close()
             self.store = None
+        if self.scratch is not None:
+            self.scratch.cleanup()
+            self.scratch = None
 
 
 def state_of(ctx: click.Context) -> CliState:

@@ -36,6 +36,7 @@ from cachebuild.cli.common import (
     MAX_WORLD_SIZE,
     model_file,
     printable,
+    safe_text,
     state_of,
     stderr,
     stdout,
@@ -191,7 +192,7 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
     say = _say(console)
     verbose = bool(getattr(ctx.obj, "verbose", False))
     with _progress(console, verbose) as (on_target, _):
-        report = warm(model, store=_store_for(ctx), jobs=jobs, device=device,
+        report = warm(model, store=_store_for(ctx, look=dry_run), jobs=jobs, device=device,
                       world_size=world_size, dry_run=dry_run, say=say, on_target=on_target)
     if dry_run:
         _plan_table(report, console)
@@ -216,13 +217,24 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
         ctx.exit(1)
 
 
-def _store_for(ctx: click.Context) -> Store:
+def _store_for(ctx: click.Context, look: bool = False) -> Store:
     """The command line's store (its worker processes ask it how to open it again), once
-    the building variables of the environment hold (``settings.check_settings``)."""
+    the building variables of the environment hold (``settings.check_settings``). A
+    command that only looks (``look``) makes no store where there is none: it says so
+    and looks in an empty one (``CliState.open_store_to_look``)."""
     from cachebuild.building.settings import check_settings
 
     check_settings()
-    return state_of(ctx).open_store()
+    state = state_of(ctx)
+    if not look:
+        return state.open_store()
+    where = state.options.cache_dir
+    store, there = state.open_store_to_look()
+    if not there:
+        _console().print(f"no store at {safe_text(where)} yet: every target is shown as "
+                         "missing (nothing is made there; `cachebuild warm MODEL.py` builds "
+                         "one)", highlight=False)
+    return store
 
 
 def _say(console: Console) -> Callable[[str], None]:
@@ -279,8 +291,8 @@ def plan_command(ctx: click.Context, model: str, device: str | None,
 
     console = _console()
     with _progress(console) as (_, on_phase):
-        report = plan(model, store=_store_for(ctx), device=device, world_size=world_size,
-                      say=_say(console))
+        report = plan(model, store=_store_for(ctx, look=True), device=device,
+                      world_size=world_size, say=_say(console))
     _plan_table(report, stdout())
 
 
@@ -296,7 +308,8 @@ def explain_command(ctx: click.Context, model: str, device: str | None,
     from cachebuild.explain import explain
 
     with _progress(_console()):  # importing the model, tracing it: said as they start
-        report = explain(model, store=_store_for(ctx), device=device, world_size=world_size)
+        report = explain(model, store=_store_for(ctx, look=True), device=device,
+                         world_size=world_size)
     console = stdout()
     # Manifests may come from a shared tier: everything is printed as plain, escaped text.
     for entry in report.entries:
