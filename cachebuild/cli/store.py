@@ -384,6 +384,16 @@ def verify_command(ctx: click.Context, repair: bool) -> None:
         summary += (f"; cleaned {report.tmp_removed} abandoned temp files; moved "
                     f"{report.orphans_removed} blobs no record points to into quarantine/ "
                     f"(kept {_QUARANTINE_DAYS} days)")
+    incomplete = _incomplete_entries(store, {key for key, _ in report.damaged + refused})
+    for key, missing, total in incomplete[:MAX_LISTED]:
+        click.echo(f"incomplete entry {key}: {missing} of its {total} targets not stored (a "
+                   "start that uses it builds them first; `cachebuild warm MODEL.py` builds "
+                   "them ahead)", err=True)
+    if len(incomplete) > MAX_LISTED:
+        click.echo(f"incomplete: and {len(incomplete) - MAX_LISTED} more", err=True)
+    if incomplete:
+        n = len(incomplete)
+        summary += f"; {n} entr{'y' if n == 1 else 'ies'} incomplete"
     click.echo(summary)
     if report.unrecorded:
         click.echo(f"{plural(report.unrecorded, 'blob')} no record points to (left by an "
@@ -393,6 +403,22 @@ def verify_command(ctx: click.Context, repair: bool) -> None:
     if (report.damaged or refused) and not repair:
         click.echo("run `cachebuild verify --repair` to quarantine or remove them", err=True)
         ctx.exit(1)
+
+
+def _incomplete_entries(store: Store, unusable: set[str]) -> list[tuple[str, int, int]]:
+    """``(entry key, targets missing, targets)`` for every stored entry some of whose
+    targets are not stored (or are among ``unusable``): not damage (``gc`` evicts unpinned
+    targets), but a start that uses the entry builds before it serves."""
+    held = {r.key for r in store.records(manifests=False)} - unusable
+    found = []
+    for record in store.records(kind="entry", manifests=False):
+        if record.key in unusable:
+            continue
+        missing = [k for k in record.refs if k not in held and
+                   (k in unusable or not store.contains(k))]  # a remote tier may hold it
+        if missing:
+            found.append((record.key, len(missing), len(record.refs)))
+    return found
 
 
 @click.command("pin")
