@@ -196,6 +196,14 @@ def test_dry_run_plan_and_explain_change_nothing(tmp_path, model):
         assert f"no store at {store} yet" in " ".join(proc.stderr.split()), proc.stderr
         assert "missing" in proc.stdout + proc.stderr
         assert not store.exists(), args
+    # A place no store could be made is refused as `warm` refuses it, not looked past.
+    (tmp_path / "a-file").write_text("")
+    (tmp_path / "open").mkdir(mode=0o777)
+    os.chmod(tmp_path / "open", 0o777)
+    for place in (tmp_path / "a-file", tmp_path / "open"):
+        for args in (["plan"], ["warm", "--dry-run"], ["warm"]):
+            proc = cli(place, *args, str(model))
+            assert proc.returncode == 2 and proc.stderr.startswith("error: "), proc.stderr
     store.mkdir()  # an empty folder is no store either, and stays empty
     assert "would be built" in cli(store, "warm", "--dry-run", str(model)).stderr
     assert not any(store.iterdir())

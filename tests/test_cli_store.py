@@ -28,7 +28,10 @@ def filled(store_dir):
     with LocalStore(store_dir) as store:
         store.put(key("t1"), b"a" * 3000, kind="target", manifest={"graph": "g1"})
         store.put(key("t2"), b"b" * 2000, kind="target", manifest={"graph": "g2"})
-        store.put(key("entry"), b"entry", kind="entry", refs=[key("t1"), key("t2")])
+        # As a model entry lists its targets (its guards have no seal here).
+        entry = {"pieces": [{"targets": [{"key": key("t1")}, {"key": key("t2")}]}]}
+        store.put(key("entry"), json.dumps(entry).encode(), kind="entry",
+                  refs=[key("t1"), key("t2")])
         store.put(key("loose"), b"c" * 5000, kind="target")
         store.pin(key("entry"))
     return store_dir
@@ -235,10 +238,19 @@ def test_verify_exit_codes(open_local, filled):
     # The entry whose target went is named: not damage, but a start using it builds first.
     for result in (repaired, run(filled, "verify")):
         assert result.exit_code == 0
-        assert f"incomplete entry {key('entry')}: 1 of its 2 targets not stored" in \
+        assert f"incomplete entry {key('entry')}: 1 of its 2 targets not stored here" in \
             " ".join(result.stderr.split())
         assert "; 1 entry incomplete" in result.stdout
     assert not open_local(filled).contains(key("t1"))
+    # An entry whose guards' seal is gone is not used at all: said as such.
+    from cachebuild.keys import guard_seal_key
+
+    sealed = {"key": key("sealed"), "guards": [], "pieces": [{"targets": [{"key": key("t2")}]}]}
+    with LocalStore(filled) as store:
+        store.put(key("sealed"), json.dumps(sealed).encode(), kind="entry",
+                  refs=[key("t2"), guard_seal_key(key("sealed"), [])])
+    said = " ".join(run(filled, "verify").stderr.split())
+    assert f"incomplete entry {key('sealed')}: the seal of its guards is not stored here" in said
 
 
 def test_unsafe_or_unusable_store_directory_is_bad_input_exit_2(tmp_path):

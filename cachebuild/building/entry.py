@@ -345,20 +345,28 @@ def refused_graphs(store: Store, skip: Collection[str] = ()) -> list[tuple[str, 
     return found
 
 
-def payload_refs(payload: bytes) -> list[str]:
-    """The keys a stored entry needs beside it (its targets and the seal of its guards),
+def payload_parts(payload: bytes) -> tuple[list[str], str | None]:
+    """A stored entry's target keys and the key of its guards' seal (None: it has none),
     read from the payload's JSON without building the entry, so that an entry of an
     older format still keeps its targets. ValueError, KeyError, TypeError or
     AttributeError if the payload names none; an entry whose guards no key can be made
-    of has no seal ref (it is a miss anyway)."""
+    of has no seal (it is a miss anyway)."""
     doc = json.loads(payload)
     keys = [t["key"] for p in doc.get("pieces", []) for t in p.get("targets", [])]
+    seal = None
     if "key" in doc and "guards" in doc:  # an entry that has a seal
         try:
-            keys.append(guard_seal_key(doc["key"], doc["guards"]))
+            seal = guard_seal_key(doc["key"], doc["guards"])
         except (ValueError, TypeError, RecursionError):
             pass
-    return keys
+    return keys, seal
+
+
+def payload_refs(payload: bytes) -> list[str]:
+    """The keys a stored entry needs beside it: its targets and the seal of its guards
+    (``payload_parts``)."""
+    keys, seal = payload_parts(payload)
+    return keys if seal is None else [*keys, seal]
 
 
 # The store reads what an entry refers to through this (also declared as the

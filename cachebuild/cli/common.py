@@ -59,12 +59,11 @@ class CliState:
 
     def open_store_to_look(self) -> tuple[Store, bool]:
         """The store for a command that only looks (``plan``, ``explain``, ``warm
-        --dry-run``), and whether it is there: where the options name no store, an empty
-        one in a temporary folder (its remote tier, if any, still asked), removed when the
-        command ends, so that looking makes no store where a path may be mistyped."""
-        from cachebuild.store import FORMAT_DIR
-
-        if self.store is None and not (Path(self.options.cache_dir) / FORMAT_DIR).is_dir():
+        --dry-run``), and whether it is there: where the options name a place a store
+        could be made (``check_place``) but none is, an empty one in a temporary folder
+        (its remote tier, if any, still asked), removed when the command ends, so that
+        looking makes no store where a path may be mistyped."""
+        if self.store is None and not holds_store(Path(self.options.cache_dir)):
             self.scratch = tempfile.TemporaryDirectory(prefix="cachebuild-look-")
             self.options = dataclasses.replace(self.options, cache_dir=self.scratch.name)
             return self.open_store(), False
@@ -97,7 +96,25 @@ def open_existing_store(ctx: click.Context) -> Store:
     store never makes an empty one where a path was mistyped (UsageError, exit 2, naming
     the path)."""
     import os
-    from pathlib import Path
+
+    from cachebuild.store import FORMAT_DIR
+
+    path = Path(state_of(ctx).options.cache_dir)
+    if not holds_store(path):
+        why = "no such directory" if not os.path.lexists(path) else \
+            f"the directory holds no store (no {FORMAT_DIR}/ folder)"
+        raise UsageError(f"no store at {path}: {why}; check --cache-dir or CACHEBUILD_DIR, "
+                         "or make one with `cachebuild warm MODEL.py` or `cachebuild import "
+                         "FILE`")
+    return open_store(ctx)
+
+
+def holds_store(path: Path) -> bool:
+    """Whether ``path`` holds a store. Before it looks, an unsafe or unusable place is
+    refused as opening a store there would refuse it (StoreError, UsageError): a folder
+    that is there (another user's, open to others, unreadable), or the folders above one
+    that is not (another user may have moved it away)."""
+    import os
 
     from cachebuild.store import (
         FORMAT_DIR,
@@ -107,21 +124,12 @@ def open_existing_store(ctx: click.Context) -> Store:
         writable_here,
     )
 
-    path = Path(state_of(ctx).options.cache_dir)
-    if not (path / FORMAT_DIR).is_dir():
-        # An unsafe place is refused as such, before all else: a folder that is there, or
-        # the folders above one that is not (another user may have moved it away).
-        if os.path.lexists(path):
-            real = Path(os.path.realpath(path))
-            (check_private_dir if writable_here(real) else check_readable_dir)(real)
-        else:
-            check_where_made(path.absolute())
-        why = "no such directory" if not os.path.lexists(path) else \
-            f"the directory holds no store (no {FORMAT_DIR}/ folder)"
-        raise UsageError(f"no store at {path}: {why}; check --cache-dir or CACHEBUILD_DIR, "
-                         "or make one with `cachebuild warm MODEL.py` or `cachebuild import "
-                         "FILE`")
-    return open_store(ctx)
+    if os.path.lexists(path):
+        real = Path(os.path.realpath(path))
+        (check_private_dir if writable_here(real) else check_readable_dir)(real)
+    else:
+        check_where_made(path.absolute())
+    return os.path.isdir(path / FORMAT_DIR)
 
 
 def printable(value: object, limit: int = 200) -> str:

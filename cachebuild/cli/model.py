@@ -231,9 +231,10 @@ def _store_for(ctx: click.Context, look: bool = False) -> Store:
     where = state.options.cache_dir
     store, there = state.open_store_to_look()
     if not there:
-        _console().print(f"no store at {safe_text(where)} yet: every target is shown as "
-                         "missing (nothing is made there; `cachebuild warm MODEL.py` builds "
-                         "one)", highlight=False)
+        shown = ("only what the remote tier holds is shown as stored" if
+                 state.options.uses_remote else "every target is shown as missing")
+        _console().print(f"no store at {safe_text(where)} yet: {shown} (nothing is made "
+                         "there; `cachebuild warm MODEL.py` builds one)", highlight=False)
     return store
 
 

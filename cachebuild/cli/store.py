@@ -385,10 +385,8 @@ def verify_command(ctx: click.Context, repair: bool) -> None:
                     f"{report.orphans_removed} blobs no record points to into quarantine/ "
                     f"(kept {_QUARANTINE_DAYS} days)")
     incomplete = _incomplete_entries(store, {key for key, _ in report.damaged + refused})
-    for key, missing, total in incomplete[:MAX_LISTED]:
-        click.echo(f"incomplete entry {key}: {missing} of its {total} targets not stored (a "
-                   "start that uses it builds them first; `cachebuild warm MODEL.py` builds "
-                   "them ahead)", err=True)
+    for line in incomplete[:MAX_LISTED]:
+        click.echo(line, err=True)
     if len(incomplete) > MAX_LISTED:
         click.echo(f"incomplete: and {len(incomplete) - MAX_LISTED} more", err=True)
     if incomplete:
@@ -405,20 +403,33 @@ def verify_command(ctx: click.Context, repair: bool) -> None:
         ctx.exit(1)
 
 
-def _incomplete_entries(store: Store, unusable: set[str]) -> list[tuple[str, int, int]]:
-    """``(entry key, targets missing, targets)`` for every stored entry some of whose
-    targets are not stored (or are among ``unusable``): not damage (``gc`` evicts unpinned
-    targets), but a start that uses the entry builds before it serves."""
+def _incomplete_entries(store: Store, unusable: set[str]) -> list[str]:
+    """A line for every stored entry some of whose parts are not stored here (or are
+    among ``unusable``): not damage (``gc`` evicts unpinned targets), but a start that
+    uses the entry builds before it serves, or traces again without its guards' seal.
+    Only what is here is asked about: a remote tier's ``contains`` would copy what it has."""
+    from cachebuild.building.entry import payload_parts
+
     held = {r.key for r in store.records(manifests=False)} - unusable
-    found = []
+    lines = []
     for record in store.records(kind="entry", manifests=False):
-        if record.key in unusable:
+        # Held here, so no tier copies it: a look, not a use.
+        payload = store.get(record.key, touch=False) if record.key in held else None
+        if payload is None:
             continue
-        missing = [k for k in record.refs if k not in held and
-                   (k in unusable or not store.contains(k))]  # a remote tier may hold it
-        if missing:
-            found.append((record.key, len(missing), len(record.refs)))
-    return found
+        try:
+            targets, seal = payload_parts(payload)
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            continue  # a graph check above says what is wrong with it
+        missing = [k for k in targets if k not in held]
+        if seal is not None and seal not in held:
+            lines.append(f"incomplete entry {record.key}: the seal of its guards is not "
+                         "stored here (a start traces the model again)")
+        elif missing:
+            lines.append(f"incomplete entry {record.key}: {len(missing)} of its "
+                         f"{len(targets)} targets not stored here (a start that uses it builds "
+                         "them first; `cachebuild warm MODEL.py` builds them ahead)")
+    return lines
 
 
 @click.command("pin")
