@@ -59,7 +59,13 @@ def _finish_tripled(y: torch.Tensor) -> torch.Tensor:
     return y * 3
 
 
-class Net(nn.Module):
+class Tuned(nn.Module):
+    """Gives ``gain``, a class attribute the forward reads through ``Net``."""
+
+    gain = 1.0
+
+
+class Net(Tuned):
     def __init__(self) -> None:
         super().__init__()
         self.a = nn.Linear(8, 8)
@@ -89,7 +95,7 @@ class Net(nn.Module):
             y = y * 4
         if self.count is True:
             y = y * 5
-        y = self.scale(self.gate.apply(y))
+        y = self.scale(self.gate.apply(y)) * self.gain * self.gate.level
         act = torch.relu if self.config.act == "relu" else torch.tanh
         return finish(self.post(act(y) + self.config.eps))
 
@@ -163,6 +169,12 @@ CASES = [
          lambda n, _: setattr(n.gate, "__class__", Gate)),
     Case("class of a submodule", lambda n: setattr(n.scale, "__class__", Doubled),
          lambda n, _: setattr(n.scale, "__class__", Scale)),
+    # Set on the model's class, shadowing what its base class gives (and on a plain
+    # object's class): the value read moves to another class of the MRO.
+    Case("class attribute shadowed", lambda n: setattr(Net, "gain", 2.0),
+         lambda n, _: delattr(Net, "gain")),
+    Case("class attribute of an object shadowed", lambda n: setattr(Gate, "level", 3.0),
+         lambda n, _: delattr(Gate, "level")),
 ]
 
 

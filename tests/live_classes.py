@@ -10,7 +10,13 @@ import torch
 import torch.nn as nn
 
 
-class Gate:
+class GateBase:
+    """Gives ``level``, a class attribute the forward reads through ``Gate``."""
+
+    level = 1.0
+
+
+class Gate(GateBase):
     """A plain object the forward calls a method of."""
 
     def apply(self, y: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ Each case of ``tests/live_changes.py`` (an attribute, a nested attribute, ``trai
 global, a config value, a list's contents, an environment variable, a forward hook, one
 module-level object swapped for another of its class, a function's or a method's code
 swapped in place, an int made a bool, an object's or a submodule's class swapped in
-place) runs in
+place, a class attribute set on a subclass of the class that gave it) runs in
 a process of its own, through both front doors, cold then warm against one store, every
 output compared with the live eager model's. Through ``cachebuild.compile``: a change costs
 one trace the first time, undoing it none (the forward for the old values is still there),
@@ -80,10 +80,12 @@ def test_every_live_change_through_cachebuild_compile_cold_then_warm(tmp_path):
 #: after the first call (``torch._dynamo.config.skip_nnmodule_hook_guards``), an
 #: environment variable the forward reads, ``x is Y`` between two objects of one
 #: class (guarded by their type alone), a method replaced on the model's class or given
-#: other code in place. That door is Dynamo's; the README says so.
+#: other code in place, a class attribute set on a subclass of the class that gave it.
+#: That door is Dynamo's; the README says so.
 DYNAMO_UNGUARDED = ("environment variable", "environment variable named by an attribute",
                     "forward hook", "module-level object", "method of the class",
-                    "code of a method")
+                    "code of a method", "class attribute shadowed",
+                    "class attribute of an object shadowed")
 
 
 def test_every_live_change_through_torch_compile(tmp_path):

@@ -427,6 +427,41 @@ def method_records(code_objects: Sequence[types.CodeType],
     return records
 
 
+def shadow_records(records: list[GuardRecord], model: Any,
+                   args: Sequence[Any]) -> list[GuardRecord]:
+    """Records that no class before the one a class attribute was read from holds it.
+
+    Dynamo reads a class attribute where the MRO finds it
+    (``dict(type(x).__mro__[i].__dict__)[name]``) and guards its value there, and that
+    the instance does not shadow it, but not that the classes before ``i`` still lack it:
+    ``Sub.scale = 3.0`` set on a subclass of the class that gave ``scale`` would go
+    unnoticed (torch.compile serves the old value). For every such read at ``i > 0``, each
+    class before it is recorded as not holding the name.
+    """
+    out: list[GuardRecord] = []
+    seen: set[tuple[Any, ...]] = set()
+    for record in records:
+        path = record.path
+        for k in range(len(path) - 4):
+            mro, at, held, copied, item = path[k:k + 5]
+            if mro != ("attr", "__mro__") or at[0] != "item" or not isinstance(at[1], int) \
+                    or held != ("attr", "__dict__") or copied != ("dict",) or item[0] != "item":
+                continue
+            for j in range(at[1]):
+                before = (*path[:k + 1], ("item", j), held, copied)
+                if (before, item[1]) in seen:
+                    continue
+                seen.add((before, item[1]))
+                try:
+                    value = resolve(before, model, args)
+                except Exception as e:
+                    raise Unrecordable(f"a class before the one giving {item[1]!r} is not "
+                                       f"readable ({type(e).__name__})") from e
+                out.append(GuardRecord(before, "contains", item[1],
+                                       fingerprint("contains", value, item[1])))
+    return out
+
+
 def _reads_environment(record: GuardRecord, model: Any, args: Sequence[Any]) -> bool:
     for k, s in enumerate(record.path):
         if s == ("attr", "environ"):

@@ -311,6 +311,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         environment_records,
         method_records,
         records_from,
+        shadow_records,
     )
 
     args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
@@ -415,6 +416,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
             guards = records_from(collected, model, args, bound)
             guards += environment_records(guards, captured["code"], model, args)
             guards += method_records(captured["code"], model)
+            guards += shadow_records(guards, model, args)
             unrecordable, generated_from = _unkeyed_code(model, captured["code"])
         except Unrecordable as e:
             unrecordable = str(e)
