@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from cachebuild import compat
 from cachebuild.building.build import Builder, resolve_all
 from cachebuild.building.planner import Planner, autocast_refusal
 from cachebuild.config import CompileConfig, check_config, check_dynamic_dims
@@ -256,6 +257,10 @@ class CompiledModule(torch.nn.Module):
                              "(in the order of the model's forward)")
         if self._eager:
             return self.model(*args)  # cannot be compiled, on_failure="eager"
+        if compat.user_dispatch_mode():
+            # A mode of the caller's sees every op the model runs (counting, checking,
+            # changing them); compiled code would run past it. As torch.compile does.
+            return self.model(*args)
         # Dynamo runs the model's own hooks and forward, not torch's global module hooks.
         why = global_hooks() if self._dynamo is not None else not_run(self.model, self._forward)
         if why is None:

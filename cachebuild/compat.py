@@ -722,3 +722,17 @@ def matmul_rounding() -> tuple[Any, ...]:
         fp32 = _FP32_PRECISION("cuda", "matmul") if _FP32_PRECISION is not None else None
     return (fp32, c._get_cublas_allow_fp16_reduced_precision_reduction(),
             c._get_cublas_allow_bf16_reduced_precision_reduction())
+
+
+def _dispatch_mode_reader() -> Callable[[], bool]:
+    from torch.utils import _python_dispatch as d
+
+    # torch 2.11+: a mode that does not ask to be left out of compiled code (its
+    # ``ignore_compile_internals``); before, any mode but torch's own infrastructure's.
+    found = getattr(d, "is_in_any_mode_without_ignore_compile_internals", None)
+    return found if found is not None else lambda: d.is_in_torch_dispatch_mode(False)
+
+
+#: Whether a TorchDispatchMode of the caller's is active (``with FlopCounterMode():``):
+#: torch.compile runs the model eagerly under one, as compiled code would bypass it.
+user_dispatch_mode: Callable[[], bool] = _dispatch_mode_reader()

@@ -10,15 +10,18 @@ traces this process has made so far.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn as nn
 from live_classes import Doubled, Gate, LoudGate, Scale
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import cachebuild
 
@@ -131,6 +134,21 @@ def _set_env(value: str | None, name: str = "LIVE_DOUBLE") -> None:
         os.environ[name] = value
 
 
+class DoubledMatmuls(TorchDispatchMode):
+    """A caller's dispatch mode that changes results: every matmul doubled."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+                           ) -> Any:
+        out = func(*args, **(kwargs or {}))
+        return out * 2 if func in (torch.ops.aten.addmm.default, torch.ops.aten.mm.default) \
+            else out
+
+
+#: The modes each call runs under (the case below sets one).
+MODE: list[TorchDispatchMode] = []
+AROUND_THE_CALL = "a dispatch mode around the call"
+
+
 @dataclass
 class Case:
     name: str
@@ -175,6 +193,9 @@ CASES = [
          lambda n, _: delattr(Net, "gain")),
     Case("class attribute of an object shadowed", lambda n: setattr(Gate, "level", 3.0),
          lambda n, _: delattr(Gate, "level")),
+    # Not a value the forward reads: a mode of the caller's around the call, which
+    # compiled code would run past. The model runs eagerly under it (nothing traced).
+    Case(AROUND_THE_CALL, lambda n: MODE.append(DoubledMatmuls()), lambda n, _: MODE.clear()),
 ]
 
 
@@ -189,7 +210,9 @@ def main(door: str, backend: str, cases: list[str]) -> None:
     x = torch.randn(4, 8)
 
     def call(case: str, step: str) -> None:
-        with torch.no_grad():
+        with torch.no_grad(), contextlib.ExitStack() as modes:
+            for mode in MODE:
+                modes.enter_context(mode)
             out = compiled(x)
             want = net(x)
         print(json.dumps({"case": case, "step": step,

@@ -66,7 +66,9 @@ def test_every_live_change_through_cachebuild_compile_cold_then_warm(tmp_path):
     _assert_exact(cold)
     traces = _traces_per_step(cold)
     for (case, step), n in traces.items():
-        if step == "changed":
+        if case == live_changes.AROUND_THE_CALL:
+            assert n == 0, (case, n)  # run eagerly under the caller's mode
+        elif step == "changed":
             assert n == 1, (case, n)  # the new values are traced once...
         elif step == "undone":
             assert n == 0, (case, n)  # ...and the old forward serves the old ones again
@@ -94,9 +96,11 @@ def test_every_live_change_through_torch_compile(tmp_path):
 
 
 def test_a_flag_flipped_with_inductor_cold_then_warm(tmp_path):
+    """Also a caller's dispatch mode around a call: generated code would run past it."""
     store = tmp_path / "store"
-    _assert_exact(_run("compile", "inductor", store, "attribute"))
-    warm = _run("compile", "inductor", store, "attribute")
+    cases = ("attribute", live_changes.AROUND_THE_CALL)
+    _assert_exact(_run("compile", "inductor", store, *cases))
+    warm = _run("compile", "inductor", store, *cases)
     _assert_exact(warm)
     assert warm[-1]["traced"] == 0
 
