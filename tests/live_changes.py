@@ -99,6 +99,10 @@ class Net(Tuned):
         if self.count is True:
             y = y * 5
         y = self.scale(self.gate.apply(y)) * self.gain * self.gate.level
+        if not self.a.weight.requires_grad:  # frozen: read, as code choosing checkpoints does
+            y = y - 1
+        if x.requires_grad:
+            y = y * 1.5
         act = torch.relu if self.config.act == "relu" else torch.tanh
         return finish(self.post(act(y) + self.config.eps))
 
@@ -146,6 +150,8 @@ class DoubledMatmuls(TorchDispatchMode):
 
 #: The modes each call runs under (the case below sets one).
 MODE: list[TorchDispatchMode] = []
+#: Whether each call's input requires grad (set by a case below: called under no_grad).
+INPUT_GRAD: list[bool] = []
 AROUND_THE_CALL = "a dispatch mode around the call"
 
 
@@ -193,6 +199,10 @@ CASES = [
          lambda n, _: delattr(Net, "gain")),
     Case("class attribute of an object shadowed", lambda n: setattr(Gate, "level", 3.0),
          lambda n, _: delattr(Gate, "level")),
+    Case("requires_grad of a weight", lambda n: n.a.requires_grad_(False),
+         lambda n, _: n.a.requires_grad_(True)),
+    Case("an input that requires grad", lambda n: INPUT_GRAD.append(True),
+         lambda n, _: INPUT_GRAD.clear()),
     # Not a value the forward reads: a mode of the caller's around the call, which
     # compiled code would run past. The model runs eagerly under it (nothing traced).
     Case(AROUND_THE_CALL, lambda n: MODE.append(DoubledMatmuls()), lambda n, _: MODE.clear()),
@@ -213,8 +223,9 @@ def main(door: str, backend: str, cases: list[str]) -> None:
         with torch.no_grad(), contextlib.ExitStack() as modes:
             for mode in MODE:
                 modes.enter_context(mode)
-            out = compiled(x)
-            want = net(x)
+            given = x.detach().requires_grad_(bool(INPUT_GRAD))
+            out = compiled(given)
+            want = net(given)
         print(json.dumps({"case": case, "step": step,
                           "error": float((out - want).abs().max()),
                           "traced": cachebuild.stats()["traced"]}), flush=True)

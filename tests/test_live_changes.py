@@ -4,7 +4,8 @@ Each case of ``tests/live_changes.py`` (an attribute, a nested attribute, ``trai
 global, a config value, a list's contents, an environment variable, a forward hook, one
 module-level object swapped for another of its class, a function's or a method's code
 swapped in place, an int made a bool, an object's or a submodule's class swapped in
-place, a class attribute set on a subclass of the class that gave it) runs in
+place, a class attribute set on a subclass of the class that gave it, a weight's or an
+input's requires_grad read) runs in
 a process of its own, through both front doors, cold then warm against one store, every
 output compared with the live eager model's. Through ``cachebuild.compile``: a change costs
 one trace the first time, undoing it none (the forward for the old values is still there),

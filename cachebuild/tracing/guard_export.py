@@ -462,6 +462,37 @@ def shadow_records(records: list[GuardRecord], model: Any,
     return out
 
 
+def requires_grad_records(code_objects: Sequence[types.CodeType],
+                          bound: Sequence[tuple[str, str | int]], model: Any,
+                          args: Sequence[Any]) -> list[GuardRecord]:
+    """Records of whether each tensor the graph binds requires grad, where the traced code
+    may read it.
+
+    Dynamo reads ``t.requires_grad`` as a constant and guards it with the tensor's own
+    metadata, which the bound tensors (weights and call arguments) are checked by instead,
+    without it: a forward that branches on it (``if self.w.requires_grad:``), called after
+    ``model.requires_grad_(False)`` or with an input that requires grad, would be served
+    the other branch. Where any code the trace ran names ``requires_grad``, every bound
+    tensor's is recorded (more than were read, never fewer); a forward that never names
+    it is served whatever its tensors' flags. ``bound``: ``("param" | "buffer", path)`` or
+    ``("arg", index)`` per bound tensor.
+    """
+    if not any("requires_grad" in code.co_names for code in code_objects):
+        return []
+    records = []
+    for kind, where in bound:
+        if kind == "arg":
+            path: tuple[tuple[Any, ...], ...] = (("arg", where),)
+        else:
+            *modules, name = str(where).split(".")
+            path = (("model",), *[s for m in modules for s in (("attr", "_modules"), ("item", m))],
+                    ("attr", "_parameters" if kind == "param" else "_buffers"), ("item", name))
+        path += (("attr", "requires_grad"),)
+        records.append(GuardRecord(path, "equals", None,
+                                   fingerprint("equals", resolve(path, model, args), None)))
+    return records
+
+
 def _reads_environment(record: GuardRecord, model: Any, args: Sequence[Any]) -> bool:
     for k, s in enumerate(record.path):
         if s == ("attr", "environ"):

@@ -311,10 +311,14 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         environment_records,
         method_records,
         records_from,
+        requires_grad_records,
         shadow_records,
     )
 
-    args = [a.clone() if isinstance(a, torch.Tensor) else a for a in args]
+    # Copies, so that the trace writes nothing of the caller's; each as the caller's
+    # argument is, its requires_grad too (a clone made under no_grad drops it).
+    args = [a.detach().clone().requires_grad_(a.requires_grad)
+            if isinstance(a, torch.Tensor) else a for a in args]
     check_call_dims(args, dynamic_dims)
     for i, d in dynamic_dims.items():
         if args[i].shape[d] == 1:
@@ -417,6 +421,10 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
             guards += environment_records(guards, captured["code"], model, args)
             guards += method_records(captured["code"], model)
             guards += shadow_records(guards, model, args)
+            guards += requires_grad_records(
+                captured["code"], [(b.kind, b.arg if b.kind == "arg" else b.path)
+                                   for b in bindings if b.kind in ("param", "buffer", "arg")],
+                model, args)
             unrecordable, generated_from = _unkeyed_code(model, captured["code"])
         except Unrecordable as e:
             unrecordable = str(e)
