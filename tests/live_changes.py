@@ -82,6 +82,7 @@ class Net(Tuned):
         self.count = 1  # made True: equal to 1 in Python, yet another value
         self.gate = Gate()  # given another class in place
         self.scale = Scale()  # a submodule given another class in place
+        self.table = {(1, "x"): 1.0}  # a dict read with a tuple key
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.b(x) if self.use_b else self.a(x)
@@ -103,6 +104,7 @@ class Net(Tuned):
             y = y - 1
         if x.requires_grad:
             y = y * 1.5
+        y = y * self.table[(1, "x")]
         act = torch.relu if self.config.act == "relu" else torch.tanh
         return finish(self.post(act(y) + self.config.eps))
 
@@ -199,6 +201,8 @@ CASES = [
          lambda n, _: delattr(Net, "gain")),
     Case("class attribute of an object shadowed", lambda n: setattr(Gate, "level", 3.0),
          lambda n, _: delattr(Gate, "level")),
+    Case("value under a tuple key", lambda n: n.table.update({(1, "x"): 2.0}),
+         lambda n, _: n.table.update({(1, "x"): 1.0})),
     Case("requires_grad of a weight", lambda n: n.a.requires_grad_(False),
          lambda n, _: n.a.requires_grad_(True)),
     Case("an input that requires grad", lambda n: INPUT_GRAD.append(True),

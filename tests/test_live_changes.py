@@ -5,7 +5,7 @@ global, a config value, a list's contents, an environment variable, a forward ho
 module-level object swapped for another of its class, a function's or a method's code
 swapped in place, an int made a bool, an object's or a submodule's class swapped in
 place, a class attribute set on a subclass of the class that gave it, a weight's or an
-input's requires_grad read) runs in
+input's requires_grad read, a value under a tuple key) runs in
 a process of its own, through both front doors, cold then warm against one store, every
 output compared with the live eager model's. Through ``cachebuild.compile``: a change costs
 one trace the first time, undoing it none (the forward for the old values is still there),

@@ -353,10 +353,11 @@ def records_from(collected: Collected, model: torch.nn.Module, args: Sequence[An
             raise Unrecordable(f"{entry.orig_guard.name or 'a guard'}: Dynamo guard kind "
                                f"{kind} has no plain form")
         if record is not None and not _dynamo_internal(record):
-            records.setdefault((record.path, record.check, repr(record.arg)), record)
+            # repr: a path may hold a key stored as a dict (a tuple key: ``encode_key``)
+            records.setdefault((repr(record.path), record.check, repr(record.arg)), record)
     for name in STATE_NAMES:
         path = (("state", name),)
-        records[(path, "equals", "None")] = GuardRecord(
+        records[(repr(path), "equals", "None")] = GuardRecord(
             path, "equals", None, fingerprint("equals", process_state(name), None))
     return list(records.values())
 
@@ -439,7 +440,7 @@ def shadow_records(records: list[GuardRecord], model: Any,
     class before it is recorded as not holding the name.
     """
     out: list[GuardRecord] = []
-    seen: set[tuple[Any, ...]] = set()
+    seen: set[str] = set()
     for record in records:
         path = record.path
         for k in range(len(path) - 4):
@@ -449,9 +450,9 @@ def shadow_records(records: list[GuardRecord], model: Any,
                 continue
             for j in range(at[1]):
                 before = (*path[:k + 1], ("item", j), held, copied)
-                if (before, item[1]) in seen:
+                if repr((before, item[1])) in seen:
                     continue
-                seen.add((before, item[1]))
+                seen.add(repr((before, item[1])))
                 try:
                     value = resolve(before, model, args)
                 except Exception as e:
