@@ -24,7 +24,7 @@ _DURATION_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h|d|w)?", re.IGNOR
 def parse_size(text: str) -> int:
     """Bytes in a size such as ``20G``, ``1.5GiB``, ``500M``, ``64k`` or ``1024``.
 
-    A bare number is bytes. Raises ValueError for anything else, or a negative size.
+    A bare number is whole bytes. Raises ValueError for anything else, or a negative size.
     """
     m = _SIZE_RE.fullmatch(text)
     if not m:
@@ -33,6 +33,9 @@ def parse_size(text: str) -> int:
     if len(number) > 40:  # longer than any size a disk has, and costly to parse
         raise ValueError(f"size {text[:20]!r}… is too large (at most 8 EiB)")
     size = Fraction(number) * _SIZE_UNITS[unit.upper()]  # exact: no float overflow
+    if size.denominator != 1 and not unit:
+        raise ValueError(f"not a size: {text!r} (a bare number is bytes, and whole; "
+                         "give a unit for a part of one: 1.5G)")
     if size > MAX_SIZE:
         raise ValueError(f"size {text!r} is too large (at most 8 EiB)")
     return int(size)

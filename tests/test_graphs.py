@@ -106,7 +106,10 @@ def test_load_threads_from_environment(monkeypatch):
 @pytest.mark.parametrize("name,bad", [("CACHEBUILD_BUILD_JOBS", "abc"),
                                       ("CACHEBUILD_BUILD_MEMORY", "lots"),
                                       ("CACHEBUILD_LOAD_THREADS", "zero"),
-                                      ("CACHEBUILD_VERIFY", "yes")])
+                                      ("CACHEBUILD_VERIFY", "yes"),
+                                      ("CACHEBUILD_BUILD_MEMORY", "1.5"),
+                                      ("TORCHINDUCTOR_COMPILE_THREADS", "abc"),
+                                      ("TORCHINDUCTOR_COMPILE_THREADS", "0")])
 def test_a_bad_building_variable_is_refused_when_a_compile_starts(monkeypatch, tmp_path,
                                                                  name, bad):
     """Refused at the compile call, even where everything is stored and the variable would

@@ -16,7 +16,8 @@ def test_parse_size(text, expected):
     assert parse_size(text) == expected
 
 
-@pytest.mark.parametrize("text", ["", "G", "-1G", "20X", "20 G B", "1e3", "ten", "1..5G"])
+@pytest.mark.parametrize("text", ["", "G", "-1G", "20X", "20 G B", "1e3", "ten", "1..5G", "1.5",
+                                  "1.5B"])
 def test_parse_size_rejects(text):
     with pytest.raises(ValueError, match="size"):
         parse_size(text)

@@ -81,8 +81,19 @@ def compile_threads(workers: int) -> dict[str, str]:
     and their builds would wait on those imports. Nothing where the operator set
     ``TORCHINDUCTOR_COMPILE_THREADS``."""
     if "TORCHINDUCTOR_COMPILE_THREADS" in os.environ:
+        check_compile_threads()
         return {}
     return {"TORCHINDUCTOR_COMPILE_THREADS": str(max(1, usable_cpus() // max(1, workers)))}
+
+
+def check_compile_threads() -> None:
+    """UsageError unless ``TORCHINDUCTOR_COMPILE_THREADS``, where set, is what Inductor
+    takes (a whole number of at least 1): it reads it only as a build starts, and fails
+    there with a traceback."""
+    value = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+    if value is not None and not (value.strip().isdigit() and int(value) >= 1):
+        raise UsageError(f"TORCHINDUCTOR_COMPILE_THREADS={value!r}: give a whole number of "
+                         "compile processes per build, at least 1, or unset it")
 
 
 def available_memory() -> int | None:
