@@ -33,7 +33,7 @@ from .layout import (
 from .local import LocalStore, UnknownKey
 from .locking import flocked_shared, try_flock
 from .maintenance import QUARANTINE_KEEP_S, WORK_LOCK
-from .opening import open_store
+from .opening import check_can_make, open_store
 from .options import StoreOptions, cache_home
 from .record import (
     GCReport,
@@ -51,6 +51,7 @@ from .work import ObjectRecords, open_work_dir
 __all__ = [
     "QUARANTINE_KEEP_S",
     "FORMAT_DIR",
+    "check_can_make",
     "WORK_LOCK",
     "ArtifactSource",
     "CorruptBlob",

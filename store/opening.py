@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 from cachebuild.errors import UsageError
 
 from .interface import Store
-from .layout import writable_here
+from .layout import FORMAT_DIR, writable_here
 from .local import LocalStore
 from .options import StoreOptions
 
@@ -21,6 +24,7 @@ def open_store(options: StoreOptions | None = None) -> Store:
     """
     options = options or StoreOptions.from_env()
     if not writable_here(options.cache_dir):
+        check_can_make(Path(options.cache_dir))
         if options.uses_remote:
             raise UsageError(f"the store at {options.cache_dir} is read-only here, and a "
                              "remote tier needs a local store it can write: give one "
@@ -46,3 +50,31 @@ def open_store(options: StoreOptions | None = None) -> Store:
         local.close()
         raise
     return TieredStore(local, remote, allow_unsigned=options.allow_unsigned, opened_with=options)
+
+
+def check_can_make(path: Path) -> None:
+    """UsageError (exit 2) where ``path`` holds no store and none can be made there: it
+    is a folder this process may not write (a read-only mount, another user's, no write
+    permission), or the nearest folder above it that is there is one it cannot write in.
+    A store that is there is left to the checks of opening it."""
+    path = path.expanduser().absolute()
+    if os.path.isdir(path / FORMAT_DIR):
+        return
+    if os.path.lexists(path):
+        if writable_here(path):
+            return
+        where = f"{path} is not writable here"
+    else:
+        above = path.parent
+        while not os.path.lexists(above) and above != above.parent:
+            above = above.parent
+        try:
+            read_only = bool(os.statvfs(above).f_flag & os.ST_RDONLY)
+        except OSError:
+            read_only = True
+        if not read_only and os.access(above, os.W_OK | os.X_OK):
+            return
+        where = f"{above} is not writable here"
+    raise UsageError(f"no store at {path}, and none can be made there: {where} (a read-only "
+                     "mount, another user's folder, or no write permission); give another "
+                     "--cache-dir or CACHEBUILD_DIR")

@@ -63,7 +63,7 @@ class CliState:
         could be made (``check_place``) but none is, an empty one in a temporary folder
         (its remote tier, if any, still asked), removed when the command ends, so that
         looking makes no store where a path may be mistyped."""
-        if self.store is None and not holds_store(Path(self.options.cache_dir)):
+        if self.store is None and not holds_store_or_may_make(Path(self.options.cache_dir)):
             self.scratch = tempfile.TemporaryDirectory(prefix="cachebuild-look-")
             self.options = dataclasses.replace(self.options, cache_dir=self.scratch.name)
             return self.open_store(), False
@@ -130,6 +130,16 @@ def holds_store(path: Path) -> bool:
     else:
         check_where_made(path.absolute())
     return os.path.isdir(path / FORMAT_DIR)
+
+
+def holds_store_or_may_make(path: Path) -> bool:
+    """``holds_store``, where one that is not there could be made (``check_can_make``)."""
+    from cachebuild.store import check_can_make
+
+    if holds_store(path):
+        return True
+    check_can_make(path)
+    return False
 
 
 def printable(value: object, limit: int = 200) -> str:
