@@ -4,6 +4,9 @@ bucket, and both plan the same targets, so either finds what the other built."""
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import models
 import pytest
 import torch
@@ -119,6 +122,40 @@ def test_first_call_with_one_token(open_local, tmp_path):
     compiled = cachebuild.compile(model, models.config(), DYN, store=open_local(tmp_path / "s"))
     for size in (1, 2, 7):
         models.assert_matches_eager(compiled, model, models.inputs(size))
+
+
+@dataclasses.dataclass
+class Counted:
+    """An output no pytree knows: kept as an object, its fields rebuilt at each call."""
+
+    y: torch.Tensor
+    tokens: int
+
+
+class CountsTokens(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[Any, ...]:
+        tokens = x.shape[0]
+        return self.lin(x), tokens, {"n": tokens}, Counted(self.lin(x) * 2, tokens)
+
+
+def test_a_size_returned_in_an_object_is_the_size_of_each_call(open_local, tmp_path):
+    """A token count returned inside an object (a dataclass, beside a dict) is the call's,
+    not the traced call's: cold, then warm from the store in the same process."""
+    torch.manual_seed(0)
+    model = CountsTokens().eval()
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    store = open_local(tmp_path / "s")
+    for compiled in (cachebuild.compile(model, config, {0: 0}, store=store),
+                     cachebuild.compile(model, config, {0: 0}, store=store)):
+        with torch.no_grad():
+            for size in (5, 3, 1, 9):
+                y, n, d, counted = compiled(torch.randn(size, 4))
+                assert (n, d["n"], counted.tokens) == (size, size, size)
+                assert y.shape[0] == size and counted.y.shape[0] == size
 
 
 def test_default_store_is_cachebuild_dir(open_local, tmp_path, monkeypatch):

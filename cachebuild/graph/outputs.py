@@ -39,9 +39,16 @@ def output_recipe(output: Any, graph_outputs: Sequence[Any]) -> str:
         except Exception:
             pass  # a node type without a serialised name: keep it as an object
     position = {id(t): i for i, t in enumerate(graph_outputs) if isinstance(t, torch.Tensor)}
+    # A size the graph returns (``x.shape[0]``) is an int there, and in the output an int
+    # of the same value: taken from the graph's outputs at each call, as the tree above
+    # takes it (where ``is`` finds CPython's one object for each small int), not kept as
+    # the value of the traced call.
+    sizes = {v: i for i, v in enumerate(graph_outputs) if type(v) is int}
 
     class Template(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
+            if type(obj) is int and obj in sizes:
+                return sizes[obj]
             if isinstance(obj, torch.Tensor):
                 if id(obj) not in position:
                     raise UsageError(
