@@ -97,7 +97,7 @@ def store_dir(tmp_path):
 def tiny_fs(tmp_path):
     """A 1 MiB tmpfs: a disk that fills up (root only; skipped where mounting is not
     permitted)."""
-    from trust import tmpfs
+    from mounts import tmpfs
 
     with tmpfs(tmp_path / "mnt", "1m") as mnt:
         yield mnt

@@ -15,16 +15,15 @@ file (``CACHEBUILD_PROBE_DIR``, probed once per session): no test here pays the 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import models
 import pytest
+from mounts import read_only
 
 #: The model file: one piece, built by the default backend (AOTInductor here).
 MODEL = '''
@@ -219,28 +218,6 @@ def test_a_store_that_is_not_there_is_named_and_never_made(first_run, command):
     assert done.stderr.startswith(f"error: no store at {typo}: no such directory")
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert not typo.exists()
-
-
-@contextlib.contextmanager
-def read_only(store: Path, view: Path) -> Iterator[Path]:
-    """``store`` served read-only at ``view``: a read-only bind mount as root (whom file
-    modes do not stop), else the store itself with every write bit taken away."""
-    if os.geteuid() != 0:
-        subprocess.run(["chmod", "-R", "a-w", str(store)], check=True)
-        try:
-            yield store
-        finally:
-            subprocess.run(["chmod", "-R", "u+w", str(store)], check=True)
-        return
-    view.mkdir()
-    done = subprocess.run(["mount", "--bind", "-o", "ro", str(store), str(view)],
-                          capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot make a read-only bind mount here: {done.stderr.strip()}")
-    try:
-        yield view
-    finally:
-        subprocess.run(["umount", "-l", str(view)], check=False)
 
 
 def test_an_imported_store_served_read_only_builds_an_edited_model_into_memory(first_run):

@@ -18,8 +18,9 @@ from pathlib import Path
 
 import pytest
 import xxhash
+from mounts import tmpfs
 from redis_server import RedisServer, require_redis_server
-from trust import assert_one_line_error, clean_env, cli, fill, python, require_root, tmpfs
+from trust import assert_one_line_error, clean_env, cli, fill, python, require_root
 
 from cachebuild.store.blob import encode_blob
 from cachebuild.store.remote import chunk_key, record_key

@@ -97,20 +97,6 @@ def public_dir() -> Iterator[Path]:
         shutil.rmtree(path, ignore_errors=True)
 
 
-@contextmanager
-def tmpfs(where: Path, size: str) -> Iterator[Path]:
-    """A tmpfs of ``size`` mounted at ``where`` (root only; skipped where not allowed)."""
-    where.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0700", "tmpfs",
-                           str(where)], capture_output=True, text=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield where
-    finally:
-        subprocess.run(["umount", "-l", str(where)], check=False)
-
-
 def fill(directory: Path) -> None:
     """Fill the file system holding ``directory`` to the last byte."""
     with open(directory / "filler", "wb", buffering=0) as f:
