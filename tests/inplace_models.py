@@ -80,6 +80,22 @@ class MutatedBuffer(Base):
         return self.o(attend(self.q(x), k, k)) + self.calls
 
 
+class BumpedAroundTheSplit(Base):
+    """A buffer bumped with ``+=`` in the pieces on both sides of attention (a layer's
+    step counter), read after: each ``+=`` returns the tensor the one before returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("steps", torch.zeros(()))
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> Any:
+        self.steps += 1
+        k = self.k(x)
+        a = attend(self.q(x), k, k)
+        self.steps += 1
+        return self.o(a) * self.steps + cache[slots]
+
+
 class ViewReadLater(Base):
     """A view of an input taken before the input is written, read after, in one piece."""
 
@@ -165,8 +181,8 @@ class AllPatterns(Base):
         return out, cache[:4]
 
 
-PATTERNS = [MutatedInput, MutatedBuffer, ViewReadLater, ReadBySplittingOp, ReadInNextPiece,
-            WrittenBySplittingOp, WritesAnOpsOutput, AliasingOutputs]
+PATTERNS = [MutatedInput, MutatedBuffer, BumpedAroundTheSplit, ViewReadLater, ReadBySplittingOp,
+            ReadInNextPiece, WrittenBySplittingOp, WritesAnOpsOutput, AliasingOutputs]
 
 
 def make(cls: type[nn.Module], seed: int = 0) -> nn.Module:

@@ -160,9 +160,14 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
 
     effects = graph_effects(gm, traced.fake_inputs, fake_mode)
     _check_writes(gm, effects)
+    read_as: dict[fx.Node, fx.Node] = {}
     for node, argument in effects.same.items():
+        # A chain (``n += 1`` twice: the second returns what the first returned) is read as
+        # its first argument, not as a node whose uses are already gone.
+        argument = read_as.get(argument, argument)
         if not is_splitting(node, wanted):
             node.replace_all_uses_with(argument)
+            read_as[node] = argument
 
     part: dict[fx.Node, int] = {}
     current = 0
