@@ -428,6 +428,10 @@ def test_import_not_a_bundle_exits_2(filled, tmp_path):
     assert result.exit_code == 2 and result.stderr.startswith("error: ")
     result = run(filled, "import", str(tmp_path / "absent.tar"))
     assert result.exit_code == 2 and "no such bundle" in result.stderr
+    # Refused before a store is opened: none is made where none was.
+    for bundle in (junk, tmp_path / "absent.tar"):
+        result = run(tmp_path / "new-store", "import", str(bundle))
+        assert result.exit_code == 2 and not (tmp_path / "new-store").exists()
 
 
 # -- a real process ---------------------------------------------------------------------------

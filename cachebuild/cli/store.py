@@ -510,8 +510,20 @@ def import_command(ctx: click.Context, file: Path, allow_unsigned: bool, trust: 
     unless --allow-unsigned or --trust is given. What comes in without a signature the
     store's key verifies is not served until its source is trusted: --trust, or
     `cachebuild trust SOURCE` later."""
+    import tarfile
+
     from cachebuild.store import import_bundle
 
+    # A bundle that cannot be one is refused before the store is opened, which makes one.
+    if not file.is_file():
+        raise UsageError(f"no such bundle: {printable(file)}")
+    try:
+        bundle_like = tarfile.is_tarfile(file)
+    except OSError as e:
+        raise UsageError(f"cannot read the bundle {printable(file)}: {e.strerror or e}") from None
+    if not bundle_like:
+        raise UsageError(f"{printable(file)} is not a cachebuild bundle (not a tar archive): "
+                         "give a file `cachebuild export` wrote")
     store = open_store(ctx).local
     with progress_bar("importing") as on_progress:
         report = import_bundle(store, file, progress=on_progress, allow_unsigned=allow_unsigned,
