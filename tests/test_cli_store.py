@@ -287,6 +287,14 @@ def test_a_read_only_folder_without_a_store_is_named_not_made(filled, tmp_path):
                 (args, result.stderr)
 
 
+def test_export_to_standard_output_is_refused_not_a_file_named_dash(filled, tmp_path,
+                                                                    monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = run(filled, "export", "-")
+    assert result.exit_code == 2 and "not standard output" in result.stderr
+    assert not (tmp_path / "-").exists()
+
+
 def test_export_to_a_missing_directory_is_bad_input(filled, tmp_path):
     result = run(filled, "export", str(tmp_path / "nowhere" / "b.tar"))
     assert result.exit_code == 2
