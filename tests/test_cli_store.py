@@ -353,6 +353,10 @@ def test_export_import_round_trip(open_local, filled, tmp_path, name):
     assert all(dst.get(r.key) is None for r in dst.records())
     result = run(target, "trust", f"bundle {name}")
     assert result.exit_code == 0 and "trusted 4 records" in result.stdout, result.output
+    result = run(target, "trust", f"bundle {name}")  # again, as a script does: done already
+    assert result.exit_code == 0 and "4 records from bundle" in result.stdout
+    assert "already trusted" in result.stdout
+    assert run(target, "trust", "bundle typo.tar").exit_code == 2  # a source never seen
     src = open_local(filled)
     for record in src.records():
         copy = dst.get_record(record.key)

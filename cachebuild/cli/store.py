@@ -563,6 +563,11 @@ def trust_command(ctx: click.Context, source: str) -> None:
     store = open_existing_store(ctx).local
     marked = store.trust(source, f"cachebuild trust ({source})"[:600])
     if not marked:
+        already = sum(1 for r in store.records(manifests=False)
+                      if r.unsigned_from == source and not r.is_untrusted)
+        if already:  # trusted before: the same command again (a script) is done
+            click.echo(f"{plural(already, 'record')} from {printable(source)} already trusted")
+            return
         sources = sorted({r.unsigned_from for r in store.records(manifests=False)
                           if r.is_untrusted and r.unsigned_from})
         known = (": untrusted sources are " + ", ".join(
