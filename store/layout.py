@@ -113,6 +113,11 @@ class Layout:
         return self.locks / "entry" / f"{key[:2]}.lock"
 
 
+#: Where the operator names each folder a message may be about.
+SET_BY = {"store directory": "--cache-dir, CACHEBUILD_DIR", "work folder": "CACHEBUILD_WORK_DIR",
+          "environment folder": "CACHEBUILD_PROBE_DIR"}
+
+
 def check_private_dir(path: Path, what: str = "store directory") -> None:
     """Refuse ``path`` unless it is a directory owned by us that only we can write.
 
@@ -130,8 +135,7 @@ def check_private_dir(path: Path, what: str = "store directory") -> None:
         raise UnsafeStore(f"refusing {what} {path}: it is a symlink; give the directory "
                          "it points to")
     if not stat.S_ISDIR(st.st_mode):
-        hint = (": give the store a folder (--cache-dir, CACHEBUILD_DIR)"
-                if what == "store directory" else "")
+        hint = f": give it a folder ({SET_BY[what]})" if what in SET_BY else ""
         raise UnsafeStore(f"{what} {path} is not a directory{hint}")
     euid = os.geteuid()
     if st.st_uid != euid:

@@ -538,3 +538,17 @@ def test_lock_nests_in_a_thread_and_excludes_other_threads(open_local, store_dir
     other.join()
     assert result == ["timeout", "acquired"]
     assert (store.root / "locks" / k[:2] / f"{k}.lock").exists()
+
+
+@pytest.mark.parametrize("what,named", [("store directory", "CACHEBUILD_DIR"),
+                                        ("work folder", "CACHEBUILD_WORK_DIR"),
+                                        ("environment folder", "CACHEBUILD_PROBE_DIR")])
+def test_a_file_where_a_folder_goes_names_the_variable_that_set_it(tmp_path, what, named):
+    from cachebuild.store import UnsafeStore
+    from cachebuild.store.layout import check_private_dir
+
+    file = tmp_path / "a-file"
+    file.write_text("")
+    with pytest.raises(UnsafeStore, match=f"{what} {file} is not a directory: give it a "
+                                          f"folder \\(.*{named}\\)"):
+        check_private_dir(file, what)
