@@ -41,7 +41,7 @@ import torch.fx as fx
 from cachebuild import process_state
 from cachebuild.config import CompileConfig
 from cachebuild.errors import UsageError
-from cachebuild.graph.effects import eliminate_dead_code
+from cachebuild.graph.effects import eliminate_dead_code, graph_effects, storage_of
 from cachebuild.graph.facts import (
     copy_graph,
     device_of,
@@ -270,6 +270,22 @@ def within_guards(config: CompileConfig, fakes: list[Any]) -> CompileConfig:
     return replace(config, compile_ranges=tuple(ranges), compile_sizes=sizes)
 
 
+def shared_written(gm: fx.GraphModule, fakes: list[Any]) -> str | None:
+    """What makes ``gm`` run as it is (None: nothing): an input it writes in place that
+    shares memory with another of its inputs (Dynamo's fake inputs share it as the
+    call's do, and its guards make a call without that sharing another graph)."""
+    tensors = [(i, storage_of(f)) for i, f in enumerate(fakes) if isinstance(f, torch.Tensor)]
+    if len({s for _, s in tensors}) == len(tensors):
+        return None
+    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    for i in graph_effects(gm, list(fakes)).written_inputs:
+        other = next((j for j, s in tensors if j != i and s == storage_of(fakes[i])), None)
+        if other is not None:
+            return (f"graph input {names[i]} shares memory with {names[other]} and is written "
+                    "in place: this graph runs eagerly (its pieces would take the two apart)")
+    return None
+
+
 class GraphForward:
     """What the backend returns for one Dynamo graph: built on its first call, per set of
     scalar values. A call whose token count no bucket of ``config`` holds is refused, or
@@ -287,10 +303,14 @@ class GraphForward:
                         for d, size in enumerate(f.shape) if isinstance(size, torch.SymInt)
                         and size.node.expr.is_Symbol]
         self._warned_eager = False
+        # Inputs that share memory where one is written (two views of one cache, a buffer
+        # that views another): pieces take each input apart, so a read would miss the
+        # write. Such a graph runs as Dynamo made it, which keeps the sharing.
+        self.shared = shared_written(gm, self.fakes)
         # The graph as Dynamo made it, for the calls that run eagerly (planning below
         # names the traced GPU by its type in ``gm``).
         self._eager_gm = (fx.GraphModule(gm, copy_graph(gm.graph))
-                          if config.out_of_range == "eager" else None)
+                          if config.out_of_range == "eager" or self.shared else None)
         self._device = device_of(self.fakes)
         self.scalars = scalar_inputs(gm, self.fakes)
         # Scalars that only count (a cache's token count, bumped and handed back) reach
@@ -302,7 +322,8 @@ class GraphForward:
         self.variants: dict[tuple[Any, ...], Callable[..., Any]] = {}
         # Plan the traced values now, inside Dynamo's compile, so a graph that cannot be
         # split fails there; build on the first call.
-        self._pending = {self._key(example_inputs): self._planned(example_inputs)}
+        self._pending = {} if self.shared else \
+            {self._key(example_inputs): self._planned(example_inputs)}
 
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
         """The values a variant is built for: those of the scalars baked in."""
@@ -325,6 +346,8 @@ class GraphForward:
         return self.plan(traced)
 
     def __call__(self, *args: Any) -> Any:
+        if self.shared is not None:
+            return self._outside(self.shared, args)
         for i, d in self.counted:
             said = self.config.outside(args[i].shape[d])
             if said is not None:

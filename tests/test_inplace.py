@@ -57,6 +57,54 @@ def test_pattern_through_torch_compile(open_local, cls, tmp_path):
     im.assert_same(im.run_sequence(compiled, model, cls, SIZES), eager_results(cls))
 
 
+class WritesOneOfTwoViews(im.Base):
+    """Two arguments that are overlapping views of one tensor: one written, one read."""
+
+    def forward(self, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        y = im.attend(self.q(x), x, x)
+        a.add_(1.0)
+        return y + b.sum()
+
+
+class BufferViewsBuffer(im.Base):
+    """A buffer that is a view of another: the view written, the other read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("big", torch.zeros(4, im.H))
+        self.register_buffer("head", self.big[:2])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = im.attend(self.q(x), x, x)
+        self.head.add_(1.0)
+        return y + self.big.sum()
+
+
+def test_torch_compile_runs_a_graph_eagerly_where_a_written_input_shares_memory(open_local,
+                                                                              tmp_path):
+    """Where an input written in place shares memory with another input, the pieces would
+    take the two apart (the read would miss the write): that graph runs as Dynamo made it,
+    with a warning (``cachebuild.compile`` refuses both in one line)."""
+    backend = cachebuild.backend(im.config(), store=open_local(tmp_path / "store"))
+    torch.manual_seed(0)
+    views, buffers = WritesOneOfTwoViews(), BufferViewsBuffer()
+    eager_views, eager_buffers = im.make(WritesOneOfTwoViews), im.make(BufferViewsBuffer)
+    eager_views.load_state_dict(views.state_dict())
+    eager_buffers.load_state_dict(buffers.state_dict())
+    compiled_views = torch.compile(views, backend=backend)
+    compiled_buffers = torch.compile(buffers, backend=backend)
+    with torch.no_grad(), pytest.warns(UserWarning, match="shares memory"):
+        for tokens in (3, 5):
+            x = torch.randn(tokens, im.H)
+            base, eager_base = torch.zeros(6, im.H), torch.zeros(6, im.H)
+            got = compiled_views(x, base[0:4], base[2:6])
+            want = eager_views(x, eager_base[0:4], eager_base[2:6])
+            torch.testing.assert_close(got, want)
+            assert torch.equal(base, eager_base)
+            torch.testing.assert_close(compiled_buffers(x), eager_buffers(x))
+            assert torch.equal(buffers.big, eager_buffers.big)
+
+
 def test_outputs_alias_what_eager_outputs_alias(open_local, tmp_path):
     model = im.make(im.AliasingOutputs)
     compiled = cachebuild.compile(model, im.config(), {0: 0, 1: 0},
