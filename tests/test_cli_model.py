@@ -223,6 +223,20 @@ def test_dry_run_plan_and_explain_change_nothing(tmp_path, model):
     assert "every target is stored" in cli(store, "explain", str(model)).stdout
 
 
+def test_plan_says_an_imported_entry_is_not_trusted_rather_than_none(tmp_path, model):
+    """An entry imported from a bundle nobody trusted is not served: plan says so and how
+    to serve it, not that there is no entry."""
+    source, target = tmp_path / "source", tmp_path / "target"
+    assert cli(source, "warm", str(model)).returncode == 0
+    bundle = tmp_path / "cache.tar"
+    assert cli(source, "export", str(bundle)).returncode == 0
+    assert cli(target, "import", str(bundle)).returncode == 0
+    said = " ".join(cli(target, "plan", str(model)).stdout.split())
+    assert f"stored but not trusted: `cachebuild trust 'bundle {bundle.name}'` serves it" in said
+    assert cli(target, "trust", f"bundle {bundle.name}").returncode == 0
+    assert "(stored)" in cli(target, "plan", str(model)).stdout
+
+
 def test_two_warms_at_once_build_each_target_once(tmp_path, model):
     store = tmp_path / "store"
     runs = [cli(store, "warm", str(model), "--jobs", "2", wait=False) for _ in range(2)]

@@ -195,7 +195,7 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
         report = warm(model, store=_store_for(ctx, look=dry_run), jobs=jobs, device=device,
                       world_size=world_size, dry_run=dry_run, say=say, on_target=on_target)
     if dry_run:
-        _plan_table(report, console)
+        _plan_table(report, console, state_of(ctx).open_store())
         would = len(report.targets) - len(report.with_state("stored"))
         console.print(f"dry run: {would} of {len(report.targets)} targets would be built")
         return
@@ -249,13 +249,13 @@ def _entries_said(report: PlanReport) -> str:
     return "entries " + ", ".join(f"{e.key} ({rank_ranges(e.ranks)})" for e in report.entries)
 
 
-def _plan_table(report: PlanReport, console: Console) -> None:
+def _plan_table(report: PlanReport, console: Console, store: Store) -> None:
     """Each unique target once, with the pieces using it (and, for a world size, the
     ranks), and its state."""
     if report.world_size is None:
         entry = report.entries[0]
-        state = ("stored" if entry.why == "fresh" else "none yet" if entry.why == "no entry"
-                 else f"not used: {entry.why}")
+        state = ("stored" if entry.why == "fresh" else _not_trusted(store, entry.key) or
+                 "none yet" if entry.why == "no entry" else f"not used: {entry.why}")
         title = f"entry {entry.key} ({state})"
     else:
         n = len(report.entries)
@@ -272,6 +272,16 @@ def _plan_table(report: PlanReport, console: Console) -> None:
             row.append(rank_ranges(t.ranks))
         table.add_row(*row, t.state)
     console.print(table)
+
+
+def _not_trusted(store: Store, key: str) -> str | None:
+    """Why a stored record is not served where no one trusted where it came from (None:
+    it is not stored, or is trusted)."""
+    record = store.local.get_record(key)  # a look: no tier copies anything here
+    if record is None or not record.is_untrusted:
+        return None
+    origin = printable(record.unsigned_from or "")
+    return f"stored but not trusted: `cachebuild trust '{origin}'` serves it"
 
 
 _WORLD_SIZE = click.option(
@@ -294,7 +304,7 @@ def plan_command(ctx: click.Context, model: str, device: str | None,
     with _progress(console) as (_, on_phase):
         report = plan(model, store=_store_for(ctx, look=True), device=device,
                       world_size=world_size, say=_say(console))
-    _plan_table(report, stdout())
+    _plan_table(report, stdout(), state_of(ctx).open_store())
 
 
 @click.command("explain")
