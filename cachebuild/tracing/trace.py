@@ -367,6 +367,9 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         with torch.no_grad(), _quiet_meta_failures():
             output = compiled(*args)
     except torch._dynamo.exc.Unsupported as e:
+        if str(e).lstrip().startswith("Observed exception"):  # the forward itself raised
+            raise UsageError(f"the model's forward raises on these inputs (check that the "
+                             f"same call runs eagerly): {_graph_break(e)}") from e
         raise UsageError(f"the model's forward does not trace as one graph: {_graph_break(e)}"
                          ) from e
     except torch._dynamo.exc.TorchRuntimeError as e:
