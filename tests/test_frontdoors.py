@@ -130,6 +130,7 @@ class Counted:
 
     y: torch.Tensor
     tokens: int
+    heads: int  # a constant, equal to the traced call's token count
 
 
 class CountsTokens(torch.nn.Module):
@@ -139,12 +140,13 @@ class CountsTokens(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[Any, ...]:
         tokens = x.shape[0]
-        return self.lin(x), tokens, {"n": tokens}, Counted(self.lin(x) * 2, tokens)
+        return self.lin(x), tokens, {"n": tokens}, Counted(self.lin(x) * 2, tokens, 5)
 
 
 def test_a_size_returned_in_an_object_is_the_size_of_each_call(open_local, tmp_path):
     """A token count returned inside an object (a dataclass, beside a dict) is the call's,
-    not the traced call's: cold, then warm from the store in the same process."""
+    not the traced call's, and a constant equal to the traced count stays the constant:
+    cold, then warm from the store in the same process."""
     torch.manual_seed(0)
     model = CountsTokens().eval()
     config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
@@ -154,7 +156,7 @@ def test_a_size_returned_in_an_object_is_the_size_of_each_call(open_local, tmp_p
         with torch.no_grad():
             for size in (5, 3, 1, 9):
                 y, n, d, counted = compiled(torch.randn(size, 4))
-                assert (n, d["n"], counted.tokens) == (size, size, size)
+                assert (n, d["n"], counted.tokens, counted.heads) == (size, size, size, 5)
                 assert y.shape[0] == size and counted.y.shape[0] == size
 
 

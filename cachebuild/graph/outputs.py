@@ -25,6 +25,17 @@ from cachebuild.errors import UsageError
 TREE, OBJECT = "tree:", "pickle:"
 
 
+class Returned(int):
+    """An int a traced graph returned: an object of its own, so that the output found
+    holding it is told apart from an equal int the forward made (CPython keeps one object
+    per small int)."""
+
+
+def returned(outputs: Sequence[Any]) -> tuple[Any, ...]:
+    """``outputs`` with each int made a ``Returned`` (see ``output_recipe``)."""
+    return tuple(Returned(v) if type(v) is int else v for v in outputs)
+
+
 def output_recipe(output: Any, graph_outputs: Sequence[Any]) -> str:
     """How to rebuild ``output`` from the graph's outputs, as a string.
 
@@ -38,17 +49,17 @@ def output_recipe(output: Any, graph_outputs: Sequence[Any]) -> str:
             return TREE + pytree.treespec_dumps(spec)
         except Exception:
             pass  # a node type without a serialised name: keep it as an object
-    position = {id(t): i for i, t in enumerate(graph_outputs) if isinstance(t, torch.Tensor)}
-    # A size the graph returns (``x.shape[0]``) is an int there, and in the output an int
-    # of the same value: taken from the graph's outputs at each call, as the tree above
-    # takes it (where ``is`` finds CPython's one object for each small int), not kept as
-    # the value of the traced call.
-    sizes = {v: i for i, v in enumerate(graph_outputs) if type(v) is int}
+    # A size the graph returns (``x.shape[0]``) is a ``Returned`` int there (``returned``)
+    # and the same object in the output: taken from the graph's outputs at each call, not
+    # kept as the traced call's value. An int the forward made (a constant, equal or not)
+    # is another object and is kept.
+    position = {id(t): i for i, t in enumerate(graph_outputs)
+                if isinstance(t, (torch.Tensor, Returned))}
 
     class Template(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
-            if type(obj) is int and obj in sizes:
-                return sizes[obj]
+            if isinstance(obj, Returned) and id(obj) in position:
+                return position[id(obj)]
             if isinstance(obj, torch.Tensor):
                 if id(obj) not in position:
                     raise UsageError(

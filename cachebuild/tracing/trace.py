@@ -36,7 +36,7 @@ from cachebuild.graph.facts import (
     unpin_device,
     user_ops,
 )
-from cachebuild.graph.outputs import output_recipe
+from cachebuild.graph.outputs import output_recipe, returned
 from cachebuild.graph.weights import hooks_hidden
 from cachebuild.tracing.guards import GuardRecord, GuardSet
 from cachebuild.trust.codehash import code_objects as code_objects_of
@@ -350,7 +350,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
                     [n for n in gm.graph.nodes if n.op == "placeholder"], inputs, strict=True)]
                 written = graph_effects(gm, fakes).written_inputs
             saved = keep.Tensors(inputs[i] for i in written)
-            captured["outputs"] = out = gm.forward(*inputs)
+            captured["outputs"] = out = returned(gm.forward(*inputs))
             saved.restore()
             return out
 
