@@ -270,20 +270,31 @@ def within_guards(config: CompileConfig, fakes: list[Any]) -> CompileConfig:
     return replace(config, compile_ranges=tuple(ranges), compile_sizes=sizes)
 
 
-def shared_written(gm: fx.GraphModule, fakes: list[Any]) -> str | None:
-    """What makes ``gm`` run as it is (None: nothing): an input it writes in place that
-    shares memory with another of its inputs (Dynamo's fake inputs share it as the
-    call's do, and its guards make a call without that sharing another graph)."""
+def shared_written(gm: fx.GraphModule, fakes: list[Any]) -> list[tuple[int, int]]:
+    """Pairs ``(i, j)`` of inputs of ``gm`` that share memory where ``i`` is written in
+    place (Dynamo's fake inputs share it as the call's do). Whether their bytes overlap
+    is a call's to say (``overlapping``): disjoint slices of one cache are fine."""
     tensors = [(i, storage_of(f)) for i, f in enumerate(fakes) if isinstance(f, torch.Tensor)]
     if len({s for _, s in tensors}) == len(tensors):
-        return None
-    names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
-    for i in graph_effects(gm, list(fakes)).written_inputs:
-        other = next((j for j, s in tensors if j != i and s == storage_of(fakes[i])), None)
-        if other is not None:
-            return (f"graph input {names[i]} shares memory with {names[other]} and is written "
-                    "in place: this graph runs eagerly (its pieces would take the two apart)")
-    return None
+        return []
+    return [(i, j) for i in graph_effects(gm, list(fakes)).written_inputs
+            for j, s in tensors if j != i and s == storage_of(fakes[i])]
+
+
+def overlapping(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors of one storage may reach the same element: their spans of it
+    intersect (views that interleave without touching count as overlapping)."""
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        if t.numel() == 0:
+            return (0, 0)
+        start = end = t.storage_offset()
+        for size, stride in zip(t.shape, t.stride(), strict=True):
+            reach = (size - 1) * stride
+            start, end = (start + reach, end) if stride < 0 else (start, end + reach)
+        return start, end + 1
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < a1 and b0 < b1 and a0 < b1 and b0 < a1
 
 
 class GraphForward:
@@ -304,13 +315,15 @@ class GraphForward:
                         and size.node.expr.is_Symbol]
         self._warned_eager = False
         # Inputs that share memory where one is written (two views of one cache, a buffer
-        # that views another): pieces take each input apart, so a read would miss the
-        # write. Such a graph runs as Dynamo made it, which keeps the sharing.
+        # that views another): pieces take each input apart, so a read of bytes the write
+        # reached would miss it. A call where they overlap runs the graph as Dynamo made
+        # it, which keeps the sharing.
         self.shared = shared_written(gm, self.fakes)
         # The graph as Dynamo made it, for the calls that run eagerly (planning below
         # names the traced GPU by its type in ``gm``).
         self._eager_gm = (fx.GraphModule(gm, copy_graph(gm.graph))
                           if config.out_of_range == "eager" or self.shared else None)
+        self._names = [n.name for n in gm.graph.nodes if n.op == "placeholder"]
         self._device = device_of(self.fakes)
         self.scalars = scalar_inputs(gm, self.fakes)
         # Scalars that only count (a cache's token count, bumped and handed back) reach
@@ -322,8 +335,7 @@ class GraphForward:
         self.variants: dict[tuple[Any, ...], Callable[..., Any]] = {}
         # Plan the traced values now, inside Dynamo's compile, so a graph that cannot be
         # split fails there; build on the first call.
-        self._pending = {} if self.shared else \
-            {self._key(example_inputs): self._planned(example_inputs)}
+        self._pending = {self._key(example_inputs): self._planned(example_inputs)}
 
     def _key(self, args: Sequence[Any]) -> tuple[Any, ...]:
         """The values a variant is built for: those of the scalars baked in."""
@@ -346,8 +358,12 @@ class GraphForward:
         return self.plan(traced)
 
     def __call__(self, *args: Any) -> Any:
-        if self.shared is not None:
-            return self._outside(self.shared, args)
+        for i, j in self.shared:
+            if overlapping(args[i], args[j]):
+                return self._outside(
+                    f"graph input {self._names[i]} overlaps {self._names[j]} in memory and "
+                    "is written in place: this graph runs eagerly where they overlap (its "
+                    "pieces would take the two apart)", args, always=True)
         for i, d in self.counted:
             said = self.config.outside(args[i].shape[d])
             if said is not None:
@@ -358,9 +374,10 @@ class GraphForward:
             fn = self._build(key, args)
         return self.counts.put(fn(*args), args)
 
-    def _outside(self, said: str, args: Sequence[Any]) -> Any:
-        """A call no bucket holds: refused, or run eagerly where the config says so."""
-        if self._eager_gm is None:
+    def _outside(self, said: str, args: Sequence[Any], always: bool = False) -> Any:
+        """A call no bucket holds: refused, or run eagerly where the config says so
+        (``always``: run eagerly whatever it says)."""
+        if self._eager_gm is None or not (always or self.config.out_of_range == "eager"):
             raise UsageError(said)
         if not self._warned_eager:
             warnings.warn(said, stacklevel=3)

@@ -8,6 +8,8 @@ model with all of them does so with every backend, cold and warm in fresh proces
 
 from __future__ import annotations
 
+import warnings
+
 import inplace_models as im
 import models
 import pytest
@@ -93,7 +95,7 @@ def test_torch_compile_runs_a_graph_eagerly_where_a_written_input_shares_memory(
     eager_buffers.load_state_dict(buffers.state_dict())
     compiled_views = torch.compile(views, backend=backend)
     compiled_buffers = torch.compile(buffers, backend=backend)
-    with torch.no_grad(), pytest.warns(UserWarning, match="shares memory"):
+    with torch.no_grad(), pytest.warns(UserWarning, match="overlaps .* in memory"):
         for tokens in (3, 5):
             x = torch.randn(tokens, im.H)
             base, eager_base = torch.zeros(6, im.H), torch.zeros(6, im.H)
@@ -103,6 +105,18 @@ def test_torch_compile_runs_a_graph_eagerly_where_a_written_input_shares_memory(
             assert torch.equal(base, eager_base)
             torch.testing.assert_close(compiled_buffers(x), eager_buffers(x))
             assert torch.equal(buffers.big, eager_buffers.big)
+    # Disjoint slices of one tensor (one cache, a slice per layer) take the pieces.
+    disjoint, eager_disjoint = WritesOneOfTwoViews(), im.make(WritesOneOfTwoViews)
+    eager_disjoint.load_state_dict(disjoint.state_dict())
+    compiled_disjoint = torch.compile(disjoint, backend=backend)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # no graph runs eagerly
+        for tokens in (3, 5):
+            x = torch.randn(tokens, im.H)
+            base, eager_base = torch.zeros(6, im.H), torch.zeros(6, im.H)
+            got = compiled_disjoint(x, base[0:3], base[3:6])
+            torch.testing.assert_close(got, eager_disjoint(x, eager_base[0:3], eager_base[3:6]))
+            assert torch.equal(base, eager_base)
 
 
 def test_outputs_alias_what_eager_outputs_alias(open_local, tmp_path):
