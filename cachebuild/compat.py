@@ -724,15 +724,22 @@ def matmul_rounding() -> tuple[Any, ...]:
             c._get_cublas_allow_bf16_reduced_precision_reduction())
 
 
-def _dispatch_mode_reader() -> Callable[[], bool]:
-    from torch.utils import _python_dispatch as d
+def user_dispatch_mode() -> bool:
+    """Whether a TorchDispatchMode of the caller's is active on this thread (``with
+    FlopCounterMode():``): torch.compile runs the model eagerly under one, as compiled code
+    would bypass it. torch's own infrastructure modes, and modes that ask to be left out
+    of compiled code (``ignore_compile_internals``, torch 2.11+), do not count. One C call
+    where no mode is active."""
+    depth = torch._C._len_torch_dispatch_stack()  # this thread's stack
+    if not depth:
+        return False
+    from torch.utils._python_dispatch import _get_dispatch_stack_at
 
-    # torch 2.11+: a mode that does not ask to be left out of compiled code (its
-    # ``ignore_compile_internals``); before, any mode but torch's own infrastructure's.
-    found = getattr(d, "is_in_any_mode_without_ignore_compile_internals", None)
-    return found if found is not None else lambda: d.is_in_torch_dispatch_mode(False)
-
-
-#: Whether a TorchDispatchMode of the caller's is active (``with FlopCounterMode():``):
-#: torch.compile runs the model eagerly under one, as compiled code would bypass it.
-user_dispatch_mode: Callable[[], bool] = _dispatch_mode_reader()
+    for i in range(depth):
+        mode = _get_dispatch_stack_at(i)
+        infra = getattr(mode, "is_infra_mode", None)
+        ignored = getattr(mode, "ignore_compile_internals", None)
+        if (infra is not None and infra()) or (ignored is not None and ignored()):
+            continue
+        return True
+    return False
