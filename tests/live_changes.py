@@ -68,6 +68,10 @@ class Tuned(nn.Module):
     gain = 1.0
 
 
+class Sibling(Tuned):
+    """Another subclass of ``Tuned``: Dynamo reads ``gain`` for both through one path."""
+
+
 class Net(Tuned):
     def __init__(self) -> None:
         super().__init__()
@@ -83,6 +87,7 @@ class Net(Tuned):
         self.gate = Gate()  # given another class in place
         self.scale = Scale()  # a submodule given another class in place
         self.table = {(1, "x"): 1.0}  # a dict read with a tuple key
+        self.sibling = Sibling()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.b(x) if self.use_b else self.a(x)
@@ -104,7 +109,7 @@ class Net(Tuned):
             y = y - 1
         if x.requires_grad:
             y = y * 1.5
-        y = y * self.table[(1, "x")]
+        y = y * self.table[(1, "x")] * self.sibling.gain
         act = torch.relu if self.config.act == "relu" else torch.tanh
         return finish(self.post(act(y) + self.config.eps))
 
@@ -201,6 +206,8 @@ CASES = [
          lambda n, _: delattr(Net, "gain")),
     Case("class attribute of an object shadowed", lambda n: setattr(Gate, "level", 3.0),
          lambda n, _: delattr(Gate, "level")),
+    Case("class attribute shadowed on a sibling class", lambda n: setattr(Sibling, "gain", 4.0),
+         lambda n, _: delattr(Sibling, "gain")),
     Case("value under a tuple key", lambda n: n.table.update({(1, "x"): 2.0}),
          lambda n, _: n.table.update({(1, "x"): 1.0})),
     Case("requires_grad of a weight", lambda n: n.a.requires_grad_(False),

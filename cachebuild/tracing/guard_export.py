@@ -437,10 +437,25 @@ def shadow_records(records: list[GuardRecord], model: Any,
     the instance does not shadow it, but not that the classes before ``i`` still lack it:
     ``Sub.scale = 3.0`` set on a subclass of the class that gave ``scale`` would go
     unnoticed (torch.compile serves the old value). For every such read at ``i > 0``, each
-    class before it is recorded as not holding the name.
+    class before it is recorded as not holding the name, on the path read, and on every
+    module of the model whose class also inherits it (Dynamo reads one path for all
+    of them: ``EncBlock`` and ``DecBlock`` both reading ``Block.scale``).
     """
     out: list[GuardRecord] = []
     seen: set[str] = set()
+
+    def lacks(before: tuple[tuple[Any, ...], ...], name: Any) -> None:
+        if repr((before, name)) in seen:
+            return
+        seen.add(repr((before, name)))
+        try:
+            value = resolve(before, model, args)
+        except Exception as e:
+            raise Unrecordable(f"a class before the one giving {name!r} is not readable "
+                               f"({type(e).__name__})") from e
+        out.append(GuardRecord(before, "contains", name, fingerprint("contains", value, name)))
+
+    found: list[tuple[type, Any]] = []  # (the class that gave it, the name as stored)
     for record in records:
         path = record.path
         for k in range(len(path) - 4):
@@ -449,17 +464,26 @@ def shadow_records(records: list[GuardRecord], model: Any,
                     or held != ("attr", "__dict__") or copied != ("dict",) or item[0] != "item":
                 continue
             for j in range(at[1]):
-                before = (*path[:k + 1], ("item", j), held, copied)
-                if repr((before, item[1])) in seen:
-                    continue
-                seen.add(repr((before, item[1])))
+                lacks((*path[:k + 1], ("item", j), held, copied), item[1])
+            if at[1] > 0:
                 try:
-                    value = resolve(before, model, args)
-                except Exception as e:
-                    raise Unrecordable(f"a class before the one giving {item[1]!r} is not "
-                                       f"readable ({type(e).__name__})") from e
-                out.append(GuardRecord(before, "contains", item[1],
-                                       fingerprint("contains", value, item[1])))
+                    found.append((resolve(path[:k + 2], model, args), item[1]))
+                except Exception:
+                    continue  # the path above says it is not readable, if it is not
+    done: set[tuple[type, str]] = set()
+    for name, module in model.named_modules() if found else ():
+        cls = type(module)
+        path: tuple[tuple[Any, ...], ...] = (("model",), *[
+            s for part in (name.split(".") if name else [])
+            for s in (("attr", "_modules"), ("item", part))])
+        for giver, stored in found:
+            mro = cls.__mro__
+            if giver not in mro[1:] or (cls, repr(stored)) in done:
+                continue
+            done.add((cls, repr(stored)))
+            for j in range(mro.index(giver)):
+                lacks((*path, ("type",), ("attr", "__mro__"), ("item", j),
+                       ("attr", "__dict__"), ("dict",)), stored)
     return out
 
 
