@@ -109,7 +109,8 @@ def test_load_threads_from_environment(monkeypatch):
                                       ("CACHEBUILD_VERIFY", "yes"),
                                       ("CACHEBUILD_BUILD_MEMORY", "1.5"),
                                       ("TORCHINDUCTOR_COMPILE_THREADS", "abc"),
-                                      ("TORCHINDUCTOR_COMPILE_THREADS", "0")])
+                                      ("TORCHINDUCTOR_COMPILE_THREADS", "0"),
+                                      ("TORCHINDUCTOR_COMPILE_THREADS", "\u00b2")])
 def test_a_bad_building_variable_is_refused_when_a_compile_starts(monkeypatch, tmp_path,
                                                                  name, bad):
     """Refused at the compile call, even where everything is stored and the variable would

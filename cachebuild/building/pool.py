@@ -91,7 +91,8 @@ def check_compile_threads() -> None:
     takes (a whole number of at least 1): it reads it only as a build starts, and fails
     there with a traceback."""
     value = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
-    if value is not None and not (value.strip().isdigit() and int(value) >= 1):
+    digits = (value or "").strip()
+    if value is not None and not (digits.isascii() and digits.isdigit() and int(digits) >= 1):
         raise UsageError(f"TORCHINDUCTOR_COMPILE_THREADS={value!r}: give a whole number of "
                          "compile processes per build, at least 1, or unset it")
 

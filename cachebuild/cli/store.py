@@ -470,7 +470,7 @@ def export_command(ctx: click.Context, file: Path, model: str | None,
         raise UsageError("give the bundle a file name (FILE.tar, or FILE.tar.gz to compress)")
     if str(file) == "-":  # not a file named "-" where standard output was meant
         raise UsageError("export writes a bundle file, not standard output: give it a path "
-                         "(FILE.tar, or ./- for a file named -)")
+                         "(FILE.tar; a file named - needs its full path)")
     if file.exists() and not file.is_file():  # a device, a folder: never replaced
         raise UsageError(f"cannot write the bundle {file}: it exists and is not a regular file")
     if not file.parent.is_dir():
