@@ -191,6 +191,10 @@ def test_a_second_store_uses_the_same_environment_folder_and_probes_nothing(firs
     assert PROBING not in plan.stderr, plan.stderr
     after = verdict_file.stat()  # the probe's own record, untouched
     assert (after.st_ino, after.st_mtime_ns) == (before.st_ino, before.st_mtime_ns)
+    assert not other.exists()  # looking makes no store
+    from cachebuild.store import LocalStore
+
+    LocalStore(other).close()  # a second store, as `warm` or `import` makes it
     assert not (other / "v1" / "probe").exists()
     stats = _run(first_run, CLI, "--cache-dir", str(other), "stats", "--json")
     assert stats.returncode == 0, stats.stderr

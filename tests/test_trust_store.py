@@ -20,6 +20,7 @@ import tarfile
 from pathlib import Path
 
 import pytest
+from mounts import tmpfs
 from trust import (
     as_nobody,
     assert_one_line_error,
@@ -29,7 +30,6 @@ from trust import (
     public_dir,
     python,
     require_root,
-    tmpfs,
 )
 
 from cachebuild.errors import StoreError

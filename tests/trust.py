@@ -3,9 +3,9 @@
 ``cli`` runs the ``cachebuild`` command in a fresh process; ``python`` runs a snippet in
 one; ``assert_one_line_error`` checks that a process failed the way a user should see it
 fail (an exit code, one ``error:`` line, no traceback); ``as_nobody`` prefixes a command
-so that it runs as uid 65534 (tests run as root; skipped elsewhere); ``tmpfs`` mounts
-a small tmpfs (root only); ``linked_environment`` makes an environment folder of a
-test's own from the session's.
+so that it runs as uid 65534 (tests run as root; skipped elsewhere);
+``linked_environment`` makes an environment folder of a test's own from the session's.
+(A small tmpfs to fill: ``mounts.tmpfs``.)
 """
 
 from __future__ import annotations
