@@ -392,6 +392,13 @@ def environment_records(records: list[GuardRecord], code_objects: Sequence[types
             for name in sorted(names)]
 
 
+def module_path(name: str) -> tuple[tuple[Any, ...], ...]:
+    """The record path of the model's submodule ``name`` (``""``: the model), through
+    each module's ``_modules`` dict, as the per-call check watches it."""
+    return (("model",), *[step for part in (name.split(".") if name else [])
+                          for step in (("attr", "_modules"), ("item", part))])
+
+
 def method_records(code_objects: Sequence[types.CodeType],
                    model: torch.nn.Module) -> list[GuardRecord]:
     """Records of the methods the trace inlined, by the class that holds them.
@@ -417,9 +424,7 @@ def method_records(code_objects: Sequence[types.CodeType],
                     resolved.update(vars(klass))
             methods_of[cls] = {k: v for k, v in resolved.items()
                                if isinstance(v, types.FunctionType) and v.__code__ in traced}
-        path: list[tuple[Any, ...]] = [("model",)]
-        for part in name.split(".") if name else []:
-            path += [("attr", "_modules"), ("item", part)]
+        path = module_path(name)
         for attr, function in sorted(methods_of[cls].items()):
             if (cls, attr) not in done and attr not in vars(module):
                 done.add((cls, attr))
@@ -473,9 +478,7 @@ def shadow_records(records: list[GuardRecord], model: Any,
     done: set[tuple[type, str]] = set()
     for name, module in model.named_modules() if found else ():
         cls = type(module)
-        path: tuple[tuple[Any, ...], ...] = (("model",), *[
-            s for part in (name.split(".") if name else [])
-            for s in (("attr", "_modules"), ("item", part))])
+        path = module_path(name)
         for giver, stored in found:
             mro = cls.__mro__
             if giver not in mro[1:] or (cls, repr(stored)) in done:
@@ -509,8 +512,8 @@ def requires_grad_records(code_objects: Sequence[types.CodeType],
         if kind == "arg":
             path: tuple[tuple[Any, ...], ...] = (("arg", where),)
         else:
-            *modules, name = str(where).split(".")
-            path = (("model",), *[s for m in modules for s in (("attr", "_modules"), ("item", m))],
+            module, _, name = str(where).rpartition(".")
+            path = (*module_path(module),
                     ("attr", "_parameters" if kind == "param" else "_buffers"), ("item", name))
         path += (("attr", "requires_grad"),)
         records.append(GuardRecord(path, "equals", None,
