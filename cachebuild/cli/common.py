@@ -60,7 +60,7 @@ class CliState:
     def open_store_to_look(self) -> tuple[Store, bool]:
         """The store for a command that only looks (``plan``, ``explain``, ``warm
         --dry-run``), and whether it is there: where the options name a place a store
-        could be made (``check_place``) but none is, an empty one in a temporary folder
+        could be made (``check_can_make``) but none is, an empty one in a temporary folder
         (its remote tier, if any, still asked), removed when the command ends, so that
         looking makes no store where a path may be mistyped."""
         if self.store is None and not holds_store_or_may_make(Path(self.options.cache_dir)):
