@@ -50,7 +50,7 @@ from cachebuild.graph.facts import (
     on_device,
     unpin_device,
 )
-from cachebuild.tracing.trace import TracedGraph
+from cachebuild.tracing.trace import TracedGraph, output_metas
 
 log = logging.getLogger("cachebuild")
 
@@ -354,6 +354,7 @@ class GraphForward:
             gm=gm, bindings=[], input_metas=[meta_of(f) for f in self.fakes], source_files={},
             out_spec=pytree.treespec_dumps(pytree.tree_structure(list(range(n_out)))),
             num_outputs=n_out, fake_inputs=self.fakes, whole=False,
+            output_metas=output_metas(gm),
         )
         return self.plan(traced)
 

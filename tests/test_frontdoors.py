@@ -160,6 +160,50 @@ def test_a_size_returned_in_an_object_is_the_size_of_each_call(open_local, tmp_p
                 assert y.shape[0] == size and counted.y.shape[0] == size
 
 
+class ComputesFromSizes(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> tuple[Any, ...]:
+        n = x.shape[0]
+        # 2.0 is the traced call's n / 2: a constant equal to it stays a constant
+        return self.lin(x), n * 1000, n + 1, n / 2, Counted(self.lin(x), n - 1, n / 2), 2.0
+
+
+def _numbers_match(compiled: Any, model: torch.nn.Module, sizes: tuple[int, ...]) -> None:
+    with torch.no_grad():
+        for size in sizes:
+            x = torch.randn(size, 4)
+            got, want = compiled(x), model(x)
+            torch.testing.assert_close(got[0], want[0])
+            assert [type(v) for v in got[1:4]] == [int, int, float], got[1:4]
+            assert got[1:4] == want[1:4] == (size * 1000, size + 1, size / 2)
+            assert (got[4].tokens, got[4].heads, got[5]) == (size - 1, size / 2, 2.0)
+
+
+@pytest.mark.parametrize("flavour", ["eager_fusion", pytest.param("aoti", marks=pytest.mark.slow)])
+def test_numbers_computed_from_sizes_are_each_calls_numbers(open_local, tmp_path, flavour):
+    """Ints and floats a forward computes from sizes (``n * 1000``, ``n / 2``), returned
+    as they are or inside an object, are those of each call and Python numbers (an
+    AOTInductor piece hands them back as 0-dim tensors; a float was once kept as the
+    traced call's): cold, warm from the store, and through the torch.compile door."""
+    torch.manual_seed(0)
+    model = ComputesFromSizes().eval()
+    config = (cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+              if flavour == "eager_fusion" else
+              cachebuild.CompileConfig(flavour="aoti", compile_ranges=((1, 16),)))
+    store = open_local(tmp_path / "s")
+    cold = cachebuild.compile(model, config, {0: 0}, store=store)
+    _numbers_match(cold, model, (4, 7))
+    before = cachebuild.stats()
+    warm = cachebuild.compile(model, config, {0: 0}, store=store)
+    _numbers_match(warm, model, (5, 4, 9))
+    assert models.counters_delta(before, cachebuild.stats())["built"] == 0
+    _numbers_match(torch.compile(model, backend=cachebuild.backend(config, store=store),
+                                 dynamic=True), model, (6, 3))
+
+
 def test_default_store_is_cachebuild_dir(open_local, tmp_path, monkeypatch):
     path = tmp_path / "from-env"
     monkeypatch.setenv("CACHEBUILD_DIR", str(path))

@@ -23,6 +23,7 @@ import torch.utils._pytree as pytree
 from cachebuild.errors import UsageError
 
 TREE, OBJECT = "tree:", "pickle:"
+ITEM = "item"  # a graph output's .item() in a kept output (``ReturnedItem``)
 
 
 class Returned(int):
@@ -31,9 +32,45 @@ class Returned(int):
     per small int)."""
 
 
-def returned(outputs: Sequence[Any]) -> tuple[Any, ...]:
-    """``outputs`` with each int made a ``Returned`` (see ``output_recipe``)."""
-    return tuple(Returned(v) if type(v) is int else v for v in outputs)
+class ReturnedItem(float):
+    """A float the forward took from the graph's output ``position`` with ``.item()``:
+    Dynamo returns a float computed from sizes (``x.shape[0] / 2``) as a 0-dim tensor
+    of the graph and calls ``.item()`` on it after."""
+
+    position: int
+
+
+class _Itemized(torch.Tensor):
+    """A graph output whose ``.item()`` says where it came from (``ReturnedItem``)."""
+
+    position: int
+
+    def item(self) -> Any:  # type: ignore[override]
+        value = ReturnedItem(super().item())
+        value.position = self.position
+        return value
+
+
+def item_outputs(gm: torch.fx.GraphModule) -> set[int]:
+    """The positions of ``gm``'s outputs that Dynamo made to hand a float back through
+    ``.item()`` (``torch.scalar_tensor`` of a value computed from sizes)."""
+    out = next(n for n in gm.graph.nodes if n.op == "output")
+    return {i for i, v in enumerate(out.args[0]) if isinstance(v, torch.fx.Node)
+            and v.op == "call_function" and v.target is torch.scalar_tensor}
+
+
+def returned(outputs: Sequence[Any], items: set[int] = frozenset()) -> tuple[Any, ...]:
+    """``outputs`` with each int made a ``Returned`` and each output in ``items``
+    (``item_outputs``) one whose ``.item()`` is a ``ReturnedItem`` (see ``output_recipe``)."""
+    marked = []
+    for i, v in enumerate(outputs):
+        if type(v) is int:
+            v = Returned(v)
+        elif i in items and isinstance(v, torch.Tensor):
+            v = v.as_subclass(_Itemized)
+            v.position = i
+        marked.append(v)
+    return tuple(marked)
 
 
 def output_recipe(output: Any, graph_outputs: Sequence[Any]) -> str:
@@ -51,8 +88,8 @@ def output_recipe(output: Any, graph_outputs: Sequence[Any]) -> str:
             pass  # a node type without a serialised name: keep it as an object
     # A size the graph returns (``x.shape[0]``) is a ``Returned`` int there (``returned``)
     # and the same object in the output: taken from the graph's outputs at each call, not
-    # kept as the traced call's value. An int the forward made (a constant, equal or not)
-    # is another object and is kept.
+    # kept as the traced call's value; so is a float taken from one (``ReturnedItem``). A
+    # number the forward made (a constant, equal or not) is another object and is kept.
     position = {id(t): i for i, t in enumerate(graph_outputs)
                 if isinstance(t, (torch.Tensor, Returned))}
 
@@ -60,6 +97,8 @@ def output_recipe(output: Any, graph_outputs: Sequence[Any]) -> str:
         def persistent_id(self, obj: Any) -> Any:
             if isinstance(obj, Returned) and id(obj) in position:
                 return position[id(obj)]
+            if isinstance(obj, ReturnedItem):
+                return ITEM, obj.position
             if isinstance(obj, torch.Tensor):
                 if id(obj) not in position:
                     raise UsageError(
@@ -83,8 +122,11 @@ def output_builder(recipe: str) -> Callable[[Sequence[Any]], Any]:
         data = base64.b64decode(recipe[len(OBJECT):])
 
         def build(outs: Sequence[Any]) -> Any:
+            def value(pid: Any) -> Any:
+                return outs[pid] if type(pid) is int else outs[pid[1]].item()
+
             unpickler = pickle.Unpickler(io.BytesIO(data))
-            unpickler.persistent_load = outs.__getitem__  # type: ignore[assignment]
+            unpickler.persistent_load = value  # type: ignore[assignment]
             return unpickler.load()
 
         return build

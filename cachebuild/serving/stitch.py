@@ -89,6 +89,10 @@ class Stitched:
     gm: torch.fx.GraphModule
     calls: dict[str, Callable[..., Any]]
     compiled: dict[str, PieceSpec] = field(default_factory=dict)
+    #: The graph's outputs that are numbers (a size, or a value computed from sizes) by
+    #: position, with their Python type: a compiled piece may hand them back as 0-dim
+    #: tensors (AOTInductor's wrapper does, on the CPU), which the caller must not see.
+    numbers: dict[int, type] = field(default_factory=dict)
 
 
 def stitch(entry: Entry, loaded: dict[str, Any], layouts: dict[str, LayoutGuard]) -> Stitched:
@@ -116,7 +120,9 @@ def stitch(entry: Entry, loaded: dict[str, Any], layouts: dict[str, LayoutGuard]
             if shape not in eager:
                 eager[shape] = data_to_module(piece.nodes)
             calls[piece.name] = eager[shape].forward
-    return Stitched(data_to_module(entry.stitch, calls), calls, compiled)
+    numbers = {i: float if m.kind == "float" else int for i, m in enumerate(entry.output_metas)
+               if m is not None and m.kind in ("symint", "int", "float")}
+    return Stitched(data_to_module(entry.stitch, calls), calls, compiled, numbers)
 
 
 class _Direct:
@@ -135,8 +141,18 @@ class _Direct:
 def direct_forward(stitched: Stitched,
                    calls: dict[str, Callable[..., Any]] | None = None) -> Callable[..., Any]:
     """The stitched forward, calling each piece's callable (``calls``, default the
-    stitched ones) directly."""
-    return type(stitched.gm).forward.__get__(_Direct(stitched.gm, calls or stitched.calls))
+    stitched ones) directly; a number among its outputs is a Python number."""
+    run = type(stitched.gm).forward.__get__(_Direct(stitched.gm, calls or stitched.calls))
+    if not stitched.numbers:
+        return run
+    numbers = stitched.numbers
+
+    def forward(*args: Any) -> Any:
+        out = run(*args)
+        return type(out)(numbers[i](v) if i in numbers and isinstance(v, torch.Tensor) else v
+                         for i, v in enumerate(out))
+
+    return forward
 
 
 def forward_over(stitched: Stitched, calls: dict[str, Callable[..., Any]],

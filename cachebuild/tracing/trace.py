@@ -36,7 +36,7 @@ from cachebuild.graph.facts import (
     unpin_device,
     user_ops,
 )
-from cachebuild.graph.outputs import output_recipe, returned
+from cachebuild.graph.outputs import item_outputs, output_recipe, returned
 from cachebuild.graph.weights import hooks_hidden
 from cachebuild.tracing.guards import GuardRecord, GuardSet
 from cachebuild.trust.codehash import code_objects as code_objects_of
@@ -90,7 +90,7 @@ class TracedGraph:
     whole: bool = True
 
 
-def _output_metas(gm: fx.GraphModule) -> list[InputMeta | None]:
+def output_metas(gm: fx.GraphModule) -> list[InputMeta | None]:
     """Each output of ``gm`` as its traced value says (a tensor's dims, a size's symbol);
     None where no value was recorded, or it is no tensor, size or number."""
     out = next(n for n in gm.graph.nodes if n.op == "output")
@@ -338,6 +338,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         captured["code"] = list(context.traced_code) if context is not None else []
         captured["fake_mode"] = torch._guards.detect_fake_mode(example_inputs)
         captured["mutated"] = compat.mutated_sources()
+        items = item_outputs(gm)
 
         def run(*inputs: Any) -> Any:
             # Tracing leaves the model as it was: what the forward writes in place (a
@@ -350,7 +351,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
                     [n for n in gm.graph.nodes if n.op == "placeholder"], inputs, strict=True)]
                 written = graph_effects(gm, fakes).written_inputs
             saved = keep.Tensors(inputs[i] for i in written)
-            captured["outputs"] = out = returned(gm.forward(*inputs))
+            captured["outputs"] = out = returned(gm.forward(*inputs), items)
             saved.restore()
             return out
 
@@ -447,7 +448,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         source_stamps=stamps,
         source_libraries=library_paths(files),
         out_spec=output_recipe(output, list(captured.get("outputs", ()))),
-        output_metas=_output_metas(gm),
+        output_metas=output_metas(gm),
         num_outputs=num_outputs,
         fake_inputs=fakes,
         guards=guards,
