@@ -8,13 +8,15 @@ of commands. Command modules (``store``, ``model``, ``remote``) never import thi
 ``cachebuild.store.options`` alone; an option given here wins over its variable.
 
 Exit codes: 0 done; 1 the operation failed (e.g. ``verify`` found damage); 2 bad usage
-or bad input. Errors raised on purpose print ``error: <message>`` on one line.
+or bad input; 143 ended by SIGTERM (as by Ctrl-C: the command's cleanup runs). Errors
+raised on purpose print ``error: <message>`` on one line.
 """
 
 from __future__ import annotations
 
 import errno
 import logging
+import signal
 import sys
 from typing import Any
 
@@ -34,6 +36,25 @@ COMMANDS = (*store.COMMANDS, *model.COMMANDS, *fleet.COMMANDS)
 _NO_ARGS: Any = getattr(click.exceptions, "NoArgsIsHelpError", ())
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, met as Ctrl-C is: what the command holds is let go on the way out (its
+    build workers, its locks, a temporary store), where the default would end the process
+    on the spot."""
+
+
+def _terminate(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+def _end_on_sigterm() -> None:
+    """SIGTERM raises ``_Terminated`` in this process, unless someone else handles it."""
+    import threading
+
+    if threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminate)
+
+
 class _Group(click.Group):
     """A click group that says every error the same way: one ``error: <message>`` line,
     exit 2 for bad usage or input, 1 for an operation that failed (``CachebuildError``
@@ -43,6 +64,7 @@ class _Group(click.Group):
              standalone_mode: bool = True, **extra: Any) -> Any:
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+        _end_on_sigterm()
         try:
             # Not standalone, click hands back the code a command exited with (ctx.exit).
             code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
@@ -61,7 +83,10 @@ class _Group(click.Group):
             message = message[:1].lower() + message[1:]  # as cachebuild's own messages read
             click.echo(f"error: {message}{hint}", err=True)
             sys.exit(e.exit_code)
-        except click.Abort:
+        except click.Abort as e:
+            if isinstance(e.__context__, _Terminated):
+                click.echo("error: terminated (SIGTERM)", err=True)
+                sys.exit(128 + signal.SIGTERM)
             click.echo("error: aborted", err=True)
             sys.exit(1)
 
