@@ -82,6 +82,7 @@ __all__ = [
     "WorkUsage",
     "cache_home",
     "check_parents",
+    "bundle_source",
     "check_private_dir",
     "check_readable_dir",
     "check_where_made",
@@ -106,7 +107,8 @@ __all__ = [
 def __getattr__(name: str):
     # Bundles (tarfile) and the tiered store (the Redis client) are loaded only when asked
     # for: a server that loads its targets needs neither.
-    if name in ("ExportReport", "ImportReport", "export_bundle", "import_bundle"):
+    if name in ("ExportReport", "ImportReport", "bundle_source", "export_bundle",
+                "import_bundle"):
         from . import bundle
 
         return getattr(bundle, name)

@@ -4,7 +4,9 @@ another machine.
 A bundle is a tar archive (gzip-compressed when the file name ends in ``.gz``/``.tgz``)::
 
     cachebuild-bundle.json     {"format": "cachebuild-bundle", "version": 1, "entries": [...]}
-    records/<key>.json         the entry's index record (kind, manifest, refs, pinned, ...)
+    records/<key>.json         the entry's index record (kind, manifest, refs, pinned, ...;
+                               refs are read again from the blob, a pin is kept only where
+                               the importer trusts the bundle)
     objects/<key>              the entry's blob exactly as stored (header, payload, HMAC)
     ...                        (a record, then its blob, for every entry)
 
@@ -23,7 +25,7 @@ signing key, unsigned blobs are refused unless the importer says otherwise
 (``allow_unsigned``; ``cachebuild import --allow-unsigned``). Whatever a bundle's records
 say, trust is the importer's: an unsigned blob is served only once its source is trusted
 (``cachebuild import --trust``, ``cachebuild trust``), and its source is the bundle file
-it was imported from, never a name its record gives. A key the store already holds is
+it was imported from (its name and a digest of its bytes), never a name its record gives. A key the store already holds is
 compared with what the bundle brings: the same payload is already present, other bytes
 are refused unless they replace a copy that is not served by one that will be
 (``LocalStore.write_blob_chunks``); ``--trust`` marks only records that hold exactly the
@@ -45,6 +47,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import xxhash
 
 from cachebuild.errors import StoreError, UsageError
 
@@ -268,10 +272,12 @@ def _import_entry(store: LocalTier, key: str, record: Record, f: Any, size: int,
     try:
         # Read and verified even when the key is stored: what the bundle brings is
         # compared with what is there, never assumed to be the same.
-        done = store.write_blob_chunks(key, _pieces(f, size), manifest=record.manifest,
-                                       refs=record.refs, pinned=record.pinned,
-                                       accept=accept, unsigned_from=origin,
-                                       trusted=trust_of)
+        # Its refs come from its verified payload; its pin only where the importer (or
+        # the store's key) vouches for it: a bundle's records decide nothing GC keeps.
+        done = store.write_blob_chunks(
+            key, _pieces(f, size), manifest=record.manifest,
+            pinned=lambda header: record.pinned and trust_of(header) is not None,
+            accept=accept, unsigned_from=origin, trusted=trust_of)
     except CorruptBlob as e:
         report.refuse(key, e.reason)
         return
@@ -291,7 +297,8 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
     as its source (``Record.unsigned_from``) and is not served until that source is
     trusted: ``trust`` trusts it at once (``Record.trusted`` names this import), else
     ``LocalStore.trust`` does later; a store's own key's signature on a blob trusts it.
-    The source is this bundle file (``bundle NAME``), never what its records say.
+    The source is this bundle file (``bundle NAME (DIGEST)``: its name and a digest of
+    its bytes, so two bundles of one name are two sources), never what its records say.
     Members are streamed (see the module doc), so a bundle that inflates to more than
     memory holds costs no more memory than a small one. A truncated bundle imports what
     came before the damage. A key already stored is compared with what the bundle brings:
@@ -303,15 +310,20 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
     """
     src = Path(path)
     try:
-        tar = tarfile.open(src, "r|*")
+        bundle_file = open(src, "rb")  # noqa: SIM115  # closed with the tar below
     except FileNotFoundError:
         raise UsageError(f"no such bundle: {src}") from None
+    except OSError as e:
+        raise UsageError(f"cannot read the bundle {src}: {e.strerror or e}") from None
+    source = bundle_source(src, bundle_file)
+    try:
+        tar = tarfile.open(fileobj=bundle_file, mode="r|*")
     except _ARCHIVE_ERRORS as e:
+        bundle_file.close()
         raise UsageError(f"{src} is not a cachebuild bundle: {e}") from None
     report = ImportReport()
-    source = f"bundle {_printable(src.name)[:200]}"
     how = f"cachebuild import --trust ({source})" if trust else None
-    with tar:
+    with bundle_file, tar:
         first, header = _read_header(tar, src)
         expected = header["entries"]
         records: dict[str, tuple[Record | str, int]] = {}
@@ -412,6 +424,19 @@ def _drop_stranded(store: LocalTier, report: ImportReport, offered: set[str]) ->
             report.refuse(key, f"refers to {len(missing)} record{'s' if len(missing) > 1 else ''}"
                                f" the bundle held but that was not stored ({missing[0][:12]}...): "
                                "not kept")
+
+
+def bundle_source(path: str | os.PathLike[str], f: Any = None) -> str:
+    """The source what comes unsigned from the bundle at ``path`` is marked with:
+    ``bundle NAME (DIGEST)``, its file name and a digest of its bytes, so that two bundles
+    of one name are two sources and trusting one never trusts the other. ``f``: the
+    bundle already open, read whole and rewound (the bytes then imported are those)."""
+    h = xxhash.xxh3_64()
+    with contextlib.nullcontext(f) if f is not None else open(path, "rb") as bundle:
+        while piece := bundle.read(_CHUNK):
+            h.update(piece)
+        bundle.seek(0)
+    return f"bundle {_printable(Path(path).name)[:200]} ({h.hexdigest()[:12]})"
 
 
 def _printable(name: str) -> str:

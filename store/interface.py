@@ -198,16 +198,17 @@ class LocalTier(Store, Protocol):
         ...
 
     def write_blob_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview], *,
-                          manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
-                          pinned: bool = False,
+                          manifest: dict[str, Any] | None = None,
+                          pinned: Callable[[BlobHeader], bool] | bool = False,
                           accept: Callable[[BlobHeader], None] | None = None,
                           unsigned_from: Callable[[BlobHeader], str | None] | str | None = None,
                           trusted: Callable[[BlobHeader], str | None] | str | None = None,
                           ) -> BlobWrite:
-        """``write_blob`` for a blob that arrives in pieces, verified as it is written and
-        compared with what the key holds: the same payload is not written again, other
-        bytes replace only a stored blob that is not served by one that would be, else
-        CorruptBlob (``BlobConflict``) and the stored one stays."""
+        """``write_blob`` for a blob that arrives in pieces (from someone else: a bundle),
+        verified as it is written and compared with what the key holds: the same payload
+        is not written again, other bytes replace only a stored blob that is not served by
+        one that would be, else CorruptBlob (``BlobConflict``) and the stored one stays.
+        Its refs are read from its verified payload (``refs.refs_of``), never given."""
         ...
 
     def trust(self, source: str, how: str, keys: Iterable[str] | None = None) -> list[str]:

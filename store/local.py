@@ -87,6 +87,7 @@ from .record import (
     check_origin,
     check_trust,
 )
+from .refs import has_refs, refs_of
 from .timekeeping import SYSTEM_CLOCK, Clock
 from .usage import Usage
 
@@ -416,8 +417,8 @@ class LocalStore(LocalTier):
             return self._commit(record, fd, tmp_path)[0]
 
     def write_blob_chunks(self, key: str, chunks: Iterable[bytes | bytearray | memoryview], *,
-                          manifest: dict[str, Any] | None = None, refs: Sequence[str] = (),
-                          pinned: bool = False,
+                          manifest: dict[str, Any] | None = None,
+                          pinned: Callable[[BlobHeader], bool] | bool = False,
                           accept: Callable[[BlobHeader], None] | None = None,
                           unsigned_from: Callable[[BlobHeader], str | None] | str | None = None,
                           trusted: Callable[[BlobHeader], str | None] | str | None = None,
@@ -430,7 +431,9 @@ class LocalStore(LocalTier):
         the blob. CorruptBlob if a check fails; nothing is stored then.
         ``unsigned_from`` (``Record.unsigned_from``) may be a function of the verified
         header (whether the blob was signed decides it), and so may ``trusted``
-        (``Record.trusted``).
+        (``Record.trusted``) and ``pinned``. The blob comes from someone else: its refs,
+        which GC keeps for a pinned record, are read from its verified payload
+        (``refs_of``), never taken from a record that came with it.
 
         The blob is read and verified whether or not the key is stored, and then compared
         with what is (``_arrival_replaces``): the same payload is not written again
@@ -440,7 +443,6 @@ class LocalStore(LocalTier):
         """
         self._access.check_writable(f"store {key}")
         check_key(key)
-        refs = tuple(check_key(r) for r in refs)
         checker = StreamCheck(expected_key=key, signing_key=self._signing_key,
                               require_signature=self.require_signature)
         placeholder = Record(key=key, kind="blob", size=0, checksum="", created=0.0,
@@ -458,9 +460,12 @@ class LocalStore(LocalTier):
                 accept(header)  # type: ignore[misc]
             now = self.clock.time()
             origin = unsigned_from(header) if callable(unsigned_from) else unsigned_from
+            refs = (refs_of(header.kind, _payload_at(tmp_path, header))
+                    if has_refs(header.kind, header.length) else ())
             record = Record(key=key, kind=header.kind, size=header.length,
                             checksum=header.checksum, created=now, last_used=now,
-                            pinned=pinned, manifest=manifest, refs=refs,
+                            pinned=pinned(header) if callable(pinned) else pinned,
+                            manifest=manifest, refs=refs,
                             unsigned_from=check_origin(origin),
                             trusted=_trust_of(
                                 origin, trusted(header) if callable(trusted) else trusted))
@@ -926,3 +931,10 @@ class LocalStore(LocalTier):
                 remove_stored_files(self._layout, key)
         except (OSError, *INDEX_ERRORS) as e:
             log.warning("could not quarantine blob %s: %s", key, e)
+
+
+def _payload_at(path: Path, header: BlobHeader) -> bytes:
+    """The payload of the blob file at ``path`` that ``header`` (verified) describes."""
+    with open(path, "rb") as f:
+        f.seek(header.header_size)
+        return f.read(header.length)

@@ -92,6 +92,8 @@ MAX_SIZE = 1 << 48
 MAX_REFS = 1 << 16
 #: ``unsigned_from`` names a place in at most this many characters.
 MAX_ORIGIN = 300
+#: A manifest nests objects and lists at most this deep (this store's own: about 10).
+MAX_MANIFEST_DEPTH = 64
 
 
 class BadRecord(StoreError):
@@ -104,8 +106,27 @@ def _no_constant(name: str) -> Any:
 
 def loads_json(text: str | bytes | bytearray) -> Any:
     """JSON text as Python values, refusing ``NaN`` and ``Infinity`` (which Python's
-    ``json`` reads but nothing can store again): ValueError, as for any bad JSON."""
-    return json.loads(text, parse_constant=_no_constant)
+    ``json`` reads but nothing can store again) and nesting too deep to read back:
+    ValueError, as for any bad JSON."""
+    try:
+        return json.loads(text, parse_constant=_no_constant)
+    except RecursionError:
+        raise ValueError("JSON nested too deep") from None
+
+
+def _nesting(value: Any) -> int:
+    """How deep ``value`` nests dicts and lists (without recursing: it may be deep)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else \
+            item if isinstance(item, list | tuple) else None
+        if children is None:
+            continue
+        deepest = max(deepest, depth)
+        if depth <= MAX_MANIFEST_DEPTH:
+            stack.extend((c, depth + 1) for c in children)
+    return deepest
 
 
 def _show(value: Any) -> str:
@@ -156,6 +177,8 @@ def check_fields(data: dict[str, Any], *, key: Any = None,
     manifest = data.get("manifest")
     if manifest is not None and not isinstance(manifest, dict):
         raise BadRecord(f"record field 'manifest' must be an object, not {_show(manifest)}")
+    if manifest is not None and _nesting(manifest) > MAX_MANIFEST_DEPTH:
+        raise BadRecord(f"record field 'manifest' nests more than {MAX_MANIFEST_DEPTH} deep")
     refs = data.get("refs", [])
     if not isinstance(refs, list | tuple) or len(refs) > MAX_REFS or not all(
             isinstance(r, str) and _KEY_RE.fullmatch(r) for r in refs):

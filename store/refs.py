@@ -45,6 +45,24 @@ def _reader(kind: str) -> RefsReader | None:
     return _DECLARED[kind]
 
 
+#: A payload longer than this is not read for refs where it arrives from someone else
+#: (``has_refs``): an entry is kilobytes to a few megabytes.
+MAX_REFS_PAYLOAD = 64 << 20
+
+
+def has_refs(kind: str, length: int) -> bool:
+    """Whether a payload of ``kind`` and ``length`` bytes is read for its refs: a reader is
+    registered for the kind, and the payload is no longer than ``MAX_REFS_PAYLOAD`` (a
+    longer one lists none, one log line)."""
+    if _reader(kind) is None:
+        return False
+    if length > MAX_REFS_PAYLOAD:
+        log.warning("a %s of %d bytes arrived: longer than any this store makes, it is kept "
+                    "without refs", kind, length)
+        return False
+    return True
+
+
 def refs_of(kind: str, payload: bytes) -> tuple[str, ...]:
     """The keys a verified payload of ``kind`` refers to (see the module doc)."""
     reader = _reader(kind)

@@ -113,8 +113,7 @@ def test_the_genuine_bundle_without_trust_refuses_the_key_a_forgery_holds(
     store = open_local(store_dir)
     assert store.get_record(victim).checksum == payload_checksum(EVIL)
     assert store.get(victim) is None  # untrusted, never served
-    # Trusting by the (shared) name is the operator's word for both files; --trust of the
-    # genuine one afterwards still replaces the forgery by content.
+    # --trust of the genuine one afterwards still replaces the forgery by content.
     assert run(store_dir, "import", "--trust", str(genuine)).exit_code == 0
     assert store.get(victim) == PAYLOADS["t1"]
 
@@ -228,3 +227,80 @@ def test_a_start_over_an_untrusted_entry_says_why_it_is_not_served(tmp_path, cap
             models.assert_matches_eager(compiled, model, models.inputs(5))
     assert "its stored entry is not served here" in caplog.text
     assert "it was not warmed" not in caplog.text
+
+
+def _bundle_of(path: Path, payloads: dict[str, bytes]) -> Path:
+    with LocalStore(path.parent / f"{path.parent.name}-source") as store:
+        for name, payload in payloads.items():
+            store.put(key(name), payload, kind="target")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        export_bundle(store, path)
+    return path
+
+
+def test_two_bundles_of_one_name_are_two_sources(open_local, tmp_path, genuine):
+    """Trust goes to the bundle imported, not to its file name: another `cache.tar`
+    imported before (looked at, not trusted) is not trusted with it."""
+    store_dir = tmp_path / "store"
+    other = _bundle_of(tmp_path / "other" / "cache.tar", {"x1": b"x" * 100, "x2": b"y" * 50})
+    assert run(store_dir, "import", str(other)).exit_code == 0
+    result = run(store_dir, "import", str(genuine))
+    assert result.exit_code == 0, result.output
+    said = result.stderr.split("`cachebuild trust '")[1].split("'`")[0]
+    assert said.startswith("bundle cache.tar (") and said != "bundle cache.tar"
+    ambiguous = run(store_dir, "trust", "bundle cache.tar")
+    assert ambiguous.exit_code == 2 and "2 untrusted sources" in ambiguous.output
+    assert run(store_dir, "trust", said).exit_code == 0
+    store = open_local(store_dir)
+    assert all(store.get(key(n)) == p for n, p in PAYLOADS.items())
+    assert store.get(key("x1")) is None and store.get_record(key("x1")).is_untrusted
+    # The other one, now the only untrusted source of that name, is named by it alone.
+    assert run(store_dir, "trust", "bundle cache.tar").exit_code == 0
+    assert store.get(key("x1")) == b"x" * 100
+
+
+def test_a_bundle_decides_no_pin_and_no_ref(open_local, tmp_path, genuine):
+    """A bundle's records may not say what GC keeps: refs are read from the blobs (a
+    target's list none), and a pin is kept only where the importer trusts the bundle."""
+    everything = [key(n) for n in PAYLOADS]
+    content = []
+    for name, data in members(genuine):
+        if name.startswith("records/"):
+            record = json.loads(data)
+            record["pinned"], record["refs"] = True, everything
+            data = json.dumps(record).encode()
+        content.append((name, data))
+    claims = write_bundle(tmp_path / "claims.tar", content)
+    store_dir = tmp_path / "store"
+    assert run(store_dir, "import", str(claims)).exit_code == 0
+    store = open_local(store_dir)
+    assert [(r.pinned, r.refs) for r in store.records()] == [(False, ())] * len(PAYLOADS)
+    assert run(store_dir, "gc", "--max-size", "0").exit_code == 0
+    assert list(store.records()) == []
+    # Trusted at import, its pins are the importer's word; still no refs of its own.
+    assert run(store_dir, "import", "--trust", str(claims)).exit_code == 0
+    assert [(r.pinned, r.refs) for r in store.records()] == [(True, ())] * len(PAYLOADS)
+
+
+def test_a_manifest_nested_too_deep_is_refused_on_arrival(open_local, tmp_path, genuine):
+    """A record whose manifest nests hundreds deep is refused at import, by name; the
+    others come in, and every command reads the store after (`ls --json` and `export`
+    once failed with a RecursionError on such a record)."""
+    deep: object = "bottom"
+    for _ in range(900):
+        deep = [deep]
+    victim = key("t2")
+    content = []
+    for name, data in members(genuine):
+        if name == f"records/{victim}.json":
+            record = json.loads(data)
+            record["manifest"] = {"deep": deep}
+            data = json.dumps(record).encode()
+        content.append((name, data))
+    store_dir = tmp_path / "store"
+    result = run(store_dir, "import", "--trust", str(write_bundle(tmp_path / "deep.tar", content)))
+    assert result.exit_code == 1 and "imported 3 records" in result.stdout, result.output
+    assert f"refused {victim}: " in result.stderr and "nests more than" in result.stderr
+    assert run(store_dir, "ls", "--json").exit_code == 0
+    assert run(store_dir, "export", str(tmp_path / "again.tar")).exit_code == 0
+    assert open_local(store_dir).get_record(victim) is None

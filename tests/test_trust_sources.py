@@ -22,7 +22,6 @@ from trust import assert_one_line_error, clean_env, cli, python
 pytestmark = pytest.mark.slow
 
 KEY = "fleet-key-for-tests"
-SOURCE = "bundle cache.tar"
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +36,14 @@ def bundle(tmp_path_factory) -> tuple[Path, Path]:
     exported = cli("export", str(path), env=env)
     assert exported.returncode == 0, exported.stderr[-3000:]
     return model, path
+
+
+@pytest.fixture(scope="module")
+def source(bundle) -> str:
+    """The source what comes unsigned from the bundle is marked with."""
+    from cachebuild.store import bundle_source
+
+    return bundle_source(bundle[1])
 
 
 def serve(model: Path, env: dict[str, str]) -> tuple[dict, str]:
@@ -55,41 +62,41 @@ def records(env: dict[str, str]) -> list[dict]:
         return [r.to_json() for r in store.records(manifests=False)]
 
 
-def test_an_unsigned_import_is_not_served_until_its_source_is_trusted(bundle, tmp_path):
+def test_an_unsigned_import_is_not_served_until_its_source_is_trusted(bundle, source, tmp_path):
     model, path = bundle
     env = clean_env(CACHEBUILD_DIR=str(tmp_path / "keyless"))
     imported = cli("import", str(path), env=env)
     assert imported.returncode == 0, imported.stderr[-3000:]
-    assert f"cachebuild trust '{SOURCE}'" in imported.stderr
-    assert all(r["unsigned_from"] == SOURCE and r["trusted"] is None for r in records(env))
+    assert f"cachebuild trust '{source}'" in imported.stderr
+    assert all(r["unsigned_from"] == source and r["trusted"] is None for r in records(env))
     listed = cli("ls", env=env)
     assert listed.returncode == 0 and "NOT TRUSTED" in listed.stdout, listed.stdout
     verified = cli("verify", env=env)
     assert verified.returncode == 0, verified.stderr[-3000:]
     assert re.search(r": 0 ok, 0 damaged, \d+ not trusted", verified.stdout), verified.stdout
-    assert "not trusted: " in verified.stderr and SOURCE in verified.stderr
+    assert "not trusted: " in verified.stderr and source in verified.stderr
 
     # A server does not load it: it says so in one line, naming the command, and builds
     # its own (the outputs are checked against eager all the same).
     stats, err = serve(model, env)
     assert stats["built"] == 2 and stats["traced"] == 1, stats
     told = [line for line in err.splitlines() if "not loading what came unsigned" in line]
-    assert len(told) == 1 and f"cachebuild trust '{SOURCE}'" in told[0], err[-3000:]
+    assert len(told) == 1 and f"cachebuild trust '{source}'" in told[0], err[-3000:]
     # What it built replaced what it would not load; a second start loads that, silently.
     assert all(r["unsigned_from"] is None for r in records(env))
     stats, err = serve(model, env)
     assert stats["built"] == 0 and stats["traced"] == 0 and "not loading" not in err
 
 
-def test_trusting_the_source_by_name_serves_it_and_is_kept_in_the_record(bundle, tmp_path):
+def test_trusting_the_source_by_name_serves_it_and_is_kept_in_the_record(bundle, source, tmp_path):
     model, path = bundle
     env = clean_env(CACHEBUILD_DIR=str(tmp_path / "later"))
     assert cli("import", str(path), env=env).returncode == 0
     assert_one_line_error(cli("trust", "bundle other.tar", env=env), 2,
-                          rf"no untrusted record came from 'bundle other.tar'.*'{SOURCE}'")
-    trusted = cli("trust", SOURCE, env=env)
+                          rf"no untrusted record came from 'bundle other.tar'.*'{re.escape(source)}'")
+    trusted = cli("trust", source, env=env)
     assert trusted.returncode == 0 and "trusted 4 records" in trusted.stdout, trusted.stderr
-    assert {r["trusted"] for r in records(env)} == {f"cachebuild trust ({SOURCE})"}
+    assert {r["trusted"] for r in records(env)} == {f"cachebuild trust ({source})"}
     stats, err = serve(model, env)
     assert stats["built"] == 0 and stats["traced"] == 0 and "not loading" not in err, stats
 
@@ -98,7 +105,7 @@ def test_trusting_the_source_by_name_serves_it_and_is_kept_in_the_record(bundle,
     env = clean_env(CACHEBUILD_DIR=str(tmp_path / "at-once"))
     assert cli("import", str(path), env=env).returncode == 0
     assert cli("import", "--trust", str(path), env=env).returncode == 0
-    assert {r["trusted"] for r in records(env)} == {f"cachebuild import --trust ({SOURCE})"}
+    assert {r["trusted"] for r in records(env)} == {f"cachebuild import --trust ({source})"}
     stats, err = serve(model, env)
     assert stats["built"] == 0 and stats["traced"] == 0 and "not loading" not in err, stats
 

@@ -33,7 +33,7 @@ from cachebuild.units import format_size
 
 if TYPE_CHECKING:
     from cachebuild.store import StoreStats
-    from cachebuild.store.interface import Store
+    from cachebuild.store.interface import LocalTier, Store
 
 #: How long quarantined blobs are kept, in days, as the messages say.
 _QUARANTINE_DAYS = QUARANTINE_KEEP_S // 86400
@@ -561,6 +561,7 @@ def trust_command(ctx: click.Context, source: str) -> None:
     """Serve what came unsigned from SOURCE (a bundle or a remote, as `ls` and `verify`
     name it); the decision is kept in each record it marks."""
     store = open_existing_store(ctx).local
+    source = _named_source(store, source)
     marked = store.trust(source, f"cachebuild trust ({source})"[:600])
     if not marked:
         already = sum(1 for r in store.records(manifests=False)
@@ -575,6 +576,26 @@ def trust_command(ctx: click.Context, source: str) -> None:
             if sources else ": nothing stored is untrusted")
         raise UsageError(f"no untrusted record came from '{printable(source)}'{known}")
     click.echo(f"trusted {plural(len(marked), 'record')} from {printable(source)}")
+
+
+def _named_source(store: LocalTier, given: str) -> str:
+    """The source ``given`` names: itself where a record names it, else the one source of
+    that name with a digest after it (``bundle cache.tar`` for ``bundle cache.tar
+    (3f2a9c1d4e5f)``), the one not trusted yet where several are; two such untrusted
+    sources are a UsageError naming both (two bundles of one name)."""
+    sources: dict[str, bool] = {}  # source -> whether any of its records is untrusted
+    for r in store.records(manifests=False):
+        if r.unsigned_from:
+            sources[r.unsigned_from] = sources.get(r.unsigned_from, False) or r.is_untrusted
+    if given in sources:
+        return given
+    named = [s for s in sources if s.startswith(given + " (") and s.endswith(")")]
+    untrusted = [s for s in named if sources[s]]
+    if len(untrusted) > 1:
+        raise UsageError(f"{len(untrusted)} untrusted sources are named '{printable(given)}': "
+                         + ", ".join(f"'{printable(s)}'" for s in untrusted[:5])
+                         + "; trust one by its whole name, as `cachebuild import` said it")
+    return (untrusted or named or [given])[0]
 
 
 COMMANDS = (ls_command, stats_command, gc_command, verify_command, pin_command, unpin_command,
