@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from cachebuild.building.pool import Result, WorkerSetup, receive, send
+from cachebuild.errors import one_line
 
 #: Warning classes (by name) a worker hands to the caller instead of printing: the caller
 #: says each once, not once per worker.
@@ -35,7 +36,6 @@ def serve(results_fd: int) -> None:
 
     import cachebuild.passes.ops  # noqa: F401  # the fusion passes' ops
     from cachebuild.building.build import build_one
-    from cachebuild.store import open_store
 
     try:
         setup: WorkerSetup = receive(jobs)
@@ -51,17 +51,12 @@ def serve(results_fd: int) -> None:
         else:
             show(message, category, filename, lineno, file, line)
 
-    for path in reversed(setup.sys_path):
-        if path not in sys.path:
-            sys.path.insert(0, path)
-    if setup.model_file:
-        from cachebuild.modelfile import import_model
-
-        import_model(setup.model_file)  # registers the model file's ops
-    for name in setup.modules:
-        importlib.import_module(name)
+    try:
+        store = _set_up(setup)
+    except Exception as e:  # every job it is given fails, saying why: no traceback here
+        _refuse_all(jobs, results, f"the build worker could not set up: {one_line(e)}")
+        return
     warnings.showwarning = forward
-    store = open_store(setup.options)
     try:
         while True:
             try:
@@ -78,6 +73,33 @@ def serve(results_fd: int) -> None:
                 return
     finally:
         store.close()
+
+
+def _set_up(setup: WorkerSetup) -> Any:
+    """Import what ``setup`` names (the model file registers its ops) and open its store."""
+    from cachebuild.store import open_store
+
+    for path in reversed(setup.sys_path):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    if setup.model_file:
+        from cachebuild.modelfile import import_model
+
+        import_model(setup.model_file)
+    for name in setup.modules:
+        importlib.import_module(name)
+    return open_store(setup.options)
+
+
+def _refuse_all(jobs: Any, results: Any, error: str) -> None:
+    """Answer every job sent until stdin closes with ``error``: a worker that could not
+    set up (its model file failed to import here, its store could not be opened)."""
+    while True:
+        try:
+            job = receive(jobs)
+            send(results, Result(job.target.key, False, 0.0, error, died=True))
+        except (EOFError, BrokenPipeError):
+            return
 
 
 def end() -> None:

@@ -98,6 +98,9 @@ class ImportReport:
     existing: list[str] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
     more_refused: int = 0
+    #: Why the import stopped before the bundle's end (the store could not take a blob:
+    #: a full disk, say); what came before it is imported.
+    stopped: str | None = None
 
     def refuse(self, name: str, why: str) -> None:
         """Count ``name`` as refused, with ``why``."""
@@ -112,7 +115,7 @@ class ImportReport:
 
     @property
     def ok(self) -> bool:
-        return not self.refused_count
+        return not self.refused_count and self.stopped is None
 
 
 def _select(store: LocalTier, keys: Iterable[str] | None, kinds: Iterable[str] | None,
@@ -301,7 +304,8 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
     its bytes, so two bundles of one name are two sources), never what its records say.
     Members are streamed (see the module doc), so a bundle that inflates to more than
     memory holds costs no more memory than a small one. A truncated bundle imports what
-    came before the damage. A key already stored is compared with what the bundle brings:
+    came before the damage; a store that cannot take a blob (a full disk) stops the
+    import there (``ImportReport.stopped`` says why), what came before it imported. A key already stored is compared with what the bundle brings:
     the same payload is counted as present; other bytes are refused (the stored copy
     stays) unless the stored copy is not served and the bundle's will be (``trust``, the
     store's key), which then replace it. ``trust`` marks only records holding the bytes
@@ -375,8 +379,14 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
                     elif isinstance(record, str):
                         report.refuse(key, record)
                     else:
-                        _import_entry(store, key, record, f, member.size, report,
-                                      allow_unsigned or trust, source, how, brought)
+                        try:
+                            _import_entry(store, key, record, f, member.size, report,
+                                          allow_unsigned or trust, source, how, brought)
+                        except StoreError as e:  # the store, not the bundle: stop here
+                            if isinstance(e, CorruptBlob):
+                                raise
+                            report.stopped = str(e)
+                            break
                     current = None
                     if progress is not None:
                         progress(len(seen), max(len(expected), len(seen)))
@@ -384,12 +394,13 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
                     report.refuse(_printable(name), "unexpected member in bundle")
         except (*_ARCHIVE_ERRORS, CorruptBlob) as e:
             report.refuse(current or "(rest of bundle)", f"bundle is damaged or truncated: {e}")
-        for key in records:
-            seen.add(key)
-            report.refuse(key, "index record without a blob")
-        for key in expected[:MAX_MEMBERS]:
-            if isinstance(key, str) and key not in seen:
-                report.refuse(_printable(key), "listed in the bundle but missing from it")
+        if report.stopped is None:  # else the rest was not read: nothing is missing
+            for key in records:
+                seen.add(key)
+                report.refuse(key, "index record without a blob")
+            for key in expected[:MAX_MEMBERS]:
+                if isinstance(key, str) and key not in seen:
+                    report.refuse(_printable(key), "listed in the bundle but missing from it")
     _drop_stranded(store, report, seen | {k for k in expected if isinstance(k, str)})
     if how is not None:
         # What an earlier import brought in without --trust and this bundle brought again

@@ -304,3 +304,24 @@ def test_a_manifest_nested_too_deep_is_refused_on_arrival(open_local, tmp_path, 
     assert run(store_dir, "ls", "--json").exit_code == 0
     assert run(store_dir, "export", str(tmp_path / "again.tar")).exit_code == 0
     assert open_local(store_dir).get_record(victim) is None
+
+
+def test_a_full_disk_stops_an_import_and_says_what_came_in(open_local, tmp_path):
+    """A bundle larger than the disk: the import stops at the blob that does not fit,
+    says how many records came in before it (once it said only "nothing was stored"), and
+    what came in is whole and served."""
+    from mounts import tmpfs
+
+    payloads = {f"big{i}": bytes([i]) * (2 << 20) for i in range(6)}  # 12 MiB in all
+    bundle = _bundle_of(tmp_path / "big" / "cache.tar", payloads)
+    with tmpfs(tmp_path / "disk", "8m") as disk:
+        result = run(disk / "store", "import", "--trust", str(bundle))
+        assert result.exit_code == 1, result.output
+        came = int(result.stdout.split("imported ")[1].split()[0])
+        assert 0 < came < len(payloads), result.output
+        said = result.stderr.strip().splitlines()[-1]
+        assert said.startswith("error: no space left") and "the import stopped there" in said
+        assert f"the {came} record" in said and "listed in the bundle" not in result.stderr
+        verified = run(disk / "store", "verify")
+        assert verified.exit_code == 0 and f"{came} ok, 0 damaged" in verified.stdout, \
+            verified.output

@@ -363,3 +363,30 @@ def test_sigterm_ends_a_command_as_ctrl_c_does(tmp_path):
     assert err.strip().splitlines()[-1] == "error: terminated (SIGTERM)", err
     assert "Traceback" not in err, err
     assert not any(scratch.iterdir()) and not (tmp_path / "none").exists()
+
+
+def test_a_worker_that_cannot_set_up_fails_its_targets_in_one_line_each(tmp_path):
+    """A build worker whose setup fails (here the model file imports in the command's
+    process but raises in any other) prints no traceback: each target fails with the
+    reason, and `warm` ends with exit 1."""
+    marker = tmp_path / "first-import"
+    model = tmp_path / "once.py"
+    model.write_text(textwrap.dedent(f"""
+        import os, sys
+        marker = {str(marker)!r}
+        if os.path.exists(marker) and open(marker).read() != str(os.getpid()):
+            raise RuntimeError("this model file imports in one process only")
+        open(marker, "w").write(str(os.getpid()))
+        sys.path.insert(0, {str(ROOT / "examples")!r})
+        import llama
+
+        def build():
+            return llama.build()
+    """))
+    proc = cli(tmp_path / "store", "warm", str(model), "--jobs", "1")
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    said = " ".join(proc.stderr.split())
+    assert said.count("the build worker could not set up: ") == 3, proc.stderr
+    assert "RuntimeError: this model file imports in one process only" in said, proc.stderr
+    assert summary(proc.stderr)[2:] == (0, 3), proc.stderr
