@@ -35,7 +35,7 @@ from cachebuild.serving.runtime import CaptureReport, ModelRuntime
 from cachebuild.serving.start import start, take_over
 from cachebuild.serving.stitch import direct_forward, on_device_forward, stitch
 from cachebuild.store.interface import Store
-from cachebuild.tracing.guards import Mismatch
+from cachebuild.tracing.guards import Mismatch, grad_mode_changed
 from cachebuild.tracing.split import check_splitting_ops
 from cachebuild.tracing.trace import TracedGraph, check_call_dims
 
@@ -114,6 +114,7 @@ class CompiledModule(torch.nn.Module):
         #: is refused, never skipped.
         self._forward = own_forward(model)
         self._said_not_run = False
+        self._said_grad_mode = False
 
     def __setattr__(self, name: str, value: Any) -> None:
         # Its forwards are bound to the model it was compiled from (weights, guards, the
@@ -277,6 +278,8 @@ class CompiledModule(torch.nn.Module):
             self._swap_in(args)
         runtime = self._runtime  # read once: a call runs on one runtime from start to end
         wrong = runtime.mismatches(self.model, args)
+        if wrong and grad_mode_changed(wrong):
+            return self._in_other_grad_mode(args)
         if wrong:
             runtime = self._resolve(args, wrong)
             if runtime is None:
@@ -293,6 +296,18 @@ class CompiledModule(torch.nn.Module):
             self._said_not_run = True
             log.warning("cachebuild: %s runs eagerly while this lasts (on_failure='eager'): "
                         "%s", type(self.model).__name__, why)
+        return self.model(*args)
+
+    def _in_other_grad_mode(self, args: tuple[Any, ...]) -> Any:
+        """A call in another autograd mode than the trace's (no grad) to a forward that
+        reads the mode: run eagerly, said once. Every forward is traced without autograd,
+        so none serves it."""
+        if not self._said_grad_mode:
+            self._said_grad_mode = True
+            log.warning("cachebuild: %s's forward reads autograd's mode (torch.is_grad_enabled"
+                        "() or is_inference_mode_enabled()) and was traced without autograd: "
+                        "a call with autograd on (or under inference_mode) runs eagerly; call "
+                        "it under torch.no_grad() to serve it compiled", type(self.model).__name__)
         return self.model(*args)
 
     def _through_dynamo(self, args: tuple[Any, ...]) -> Any:

@@ -109,6 +109,8 @@ class Net(Tuned):
             y = y - 1
         if x.requires_grad:
             y = y * 1.5
+        if torch.is_grad_enabled():  # a training path and an inference path
+            y = y * 0.5
         y = y * self.table[(1, "x")] * self.sibling.gain
         act = torch.relu if self.config.act == "relu" else torch.tanh
         return finish(self.post(act(y) + self.config.eps))
@@ -159,7 +161,11 @@ class DoubledMatmuls(TorchDispatchMode):
 MODE: list[TorchDispatchMode] = []
 #: Whether each call's input requires grad (set by a case below: called under no_grad).
 INPUT_GRAD: list[bool] = []
+#: Calls made with autograd on while it holds an item (else under no_grad).
+GRAD: list[bool] = []
 AROUND_THE_CALL = "a dispatch mode around the call"
+#: A call with autograd on, to a forward that reads autograd's mode: run eagerly.
+GRAD_ON = "autograd on around the call"
 
 
 @dataclass
@@ -217,6 +223,7 @@ CASES = [
     # Not a value the forward reads: a mode of the caller's around the call, which
     # compiled code would run past. The model runs eagerly under it (nothing traced).
     Case(AROUND_THE_CALL, lambda n: MODE.append(DoubledMatmuls()), lambda n, _: MODE.clear()),
+    Case(GRAD_ON, lambda n: GRAD.append(True), lambda n, _: GRAD.clear()),
 ]
 
 
@@ -231,12 +238,12 @@ def main(door: str, backend: str, cases: list[str]) -> None:
     x = torch.randn(4, 8)
 
     def call(case: str, step: str) -> None:
-        with torch.no_grad(), contextlib.ExitStack() as modes:
+        with torch.set_grad_enabled(bool(GRAD)), contextlib.ExitStack() as modes:
             for mode in MODE:
                 modes.enter_context(mode)
             given = x.detach().requires_grad_(bool(INPUT_GRAD))
-            out = compiled(given)
-            want = net(given)
+            out = compiled(given).detach()
+            want = net(given).detach()
         print(json.dumps({"case": case, "step": step,
                           "error": float((out - want).abs().max()),
                           "traced": cachebuild.stats()["traced"]}), flush=True)

@@ -5,7 +5,8 @@ global, a config value, a list's contents, an environment variable, a forward ho
 module-level object swapped for another of its class, a function's or a method's code
 swapped in place, an int made a bool, an object's or a submodule's class swapped in
 place, a class attribute set on a subclass of the class that gave it, a weight's or an
-input's requires_grad read, a value under a tuple key) runs in
+input's requires_grad read, a value under a tuple key, autograd's mode read and a call
+made with it on) runs in
 a process of its own, through both front doors, cold then warm against one store, every
 output compared with the live eager model's. Through ``cachebuild.compile``: a change costs
 one trace the first time, undoing it none (the forward for the old values is still there),
@@ -67,7 +68,7 @@ def test_every_live_change_through_cachebuild_compile_cold_then_warm(tmp_path):
     _assert_exact(cold)
     traces = _traces_per_step(cold)
     for (case, step), n in traces.items():
-        if case == live_changes.AROUND_THE_CALL:
+        if case in (live_changes.AROUND_THE_CALL, live_changes.GRAD_ON):
             assert n == 0, (case, n)  # run eagerly under the caller's mode
         elif step == "changed":
             assert n == 1, (case, n)  # the new values are traced once...
@@ -201,6 +202,28 @@ def test_the_check_sees_torch_state_a_forward_may_read(change):
             torch.backends.cuda.matmul.allow_tf32 = tf32
             torch.set_autocast_dtype("cpu", torch.bfloat16)
             torch.use_deterministic_algorithms(deterministic, warn_only=warn_only)
+        assert watch.mismatches(model, args) == []
+
+
+@pytest.mark.parametrize("mode", ["grad", "inference"])
+def test_the_check_sees_autograd_modes_where_a_forward_reads_them(mode):
+    """A forward that reads autograd's mode records it as the trace saw it (no grad); a
+    call in another mode is a mismatch the runtime tells apart (it runs eagerly), at the
+    fast check as at the full one."""
+    from cachebuild.tracing.guards import GRAD_STATES, fingerprint, grad_mode_changed
+
+    model = Flagged()
+    with torch.no_grad():
+        state = [[[["state", name]], "equals", None, fingerprint("equals", False, None)]
+                 for name in GRAD_STATES]
+        watch = guard_watch.CallGuards(GuardSet(state))
+        args = (torch.zeros(2, 4),)
+        assert watch.mismatches(model, args) == [] and watch.mismatches(model, args) == []
+    with torch.enable_grad() if mode == "grad" else torch.inference_mode():
+        wrong = watch.mismatches(model, args)
+        assert grad_mode_changed(wrong) and [m.name for m in wrong] == [
+            "torch grad enabled" if mode == "grad" else "torch inference mode"], wrong
+    with torch.no_grad():
         assert watch.mismatches(model, args) == []
 
 

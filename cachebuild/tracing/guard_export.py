@@ -490,6 +490,30 @@ def shadow_records(records: list[GuardRecord], model: Any,
     return out
 
 
+#: What code names to read autograd's modes (``torch.is_grad_enabled()``,
+#: ``torch.is_inference_mode_enabled()``), by state (``guards.GRAD_STATES``).
+_GRAD_MODE_READS = {"grad_enabled": "is_grad_enabled",
+                    "inference_mode": "is_inference_mode_enabled"}
+
+
+def grad_mode_records(code_objects: Sequence[types.CodeType],
+                      traced_in: dict[str, Any]) -> list[GuardRecord]:
+    """Records of autograd's modes as the trace ran (``traced_in``, by state: read inside
+    the trace, which runs without grad), where the traced code names what reads them.
+    Dynamo's guard on grad mode has no record (the trace and every compiled forward run
+    without autograd), so a forward that branches on ``torch.is_grad_enabled()`` would be
+    served the traced branch in any mode; with these, a call in another mode is told
+    apart (``api``: it runs eagerly)."""
+    names = {name for code in code_objects for name in code.co_names}
+    records = []
+    for state, reads in _GRAD_MODE_READS.items():
+        if reads in names:
+            path = (("state", state),)
+            records.append(GuardRecord(path, "equals", None,
+                                       fingerprint("equals", traced_in[state], None)))
+    return records
+
+
 def requires_grad_records(code_objects: Sequence[types.CodeType],
                           bound: Sequence[tuple[str, str | int]], model: Any,
                           args: Sequence[Any]) -> list[GuardRecord]:

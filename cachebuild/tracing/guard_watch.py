@@ -35,6 +35,7 @@ import torch
 from cachebuild import compat
 from cachebuild.dictwatch import ANY
 from cachebuild.tracing.guards import (
+    GRAD_STATES,
     UNRESOLVED,
     GuardSet,
     Mismatch,
@@ -152,6 +153,7 @@ class _Plan:
         self.names = 0
         self.lines: list[str] = []
         self.state: tuple[Any, ...] | None = None  # ``compat.process_state_signature``
+        self.grad: tuple[bool, bool] | None = None  # ``_grad_modes``
         #: Functions an identity check names: the same object may be given other code
         #: (``fn.__code__ = ...``, as reloaders do), which no watched dict sees.
         self.functions: list[types.FunctionType] = []
@@ -164,6 +166,9 @@ class _Plan:
 
     def walk(self, model: Any, args: Sequence[Any]) -> None:
         for root, child in self.tree.children.values():
+            if root[0] == "state" and root[1] in GRAD_STATES:  # where the forward reads it
+                self.grad = _grad_modes()
+                continue
             if root[0] == "state":  # torch's process state: one summary for every record
                 self.state = compat.process_state_signature()
                 continue
@@ -330,6 +335,8 @@ class _Plan:
         self.lines = ["    if not UNCHANGED():", "        return False"]
         if self.state is not None:
             self.lines += [f"    if STATE() != {self.const(self.state)}:", "        return False"]
+        if self.grad is not None:
+            self.lines += [f"    if GRAD() != {self.const(self.grad)}:", "        return False"]
         if self.functions:  # one comparison for all: identity first, element by element
             codes = [f.__code__ for f in self.functions]
             self.lines += [f"    if list(map(CODE, {self.const(self.functions)})) != "
@@ -345,6 +352,7 @@ class _Plan:
         scope: dict[str, Any] = {"K": self.consts, "STEP": step, "UNCHANGED": unchanged,
                                  "CODE": operator.attrgetter("__code__"),
                                  "STATE": compat.process_state_signature,
+                                 "GRAD": _grad_modes,
                                  "ROOT": lambda root: root_value(root, None, ())}
         exec(compile(source, "<cachebuild guards>", "exec"), scope)
         return scope["check"]
@@ -399,3 +407,8 @@ def _class_attribute(cls: type, name: str) -> tuple[bool, bool]:
             kind = type(found)
             return True, hasattr(kind, "__set__") or hasattr(kind, "__delete__")
     return False, False
+
+
+def _grad_modes() -> tuple[bool, bool]:
+    """Autograd's modes (``guards.GRAD_STATES``): grad enabled, inference mode."""
+    return torch.is_grad_enabled(), torch.is_inference_mode_enabled()

@@ -417,11 +417,27 @@ def process_state(name: str) -> Any:
         return [str(value) for value in compat.matmul_rounding()]
     if name == "torch_function_modes":
         return len(torch.overrides._get_current_function_mode_stack())
+    if name == "grad_enabled":  # recorded only where the traced code reads it
+        return torch.is_grad_enabled()
+    if name == "inference_mode":  # likewise
+        return torch.is_inference_mode_enabled()
     raise KeyError(name)
 
 
+#: Autograd's modes, as the trace saw them (``grad_mode_records``): recorded only where
+#: the traced code reads one, since the trace and every compiled forward run without
+#: autograd; a call in another mode runs such a forward eagerly.
+GRAD_STATES = ("grad_enabled", "inference_mode")
+
+def grad_mode_changed(wrong: Sequence[Mismatch]) -> bool:
+    """Whether ``wrong`` holds a change of autograd's mode (``GRAD_STATES``) since the
+    trace: no forward traced here serves that call (each is traced without autograd)."""
+    names = {path_name((("state", s),)) for s in GRAD_STATES}
+    return any(m.name in names for m in wrong)
+
+
 #: Process state recorded with every entry: Dynamo's global-state guards in plain form
-#: (grad mode aside: the trace and every compiled forward run without autograd).
+#: (grad mode aside: ``GRAD_STATES``).
 STATE_NAMES = ("default_dtype", "deterministic", "default_device", "autocast",
                "autocast_dtype", "deterministic_warn_only", "matmul_precision",
                "torch_function_modes")

@@ -38,7 +38,13 @@ from cachebuild.graph.facts import (
 )
 from cachebuild.graph.outputs import item_outputs, output_recipe, returned
 from cachebuild.graph.weights import hooks_hidden
-from cachebuild.tracing.guards import GuardRecord, GuardSet
+from cachebuild.tracing.guards import (
+    GRAD_STATES,
+    GuardRecord,
+    GuardSet,
+    grad_mode_changed,
+    process_state,
+)
 from cachebuild.trust.codehash import code_objects as code_objects_of
 from cachebuild.trust.codehash import has_source, sourceless_classes
 from cachebuild.trust.sources import digest_of, library_paths, stamped_digest
@@ -309,6 +315,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         Collected,
         Unrecordable,
         environment_records,
+        grad_mode_records,
         method_records,
         records_from,
         requires_grad_records,
@@ -338,6 +345,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         captured["code"] = list(context.traced_code) if context is not None else []
         captured["fake_mode"] = torch._guards.detect_fake_mode(example_inputs)
         captured["mutated"] = compat.mutated_sources()
+        captured["modes"] = {state: process_state(state) for state in GRAD_STATES}
         items = item_outputs(gm)
 
         def run(*inputs: Any) -> Any:
@@ -425,6 +433,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
             guards += environment_records(guards, captured["code"], model, args)
             guards += method_records(captured["code"], model)
             guards += shadow_records(guards, model, args)
+            guards += grad_mode_records(captured["code"], captured["modes"])
             guards += requires_grad_records(
                 captured["code"], [(b.kind, b.arg if b.kind == "arg" else b.path)
                                    for b in bindings if b.kind in ("param", "buffer", "arg")],
@@ -433,7 +442,10 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         except Unrecordable as e:
             unrecordable = str(e)
     if unrecordable is None:
-        wrong = GuardSet.of(guards).mismatches(model, args)
+        # A caller in another autograd mode than the trace's (which runs without grad) is
+        # told apart at each call; it does not make the entry unrecordable.
+        wrong = [m for m in GuardSet.of(guards).mismatches(model, args)
+                 if not grad_mode_changed([m])]
         if wrong:
             unrecordable = f"{wrong[0].describe()} right after tracing"
     # The files that registered the ops the graph calls: a build may inline their kernels,
