@@ -47,8 +47,12 @@ class EagerFusionBackend(Backend):
             # Lower to aten first, then functionalise the aten graph: functionalising the
             # piece directly runs composite ops (a biased linear on a 3-D input) through
             # kernels that read concrete sizes, which pins the range's size to its hint.
-            aten = make_fx(request.gm, tracing_mode="symbolic")(*fake_args)
-            fn = torch.func.functionalize(aten, remove="mutations_and_views")
+            # Forwards, not modules: a module's __call__ would trace torch's global module
+            # hooks (the caller's, for its own modules) into the piece.
+            aten = make_fx(lambda *args: request.gm.forward(*args),
+                           tracing_mode="symbolic")(*fake_args)
+            fn = torch.func.functionalize(lambda *args: aten.forward(*args),
+                                          remove="mutations_and_views")
             lowered = make_fx(fn, tracing_mode="symbolic")(*fake_args)
         check_kept_symbolic(fake_mode.shape_env, symbols, request.bucket)
         # Lowering writes the build's GPU into the ops it creates (full, arange...): name
@@ -73,7 +77,9 @@ class EagerFusionBackend(Backend):
         except (ValueError, KeyError, TypeError, RecursionError):
             raise GraphFormatError(f"stored graph of target {key} is not graph data") from None
         try:
-            return data_to_module(nodes)
+            # Its forward, not the module: a module's __call__ would run torch's global
+            # module hooks (the caller's, for its own modules) on the piece and its weights.
+            return data_to_module(nodes).forward
         except GraphFormatError as e:
             raise GraphFormatError(f"stored graph of target {key} was not loaded: {e}") from None
 

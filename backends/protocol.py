@@ -79,7 +79,8 @@ class Backend(Protocol):
     ``toolchain``: what else enters target keys on ``device`` (may probe once per
     environment, keeping its verdict in ``probe_dir``). ``load`` returns a callable on
     ``device`` from what ``source`` holds under ``key`` (a store, or the scratch store of
-    an artifact being proven), or None if it no longer holds it. ``load_needs``: what
+    an artifact being proven), or None if it no longer holds it; a plain callable, not an
+    ``nn.Module`` (whose ``__call__`` would run torch's global module hooks on a piece). ``load_needs``: what
     loading an artifact of ``kind`` takes. ``start_toolchain``: begin finding
     ``toolchain``'s answer in the background (called before a trace, so that a probe
     overlaps it). ``toolchain`` may answer before that is done with what it presumes;

@@ -204,6 +204,25 @@ def test_numbers_computed_from_sizes_are_each_calls_numbers(open_local, tmp_path
                                  dynamic=True), model, (6, 3))
 
 
+def test_a_global_module_hook_runs_on_the_model_not_on_its_pieces(open_local, tmp_path):
+    """torch's global forward pre-hooks are the caller's, for its modules: through the
+    torch.compile door the model's ones run as Dynamo runs them, and an ``eager_fusion``
+    piece (a GraphModule) is not one of them (its inputs, weights too, were doubled)."""
+    import copy
+
+    model = models.make(models.Decoder, layers=1)
+    eager = copy.deepcopy(model)
+    # In place: torch.compile's wrapper would be one more module for the hook to run on.
+    model.compile(backend=cachebuild.backend(models.config(), store=open_local(tmp_path / "s")),
+                  dynamic=False)
+    doubled = torch.nn.modules.module.register_module_forward_pre_hook(
+        lambda module, args: tuple(a * 2 if a.is_floating_point() else a for a in args))
+    try:
+        models.assert_matches_eager(model, eager, models.inputs(5))
+    finally:
+        doubled.remove()
+
+
 def test_default_store_is_cachebuild_dir(open_local, tmp_path, monkeypatch):
     path = tmp_path / "from-env"
     monkeypatch.setenv("CACHEBUILD_DIR", str(path))
