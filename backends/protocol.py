@@ -167,16 +167,20 @@ def example_inputs(metas: list[InputMeta], bucket: dict[str, Any],
         shape = [_eval_dim(d, size) for d in m.shape]
         stride = [_eval_dim(s, size) for s in m.stride]
         dtype = getattr(torch, m.dtype)
-        t = torch.empty_strided(shape, stride, dtype=dtype, device=m.device)
+        # The values fill the memory the layout spans, then the layout views it: a layout
+        # whose elements share memory (an expanded input, stride 0) cannot be written
+        # element by element.
+        span = 1 + sum((n - 1) * st for n, st in zip(shape, stride, strict=True)) \
+            if all(shape) else 0
         if dtype.is_floating_point:
-            t.copy_(torch.randn(shape, dtype=torch.float32).to(dtype))
+            memory = torch.randn(span, dtype=torch.float32).to(dtype)
         elif dtype == torch.bool:
-            t.copy_(torch.zeros(shape, dtype=torch.bool))
+            memory = torch.zeros(span, dtype=torch.bool)
         elif position in distinct:
-            t.copy_(torch.randperm(max(t.numel(), 1))[:t.numel()].reshape(shape).to(dtype))
+            memory = torch.randperm(max(span, 1))[:span].to(dtype)
         else:
-            t.copy_(torch.randint(0, 2, shape, dtype=dtype))
-        out.append(t)
+            memory = torch.randint(0, 2, (span,), dtype=dtype)
+        out.append(memory.to(m.device).as_strided(shape, stride))
     return out
 
 

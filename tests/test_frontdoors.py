@@ -223,6 +223,20 @@ def test_a_global_module_hook_runs_on_the_model_not_on_its_pieces(open_local, tm
         doubled.remove()
 
 
+def test_an_expanded_input_builds_through_the_torch_compile_door(open_local, tmp_path):
+    """An input whose elements share memory (``expand``, stride 0) is a layout Dynamo
+    compiles for: its piece is built and proven on inputs of that layout (the proof's
+    random inputs were once written element by element, which such a layout refuses)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8).eval()
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    compiled = torch.compile(model, backend=cachebuild.backend(
+        config, store=open_local(tmp_path / "s")), dynamic=False)
+    with torch.no_grad():
+        for x in (torch.randn(4, 8), torch.randn(1, 8).expand(4, 8)):
+            torch.testing.assert_close(compiled(x), model(x))
+
+
 def test_default_store_is_cachebuild_dir(open_local, tmp_path, monkeypatch):
     path = tmp_path / "from-env"
     monkeypatch.setenv("CACHEBUILD_DIR", str(path))
