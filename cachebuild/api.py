@@ -251,6 +251,14 @@ class CompiledModule(torch.nn.Module):
         mode."""
         return self._runtime.capture_state() if self._runtime is not None else None
 
+    def __deepcopy__(self, memo: dict[int, Any]) -> CompiledModule:
+        """A copy of the model, compiled as this one is (its first call finds what this
+        one stored): a process's loaded libraries, graphs and locks are not copied."""
+        import copy
+
+        return CompiledModule(copy.deepcopy(self.model, memo), self.config, self.dynamic_dims,
+                              self._store, self._passes)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:  # a call's inputs are bound by position, as its entry and guards are
             raise UsageError(f"the module cachebuild.compile returned takes its inputs by "

@@ -237,6 +237,26 @@ def test_an_expanded_input_builds_through_the_torch_compile_door(open_local, tmp
             torch.testing.assert_close(compiled(x), model(x))
 
 
+def test_a_deep_copy_is_the_model_copied_and_compiled_as_this_one_is(open_local, tmp_path):
+    """``copy.deepcopy`` of a compiled module (it raised: a lock cannot be pickled) is a
+    compiled copy of the model: its first call loads what the original stored, and a
+    change to the copy's weights leaves the original's alone."""
+    import copy
+
+    model = models.make(models.Decoder, layers=1)
+    compiled = cachebuild.compile(model, models.config(), DYN, store=open_local(tmp_path / "s"))
+    models.assert_matches_eager(compiled, model, models.inputs(5))
+    before = cachebuild.stats()
+    twin = copy.deepcopy(compiled)
+    assert twin.model is not model
+    with torch.no_grad():
+        twin.model.lm_head.weight.mul_(2)
+    models.assert_matches_eager(twin, twin.model, models.inputs(6))
+    models.assert_matches_eager(compiled, model, models.inputs(6))
+    delta = models.counters_delta(before, cachebuild.stats())
+    assert delta["built"] == 0 and delta["traced"] == 0, delta
+
+
 def test_default_store_is_cachebuild_dir(open_local, tmp_path, monkeypatch):
     path = tmp_path / "from-env"
     monkeypatch.setenv("CACHEBUILD_DIR", str(path))
