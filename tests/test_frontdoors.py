@@ -257,6 +257,24 @@ def test_a_deep_copy_is_the_model_copied_and_compiled_as_this_one_is(open_local,
     assert delta["built"] == 0 and delta["traced"] == 0, delta
 
 
+def test_a_cold_start_under_inference_mode(open_local, tmp_path):
+    """A server's first call under ``torch.inference_mode()`` (as the README serves) with
+    nothing stored: traced, split and built (its look at what each piece writes reads
+    version counters, which tensors made in that mode do not keep: it raised), then warm
+    from the store; outputs equal to eager's."""
+    store = open_local(tmp_path / "s")
+    for expect in ({"traced": 1}, {"traced": 0, "built": 0}):
+        model = models.make(models.Decoder, layers=1)
+        before = cachebuild.stats()
+        compiled = cachebuild.compile(model, models.config(), DYN, store=store)
+        with torch.inference_mode():
+            for size in (5, 9):
+                args = models.inputs(size)
+                torch.testing.assert_close(compiled(*args), model(*args), **models.TOL)
+        delta = models.counters_delta(before, cachebuild.stats())
+        assert {k: delta[k] for k in expect} == expect, delta
+
+
 def test_default_store_is_cachebuild_dir(open_local, tmp_path, monkeypatch):
     path = tmp_path / "from-env"
     monkeypatch.setenv("CACHEBUILD_DIR", str(path))

@@ -133,8 +133,9 @@ def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any], fake_mode: Any = N
         fake_mode = fake_mode_of(fake_inputs)
     from torch._dispatch.python import enable_python_dispatcher
 
+    # Outside inference mode: a tensor made in it keeps no version counter to watch.
     with fake_mode if fake_mode is not None else contextlib.nullcontext(), \
-            enable_python_dispatcher():
+            enable_python_dispatcher(), torch.inference_mode(False):
         Watcher(gm).run(*fake_inputs)
     written = effects.written
     effects.written_inputs = [i for i, p in enumerate(placeholders) if p in written]

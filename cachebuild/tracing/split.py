@@ -138,6 +138,13 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
     in it would no longer share its base's memory). Views the model returns of such
     memory are taken in a last eager piece.
     """
+    # Outside inference mode (a caller's first call may be in it): what a piece writes is
+    # seen by version counters, which tensors made in that mode do not keep.
+    with torch.inference_mode(False):
+        return _split_graph(traced, splitting_ops)
+
+
+def _split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPlan:
     wanted = set(splitting_ops)
     gm = fx.GraphModule(traced.gm, copy_graph(traced.gm.graph))  # traced.gm stays as traced
     fake_mode = fake_mode_of(traced.fake_inputs)

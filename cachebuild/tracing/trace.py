@@ -323,9 +323,12 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     )
 
     # Copies, so that the trace writes nothing of the caller's; each as the caller's
-    # argument is, its requires_grad too (a clone made under no_grad drops it).
-    args = [a.detach().clone().requires_grad_(a.requires_grad)
-            if isinstance(a, torch.Tensor) else a for a in args]
+    # argument is, its requires_grad too (a clone made under no_grad drops it). Made, and
+    # traced, outside inference mode: tensors made in it keep no version counter, which
+    # the trace's look at what a graph writes reads (``graph_effects``).
+    with torch.inference_mode(False):
+        args = [a.detach().clone().requires_grad_(a.requires_grad)
+                if isinstance(a, torch.Tensor) else a for a in args]
     check_call_dims(args, dynamic_dims)
     for i, d in dynamic_dims.items():
         if args[i].shape[d] == 1:
@@ -373,7 +376,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=False,
                              options={"guard_filter_fn": collected})
     try:
-        with torch.no_grad(), _quiet_meta_failures():
+        with torch.inference_mode(False), torch.no_grad(), _quiet_meta_failures():
             output = compiled(*args)
     except torch._dynamo.exc.Unsupported as e:
         if str(e).lstrip().startswith("Observed exception"):  # the forward itself raised
