@@ -94,6 +94,31 @@ def test_tolerance_follows_the_dtype():
         compare(torch.tensor([1, 2, 4]), torch.tensor([1, 2, 3]), "out")
 
 
+def _softmax_in_float32(x: torch.Tensor) -> tuple[torch.Tensor]:
+    return (x.float().softmax(-1),)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_an_output_carries_the_error_of_the_inputs_it_came_from(dtype):
+    """A float32 output computed from bfloat16 inputs (a router's softmax, float32 logits)
+    is held to bfloat16's tolerance: a compiler's own rounding of those values there
+    failed every build of such a piece. From float32 inputs, float32's still holds."""
+    from cachebuild.trust.fxjson import graph_to_data
+
+    graph = fx.symbolic_trace(_softmax_in_float32).graph  # x.float().softmax(-1)
+    metas = [InputMeta("tensor", dtype, ("s0", 16), (16, 1))]
+
+    def off_by_a_rounding(x):  # what Inductor's bf16 arithmetic may give
+        (out,) = _softmax_in_float32(x)
+        return (out * (1 + 4e-3),)
+
+    if dtype == "bfloat16":
+        check(off_by_a_rounding, graph_to_data(graph), metas, {"range": [1, 8]})
+    else:
+        with pytest.raises(Exception, match="differs by up to"):
+            check(off_by_a_rounding, graph_to_data(graph), metas, {"range": [1, 8]})
+
+
 def _pinned(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
     # int() of a symbolic size: tracing pins it to the size it was traced at.
     return (x.reshape(int(x.shape[0]), -1) @ w,)
