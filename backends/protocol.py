@@ -143,13 +143,32 @@ def size_hint(bucket: dict[str, Any]) -> int | None:
     return None
 
 
-def _eval_dim(dim: int | str, size: int | None) -> int:
+def _eval_dim(dim: int | str, size: int | None, known: dict[str, int] | None = None) -> int:
+    """``dim`` (an int, or a symbolic expression of the token count) at ``size``; symbols
+    in ``known`` take their values from it."""
     if isinstance(dim, int):
         return dim
     import sympy
 
     expr = sympy.sympify(dim)
-    return int(expr.subs({s: size for s in expr.free_symbols}))
+    values = {s: (known or {}).get(str(s), size) for s in expr.free_symbols}
+    if any(v is None for v in values.values()):
+        raise ValueError(f"{dim} has no value in a bucket of static shapes")
+    return int(expr.subs(values))
+
+
+def _static_symbols(metas: list[InputMeta]) -> dict[str, int]:
+    """Values for the symbols a bucket of static shapes leaves in strides (a view of a
+    wider input, at sizes Dynamo saw once): each the stride a dense layout has there, so
+    that the inputs and the sizes the piece takes agree. The piece is built for any."""
+    known: dict[str, int] = {}
+    for m in metas:
+        if m.kind == "tensor" and all(isinstance(d, int) for d in m.shape):
+            dense = torch.empty([int(d) for d in m.shape], device="meta").stride()
+            for st, value in zip(m.stride, dense, strict=True):
+                if isinstance(st, str) and st.isidentifier():
+                    known.setdefault(st, value)
+    return known
 
 
 def example_inputs(metas: list[InputMeta], bucket: dict[str, Any],
@@ -159,13 +178,14 @@ def example_inputs(metas: list[InputMeta], bucket: dict[str, Any],
     the inputs whose positions are in ``distinct``, a shuffle of 0..n-1 (indices that never
     repeat: a write through them is the same whatever order it runs in)."""
     size = size_hint(bucket) if size is None else size
+    known = _static_symbols(metas) if size is None else {}
     out: list[Any] = []
     for position, m in enumerate(metas):
         if m.kind != "tensor":
-            out.append(_eval_dim(m.shape[0], size))
+            out.append(_eval_dim(m.shape[0], size, known))
             continue
-        shape = [_eval_dim(d, size) for d in m.shape]
-        stride = [_eval_dim(s, size) for s in m.stride]
+        shape = [_eval_dim(d, size, known) for d in m.shape]
+        stride = [_eval_dim(st, size, known) for st in m.stride]
         dtype = getattr(torch, m.dtype)
         # The values fill the memory the layout spans, then the layout views it: a layout
         # whose elements share memory (an expanded input, stride 0) cannot be written

@@ -275,6 +275,23 @@ def test_a_cold_start_under_inference_mode(open_local, tmp_path):
         assert {k: delta[k] for k in expect} == expect, delta
 
 
+def _attend_views(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.ops.cachebuild_tests.attention(q * 1.5, k, v) * 2
+
+
+def test_views_of_a_wider_input_at_a_size_dynamo_recompiles_for(open_local, tmp_path):
+    """q, k and v unbound from one tensor (strides wider than their shapes), called at 5
+    tokens and then at 1: Dynamo's recompile hands over static sizes with a symbolic
+    stride and a size input that is that stride, which a build could not give a value to
+    (it raised SympifyError); it is proven on dense views, and every call equals eager."""
+    compiled = torch.compile(_attend_views, backend=cachebuild.backend(
+        models.config(), store=open_local(tmp_path / "s")))
+    with torch.no_grad():
+        for tokens in (5, 1, 3):
+            q, k, v = torch.randn(tokens, 3, models.KV_HEADS, 8).unbind(1)
+            torch.testing.assert_close(compiled(q, k, v), _attend_views(q, k, v))
+
+
 def test_default_store_is_cachebuild_dir(open_local, tmp_path, monkeypatch):
     path = tmp_path / "from-env"
     monkeypatch.setenv("CACHEBUILD_DIR", str(path))
