@@ -256,6 +256,11 @@ def test_a_branch_on_the_token_count_inside_a_range_is_refused():
     with pytest.raises(UsageError, match=r"another branch at size 8 than at 12 .*T > 8.*\(1, 16\)"):
         trace_model(Short().eval(), models.inputs(12), DYN, ((1, 16),))
     trace_model(Short().eval(), models.inputs(12), DYN, ((9, 16),))  # one side: fine
+    # Two ranges, one each side: one trace cannot serve both, and the message says so
+    # (it said the other range held both sides).
+    with pytest.raises(UsageError, match=r"one trace serves every compile range .*\(1, 8\) "
+                                         r"lies on the other side"):
+        trace_model(Short().eval(), models.inputs(12), DYN, ((1, 8), (9, 16)))
 
 
 # -- explain ---------------------------------------------------------------------------

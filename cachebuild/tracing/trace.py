@@ -227,10 +227,17 @@ def check_shape_guards(guards: list[Any], symbols: set[Any],
                 text = str(guard)
                 for s in symbols:
                     text = re.sub(rf"\b{s}\b", "T", text)
+                branch = (f"the model's forward takes another branch at size {bad} than at "
+                          f"{traced_at} (it holds only where {text})")
+                if len(failing) < hi - lo + 1:
+                    raise UsageError(f"{branch}, and compile range ({lo}, {hi}) holds both: "
+                                     "keep every compile range on one side of that size")
                 raise UsageError(
-                    f"the model's forward takes another branch at size {bad} than at {traced_at} "
-                    f"(it holds only where {text}), and compile range ({lo}, {hi}) holds both: "
-                    f"keep every compile range on one side of that size")
+                    f"{branch}, and one trace serves every compile range of a model: range "
+                    f"({lo}, {hi}) lies on the other side. Compile it apart (a model compiled "
+                    f"with compile_ranges=(({lo}, {hi}),) alone), or serve the model through "
+                    "torch.compile(model, backend=cachebuild.backend(...)), which traces each "
+                    "side")
 
 
 @contextlib.contextmanager
