@@ -261,9 +261,7 @@ class CompiledModule(torch.nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:  # a call's inputs are bound by position, as its entry and guards are
-            raise UsageError(f"the module cachebuild.compile returned takes its inputs by "
-                             f"position only; pass {', '.join(sorted(kwargs))} positionally "
-                             "(in the order of the model's forward)")
+            raise UsageError(_keywords_refused(self.model, sorted(kwargs)))
         if self._eager:
             return self.model(*args)  # cannot be compiled, on_failure="eager"
         if compat.user_dispatch_mode():
@@ -363,6 +361,25 @@ class CompiledModule(torch.nn.Module):
                              f"after it was made ({left[0].describe()}), so it is not run: "
                              "compile it with torch.compile(model, backend=cachebuild.backend())")
         return runtime
+
+
+def _keywords_refused(model: torch.nn.Module, names: list[str]) -> str:
+    """Why a call with keyword arguments ``names`` is refused, and what to do: pass them
+    by position, or, for a forward whose parameters take keywords only, use the
+    torch.compile door."""
+    import inspect
+
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        params = {}
+    only = [n for n in names if n in params and params[n].kind is inspect.Parameter.KEYWORD_ONLY]
+    if only:
+        return (f"the module cachebuild.compile returned takes its inputs by position only, "
+                f"and {type(model).__name__}.forward takes {', '.join(only)} by keyword only: "
+                "serve it through torch.compile(model, backend=cachebuild.backend(...))")
+    return (f"the module cachebuild.compile returned takes its inputs by position only; pass "
+            f"{', '.join(names)} positionally (in the order of the model's forward)")
 
 
 def compile(model: torch.nn.Module, config: CompileConfig | None = None,

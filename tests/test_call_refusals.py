@@ -125,6 +125,15 @@ def test_keyword_inputs_and_inputs_an_op_refuses_are_one_line_errors(open_local,
     net, compiled = compiled_net(open_local, tmp_path)
     with pytest.raises(UsageError, match="takes its inputs by position only; pass x "):
         compiled(x=torch.randn(4, 8))
+
+    class Scaled(torch.nn.Module):  # a parameter that takes a keyword only
+        def forward(self, x, *, scale=1.0):
+            return x * scale
+
+    keyword_only = cachebuild.compile(Scaled(), compiled.config, {0: 0})
+    with pytest.raises(UsageError, match="takes scale by keyword only: serve it through "
+                                         r"torch.compile\(model, backend=cachebuild.backend"):
+        keyword_only(torch.randn(4, 8), scale=2.0)
     # A wrong feature size: the op's own error, not Dynamo's page about fake tensors, nor
     # the traceback torch logs as the op's meta kernel refuses the shapes.
     with caplog.at_level(logging.DEBUG, logger="torch._subclasses.fake_tensor"), \
