@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 from pathlib import Path
 
 import models
@@ -164,6 +165,20 @@ def _work(folder, records):
     return compilers.watch(folder, records)
 
 
+def _environ(proc: subprocess.Popen) -> list[bytes]:
+    """The environment ``proc`` runs with, read from /proc once the kernel shows it (on a
+    loaded machine it may read empty for a moment after the start)."""
+    import time
+
+    deadline = time.monotonic() + 30
+    while True:
+        variables = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+        if variables != [b""] or time.monotonic() > deadline:
+            assert proc.poll() is None, f"the worker ended with status {proc.returncode}"
+            return variables
+        time.sleep(0.05)
+
+
 def test_a_pool_started_before_its_setup_waits_for_it_and_closes_its_unused_workers(
         monkeypatch):
     """A cold start's workers start before its trace, told what to build after its plan;
@@ -178,8 +193,7 @@ def test_a_pool_started_before_its_setup_waits_for_it_and_closes_its_unused_work
     # Each worker compiles with its share of the CPUs, not a pool as large as the machine.
     share = str(max(1, len(os.sched_getaffinity(0)) // 2))
     for proc in procs:
-        variables = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
-        assert f"TORCHINDUCTOR_COMPILE_THREADS={share}".encode() in variables
+        assert f"TORCHINDUCTOR_COMPILE_THREADS={share}".encode() in _environ(proc)
     with pytest.raises(RuntimeError, match="begin"):
         pool.run([], lambda job, result: None)
     pool.close()
