@@ -187,8 +187,9 @@ class BackgroundBuild:
             if self._record:
                 record_entry(self.entry, self.builder.store)
         except Exception as e:  # the caller keeps what it has
-            self.error = f"{type(e).__name__}: {e}"
-            log.warning("cachebuild: the targets building in the background failed, so the "
-                        "model keeps serving with its interim targets: %s", self.error)
+            self.error = str(e) if isinstance(e, BuildError) else f"{type(e).__name__}: {e}"
+            log.warning("cachebuild: the targets building in the background failed: %s; a "
+                        "model served by interim targets keeps them, one without any raises "
+                        "this at its call", self.error)
         finally:
             self.done.set()
