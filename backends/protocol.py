@@ -80,10 +80,10 @@ class Backend(Protocol):
     environment, keeping its verdict in ``probe_dir``). ``load`` returns a callable on
     ``device`` from what ``source`` holds under ``key`` (a store, or the scratch store of
     an artifact being proven), or None if it no longer holds it; a plain callable, not an
-    ``nn.Module`` (whose ``__call__`` would run torch's global module hooks on a piece). ``load_needs``: what
-    loading an artifact of ``kind`` takes. ``start_toolchain``: begin finding
-    ``toolchain``'s answer in the background (called before a trace, so that a probe
-    overlaps it). ``toolchain`` may answer before that is done with what it presumes;
+    ``nn.Module`` (whose ``__call__`` would run torch's global module hooks on a piece).
+    ``load_needs``: what loading an artifact of ``kind`` takes. ``start_toolchain``:
+    begin finding ``toolchain``'s answer in the background (called before a trace, so
+    that a probe overlaps it). ``toolchain`` may answer before that is done with what it presumes;
     ``confirm_toolchain`` then waits for the answer and raises ToolchainRefuted if it
     differs (to every caller, until ``forget_refuted``, called before planning again):
     called before anything built with it is built in or loaded into this process.

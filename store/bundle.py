@@ -20,17 +20,17 @@ waiting for their blobs may hold ``MAX_PENDING_RECORD_BYTES`` together, a bundle
 up to ``MAX_MEMBERS`` members (the rest is refused unread), and a report keeps at most
 ``MAX_REPORTED`` refusals by name (and counts the rest). A blob is written to the store's
 temp space as it is verified, refused as soon as it runs past the length its own header,
-its record and its tar header declare. A record must be a well-formed record object. Into a store with a
-signing key, unsigned blobs are refused unless the importer says otherwise
+its record and its tar header declare. A record must be a well-formed record object. Into
+a store with a signing key, unsigned blobs are refused unless the importer says otherwise
 (``allow_unsigned``; ``cachebuild import --allow-unsigned``). Whatever a bundle's records
 say, trust is the importer's: an unsigned blob is served only once its source is trusted
 (``cachebuild import --trust``, ``cachebuild trust``), and its source is the bundle file
-it was imported from (its name and a digest of its bytes), never a name its record gives. A key the store already holds is
-compared with what the bundle brings: the same payload is already present, other bytes
-are refused unless they replace a copy that is not served by one that will be
-(``LocalStore.write_blob_chunks``); ``--trust`` marks only records that hold exactly the
-bytes this bundle brought. A key's blob appears once in a bundle; a second copy is
-refused unread. Bundles are written 0600.
+it was imported from (its name and a digest of its bytes), never a name its record gives.
+A key the store already holds is compared with what the bundle brings: the same payload is
+already present, other bytes are refused unless they replace a copy that is not served by
+one that will be (``LocalStore.write_blob_chunks``); ``--trust`` marks only records that
+hold exactly the bytes this bundle brought. A key's blob appears once in a bundle; a
+second copy is refused unread. Bundles are written 0600.
 """
 
 from __future__ import annotations
@@ -305,7 +305,8 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
     Members are streamed (see the module doc), so a bundle that inflates to more than
     memory holds costs no more memory than a small one. A truncated bundle imports what
     came before the damage; a store that cannot take a blob (a full disk) stops the
-    import there (``ImportReport.stopped`` says why), what came before it imported. A key already stored is compared with what the bundle brings:
+    import there (``ImportReport.stopped`` says why), what came before it imported. A
+    key already stored is compared with what the bundle brings:
     the same payload is counted as present; other bytes are refused (the stored copy
     stays) unless the stored copy is not served and the bundle's will be (``trust``, the
     store's key), which then replace it. ``trust`` marks only records holding the bytes

@@ -29,7 +29,7 @@ from cachebuild.passes import PassManager
 from cachebuild.store.interface import Store
 from cachebuild.tracing.distributed import layout_mismatches
 from cachebuild.tracing.env import env_factors
-from cachebuild.tracing.guards import Mismatch, grad_mode_changed
+from cachebuild.tracing.guards import Mismatch, is_grad_mode
 from cachebuild.tracing.split import check_splitting_ops, split_graph
 from cachebuild.tracing.targets import make_targets
 from cachebuild.tracing.trace import TracedGraph, trace_model
@@ -139,7 +139,7 @@ class Planner:
                 # A call in another autograd mode is told apart at each call (it runs
                 # eagerly): the entry still serves this model.
                 wrong = [m for m in guards.mismatches(self.model, args, values, entry.sources)
-                         if not grad_mode_changed([m])]
+                         if not is_grad_mode(m)]
                 layouts = entry.layouts()
                 if layouts:  # a tensor-parallel model: its process groups as traced?
                     moved, live = layout_mismatches(layouts)

@@ -123,6 +123,7 @@ def check(fn: Any, nodes: list[dict[str, Any]], metas: list[InputMeta],
             if m.kind == "tensor" and not getattr(torch, m.dtype).is_floating_point
             and m.dtype != "bool"]
     regimes = [set(ints), *({*ints} - {i} for i in ints), set()] if ints else [set()]
+    floor = input_tolerance(metas)
     with keep.rng():
         for size in sizes:
             for distinct in regimes:
@@ -137,7 +138,7 @@ def check(fn: Any, nodes: list[dict[str, Any]], metas: list[InputMeta],
                     except Exception:
                         continue
                     out = _run(fn, out_inputs, size)
-                _compare_all(out, ref, out_inputs, ref_inputs, size, input_tolerance(metas))
+                _compare_all(out, ref, out_inputs, ref_inputs, size, floor)
                 break
     return sizes
 

@@ -428,12 +428,18 @@ def process_state(name: str) -> Any:
 #: the traced code reads one, since the trace and every compiled forward run without
 #: autograd; a call in another mode runs such a forward eagerly.
 GRAD_STATES = ("grad_enabled", "inference_mode")
+_GRAD_NAMES = frozenset(path_name((("state", s),)) for s in GRAD_STATES)
+
+
+def is_grad_mode(mismatch: Mismatch) -> bool:
+    """Whether ``mismatch`` is a change of autograd's mode (``GRAD_STATES``) since the
+    trace: no forward traced here serves that call (each is traced without autograd)."""
+    return mismatch.name in _GRAD_NAMES
+
 
 def grad_mode_changed(wrong: Sequence[Mismatch]) -> bool:
-    """Whether ``wrong`` holds a change of autograd's mode (``GRAD_STATES``) since the
-    trace: no forward traced here serves that call (each is traced without autograd)."""
-    names = {path_name((("state", s),)) for s in GRAD_STATES}
-    return any(m.name in names for m in wrong)
+    """Whether any of ``wrong`` is a change of autograd's mode (``is_grad_mode``)."""
+    return any(map(is_grad_mode, wrong))
 
 
 #: Process state recorded with every entry: Dynamo's global-state guards in plain form

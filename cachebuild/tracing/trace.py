@@ -42,7 +42,7 @@ from cachebuild.tracing.guards import (
     GRAD_STATES,
     GuardRecord,
     GuardSet,
-    grad_mode_changed,
+    is_grad_mode,
     process_state,
 )
 from cachebuild.trust.codehash import code_objects as code_objects_of
@@ -455,7 +455,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         # A caller in another autograd mode than the trace's (which runs without grad) is
         # told apart at each call; it does not make the entry unrecordable.
         wrong = [m for m in GuardSet.of(guards).mismatches(model, args)
-                 if not grad_mode_changed([m])]
+                 if not is_grad_mode(m)]
         if wrong:
             unrecordable = f"{wrong[0].describe()} right after tracing"
     # The files that registered the ops the graph calls: a build may inline their kernels,
