@@ -158,6 +158,17 @@ class AliasingOutputs(Base):
         return out, out.view(-1), cache[:4]
 
 
+class ReturnsArguments(Base):
+    """Returns arguments as they are (one written, one not) and a view of one it does not
+    write: Dynamo hands them back from the caller's frame, outside the graph."""
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> Any:
+        k = self.k(x)
+        cache.index_copy_(0, slots, k)
+        out = self.o(attend(self.q(x), k, k))
+        return out, x, x.t(), cache
+
+
 class AllPatterns(Base):
     """Every pattern above in one model of three compiled pieces: what the compiler
     flavours that take long to build are tested with."""
@@ -182,7 +193,8 @@ class AllPatterns(Base):
 
 
 PATTERNS = [MutatedInput, MutatedBuffer, BumpedAroundTheSplit, ViewReadLater, ReadBySplittingOp,
-            ReadInNextPiece, WrittenBySplittingOp, WritesAnOpsOutput, AliasingOutputs]
+            ReadInNextPiece, WrittenBySplittingOp, WritesAnOpsOutput, AliasingOutputs,
+            ReturnsArguments]
 
 
 def make(cls: type[nn.Module], seed: int = 0) -> nn.Module:
@@ -245,9 +257,22 @@ def run_sequence(fn: Any, model: nn.Module, cls: type[nn.Module],
             args = with_state(call_args(cls, size, start), shared)
             out = fn(*args[:arity(cls)])
             results.append([t.clone() for t in flat(out)]
-                           + [t.clone() for t in state(model, args[:arity(cls)])])
+                           + [t.clone() for t in state(model, args[:arity(cls)])]
+                           + [aliasing(flat(out), args[:arity(cls)])])
             start += size
     return results
+
+
+def aliasing(outputs: list[Any], args: tuple[Any, ...]) -> torch.Tensor:
+    """For each output, the argument whose memory it lies in (-1: none), and whether it
+    is that argument itself: what a later write into an argument shows in."""
+    found = []
+    for out in outputs:
+        where = next((i for i, a in enumerate(args) if isinstance(a, torch.Tensor)
+                      and a.untyped_storage().data_ptr() == out.untyped_storage().data_ptr()),
+                     -1)
+        found += [where, int(where >= 0 and out is args[where])]
+    return torch.tensor(found)
 
 
 def assert_same(got: list[list[torch.Tensor]], want: list[list[torch.Tensor]]) -> None:

@@ -9,6 +9,7 @@ model with all of them does so with every backend, cold and warm in fresh proces
 from __future__ import annotations
 
 import warnings
+from typing import Any
 
 import inplace_models as im
 import models
@@ -130,6 +131,30 @@ def test_outputs_alias_what_eager_outputs_alias(open_local, tmp_path):
     assert flat.data_ptr() == out.data_ptr()
     flat.zero_()
     assert float(out.abs().sum()) == 0.0
+
+
+class ReturnsAnUnreadArgument(im.Base):
+    """Hands back an argument its graph never reads (the positions, as they came)."""
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor) -> Any:
+        return self.o(im.attend(self.q(x), x, x)), slots
+
+
+def test_an_argument_the_graph_does_not_read_is_returned_as_it_came(open_local, tmp_path):
+    """Dynamo hands it back from the caller's frame: the compiled forward gives the
+    caller's own tensor at every size of the range, from one trace, cold and warm."""
+    store = open_local(tmp_path / "store")
+    model = im.make(ReturnsAnUnreadArgument)
+    for start in ("cold", "warm"):
+        compiled = cachebuild.compile(model, im.config(), {0: 0, 1: 0}, store=store)
+        before = cachebuild.stats()
+        with torch.no_grad():
+            for tokens in (1, 5, 3):
+                x, slots = torch.randn(tokens, im.H), torch.arange(tokens)
+                out, back = compiled(x, slots)
+                assert back is slots
+                torch.testing.assert_close(out, model(x, slots)[0])
+        assert cachebuild.stats()["traced"] - before["traced"] == (start == "cold"), start
 
 
 def test_effects_name_the_writes_and_the_written_inputs():

@@ -24,6 +24,7 @@ from cachebuild.errors import UsageError
 
 TREE, OBJECT = "tree:", "pickle:"
 ITEM = "item"  # a graph output's .item() in a kept output (``ReturnedItem``)
+INPUT, ARG = "input", "arg"  # a graph input or a call's argument returned as it is
 
 
 class Returned(int):
@@ -73,11 +74,16 @@ def returned(outputs: Sequence[Any], items: set[int] = frozenset()) -> tuple[Any
     return tuple(marked)
 
 
-def output_recipe(output: Any, graph_outputs: Sequence[Any]) -> str:
+def output_recipe(output: Any, graph_outputs: Sequence[Any],
+                  graph_inputs: Sequence[Any] = (), call_args: Sequence[Any] = ()) -> str:
     """How to rebuild ``output`` from the graph's outputs, as a string.
 
-    Raises UsageError if the output holds a tensor that the graph does not return (an
-    input or a parameter returned as it is) or an object that cannot be kept.
+    A tensor returned as it is (Dynamo hands it back from the caller's frame, not through
+    the graph) is taken, at each call, from the graph's inputs where the graph reads it
+    (an argument, a weight), else from the call's arguments.
+
+    Raises UsageError if the output holds a tensor that is none of these (a weight that
+    the graph does not read, returned as it is) or an object that cannot be kept.
     """
     leaves, spec = pytree.tree_flatten(output)
     if len(leaves) == len(graph_outputs) and all(
@@ -92,6 +98,9 @@ def output_recipe(output: Any, graph_outputs: Sequence[Any]) -> str:
     # number the forward made (a constant, equal or not) is another object and is kept.
     position = {id(t): i for i, t in enumerate(graph_outputs)
                 if isinstance(t, (torch.Tensor, Returned))}
+    passed = {id(t): (ARG, i) for i, t in enumerate(call_args) if isinstance(t, torch.Tensor)}
+    passed |= {id(t): (INPUT, i) for i, t in enumerate(graph_inputs)
+               if isinstance(t, torch.Tensor)}
 
     class Template(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
@@ -100,11 +109,13 @@ def output_recipe(output: Any, graph_outputs: Sequence[Any]) -> str:
             if isinstance(obj, ReturnedItem):
                 return ITEM, obj.position
             if isinstance(obj, torch.Tensor):
-                if id(obj) not in position:
-                    raise UsageError(
-                        "the model's output holds a tensor its graph does not compute (an input "
-                        "or a parameter returned as it is): return a computed tensor instead")
-                return position[id(obj)]
+                if id(obj) in position:
+                    return position[id(obj)]
+                if id(obj) in passed:
+                    return passed[id(obj)]
+                raise UsageError(
+                    "the model's output holds a tensor its graph neither computes nor reads (a "
+                    "weight returned as it is): return a computed tensor instead")
             return None
 
     buffer = io.BytesIO()
@@ -116,14 +127,21 @@ def output_recipe(output: Any, graph_outputs: Sequence[Any]) -> str:
     return OBJECT + base64.b64encode(buffer.getvalue()).decode()
 
 
-def output_builder(recipe: str) -> Callable[[Sequence[Any]], Any]:
-    """A function from the graph's outputs to the model's output, for ``recipe``."""
+Builder = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], Any]
+
+
+def output_builder(recipe: str) -> Builder:
+    """A function from a call's graph outputs, graph inputs and arguments to the model's
+    output, for ``recipe``."""
     if recipe.startswith(OBJECT):
         data = base64.b64decode(recipe[len(OBJECT):])
 
-        def build(outs: Sequence[Any]) -> Any:
+        def build(outs: Sequence[Any], ins: Sequence[Any], args: Sequence[Any]) -> Any:
             def value(pid: Any) -> Any:
-                return outs[pid] if type(pid) is int else outs[pid[1]].item()
+                if type(pid) is int:
+                    return outs[pid]
+                kind, i = pid
+                return ins[i] if kind == INPUT else args[i] if kind == ARG else outs[i].item()
 
             unpickler = pickle.Unpickler(io.BytesIO(data))
             unpickler.persistent_load = value  # type: ignore[assignment]
@@ -131,4 +149,4 @@ def output_builder(recipe: str) -> Callable[[Sequence[Any]], Any]:
 
         return build
     spec = pytree.treespec_loads(recipe.removeprefix(TREE))
-    return lambda outs: pytree.tree_unflatten(list(outs), spec)
+    return lambda outs, ins, args: pytree.tree_unflatten(list(outs), spec)

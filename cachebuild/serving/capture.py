@@ -55,6 +55,7 @@ from cachebuild.calls import is_decode
 from cachebuild.counters import COUNTERS
 from cachebuild.serving.cudagraphs import (
     Arena,
+    ArgumentViews,
     GraphCapture,
     ReplayCapture,
     Replayer,
@@ -487,6 +488,7 @@ class Capturer:
             self._failed(kind, size, p.error)
             return result
         whole.copies, whole.pinned, whole.written_back = copies, pinned, back
+        whole.argument_views = ArgumentViews(copies)
         if kind == PIECEWISE:
             self.pieces_at[size] = list(p.replayers.values())
         self.graphs[kind][size] = whole  # published: one assignment, then the index

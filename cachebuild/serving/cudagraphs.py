@@ -208,6 +208,9 @@ class Replayer:
     copies: list[tuple[int, torch.Tensor]] = field(default_factory=list)
     pinned: list[tuple[int, int]] = field(default_factory=list)
     written_back: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    #: a call's result (not a piece's): its tensors that lie in a static argument buffer
+    #: are given back as the caller's argument, or the same view of it (``ArgumentViews``)
+    argument_views: ArgumentViews | None = None
     replays: int = 0
     misses: int = 0
 
@@ -222,7 +225,8 @@ class Replayer:
         result = self.api.replay(self.graph)
         for i, buf in self.written_back:
             args[i].copy_(buf)
-        return self.outputs if result is None else result
+        result = self.outputs if result is None else result
+        return result if self.argument_views is None else self.argument_views(result, args)
 
     def fast(self) -> Callable[..., Any]:
         """``self(*args)`` as a closure over what a replay uses, looked up once (the graph's
@@ -233,6 +237,7 @@ class Replayer:
         outputs, fallback = self.outputs, self.fallback
         pinned, copies = tuple(self.pinned), tuple(self.copies)
         back = tuple(self.written_back)
+        views = self.argument_views if copies else None
         me = self
         if not (pinned or copies or back):
             def bare(*args: Any) -> Any:
@@ -253,9 +258,56 @@ class Replayer:
             result = launch()
             for i, buf in back:
                 args[i].copy_(buf)
-            return outputs if result is None else result
+            result = outputs if result is None else result
+            return result if views is None else views(result, args)
 
         return run
+
+
+class ArgumentViews:
+    """A call's result as eager gives it: where the forward returns an argument, or a view
+    of one (``return x``, ``x.t()``), a replay's result holds that argument's static buffer
+    instead. Given back as the caller's argument, or the same view of it, so that a later
+    write into the argument shows in the output as it would eagerly.
+
+    Which tensors of the result lie in which buffer is found at the first replay (the
+    result's structure is the same at every replay of one size); a result with none costs
+    one check of an empty tuple per call after that."""
+
+    def __init__(self, copies: Sequence[tuple[int, torch.Tensor]]) -> None:
+        self.copies = tuple(copies)
+        #: (leaf index, argument, the buffer's strides, offset in it; None: the buffer)
+        self.placed: tuple[tuple[int, int, tuple[int, ...], int | None], ...] | None = None
+
+    def __call__(self, result: Any, args: Sequence[Any]) -> Any:
+        if self.placed is None:
+            self.placed = self._find(result)
+        if not self.placed:
+            return result
+        leaves, spec = pytree.tree_flatten(result)
+        for k, i, stride, offset in self.placed:
+            a = args[i]
+            if a.stride() != stride:  # laid out otherwise than the buffer: keep the copy
+                continue
+            t = leaves[k]
+            leaves[k] = a if offset is None else a.as_strided(
+                t.size(), t.stride(), a.storage_offset() + offset)
+        return pytree.tree_unflatten(leaves, spec)
+
+    def _find(self, result: Any) -> tuple[tuple[int, int, tuple[int, ...], int | None], ...]:
+        placed = []
+        for k, t in enumerate(pytree.tree_leaves(result)):
+            if not isinstance(t, torch.Tensor):
+                continue
+            for i, buf in self.copies:
+                if t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
+                    continue
+                same = (t.size() == buf.size() and t.stride() == buf.stride()
+                        and t.storage_offset() == buf.storage_offset())
+                placed.append((k, i, tuple(buf.stride()),
+                               None if same else t.storage_offset() - buf.storage_offset()))
+                break
+        return tuple(placed)
 
 
 def weak(outputs: Any) -> Any:

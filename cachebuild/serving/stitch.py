@@ -22,6 +22,7 @@ from cachebuild.building.entry import Entry
 from cachebuild.errors import UsageError
 from cachebuild.graph.facts import on_device
 from cachebuild.graph.inputs import LayoutGuard
+from cachebuild.graph.outputs import Builder
 from cachebuild.serving.capture import PieceSpec
 from cachebuild.tracing.targets import canonical_graph
 from cachebuild.tracing.trace import Binding
@@ -157,19 +158,19 @@ def direct_forward(stitched: Stitched,
 
 def forward_over(stitched: Stitched, calls: dict[str, Callable[..., Any]],
                  weights: Callable[[], list[Any]], from_call: Sequence[tuple[int, Binding]],
-                 make_output: Callable[[Any], Any]) -> Callable[[tuple[Any, ...]], Any]:
+                 make_output: Builder) -> Callable[[tuple[Any, ...]], Any]:
     """The forward over a call's arguments: the stitched graph, calling ``calls`` (the
     pieces as they are, a capture pass's wrapped ones, a size's replayers), on the graph
     inputs ``weights()`` gives (the model's, as bound at the call) with the call's
-    arguments and sizes put where ``from_call`` says; its outputs as ``make_output``
-    structures them."""
+    arguments and sizes put where ``from_call`` says; its outputs (and tensors returned as
+    they are) as ``make_output`` structures them."""
     run = direct_forward(stitched, calls)
 
     def forward(args: tuple[Any, ...]) -> Any:
         flat = list(weights())  # weights and constants in place; fill in the call
         for position, b in from_call:
             flat[position] = args[b.arg] if b.kind == "arg" else args[b.arg].shape[b.dim]
-        return make_output(run(*flat))
+        return make_output(run(*flat), flat, args)
 
     return forward
 

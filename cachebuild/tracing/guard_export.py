@@ -318,12 +318,20 @@ def _record(entry: Any, check: str | None, model: Any, args: Sequence[Any],
 
 
 def _tensor_record(entry: Any, model: Any, args: Sequence[Any], frame: Frame,
-                   bound: set[int]) -> GuardRecord | None:
-    """None for a bound tensor (parameter, buffer, call argument); else its metadata."""
+                   bound: set[int], dynamic_dims: dict[int, int]) -> GuardRecord | None:
+    """None for a bound tensor (parameter, buffer, call argument); else its metadata. A
+    call argument the graph does not bind (returned as it is) has its dynamic dim left
+    out: its size is the bucket's to check."""
     value = entry.value if entry.has_value else None
     if isinstance(value, torch.Tensor) and id(value) in bound:
         return None
-    return _record(entry, "tensor", model, args, frame)
+    record = _record(entry, "tensor", model, args, frame)
+    root = record.path[0]
+    if len(record.path) == 1 and root[0] == "arg" and root[1] in dynamic_dims:
+        dim = dynamic_dims[root[1]]
+        record = GuardRecord(record.path, "tensor", dim,
+                             fingerprint("tensor", resolve(record.path, model, args), dim))
+    return record
 
 
 def _dynamo_internal(record: GuardRecord) -> bool:
@@ -334,10 +342,12 @@ def _dynamo_internal(record: GuardRecord) -> bool:
 
 
 def records_from(collected: Collected, model: torch.nn.Module, args: Sequence[Any],
-                 bound: set[int]) -> list[GuardRecord]:
+                 bound: set[int], dynamic_dims: dict[int, int] | None = None
+                 ) -> list[GuardRecord]:
     """Plain records for every guard Dynamo installed; raises Unrecordable.
 
-    ``bound``: ids of the tensors the graph binds (parameters, buffers, arguments).
+    ``bound``: ids of the tensors the graph binds (parameters, buffers, arguments);
+    ``dynamic_dims``: the call's, by argument.
     """
     frame = Frame.of(model)
     records: dict[tuple[Any, ...], GuardRecord] = {}
@@ -346,7 +356,7 @@ def records_from(collected: Collected, model: torch.nn.Module, args: Sequence[An
         if kind in COVERED:
             if COVERED[kind] != "tensor":
                 continue
-            record = _tensor_record(entry, model, args, frame, bound)
+            record = _tensor_record(entry, model, args, frame, bound, dynamic_dims or {})
         elif kind in CHECK_OF or kind in PROCESS_GROUP_KINDS:
             record = _record(entry, CHECK_OF.get(kind), model, args, frame)
         else:

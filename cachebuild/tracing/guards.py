@@ -205,10 +205,17 @@ def _check_keys(value: Any, arg: Any) -> Any:
 
 
 def _check_tensor(value: Any, arg: Any) -> Any:
+    """A tensor's metadata; ``arg``, where set, is a dim of any size (a call argument's
+    dynamic dim: its size is the bucket's to check), with contiguity in place of the
+    strides that size sets."""
     if not isinstance(value, torch.Tensor):
         return {"type": qualname(type(value))}
-    return {"dtype": str(value.dtype), "shape": list(value.shape), "stride": list(value.stride()),
+    meta = {"dtype": str(value.dtype), "shape": list(value.shape), "stride": list(value.stride()),
             "device": value.device.type, "requires_grad": value.requires_grad}
+    if isinstance(arg, int) and 0 <= arg < value.dim():
+        meta["shape"][arg] = None
+        meta["stride"] = value.is_contiguous()
+    return meta
 
 
 def is_process_group(value: Any) -> bool:

@@ -439,7 +439,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     else:
         unrecordable = None
         try:
-            guards = records_from(collected, model, args, bound)
+            guards = records_from(collected, model, args, bound, dynamic_dims)
             guards += environment_records(guards, captured["code"], model, args)
             guards += method_records(captured["code"], model)
             guards += shadow_records(guards, model, args)
@@ -469,7 +469,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         source_files=files,
         source_stamps=stamps,
         source_libraries=library_paths(files),
-        out_spec=output_recipe(output, list(captured.get("outputs", ()))),
+        out_spec=output_recipe(output, list(captured.get("outputs", ())), inputs, args),
         output_metas=output_metas(gm),
         num_outputs=num_outputs,
         fake_inputs=fakes,
