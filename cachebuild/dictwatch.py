@@ -15,11 +15,16 @@ globals, the environment. CPython says when a dict changes in two ways:
 ``watch(pairs)`` returns a function that is True while none of the watched dicts changed
 at a watched key (``ANY``: at any key) since it was made. Which of the two is used is
 ``compat.dict_watch_kind``'s choice.
+
+Neither sees an object given another dict (``obj.__dict__ = {...}``): the old dict is not
+changed, only no longer the object's. ``kept_dicts`` notices that by reading where each
+object keeps the pointer to its dict, in one gather as ``TagPoll`` reads tags.
 """
 
 from __future__ import annotations
 
 import ctypes
+import operator
 import threading
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -32,34 +37,72 @@ _TAG_OFFSET = 3 * ctypes.sizeof(ctypes.c_void_p)
 _DEALLOCATED = 5  # PyDict_EVENT_DEALLOCATED in CPython 3.12's enum
 
 
-class TagPoll:
-    """Watches by polling version tags (CPython 3.11 to 3.13).
+_WORD = ctypes.sizeof(ctypes.c_void_p)
+_MANAGED_DICT = 1 << 4  # Py_TPFLAGS_MANAGED_DICT (3.11 on): the pointer 3 words before
 
-    The tags are read in one gather: a NumPy view of the address range that holds every
-    watched dict, indexed at their tags' places (a read of each tag, nothing else), so a
-    poll of a thousand dicts costs microseconds.
-    """
+
+def _unchanged_words(places: list[int], kept: list[Any]) -> Callable[[], bool]:
+    """True while the machine words at ``places`` hold what they hold now. They are read
+    in one gather: a NumPy view of the address range that holds them all, indexed at
+    their places (a read of each word, nothing else), so a thousand cost microseconds.
+    ``kept``: the objects the words belong to, kept alive so that none is read from freed
+    memory."""
+    import numpy as np
+
+    if not places:
+        return lambda: True
+    base = min(places)
+    span = max(places) - base + _WORD
+    memory = np.ctypeslib.as_array(
+        ctypes.cast(base, ctypes.POINTER(ctypes.c_uint64)), shape=(span // _WORD,))
+    index = np.array([(p - base) // _WORD for p in places], dtype=np.intp)
+    words = memory.take(index).tobytes()
+
+    def unchanged(memory: Any = memory, index: Any = index, words: bytes = words,
+                  kept: list[Any] = kept) -> bool:
+        return memory.take(index).tobytes() == words
+
+    return unchanged
+
+
+class TagPoll:
+    """Watches by polling version tags (CPython 3.11 to 3.13), all in one gather."""
 
     def watch(self, pairs: Iterable[tuple[dict[Any, Any], Any]]) -> Callable[[], bool]:
-        import numpy as np
+        kept = list({id(d): d for d, _ in pairs}.values())
+        return _unchanged_words([id(d) + _TAG_OFFSET for d in kept], kept)
 
-        dicts = {id(d): d for d, _ in pairs}
-        kept = list(dicts.values())  # alive, so no tag is read from freed memory
-        if not kept:
-            return lambda: True
-        places = [id(d) + _TAG_OFFSET for d in kept]
-        base = min(places)
-        span = max(places) - base + 8
-        memory = np.ctypeslib.as_array(
-            ctypes.cast(base, ctypes.POINTER(ctypes.c_uint64)), shape=(span // 8,))
-        index = np.array([(p - base) // 8 for p in places], dtype=np.intp)
-        tags = memory.take(index).tobytes()
 
-        def unchanged(memory: Any = memory, index: Any = index, tags: bytes = tags,
-                      kept: list[Any] = kept) -> bool:
-            return memory.take(index).tobytes() == tags
+def dict_slot(obj: Any, own: dict[Any, Any]) -> int | None:
+    """The address where ``obj`` keeps the pointer to its ``__dict__`` (``own`` now); None
+    where that is not known to be so (a layout this Python does not have)."""
+    kind = type(obj)
+    if kind.__flags__ & _MANAGED_DICT:
+        place = id(obj) - 3 * _WORD
+    elif kind.__dictoffset__ > 0:
+        place = id(obj) + kind.__dictoffset__
+    else:
+        return None
+    return place if ctypes.c_void_p.from_address(place).value == id(own) else None
 
-        return unchanged
+
+def kept_dicts(owners: Iterable[tuple[Any, dict[Any, Any]]]) -> Callable[[], bool]:
+    """True while each object of ``owners`` still has the dict it has now (none was given
+    another, ``obj.__dict__ = {...}``): its dict pointer read where ``dict_slot`` finds
+    it, else ``vars(obj)`` compared at each call."""
+    places, kept, others = [], [], []
+    for obj, own in owners:
+        place = dict_slot(obj, own)
+        if place is None:
+            others.append((obj, own))
+        else:
+            places.append(place)
+            kept.append(obj)
+    pointers = _unchanged_words(places, kept)
+    if not others:
+        return pointers
+    objects, dicts = [o for o, _ in others], [d for _, d in others]
+    return lambda: pointers() and all(map(operator.is_, map(vars, objects), dicts))
 
 
 class DictWatcher:

@@ -175,6 +175,17 @@ class Case:
     undo: Callable[[Net, object], None]
 
 
+def _replace_dict(obj: object, old: dict[str, Any] | None = None, **values: Any) -> object:
+    """Give ``obj`` a new dict: ``old`` again, or a copy of its own with ``values`` set;
+    returns the dict it had."""
+    had = obj.__dict__
+    obj.__dict__ = old if old is not None else {**had, **values}
+    return had
+
+
+_QUARTER = property(lambda self: 0.25)
+
+
 def _hook(net: Net) -> object:
     return net.a.register_forward_hook(tripled)
 
@@ -214,6 +225,15 @@ CASES = [
          lambda n, _: delattr(Gate, "level")),
     Case("class attribute shadowed on a sibling class", lambda n: setattr(Sibling, "gain", 4.0),
          lambda n, _: delattr(Sibling, "gain")),
+    # An object given another dict (``__setstate__``-style code, a config reloaded in
+    # place): no dict the trace read changes, the object's dict is another one.
+    Case("dict of an object replaced", lambda n: _replace_dict(n.config, eps=0.5),
+         lambda n, old: _replace_dict(n.config, old)),
+    Case("dict of a submodule replaced", lambda n: _replace_dict(n.inner, scale=3.5),
+         lambda n, old: _replace_dict(n.inner, old)),
+    # A property set on the class later wins over the value in the instance's dict.
+    Case("property over an instance value", lambda n: setattr(Config, "eps", _QUARTER),
+         lambda n, _: setattr(Config, "eps", 0.0)),
     Case("value under a tuple key", lambda n: n.table.update({(1, "x"): 2.0}),
          lambda n, _: n.table.update({(1, "x"): 1.0})),
     Case("requires_grad of a weight", lambda n: n.a.requires_grad_(False),

@@ -22,6 +22,7 @@ difference, the full check runs: it names what changed, or, if nothing did, arms
 from __future__ import annotations
 
 import enum
+import gc
 import keyword
 import operator
 import sys
@@ -33,7 +34,7 @@ from typing import Any
 import torch
 
 from cachebuild import compat
-from cachebuild.dictwatch import ANY
+from cachebuild.dictwatch import ANY, kept_dicts
 from cachebuild.tracing.guards import (
     GRAD_STATES,
     UNRESOLVED,
@@ -161,6 +162,9 @@ class _Plan:
         #: same object may be given another class (``obj.__class__ = Other``), which no
         #: watched dict sees either. By id, each once, with its type now.
         self.typed: dict[int, tuple[Any, type]] = {}
+        #: Objects whose dict a watched step reads, with that dict, by id: the object may
+        #: be given another dict (``obj.__dict__ = {...}``), which the watch does not see.
+        self.owners: dict[int, tuple[Any, dict[str, Any]]] = {}
 
     # -- pass 1: what is watched --------------------------------------------------------
 
@@ -252,20 +256,26 @@ class _Plan:
             return None
         if not isinstance(own, dict):
             return None
+        # Read through the object's dict: while it keeps that dict (``kept_dicts``) and
+        # no class of its own sets ``name`` (a property added later wins over the dict;
+        # an attribute added later wins over ``Module.__getattr__``).
+        pairs: list[Pair] = [(own, name), *_class_pairs(type(parent), name)]
         if name in own:
-            return [(own, name)]
+            self.owners.setdefault(id(parent), (parent, own))
+            return pairs
         if isinstance(parent, torch.nn.Module):  # a submodule, parameter or buffer
             holders = [(h, own.get(h)) for h in ("_modules", "_parameters", "_buffers")]
-            pairs: list[Pair] = [(own, name)]
             for holder, d in holders:
                 if isinstance(d, dict):
                     pairs += [(own, holder), (d, name)]
             if value is UNRESOLVED or any(isinstance(d, dict) and name in d
                                            for _, d in holders):
+                self.owners.setdefault(id(parent), (parent, own))
                 return pairs
         if found or value is not UNRESOLVED:
             return None  # from the class, or made up by __getattr__: read per call
-        return [(own, name)]  # absent: it appears there if it is ever set
+        self.owners.setdefault(id(parent), (parent, own))
+        return pairs  # absent: it appears there if it is ever set
 
     def covered(self, value: Any, check: str, arg: Any) -> bool:
         """Whether ``check`` gives the same answer while ``value`` is the same object and
@@ -333,6 +343,8 @@ class _Plan:
 
     def generate(self, unchanged: Callable[[], bool]) -> Callable[[Any, Sequence[Any]], bool]:
         self.lines = ["    if not UNCHANGED():", "        return False"]
+        if self.owners:
+            self.lines += ["    if not KEPT():", "        return False"]
         if self.state is not None:
             self.lines += [f"    if STATE() != {self.const(self.state)}:", "        return False"]
         if self.grad is not None:
@@ -350,6 +362,7 @@ class _Plan:
                 self.emit(v, None)
         source = "def check(model, args):\n" + "\n".join(self.lines) + "\n    return True\n"
         scope: dict[str, Any] = {"K": self.consts, "STEP": step, "UNCHANGED": unchanged,
+                                 "KEPT": kept_dicts(self.owners.values()),
                                  "CODE": operator.attrgetter("__code__"),
                                  "STATE": compat.process_state_signature,
                                  "GRAD": _grad_modes,
@@ -396,6 +409,18 @@ class _Plan:
                 _singleton(check, value) is not None:
             return f"{v} is not {self.const(value)} and {exact}"
         return exact
+
+
+def _class_pairs(cls: type, name: str) -> list[Pair]:
+    """``name`` in the dict of every class along ``cls``'s MRO that can be given
+    attributes (one a ``class`` statement made)."""
+    pairs: list[Pair] = []
+    for klass in cls.__mro__:
+        if klass.__flags__ & _HEAPTYPE:
+            own = gc.get_referents(vars(klass))  # the dict behind the mappingproxy
+            if len(own) == 1 and isinstance(own[0], dict):
+                pairs.append((own[0], name))
+    return pairs
 
 
 def _class_attribute(cls: type, name: str) -> tuple[bool, bool]:
