@@ -211,18 +211,19 @@ Say = Callable[[str], None]
 def plan_model(source: Source, store: Store, device: str | None = None,
                pending: dict[str, Entry] | None = None, rank: int | None = None,
                say: Say | None = None,
-               on_trace: Callable[[CompileConfig, Callable[[], bool]], None] | None = None
-               ) -> Planned:
+               on_trace: Callable[[CompileConfig, Callable[[], bool]], None] | None = None,
+               touch: bool = False) -> Planned:
     """Build the model's spec and find its entry: the stored one (or one in ``pending``,
     planned for another rank) if fresh, else a new trace (``say`` is told why, and
     ``on_trace(config, edited)`` called first: ``edited()`` says whether the model was
-    warmed before and its code changed since, ``nearest.edited_since``, a store scan)."""
+    warmed before and its code changed since, ``nearest.edited_since``, a store scan).
+    ``touch``: a stored entry found counts as used (``warm``), not only looked at."""
     from cachebuild.building.planner import Planner
 
     progress.info("importing %s and building its model", source.name)
     spec = _spec_on(source.build(), device)
     progress.info("looking up the entry of %s", source.name)
-    planner = Planner(spec.model, spec.config, spec.dynamic_dims, store, touch=False)
+    planner = Planner(spec.model, spec.config, spec.dynamic_dims, store, touch=touch)
     found = planner.lookup(spec.example_inputs, pending)
     entry = found.entry
     if entry is None:
@@ -243,22 +244,22 @@ def plan_model(source: Source, store: Store, device: str | None = None,
 
 def plan_group(source: Source, store: Store, device: str | None = None,
                world_size: int | None = None, say: Say | None = None,
-               on_trace: Callable[[CompileConfig, Callable[[], bool]], None] | None = None
-               ) -> Iterator[Planned]:
+               on_trace: Callable[[CompileConfig, Callable[[], bool]], None] | None = None,
+               touch: bool = False) -> Iterator[Planned]:
     """``plan_model(...)``, or with ``world_size`` one Planned per rank, each planned in
     this process under torch's fake process group as that rank, and handed out while that
     rank's group is up (what the caller checks on the rank's model sees it as the rank).
     A rank whose model equals an earlier rank's (an equal shard) takes that rank's entry
     without tracing."""
     if world_size is None:
-        yield plan_model(source, store, device, say=say, on_trace=on_trace)
+        yield plan_model(source, store, device, say=say, on_trace=on_trace, touch=touch)
         return
     from cachebuild.tracing.distributed import fake_world
 
     pending: dict[str, Entry] = {}
     for rank in range(world_size):
         with fake_world(rank, world_size):
-            p = plan_model(source, store, device, pending, rank, say, on_trace)
+            p = plan_model(source, store, device, pending, rank, say, on_trace, touch)
             if p.found.entry is None:
                 pending[p.entry.key] = p.entry
             yield p
@@ -515,8 +516,11 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
             # a guess: the trace says later
             start_workers(lambda: expected_targets(len(config.buckets()), edited=edited()))
 
-        group = list(plan_group(source, opened, device, world_size, say, before_trace))
+        group = list(plan_group(source, opened, device, world_size, say, before_trace,
+                                touch=not dry_run))
         report = _report(group, opened, world_size)
+        if not dry_run:
+            _use_stored(report.targets, opened)
         progress.info("planned %d target%s of %s", len(report.targets),
                       "" if len(report.targets) == 1 else "s", source.name)
         model_phases = {name: round(COUNTERS.seconds.get(name, 0.0) - before.get(name, 0.0), 3)
@@ -551,6 +555,7 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
                 on_target(target, done[0], len(missing))
 
         if missing:
+            _check_keeps(opened, len(missing))
             if source.file is not None and options is not None:
                 start_workers(lambda: len(missing))
                 assert pool is not None
@@ -580,6 +585,28 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
             pool.close()
         if owned:
             opened.close()
+
+
+def _check_keeps(store: Store, missing: int) -> None:
+    """UsageError where what ``warm`` builds would not be kept: a read-only store whose
+    overlay is this process's memory."""
+    from cachebuild.store.overlay import OverlayStore
+
+    if isinstance(store, OverlayStore) and store.overlay_dir is None:
+        raise UsageError(
+            f"cannot warm {missing} missing target{'' if missing == 1 else 's'}: the store at "
+            f"{store.root} is read-only here, so they would be built into memory and gone at "
+            "exit; warm a store you can write (--cache-dir, CACHEBUILD_DIR), or set "
+            "CACHEBUILD_OVERLAY_DIR to a folder of yours to build into")
+
+
+def _use_stored(targets: list[TargetReport], store: Store) -> None:
+    """Read each target found stored, as a start would: it counts as used (``gc
+    --older-than`` keeps what was warmed), and one that fails verification (quarantined
+    by the read) is built again."""
+    for t in targets:
+        if t.state == "stored" and store.get(t.key) is None:
+            t.state = "missing"
 
 
 def _lost_meanwhile(targets: list[TargetReport], store: Store) -> None:

@@ -168,9 +168,18 @@ def free_bytes(directory: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
+def _busy(error: BaseException) -> bool:
+    """Whether opening the index failed because another process holds it (SQLite's lock
+    outlasted the wait), not because it is damaged."""
+    return isinstance(error, diskcache.Timeout) or (
+        isinstance(error, sqlite3.OperationalError) and "locked" in str(error))
+
+
 class Index:
     """Records keyed by store key, in a diskcache database at ``directory`` (opened to
     read only, writing nothing, with ``read_only``)."""
+
+    _TIMEOUT = 60  # seconds a write waits for another process's transaction
 
     def __init__(self, directory: Path, *, read_only: bool = False) -> None:
         self.read_only = read_only
@@ -183,7 +192,7 @@ class Index:
             return
         try:
             # No eviction and no culling: the store decides what goes (GC), not the cache.
-            self._db = diskcache.Cache(str(directory), timeout=60, disk=_PlainDisk,
+            self._db = diskcache.Cache(str(directory), timeout=self._TIMEOUT, disk=_PlainDisk,
                                        eviction_policy="none", size_limit=2**62, cull_limit=0,
                                        statistics=0, tag_index=0)
         except INDEX_ERRORS as e:
@@ -193,6 +202,12 @@ class Index:
                     f"cannot open the store index in {directory}: {e}; the disk holding it "
                     f"is full ({free} bytes free): free some space and try again (nothing "
                     "stored is lost)") from None
+            if _busy(e):
+                raise StoreError(
+                    f"the store index in {directory} is busy: another process has held it "
+                    f"for {self._TIMEOUT} s ({e}); try again once it is done (a `cachebuild "
+                    "gc`, an import or a build writing to it; nothing stored is lost)"
+                    ) from None
             raise StoreError(
                 f"cannot open the store index in {directory}: {e}; if it is damaged, move "
                 "that folder aside (the store then starts with no records, and `cachebuild "

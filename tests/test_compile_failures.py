@@ -196,3 +196,71 @@ def test_a_branch_on_the_token_count_inside_a_range_says_which_ranges_would_do(o
         for n in (6, 1, 3, 16):
             x = torch.randn(n, 8)
             torch.testing.assert_close(compiled(x), model(x))
+
+
+class OneTokenPath(torch.nn.Module):
+    """A decode fast path: another answer at one token. Dynamo traces a dynamic dim as at
+    least 2, so the branch leaves no guard behind."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if x.shape[0] == 1:
+            return y * 0 + 1
+        return y
+
+
+@pytest.mark.parametrize("first", [4, 1])
+def test_a_branch_at_one_token_is_refused_where_a_range_serves_one_token(open_local, first):
+    model = OneTokenPath().eval()
+    config = cachebuild.CompileConfig(compile_ranges=((1, 16),), backend="eager_fusion")
+    compiled = cachebuild.compile(model, config, {0: 0}, store=open_local())
+    with pytest.raises(UsageError, match=r"another branch at size 1 than at \d+ .*compile "
+                                         r"range \(1, 16\) holds both"), torch.no_grad():
+        compiled(torch.randn(first, 8))
+    # Ranges from 2 on are served from the same trace.
+    above = cachebuild.compile(model, cachebuild.CompileConfig(
+        compile_ranges=((2, 16),), backend="eager_fusion"), {0: 0}, store=open_local())
+    with torch.no_grad():
+        for n in (4, 2, 9):
+            x = torch.randn(n, 8)
+            torch.testing.assert_close(above(x), model(x))
+
+
+class FixedTokens(torch.nn.Module):
+    """Adds a table of 5 rows: the token dim given as dynamic is fixed at 5."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.table = torch.nn.Parameter(torch.randn(5, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.table
+
+
+def test_a_forward_that_fixes_a_dynamic_dim_is_refused_in_one_line(open_local, caplog):
+    compiled = cachebuild.compile(FixedTokens().eval(), cachebuild.CompileConfig(
+        compile_ranges=((1, 16),), backend="eager_fusion"), {0: 0}, store=open_local())
+    with pytest.raises(UsageError, match=r"fixes the size of a dim given as dynamic .*constant "
+                                         r"\(5\)"), torch.no_grad():
+        compiled(torch.randn(5, 8))
+    assert not [r for r in caplog.records if r.name == "torch._guards"]  # no page of log
+
+
+def test_an_object_argument_keys_the_entry_by_its_class_not_its_address():
+    from cachebuild.building.entry_key import entry_factors
+
+    class Options:
+        pass
+
+    model = torch.nn.Linear(4, 4)
+    x = torch.randn(3, 4)
+    config = cachebuild.CompileConfig(backend="eager_fusion")
+    first, second = (entry_factors(model, (x, Options()), {0: 0}, config, {})
+                     for _ in range(2))
+    assert first["inputs"] == second["inputs"]
+    assert "0x" not in str(first["inputs"])

@@ -263,6 +263,15 @@ def test_a_store_on_a_read_only_mount_serves_warm_and_a_miss_builds_in_memory(de
                             text=True)
         assert gc.returncode == 2 and gc.stderr.startswith("error: cannot collect garbage")
         assert len(gc.stderr.strip().splitlines()) == 1, gc.stderr
+        # `warm` finds everything stored (exit 0), but refuses to build what it could not
+        # keep (another value read: a new entry), before building anything.
+        model = str(deployed["app"] / "dm.py")
+        kept = subprocess.run([cli, "warm", model], env=env, capture_output=True, text=True)
+        assert kept.returncode == 0 and "0 built" in kept.stderr, kept.stderr
+        lost = subprocess.run([cli, "warm", model], env=env | {"DM_SCALE": "5.0"},
+                              capture_output=True, text=True)
+        assert lost.returncode == 2, lost.stderr
+        assert "error: cannot warm 1 missing target: the store at" in lost.stderr, lost.stderr
         assert _snapshot(deployed["store"]) == before
     finally:
         subprocess.run(["umount", "-l", str(view)], check=False)

@@ -280,6 +280,14 @@ def test_gc_environments_removes_other_environments_and_keeps_this_one(first_run
     assert f"removed environment folder {legacy}" in text
     assert not other.exists() and not legacy.exists()
     assert (folder / "environment.json").exists() and list(folder.glob("aoti-cpu-*.json"))
+    # With $CACHEBUILD_PROBE_DIR elsewhere, this torch's, Python's and CPU's own folder
+    # (what this user's other shells use) is still this environment's: kept.
+    elsewhere = first_run["root"] / "probe-elsewhere"
+    again = _run(first_run, CLI, "--cache-dir", str(store), "gc", "--environments",
+                 CACHEBUILD_PROBE_DIR=str(elsewhere))
+    assert again.returncode == 0, again.stderr
+    assert str(folder) not in again.stdout, again.stdout
+    assert (folder / "environment.json").exists()
 
 
 def test_the_folder_of_environment_folders_is_made_private(tmp_path):

@@ -44,7 +44,7 @@ log = logging.getLogger("cachebuild")
 
 #: The layout of a stored entry; bumped when it changes, so older entries are never misread
 #: (it is an entry-key factor: an old entry is simply not found, and the model retraced).
-ENTRY_FORMAT = 6  # 6: a float the forward computes from sizes, taken from each call
+ENTRY_FORMAT = 7  # 7: traced graphs checked at one token (a branch there refused)
 
 
 @dataclass(frozen=True)

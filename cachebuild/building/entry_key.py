@@ -10,6 +10,7 @@ environment. What the trace reads besides is checked by the entry's guards, not 
 from __future__ import annotations
 
 import math
+import re
 from typing import Any
 
 import torch
@@ -20,6 +21,8 @@ from cachebuild.graph.facts import device_of, meta_of
 from cachebuild.tracing.env import SCHEMA_VERSION, env_factors
 from cachebuild.trust.codehash import class_hash, code_file, sourceless_classes
 from cachebuild.trust.sources import digest_of
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 
 
 def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: dict[int, int],
@@ -32,7 +35,9 @@ def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: d
             shape = ["dyn" if dynamic_dims.get(i) == d else s for d, s in enumerate(m.shape)]
             inputs.append({"dtype": m.dtype, "shape": shape, "device": m.device_type})
         else:
-            inputs.append({"value": repr(a)})
+            # An object's default repr holds its address, which the next process does not
+            # share: left out (what the trace reads of the object is in its guards).
+            inputs.append({"value": _ADDRESS.sub("", repr(a))})
     shared = shared_tensors(model)
     return {
         "schema": SCHEMA_VERSION,

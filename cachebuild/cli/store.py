@@ -301,9 +301,13 @@ def _gc_environments(store: Store, dry_run: bool, verb: str) -> None:
     from cachebuild.store import FORMAT_DIR, UnsafeStore
 
     out = stdout()
-    current = os.path.realpath(environment.current())  # imports torch: its fingerprint
+    # This environment's folders: the one in use, and the default one of this torch,
+    # Python and CPU, which other shells of this user use without $CACHEBUILD_PROBE_DIR.
+    # Both paths import torch (its fingerprint).
+    ours = {os.path.realpath(environment.current()),
+            os.path.realpath(environment.root() / environment.fingerprint())}
     candidates = [(Path(f.path), f.summary()) for f in environment.listed()
-                  if os.path.realpath(f.path) != current]
+                  if os.path.realpath(f.path) not in ours]
     legacy = Path(store.local.root) / "probe"
     if not getattr(store.local, "read_only", False) and legacy.is_dir() and \
             legacy.parent.name == FORMAT_DIR:
@@ -528,6 +532,10 @@ def import_command(ctx: click.Context, file: Path, allow_unsigned: bool, trust: 
         raise UsageError(f"{printable(file)} is not a cachebuild bundle (not a tar archive): "
                          "give a file `cachebuild export` wrote")
     store = open_store(ctx).local
+    if store.read_only:  # said before anything is read, as gc and pin say it
+        from cachebuild.store.access import refusal
+
+        raise refusal(Path(store.root), "import a bundle")
     with progress_bar("importing") as on_progress:
         report = import_bundle(store, file, progress=on_progress, allow_unsigned=allow_unsigned,
                                trust=trust)

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 import torch.fx as fx
+from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 from cachebuild import keep
 from cachebuild.errors import UsageError, one_line
@@ -36,7 +37,7 @@ from cachebuild.graph.facts import (
     unpin_device,
     user_ops,
 )
-from cachebuild.graph.outputs import item_outputs, output_recipe, returned
+from cachebuild.graph.outputs import item_outputs, output_builder, output_recipe, returned
 from cachebuild.graph.weights import hooks_hidden
 from cachebuild.tracing.guards import (
     GRAD_STATES,
@@ -240,21 +241,99 @@ def check_shape_guards(guards: list[Any], symbols: set[Any],
                     "side")
 
 
+def check_size_one(model: torch.nn.Module, gm: fx.GraphModule, out_spec: str,
+                   bindings: list[Binding], inputs: list[Any], args: list[Any],
+                   dynamic_dims: dict[int, int], compile_ranges: Sequence[tuple[int, int]],
+                   traced_at: int) -> None:
+    """Raise UsageError where a compile range serves one token and the traced graph, run
+    at one token, answers otherwise than the forward does.
+
+    Dynamo traces a dynamic dim as at least 2 (it specialises sizes 0 and 1), so a branch
+    on the token count being 1 (``if x.shape[0] == 1``, a decode fast path) is decided
+    without a guard for ``check_shape_guards`` to see. Both are run on the call's
+    arguments cut to one token, with what either writes put back after: outputs and
+    writes compared. A forward that does not run on those (it raises) is not judged."""
+    if not dynamic_dims or not any(lo <= 1 <= hi for lo, hi in compile_ranges):
+        return
+    one = list(args)
+    for i, d in dynamic_dims.items():
+        one[i] = args[i].narrow(d, 0, 1)
+    flat = [one[b.arg] if b.kind == "arg" else one[b.arg].shape[b.dim] if b.kind == "size"
+            else v for b, v in zip(bindings, inputs, strict=True)]
+    state = list({id(t): t for t in [*flat, *one, *model.buffers()]
+                  if isinstance(t, torch.Tensor)}.values())
+    kept = keep.Tensors(state)
+    try:
+        with keep.rng(), torch.inference_mode(False), torch.no_grad():
+            torch.manual_seed(0)  # the same draws for both (dropout in train mode)
+            want = _flat_values(model(*one)) + [t.clone() for t in state]
+            kept.restore()
+            torch.manual_seed(0)
+            got = _flat_values(output_builder(out_spec)(gm.forward(*flat), flat, one))
+            got += [t.clone() for t in state]
+    except Exception:
+        return
+    finally:
+        kept.restore()
+    if _same_values(got, want):
+        return
+    hi = next(hi for lo, hi in compile_ranges if lo <= 1 <= hi)
+    raise UsageError(
+        f"the model's forward takes another branch at size 1 than at {traced_at} (run at one "
+        f"token, the graph traced at {traced_at} answers otherwise), and compile range (1, "
+        f"{hi}) holds both: start the compile ranges at 2, or serve the model through "
+        "torch.compile(model, backend=cachebuild.backend(...)), which traces size 1 apart")
+
+
+def _flat_values(value: Any, depth: int = 0) -> list[Any]:
+    """The tensors and plain values of an output, in order; an object that is neither (a
+    cache object) by its class and what its attributes hold."""
+    out: list[Any] = []
+    for v in torch.utils._pytree.tree_leaves(value):
+        if isinstance(v, torch.Tensor):
+            out.append(v.detach())
+        elif v is None or isinstance(v, (bool, int, float, str, torch.dtype, torch.device)):
+            out.append(v)
+        else:
+            out.append(type(v))
+            if depth < 4 and hasattr(v, "__dict__"):
+                out += _flat_values(list(vars(v).values()), depth + 1)
+    return out
+
+
+def _same_values(got: list[Any], want: list[Any]) -> bool:
+    if len(got) != len(want):
+        return False
+    for a, b in zip(got, want, strict=True):
+        if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            if a.shape != b.shape or a.dtype != b.dtype or not torch.allclose(
+                    a.float(), b.float(), rtol=1e-3, atol=1e-3, equal_nan=True):
+                return False
+        elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b:
+            return False
+    return True
+
+
 @contextlib.contextmanager
 def _quiet_meta_failures() -> Iterator[None]:
     """While the block runs, drop the traceback torch logs (at ERROR) when an op's meta
     kernel refuses a call's shapes: the same error reaches the trace, which says it in one
     line (``_op_error``). The caller's logging is as it was after."""
-    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    said = {"torch._subclasses.fake_tensor": ("failed while attempting to run meta",),
+            # a guard Dynamo could not make (the same error reaches the trace)
+            "torch._guards": ("Error while creating guard", "Created at")}
+    filters = []
+    for name, starts in said.items():
+        def keep_others(record: logging.LogRecord, starts: tuple[str, ...] = starts) -> bool:
+            return not str(record.msg).startswith(starts)
 
-    def keep_others(record: logging.LogRecord) -> bool:
-        return not str(record.msg).startswith("failed while attempting to run meta")
-
-    logger.addFilter(keep_others)
+        logging.getLogger(name).addFilter(keep_others)
+        filters.append((name, keep_others))
     try:
         yield
     finally:
-        logger.removeFilter(keep_others)
+        for name, keep_others in filters:
+            logging.getLogger(name).removeFilter(keep_others)
 
 
 def _graph_break(e: BaseException) -> str:
@@ -396,6 +475,13 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         # op's, said in one line, not Dynamo's page about running FX nodes on fake tensors.
         raise UsageError(f"the model's forward fails on these inputs (check that the same "
                          f"call runs eagerly): {_op_error(e)}") from e
+    except ConstraintViolationError as e:
+        # The forward fixed a dim marked dynamic (``x + table`` with a table of one size).
+        said = next((line.strip(" -") for line in str(e).splitlines()
+                     if "specialized" in line), one_line(e))
+        raise UsageError(f"the model's forward fixes the size of a dim given as dynamic "
+                         f"({said.split(' If you')[0]}): give in dynamic_dims only dims whose "
+                         "size the forward lets vary (the token dim)") from e
     except AssertionError as e:
         if not compat.is_rebuilt_object_guard(e):
             raise
@@ -430,6 +516,10 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         check_shape_guards([g.expr for g in shape_env.guards],
                            _dynamic_symbols(fakes, bindings, dynamic_dims, shape_env), compile_ranges,
                            traced_at)
+    out_spec = output_recipe(output, list(captured.get("outputs", ())), inputs, args)
+    if shape_env is not None and dynamic_dims:
+        check_size_one(model, gm, out_spec, bindings, inputs, args, dynamic_dims,
+                       compile_ranges, traced_at)
 
     bound = {id(v) for v, b in zip(inputs, bindings, strict=True) if b.kind != "const"}
     guards: list[GuardRecord] = []
@@ -469,7 +559,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         source_files=files,
         source_stamps=stamps,
         source_libraries=library_paths(files),
-        out_spec=output_recipe(output, list(captured.get("outputs", ())), inputs, args),
+        out_spec=out_spec,
         output_metas=output_metas(gm),
         num_outputs=num_outputs,
         fake_inputs=fakes,
