@@ -4,6 +4,7 @@ same time), weights are bound live, and a failing piece is reported and stores n
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -350,3 +351,48 @@ def test_a_piece_that_draws_random_numbers_names_them_when_its_proof_fails(open_
     with pytest.raises(CompileFailed, match="failed earlier in this process"), torch.no_grad():
         cachebuild.compile(model, config, {0: 0}, store=store)(torch.randn(4, 8))
     assert models.counters_delta(before, cachebuild.stats())["traced"] == 0
+
+
+NAMED_CHILD = """
+import collections, json
+import torch
+import cachebuild
+
+Out = collections.namedtuple("Out", "logits hidden")
+
+
+class Named(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        return Out(h * 2, h)
+
+
+torch.manual_seed(0)
+model = Named().eval()
+compiled = cachebuild.compile(model, cachebuild.CompileConfig(
+    backend="eager_fusion", compile_ranges=((1, 16),)), {0: 0})
+with torch.no_grad():
+    for size in (3, 1, 7):
+        x = torch.randn(size, 8)
+        out = compiled(x)
+        assert type(out) is Out, type(out)
+        torch.testing.assert_close(tuple(out), tuple(model(x)))
+print(json.dumps({"stats": cachebuild.stats()}))
+"""
+
+
+def test_a_namedtuple_output_is_recorded_and_starts_warm(tmp_path):
+    """Dynamo makes the namedtuple through globals it installs by id (the class, its
+    generated ``__new__``'s namespace): recorded by the class's own name."""
+    script = tmp_path / "named.py"  # a model file, as a server has
+    script.write_text(NAMED_CHILD)
+    env = {**os.environ, "CACHEBUILD_DIR": str(tmp_path / "store")}
+    said = [subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                           text=True, timeout=600) for _ in range(2)]
+    assert all(p.returncode == 0 for p in said), said[-1].stderr[-3000:]
+    cold, warm = (json.loads(p.stdout.splitlines()[-1])["stats"] for p in said)
+    assert cold["traced"] == 1 and warm["traced"] == 0 and warm["entries_loaded"] == 1

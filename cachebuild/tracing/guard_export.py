@@ -148,16 +148,52 @@ class Frame:
 _INSTALLED = re.compile(r"^\w*?_(\d+)_c\d+$")
 
 
-def _installed_module(name: str) -> str:
-    """The module a global Dynamo installed stands for (``_<id>_c<n>``: ``type(x)`` of a
-    tensor reads ``torch.Tensor`` through one); such names are gone at a warm start. The
-    name holds the object's id and Dynamo keeps the object alive, so the loaded module
-    with that id is the one."""
+def _installed_path(name: str) -> list[list[Any]]:
+    """The path of what a global Dynamo installed stands for (``_<id>_c<n>``: ``type(x)``
+    of a tensor reads ``torch.Tensor`` through one, a namedtuple the forward returns is
+    made through one, the globals of its generated ``__new__`` through another); such
+    names are gone at a warm start. The name holds the object's id and Dynamo keeps the
+    object alive: a loaded module or its globals with that id, or an object held under
+    that name by a module's globals and importable by its own name (a class or function
+    of a module, by ``__module__`` and ``__qualname__``), or the globals of such a
+    function."""
     wanted = int(_INSTALLED.match(name).group(1))  # type: ignore[union-attr]
-    for module_name, module in list(sys.modules.items()):
+    modules = list(sys.modules.items())
+    for module_name, module in modules:
         if id(module) == wanted and isinstance(module, types.ModuleType):
-            return module_name
-    raise Unrecordable(f"global {name!r} that Dynamo installed is not a module")
+            return [module_root(module_name)]
+        if id(getattr(module, "__dict__", None)) == wanted:  # a scope: its globals
+            return [module_root(module_name), ["attr", "__dict__"]]
+    # An object: found where a module holds it (the name itself is gone once Dynamo is
+    # reset), by what it is, so that a dead object's reused id matches nothing.
+    for _, module in modules:
+        for value in list(getattr(module, "__dict__", {}).values()):
+            if id(value) == wanted and isinstance(value, type | types.FunctionType):
+                path = _importable(value)
+                if path is not None:
+                    return path
+            made = getattr(value, "__new__", None) if isinstance(value, type) else None
+            if id(getattr(made, "__globals__", None)) == wanted:  # a namedtuple's __new__
+                path = _importable(value)
+                if path is not None:
+                    return [*path, ["attr", "__new__"], ["attr", "__globals__"]]
+    raise Unrecordable(f"global {name!r} that Dynamo installed is neither a module nor "
+                       "a class or function a module gives by its name")
+
+
+def _importable(value: Any) -> list[list[Any]] | None:
+    """``value``'s path as its module and qualified name give it, where they do."""
+    module_name = getattr(value, "__module__", None)
+    qualname = getattr(value, "__qualname__", None)
+    module = sys.modules.get(module_name) if isinstance(module_name, str) else None
+    if module is None or not isinstance(qualname, str) or "<" in qualname:
+        return None
+    found: Any = module
+    for part in qualname.split("."):
+        found = getattr(found, part, None)
+    if found is not value:
+        return None
+    return [module_root(module_name), *(["attr", part] for part in qualname.split("."))]
 
 
 def _import_name(global_name: str) -> str | None:
@@ -178,7 +214,7 @@ def source_path(source: Any, frame: Frame) -> list[list[Any]]:
         name = source.global_name
         module = _import_name(name)
         if module is None and _INSTALLED.match(name):
-            module = _installed_module(name)
+            return _installed_path(name)
         if module is not None:
             return [module_root(module)]
         if name.startswith("__builtins_dict__"):
