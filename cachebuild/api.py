@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -275,6 +276,11 @@ class CompiledModule(torch.nn.Module):
         if why is not None:
             return self._not_run(why, args)
         if self._runtime is None:
+            said = self._outside(args)
+            if said is not None and self.config.out_of_range == "eager":
+                # Nothing to trace or look up for it: run as every later such call is.
+                warnings.warn(said, stacklevel=2)
+                return self.model(*args)
             self.prepare(*args)
             if self._runtime is None:
                 return self.model(*args)  # on_failure="eager"
@@ -291,6 +297,15 @@ class CompiledModule(torch.nn.Module):
             if runtime is None:
                 return self.model(*args)  # on_failure="eager"
         return runtime(*args)
+
+    def _outside(self, args: tuple[Any, ...]) -> str | None:
+        """Why the call's token count is outside every compile range, if it is (None
+        also where the call names no token count a dynamic dim could give)."""
+        for i, d in self.dynamic_dims.items():
+            a = args[i] if i < len(args) else None
+            if isinstance(a, torch.Tensor) and -a.dim() <= d < a.dim():
+                return self.config.outside(a.shape[d])
+        return None
 
     def _not_run(self, why: str, args: tuple[Any, ...]) -> Any:
         """A call that would skip what ``model(x)`` runs besides its traced code (``why``:

@@ -280,6 +280,20 @@ def test_size_outside_every_range_runs_eagerly_with_one_warning(open_local, tmp_
     models.assert_matches_eager(compiled, model, models.hidden_inputs(16))
 
 
+def test_a_first_call_outside_every_range_runs_eagerly_before_anything_is_traced(open_local,
+                                                                              tmp_path):
+    model = models.make(models.LayerStack, layers=2)
+    compiled = cachebuild.compile(
+        model, models.config(compile_ranges=((1, 16),), out_of_range="eager"), DYN,
+        store=open_local(tmp_path / "store"))
+    before = cachebuild.stats()
+    with pytest.warns(UserWarning, match="size 20 is outside every compile range"):
+        models.assert_matches_eager(compiled, model, models.hidden_inputs(20))
+    assert cachebuild.stats()["traced"] == before["traced"]  # nothing traced for it
+    models.assert_matches_eager(compiled, model, models.hidden_inputs(4))
+    assert cachebuild.stats()["traced"] == before["traced"] + 1
+
+
 def test_compiled_pieces_refuse_autocast_and_say_once_they_answer_without_autograd(
         caplog, fresh_dynamo):
     """AOTI pieces are built without autocast and run without autograd: a call under
