@@ -341,10 +341,13 @@ def test_a_long_list_said_is_cut_after_an_item_not_inside_a_word():
     assert printable("a\x1b[2Jb", 300) == "a\\x1b[2Jb"
 
 
-def test_sigterm_ends_a_command_as_ctrl_c_does(tmp_path):
+@pytest.mark.parametrize("name,code,said", [("SIGTERM", 143, "error: terminated (SIGTERM)"),
+                                             ("SIGINT", 130, "error: interrupted (Ctrl-C)")])
+def test_sigterm_ends_a_command_as_ctrl_c_does(tmp_path, name, code, said):
     """SIGTERM (a `kill`, a job's timeout) ends a command the way Ctrl-C does: one line,
-    exit 143, and the command lets go of what it held: here the temporary store a look at
-    a place with no store uses, which the default SIGTERM would leave behind."""
+    exit 128 + the signal's number, as shells count it, and the command lets go of what
+    it held: here the temporary store a look at a place with no store uses, which the
+    default SIGTERM would leave behind."""
     import signal
     import time
 
@@ -355,12 +358,12 @@ def test_sigterm_ends_a_command_as_ctrl_c_does(tmp_path):
     proc = cli(tmp_path / "none", "plan", str(slow), env={"TMPDIR": str(scratch)}, wait=False)
     assert proc.stdout.readline().strip() == "importing"
     assert [p.name for p in scratch.iterdir()][0].startswith("cachebuild-look-")
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(getattr(signal, name))
     began = time.monotonic()
     _, err = proc.communicate(timeout=60)
     assert time.monotonic() - began < 30
-    assert proc.returncode == 143, err
-    assert err.strip().splitlines()[-1] == "error: terminated (SIGTERM)", err
+    assert proc.returncode == code, err
+    assert err.strip().splitlines()[-1] == said, err
     assert "Traceback" not in err, err
     assert not any(scratch.iterdir()) and not (tmp_path / "none").exists()
 

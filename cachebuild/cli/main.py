@@ -8,7 +8,8 @@ of commands. Command modules (``store``, ``model``, ``remote``) never import thi
 ``cachebuild.store.options`` alone; an option given here wins over its variable.
 
 Exit codes: 0 done; 1 the operation failed (e.g. ``verify`` found damage); 2 bad usage
-or bad input; 143 ended by SIGTERM (as by Ctrl-C: the command's cleanup runs). Errors
+or bad input; 130 interrupted by Ctrl-C (SIGINT), 143 ended by SIGTERM (the command's
+cleanup runs for both). Errors
 raised on purpose print ``error: <message>`` on one line.
 """
 
@@ -87,6 +88,9 @@ class _Group(click.Group):
             if isinstance(e.__context__, _Terminated):
                 click.echo("error: terminated (SIGTERM)", err=True)
                 sys.exit(128 + signal.SIGTERM)
+            if isinstance(e.__context__, KeyboardInterrupt):  # as shells count Ctrl-C
+                click.echo("error: interrupted (Ctrl-C)", err=True)
+                sys.exit(128 + signal.SIGINT)
             click.echo("error: aborted", err=True)
             sys.exit(1)
 
