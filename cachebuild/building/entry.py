@@ -233,8 +233,14 @@ def stored_entry(store: Store, key: str, *, touch: bool = True
     sealed with it, or a source its trace read changed since; ``(None, None)`` if none
     is stored. Its guards are the caller's to check, on the live model. ``touch=False``:
     a look, not a use of the store."""
+    recorded = store.get_record(key) is not None  # here; a remote tier's are fetched
     data = store.get(key, touch=touch)
     if data is None:
+        # A record whose blob was not served: damaged (quarantined by the read), or from a
+        # source not trusted; the store said which.
+        if recorded:
+            return None, ("its stored entry is not served here (damaged, or unsigned from a "
+                          "source no one trusted: see the message above)")
         return None, None
     entry, why = _decoded(data)
     if entry is not None:
