@@ -123,6 +123,24 @@ def test_entry_whose_target_vanished_rebuilds_it_without_tracing(open_local, tmp
     assert store.contains(gone)
 
 
+def test_a_damaged_entry_is_said_damaged_and_traced_again(open_local, tmp_path, caplog):
+    store = open_local(tmp_path / "store")
+    model = models.make(models.Decoder, layers=2)
+    first = cachebuild.compile(model, models.config(), DYN, store=store)
+    models.assert_matches_eager(first, model, models.inputs(6))
+    blob = next((tmp_path / "store").rglob(first.runtime.entry.key))
+    data = bytearray(blob.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    blob.chmod(0o600)
+    blob.write_bytes(bytes(data))
+    again = cachebuild.compile(model, models.config(), DYN, store=store)
+    caplog.clear()  # what the first start said
+    with caplog.at_level("WARNING", logger="cachebuild"):
+        models.assert_matches_eager(again, model, models.inputs(6))
+    assert "its stored entry is not served here (damaged" in caplog.text, caplog.text
+    assert "not warmed" not in caplog.text
+
+
 def test_store_holds_entry_and_targets_with_manifests(open_local, tmp_path):
     store = open_local(tmp_path / "store")
     model = models.make(models.Decoder, layers=2)
