@@ -130,6 +130,8 @@ def _select(store: LocalTier, keys: Iterable[str] | None, kinds: Iterable[str] |
             raise UsageError(f"not in the store: {', '.join(missing)}")
         chosen = sorted(reachable(records, wanted)) if with_refs else wanted
     kind_set = set(kinds) if kinds else None
+    if kind_set is not None and "entry" in kind_set:
+        kind_set.add("guards")  # an entry's seal (``entry.guard_seal_key``) is part of it
     return [records[k] for k in chosen if kind_set is None or records[k].kind in kind_set]
 
 

@@ -417,6 +417,19 @@ def test_import_of_entries_alone_keeps_them(open_local, filled, tmp_path):
     assert {r.key for r in open_local(target).records()} == {key("entry")}
 
 
+def test_entries_are_exported_with_their_guards_seals(open_local, store_dir, tmp_path):
+    """An entry's seal is a record of kind ``guards``: part of the entry, without which
+    an importer could not use it."""
+    with LocalStore(store_dir) as store:
+        store.put(key("seal"), b"", kind="guards")
+        store.put(key("entry"), b"{}", kind="entry", refs=[key("seal")])
+    bundle = tmp_path / "entries.tar"
+    assert run(store_dir, "export", str(bundle), "--kind", "entry").exit_code == 0
+    target = tmp_path / "elsewhere"
+    assert run(target, "import", str(bundle)).exit_code == 0
+    assert {r.key for r in open_local(target).records()} == {key("entry"), key("seal")}
+
+
 def test_import_truncated_bundle(open_local, filled, tmp_path):
     bundle = tmp_path / "cache.tar"
     assert run(filled, "export", str(bundle)).exit_code == 0
