@@ -68,6 +68,9 @@ def check_can_make(path: Path) -> None:
         above = path.parent
         while not os.path.lexists(above) and above != above.parent:
             above = above.parent
+        if not os.path.isdir(above):
+            raise UsageError(f"no store at {path}, and none can be made there: {above} is a "
+                             "file, not a folder; give another --cache-dir or CACHEBUILD_DIR")
         try:
             read_only = bool(os.statvfs(above).f_flag & os.ST_RDONLY)
         except OSError:
