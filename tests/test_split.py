@@ -257,3 +257,31 @@ def test_size_expressions_are_recomputed_inside_the_piece(open_local, tmp_path):
                                   store=open_local(tmp_path / "store"))
     for tokens in (3, 8, 17):
         models.assert_matches_eager(compiled, model, (torch.randn(tokens, models.HIDDEN),))
+
+
+class SaysPrefill(nn.Module):
+    """After its last splitting op, returns a bool of the token count alone: a piece
+    whose only dynamic input is the size itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        import inplace_models as im
+
+        y = im.attend(self.lin(x), x, x)
+        return y, x.shape[0] > 3
+
+
+def test_a_piece_that_computes_from_the_token_count_alone_follows_it(open_local):
+    import inplace_models as im
+
+    model = SaysPrefill().eval()
+    compiled = cachebuild.compile(model, im.config(), {0: 0}, store=open_local())
+    with torch.no_grad():
+        for n in (5, 2, 4, 1):
+            x = torch.randn(n, 16)
+            out, prefill = compiled(x)
+            assert prefill is (n > 3)
+            torch.testing.assert_close(out, model(x)[0])

@@ -30,10 +30,13 @@ from cachebuild.trust.fxjson import GraphFormatError, data_to_module
 
 
 def _size_reader(size_input: tuple[int, int] | None) -> Callable[[tuple[Any, ...]], int | None]:
-    """Reads a call's dynamic size from input ``i``'s dim ``d`` (None: no dynamic size)."""
+    """Reads a call's dynamic size from input ``i``'s dim ``d``, or input ``i`` itself
+    where ``d`` is -1 (None: no dynamic size)."""
     if size_input is None:
         return lambda args: None
     i, d = size_input
+    if d == -1:
+        return lambda args: int(args[i])
     return lambda args: args[i].shape[d]
 
 

@@ -41,8 +41,9 @@ class Piece:
 
     ``compiled`` pieces become targets; the others are splitting-op calls run eagerly.
     ``single_output`` records that the stitching graph expects a bare value, not a tuple.
-    ``size_input`` is ``(input index, dim)`` of an input whose dim is the dynamic dim:
-    where the runtime reads the size to pick a bucket (None if the piece is static).
+    ``size_input`` is ``(input index, dim)`` of an input whose dim is the dynamic dim
+    (dim -1: the input is the size): where the runtime reads the size to pick a bucket
+    (None if the piece is static).
     ``written``: the inputs the piece writes in place (the runtime hands it those very
     tensors, never copies).
     """
@@ -413,9 +414,15 @@ def _check_still_symbolic(traced: TracedGraph) -> None:
 
 
 def _size_input(metas: list[InputMeta]) -> tuple[int, int] | None:
+    """Where a piece's call gives the dynamic size: a tensor input's dim, else an input
+    that is the size itself (dim -1: a piece that computes from the token count alone,
+    ``x.shape[0] > 3`` after the last splitting op)."""
     for i, m in enumerate(metas):
         if m.kind == "tensor":
             for d, size in enumerate(m.shape):
                 if isinstance(size, str) and size.isidentifier():
                     return (i, d)
+    for i, m in enumerate(metas):
+        if m.kind == "symint" and isinstance(m.shape[0], str) and m.shape[0].isidentifier():
+            return (i, -1)
     return None
