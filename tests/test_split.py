@@ -268,9 +268,8 @@ class SaysPrefill(nn.Module):
         self.lin = nn.Linear(16, 16)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        import inplace_models as im
-
-        y = im.attend(self.lin(x), x, x)
+        heads = self.lin(x).reshape(x.shape[0], 2, 8)
+        y = torch.ops.cachebuild_tests.attention(heads, heads, heads)  # returned as it is
         return y, x.shape[0] > 3
 
 
