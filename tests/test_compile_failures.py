@@ -264,3 +264,16 @@ def test_an_object_argument_keys_the_entry_by_its_class_not_its_address():
                      for _ in range(2))
     assert first["inputs"] == second["inputs"]
     assert "0x" not in str(first["inputs"])
+
+
+def test_an_input_of_another_layout_keys_another_entry():
+    """An entry traced on a transposed input is not found for contiguous calls (which
+    it would refuse): each layout traces its own."""
+    from cachebuild.building.entry_key import entry_factors
+
+    model = torch.nn.Linear(4, 4)
+    config = cachebuild.CompileConfig(backend="eager_fusion")
+    plain = entry_factors(model, (torch.randn(3, 4),), {0: 0}, config, {})
+    turned = entry_factors(model, (torch.randn(4, 3).t(),), {0: 0}, config, {})
+    again = entry_factors(model, (torch.randn(5, 4),), {0: 0}, config, {})
+    assert plain["inputs"] != turned["inputs"] and plain["inputs"] == again["inputs"]

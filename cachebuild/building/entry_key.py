@@ -33,7 +33,10 @@ def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: d
         if isinstance(a, torch.Tensor):
             m = meta_of(a)
             shape = ["dyn" if dynamic_dims.get(i) == d else s for d, s in enumerate(m.shape)]
-            inputs.append({"dtype": m.dtype, "shape": shape, "device": m.device_type})
+            found = {"dtype": m.dtype, "shape": shape, "device": m.device_type}
+            if not a.is_contiguous():  # traced on another layout: another entry
+                found["layout"] = sorted(range(a.dim()), key=lambda d: (-a.stride(d), d))
+            inputs.append(found)
         else:
             # An object's default repr holds its address, which the next process does not
             # share: left out (what the trace reads of the object is in its guards).
