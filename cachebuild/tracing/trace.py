@@ -252,8 +252,13 @@ def check_size_one(model: torch.nn.Module, gm: fx.GraphModule, out_spec: str,
     on the token count being 1 (``if x.shape[0] == 1``, a decode fast path) is decided
     without a guard for ``check_shape_guards`` to see. Both are run on the call's
     arguments cut to one token, with what either writes put back after: outputs and
-    writes compared. A forward that does not run on those (it raises) is not judged."""
+    writes compared. A forward that does not run on those (it raises) is not judged, nor
+    one in a process group."""
     if not dynamic_dims or not any(lo <= 1 <= hi for lo, hi in compile_ranges):
+        return
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        # Its collectives would wait for ranks that run no such check (a rank that finds
+        # the entry another stored traces nothing).
         return
     one = list(args)
     for i, d in dynamic_dims.items():
