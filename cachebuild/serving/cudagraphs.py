@@ -287,11 +287,11 @@ class ArgumentViews:
         leaves, spec = pytree.tree_flatten(result)
         for k, i, stride, offset in self.placed:
             a = args[i]
-            if a.stride() != stride:  # laid out otherwise than the buffer: keep the copy
-                continue
-            t = leaves[k]
-            leaves[k] = a if offset is None else a.as_strided(
-                t.size(), t.stride(), a.storage_offset() + offset)
+            if offset is None:  # the argument itself, however it is laid out
+                leaves[k] = a
+            elif a.stride() == stride:  # else laid out otherwise: the copy stays
+                t = leaves[k]
+                leaves[k] = a.as_strided(t.size(), t.stride(), a.storage_offset() + offset)
         return pytree.tree_unflatten(leaves, spec)
 
     def _find(self, result: Any) -> tuple[tuple[int, int, tuple[int, ...], int | None], ...]:
@@ -302,6 +302,8 @@ class ArgumentViews:
             for i, buf in self.copies:
                 if t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
                     continue
+                if t.dtype != buf.dtype:  # a view of its bytes as another type: the copy
+                    break
                 same = (t.size() == buf.size() and t.stride() == buf.stride()
                         and t.storage_offset() == buf.storage_offset())
                 placed.append((k, i, tuple(buf.stride()),

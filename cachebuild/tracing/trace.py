@@ -241,10 +241,15 @@ def check_shape_guards(guards: list[Any], symbols: set[Any],
                     "side")
 
 
+#: Written tensors larger than this in all are put back after the one-token check but not
+#: compared (their copies would not fit beside a cache that fills a GPU): outputs only.
+COMPARED_WRITES_BYTES = 256 << 20
+
+
 def check_size_one(model: torch.nn.Module, gm: fx.GraphModule, out_spec: str,
-                   bindings: list[Binding], inputs: list[Any], args: list[Any],
-                   dynamic_dims: dict[int, int], compile_ranges: Sequence[tuple[int, int]],
-                   traced_at: int) -> None:
+                   bindings: list[Binding], inputs: list[Any], fakes: list[Any],
+                   args: list[Any], dynamic_dims: dict[int, int],
+                   compile_ranges: Sequence[tuple[int, int]], traced_at: int) -> None:
     """Raise UsageError where a compile range serves one token and the traced graph, run
     at one token, answers otherwise than the forward does.
 
@@ -265,17 +270,21 @@ def check_size_one(model: torch.nn.Module, gm: fx.GraphModule, out_spec: str,
         one[i] = args[i].narrow(d, 0, 1)
     flat = [one[b.arg] if b.kind == "arg" else one[b.arg].shape[b.dim] if b.kind == "size"
             else v for b, v in zip(bindings, inputs, strict=True)]
-    state = list({id(t): t for t in [*flat, *one, *model.buffers()]
+    # What either writes (the same tensors: one forward's code), kept and put back.
+    written = (graph_effects(gm, fakes).written_inputs
+               if any(might_write(n) for n in gm.graph.nodes) else [])
+    state = list({id(t): t for t in (flat[i] for i in written)
                   if isinstance(t, torch.Tensor)}.values())
+    compared = state if sum(t.nbytes for t in state) <= COMPARED_WRITES_BYTES else []
     kept = keep.Tensors(state)
     try:
         with keep.rng(), torch.inference_mode(False), torch.no_grad():
-            torch.manual_seed(0)  # the same draws for both (dropout in train mode)
-            want = _flat_values(model(*one)) + [t.clone() for t in state]
+            _seed()  # the same draws for both (dropout in train mode)
+            want = _flat_values(model(*one)) + [t.clone() for t in compared]
             kept.restore()
-            torch.manual_seed(0)
+            _seed()
             got = _flat_values(output_builder(out_spec)(gm.forward(*flat), flat, one))
-            got += [t.clone() for t in state]
+            got += [t.clone() for t in compared]
     except Exception:
         return
     finally:
@@ -288,6 +297,14 @@ def check_size_one(model: torch.nn.Module, gm: fx.GraphModule, out_spec: str,
         f"token, the graph traced at {traced_at} answers otherwise), and compile range (1, "
         f"{hi}) holds both: start the compile ranges at 2, or serve the model through "
         "torch.compile(model, backend=cachebuild.backend(...)), which traces size 1 apart")
+
+
+def _seed() -> None:
+    """Seed the generators ``keep.rng`` puts back: the CPU's and, where CUDA is set up,
+    every device's (never queue a seed for a device the caller has not set up)."""
+    torch.random.default_generator.manual_seed(0)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(0)
 
 
 def _flat_values(value: Any, depth: int = 0) -> list[Any]:
@@ -311,8 +328,9 @@ def _same_values(got: list[Any], want: list[Any]) -> bool:
         return False
     for a, b in zip(got, want, strict=True):
         if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor):
+            loose = 2e-2 if a.dtype in (torch.float16, torch.bfloat16) else 1e-3
             if a.shape != b.shape or a.dtype != b.dtype or not torch.allclose(
-                    a.float(), b.float(), rtol=1e-3, atol=1e-3, equal_nan=True):
+                    a.float(), b.float(), rtol=loose, atol=loose, equal_nan=True):
                 return False
         elif isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor) or a != b:
             return False
@@ -523,7 +541,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
                            traced_at)
     out_spec = output_recipe(output, list(captured.get("outputs", ())), inputs, args)
     if shape_env is not None and dynamic_dims:
-        check_size_one(model, gm, out_spec, bindings, inputs, args, dynamic_dims,
+        check_size_one(model, gm, out_spec, bindings, inputs, fakes, args, dynamic_dims,
                        compile_ranges, traced_at)
 
     bound = {id(v) for v, b in zip(inputs, bindings, strict=True) if b.kind != "const"}
