@@ -159,14 +159,15 @@ class AliasingOutputs(Base):
 
 
 class ReturnsArguments(Base):
-    """Returns arguments as they are (one written, one not) and a view of one it does not
-    write: Dynamo hands them back from the caller's frame, outside the graph."""
+    """Returns arguments as they are (one written, one not) and views of one it does not
+    write (transposed, its bytes as int32): Dynamo hands them back from the caller's
+    frame, outside the graph."""
 
     def forward(self, x: torch.Tensor, slots: torch.Tensor, cache: torch.Tensor) -> Any:
         k = self.k(x)
         cache.index_copy_(0, slots, k)
         out = self.o(attend(self.q(x), k, k))
-        return out, x, x.t(), cache
+        return out, x, x.t(), cache, x.view(torch.int32)
 
 
 class AllPatterns(Base):

@@ -291,7 +291,8 @@ class ArgumentViews:
                 leaves[k] = a
             elif a.stride() == stride:  # else laid out otherwise: the copy stays
                 t = leaves[k]
-                leaves[k] = a.as_strided(t.size(), t.stride(), a.storage_offset() + offset)
+                leaves[k] = a.view(t.dtype).as_strided(t.size(), t.stride(),
+                                                       a.storage_offset() + offset)
         return pytree.tree_unflatten(leaves, spec)
 
     def _find(self, result: Any) -> tuple[tuple[int, int, tuple[int, ...], int | None], ...]:
@@ -302,9 +303,10 @@ class ArgumentViews:
             for i, buf in self.copies:
                 if t.untyped_storage().data_ptr() != buf.untyped_storage().data_ptr():
                     continue
-                if t.dtype != buf.dtype:  # a view of its bytes as another type: the copy
-                    break
-                same = (t.size() == buf.size() and t.stride() == buf.stride()
+                if t.element_size() != buf.element_size():  # its bytes as wider or
+                    break  # narrower elements: the copy stays
+                same = (t.dtype == buf.dtype and t.size() == buf.size()
+                        and t.stride() == buf.stride()
                         and t.storage_offset() == buf.storage_offset())
                 placed.append((k, i, tuple(buf.stride()),
                                None if same else t.storage_offset() - buf.storage_offset()))
