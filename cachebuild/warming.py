@@ -590,7 +590,7 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
 def _check_keeps(store: Store, missing: int) -> None:
     """UsageError where what ``warm`` builds would not be kept: a read-only store whose
     overlay is this process's memory."""
-    from cachebuild.store.overlay import OverlayStore
+    from cachebuild.store import OverlayStore
 
     if isinstance(store, OverlayStore) and store.overlay_dir is None:
         raise UsageError(

@@ -35,6 +35,7 @@ from .locking import flocked_shared, try_flock
 from .maintenance import QUARANTINE_KEEP_S, WORK_LOCK
 from .opening import check_can_make, open_store
 from .options import StoreOptions, cache_home
+from .overlay import OverlayStore
 from .record import (
     GCReport,
     KindTotals,
@@ -63,6 +64,7 @@ __all__ = [
     "LocalStore",
     "LockTimeout",
     "ObjectRecords",
+    "OverlayStore",
     "OverlaySummary",
     "Record",
     "RedisRemote",

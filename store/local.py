@@ -251,6 +251,11 @@ class LocalStore(LocalTier):
         """True: this process only reads the store (see the class doc)."""
         return self._access.read_only
 
+    def check_writable(self, what: str) -> None:
+        """ReadOnlyStore (exit 2), saying what to use instead, where ``what`` (``"import
+        a bundle"``) would write to a store this process may only read."""
+        self._access.check_writable(what)
+
     #: A store of this machine only.
     remote = None
 

@@ -254,8 +254,9 @@ def _plan_table(report: PlanReport, console: Console, store: Store) -> None:
     ranks), and its state."""
     if report.world_size is None:
         entry = report.entries[0]
-        state = ("stored" if entry.why == "fresh" else _not_trusted(store, entry.key) or
-                 "none yet" if entry.why == "no entry" else f"not used: {entry.why}")
+        untrusted = _not_trusted(store, entry.key) if entry.why != "fresh" else None
+        state = ("stored" if entry.why == "fresh" else untrusted if untrusted is not None
+                 else "none yet" if entry.why == "no entry" else f"not used: {entry.why}")
         title = f"entry {entry.key} ({state})"
     else:
         n = len(report.entries)

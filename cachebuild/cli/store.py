@@ -532,10 +532,7 @@ def import_command(ctx: click.Context, file: Path, allow_unsigned: bool, trust: 
         raise UsageError(f"{printable(file)} is not a cachebuild bundle (not a tar archive): "
                          "give a file `cachebuild export` wrote")
     store = open_store(ctx).local
-    if store.read_only:  # said before anything is read, as gc and pin say it
-        from cachebuild.store.access import refusal
-
-        raise refusal(Path(store.root), "import a bundle")
+    store.check_writable("import a bundle")  # said before anything is read, as gc says it
     with progress_bar("importing") as on_progress:
         report = import_bundle(store, file, progress=on_progress, allow_unsigned=allow_unsigned,
                                trust=trust)
