@@ -165,20 +165,30 @@ def _installed_path(name: str) -> list[list[Any]]:
         if id(getattr(module, "__dict__", None)) == wanted:  # a scope: its globals
             return [module_root(module_name), ["attr", "__dict__"]]
     # An object: found where a module holds it (the name itself is gone once Dynamo is
-    # reset), by what it is, so that a dead object's reused id matches nothing.
+    # reset), by what it is, so that a dead object's reused id matches nothing. Looked
+    # at by its type and its class dict only: no attribute of another object is read
+    # (a module's lazy or deprecated names run code when read).
     for _, module in modules:
         for value in list(getattr(module, "__dict__", {}).values()):
-            if id(value) == wanted and isinstance(value, type | types.FunctionType):
+            kind = type(value)
+            if id(value) == wanted and issubclass(kind, type | types.FunctionType):
                 path = _importable(value)
                 if path is not None:
                     return path
-            made = getattr(value, "__new__", None) if isinstance(value, type) else None
-            if id(getattr(made, "__globals__", None)) == wanted:  # a namedtuple's __new__
+            made = _own_new(value) if issubclass(kind, type) else None
+            if made is not None and id(made.__globals__) == wanted:  # a namedtuple's
                 path = _importable(value)
                 if path is not None:
                     return [*path, ["attr", "__new__"], ["attr", "__globals__"]]
     raise Unrecordable(f"global {name!r} that Dynamo installed is neither a module nor "
                        "a class or function a module gives by its name")
+
+
+def _own_new(cls: type) -> types.FunctionType | None:
+    """The ``__new__`` a class's own dict holds, where it is a Python function."""
+    made = vars(cls).get("__new__")
+    made = made.__func__ if isinstance(made, staticmethod) else made
+    return made if type(made) is types.FunctionType else None
 
 
 def _importable(value: Any) -> list[list[Any]] | None:

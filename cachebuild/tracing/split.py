@@ -223,9 +223,13 @@ def _split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPl
             compiled=compiled,
             input_metas=metas,
             single_output=not isinstance(node.meta["example_value"], (tuple, list)),
-            size_input=_size_input(metas),
+            size_input=_size_input(metas, set()),
             written=list(written_by_shape[shape]),
         ))
+    dims = _dim_symbols(pieces)  # once every piece is known: a size one reads, one is given
+    for p in pieces:
+        if p.size_input is None:
+            p.size_input = _size_input(p.input_metas, dims)
     stitch.recompile()
     return SplitPlan(stitch=stitch, pieces=pieces, written_inputs=effects.written_inputs)
 
@@ -413,16 +417,27 @@ def _check_still_symbolic(traced: TracedGraph) -> None:
                 raise RuntimeError(f"splitting fixed the dynamic size {was} to {now}")
 
 
-def _size_input(metas: list[InputMeta]) -> tuple[int, int] | None:
+def _size_input(metas: list[InputMeta], dims: set[str]) -> tuple[int, int] | None:
     """Where a piece's call gives the dynamic size: a tensor input's dim, else an input
     that is the size itself (dim -1: a piece that computes from the token count alone,
-    ``x.shape[0] > 3`` after the last splitting op)."""
+    ``x.shape[0] > 3`` after the last splitting op), where it is a symbol ``dims`` holds
+    (the sizes of the split's tensors, not a stride Dynamo made symbolic)."""
     for i, m in enumerate(metas):
         if m.kind == "tensor":
             for d, size in enumerate(m.shape):
-                if isinstance(size, str) and size.isidentifier():
+                if _symbol(size):
                     return (i, d)
     for i, m in enumerate(metas):
-        if m.kind == "symint" and isinstance(m.shape[0], str) and m.shape[0].isidentifier():
+        if m.kind == "symint" and _symbol(m.shape[0]) and m.shape[0] in dims:
             return (i, -1)
     return None
+
+
+def _symbol(size: Any) -> bool:
+    return isinstance(size, str) and size.isidentifier()
+
+
+def _dim_symbols(pieces: list[Piece]) -> set[str]:
+    """The symbols that are a tensor's size in some piece's inputs."""
+    return {d for p in pieces for m in p.input_metas if m.kind == "tensor"
+            for d in m.shape if _symbol(d)}

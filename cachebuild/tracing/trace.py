@@ -649,8 +649,8 @@ def _class_made_with(fn: Any) -> type | None:
         return None
     for module in list(sys.modules.values()):
         for value in list(getattr(module, "__dict__", {}).values()):
-            if isinstance(value, type) and vars(value).get("__new__") is not None and \
-                    getattr(value, "__new__", None) is fn:
+            made = vars(value).get("__new__") if issubclass(type(value), type) else None
+            if isinstance(made, staticmethod) and made.__func__ is fn:
                 return value
     return None
 
