@@ -21,7 +21,7 @@ import os
 import re
 import sys
 import types
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -165,30 +165,35 @@ def _installed_path(name: str) -> list[list[Any]]:
         if id(getattr(module, "__dict__", None)) == wanted:  # a scope: its globals
             return [module_root(module_name), ["attr", "__dict__"]]
     # An object: found where a module holds it (the name itself is gone once Dynamo is
-    # reset), by what it is, so that a dead object's reused id matches nothing. Looked
-    # at by its type and its class dict only: no attribute of another object is read
-    # (a module's lazy or deprecated names run code when read).
+    # reset), by what it is, so that a dead object's reused id matches nothing; looked
+    # at by its type only (see ``class_made_with``).
     for _, module in modules:
         for value in list(getattr(module, "__dict__", {}).values()):
-            kind = type(value)
-            if id(value) == wanted and issubclass(kind, type | types.FunctionType):
+            if id(value) == wanted and issubclass(type(value), type | types.FunctionType):
                 path = _importable(value)
                 if path is not None:
                     return path
-            made = _own_new(value) if issubclass(kind, type) else None
-            if made is not None and id(made.__globals__) == wanted:  # a namedtuple's
-                path = _importable(value)
-                if path is not None:
-                    return [*path, ["attr", "__new__"], ["attr", "__globals__"]]
+    made = class_made_with(lambda new: id(new.__globals__) == wanted)  # a namedtuple's
+    path = _importable(made) if made is not None else None
+    if path is not None:
+        return [*path, ["attr", "__new__"], ["attr", "__globals__"]]
     raise Unrecordable(f"global {name!r} that Dynamo installed is neither a module nor "
                        "a class or function a module gives by its name")
 
 
-def _own_new(cls: type) -> types.FunctionType | None:
-    """The ``__new__`` a class's own dict holds, where it is a Python function."""
-    made = vars(cls).get("__new__")
-    made = made.__func__ if isinstance(made, staticmethod) else made
-    return made if type(made) is types.FunctionType else None
+def class_made_with(test: Callable[[types.FunctionType], bool]) -> type | None:
+    """A class a module holds whose own ``__new__`` is a Python function ``test`` accepts:
+    a namedtuple's, generated in a namespace of its own (``namedtuple_Out``), so neither
+    that function's module nor its globals name the class. Classes are looked at by their
+    type and own dict only: no attribute of another object is read (a module's lazy or
+    deprecated names run code when read)."""
+    for module in list(sys.modules.values()):
+        for value in list(getattr(module, "__dict__", {}).values()):
+            made = vars(value).get("__new__") if issubclass(type(value), type) else None
+            made = made.__func__ if isinstance(made, staticmethod) else made
+            if type(made) is types.FunctionType and test(made):
+                return value
+    return None
 
 
 def _importable(value: Any) -> list[list[Any]] | None:

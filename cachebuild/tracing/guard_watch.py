@@ -260,22 +260,20 @@ class _Plan:
         # no class of its own sets ``name`` (a property added later wins over the dict;
         # an attribute added later wins over ``Module.__getattr__``).
         pairs: list[Pair] = [(own, name), *_class_pairs(type(parent), name)]
-        if name in own:
-            self.owners.setdefault(id(parent), (parent, own))
-            return pairs
-        if isinstance(parent, torch.nn.Module):  # a submodule, parameter or buffer
-            holders = [(h, own.get(h)) for h in ("_modules", "_parameters", "_buffers")]
-            for holder, d in holders:
-                if isinstance(d, dict):
-                    pairs += [(own, holder), (d, name)]
-            if value is UNRESOLVED or any(isinstance(d, dict) and name in d
-                                           for _, d in holders):
-                self.owners.setdefault(id(parent), (parent, own))
-                return pairs
-        if found or value is not UNRESOLVED:
-            return None  # from the class, or made up by __getattr__: read per call
+        if name not in own:
+            held = False
+            if isinstance(parent, torch.nn.Module):  # a submodule, parameter or buffer
+                holders = [(h, own.get(h)) for h in ("_modules", "_parameters", "_buffers")]
+                for holder, d in holders:
+                    if isinstance(d, dict):
+                        pairs += [(own, holder), (d, name)]
+                held = value is UNRESOLVED or any(isinstance(d, dict) and name in d
+                                                   for _, d in holders)
+            if not held and (found or value is not UNRESOLVED):
+                return None  # from the class, or made up by __getattr__: read per call
+            # else held by the module, or absent: it appears there if it is ever set
         self.owners.setdefault(id(parent), (parent, own))
-        return pairs  # absent: it appears there if it is ever set
+        return pairs
 
     def covered(self, value: Any, check: str, arg: Any) -> bool:
         """Whether ``check`` gives the same answer while ``value`` is the same object and

@@ -223,13 +223,12 @@ def _split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPl
             compiled=compiled,
             input_metas=metas,
             single_output=not isinstance(node.meta["example_value"], (tuple, list)),
-            size_input=_size_input(metas, set()),
+            size_input=None,  # below, once every piece is known
             written=list(written_by_shape[shape]),
         ))
-    dims = _dim_symbols(pieces)  # once every piece is known: a size one reads, one is given
+    dims = _dim_symbols(pieces)  # a size one piece reads from a tensor, another is given
     for p in pieces:
-        if p.size_input is None:
-            p.size_input = _size_input(p.input_metas, dims)
+        p.size_input = _size_input(p.input_metas, dims)
     stitch.recompile()
     return SplitPlan(stitch=stitch, pieces=pieces, written_inputs=effects.written_inputs)
 

@@ -635,24 +635,13 @@ def _defining_classes(codes: list[Any]) -> dict[int, type]:
         owner: Any = sys.modules.get(getattr(fn, "__module__", None) or "")
         for part in fn.__qualname__.split(".")[:-1]:
             owner = getattr(owner, part, None)
-        if not isinstance(owner, type):
-            owner = _class_made_with(fn)
+        if not isinstance(owner, type) and fn.__qualname__.endswith(".__new__"):
+            from cachebuild.tracing.guard_export import class_made_with
+
+            owner = class_made_with(lambda new, fn=fn: new is fn)
         if isinstance(owner, type):
             found[id(code)] = owner
     return found
-
-
-def _class_made_with(fn: Any) -> type | None:
-    """The class of a module whose ``__new__`` is ``fn``: a namedtuple's, generated in a
-    namespace of its own (``namedtuple_Out``), so its module does not name the class."""
-    if not fn.__qualname__.endswith(".__new__"):
-        return None
-    for module in list(sys.modules.values()):
-        for value in list(getattr(module, "__dict__", {}).values()):
-            made = vars(value).get("__new__") if issubclass(type(value), type) else None
-            if isinstance(made, staticmethod) and made.__func__ is fn:
-                return value
-    return None
 
 
 def _source_file(cls: type) -> str | None:
