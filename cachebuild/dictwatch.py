@@ -23,6 +23,7 @@ object keeps the pointer to its dict, in one gather as ``TagPoll`` reads tags.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import operator
 import threading
@@ -127,6 +128,24 @@ class DictWatcher:
         #: id of a watched dict → the keys watched there (ANY in it: every key)
         self._keys: dict[int, set[Any]] = {}
         self._lock = threading.Lock()
+        self._closed = False
+        # CPython would call the watcher as the interpreter ends, when module dicts are
+        # cleared and freed, after the callback's memory is gone: a crash at exit.
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Takes the watcher out of CPython. Every check armed before then reads as
+        changed from now on; later watches poll version tags (``TagPoll``)."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._api.PyDict_ClearWatcher.argtypes = [ctypes.c_int]
+            self._api.PyDict_ClearWatcher.restype = ctypes.c_int
+            if self._api.PyDict_ClearWatcher(self._id) < 0:
+                self._api.PyErr_Clear()
+            self._keys.clear()
+            self.generation[0] += 1
 
     def _changed(self, event: int, d: int, key: int | None, value: int | None) -> int:
         # Runs inside the dict's change: reads only our own tables, writes one list item.
@@ -145,6 +164,8 @@ class DictWatcher:
 
     def watch(self, pairs: Iterable[tuple[dict[Any, Any], Any]]) -> Callable[[], bool]:
         with self._lock:
+            if self._closed:
+                return TagPoll().watch(pairs)
             for d, key in pairs:
                 keys = self._keys.get(id(d))
                 if keys is None:

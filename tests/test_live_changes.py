@@ -274,7 +274,7 @@ def test_dict_watchers_on_python_312(tmp_path):
         str(Path(sys.base_prefix).parent / "3.12.1" / "bin" / "python")
     script = tmp_path / "watch.py"
     script.write_text(f"""
-import importlib.util
+import importlib.util, sys
 spec = importlib.util.spec_from_file_location("dw", {str(HERE.parent / "cachebuild" / "dictwatch.py")!r})
 dw = importlib.util.module_from_spec(spec); spec.loader.exec_module(dw)
 w = dw.watcher(True)
@@ -290,10 +290,25 @@ same = w.watch([(d, dw.ANY)])
 d["y"] = 1; assert not same(), "any key"
 same = w.watch([(vars(o), "a")])
 del o; assert not same(), "freed"
-print("ok")
+# dicts that live until the interpreter ends: a module's, a class's (CPython calls the
+# watcher as it frees them, after the callback is gone, unless the watcher is closed)
+import gc, json
+class C: x = 1
+same = w.watch([(vars(json), "dumps"), (gc.get_referents(vars(C))[0], "x")])
+C.x = 2; assert not same(), "a class attribute"
+if sys.argv[1] == "close":
+    same = w.watch([(vars(json), "dumps")])
+    w.close(); assert not same(), "a check armed before the watcher closed"
+    d = {{"x": 1}}
+    same = w.watch([(d, "x")])  # version tags, read with NumPy
+    assert same(); d["x"] = 2; assert not same(), "watched by tags once closed"
+print("ok")  # and the watcher closes as the interpreter ends
 """)
-    proc = subprocess.run([python, str(script)], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr
+    has_numpy = subprocess.run([python, "-c", "import numpy"], capture_output=True).returncode == 0
+    for how in ("close", "exit") if has_numpy else ("exit",):
+        proc = subprocess.run([python, str(script), how], capture_output=True, text=True,
+                              timeout=120)
+        assert proc.returncode == 0 and "ok" in proc.stdout, (how, proc.returncode, proc.stderr)
 
 
 def test_this_process_uses_the_fastest_watch_it_has():
