@@ -15,7 +15,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,7 @@ from cachebuild.building.planner import Planner, autocast_refusal
 from cachebuild.config import CompileConfig, check_config, check_dynamic_dims
 from cachebuild.counters import COUNTERS, snapshot
 from cachebuild.dynamo_backend import GraphForward, graph_fakes, within_guards
-from cachebuild.errors import CompileFailed, UsageError, one_line
+from cachebuild.errors import CompileFailed, UsageError, one_line, warn_caller
 from cachebuild.graph.facts import device_of
 from cachebuild.graph.inputs import layout_guards
 from cachebuild.passes import PassManager
@@ -279,7 +278,7 @@ class CompiledModule(torch.nn.Module):
             said = self._outside(args)
             if said is not None and self.config.out_of_range == "eager":
                 # Nothing to trace or look up for it: run as every later such call is.
-                warnings.warn(said, stacklevel=2)
+                warn_caller(said)
                 return self.model(*args)
             self.prepare(*args)
             if self._runtime is None:

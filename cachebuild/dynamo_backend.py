@@ -30,7 +30,6 @@ recompiles for them.
 from __future__ import annotations
 
 import logging
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -40,7 +39,7 @@ import torch.fx as fx
 
 from cachebuild import process_state
 from cachebuild.config import CompileConfig
-from cachebuild.errors import UsageError
+from cachebuild.errors import UsageError, warn_caller
 from cachebuild.graph.effects import eliminate_dead_code, graph_effects, storage_of
 from cachebuild.graph.facts import (
     copy_graph,
@@ -381,7 +380,7 @@ class GraphForward:
         if self._eager_gm is None or not (always or self.config.out_of_range == "eager"):
             raise UsageError(said)
         if not self._warned_eager:
-            warnings.warn(said, stacklevel=3)
+            warn_caller(said)
             self._warned_eager = True
         with on_device(self._device):
             return self._eager_gm(*args)

@@ -8,7 +8,10 @@ or bad input, 1 for an operation that failed).
 from __future__ import annotations
 
 import errno
+import os
 import subprocess
+import sys
+import warnings
 
 
 class CachebuildError(Exception):
@@ -107,3 +110,28 @@ def one_line(error: BaseException | str, *, typed: bool = False) -> str:
     if not text:
         return name
     return f"{name}: {text}" if typed and isinstance(error, BaseException) else text
+
+
+
+def _package_folders(names: tuple[str, ...]) -> tuple[str, ...]:
+    from importlib.util import find_spec
+
+    found = (find_spec(name) for name in names)
+    return tuple(os.path.dirname(spec.origin) + os.sep for spec in found
+                 if spec is not None and spec.origin)
+
+
+#: Where a frame is cachebuild's or torch's own: this project's packages, torch's, and the
+#: code torch.fx generates for a graph module.
+_INSIDE = _package_folders(("cachebuild", "store", "backends", "passes", "torch")) + (
+    "<eval_with_key>",)
+
+
+def warn_caller(message: str) -> None:
+    """A ``UserWarning`` attributed to the caller's own line: the first frame outside
+    cachebuild and torch (a model called through ``nn.Module.__call__``, or through
+    Dynamo's frames, is warned about where it was called)."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_code.co_filename.startswith(_INSIDE):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, stacklevel=level if frame is not None else 2)

@@ -535,6 +535,7 @@ def test_torch_compile_door_keeps_out_of_range_as_the_config_says(open_local, tm
         said = [w for w in caught if "outside every compile range" in str(w.message)]
         assert [str(w.message) for w in said] == [
             "size 30 is outside every compile range; running eagerly"]
+        assert said[0].filename == models.__file__  # the line that called the model
     models.assert_matches_eager(compiled, model, models.inputs(12))
     delta = models.counters_delta(before, cachebuild.stats())
     assert delta["built"] == 0 and delta["failed"] == 0

@@ -273,7 +273,8 @@ def test_size_outside_every_range_runs_eagerly_with_one_warning(open_local, tmp_
     with pytest.warns(UserWarning, match="size 20 is outside every compile range; running "
                                          "eagerly") as caught:
         models.assert_matches_eager(compiled, model, models.hidden_inputs(20))
-    assert len([w for w in caught if "outside every compile range" in str(w.message)]) == 1
+    said = [w for w in caught if "outside every compile range" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == models.__file__  # the caller's line
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a second out-of-range call warns no more
         models.assert_matches_eager(compiled, model, models.hidden_inputs(33))
@@ -287,8 +288,9 @@ def test_a_first_call_outside_every_range_runs_eagerly_before_anything_is_traced
         model, models.config(compile_ranges=((1, 16),), out_of_range="eager"), DYN,
         store=open_local(tmp_path / "store"))
     before = cachebuild.stats()
-    with pytest.warns(UserWarning, match="size 20 is outside every compile range"):
+    with pytest.warns(UserWarning, match="size 20 is outside every compile range") as caught:
         models.assert_matches_eager(compiled, model, models.hidden_inputs(20))
+    assert caught[0].filename == models.__file__
     assert cachebuild.stats()["traced"] == before["traced"]  # nothing traced for it
     models.assert_matches_eager(compiled, model, models.hidden_inputs(4))
     assert cachebuild.stats()["traced"] == before["traced"] + 1

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -24,7 +23,7 @@ from cachebuild.building.entry import Entry
 from cachebuild.building.entry_key import shared_tensors
 from cachebuild.config import CompileConfig
 from cachebuild.counters import timed
-from cachebuild.errors import UsageError
+from cachebuild.errors import UsageError, warn_caller
 from cachebuild.graph import weights
 from cachebuild.graph.facts import device_of, on_device
 from cachebuild.graph.inputs import CallCheck, check_unshared_weights, check_weight, layout_guards
@@ -347,7 +346,7 @@ class ModelRuntime:
             if self.config.out_of_range != "eager":
                 raise UsageError(said)
             if not self._warned_eager:
-                warnings.warn(said, stacklevel=2)
+                warn_caller(said)
                 self._warned_eager = True
             return self.model(*args)
         if (size is not None and self.config.pad_to_capture_size and self.captured_sizes
