@@ -327,18 +327,20 @@ def test_export_never_replaces_what_is_not_a_bundle(filled, tmp_path):
     index = next((filled / "v1" / "index").glob("*.db"))
     for target, says in (("", "give the bundle a file name"),
                          (str(index), "inside the store"),
-                         (str(fifo), "exists and is not a regular file")):
+                         (str(fifo), "exists and is not a regular file"),
+                         (str(tmp_path / "cache.zip"), "use cache.tar, or cache.tar.gz")):
         result = run(filled, "export", target)
         assert result.exit_code == 2 and says in result.stderr, result.output
     result = run(filled, "stats", "--prometheus", str(fifo))
     assert result.exit_code == 2 and "not a regular file" in result.stderr, result.output
     assert run(filled, "ls").exit_code == 0
+    assert not (tmp_path / "cache.zip").exists()
 
 
 # -- export / import ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["cache.tar", "cache.tar.gz"])
+@pytest.mark.parametrize("name", ["cache.tar", "cache.tar.gz", "cache.tgz"])
 def test_export_import_round_trip(open_local, filled, tmp_path, name):
     bundle = tmp_path / name
     result = run(filled, "export", str(bundle))

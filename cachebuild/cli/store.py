@@ -458,6 +458,10 @@ def unpin_command(ctx: click.Context, target: str) -> None:
     click.echo(f"unpinned {key}")
 
 
+#: Suffixes of archive formats a bundle is not (it is a tar, gzip-compressed or not).
+_OTHER_ARCHIVES = (".zip", ".7z", ".rar", ".xz", ".bz2", ".zst", ".lz4", ".tbz2", ".txz")
+
+
 @click.command("export")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("model", required=False, metavar="[MODEL.py|KEY]")
@@ -475,6 +479,9 @@ def export_command(ctx: click.Context, file: Path, model: str | None,
     if str(file) == "-":  # not a file named "-" where standard output was meant
         raise UsageError("export writes a bundle file, not standard output: give it a path "
                          "(FILE.tar; a file named - needs its full path)")
+    if file.suffix.lower() in _OTHER_ARCHIVES:  # a tar under a .zip name fools unzip
+        raise UsageError(f"a bundle is a tar archive; {file.suffix} names another format: "
+                         f"use {file.stem}.tar, or {file.stem}.tar.gz to compress")
     if file.exists() and not file.is_file():  # a device, a folder: never replaced
         raise UsageError(f"cannot write the bundle {file}: it exists and is not a regular file")
     if not file.parent.is_dir():
