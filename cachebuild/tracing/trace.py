@@ -21,7 +21,6 @@ from typing import Any
 
 import torch
 import torch.fx as fx
-from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 from cachebuild import keep
 from cachebuild.errors import UsageError, one_line
@@ -476,6 +475,9 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
             return out
 
         return run
+
+    # Imported here: it brings sympy (seconds), which a warm start never needs.
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
     collected = Collected()
     # A fresh Dynamo state: an earlier trace of the same code would otherwise be reused
