@@ -5,9 +5,9 @@ name, ``training``), its ``_modules`` and ``_parameters``, its hook dicts, a mod
 globals, the environment. CPython says when a dict changes in two ways:
 
 - From 3.12, *dict watchers* (``PyDict_AddWatcher``): CPython calls a function on every
-  change of a dict marked as watched, with the key. ``DictWatcher`` bumps one counter when
-  the key is one somebody watches; a check compares that counter with the one it armed
-  with: one integer comparison, however many dicts.
+  change of a dict marked as watched, with the key. ``DictWatcher`` moves the counter of
+  each watch that asked for that key of that dict; a check reads its own counter: one
+  integer comparison, however many dicts.
 - On 3.11, every dict carries a version tag (``ma_version_tag``, PEP 509) that changes
   whenever the dict does. ``TagPoll`` reads the tags of the watched dicts and compares:
   one read per dict, no key filter.
@@ -27,6 +27,7 @@ import atexit
 import ctypes
 import operator
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -106,9 +107,19 @@ def kept_dicts(owners: Iterable[tuple[Any, dict[Any, Any]]]) -> Callable[[], boo
     return lambda: pointers() and all(map(operator.is_, map(vars, objects), dicts))
 
 
+class _Changes:
+    """How many times the dicts of one ``watch`` changed at a watched key."""
+
+    __slots__ = ("count", "__weakref__")
+
+    def __init__(self) -> None:
+        self.count = 0
+
+
 class DictWatcher:
-    """One CPython dict watcher for the process (3.12 and later): ``generation`` moves on
-    every change of a watched dict at a key some ``watch`` asked for."""
+    """One CPython dict watcher for the process (3.12 and later). Each ``watch`` gets its
+    own counter, moved on every change of one of its dicts at one of its keys: a change
+    (or a freed dict) elsewhere costs other watches nothing."""
 
     def __init__(self) -> None:
         api = ctypes.pythonapi
@@ -119,14 +130,17 @@ class DictWatcher:
         api.PyDict_AddWatcher.restype = ctypes.c_int
         api.PyDict_Watch.argtypes = [ctypes.c_int, ctypes.py_object]
         api.PyDict_Watch.restype = ctypes.c_int
+        api.PyDict_ClearWatcher.argtypes = [ctypes.c_int]
+        api.PyDict_ClearWatcher.restype = ctypes.c_int
         self._id = api.PyDict_AddWatcher(self._callback)
         if self._id < 0:
             api.PyErr_Clear()
             raise OSError("no dict watcher is free in this interpreter")
         self._api = api
-        self.generation = [0]
-        #: id of a watched dict → the keys watched there (ANY in it: every key)
-        self._keys: dict[int, set[Any]] = {}
+        #: id of a watched dict → (a watch's counter, the keys it watches there; ANY in
+        #: them: every key), a weak reference so that a watch dropped is forgotten
+        self._watches: dict[int, list[tuple[weakref.ref[_Changes], set[Any]]]] = {}
+        self._since_pruned = 0
         self._lock = threading.Lock()
         self._closed = False
         # CPython would call the watcher as the interpreter ends, when module dicts are
@@ -140,42 +154,60 @@ class DictWatcher:
             if self._closed:
                 return
             self._closed = True
-            self._api.PyDict_ClearWatcher.argtypes = [ctypes.c_int]
-            self._api.PyDict_ClearWatcher.restype = ctypes.c_int
             if self._api.PyDict_ClearWatcher(self._id) < 0:
                 self._api.PyErr_Clear()
-            self._keys.clear()
-            self.generation[0] += 1
+            for entries in self._watches.values():
+                _count(entries, lambda keys: True)
+            self._watches.clear()
 
     def _changed(self, event: int, d: int, key: int | None, value: int | None) -> int:
-        # Runs inside the dict's change: reads only our own tables, writes one list item.
-        try:
-            keys = self._keys.get(d)
-            if keys is None:
-                return 0
+        # Runs inside the dict's change: reads only our own tables, moves counters.
+        entries = self._watches.get(d)
+        if entries is None:
+            return 0
+        if event == _DEALLOCATED or key is None:
             if event == _DEALLOCATED:
-                self._keys.pop(d, None)  # its id may be reused by another dict
-                self.generation[0] += 1
-            elif key is None or ANY in keys or ctypes.cast(key, ctypes.py_object).value in keys:
-                self.generation[0] += 1
+                self._watches.pop(d, None)  # its id may be reused by another dict
+            _count(entries, lambda keys: True)
+            return 0
+        try:
+            name = ctypes.cast(key, ctypes.py_object).value
+            _count(entries, lambda keys: ANY in keys or name in keys)
         except Exception:  # a key whose comparison raised: count it as a change
-            self.generation[0] += 1
+            _count(entries, lambda keys: True)
         return 0
 
     def watch(self, pairs: Iterable[tuple[dict[Any, Any], Any]]) -> Callable[[], bool]:
+        changes = _Changes()
         with self._lock:
             if self._closed:
                 return TagPoll().watch(pairs)
+            wanted: dict[int, tuple[dict[Any, Any], set[Any]]] = {}
             for d, key in pairs:
-                keys = self._keys.get(id(d))
-                if keys is None:
+                wanted.setdefault(id(d), (d, set()))[1].add(key)
+            for place, (d, keys) in wanted.items():
+                entries = self._watches.get(place)
+                if entries is None:
                     if self._api.PyDict_Watch(self._id, d) < 0:
                         self._api.PyErr_Clear()
                         raise OSError("a dict could not be watched")
-                    keys = self._keys[id(d)] = set()
-                keys.add(key)
-        generation, armed = self.generation, self.generation[0]
-        return lambda: generation[0] == armed
+                    entries = self._watches[place] = []
+                entries.append((weakref.ref(changes), keys))
+            self._since_pruned += 1
+            if self._since_pruned > 64:  # forget the watches nobody checks any more
+                self._since_pruned = 0
+                for entries in self._watches.values():
+                    entries[:] = [e for e in entries if e[0]() is not None]
+        return lambda changes=changes: changes.count == 0
+
+
+def _count(entries: list[tuple[weakref.ref[_Changes], set[Any]]],
+           wants: Callable[[set[Any]], bool]) -> None:
+    """Moves the counter of every live watch in ``entries`` whose keys ``wants``."""
+    for ref, keys in entries:
+        changes = ref()
+        if changes is not None and wants(keys):
+            changes.count += 1
 
 
 _WATCHER: list[Any] = []

@@ -290,6 +290,10 @@ same = w.watch([(d, dw.ANY)])
 d["y"] = 1; assert not same(), "any key"
 same = w.watch([(vars(o), "a")])
 del o; assert not same(), "freed"
+a, b, c = {{"k": 1}}, {{"k": 1}}, {{"k": 1}}
+same_a, same_b, same_c = (w.watch([(x, "k")]) for x in (a, b, c))
+b["k"] = 2; assert same_a() and not same_b(), "a change of another watch's dict"
+del c; assert same_a() and not same_c(), "a dict freed: its own watches alone"
 # dicts that live until the interpreter ends: a module's, a class's (CPython calls the
 # watcher as it frees them, after the callback is gone, unless the watcher is closed)
 import gc, json
