@@ -16,6 +16,8 @@ import hashlib
 import os
 import stat
 
+from cachebuild.store import others_can_write
+
 #: Symlinks followed at most, as the kernel does (ELOOP past 40).
 _MAX_LINKS = 40
 _HASHES: dict[tuple[int, int, int, int, int], str] = {}
@@ -33,8 +35,7 @@ def _dir_problem(directory: str, entry: str) -> str | None:
         return f"{directory} cannot be checked ({e.strerror or e})"
     if not _trusted_owner(st.st_uid):
         return f"{directory} is owned by uid {st.st_uid}"
-    writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-    if writable and not (st.st_mode & stat.S_ISVTX and _trusted_owner(below.st_uid)):
+    if others_can_write(st) and not (st.st_mode & stat.S_ISVTX and _trusted_owner(below.st_uid)):
         return f"{directory} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
     return None
 
@@ -73,7 +74,7 @@ def replaceable(path: str) -> str | None:
             return f"{current} is not a regular file"
         if not _trusted_owner(st.st_uid):
             return f"{current} is owned by uid {st.st_uid}"
-        if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        if others_can_write(st):
             return f"{current} is writable by others (mode {stat.S_IMODE(st.st_mode):o})"
         return None
     return f"{path}: too many symlinks"

@@ -27,6 +27,7 @@ from .layout import (
     check_readable_dir,
     check_where_made,
     make_private_dir,
+    others_can_write,
     prepare_work_dir,
     writable_here,
 )
@@ -87,6 +88,7 @@ __all__ = [
     "check_parents",
     "check_private_dir",
     "check_readable_dir",
+    "others_can_write",
     "check_where_made",
     "decode_blob",
     "encode_blob",

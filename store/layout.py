@@ -34,6 +34,7 @@ store is then used through its real path, so a symlink on the way cannot be re-a
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import stat
@@ -118,6 +119,32 @@ SET_BY = {"store directory": "--cache-dir, CACHEBUILD_DIR", "work folder": "CACH
           "environment folder": "CACHEBUILD_PROBE_DIR"}
 
 
+def others_can_write(st: os.stat_result) -> bool:
+    """Whether a user other than the owner of what ``st`` describes (and root) may write
+    it: its mode lets others write, or its group, unless that group is its owner's own (a
+    user-private group with no other member: what a umask of 002 gives every folder a
+    user makes on systems that give each user such a group)."""
+    if st.st_mode & stat.S_IWOTH:
+        return True
+    return bool(st.st_mode & stat.S_IWGRP) and not _private_group(st.st_gid, st.st_uid)
+
+
+@functools.lru_cache(maxsize=64)
+def _private_group(gid: int, uid: int) -> bool:
+    """Whether no user but ``uid`` is in group ``gid``, as a listed member or by it being
+    their primary group."""
+    import grp
+    import pwd
+
+    try:
+        owner, group = pwd.getpwuid(uid), grp.getgrgid(gid)
+    except KeyError:  # a user or group this machine does not name: not known to be private
+        return False
+    if any(member != owner.pw_name for member in group.gr_mem):
+        return False
+    return all(user.pw_uid == uid for user in pwd.getpwall() if user.pw_gid == gid)
+
+
 def check_private_dir(path: Path, what: str = "store directory") -> None:
     """Refuse ``path`` unless it is a directory owned by us that only we can write.
 
@@ -144,7 +171,7 @@ def check_private_dir(path: Path, what: str = "store directory") -> None:
             f"(uid {euid}); stored artifacts contain code that runs when loaded, so a store "
             "must belong to the user who loads from it. Use a directory you own "
             "(--cache-dir or CACHEBUILD_DIR).")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if others_can_write(st):
         who = " and ".join(w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH))
                            if st.st_mode & bit)
         raise UnsafeStore(
@@ -154,11 +181,17 @@ def check_private_dir(path: Path, what: str = "store directory") -> None:
 
 
 def make_private_dir(path: Path, what: str = "store directory") -> None:
-    """Create ``path`` (and missing parents) with mode 0700 if absent, then check it."""
+    """Create ``path`` and its missing parents, each with mode 0700 (whatever the umask
+    would give: a folder made group-writable would be refused next), then check it."""
     if not os.path.lexists(path):
+        missing = [path, *(p for p in path.parents if not os.path.lexists(p))]
         try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.mkdir(mode=0o700, exist_ok=True)
+            for folder in reversed(missing):
+                try:
+                    folder.mkdir(mode=0o700)  # the umask can take bits away, never add
+                except FileExistsError:  # made meanwhile by another process: checked below
+                    continue
+                os.chmod(folder, 0o700)
         except OSError as e:
             raise StoreError(f"cannot create {what} {path}: {e.strerror}") from None
     check_private_dir(path, what)
@@ -186,8 +219,7 @@ def check_parents(path: Path, what: str = "store directory") -> None:
         if st.st_uid not in trusted:
             raise UnsafeStore(f"refusing {what} {path}: {parent} above it is owned by "
                              f"uid {st.st_uid}, who could rename it; {fix}")
-        writable = st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
-        if writable and not (st.st_mode & stat.S_ISVTX and below.st_uid in trusted):
+        if others_can_write(st) and not (st.st_mode & stat.S_ISVTX and below.st_uid in trusted):
             raise UnsafeStore(f"refusing {what} {path}: {parent} above it is writable "
                              f"by others (mode {stat.S_IMODE(st.st_mode):o}), who could "
                              f"rename {child.name} in it; {fix}")
@@ -241,7 +273,7 @@ def _check_ancestor(real: Path, path: Path, what: str) -> None:
     if st.st_uid not in (0, os.geteuid()):
         raise UnsafeStore(f"refusing {what} {path}: {real} above it is owned by uid "
                           f"{st.st_uid}, who could change what is made there")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+    if others_can_write(st) and not st.st_mode & stat.S_ISVTX:
         raise UnsafeStore(f"refusing {what} {path}: {real} above it is writable by others "
                           f"(mode {stat.S_IMODE(st.st_mode):o})")
     check_parents(real, what)
@@ -325,7 +357,7 @@ def check_readable_dir(path: Path) -> None:
             f"refusing store directory {path}: it is owned by uid {st.st_uid}, neither you "
             f"(uid {euid}) nor root; stored artifacts contain code that runs when loaded, so "
             "a store must belong to you, or to root for a store you only read")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+    if others_can_write(st):
         raise UnsafeStore(
             f"refusing store directory {path}: it is writable by others (mode "
             f"{stat.S_IMODE(st.st_mode):o}); stored artifacts contain code that runs when "

@@ -6,10 +6,12 @@ import fcntl
 import os
 import stat
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
 import pytest
+from trust import share_with_a_group
 
 from cachebuild.keys import make_key
 from cachebuild.store import (
@@ -22,6 +24,7 @@ from cachebuild.store import (
     StoreError,
     UnknownKey,
     encode_blob,
+    others_can_write,
 )
 
 
@@ -411,7 +414,7 @@ def test_a_lost_index_loses_no_blob(open_local, store_dir):
 def test_writable_by_others_is_refused(open_local, tmp_path, mode, who):
     d = tmp_path / "shared"
     d.mkdir()
-    os.chmod(d, mode)
+    share_with_a_group(d, mode)
     with pytest.raises(StoreError) as info:
         open_local(d)
     msg = str(info.value)
@@ -552,3 +555,55 @@ def test_a_file_where_a_folder_goes_names_the_variable_that_set_it(tmp_path, wha
     with pytest.raises(UnsafeStore, match=f"{what} {file} is not a directory: give it a "
                                           f"folder \\(.*{named}\\)"):
         check_private_dir(file, what)
+
+
+# -- a user's umask and groups ----------------------------------------------------------
+
+NEW_HOME_CHILD = """
+import os, sys
+os.umask(0o002)  # what systems that give each user a group of their own set
+from cachebuild.backends.probe import checked_dir
+from cachebuild.store import LocalStore, cache_home
+store = LocalStore(cache_home() / "cachebuild")
+store.put("ab" * 16, b"x", kind="target")
+print(checked_dir())
+"""
+
+
+def test_a_new_home_under_umask_002_gets_private_folders(tmp_path):
+    """A newcomer's first run with umask 002 and no ~/.cache: the store and environment
+    folders, and the parents made for them, are made 0700 and used (they were made 0775,
+    then refused as writable by others, at every later run too)."""
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith("CACHEBUILD_") and k != "XDG_CACHE_HOME"}
+    for _ in range(2):  # the first run makes them, the second finds them
+        done = subprocess.run([sys.executable, "-c", NEW_HOME_CHILD], capture_output=True,
+                              text=True, env={**env, "HOME": str(home)}, timeout=300)
+        assert done.returncode == 0, done.stderr
+    made = [home / ".cache", home / ".cache" / "cachebuild", home / ".cache" / "cachebuild" / "env",
+            Path(done.stdout.strip())]
+    assert {oct(stat.S_IMODE(os.stat(p).st_mode)) for p in made} == {"0o700"}
+
+
+def test_only_a_group_of_the_owner_alone_may_write_a_folder(tmp_path):
+    folder = tmp_path / "f"
+    folder.mkdir(mode=0o700)
+    assert not others_can_write(os.stat(folder))
+    os.chmod(folder, 0o707)
+    assert others_can_write(os.stat(folder))
+    os.chmod(folder, 0o770)  # our own group: writable by others only if it is not ours alone
+    import grp
+    import pwd
+
+    group = grp.getgrgid(os.getegid())
+    alone = (all(m == pwd.getpwuid(os.geteuid()).pw_name for m in group.gr_mem)
+             and all(u.pw_uid == os.geteuid() for u in pwd.getpwall()
+                     if u.pw_gid == group.gr_gid))
+    assert others_can_write(os.stat(folder)) is not alone
+    shared = next((g for g in grp.getgrall() if g.gr_mem or any(
+        u.pw_gid == g.gr_gid and u.pw_uid != os.geteuid() for u in pwd.getpwall())), None)
+    if os.geteuid() == 0 and shared is not None:  # a group another user is in
+        os.chown(folder, -1, shared.gr_gid)
+        assert others_can_write(os.stat(folder))

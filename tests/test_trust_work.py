@@ -23,6 +23,7 @@ from trust import (
     linked_environment,
     public_dir,
     require_root,
+    share_with_a_group,
 )
 
 from cachebuild.backends import compilers
@@ -98,7 +99,7 @@ def test_a_work_folder_open_to_others_is_refused_by_every_build_and_gc(open_loca
         store.gc()
     assert (work / "theirs").exists()
     os.chmod(work, 0o700)
-    os.chmod(work / "inductor", 0o770)
+    share_with_a_group(work / "inductor", 0o770)
     with pytest.raises(UnsafeStore, match="inductor: it is writable by group"), \
             build_work_dir(store):
         pass

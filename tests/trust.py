@@ -4,7 +4,8 @@
 one; ``assert_one_line_error`` checks that a process failed the way a user should see it
 fail (an exit code, one ``error:`` line, no traceback); ``as_nobody`` prefixes a command
 so that it runs as uid 65534 (tests run as root; skipped elsewhere);
-``linked_environment`` makes an environment folder of a test's own from the session's.
+``linked_environment`` makes an environment folder of a test's own from the session's;
+``share_with_a_group`` makes a folder group-writable for a group another user is in.
 (A small tmpfs to fill: ``mounts.tmpfs``.)
 """
 
@@ -79,6 +80,22 @@ def as_nobody() -> tuple[str, ...]:
     """A command prefix that runs the command as uid/gid 65534 with no groups."""
     require_root()
     return ("setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups")
+
+
+def share_with_a_group(path: Path, mode: int) -> None:
+    """``chmod mode path``, its group made one that another user is in where ``mode``
+    lets the group write (a group of its owner alone may write what the owner may)."""
+    import grp
+    import pwd
+
+    os.chmod(path, mode)
+    if not mode & 0o020:
+        return
+    others = {u.pw_gid for u in pwd.getpwall() if u.pw_uid != os.geteuid()}
+    shared = next((g.gr_gid for g in grp.getgrall() if g.gr_gid in others or g.gr_mem), None)
+    if os.geteuid() != 0 or shared is None:
+        pytest.skip("needs root and a group another user is in")
+    os.chown(path, -1, shared)
 
 
 @contextmanager
