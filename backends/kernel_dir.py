@@ -174,9 +174,13 @@ def _building() -> Iterator[None]:
 
 def check_cxx_work_dir(work_dir: str | Path) -> None:
     """UsageError where C++ builds cannot use ``work_dir``: Inductor's compiler command is
-    a string split on whitespace, so a path with a space in it breaks every build."""
-    if any(c.isspace() for c in str(work_dir)):
-        raise UsageError(f"the build work folder {work_dir} has a space in its path, "
+    a string split as a shell would (``shlex``), so a path with a space, a quote or a
+    backslash in it breaks every build."""
+    text = str(work_dir)
+    found = next((c for c in text if c.isspace() or c in "'\"\\"), None)
+    if found is not None:
+        what = "a space" if found.isspace() else f"a {found!r}"
+        raise UsageError(f"the build work folder {work_dir} has {what} in its path, "
                          "which the C++ compiler's command cannot take: set "
                          "CACHEBUILD_WORK_DIR to a folder whose path has none (or use a store "
                          "path without one)")

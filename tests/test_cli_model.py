@@ -302,16 +302,19 @@ def test_failing_target_is_reported_and_the_others_build(tmp_path):
     assert "this compiler rejects the piece" in text and "piece 0 range 1-512" in text
 
 
-def test_a_store_path_with_a_space_says_how_to_build_there(tmp_path):
-    """Inductor splits its C++ compiler's command on whitespace: a build whose work folder
-    has a space in its path is refused in words that say what to set, not with the
-    compiler's "C++ compile error": a usage error (exit 2), before the model is traced."""
+@pytest.mark.parametrize("folder, said", [("sp ace", "a space"), ("o'q", "a \"'\""),
+                                          ("back\\slash", "a '\\\\'")])
+def test_a_store_path_with_a_space_says_how_to_build_there(tmp_path, folder, said):
+    """Inductor splits its C++ compiler's command as a shell would: a build whose work
+    folder has a space, a quote or a backslash in its path is refused in words that say
+    what to set, not with the compiler's "C++ compile error" (or a piece quietly built
+    another way): a usage error (exit 2), before the model is traced."""
     path = tmp_path / "model.py"
     path.write_text(MODEL.replace('backend="eager_fusion"', 'backend="inductor"'))
-    proc = cli(tmp_path / "sp ace" / "store", "warm", str(path))
+    proc = cli(tmp_path / folder / "store", "warm", str(path))
     assert proc.returncode == 2, proc.stderr[-2000:]
     text = " ".join(proc.stderr.split())
-    assert "has a space in its path" in text and "CACHEBUILD_WORK_DIR" in text, text[-2000:]
+    assert f"has {said} in its path" in text and "CACHEBUILD_WORK_DIR" in text, text[-2000:]
     assert "targets of model.py" not in text and "built piece" not in text, text[-2000:]
 
 
