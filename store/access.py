@@ -122,8 +122,10 @@ class Writable:
             # Opening the index writes a little. On a full disk give up the reserve so
             # that the store can still be read and cleaned, which is how space comes back.
             free = free_bytes(self.layout.root)
-            if free is None or free >= 2 * RESERVE_BYTES or not self.layout.reserve.exists():
+            if free is None or free >= 2 * RESERVE_BYTES:
                 raise
+            if not self.layout.reserve.exists():
+                return self._read_on_a_full_disk()
             os.unlink(self.layout.reserve)
             self.disk_full = True
             log.warning("the disk holding the store at %s is full: released the store's "
@@ -131,6 +133,19 @@ class Writable:
                         "`cachebuild gc --max-size SIZE`", self.layout.root,
                         format_size(RESERVE_BYTES))
         return Index(self.layout.index)
+
+    def _read_on_a_full_disk(self) -> Index:
+        """The index opened to read only, on a disk too full to open it to write and no
+        reserve left to give up: a start still loads what is stored; what would be
+        written is refused, saying why."""
+        index = Index(self.layout.index, read_only=True,
+                      why="the disk holding it is full; free some space and try again")
+        self.disk_full = True
+        self.scratch_in_memory = True
+        log.warning("the disk holding the store at %s is full: the store is only read by "
+                    "this process (nothing it builds or uses is recorded); free space on "
+                    "that disk", self.layout.root)
+        return index
 
     def ensure_reserve(self) -> None:
         """Make the reserve file if it is missing and space is plentiful."""

@@ -108,11 +108,12 @@ class _ReadOnlyCache:
 
     Rows and value files are decoded by the same ``Disk`` as for writing (no pickles)."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, why: str = "") -> None:
         db = directory / diskcache.core.DBNAME
         if not db.is_file():
             raise StoreError(f"no store index in {directory}")
         self._directory = directory
+        self._why = why or "it is read-only here"
         self._disk = _PlainDisk(str(directory))
         path = quote(str(db))
         try:  # a database another process may change (root's shared store)
@@ -149,7 +150,7 @@ class _ReadOnlyCache:
         self._con.close()
 
     def _refuse(self, *args: Any, **kwargs: Any) -> Any:
-        raise ReadOnlyStore(f"the store index in {self._directory} is read-only here")
+        raise ReadOnlyStore(f"cannot write the store index in {self._directory}: {self._why}")
 
     transact = set = delete = incr = _refuse
 
@@ -181,11 +182,13 @@ class Index:
 
     _TIMEOUT = 60  # seconds a write waits for another process's transaction
 
-    def __init__(self, directory: Path, *, read_only: bool = False) -> None:
+    def __init__(self, directory: Path, *, read_only: bool = False, why: str = "") -> None:
+        """``why``: what a refused write says where ``read_only`` (else that the index is
+        read-only here)."""
         self.read_only = read_only
         if read_only:
             try:
-                self._db: Any = _ReadOnlyCache(directory)
+                self._db: Any = _ReadOnlyCache(directory, why)
             except INDEX_ERRORS as e:
                 raise StoreError(f"cannot read the store index in {directory}: {e}") from None
             self._warned: set[str] = set()
@@ -208,6 +211,12 @@ class Index:
                     f"for {self._TIMEOUT} s ({e}); try again once it is done (a `cachebuild "
                     "gc`, an import or a build writing to it; nothing stored is lost)"
                     ) from None
+            if "readonly database" in str(e) or not os.access(directory, os.W_OK):
+                raise StoreError(
+                    f"cannot write the store index in {directory} ({e}): this user may not "
+                    "write that folder or its files; give them back to the store's owner "
+                    "(chown, chmod u+w), or serve the store read-only (nothing stored is "
+                    "lost)") from None
             raise StoreError(
                 f"cannot open the store index in {directory}: {e}; if it is damaged, move "
                 "that folder aside (the store then starts with no records, and `cachebuild "

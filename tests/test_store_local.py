@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import stat
@@ -475,6 +476,58 @@ def test_full_disk_put_fails_cleanly(open_local, tiny_fs):
     assert store.verify().clean
     store.put(key("fits"), b"small again", kind="target")
     assert store.get(key("fits")) == b"small again"
+
+
+def test_a_store_on_a_disk_too_full_to_open_its_index_is_still_read(open_local, tiny_fs,
+                                                                      caplog):
+    """A full disk (and no reserve left to give up): what is stored is still served, and
+    a write is refused saying the disk is full (every command and start failed to open
+    the index)."""
+    store = open_local(tiny_fs / "store")
+    stored = {key(i): os.urandom(10_000) for i in range(3)}
+    for k, v in stored.items():
+        store.put(k, v, kind="target")
+    store.close()
+    fd = os.open(tiny_fs / "filler", os.O_WRONLY | os.O_CREAT)
+    with contextlib.suppress(OSError):  # every byte left
+        while os.write(fd, b"\0" * 4096):
+            pass
+    os.close(fd)
+    with caplog.at_level("WARNING", logger="cachebuild"):
+        full = LocalStore(tiny_fs / "store")
+    assert "is full: the store is only read" in caplog.text
+    for k, v in stored.items():
+        assert full.get(k) == v
+    with pytest.raises(StoreError, match="no space left|disk holding it is full"):
+        full.put(key("new"), b"x", kind="target")
+    full.close()
+    os.unlink(tiny_fs / "filler")
+    again = open_local(tiny_fs / "store")
+    assert again.verify().clean and all(again.get(k) == v for k, v in stored.items())
+
+
+def test_an_index_folder_this_user_may_not_write_is_said_so(open_local, tmp_path):
+    """Not called damaged, with advice to move the index aside (all records lost over a
+    permission): the message says who may not write what."""
+    from mounts import mounted
+
+    store = open_local(tmp_path / "store")
+    store.put(key(1), b"kept", kind="target")
+    store.close()
+    index = tmp_path / "store" / "v1" / "index"
+    if os.geteuid() == 0:  # root writes through modes: a read-only bind of the folder
+        context = mounted(["--bind", "-o", "ro", str(index)], index, "a read-only bind")
+    else:
+        os.chmod(index, 0o500)
+        context = contextlib.nullcontext()
+    try:
+        with context, pytest.raises(StoreError) as info:
+            LocalStore(tmp_path / "store")
+    finally:
+        os.chmod(index, 0o700)
+    said = str(info.value)
+    assert "may not write that folder" in said and "move that folder aside" not in said, said
+    assert open_local(tmp_path / "store").get(key(1)) == b"kept"
 
 
 def test_read_only_directory_put_fails_cleanly(open_local, tmp_path):
