@@ -318,6 +318,23 @@ def test_a_store_path_with_a_space_says_how_to_build_there(tmp_path, folder, sai
     assert "targets of model.py" not in text and "built piece" not in text, text[-2000:]
 
 
+def test_a_work_folder_on_a_noexec_mount_is_named(tmp_path):
+    """Libraries built in a work folder mounted noexec cannot be loaded: the build says
+    so and names CACHEBUILD_WORK_DIR, not that the piece does not match eager."""
+    from mounts import mounted
+
+    path = tmp_path / "model.py"
+    path.write_text(MODEL.replace('backend="eager_fusion"', 'backend="inductor"'))
+    mnt = tmp_path / "nx"
+    mnt.mkdir()
+    with mounted(["-t", "tmpfs", "-o", "size=512m,mode=0700,noexec", "tmpfs"], mnt,
+                 "a noexec tmpfs"):
+        proc = cli(mnt / "store", "warm", str(path), "--jobs", "1")
+    text = " ".join(proc.stderr.split())
+    assert proc.returncode == 1 and "mounted noexec" in text, text[-3000:]
+    assert "CACHEBUILD_WORK_DIR" in text and "does not match" not in text, text[-3000:]
+
+
 def test_a_failed_cxx_compile_says_what_the_compiler_said():
     from torch._inductor.exc import CppCompileError
 

@@ -43,6 +43,7 @@ from cachebuild.errors import (
     StoreError,
     ToolchainRefuted,
     UsageError,
+    one_line,
     transient,
 )
 from cachebuild.graph.facts import device_of, on_device
@@ -285,6 +286,12 @@ class Builder:
                                    job.target.bucket)
         except Exception as e:
             COUNTERS.failed += 1
+            if "failed to map segment" in str(e):  # dlopen of a library on a noexec mount
+                raise BuildError(
+                    f"{where} was built, but its compiled library cannot be loaded from the "
+                    f"build work folder {self.store.work_dir} ({one_line(e)}): is that folder "
+                    "on a file system mounted noexec? Set CACHEBUILD_WORK_DIR to a folder "
+                    "where libraries may run; not stored") from e
             sizes = verify_sizes(job.target.bucket)
             drawn = random_ops(job.nodes)
             hint = (f"; the piece draws random numbers ({', '.join(drawn)}), which compiled "
