@@ -34,6 +34,7 @@ store is then used through its real path, so a symlink on the way cannot be re-a
 
 from __future__ import annotations
 
+import errno
 import functools
 import os
 import re
@@ -170,7 +171,7 @@ def check_private_dir(path: Path, what: str = "store directory") -> None:
             f"refusing {what} {path}: it is owned by uid {st.st_uid}, not by you "
             f"(uid {euid}); stored artifacts contain code that runs when loaded, so a store "
             "must belong to the user who loads from it. Use a directory you own "
-            "(--cache-dir or CACHEBUILD_DIR).")
+            f"({SET_BY.get(what, 'the variable that names it')}).")
     if others_can_write(st):
         who = " and ".join(w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH))
                            if st.st_mode & bit)
@@ -182,8 +183,12 @@ def check_private_dir(path: Path, what: str = "store directory") -> None:
 
 def make_private_dir(path: Path, what: str = "store directory") -> None:
     """Create ``path`` and its missing parents, each with mode 0700 (whatever the umask
-    would give: a folder made group-writable would be refused next), then check it."""
+    would give: a folder made group-writable would be refused next), then check it.
+    Nothing is made, not even an empty folder, where it would be refused: under a
+    directory someone else could change (UnsafeStore), or where this user may not write
+    (UnsafeStore too: the path given is the thing to change)."""
     if not os.path.lexists(path):
+        check_where_made(path, what)
         missing = [path, *(p for p in path.parents if not os.path.lexists(p))]
         try:
             for folder in reversed(missing):
@@ -193,6 +198,10 @@ def make_private_dir(path: Path, what: str = "store directory") -> None:
                     continue
                 os.chmod(folder, 0o700)
         except OSError as e:
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
+                where = f" ({SET_BY[what]})" if what in SET_BY else ""
+                raise UnsafeStore(f"cannot create {what} {path}: {e.strerror}; give a folder "
+                                  f"this user may write{where}") from None
             raise StoreError(f"cannot create {what} {path}: {e.strerror}") from None
     check_private_dir(path, what)
 

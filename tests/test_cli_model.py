@@ -318,6 +318,27 @@ def test_a_store_path_with_a_space_says_how_to_build_there(tmp_path, folder, sai
     assert "targets of model.py" not in text and "built piece" not in text, text[-2000:]
 
 
+def test_a_store_that_cannot_be_made_is_a_usage_error_naming_the_variable(tmp_path):
+    """A store path under a folder this user may not write (a read-only mount here):
+    `warm` refuses it in one line, exit 2, naming CACHEBUILD_DIR (it was exit 1, the
+    system's words alone), and `plan` says the same."""
+    from mounts import mounted
+
+    if os.geteuid() != 0:
+        pytest.skip("needs root to mount")
+    path = tmp_path / "model.py"
+    path.write_text(MODEL)
+    ro = tmp_path / "ro"
+    ro.mkdir(mode=0o700)
+    with mounted(["--bind", "-o", "ro", str(ro)], ro, "a read-only bind"):
+        for command in ("warm", "plan"):
+            proc = cli(ro / "store", command, str(path))
+            errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+            assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+            assert "CACHEBUILD_DIR" in errors[0] and "Traceback" not in proc.stderr, errors
+        assert not (ro / "store").exists()
+
+
 def test_a_work_folder_on_a_noexec_mount_is_named(tmp_path):
     """Libraries built in a work folder mounted noexec cannot be loaded: the build says
     so and names CACHEBUILD_WORK_DIR, not that the piece does not match eager."""

@@ -422,6 +422,17 @@ def test_writable_by_others_is_refused(open_local, tmp_path, mode, who):
     assert f"writable by {who}" in msg and "code that runs" in msg and f"chmod 700 {d}" in msg
 
 
+def test_nothing_is_made_under_a_folder_others_may_write(tmp_path):
+    """A store asked for under a folder anyone may write (not sticky) is refused before
+    anything is made there: no empty folder left behind for another user to take."""
+    open_folder = tmp_path / "open"
+    open_folder.mkdir()
+    os.chmod(open_folder, 0o777)
+    with pytest.raises(StoreError, match="writable by others"):
+        LocalStore(open_folder / "deep" / "store")
+    assert list(open_folder.iterdir()) == []
+
+
 def test_a_fan_out_folder_made_writable_is_refused(open_local, store_dir):
     """``objects/ab/`` holds blobs too: whoever may write it could replace them."""
     store = open_local(store_dir)
