@@ -393,8 +393,10 @@ def start_pool(workers: int, model_path: str, options: StoreOptions) -> BuildPoo
     """``workers`` build workers for a model file, started now (they import torch, Inductor
     and the file while the caller traces)."""
     from cachebuild.building.pool import BuildPool, WorkerSetup
+    from cachebuild.trust.processes import withheld_path
 
-    return BuildPool(workers, WorkerSetup(options, model_file=model_path))
+    return BuildPool(workers, WorkerSetup(options, model_file=model_path,
+                                          withheld=withheld_path()))
 
 
 def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,

@@ -54,7 +54,12 @@ def serve(results_fd: int) -> None:
     try:
         store = _set_up(setup)
     except Exception as e:  # every job it is given fails, saying why: no traceback here
-        _refuse_all(jobs, results, f"the build worker could not set up: {one_line(e)}")
+        said = one_line(e)
+        if setup.withheld and "No module named" in said:
+            said += (f"; build workers import nothing from a folder another user could "
+                     f"change, and the caller's path has {len(setup.withheld)} such: "
+                     f"{'; '.join(setup.withheld)}")
+        _refuse_all(jobs, results, f"the build worker could not set up: {said}")
         return
     warnings.showwarning = forward
     try:

@@ -219,3 +219,23 @@ def test_a_model_file_in_a_shared_folder_does_not_import_what_lies_beside_it(tmp
         proc = cli("--cache-dir", str(tmp_path / "store"), "plan", str(shared / "model.py"))
         assert_one_line_error(proc, 2, r"No module named 'beside_it'.* is not put on sys.path:"
                                        r" .*writable by others")
+
+
+def test_a_worker_that_cannot_import_a_module_of_a_withheld_folder_says_why(tmp_path):
+    """The model imports a helper from a $PYTHONPATH folder others may write: this process
+    imports it, its build workers do not, and their failure names the folder and why
+    (it said only "No module named 'model_helper'")."""
+    with public_dir() as public:
+        shared = public / "shared"
+        shared.mkdir()
+        os.chmod(shared, 0o1777)
+        (shared / "model_helper.py").write_text("X = 1\n")
+        model = tmp_path / "model.py"
+        model.write_text("import model_helper\n" + MODEL)
+        env = clean_env(**SMALL, LLAMA_BACKEND="eager_fusion",
+                        CACHEBUILD_DIR=str(tmp_path / "store"))
+        env["PYTHONPATH"] = os.pathsep.join([str(shared), env["PYTHONPATH"]])
+        proc = cli("warm", str(model), "--jobs", "1", env=env, timeout=600)
+    text = " ".join(proc.stderr.split())
+    assert proc.returncode == 1 and "No module named 'model_helper'" in text, text[-3000:]
+    assert "another user could change" in text and str(shared) in text, text[-3000:]

@@ -264,9 +264,10 @@ def setup_for(jobs: list[BuildJob], store: Store, passes: PassManager | None
     modules = op_modules(jobs)
     if modules is None:
         return None
-    from cachebuild.trust.processes import import_path
+    from cachebuild.trust.processes import import_path, withheld_path
 
-    return WorkerSetup(options, modules=modules, sys_path=import_path())
+    return WorkerSetup(options, modules=modules, sys_path=import_path(),
+                       withheld=withheld_path())
 
 
 # -- the pool --------------------------------------------------------------------------------
@@ -276,12 +277,14 @@ class WorkerSetup:
     """What each worker does before its first job: import ``model_file`` (a MODEL.py, by
     path, as the command line does) and ``modules`` (by name), with ``sys_path`` first on
     its path (only entries ``processes.import_path`` passes), then open the store
-    ``options`` name."""
+    ``options`` name. ``withheld``: why each folder of the caller's path left out of
+    ``sys_path`` is (said where a worker cannot import a module)."""
 
     options: StoreOptions
     model_file: str | None = None
     modules: list[str] = field(default_factory=list)
     sys_path: list[str] = field(default_factory=list)
+    withheld: list[str] = field(default_factory=list)
 
 
 @dataclass

@@ -65,6 +65,19 @@ def trusted_dir(path: str | os.PathLike[str]) -> str | None:
     return None
 
 
+def withheld_path(entries: list[str] | None = None) -> list[str]:
+    """The folders of ``entries`` (default ``sys.path``) that ``import_path`` leaves out
+    because another user could change them, each with why (what a child that fails to
+    import a module is told)."""
+    out: list[str] = []
+    for entry in sys.path if entries is None else entries:
+        if entry and os.path.isabs(entry) and os.path.isdir(entry):
+            why = trusted_dir(entry)
+            if why is not None:
+                out.append(why)
+    return out
+
+
 def import_path(entries: list[str] | None = None) -> list[str]:
     """The entries of ``entries`` (default this process's ``sys.path``) a child may import
     from: absolute paths of directories that pass ``trusted_dir``, each once, in order.
