@@ -31,6 +31,7 @@ from cachebuild.errors import ToolchainRefuted, UsageError
 
 #: What a long wait is doing, as each phase starts (the command line shows it at once).
 progress = logging.getLogger("cachebuild.progress")
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from cachebuild.building.build import BuildJob
@@ -399,11 +400,19 @@ def start_pool(workers: int, model_path: str, options: StoreOptions) -> BuildPoo
                                           withheld=withheld_path()))
 
 
+#: How a worker that could not import the model (or open the store) answers each job.
+_NOT_SET_UP = "the build worker could not set up: "
+
+
 def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
                options: StoreOptions, on_done: Done,
-               phases: dict[str, dict[str, Any]] | None = None) -> None:
+               phases: dict[str, dict[str, Any]] | None = None,
+               store: Store | None = None) -> None:
     """Build ``jobs`` in ``workers`` processes (or a pool started already), calling
-    ``on_done(job, built, s, error)``, and filling ``phases`` with each build's.
+    ``on_done(job, built, s, error)``, and filling ``phases`` with each build's. Where
+    the workers could not set up (a module the model imports is not theirs to import) and
+    ``store`` is given, those jobs are built in this process instead, which imported the
+    model, with one warning that says why.
 
     ``options``: what each worker opens its store with. Remote-tier warnings raised in a
     worker are raised again here, so that a remote that goes down is reported once for the
@@ -413,8 +422,12 @@ def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
     from cachebuild.building.pool import BuildPool
 
     pool = workers if isinstance(workers, BuildPool) else start_pool(workers, model_path, options)
+    not_set_up: list[tuple[BuildJob, str]] = []
 
     def done(job: BuildJob, result: Any) -> None:
+        if store is not None and result.died and (result.error or "").startswith(_NOT_SET_UP):
+            not_set_up.append((job, result.error))
+            return
         for name, message in result.warnings:
             warnings.warn(message, _warning_classes()[name], stacklevel=1)
         if phases is not None and result.phases:
@@ -426,6 +439,10 @@ def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
     finally:
         if pool is not workers:
             pool.close()
+    if not_set_up and store is not None:
+        log.warning("cachebuild: %s; building %d target%s in this process instead",
+                    not_set_up[0][1], len(not_set_up), "" if len(not_set_up) == 1 else "s")
+        _build_here([job for job, _ in not_set_up], store, on_done, phases)
 
 
 def _build_here(jobs: list[BuildJob], store: Store, on_done: Done,
@@ -565,7 +582,8 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
                     pool.grow(jobs_here(len(missing)))
                 progress.info("building %d target%s in worker processes", len(missing),
                               "" if len(missing) == 1 else "s")
-                build_jobs(missing, pool, str(source.file), options, finished, phases)
+                build_jobs(missing, pool, str(source.file), options, finished, phases,
+                           store=opened)
             else:
                 progress.info("building %d target%s in this process", len(missing),
                               "" if len(missing) == 1 else "s")
