@@ -26,6 +26,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import operator
+import os
 import threading
 import weakref
 from collections.abc import Callable, Iterable
@@ -139,13 +140,21 @@ class DictWatcher:
         self._api = api
         #: id of a watched dict → (a watch's counter, the keys it watches there; ANY in
         #: them: every key), a weak reference so that a watch dropped is forgotten
+        # A list here is never changed in place but by an append: the callback reads them
+        # without the lock (it runs inside any thread's dict change), so a pruned list is
+        # a new one, and a freed dict's id is left for ``watch`` to drop under the lock.
         self._watches: dict[int, list[tuple[weakref.ref[_Changes], set[Any]]]] = {}
+        self._freed: list[int] = []
         self._since_pruned = 0
         self._lock = threading.Lock()
         self._closed = False
         # CPython would call the watcher as the interpreter ends, when module dicts are
         # cleared and freed, after the callback's memory is gone: a crash at exit.
         atexit.register(self.close)
+        os.register_at_fork(after_in_child=self._forked)
+
+    def _forked(self) -> None:
+        self._lock = threading.Lock()  # another thread may have held it at the fork
 
     def close(self) -> None:
         """Takes the watcher out of CPython. Every check armed before then reads as
@@ -156,25 +165,25 @@ class DictWatcher:
             self._closed = True
             if self._api.PyDict_ClearWatcher(self._id) < 0:
                 self._api.PyErr_Clear()
-            for entries in self._watches.values():
-                _count(entries, lambda keys: True)
-            self._watches.clear()
+            for entries in list(self._watches.values()):
+                _count(entries, None)
+            self._watches = {}
 
     def _changed(self, event: int, d: int, key: int | None, value: int | None) -> int:
         # Runs inside the dict's change: reads only our own tables, moves counters.
         entries = self._watches.get(d)
-        if entries is None:
+        if not entries:
             return 0
-        if event == _DEALLOCATED or key is None:
-            if event == _DEALLOCATED:
-                self._watches.pop(d, None)  # its id may be reused by another dict
-            _count(entries, lambda keys: True)
-            return 0
-        try:
-            name = ctypes.cast(key, ctypes.py_object).value
-            _count(entries, lambda keys: ANY in keys or name in keys)
-        except Exception:  # a key whose comparison raised: count it as a change
-            _count(entries, lambda keys: True)
+        if event == _DEALLOCATED:
+            self._freed.append(d)  # its id may be reused by another dict: dropped later
+            _count(entries, None)
+        elif key is None:
+            _count(entries, None)
+        else:
+            try:
+                _count(entries, ctypes.cast(key, ctypes.py_object).value)
+            except Exception:  # a key whose comparison raised: count it as a change
+                _count(entries, None)
         return 0
 
     def watch(self, pairs: Iterable[tuple[dict[Any, Any], Any]]) -> Callable[[], bool]:
@@ -182,6 +191,8 @@ class DictWatcher:
         with self._lock:
             if self._closed:
                 return TagPoll().watch(pairs)
+            while self._freed:  # freed since: their ids may be new dicts' now
+                self._watches.pop(self._freed.pop(), None)
             wanted: dict[int, tuple[dict[Any, Any], set[Any]]] = {}
             for d, key in pairs:
                 wanted.setdefault(id(d), (d, set()))[1].add(key)
@@ -196,17 +207,18 @@ class DictWatcher:
             self._since_pruned += 1
             if self._since_pruned > 64:  # forget the watches nobody checks any more
                 self._since_pruned = 0
-                for entries in self._watches.values():
-                    entries[:] = [e for e in entries if e[0]() is not None]
+                for place, entries in list(self._watches.items()):
+                    self._watches[place] = [e for e in entries if e[0]() is not None]
         return lambda changes=changes: changes.count == 0
 
 
-def _count(entries: list[tuple[weakref.ref[_Changes], set[Any]]],
-           wants: Callable[[set[Any]], bool]) -> None:
-    """Moves the counter of every live watch in ``entries`` whose keys ``wants``."""
+def _count(entries: list[tuple[weakref.ref[_Changes], set[Any]]], key: Any) -> None:
+    """Moves the counter of every live watch in ``entries`` that watches ``key`` (None:
+    every one, a change with no key or the dict freed). A key whose comparison raises
+    raises here: the caller counts that as a change of every watch."""
     for ref, keys in entries:
         changes = ref()
-        if changes is not None and wants(keys):
+        if changes is not None and (key is None or ANY in keys or key in keys):
             changes.count += 1
 
 

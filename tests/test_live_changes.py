@@ -294,6 +294,24 @@ a, b, c = {{"k": 1}}, {{"k": 1}}, {{"k": 1}}
 same_a, same_b, same_c = (w.watch([(x, "k")]) for x in (a, b, c))
 b["k"] = 2; assert same_a() and not same_b(), "a change of another watch's dict"
 del c; assert same_a() and not same_c(), "a dict freed: its own watches alone"
+x = {{"k": 0}}
+live = w.watch([(x, "k")])
+for _ in range(200):  # dropped at once: pruned along the way
+    w.watch([(x, "k")])
+x["k"] = 1; assert not live(), "a live watch after others were pruned"
+import threading
+sys.setswitchinterval(1e-6)  # threads taking turns inside the watcher's own work
+stop = []
+def churn():  # watches made and dropped, pruned, while the main thread changes x
+    while not stop:
+        w.watch([(x, "k"), ({{}}, "k")])
+churner = threading.Thread(target=churn); churner.start()
+missed = 0
+for i in range(20000):
+    same = w.watch([(x, "k")]); x["k"] = i + 2
+    missed += same()
+stop.append(1); churner.join()
+assert missed == 0, f"{{missed}} changes missed"
 # dicts that live until the interpreter ends: a module's, a class's (CPython calls the
 # watcher as it frees them, after the callback is gone, unless the watcher is closed)
 import gc, json
