@@ -34,7 +34,7 @@ from cachebuild.units import format_size
 
 from . import maintenance
 from .files import write_all
-from .index import Index, ReadOnlyStore, free_bytes
+from .index import Index, IndexFull, ReadOnlyStore, free_bytes
 from .interface import Progress
 from .layout import Layout, open_read_only, prepare
 from .locking import open_temp
@@ -98,59 +98,64 @@ class Access(Protocol):
         ...
 
 
+#: What a write refused on a full disk says.
+_FULL = "the disk holding it is full; free some space on that disk and try again"
+
+
 class Writable:
     """The store is this process's to write: made if missing, with a reserve for a full
     disk, usage written to its index, damaged blobs quarantined."""
-
-    read_only = False
-    scratch_in_memory = False
 
     def __init__(self, path: Path) -> None:
         self.layout = prepare(path)
         #: This process gave up the reserve to open the index: the disk is full, and the
         #: space freed is left to what frees more (``gc``), not spent on usage counters.
         self.disk_full = False
+        #: True once the disk was too full to open the index to write (``_read_only_now``).
+        self.read_only = False
+        self.scratch_in_memory = False
+        self._said: set[str] = set()
 
     def check_writable(self, what: str) -> None:
-        pass
+        if self.read_only:
+            raise StoreError(f"cannot {what} in the store at {self.layout.root}: {_FULL}")
 
     def open_index(self) -> Index:
-        """The index; on a disk too full to open it, the reserve is given up first."""
+        """The index; on a disk too full to open it, the reserve is given up first, and
+        with none left (or still too full) the store is only read (``_read_only_now``)."""
         try:
             return Index(self.layout.index)
-        except StoreError:
+        except IndexFull:
+            if not self.layout.reserve.exists():
+                return self._read_only_now()
             # Opening the index writes a little. On a full disk give up the reserve so
             # that the store can still be read and cleaned, which is how space comes back.
-            free = free_bytes(self.layout.root)
-            if free is None or free >= 2 * RESERVE_BYTES:
-                raise
-            if not self.layout.reserve.exists():
-                return self._read_on_a_full_disk()
             os.unlink(self.layout.reserve)
             self.disk_full = True
             log.warning("the disk holding the store at %s is full: released the store's "
                         "%s reserve so that it can still be read; free space, e.g. with "
                         "`cachebuild gc --max-size SIZE`", self.layout.root,
                         format_size(RESERVE_BYTES))
-        return Index(self.layout.index)
+        try:
+            return Index(self.layout.index)
+        except IndexFull:
+            return self._read_only_now()
 
-    def _read_on_a_full_disk(self) -> Index:
-        """The index opened to read only, on a disk too full to open it to write and no
-        reserve left to give up: a start still loads what is stored; what would be
-        written is refused, saying why."""
-        index = Index(self.layout.index, read_only=True,
-                      why="the disk holding it is full; free some space and try again")
-        self.disk_full = True
-        self.scratch_in_memory = True
+    def _read_only_now(self) -> Index:
+        """On a disk too full to open the index to write, with no reserve to give up: the
+        store is only read from here on, as ``ReadOnly`` reads one (a start loads what is
+        stored, damage is a miss and stays where it is, nothing is recorded), and every
+        write is refused saying the disk is full."""
+        self.disk_full = self.read_only = self.scratch_in_memory = True
         log.warning("the disk holding the store at %s is full: the store is only read by "
                     "this process (nothing it builds or uses is recorded); free space on "
                     "that disk", self.layout.root)
-        return index
+        return Index(self.layout.index, read_only=True, why=_FULL)
 
     def ensure_reserve(self) -> None:
         """Make the reserve file if it is missing and space is plentiful."""
         path = self.layout.reserve
-        if os.path.lexists(path):
+        if self.read_only or os.path.lexists(path):
             return
         free = free_bytes(self.layout.root)
         if free is None or free < RESERVE_MIN_FREE + RESERVE_BYTES:
@@ -179,6 +184,12 @@ class Writable:
             usage.flush(index)
 
     def damaged(self, key: str, reason: str, *, quiet: bool) -> bool:
+        if self.read_only:  # nothing moves on a full disk: a miss, said once
+            if not quiet and key not in self._said:
+                self._said.add(key)
+                log.warning("blob %s failed verification (%s); not used (the disk is full: "
+                            "it stays where it is)", key, reason)
+            return False
         if not quiet:
             log.warning("blob %s failed verification (%s); quarantined, it will be rebuilt",
                         key, reason)

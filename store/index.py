@@ -95,6 +95,10 @@ def parse_row(key: str, raw: Any) -> dict[str, Any]:
     return fields
 
 
+class IndexFull(StoreError):
+    """The store index could not be opened to write because its disk is full."""
+
+
 class ReadOnlyStore(StoreError):
     """A write to a store this process may only read (exit code 2: the store given)."""
 
@@ -201,7 +205,7 @@ class Index:
         except INDEX_ERRORS as e:
             free = free_bytes(directory)
             if free is not None and free < FULL_BELOW:
-                raise StoreError(
+                raise IndexFull(
                     f"cannot open the store index in {directory}: {e}; the disk holding it "
                     f"is full ({free} bytes free): free some space and try again (nothing "
                     "stored is lost)") from None

@@ -122,9 +122,9 @@ SET_BY = {"store directory": "--cache-dir, CACHEBUILD_DIR", "work folder": "CACH
 
 def others_can_write(st: os.stat_result) -> bool:
     """Whether a user other than the owner of what ``st`` describes (and root) may write
-    it: its mode lets others write, or its group, unless that group is its owner's own (a
-    user-private group with no other member: what a umask of 002 gives every folder a
-    user makes on systems that give each user such a group)."""
+    it: its mode lets others write, or its group, unless that group is its owner's own
+    (``_private_group``: what a umask of 002 gives every folder a user makes on systems
+    that give each user a group of their own)."""
     if st.st_mode & stat.S_IWOTH:
         return True
     return bool(st.st_mode & stat.S_IWGRP) and not _private_group(st.st_gid, st.st_uid)
@@ -132,14 +132,18 @@ def others_can_write(st: os.stat_result) -> bool:
 
 @functools.lru_cache(maxsize=64)
 def _private_group(gid: int, uid: int) -> bool:
-    """Whether no user but ``uid`` is in group ``gid``, as a listed member or by it being
-    their primary group."""
+    """Whether group ``gid`` is the user-private group of ``uid``: the user's primary
+    group, named as the user is, listing no other member, and the primary group of no
+    other user this machine can list. (A directory service need not list every user or
+    member, so a group by any other name is never taken for private.)"""
     import grp
     import pwd
 
     try:
         owner, group = pwd.getpwuid(uid), grp.getgrgid(gid)
     except KeyError:  # a user or group this machine does not name: not known to be private
+        return False
+    if owner.pw_gid != gid or group.gr_name != owner.pw_name:
         return False
     if any(member != owner.pw_name for member in group.gr_mem):
         return False

@@ -243,7 +243,7 @@ class LocalStore(LocalTier):
         self.lock_timeout = lock_timeout
         self._usage = Usage(clock)
         self._held = threading.local()  # build locks this thread holds, for nesting
-        self._files = Materializer(self._layout, clock, read_only=read_only)
+        self._files = Materializer(self._layout, clock, read_only=self._access.read_only)
         weakref.finalize(self, self._access.flush, self._usage, self._index)
 
     @property

@@ -504,14 +504,19 @@ def test_a_store_on_a_disk_too_full_to_open_its_index_is_still_read(open_local, 
         while os.write(fd, b"\0" * 4096):
             pass
     os.close(fd)
+    damaged = blob_path(store, key(2))
+    damaged.write_bytes(damaged.read_bytes()[:-1] + b"?")  # in place: no room for more
     with caplog.at_level("WARNING", logger="cachebuild"):
         full = LocalStore(tiny_fs / "store")
-    assert "is full: the store is only read" in caplog.text
-    for k, v in stored.items():
-        assert full.get(k) == v
-    with pytest.raises(StoreError, match="no space left|disk holding it is full"):
-        full.put(key("new"), b"x", kind="target")
+    assert "is full: the store is only read" in caplog.text and full.read_only
+    for k in (key(0), key(1)):
+        assert full.get(k) == stored[k]
+    assert full.get(key(2)) is None and damaged.exists()  # a miss; nothing moved
+    for write in (lambda: full.put(key("new"), b"x", kind="target"), lambda: full.gc()):
+        with pytest.raises(StoreError, match="disk holding it is full"):
+            write()
     full.close()
+    damaged.write_bytes(damaged.read_bytes()[:-1] + stored[key(2)][-1:])
     os.unlink(tiny_fs / "filler")
     again = open_local(tiny_fs / "store")
     assert again.verify().clean and all(again.get(k) == v for k, v in stored.items())
@@ -657,17 +662,23 @@ def test_only_a_group_of_the_owner_alone_may_write_a_folder(tmp_path):
     assert not others_can_write(os.stat(folder))
     os.chmod(folder, 0o707)
     assert others_can_write(os.stat(folder))
-    os.chmod(folder, 0o770)  # our own group: writable by others only if it is not ours alone
     import grp
     import pwd
 
-    group = grp.getgrgid(os.getegid())
-    alone = (all(m == pwd.getpwuid(os.geteuid()).pw_name for m in group.gr_mem)
-             and all(u.pw_uid == os.geteuid() for u in pwd.getpwall()
-                     if u.pw_gid == group.gr_gid))
-    assert others_can_write(os.stat(folder)) is not alone
+    me = pwd.getpwuid(os.geteuid())
+    own = grp.getgrgid(me.pw_gid)
+    if own.gr_name == me.pw_name and not set(own.gr_mem) - {me.pw_name}:
+        os.chown(folder, -1, me.pw_gid)  # the user's own group (root's, "root", here)
+        os.chmod(folder, 0o770)
+        assert not others_can_write(os.stat(folder))
+    os.chmod(folder, 0o770)
     shared = next((g for g in grp.getgrall() if g.gr_mem or any(
         u.pw_gid == g.gr_gid and u.pw_uid != os.geteuid() for u in pwd.getpwall())), None)
     if os.geteuid() == 0 and shared is not None:  # a group another user is in
         os.chown(folder, -1, shared.gr_gid)
+        assert others_can_write(os.stat(folder))
+    named_otherwise = next((g for g in grp.getgrall() if g.gr_name != me.pw_name
+                            and not g.gr_mem), None)
+    if os.geteuid() == 0 and named_otherwise is not None:  # a group no one is listed in,
+        os.chown(folder, -1, named_otherwise.gr_gid)     # but not the user's own
         assert others_can_write(os.stat(folder))
