@@ -176,7 +176,8 @@ def check_cxx_work_dir(work_dir: str | Path) -> None:
     """UsageError where C++ builds cannot use ``work_dir``: Inductor's compiler command is
     a string split as a shell would (``shlex``), so a path with a space, a quote or a
     backslash in it breaks every build."""
-    text = str(work_dir)
+    # The real path is what the compiler is given (a link to "/mnt/data disk" breaks it too).
+    text = str(work_dir) + os.path.realpath(work_dir)
     found = next((c for c in text if c.isspace() or c in "'\"\\"), None)
     if found is not None:
         what = "a space" if found.isspace() else f"a {found!r}"

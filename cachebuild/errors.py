@@ -121,10 +121,11 @@ def _package_folders(names: tuple[str, ...]) -> tuple[str, ...]:
                  if spec is not None and spec.origin)
 
 
-#: Where a frame is cachebuild's or torch's own: this project's packages, torch's, and the
-#: code torch.fx generates for a graph module.
-_INSIDE = _package_folders(("cachebuild", "store", "backends", "passes", "torch")) + (
-    "<eval_with_key>",)
+#: Where a frame is cachebuild's or torch's own: this project's packages (installed as
+#: cachebuild's subpackages from folders of their own), torch's, and the code torch.fx
+#: generates for a graph module.
+_INSIDE = _package_folders(("cachebuild", "cachebuild.store", "cachebuild.backends",
+                            "cachebuild.passes", "torch")) + ("<eval_with_key>",)
 
 
 def warn_caller(message: str) -> None:

@@ -400,7 +400,7 @@ def start_pool(workers: int, model_path: str, options: StoreOptions) -> BuildPoo
                                           withheld=withheld_path()))
 
 
-#: How a worker that could not import the model (or open the store) answers each job.
+#: How a worker that could not set up (import the model, open the store) answers each job.
 _NOT_SET_UP = "the build worker could not set up: "
 
 
@@ -425,7 +425,9 @@ def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
     not_set_up: list[tuple[BuildJob, str]] = []
 
     def done(job: BuildJob, result: Any) -> None:
-        if store is not None and result.died and (result.error or "").startswith(_NOT_SET_UP):
+        error = result.error or ""
+        if store is not None and result.died and error.startswith(_NOT_SET_UP) \
+                and "failed to import" in error:
             not_set_up.append((job, result.error))
             return
         for name, message in result.warnings:

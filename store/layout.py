@@ -198,8 +198,8 @@ def make_private_dir(path: Path, what: str = "store directory") -> None:
             for folder in reversed(missing):
                 try:
                     folder.mkdir(mode=0o700)  # the umask can take bits away, never add
-                except FileExistsError:  # made meanwhile by another process: checked below
-                    continue
+                except FileExistsError:  # made meanwhile by another process: the folder
+                    continue             # is checked below, those above by check_parents
                 os.chmod(folder, 0o700)
         except OSError as e:
             if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
@@ -249,14 +249,7 @@ def prepare_work_dir(path: Path) -> Path:
     what = "work folder"
     path = path.expanduser().absolute()
     if not os.path.lexists(path):
-        # Nothing is made, not even an empty folder, where another user could change it.
-        check_where_made(path, what)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.mkdir(mode=0o700, exist_ok=True)
-        except OSError as e:
-            raise UnsafeStore(f"cannot create the {what} {path}: {e.strerror or e} (set "
-                              "CACHEBUILD_WORK_DIR to a directory you own, or unset it)") from None
+        make_private_dir(path, what)
     real = Path(os.path.realpath(path))
     check_private_dir(real, what)
     check_parents(real, what)

@@ -286,7 +286,7 @@ class Builder:
                                    job.target.bucket)
         except Exception as e:
             COUNTERS.failed += 1
-            if "failed to map segment" in str(e):  # dlopen of a library on a noexec mount
+            if "failed to map segment" in str(e) and _noexec(self.store.work_dir):
                 raise BuildError(
                     f"{where} was built, but its compiled library cannot be loaded from the "
                     f"build work folder {self.store.work_dir} ({one_line(e)}): is that folder "
@@ -640,3 +640,11 @@ def _preload() -> None:
         import torch._inductor.codecache  # noqa: F401
         import torch._inductor.compile_fx  # noqa: F401  # the first load imports it otherwise
         from torch._inductor import CompiledArtifact  # noqa: F401
+
+
+def _noexec(folder: os.PathLike[str] | str) -> bool:
+    """Whether ``folder`` is on a file system mounted noexec (no library there loads)."""
+    try:
+        return bool(os.statvfs(folder).f_flag & os.ST_NOEXEC)
+    except OSError:
+        return False
