@@ -537,3 +537,20 @@ def test_the_command_alone_prints_its_help_as_it_reads():
     assert result.exit_code == 0, result.output
     assert result.output.startswith("Usage: cachebuild")
     assert "\nCommands:\n" in result.output and "error:" not in result.output
+
+
+def test_a_reader_that_goes_away_ends_the_command_quietly(filled):
+    """`cachebuild verify | true`: the pipe closed under the command is no error of the
+    paths given (it said "Broken pipe; check the paths given", exit 2): nothing is said,
+    and the exit code is the one a shell gives a process SIGPIPE ends."""
+    import signal
+
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line
+    try:
+        proc = subprocess.run([sys.executable, "-m", "cachebuild.cli", "--cache-dir",
+                               str(filled), "verify"], stdout=write, stderr=subprocess.PIPE,
+                              text=True, timeout=300)
+    finally:
+        os.close(write)
+    assert proc.returncode == 128 + signal.SIGPIPE and proc.stderr == "", proc.stderr

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import signal
 import sys
 from typing import Any
@@ -102,6 +103,12 @@ class _Group(click.Group):
             hint = "; `cachebuild ls` lists the store's keys" if isinstance(e, UnknownKey) else ""
             click.echo(f"error: {one_line(e)}{hint}", err=True)
             ctx.exit(e.exit_code)
+        except BrokenPipeError:
+            # The reader of our output went away (`cachebuild ls | head`): nothing to say,
+            # and nothing more to write; the exit code a shell gives a process SIGPIPE ends.
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            ctx.exit(128 + signal.SIGPIPE)
         except OSError as e:
             # A path that cannot be used as given (a file where a folder must be, a name
             # too long, a loop of links) or a disk that is full, met where no message was
