@@ -339,6 +339,21 @@ def test_a_store_that_cannot_be_made_is_a_usage_error_naming_the_variable(tmp_pa
         assert not (ro / "store").exists()
 
 
+def test_plan_names_tmpdir_when_its_look_in_store_cannot_be_made_there(tmp_path):
+    """`plan` with no store looks in an empty one in the temporary folder: where TMPDIR
+    is open to others, the refusal says it came from TMPDIR (it named a folder the user
+    never gave)."""
+    path = tmp_path / "model.py"
+    path.write_text(MODEL)
+    open_tmp = tmp_path / "open"
+    open_tmp.mkdir()
+    os.chmod(open_tmp, 0o777)
+    proc = cli(tmp_path / "none" / "store", "plan", str(path), env={"TMPDIR": str(open_tmp)})
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+    assert "(TMPDIR)" in errors[0] and "set TMPDIR" in errors[0], errors
+
+
 def test_a_work_folder_on_a_noexec_mount_is_named(tmp_path):
     """Libraries built in a work folder mounted noexec cannot be loaded: the build says
     so and names CACHEBUILD_WORK_DIR, not that the piece does not match eager."""

@@ -64,9 +64,17 @@ class CliState:
         (its remote tier, if any, still asked), removed when the command ends, so that
         looking makes no store where a path may be mistyped."""
         if self.store is None and not holds_store_or_may_make(Path(self.options.cache_dir)):
+            from cachebuild.store import UnsafeStore
+
             self.scratch = tempfile.TemporaryDirectory(prefix="cachebuild-look-")
             self.options = dataclasses.replace(self.options, cache_dir=self.scratch.name)
-            return self.open_store(), False
+            try:
+                return self.open_store(), False
+            except UnsafeStore as e:  # a path the user never gave: say where it came from
+                raise UnsafeStore(
+                    f"the empty store this command looks in, in the temporary folder "
+                    f"{tempfile.gettempdir()} (TMPDIR), cannot be used: {e}; set TMPDIR to "
+                    "a folder only you can write") from None
         return self.open_store(), self.scratch is None
 
     def close(self) -> None:
