@@ -410,9 +410,10 @@ def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
                store: Store | None = None) -> None:
     """Build ``jobs`` in ``workers`` processes (or a pool started already), calling
     ``on_done(job, built, s, error)``, and filling ``phases`` with each build's. Where
-    the workers could not set up (a module the model imports is not theirs to import) and
-    ``store`` is given, those jobs are built in this process instead, which imported the
-    model, with one warning that says why.
+    the workers could not import a module the model imports (from a folder of the
+    caller's path they are not given: ``processes.withheld_path``) and ``store`` is given,
+    those jobs are built in this process instead, which imported the model, with one
+    warning that says why.
 
     ``options``: what each worker opens its store with. Remote-tier warnings raised in a
     worker are raised again here, so that a remote that goes down is reported once for the
@@ -427,7 +428,7 @@ def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
     def done(job: BuildJob, result: Any) -> None:
         error = result.error or ""
         if store is not None and result.died and error.startswith(_NOT_SET_UP) \
-                and "failed to import" in error:
+                and "No module named" in error:
             not_set_up.append((job, result.error))
             return
         for name, message in result.warnings:
