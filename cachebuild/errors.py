@@ -112,7 +112,6 @@ def one_line(error: BaseException | str, *, typed: bool = False) -> str:
     return f"{name}: {text}" if typed and isinstance(error, BaseException) else text
 
 
-
 def _package_folders(names: tuple[str, ...]) -> tuple[str, ...]:
     from importlib.util import find_spec
 

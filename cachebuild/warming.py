@@ -400,10 +400,6 @@ def start_pool(workers: int, model_path: str, options: StoreOptions) -> BuildPoo
                                           withheld=withheld_path()))
 
 
-#: How a worker that could not set up (import the model, open the store) answers each job.
-_NOT_SET_UP = "the build worker could not set up: "
-
-
 def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
                options: StoreOptions, on_done: Done,
                phases: dict[str, dict[str, Any]] | None = None,
@@ -420,14 +416,14 @@ def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
     run, not once per worker. Jobs go out longest first (the piece with most nodes), so
     that the last one to finish is a short one.
     """
-    from cachebuild.building.pool import BuildPool
+    from cachebuild.building.pool import NOT_SET_UP, BuildPool
 
     pool = workers if isinstance(workers, BuildPool) else start_pool(workers, model_path, options)
     not_set_up: list[tuple[BuildJob, str]] = []
 
     def done(job: BuildJob, result: Any) -> None:
         error = result.error or ""
-        if store is not None and result.died and error.startswith(_NOT_SET_UP) \
+        if store is not None and result.died and error.startswith(NOT_SET_UP) \
                 and "No module named" in error:
             not_set_up.append((job, result.error))
             return

@@ -11,7 +11,7 @@ import signal
 import sys
 from typing import Any
 
-from cachebuild.building.pool import Result, WorkerSetup, receive, send
+from cachebuild.building.pool import NOT_SET_UP, Result, WorkerSetup, receive, send
 from cachebuild.errors import one_line
 
 #: Warning classes (by name) a worker hands to the caller instead of printing: the caller
@@ -59,7 +59,7 @@ def serve(results_fd: int) -> None:
             said += (f"; build workers import nothing from a folder another user could "
                      f"change, and the caller's path has {len(setup.withheld)} such: "
                      f"{'; '.join(setup.withheld)}")
-        _refuse_all(jobs, results, f"the build worker could not set up: {said}")
+        _refuse_all(jobs, results, f"{NOT_SET_UP}{said}")
         return
     warnings.showwarning = forward
     try:

@@ -287,6 +287,11 @@ class WorkerSetup:
     withheld: list[str] = field(default_factory=list)
 
 
+#: How a worker that could not set up (import the model, open the store) begins the
+#: error of each job it is given.
+NOT_SET_UP = "the build worker could not set up: "
+
+
 @dataclass
 class Result:
     """One job's outcome: built (True) or found stored (False), its seconds, its error,
