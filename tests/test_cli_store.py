@@ -539,17 +539,19 @@ def test_the_command_alone_prints_its_help_as_it_reads():
     assert "\nCommands:\n" in result.output and "error:" not in result.output
 
 
-def test_a_reader_that_goes_away_ends_the_command_quietly(filled):
+@pytest.mark.parametrize("command", [["verify"], ["ls"], ["stats", "--json"]])
+def test_a_reader_that_goes_away_ends_the_command_quietly(filled, command):
     """`cachebuild verify | true`: the pipe closed under the command is no error of the
     paths given (it said "Broken pipe; check the paths given", exit 2): nothing is said,
-    and the exit code is the one a shell gives a process SIGPIPE ends."""
+    and the exit code is the one a shell gives a process SIGPIPE ends. Also where rich
+    writes the lines (`ls`, `stats`: rich's own handler of it exited 1)."""
     import signal
 
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the first line
     try:
         proc = subprocess.run([sys.executable, "-m", "cachebuild.cli", "--cache-dir",
-                               str(filled), "verify"], stdout=write, stderr=subprocess.PIPE,
+                               str(filled), *command], stdout=write, stderr=subprocess.PIPE,
                               text=True, timeout=300)
     finally:
         os.close(write)

@@ -203,13 +203,22 @@ class _TrimmedLines:
         return getattr(self._stream, "encoding", None) or "utf-8"
 
 
+class _Console(Console):
+    """rich's console, but a reader that goes away (`cachebuild ls | head`) is left to the
+    command line's one handler of it (silent, the exit code of SIGPIPE), not rich's exit 1."""
+
+    def on_broken_pipe(self) -> None:
+        self.quiet = True
+        raise BrokenPipeError
+
+
 def _console(stderr: bool) -> Console:
     # On a terminal, rich fits lines to its width. Piped output is read by scripts and
     # people alike: never wrap a line or cut a key there.
     stream = sys.stderr if stderr else sys.stdout
     if stream.isatty():
-        return Console(stderr=stderr)
-    return Console(file=_TrimmedLines(stream), width=100_000, soft_wrap=True)  # type: ignore[arg-type]
+        return _Console(stderr=stderr)
+    return _Console(file=_TrimmedLines(stream), width=100_000, soft_wrap=True)  # type: ignore[arg-type]
 
 
 def stdout() -> Console:
