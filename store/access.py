@@ -106,8 +106,8 @@ class Writable:
     """The store is this process's to write: made if missing, with a reserve for a full
     disk, usage written to its index, damaged blobs quarantined."""
 
-    def __init__(self, path: Path) -> None:
-        self.layout = prepare(path)
+    def __init__(self, path: Path, what: str = "store directory") -> None:
+        self.layout = prepare(path, what)
         #: This process gave up the reserve to open the index: the disk is full, and the
         #: space freed is left to what frees more (``gc``), not spent on usage counters.
         self.disk_full = False

@@ -117,7 +117,7 @@ class Layout:
 
 #: Where the operator names each folder a message may be about.
 SET_BY = {"store directory": "--cache-dir, CACHEBUILD_DIR", "work folder": "CACHEBUILD_WORK_DIR",
-          "environment folder": "CACHEBUILD_PROBE_DIR"}
+          "environment folder": "CACHEBUILD_PROBE_DIR", "overlay folder": "CACHEBUILD_OVERLAY_DIR"}
 
 
 def others_can_write(st: os.stat_result) -> bool:
@@ -285,20 +285,21 @@ def _check_ancestor(real: Path, path: Path, what: str) -> None:
     check_parents(real, what)
 
 
-def prepare(path: Path) -> Layout:
+def prepare(path: Path, what: str = "store directory") -> Layout:
     """Create (0700) and check the store directory tree under ``path``; return its Layout
-    (on the real path: a symlink on the way is resolved once, here)."""
+    (on the real path: a symlink on the way is resolved once, here). ``what`` names the
+    folder in messages (an overlay is a store too, set by another variable)."""
     path = path.expanduser().absolute()
     if not os.path.lexists(path):
-        make_private_dir(path)
+        make_private_dir(path, what)
     path = Path(os.path.realpath(path))
-    check_private_dir(path)
-    check_parents(path)
+    check_private_dir(path, what)
+    check_parents(path, what)
     layout = Layout(path / FORMAT_DIR)
-    make_private_dir(layout.root)
+    make_private_dir(layout.root, what)
     for name in SUBDIRS:
-        make_private_dir(layout.root / name)
-    make_private_dir(layout.entry_lock("00").parent)
+        make_private_dir(layout.root / name, what)
+    make_private_dir(layout.entry_lock("00").parent, what)
     for folder in _fan_out(layout):
         check_private_dir(folder, "objects folder")
     return layout

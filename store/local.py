@@ -217,14 +217,16 @@ class LocalStore(LocalTier):
     ``read_only``: this process only reads the store (an image layer, a read-only mount,
     root's store served to another user): the store is given ``access.ReadOnly``
     instead of ``access.Writable`` as its access, and every write raises ReadOnlyStore
-    before it touches anything.
+    before it touches anything. ``what`` names the folder in messages (``"overlay
+    folder"``: one that ``CACHEBUILD_OVERLAY_DIR`` set).
     """
 
     def __init__(self, path: str | os.PathLike[str], *,
                  signing_key: bytes | None = None, require_signature: bool = False,
                  lock_timeout: float = 600.0,
                  work_dir: str | os.PathLike[str] | None = None,
-                 clock: Clock = SYSTEM_CLOCK, read_only: bool = False) -> None:
+                 clock: Clock = SYSTEM_CLOCK, read_only: bool = False,
+                 what: str = "store directory") -> None:
         if require_signature and not signing_key:
             raise StoreError("require_signature needs a signing key "
                              "(set CACHEBUILD_SIGNING_KEY)")
@@ -232,7 +234,7 @@ class LocalStore(LocalTier):
             raise TypeError("signing_key must be bytes")
         self.path = Path(path).expanduser()
         self.clock = clock
-        self._access: Access = ReadOnly(self.path) if read_only else Writable(self.path)
+        self._access: Access = ReadOnly(self.path) if read_only else Writable(self.path, what)
         self._layout = self._access.layout
         self.root: Path = self._layout.root
         self._work_dir = Path(work_dir) if work_dir else self._layout.work

@@ -85,7 +85,7 @@ class OverlayStore(Store):
         return LocalStore(path, signing_key=self.base.signing_key,
                           require_signature=self.base.require_signature,
                           lock_timeout=self.base.lock_timeout, work_dir=self._work_dir,
-                          clock=self.base.clock)
+                          clock=self.base.clock, what="overlay folder")
 
     def _layers(self) -> list[LocalStore]:
         overlay = self.overlay

@@ -105,6 +105,22 @@ def test_writes_go_to_an_overlay_made_on_first_write(read_only, written, tmp_pat
     assert snapshot(written) == before
 
 
+def test_an_overlay_folder_refused_names_the_variable_that_set_it(read_only, tmp_path):
+    """An overlay folder another user owns is refused naming CACHEBUILD_OVERLAY_DIR (the
+    message named the store's --cache-dir and CACHEBUILD_DIR, which were not at fault)."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to give a directory to another user")
+    overlay_dir = tmp_path / "overlay"
+    overlay_dir.mkdir(mode=0o700)
+    os.chown(overlay_dir, 65534, 65534)
+    store = open_store(StoreOptions(cache_dir=read_only, overlay_dir=overlay_dir))
+    with pytest.raises(UnsafeStore) as e:
+        store.put(key("new"), b"built here", kind="target")
+    assert "overlay folder" in str(e.value) and "(CACHEBUILD_OVERLAY_DIR)" in str(e.value)
+    assert "CACHEBUILD_DIR" not in str(e.value).replace("CACHEBUILD_OVERLAY_DIR", "")
+    store.close()
+
+
 def test_the_read_only_store_refuses_every_write_in_one_line(read_only):
     store = LocalStore(read_only, read_only=True)
     for write in (lambda: store.put(key("x"), b"x", kind="target"),
