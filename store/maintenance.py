@@ -161,14 +161,13 @@ def clean_leftovers(layout: Layout, index: Index, *, orphans: bool = True) -> tu
             if entry.name.endswith(".tmp") and remove_if_abandoned(Path(entry.path)):
                 tmp_removed += 1
     tmp_removed += remove_abandoned_scratch(layout.scratch)
+    if not orphans:
+        return tmp_removed, count_unrecorded(layout, index)
     found = 0
     known = set(index.keys())
     for entry in list(_object_files(layout)):
         key = entry.name.split(".", 1)[0]
         if key in known or not _is_key(key):
-            continue
-        if not orphans:
-            found += entry.name == key
             continue
         with flocked(layout.entry_lock(key)):
             if key in index:  # stored meanwhile
@@ -180,6 +179,14 @@ def clean_leftovers(layout: Layout, index: Index, *, orphans: bool = True) -> tu
                                    time.time())
                 found += 1
     return tmp_removed, found
+
+
+def count_unrecorded(layout: Layout, index: Index) -> int:
+    """How many blobs no record of ``index`` points to (what ``clean_leftovers`` would
+    quarantine), touching nothing."""
+    known = set(index.keys())
+    return sum(1 for entry in _object_files(layout)
+               if entry.name not in known and _is_key(entry.name))
 
 
 def _clean_old_files(layout: Layout, now: float) -> int:
@@ -295,6 +302,8 @@ def collect(layout: Layout, index: Index, work_dir: Path, *, max_size: int | Non
         # Files are aged by their modification times, which the kernel's clock sets.
         report.quarantine_removed = _clean_old_files(layout, time.time())
         _clean_lock_files(layout, index, time.time())
+    else:  # what a run would quarantine
+        report.orphans_removed = count_unrecorded(layout, index)
     report.work_bytes, emptied = clean_work(work_dir, dry_run)
     report.work_busy = not emptied
     records = {r.key: r for r in index.records(manifest=False)}

@@ -237,7 +237,7 @@ class GCReport:
     kept_pinned: int = 0
     over_cap: bool = False
     tmp_removed: int = 0
-    orphans_removed: int = 0
+    orphans_removed: int = 0  # blobs no record points to, quarantined (or that would be)
     quarantine_removed: int = 0
     work_bytes: int = 0  # compilers' working files of builds removed (or that would be)
     work_busy: bool = False  # a build was running, so they were left

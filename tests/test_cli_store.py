@@ -95,6 +95,17 @@ def test_gc(open_local, filled):
     assert left == {key("t1"), key("t2"), key("entry")}
     assert run(filled, "gc", "--older-than", "7d").exit_code == 0
     assert len(list(open_local(filled).records())) == 3
+    # A blob no record points to: the dry run says it would be quarantined, and leaves it.
+    store = open_local(filled)
+    orphan = store.root / "objects" / key("orphan")[:2] / key("orphan")
+    orphan.parent.mkdir(exist_ok=True)
+    shutil.copyfile(store.root / "objects" / key("t1")[:2] / key("t1"), orphan)
+    store.close()
+    dry = run(filled, "gc", "--dry-run")
+    assert "would move 1 blob no record points to into quarantine/" in dry.stdout, dry.stdout
+    assert orphan.exists()
+    assert "moved 1 blob no record points to" in run(filled, "gc").stdout
+    assert not orphan.exists()
 
 
 def test_gc_evicts_an_entry_with_its_targets_and_never_strands_one(open_local, store_dir):

@@ -371,6 +371,10 @@ def test_gc_and_verify_clean_leftovers(open_local, store_dir):
     orphan.parent.mkdir(exist_ok=True)
     orphan.write_bytes(encode_blob(key(4), "k", b"renamed, never recorded"))
     try:
+        # A dry run counts the blob it would quarantine and touches nothing.
+        dry = store.gc(dry_run=True)
+        assert (dry.tmp_removed, dry.orphans_removed) == (0, 1)
+        assert abandoned.exists() and orphan.exists()
         report = store.gc()
         assert (report.tmp_removed, report.orphans_removed) == (1, 1)
         assert not abandoned.exists() and not orphan.exists()

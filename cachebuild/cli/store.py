@@ -258,9 +258,12 @@ def gc_command(ctx: click.Context, max_size: int | None, older_than: float | Non
     elif report.work_busy:
         out.print("build work files kept: a build is running")
     _gc_objects(dry_run, verb)
-    if report.tmp_removed or report.orphans_removed:
-        out.print(f"cleaned {report.tmp_removed} abandoned temp files; moved "
-                  f"{report.orphans_removed} blobs no record points to into quarantine/ "
+    if dry_run and report.orphans_removed:
+        out.print(f"would move {plural(report.orphans_removed, 'blob')} no record points to "
+                  f"into quarantine/ (kept {_QUARANTINE_DAYS} days)")
+    elif report.tmp_removed or report.orphans_removed:
+        out.print(f"cleaned {plural(report.tmp_removed, 'abandoned temp file')}; moved "
+                  f"{plural(report.orphans_removed, 'blob')} no record points to into quarantine/ "
                   f"(kept {_QUARANTINE_DAYS} days)")
     if environments:
         _gc_environments(store, dry_run, verb)
@@ -385,8 +388,8 @@ def verify_command(ctx: click.Context, repair: bool) -> None:
     if report.unsigned:
         summary += f" ({len(report.unsigned)} of them entered unsigned)"
     if report.tmp_removed or report.orphans_removed:
-        summary += (f"; cleaned {report.tmp_removed} abandoned temp files; moved "
-                    f"{report.orphans_removed} blobs no record points to into quarantine/ "
+        summary += (f"; cleaned {plural(report.tmp_removed, 'abandoned temp file')}; moved "
+                    f"{plural(report.orphans_removed, 'blob')} no record points to into quarantine/ "
                     f"(kept {_QUARANTINE_DAYS} days)")
     incomplete = _incomplete_entries(store, {key for key, _ in report.damaged + refused})
     for line in incomplete[:MAX_LISTED]:
