@@ -112,6 +112,19 @@ def one_line(error: BaseException | str, *, typed: bool = False) -> str:
     return f"{name}: {text}" if typed and isinstance(error, BaseException) else text
 
 
+def printable(value: object, limit: int = 200) -> str:
+    """``value`` as plain text that is safe to echo: control characters (terminal escape
+    sequences among them) written as ``\\xNN``, cut at ``limit`` characters (after the
+    last item of a ``;`` list that fits, where that keeps most of it: no word cut in two)."""
+    text = str(value)
+    end = limit
+    if len(text) > limit:
+        items = text.rfind("; ", 0, limit)
+        end = items if items > limit * 0.6 else limit
+    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text[:end]) + (
+        ("; …" if end < limit else "…") if len(text) > limit else "")
+
+
 def _package_folders(names: tuple[str, ...]) -> tuple[str, ...]:
     from importlib.util import find_spec
 
@@ -127,11 +140,11 @@ _INSIDE = _package_folders(("cachebuild", "cachebuild.store", "cachebuild.backen
                             "cachebuild.passes", "torch")) + ("<eval_with_key>",)
 
 
-def warn_caller(message: str) -> None:
-    """A ``UserWarning`` attributed to the caller's own line: the first frame outside
-    cachebuild and torch (a model called through ``nn.Module.__call__``, or through
-    Dynamo's frames, is warned about where it was called)."""
+def warn_caller(message: str, category: type[Warning] = UserWarning) -> None:
+    """A warning (``category``) attributed to the caller's own line: the first frame
+    outside cachebuild and torch (a model called through ``nn.Module.__call__``, or
+    through Dynamo's frames, is warned about where it was called)."""
     frame, level = sys._getframe(1), 2
     while frame is not None and frame.f_code.co_filename.startswith(_INSIDE):
         frame, level = frame.f_back, level + 1
-    warnings.warn(message, stacklevel=level if frame is not None else 2)
+    warnings.warn(message, category, stacklevel=level if frame is not None else 2)

@@ -42,20 +42,22 @@ import logging
 import math
 import re
 import secrets
+import socket
 import threading
-import warnings
+import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
-from urllib.parse import urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 import redis
 import xxhash
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from cachebuild.errors import UsageError
+from cachebuild.errors import UsageError, one_line, printable, warn_caller
 
 from .interface import RemoteTier
 from .layout import InvalidKey, check_key
@@ -79,6 +81,9 @@ MAX_BLOB_BYTES = 1 << 30
 #: What one ``records`` call reads at most: how many records, and their bytes together.
 MAX_SHARED_RECORDS = 100_000
 MAX_SHARED_RECORD_BYTES = 32 * 1024 * 1024
+#: The slowest transfer a Redis call waits for past its ``op_timeout``: a call moving ``n``
+#: bytes ends after ``op_timeout + n / MIN_BYTES_PER_S`` seconds, however the bytes trickle.
+MIN_BYTES_PER_S = 1 << 20
 _DIGEST_RE = re.compile(r"[0-9a-f]{32}")
 Mode = Literal["rw", "ro"]
 T = TypeVar("T")
@@ -132,18 +137,38 @@ def upload_key(key: str) -> str:
 
 
 def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``, safe to print and log."""
+    """``url`` with any password (``user:pw@host``, or a ``password=`` query parameter as
+    redis-py also takes) replaced by ``***``, safe to print, log and keep in records."""
     try:
         parts = urlsplit(url)
+        port = parts.port
     except ValueError:
         return "<unparsable remote URL>"
-    if parts.password is None:
-        return url
-    user = parts.username or ""
-    host = parts.hostname or ""
-    if parts.port is not None:
-        host = f"{host}:{parts.port}"
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{host}"))
+    base, sep, query = url.partition("?")
+    if parts.password is not None:
+        host = parts.hostname or ""
+        if port is not None:
+            host = f"{host}:{port}"
+        base = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}",
+                                         query="", fragment=""))
+    pairs = parse_qsl(query, keep_blank_values=True)
+    if any(name.lower() == "password" for name, _ in pairs):
+        query = urlencode([(name, "***" if name.lower() == "password" else value)
+                           for name, value in pairs], safe="*")
+    return base + sep + query
+
+
+def _check_database(url: str, display_url: str) -> None:
+    """UsageError unless the database ``url`` names (its path, or a ``db=`` parameter) is
+    a number: redis-py takes any other for database 0, silently."""
+    parts = urlsplit(url)
+    named = [parts.path.strip("/")] if parts.scheme != "unix" else []
+    named += [value for name, value in parse_qsl(parts.query, keep_blank_values=True)
+              if name == "db"]
+    for db in named:
+        if db and not db.isdigit():
+            raise UsageError(f"bad remote URL {display_url}: the database {db!r} is not a "
+                             "number (redis://HOST:PORT/DB, e.g. redis://127.0.0.1:6379/0)")
 
 
 @dataclass(frozen=True)
@@ -205,12 +230,141 @@ class _Budget:
         return self.left_out
 
 
+def _said(exc: BaseException) -> str:
+    """What Redis (or whatever answered in its place) said, as safe text: redis-py puts a
+    refused command's arguments (a blob's bytes) in its error, and an answer may hold
+    terminal escapes."""
+    return printable(one_line(exc), 300)
+
+
+class _TooSlow(redis.TimeoutError):
+    """A Redis call outlasted its deadline (``_Deadlines``); never retried."""
+
+
+class _Deadlines:
+    """Ends every Redis command that outlasts its deadline: ``op_timeout`` seconds, plus
+    ``n / MIN_BYTES_PER_S`` for a command said (``moving``) to carry ``n`` bytes.
+
+    redis-py's socket timeout bounds each wait for the next bytes, not a whole reply, so a
+    link that trickles a little at a time would hold one call for as long as it likes. A
+    watchdog thread (one per remote, while a command waits) shuts the remote's sockets
+    when a deadline passes: the blocked read ends, the call raises ``_TooSlow`` (no
+    retry) and the remote is marked down as for any other error. redis-py copies each
+    connection's retry policy, so this object is shared, never copied."""
+
+    def __init__(self, op_timeout: float, on_expiry: Callable[[str], None]) -> None:
+        self.op_timeout = op_timeout
+        self._on_expiry = on_expiry
+        self._lock = threading.Lock()
+        self._due: dict[int, float] = {}   # thread id -> when its command must be done
+        self._wake = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        self._local = threading.local()   # per thread: bytes said, commands nested
+        self.expired: str | None = None   # why, once a deadline passed
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Deadlines:
+        return self
+
+    @contextmanager
+    def moving(self, nbytes: int) -> Iterator[None]:
+        """The commands sent in this block carry about ``nbytes`` bytes each way."""
+        self._local.nbytes = nbytes
+        try:
+            yield
+        finally:
+            self._local.nbytes = 0
+
+    @contextmanager
+    def command(self) -> Iterator[None]:
+        """One Redis command (or pipeline) of this thread, bounded; nested calls (a
+        connect inside a command) count as the outer one."""
+        depth = getattr(self._local, "depth", 0)
+        if self.expired is not None:
+            raise _TooSlow(self.expired)
+        if depth == 0:
+            seconds = self.op_timeout + getattr(self._local, "nbytes", 0) / MIN_BYTES_PER_S
+            with self._lock:
+                self._due[threading.get_ident()] = time.monotonic() + seconds
+                if self._watchdog is None or not self._watchdog.is_alive():
+                    self._watchdog = threading.Thread(target=self._watch, daemon=True,
+                                                      name="cachebuild-remote-watchdog")
+                    self._watchdog.start()
+            self._wake.set()
+        self._local.depth = depth + 1
+        try:
+            yield
+        except BaseException as e:
+            if self.expired is not None and not isinstance(e, _TooSlow):
+                raise _TooSlow(self.expired) from e
+            raise
+        finally:
+            self._local.depth = depth
+            if depth == 0:
+                with self._lock:
+                    self._due.pop(threading.get_ident(), None)
+
+    def _watch(self) -> None:
+        while True:
+            with self._lock:
+                if not self._due:
+                    self._watchdog = None
+                    return
+                wait = min(self._due.values()) - time.monotonic()
+                if wait <= 0:
+                    self.expired = (f"no answer within {self.op_timeout:g} s (plus 1 s a "
+                                    "MiB moved): the link is too slow")
+                    self._due.clear()
+            if wait <= 0:
+                self._on_expiry(self.expired or "")
+                continue
+            self._wake.wait(wait)
+            self._wake.clear()
+
+
+class _BoundedRetry(Retry):
+    """redis-py's retry policy (one immediate retry on a dropped connection, none on
+    timeouts), with every command bounded by ``_Deadlines``."""
+
+    def __init__(self, deadlines: _Deadlines) -> None:
+        super().__init__(NoBackoff(), 1, supported_errors=(redis.ConnectionError,))
+        self.deadlines = deadlines
+
+    def call_with_retry(self, do: Callable[[], T], fail: Any, *args: Any, **kwargs: Any) -> T:
+        def bounded() -> T:
+            with self.deadlines.command():
+                return do()
+
+        return super().call_with_retry(bounded, fail, *args, **kwargs)
+
+
+def _shut_sockets(remote_ref: weakref.ref[RedisRemote], why: str) -> None:
+    """End every read a remote's connections wait in (a deadline passed): shutting a
+    socket wakes a thread blocked on it, which then sees the connection closed, raises
+    ``_TooSlow`` and marks the remote down (each caller says ``why`` as its error)."""
+    remote = remote_ref()
+    if remote is None:
+        return
+    pool = remote._client.connection_pool
+    # redis-py keeps no public list of the connections in use; its pools have kept these
+    # two for years (a pool without them only loses this early end: the socket timeout
+    # still ends each wait for bytes).
+    for conn in [*getattr(pool, "_in_use_connections", ()),
+                 *getattr(pool, "_available_connections", ())]:
+        sock = getattr(conn, "_sock", None)
+        if sock is not None:
+            try:
+                sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+
+
 class RedisRemote(RemoteTier, LockServer):
     """A Redis server used as the shared L2 tier.
 
     ``mode="ro"`` makes this object write nothing at all to Redis: no blobs, no records,
     no locks, no clean-up of broken entries. Timeouts bound every call: connecting takes
-    at most ``connect_timeout`` seconds, any single socket read or write ``op_timeout``.
+    at most ``connect_timeout`` seconds, a command ``op_timeout`` seconds and, for one
+    that moves ``n`` bytes, ``n / MIN_BYTES_PER_S`` more (``_Deadlines``).
     """
 
     def __init__(
@@ -230,10 +384,13 @@ class RedisRemote(RemoteTier, LockServer):
                              f"not {chunk_size}")
         self.url = url
         self.display_url = redact_url(url)
+        _check_database(url, self.display_url)
         self.mode: Mode = mode
         self.chunk_size = chunk_size
         self.op_timeout = op_timeout
         self.clock = clock
+        ref = weakref.ref(self)
+        self._deadlines = _Deadlines(op_timeout, lambda why: _shut_sockets(ref, why))
         try:
             self._client = redis.Redis.from_url(
                 url,
@@ -241,7 +398,7 @@ class RedisRemote(RemoteTier, LockServer):
                 socket_timeout=op_timeout,
                 # One immediate retry on a dropped connection (an idle socket the server
                 # closed) and none on timeouts, so a dead server costs one timeout, not many.
-                retry=Retry(NoBackoff(), 1, supported_errors=(redis.ConnectionError,)),
+                retry=_BoundedRetry(self._deadlines),
             )
         except ValueError as exc:
             raise UsageError(f"bad remote URL {self.display_url}: {exc}") from exc
@@ -276,12 +433,9 @@ class RedisRemote(RemoteTier, LockServer):
             self._down = True
         log.debug("remote %s failed during %s", self.display_url, op, exc_info=exc)
         if first:
-            warnings.warn(
-                f"cachebuild remote {self.display_url} is unavailable ({op}: {exc}); "
-                "continuing with the local store only",
-                RemoteDownWarning,
-                stacklevel=4,
-            )
+            warn_caller(f"cachebuild remote {self.display_url} is unavailable "
+                        f"({op}: {_said(exc)}); continuing with the local store only",
+                        RemoteDownWarning)
 
     def _refuse_writes(self, op: str, exc: BaseException) -> None:
         """Redis answered but refused a write (OOM, replica, ACL): keep reading, stop writing."""
@@ -290,12 +444,9 @@ class RedisRemote(RemoteTier, LockServer):
             first = not self._writes_refused
             self._writes_refused = True
         if first:
-            warnings.warn(
-                f"cachebuild remote {self.display_url} refused a write ({op}: {exc}); "
-                "reading from it continues, nothing more is written to it",
-                RemoteDownWarning,
-                stacklevel=4,
-            )
+            warn_caller(f"cachebuild remote {self.display_url} refused a write "
+                        f"({op}: {_said(exc)}); reading from it continues, nothing more is "
+                        "written to it", RemoteDownWarning)
 
     def _guard(self, op: str, fn: Callable[[], T], default: T) -> T:
         """Run ``fn`` against Redis; on any remote error mark it down and return ``default``."""
@@ -418,7 +569,9 @@ class RedisRemote(RemoteTier, LockServer):
             for i in range(start, stop):
                 if sizes[i]:
                     pipe.getrange(chunk_key(key, i), 0, sizes[i] - 1)
-            for part in pipe.execute(raise_on_error=False):
+            with self._deadlines.moving(sum(sizes[start:stop])):
+                parts = pipe.execute(raise_on_error=False)
+            for part in parts:
                 if not isinstance(part, bytes) or filled + len(part) > meta.length:
                     self._incomplete(key, "chunks changed while they were read")
                     return None
@@ -504,11 +657,12 @@ class RedisRemote(RemoteTier, LockServer):
                 end += 1
             part = [key for key, _ in wanted[start:end]]
 
-            def read(part: list[str] = part) -> list[Any]:
+            def read(part: list[str] = part, flight: int = flight) -> list[Any]:
                 pipe = self._client.pipeline(transaction=False)
                 for k in part:
                     pipe.getrange(record_key(k), 0, MAX_RECORD_BYTES - 1)
-                return pipe.execute(raise_on_error=False)
+                with self._deadlines.moving(flight):
+                    return pipe.execute(raise_on_error=False)
 
             for key, raw in zip(part, self._guard("read records", read, []), strict=False):
                 if not isinstance(raw, bytes) or not raw:
@@ -571,7 +725,9 @@ class RedisRemote(RemoteTier, LockServer):
                 for i in range(start, min(start + batch, n)):
                     lo = i * self.chunk_size
                     pipe.set(chunk_key(key, i), view[lo : lo + self.chunk_size].tobytes())
-                pipe.execute()
+                with self._deadlines.moving(min(len(blob), (start + batch) * self.chunk_size)
+                                            - start * self.chunk_size):
+                    pipe.execute()
             doc = {
                 "format": RECORD_FORMAT,
                 "record": record,

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
+import socket
 import threading
 import time
 import warnings
@@ -220,17 +222,117 @@ def test_unresponsive_server_is_bounded_by_the_op_timeout():
             os.kill(server.proc.pid, 18)  # SIGCONT, so it can be stopped cleanly
 
 
+class _Trickle:
+    """A TCP proxy in front of a Redis server that passes requests on at once and
+    answers a few bytes a second (a congested or throttled link)."""
+
+    def __init__(self, port: int, bytes_per_s: int = 2000) -> None:
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.port = self.listener.getsockname()[1]
+        self._target, self._rate = port, bytes_per_s
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.listener.accept()
+            except OSError:
+                return
+            server = socket.create_connection(("127.0.0.1", self._target))
+            threading.Thread(target=self._pipe, args=(client, server, False), daemon=True).start()
+            threading.Thread(target=self._pipe, args=(server, client, True), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket, slow: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                step = self._rate // 10 if slow else len(data)
+                for i in range(0, len(data), step):
+                    sink.sendall(data[i:i + step])
+                    if slow:
+                        time.sleep(0.1)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def test_a_link_that_trickles_is_cut_at_the_deadline_not_at_the_end(server):
+    """The socket timeout bounds each wait for the next bytes, not a whole answer: a link
+    that sends a little at a time held one read of a 94 KiB entry for 50 s. Every call
+    now ends at its deadline (op timeout, plus a second a MiB it moves), marking the
+    remote down with one warning that says why, at the caller's line."""
+    key = new_key()
+    assert RedisRemote(server.url).put(key, record_for(key, 200_000), os.urandom(200_000))
+    trickle = _Trickle(int(server.url.rsplit(":", 1)[1].split("/")[0]))
+    try:
+        remote = RedisRemote(f"redis://127.0.0.1:{trickle.port}/0", mode="ro", op_timeout=1.0)
+        began = time.monotonic()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            assert remote.get(key) is None  # 200 KB at 2 KB/s would take 100 s
+            assert remote.get(key) is None  # and the next call does not try again
+        assert time.monotonic() - began < 30
+        assert not remote.available and remote.errors == 1
+        [said] = down_warnings(caught)
+        assert "the link is too slow" in str(said.message)
+        assert said.filename == __file__
+    finally:
+        trickle.close()
+
+
 def test_bad_url_and_mode_are_usage_errors():
     with pytest.raises(UsageError):
         RedisRemote("http://127.0.0.1:6379")
     with pytest.raises(UsageError):
         RedisRemote("redis://127.0.0.1:6379", mode="wo")  # type: ignore[arg-type]
+    # A database that is not a number was taken for database 0, silently.
+    for url in ("redis://127.0.0.1:6379/abc", "redis://127.0.0.1:6379/0?db=x"):
+        with pytest.raises(UsageError, match="is not a number"):
+            RedisRemote(url)
+    for url in ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379/", "redis://h:1/15",
+                "redis://h:1?db=3", "unix:///run/redis.sock?db=2"):
+        RedisRemote(url)
 
 
 def test_password_is_redacted():
     assert redact_url("redis://user:s3cret@10.0.0.1:6379/2") == "redis://user:***@10.0.0.1:6379/2"
     assert redact_url("redis://127.0.0.1:6379/0") == "redis://127.0.0.1:6379/0"
     assert "s3cret" not in repr(RedisRemote("redis://:s3cret@127.0.0.1:1/0"))
+    # redis-py takes a password as a query parameter too, and so in a unix socket's URL.
+    assert redact_url("redis://127.0.0.1:6379/4?password=s3cret") == \
+        "redis://127.0.0.1:6379/4?password=***"
+    assert redact_url("unix:///run/redis.sock?db=2&password=s3cret") == \
+        "unix:///run/redis.sock?db=2&password=***"
+    assert "s3cret" not in RedisRemote("redis://h:1/0?Password=s3cret").display_url
+
+
+def test_what_the_server_says_is_shown_as_plain_text():
+    """A refusal's text (a blob's bytes, as redis-py quotes the command) or an answer
+    holding terminal escapes reaches the warning as plain text."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def answer(conn: socket.socket) -> None:
+        with conn:
+            while data := conn.recv(65536):  # an error for each command (RESP array)
+                commands = data.startswith(b"*") + data.count(b"\r\n*")
+                conn.sendall(b"-ERR \x1b]0;title\x07 \x00\x01 refused\r\n" * commands)
+
+    def accept() -> None:
+        with contextlib.suppress(OSError):
+            while True:
+                threading.Thread(target=answer, args=(listener.accept()[0],), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    remote = RedisRemote(f"redis://127.0.0.1:{listener.getsockname()[1]}/0")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        remote.get_record(new_key())
+        remote.put(new_key(), record_for("x", 3), b"abc")
+    listener.close()
+    said = " ".join(str(w.message) for w in down_warnings(caught))
+    assert said and "refused" in said
+    assert all(c.isprintable() for c in said), said
 
 
 # -- lock ---------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from cachebuild import process_state
-from cachebuild.errors import UsageError, one_line
+from cachebuild.errors import UsageError, one_line, printable
 from cachebuild.store import StoreOptions, UnknownKey
 from cachebuild.store.interface import Store
 from cachebuild.units import format_duration, parse_duration, parse_size
@@ -150,19 +150,6 @@ def holds_store_or_may_make(path: Path) -> bool:
     return False
 
 
-def printable(value: object, limit: int = 200) -> str:
-    """``value`` as plain text that is safe to echo: control characters (terminal escape
-    sequences among them) written as ``\\xNN``, cut at ``limit`` characters (after the
-    last item of a ``;`` list that fits, where that keeps most of it: no word cut in two)."""
-    text = str(value)
-    end = limit
-    if len(text) > limit:
-        items = text.rfind("; ", 0, limit)
-        end = items if items > limit * 0.6 else limit
-    return "".join(c if c.isprintable() else f"\\x{ord(c):02x}" for c in text[:end]) + (
-        ("; …" if end < limit else "…") if len(text) > limit else "")
-
-
 def safe_text(value: object, limit: int = 200) -> str:
     """``value`` as text that is safe to print through rich: control characters (terminal
     escape sequences among them) written as ``\\xNN``, rich markup escaped, and cut
@@ -272,7 +259,7 @@ def _show_warning(message: Warning | str, category: type[Warning], filename: str
         return
     if not process_state.current().first_saying(f"warning: {name}"):
         return
-    click.echo(f"warning: {one_line(message)}", err=True)
+    click.echo(f"warning: {printable(one_line(message), 1000)}", err=True)
 
 
 def install_warning_display() -> None:
