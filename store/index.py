@@ -39,9 +39,10 @@ _MANIFEST = "m:"
 _COUNTER = "c:"
 #: Counters the index keeps: lookups (hits, misses), blobs stored and quarantined, and what
 #: processes did with the store (``LocalStore.count``): targets built and loaded, and the
-#: milliseconds those took, traces, warm starts.
+#: milliseconds those took, traces, warm starts, blobs a remote tier gave (``l2_hits``) and
+#: the remote copies refused as they failed verification.
 COUNTERS = ("hits", "misses", "quarantined", "puts", "builds", "build_ms", "loads", "load_ms",
-            "traces", "warm_starts")
+            "traces", "warm_starts", "l2_hits", "remote_rejected")
 
 #: Errors the database raises when the disk is full, read-only or locked for too long.
 INDEX_ERRORS = (sqlite3.Error, diskcache.Timeout, OSError)

@@ -844,6 +844,7 @@ class LocalStore(LocalTier):
         stats.builds, stats.build_seconds = counters["builds"], counters["build_ms"] / 1000
         stats.loads, stats.load_seconds = counters["loads"], counters["load_ms"] / 1000
         stats.traces, stats.warm_starts = counters["traces"], counters["warm_starts"]
+        stats.l2_hits, stats.remote_rejected = counters["l2_hits"], counters["remote_rejected"]
         stats.tmp_files = maintenance.count_files(self._layout.tmp)
         stats.work = maintenance.work_usage(self.work_dir)
         stats.quarantine_files = maintenance.count_files(self._layout.quarantine)

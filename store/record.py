@@ -315,6 +315,7 @@ class TierStats:
 
     l1_hits: int = 0
     l2_hits: int = 0
+    l2_bytes: int = 0  # of the blobs those copied in
     misses: int = 0
     remote_rejected: int = 0
     remote_errors: int = 0
@@ -331,8 +332,10 @@ class StoreStats:
 
     ``bytes`` is the records' payload, ``disk_bytes`` what their blobs take on disk;
     ``hit_rate`` is None before any lookup; the counters (hits, misses, puts, quarantined,
-    builds and their seconds, loads and theirs, traces, warm starts) count since the store
-    was made. ``read_only``, ``overlay`` and ``tiers`` are set by the stores that have them.
+    builds and their seconds, loads and theirs, traces, warm starts, blobs copied in from a
+    remote tier and remote copies refused) count since the store was made. ``read_only``,
+    ``overlay`` and ``tiers`` (this process's lookups by tier) are set by the stores that
+    have them.
     """
 
     path: str
@@ -351,6 +354,8 @@ class StoreStats:
     load_seconds: float = 0.0
     traces: int = 0
     warm_starts: int = 0
+    l2_hits: int = 0
+    remote_rejected: int = 0
     by_kind: dict[str, KindTotals] = field(default_factory=dict)
     tmp_files: int = 0
     quarantine_files: int = 0

@@ -29,6 +29,7 @@ Records are signed and checked by ``signing.py``, refs read by ``refs.py``; ``pu
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import threading
@@ -66,6 +67,7 @@ class TierCounters:
 
     l1_hits: int = 0
     l2_hits: int = 0
+    l2_bytes: int = 0  # of the payloads those copied in
     misses: int = 0
     remote_rejected: int = 0
 
@@ -151,9 +153,15 @@ class TieredStore(Store):
     def scratch_dir(self, *, in_memory: bool = False) -> Path:
         return self.local.scratch_dir(in_memory=in_memory)
 
-    def _count(self, field: str) -> None:
+    def _count(self, field: str, amount: int = 1) -> None:
         with self._count_lock:
-            setattr(self.counters, field, getattr(self.counters, field) + 1)
+            setattr(self.counters, field, getattr(self.counters, field) + amount)
+
+    def _keep_count(self, counter: str) -> None:
+        """Count in the local store too, for ``cachebuild stats`` (a read-only one keeps
+        no counters)."""
+        with contextlib.suppress(StoreError):
+            self.local.count(counter)
 
     # -- reads ------------------------------------------------------------------------
 
@@ -192,6 +200,7 @@ class TieredStore(Store):
                 raise CorruptBlob("its record disagrees with the blob's header", key)
         except CorruptBlob as exc:
             self._count("remote_rejected")
+            self._keep_count("remote_rejected")
             self._rejected.add(key)
             log.warning("rejected remote blob %s from %s: %s", key, self.remote.display_url,
                         exc.reason)
@@ -221,6 +230,8 @@ class TieredStore(Store):
                                          last_used=now, manifest=manifest, refs=refs,
                                          unsigned_from=origin, trusted=trusted)
         self._count("l2_hits")
+        self._count("l2_bytes", len(payload))
+        self._keep_count("l2_hits")
         return payload, "pulled"
 
     def _early_check(self, key: str) -> Callable[[memoryview, int], None]:
@@ -304,10 +315,15 @@ class TieredStore(Store):
                 yield record if manifests else dataclasses.replace(record, manifest=None)
 
     def materialize(self, key: str, suffix: str) -> Path | None:
-        """A verified file holding ``key``'s payload, pulling it from L2 first if needed."""
+        """A verified file holding ``key``'s payload, pulling it from L2 first if needed
+        (counted as ``get`` counts: a load is a lookup)."""
         path = self.local.materialize(key, suffix)
-        if path is None and self.fetch(key)[0] is not None:
+        if path is not None:
+            self._count("l1_hits")
+        elif self.fetch(key)[0] is not None:
             path = self.local.materialize(key, suffix)
+        else:
+            self._count("misses")
         return path
 
     # -- writes -----------------------------------------------------------------------

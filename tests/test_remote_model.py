@@ -156,8 +156,11 @@ def test_second_machine_runs_from_redis_without_building(warmed):
     assert stats["built"] == 0 and stats["traced"] == 0 and stats["failed"] == 0
     assert stats["entries_loaded"] == 1 and stats["loaded"] == UNIQUE_TARGETS
     assert tiers["l2_hits"] >= UNIQUE_TARGETS + 1 and tiers["remote_rejected"] == 0
-    # What came from Redis is in the second machine's L1 now.
+    # What came from Redis is in the second machine's L1 now, and its `stats` says so
+    # (the counts of one process were all it showed: L2 hits 0, always).
     assert l1_kinds(l1) == KINDS
+    table = cli("stats", "--json", env=env_for(l1, s.url))
+    assert json.loads(table.stdout)["l2_hits"] == STORED, table.stdout
 
 
 def test_pull_then_run_with_the_remote_off(warmed):
@@ -165,9 +168,11 @@ def test_pull_then_run_with_the_remote_off(warmed):
     l1 = folder / "c"
     proc = cli("pull", str(model), env=env_for(l1, s.url))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    # Finding the entry's key fetched the entry's seal already (a lookup checks it).
+    # Finding the entry's key copied the entry and its seal in (a lookup checks it): they
+    # are pulled too, with their bytes (they were said to be "already there").
     counts = re.search(r"pulled (\d+) .*, (\d+) already there", proc.stdout)
-    assert counts and sum(map(int, counts.groups())) == STORED and "MB/s" in proc.stdout
+    assert counts and tuple(map(int, counts.groups())) == (STORED, 0), proc.stdout
+    assert "MB/s" in proc.stdout
     assert l1_kinds(l1) == KINDS
     again = cli("pull", str(model), env=env_for(l1, s.url))
     assert again.returncode == 0 and f"{STORED} already there" in again.stdout
@@ -192,7 +197,7 @@ def test_push_model_and_all(warmed, tmp_path):
         tiers = json.loads(stats.stdout)["tiers"]
         assert tiers["remote_available"] and tiers["remote_mode"] == "rw" and tiers["signed"]
         table = cli("stats", env=env_for(folder / "a", other.url))
-        assert "L1 hits" in table.stdout and "L2 hits" in table.stdout
+        assert "L2 hits" in table.stdout and "remote rejected" in table.stdout
         ro = cli("--remote-mode", "ro", "push", "--all", env=env_for(folder / "a", other.url))
         assert ro.returncode == 2 and ro.stderr.count("\n") == 1 and "read-only" in ro.stderr
 

@@ -45,6 +45,13 @@ def _tiered(ctx: click.Context, command: str) -> tuple[Store, RemoteTier]:
     return store, store.remote
 
 
+def _copied_in(store: Store) -> tuple[int, int]:
+    """How many blobs this process copied into ``store``'s L1 from its remote, and their
+    bytes."""
+    tiers = getattr(store, "counters", None)
+    return (tiers.l2_hits, tiers.l2_bytes) if tiers is not None else (0, 0)
+
+
 def _entry_targets(store: Store, key: str) -> list[str]:
     """The keys the entry ``key`` held in L1 needs beside it: its targets and its seal."""
     from cachebuild.building.entry import Entry
@@ -151,8 +158,9 @@ def pull_command(ctx: click.Context, model: str, jobs: int) -> None:
     from cachebuild.store import pull
 
     store, remote = _tiered(ctx, "pull")
-    entry_key = entry_key_of(model, store)
     start = time.perf_counter()
+    before = _copied_in(store)
+    entry_key = entry_key_of(model, store)  # its lookup copies the entry in, and its seal
     first = pull(store, [entry_key], workers=1)
     if not store.local.contains(entry_key):
         if first.failed or not remote.available:
@@ -167,6 +175,12 @@ def pull_command(ctx: click.Context, model: str, jobs: int) -> None:
     seconds = time.perf_counter() - start
     for name in ("transferred", "present", "bytes"):
         setattr(targets, name, getattr(targets, name) + getattr(first, name))
+    # What the lookup copied in was pulled too, not "already there".
+    (blobs_after, bytes_after), (blobs_before, bytes_before) = _copied_in(store), before
+    by_lookup = blobs_after - blobs_before - targets.transferred
+    targets.transferred += by_lookup
+    targets.present = max(0, targets.present - by_lookup)
+    targets.bytes += bytes_after - bytes_before - targets.bytes
     click.echo(f"entry {entry_key} and its targets ← {remote.display_url}: "
                + _summary("pulled", targets, seconds, rate=True))
     if targets.missing or targets.rejected or targets.failed:

@@ -93,6 +93,8 @@ def store_metrics(stats: StoreStats) -> str:
         "puts": "Blobs stored.", "quarantined": "Blobs that failed verification.",
         "builds": "Targets built into the store.", "loads": "Targets loaded from the store.",
         "traces": "Models traced with Dynamo.", "warm_starts": "Starts from a stored entry.",
+        "l2_hits": "Blobs copied in from the remote tier.",
+        "remote_rejected": "Remote copies refused: they failed verification.",
     }
     metrics = [Metric(f"store_{name}_total", float(getattr(stats, name)), text)
                for name, text in counters.items()]
@@ -123,7 +125,7 @@ def store_metrics(stats: StoreStats) -> str:
 def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> None:
     """Records, sizes, hits and misses of the store, and what processes did with it
     (targets built and loaded and the time it took, traces, warm starts); with a remote,
-    also by tier (L1/L2). --prometheus writes the same counters in the Prometheus text
+    its health now and the blobs copied in from it (L2 hits) or refused. --prometheus writes the same counters in the Prometheus text
     format, for a collector that reads files (node_exporter's textfile collector)."""
     from cachebuild.backends import environment
     from cachebuild.backends.probe import listed_toolchains, unusable
@@ -176,12 +178,10 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
         health = "up" if tiers.remote_available else "down"
         rows += [("remote", f"{tiers.remote} ({tiers.remote_mode}, {health}, "
                             f"{'signed' if tiers.signed else 'unsigned'})"),
-                 ("L1 hits", str(tiers.l1_hits)),
-                 ("L2 hits", str(tiers.l2_hits)),
-                 ("tier misses", str(tiers.misses)),
-                 ("remote rejected", str(tiers.remote_rejected)),
-                 ("remote incomplete", str(tiers.remote_incomplete)),
-                 ("remote errors", str(tiers.remote_errors))]
+                 # Since the store was made, as the hits and misses above (the L1's):
+                 ("L2 hits", f"{stats.l2_hits} (blobs copied in from the remote)"),
+                 ("remote rejected", f"{stats.remote_rejected} (copies that failed "
+                                     "verification)")]
     work = stats.work
     if work is not None:  # what compilers wrote during builds: gc empties it
         rows.append(("build work files", f"{format_size(work.bytes)} in "
