@@ -389,6 +389,11 @@ class TieredStore(Store):
         return removed
 
     def reopen_options(self) -> StoreOptions | None:
+        # A remote this process found down is left out: each worker would wait out its
+        # timeout again.
+        if self._opened_with is not None and self.remote is not None \
+                and not self.remote.available:
+            return self._opened_with.with_remote_off()
         return self._opened_with
 
     def close(self) -> None:

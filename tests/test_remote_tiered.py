@@ -283,6 +283,15 @@ def test_redis_down_at_start_works_locally_with_one_warning(tmp_path):
     tiers = store.stats().tiers
     assert tiers.remote_available is False and tiers.remote_errors == 1
     assert tiers.l1_hits == 20
+    # Workers this process starts now are not sent to wait out the same timeout again,
+    # and a start that finds no entry says the remote was unavailable, not "not warmed".
+    options = StoreOptions(cache_dir=tmp_path / "a", remote=url)
+    reopened = TieredStore(store.local, store.remote, signing_key=KEY_A, opened_with=options)
+    assert reopened.reopen_options() == options.with_remote_off()
+    from cachebuild.building.notice import reason
+
+    said = reason("no entry", store, {})
+    assert "the remote redis://127.0.0.1" in said and "unavailable" in said, said
 
 
 def test_redis_killed_mid_puts_completes_locally_with_one_warning(tmp_path):

@@ -61,6 +61,10 @@ def reason(why: str, store: Store | None = None,
             return ("its stored entry is not served here (it came unsigned from a source "
                     "no one trusted, or it is damaged: see the message above)")
         changes = _changes(store, factors)
+        remote = getattr(store, "remote", None)
+        if not changes and remote is not None and not remote.available:
+            return (f"no stored entry was found here, and the remote {remote.display_url} "
+                    "that may hold one is unavailable (see the warning above)")
         if not changes:
             return ("it was not warmed (no stored entry for this model, config and input "
                     "shapes)")
