@@ -81,6 +81,8 @@ class StoreOptions:
             raise UsageError("the cache directory is empty: give a path (--cache-dir or "
                              "CACHEBUILD_DIR)")
         object.__setattr__(self, "cache_dir", Path(self.cache_dir).expanduser())
+        if self.remote is not None:  # a line read from a file keeps its end
+            object.__setattr__(self, "remote", self.remote.strip() or None)
         if self.overlay_dir is not None:
             if not str(self.overlay_dir).strip():
                 raise UsageError("CACHEBUILD_OVERLAY_DIR is empty: give a path, or unset it")

@@ -202,6 +202,20 @@ def test_push_model_and_all(warmed, tmp_path):
         assert ro.returncode == 2 and ro.stderr.count("\n") == 1 and "read-only" in ro.stderr
 
 
+def test_a_pull_the_remote_cannot_serve_whole_says_what_builds_the_rest(warmed):
+    model, folder = warmed["model"], warmed["folder"]
+    with RedisServer() as other:
+        assert cli("push", str(model), env=env_for(folder / "a", other.url)).returncode == 0
+        client = other.client()
+        target = next(k for k in client.keys("cachebuild:v1:rec:*")
+                      if json.loads(client.get(k))["record"]["kind"] == "fx-graph")
+        client.delete(target)
+        proc = cli("pull", str(model), env=env_for(folder / "d", other.url))
+        assert proc.returncode == 1 and "1 missing" in proc.stdout, proc.stdout
+        assert f"`cachebuild warm {model}` with the remote read-write" in proc.stderr, \
+            proc.stderr
+
+
 def test_two_machines_warming_at_once_build_each_target_once(server, tmp_path):
     model = write_model(tmp_path)
     procs = [subprocess.Popen([sys.executable, "-m", "cachebuild.cli", *warm_args(model)],

@@ -285,7 +285,8 @@ def test_redis_down_at_start_works_locally_with_one_warning(tmp_path):
     assert tiers.l1_hits == 20
     # Workers this process starts now are not sent to wait out the same timeout again,
     # and a start that finds no entry says the remote was unavailable, not "not warmed".
-    options = StoreOptions(cache_dir=tmp_path / "a", remote=url)
+    options = StoreOptions(cache_dir=tmp_path / "a", remote=url + "\n")  # as a file gives it
+    assert options.remote == url
     reopened = TieredStore(store.local, store.remote, signing_key=KEY_A, opened_with=options)
     assert reopened.reopen_options() == options.with_remote_off()
     from cachebuild.building.notice import reason

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from cachebuild.cli.common import MAX_JOBS, MAX_LISTED, open_store, printable, state_of
+from cachebuild.cli.common import MAX_JOBS, MAX_LISTED, open_store, plural, printable, state_of
 from cachebuild.errors import CachebuildError, UsageError
 from cachebuild.units import format_size
 
@@ -183,6 +183,10 @@ def pull_command(ctx: click.Context, model: str, jobs: int) -> None:
     targets.bytes += bytes_after - bytes_before - targets.bytes
     click.echo(f"entry {entry_key} and its targets ← {remote.display_url}: "
                + _summary("pulled", targets, seconds, rate=True))
+    if targets.missing or targets.rejected:
+        click.echo(f"error: the remote lacks {plural(targets.missing + targets.rejected, 'target')} "
+                   f"of the entry (missing, or failing verification): `cachebuild warm {model}` "
+                   "with the remote read-write builds them and sends them there", err=True)
     if targets.missing or targets.rejected or targets.failed:
         ctx.exit(1)
 
