@@ -259,6 +259,18 @@ class CompiledModule(torch.nn.Module):
         return CompiledModule(copy.deepcopy(self.model, memo), self.config, self.dynamic_dims,
                               self._store, self._passes)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (``torch.save``) as its model and how it was compiled: unpickled, it is
+        compiled again on the store the environment configures there, its first call
+        finding what this one stored (as ``__deepcopy__``). One given a store or custom
+        passes cannot be pickled (a store's keys and a remote's password are not written
+        into a file): TypeError, saying what to pickle instead."""
+        if self._store is not None or self._passes is not None:
+            raise TypeError(f"a compiled {type(self.model).__name__} given a store or "
+                            "custom passes cannot be pickled: pickle its model (.model) and "
+                            "compile it again where it is loaded")
+        return (_compiled_again, (self.model, self.config, self.dynamic_dims))
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:  # a call's inputs are bound by position, as its entry and guards are
             raise UsageError(_keywords_refused(self.model, sorted(kwargs)))
@@ -365,16 +377,28 @@ class CompiledModule(torch.nn.Module):
                 return runtime
         log.info("cachebuild: %s changed since its last call (%s): finding or tracing its "
                  "forward for these values", name, changed)
-        self._runtime = None
-        runtime = self.prepare(*args)
-        if runtime is None:
-            return None
-        left = runtime.mismatches(self.model, args)
-        if left:  # a trace must read what it was given: never run a forward that differs
-            raise UsageError(f"{name}'s forward for its current values does not hold right "
-                             f"after it was made ({left[0].describe()}), so it is not run: "
-                             "compile it with torch.compile(model, backend=cachebuild.backend())")
-        return runtime
+        left: list[Mismatch] = []
+        for _ in range(3):
+            self._runtime = None
+            runtime = self.prepare(*args)
+            if runtime is None:
+                return None
+            left = runtime.mismatches(self.model, args)
+            if not left:
+                return runtime
+            # A trace must read what it was given: never run a forward that differs. A
+            # value another thread changed meanwhile is traced again as it is now.
+        raise UsageError(f"{name}'s forward for its current values does not hold right "
+                         f"after it was made ({left[0].describe()}), so it is not run: if "
+                         "another thread changes it as calls run, change it between calls; "
+                         "else compile it with torch.compile(model, "
+                         "backend=cachebuild.backend())")
+
+
+def _compiled_again(model: torch.nn.Module, config: CompileConfig,
+                    dynamic_dims: dict[int, int]) -> CompiledModule:
+    """A pickled ``CompiledModule`` (``CompiledModule.__reduce__``), compiled again."""
+    return compile(model, config, dynamic_dims)
 
 
 def _keywords_refused(model: torch.nn.Module, names: list[str]) -> str:

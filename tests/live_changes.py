@@ -34,6 +34,14 @@ class Mode:
 
 
 PLAIN, QUADRUPLED = Mode(), Mode()
+#: Sentinels by ``object()``, and objects held by a list and by another class's
+#: attributes: told apart by identity alone, named by no global of their class's module.
+UNSET, SET = object(), object()
+MODES = [Mode(), Mode()]
+
+
+class Kinds:
+    FIRST, SECOND = Mode(), Mode()
 
 
 @dataclass
@@ -82,6 +90,9 @@ class Net(Tuned):
         self.config = Config()
         self.extra = ["a"]  # a list whose contents the forward reads
         self.mode = PLAIN
+        self.state = UNSET
+        self.picked = MODES[0]
+        self.kind = Kinds.FIRST
         self.env_name = "LIVE_TRIPLE"  # a variable named by an attribute, not a constant
         self.count = 1  # made True: equal to 1 in Python, yet another value
         self.gate = Gate()  # given another class in place
@@ -102,6 +113,12 @@ class Net(Tuned):
             y = y + getattr(self, name)(x)
         if self.mode is QUADRUPLED:
             y = y * 4
+        if self.state is SET:
+            y = y * 6
+        if self.picked is MODES[1]:
+            y = y * 7
+        if self.kind is Kinds.SECOND:
+            y = y * 8
         if self.count is True:
             y = y * 5
         y = self.scale(self.gate.apply(y)) * self.gain * self.gate.level
@@ -133,6 +150,10 @@ def _swap_code(function: Callable[..., object], code: object) -> object:
     the same function object, no name bound anew."""
     old, function.__code__ = function.__code__, code  # type: ignore[attr-defined]
     return old
+
+
+def _swap_kinds() -> None:
+    Kinds.FIRST, Kinds.SECOND = Kinds.SECOND, Kinds.FIRST
 
 
 def _set_global(value: float) -> None:
@@ -190,6 +211,11 @@ def _hook(net: Net) -> object:
     return net.a.register_forward_hook(tripled)
 
 
+#: Changes whose values an earlier case's change gave already: the forward made for those
+#: serves them, nothing is traced.
+SEEN_BEFORE = ("the list holding the object compared with reordered",
+               "class attributes compared with swapped")
+
 #: Each change and how it is undone.
 CASES = [
     Case("attribute", lambda n: setattr(n, "use_b", True), lambda n, _: setattr(n, "use_b", False)),
@@ -206,6 +232,16 @@ CASES = [
     Case("forward hook", _hook, lambda n, handle: handle.remove()),
     Case("module-level object", lambda n: setattr(n, "mode", QUADRUPLED),
          lambda n, _: setattr(n, "mode", PLAIN)),
+    Case("sentinel made by object()", lambda n: setattr(n, "state", SET),
+         lambda n, _: setattr(n, "state", UNSET)),
+    Case("object held by a list", lambda n: setattr(n, "picked", MODES[1]),
+         lambda n, _: setattr(n, "picked", MODES[0])),
+    Case("the list holding the object compared with reordered", lambda n: MODES.reverse(),
+         lambda n, _: MODES.reverse()),
+    Case("object held by another class's attribute", lambda n: setattr(n, "kind", Kinds.SECOND),
+         lambda n, _: setattr(n, "kind", Kinds.FIRST)),
+    Case("class attributes compared with swapped", lambda n: _swap_kinds(),
+         lambda n, _: _swap_kinds()),
     Case("method of the class", _patch_method, lambda n, original: setattr(Net, "post", original)),
     Case("code of a function", lambda n: _swap_code(finish, _finish_tripled.__code__),
          lambda n, old: _swap_code(finish, old)),

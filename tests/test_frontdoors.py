@@ -257,6 +257,33 @@ def test_a_deep_copy_is_the_model_copied_and_compiled_as_this_one_is(open_local,
     assert delta["built"] == 0 and delta["traced"] == 0, delta
 
 
+def test_a_pickled_compiled_module_is_compiled_again_where_it_is_loaded(open_local, tmp_path,
+                                                                          monkeypatch):
+    """``torch.save`` of a compiled module after its first call (it raised on a local
+    function): saved as its model and how it was compiled, loaded compiled again on the
+    store the environment names, and its first call finds what the original stored. One
+    given a store (whose keys must not go into a file) says what to pickle instead."""
+    import io
+    import pickle
+
+    monkeypatch.setenv("CACHEBUILD_DIR", str(tmp_path / "s"))
+    model = models.make(models.Decoder, layers=1)
+    compiled = cachebuild.compile(model, models.config(), DYN)
+    models.assert_matches_eager(compiled, model, models.inputs(5))
+    before = cachebuild.stats()
+    saved = io.BytesIO()
+    torch.save(compiled, saved)
+    saved.seek(0)
+    loaded = torch.load(saved, weights_only=False)
+    assert loaded.model is not model
+    models.assert_matches_eager(loaded, loaded.model, models.inputs(6))
+    delta = models.counters_delta(before, cachebuild.stats())
+    assert delta["built"] == 0 and delta["traced"] == 0, delta
+    given = cachebuild.compile(model, models.config(), DYN, store=open_local(tmp_path / "t"))
+    with pytest.raises(TypeError, match=r"pickle its model \(\.model\)"):
+        pickle.dumps(given)
+
+
 def test_a_cold_start_under_inference_mode(open_local, tmp_path):
     """A server's first call under ``torch.inference_mode()`` (as the README serves) with
     nothing stored: traced, split and built (its look at what each piece writes reads

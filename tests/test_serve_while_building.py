@@ -414,6 +414,50 @@ def test_a_variant_swaps_at_its_own_call_and_a_waiting_start_joins_the_build(tmp
     assert out["built"] == out["stored"], out
 
 
+#: A pre-fork server: a cold start, its first call, then a fork while the AOTI targets
+#: build in the background. The child serves, finds no build of its own to wait for
+#: (the threads building are the parent's) and ends; the parent's build goes on.
+FORKED = textwrap.dedent("""
+    import json, os, sys, time
+    import torch
+    import cachebuild, models
+    from cachebuild.building.background import running_builds
+    from cachebuild.store import LocalStore
+
+    torch.set_num_threads(1)  # OpenMP's threads, once used, hang a forked child's kernels
+    model = models.make(models.Decoder, layers=1)
+    store = LocalStore(sys.argv[1])
+    config = cachebuild.CompileConfig(splitting_ops=(models.ATTENTION,),
+                                      compile_ranges=(models.AOTI_RANGE,))
+    compiled = cachebuild.compile(model, config, {0: 0, 1: 0}, store=store)
+    models.assert_matches_eager(compiled, model, models.inputs(4))
+    building = not compiled.wait_built(0)
+    child = os.fork()
+    if child == 0:
+        models.assert_matches_eager(compiled, model, models.inputs(5))
+        assert compiled.wait_built(30) and not running_builds(store)
+        sys.exit(0)  # its exit handlers run: none may wait for the parent's build
+    deadline = time.monotonic() + 300
+    while (ended := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if ended[0] == 0:
+        os.kill(child, 9)
+    built = compiled.wait_built(600)
+    models.assert_matches_eager(compiled, model, models.inputs(6))
+    print(json.dumps({"building_at_fork": building, "child_ended": ended[0] != 0,
+                      "child_status": ended[1], "built": built}))
+""")
+
+
+@pytest.mark.slow
+def test_a_child_forked_while_targets_build_serves_and_ends(tmp_path):
+    # It waited forever at its exit (and a start of its own waited forever to join) for a
+    # build whose threads were its parent's.
+    out = _run(FORKED, tmp_path / "store", _defaults_env())
+    assert out == {"building_at_fork": True, "child_ended": True, "child_status": 0,
+                   "built": True}, out
+
+
 @pytest.mark.slow
 def test_ctrl_c_while_an_ending_process_waits_leaves_the_build_and_the_store_whole(tmp_path):
     import signal

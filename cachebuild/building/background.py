@@ -90,6 +90,25 @@ def finish_at_exit() -> None:
         _leave(pending)
 
 
+def _forked() -> None:
+    """In a child forked while builds ran in the background (a pre-fork server): the
+    threads that built them are not in the child, so each is over here, left to the
+    parent, which stores them for the next start. The child serves what it has; a start
+    of its own looks in the store (it neither waits for them nor, ending, for them)."""
+    for b in list(process_state.current().building):
+        if not b.done.is_set():
+            # New locks: one held by a thread of the parent at the fork stays held here.
+            b._lock, b.done = threading.Lock(), threading.Event()
+            b.error = ("this process was forked while they built in the background: its "
+                       "parent builds them")
+            b.left = True
+            b.done.set()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
 class BackgroundBuild:
     """The missing targets of an entry, building in worker processes in the background,
     then loaded there too (``done`` is set once they are, or once a build failed:

@@ -15,13 +15,14 @@ guard kinds that need no record say why in ``COVERED``.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
 import re
 import sys
 import types
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +32,9 @@ from cachebuild import compat
 from cachebuild.tracing.guards import (
     STATE_NAMES,
     GuardRecord,
+    GuardSet,
     Unplain,
+    aliasable,
     decode_key,
     encode_key,
     fingerprint,
@@ -416,11 +419,87 @@ def records_from(collected: Collected, model: torch.nn.Module, args: Sequence[An
         if record is not None and not _dynamo_internal(record):
             # repr: a path may hold a key stored as a dict (a tuple key: ``encode_key``)
             records.setdefault((repr(record.path), record.check, repr(record.arg)), record)
+            if record.check == "type" and aliasable(resolve(record.path, model, args)):
+                # Dynamo guards ``x is OTHER`` between two objects of one class by their
+                # type alone; which of the traced paths hold the same object is recorded
+                # (its fingerprint is filled in below, from all of them).
+                alias = GuardRecord(record.path, "alias")
+                records.setdefault((repr(record.path), "alias", "None"), alias)
     for name in STATE_NAMES:
         path = (("state", name),)
         records[(repr(path), "equals", "None")] = GuardRecord(
             path, "equals", None, fingerprint("equals", process_state(name), None))
-    return list(records.values())
+    return _with_aliases(list(records.values()), model, args)
+
+
+#: ``Py_TPFLAGS_HEAPTYPE``: a class a ``class`` statement made (whose attributes can be set).
+_HEAPTYPE = 1 << 9
+
+
+def _held_by(value: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
+    """``(step, object)`` for what ``value`` holds one step away: a class's attributes
+    (along its MRO), a list's or tuple's items, a dict's items (under keys a path can
+    name), an object's or a module's attributes in its dict."""
+    if isinstance(value, type):
+        names = {n for c in getattr(value, "__mro__", ()) if c.__flags__ & _HEAPTYPE
+                 for n in vars(c)}
+        for name in sorted(names):
+            try:
+                yield ("attr", name), getattr(value, name)
+            except Exception:
+                continue
+    elif isinstance(value, (list, tuple)):
+        yield from ((("item", i), v) for i, v in enumerate(list(value)))
+    elif isinstance(value, dict):
+        for k, v in list(value.items()):
+            try:
+                yield ("item", encode_key(k)), v
+            except Unplain:
+                continue
+    else:
+        try:
+            own = vars(value)
+        except TypeError:
+            return
+        if isinstance(own, dict):
+            yield from ((("attr", k), v) for k, v in list(own.items()) if isinstance(k, str))
+
+
+def _with_aliases(records: list[GuardRecord], model: Any, args: Sequence[Any]
+                  ) -> list[GuardRecord]:
+    """``records`` with each ``alias`` record's fingerprint as the trace's objects give it
+    (``GuardSet.values``: which paths hold the same object), and an ``alias`` record for
+    every other place, one step from a value the records read (an attribute of an object
+    or a class, an item of a container, a global of a module), that holds one of those
+    objects. Dynamo guards an object only where it first met it: the second side of
+    ``self.mode is MODES[1]`` is not guarded where it is the same object, nor is a class
+    attribute read through the class (``Net.FAST``), yet either may change."""
+    objects: dict[int, Any] = {}
+    for r in records:
+        if r.check == "alias":
+            value = resolve(r.path, model, args)
+            objects[id(value)] = value
+    if not objects:
+        return records
+    # by repr: a path may hold a key stored as a dict (a tuple key: ``encode_key``)
+    known = {repr(r.path) for r in records if r.check == "alias"}
+    scanned: set[str] = set()
+    for r in list(records):
+        if repr(r.path) in scanned or r.path[0][0] in ("env", "state"):
+            continue
+        scanned.add(repr(r.path))
+        try:
+            value = resolve(r.path, model, args)
+        except Exception:
+            continue
+        for step, held in _held_by(value):
+            path = (*r.path, step)
+            if id(held) in objects and objects[id(held)] is held and repr(path) not in known:
+                known.add(repr(path))
+                records.append(GuardRecord(path, "alias"))
+    now = GuardSet.of(records).values(model, args)
+    return [dataclasses.replace(r, expected=now[i]) if r.check == "alias" else r
+            for i, r in enumerate(records)]
 
 
 #: How environment variables are named by convention: what a constant must look like to be

@@ -165,6 +165,11 @@ class _Plan:
         #: Objects whose dict a watched step reads, with that dict, by id: the object may
         #: be given another dict (``obj.__dict__ = {...}``), which the watch does not see.
         self.owners: dict[int, tuple[Any, dict[str, Any]]] = {}
+        #: Every ``alias`` record (index, object now), and the variable of the generated
+        #: check that reads each one its watch does not cover: which of them are the
+        #: same object is compared at each call (``_partition``).
+        self.aliases: list[tuple[int, Any]] = []
+        self.alias_vars: dict[int, str] = {}
 
     # -- pass 1: what is watched --------------------------------------------------------
 
@@ -191,6 +196,8 @@ class _Plan:
             function = getattr(v.value, "__func__", v.value)
             if check in ("id", "equals") and isinstance(function, types.FunctionType):
                 self.functions.append(function)
+            if check == "alias":
+                self.aliases.append((i, v.value))
             if not (v.watched and self.covered(v.value, check, arg)):
                 v.open.append((i, check, arg))
         for s, child in v.node.children.values():
@@ -278,8 +285,9 @@ class _Plan:
     def covered(self, value: Any, check: str, arg: Any) -> bool:
         """Whether ``check`` gives the same answer while ``value`` is the same object and
         what it watches here did not change."""
-        if value is UNRESOLVED:
-            return True  # its path is watched where it stopped reading
+        if value is UNRESOLVED or check == "alias":
+            # its path is watched where it stopped reading; or it leads to the same object
+            return True
         if check == "type":
             self.retypable(value)
             return True  # while the per-call check finds the same type (``generate``)
@@ -358,12 +366,17 @@ class _Plan:
         for v in self.roots:
             if v.needed:
                 self.emit(v, None)
+        if self.alias_vars:  # objects read at each call: still the same ones as each other?
+            items = [self.alias_vars.get(i) or self.const(value) for i, value in self.aliases]
+            armed = _partition([value for _, value in self.aliases])
+            self.lines += [f"    if PART([{', '.join(items)}]) != {self.const(armed)}:",
+                           "        return False"]
         source = "def check(model, args):\n" + "\n".join(self.lines) + "\n    return True\n"
         scope: dict[str, Any] = {"K": self.consts, "STEP": step, "UNCHANGED": unchanged,
                                  "KEPT": kept_dicts(self.owners.values()),
                                  "CODE": operator.attrgetter("__code__"),
                                  "STATE": compat.process_state_signature,
-                                 "GRAD": _grad_modes,
+                                 "GRAD": _grad_modes, "PART": _partition,
                                  "ROOT": lambda root: root_value(root, None, ())}
         exec(compile(source, "<cachebuild guards>", "exec"), scope)
         return scope["check"]
@@ -386,7 +399,10 @@ class _Plan:
         self.names += 1
         name = f"v{self.names}"
         self.lines.append(f"    {name} = {expr}")
-        for _, check, arg in v.open:
+        for i, check, arg in v.open:
+            if check == "alias":  # compared with the others, after every read
+                self.alias_vars[i] = name
+                continue
             self.lines += [f"    if {self.changed(name, check, arg, v.value)}:",
                            "        return False"]
         for c in v.children:
@@ -407,6 +423,12 @@ class _Plan:
                 _singleton(check, value) is not None:
             return f"{v} is not {self.const(value)} and {exact}"
         return exact
+
+
+def _partition(objects: Sequence[Any]) -> list[int]:
+    """For each of ``objects``, the position of the first that is the same object."""
+    first: dict[int, int] = {}
+    return [first.setdefault(id(o), k) for k, o in enumerate(objects)]
 
 
 def _class_pairs(cls: type, name: str) -> list[Pair]:

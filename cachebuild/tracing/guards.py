@@ -174,6 +174,8 @@ def short(fingerprint: Any) -> str:
         if tag in ("list", "tuple", "set"):
             inner = ", ".join(short(x) for x in v)
             return f"({inner})" if tag == "tuple" else f"[{inner}]"
+    if isinstance(fingerprint, dict) and "same_as" in fingerprint:
+        return f"the object at {path_name(fingerprint['same_as'])}"
     if isinstance(fingerprint, dict) and "process_group" in fingerprint:
         return f"process group {fingerprint['process_group']!r} of {fingerprint.get('size')}"
     if isinstance(fingerprint, dict) and "builtin" in fingerprint:
@@ -246,7 +248,24 @@ def _check_exists(value: Any, arg: Any) -> Any:
     return hasattr(value, arg)
 
 
-#: check name → fingerprint of the value at the path. Each is a plain read.
+def aliasable(value: Any) -> bool:
+    """Whether a forward may tell ``value`` apart from an object of its class by identity
+    alone (``x is OTHER``) where no other check names it: an object with no plain value
+    that ``identity`` does not name either (a sentinel made by ``object()``, an instance
+    held by a class attribute, a container or another module's global)."""
+    if isinstance(value, (torch.Tensor, type, types.ModuleType, types.FunctionType,
+                          dict, list, tuple, set, frozenset)):
+        return False  # tensors, code and containers are told apart otherwise
+    try:
+        identity(value)
+    except Unplain:
+        return True
+    return False
+
+
+#: check name → fingerprint of the value at the path. Each is a plain read, but
+#: ``alias``: the object itself, which ``GuardSet.values`` turns into which of the
+#: records' paths it is the same object as (``_same_as``).
 CHECKS: dict[str, Callable[[Any, Any], Any]] = {
     "type": _check_type,
     "id": lambda v, a: identity(v),
@@ -258,6 +277,7 @@ CHECKS: dict[str, Callable[[Any, Any], Any]] = {
     "exists": _check_exists,
     "tensor": _check_tensor,
     "process_group": _check_process_group,
+    "alias": lambda v, a: v,
 }
 
 
@@ -311,7 +331,7 @@ class GuardRecord:
 
 
 _SUFFIX = {"contains": " has key {arg}", "in_dict": " overrides {arg}", "len": " length",
-           "keys": " keys", "exists": ".{arg}"}
+           "keys": " keys", "exists": ".{arg}", "alias": " (which object it is)"}
 
 
 def _arg_text(arg: Any) -> str:
@@ -583,6 +603,8 @@ class GuardSet:
     def __init__(self, data: Sequence[Sequence[Any]]) -> None:
         self.data = data
         self.expected = [d[3] for d in data]
+        #: The ``alias`` records, with each one's path as JSON text (``_same_as``).
+        self.aliases = [(i, json.dumps(d[0])) for i, d in enumerate(data) if d[1] == "alias"]
         self.tree = _Node()
         for i, (path, check, arg, _) in enumerate(data):
             node = self.tree
@@ -615,7 +637,20 @@ class GuardSet:
                 except Exception:
                     value = _UNRESOLVED
                 self._walk(child, value, out)
+        if self.aliases:
+            self._same_as(out)
         return out
+
+    def _same_as(self, out: list[Any]) -> None:
+        """Turn each ``alias`` record's object in ``out`` into the path of the first (by
+        its text) of the alias records' paths that holds the same object: a fingerprint
+        that holds across processes, and differs once any of those paths holds another
+        object (``mode is Mode.FAST`` after ``model.mode = Mode.SLOW``)."""
+        first: dict[int, str] = {}
+        for i, text in sorted(self.aliases, key=lambda a: a[1]):
+            first.setdefault(id(out[i]), text)
+        for i, _ in self.aliases:
+            out[i] = {"same_as": json.loads(first[id(out[i])])}
 
     def _walk(self, node: _Node, value: Any, out: list[Any]) -> None:
         for i, check, arg in node.checks:
