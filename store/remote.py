@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
 import re
 import secrets
 import socket
@@ -152,16 +153,26 @@ def redact_url(url: str) -> str:
         base = urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}",
                                          query="", fragment=""))
     pairs = parse_qsl(query, keep_blank_values=True)
-    if any(name.lower() == "password" for name, _ in pairs):
-        query = urlencode([(name, "***" if name.lower() == "password" else value)
+    if any(_secret(name) for name, _ in pairs):
+        query = urlencode([(name, "***" if _secret(name) else value)
                            for name, value in pairs], safe="*")
     return base + sep + query
+
+
+def _secret(parameter: str) -> bool:
+    """Whether a URL's query parameter holds a secret (``password``, ``ssl_password``, a
+    token): redis-py hands any of them to the connection."""
+    name = parameter.lower()
+    return any(word in name for word in ("password", "secret", "token"))
 
 
 def _check_database(url: str, display_url: str) -> None:
     """UsageError unless the database ``url`` names (its path, or a ``db=`` parameter) is
     a number: redis-py takes any other for database 0, silently."""
-    parts = urlsplit(url)
+    try:
+        parts = urlsplit(url)
+    except ValueError as exc:
+        raise UsageError(f"bad remote URL {display_url}: {exc}") from None
     named = [parts.path.strip("/")] if parts.scheme != "unix" else []
     named += [value for name, value in parse_qsl(parts.query, keep_blank_values=True)
               if name == "db"]
@@ -255,12 +266,19 @@ class _Deadlines:
     def __init__(self, op_timeout: float, on_expiry: Callable[[str], None]) -> None:
         self.op_timeout = op_timeout
         self._on_expiry = on_expiry
+        self.expired: str | None = None   # why, once a deadline passed
+        self._reset()
+        _ALL_DEADLINES.add(self)
+
+    def _reset(self) -> None:
+        """A fresh state: at the start, and in a child forked from this process (where
+        a lock a parent's thread held stays held, and the commands under way are the
+        parent's: their deadlines are not the child's to keep)."""
         self._lock = threading.Lock()
         self._due: dict[int, float] = {}   # thread id -> when its command must be done
         self._wake = threading.Event()
         self._watchdog: threading.Thread | None = None
         self._local = threading.local()   # per thread: bytes said, commands nested
-        self.expired: str | None = None   # why, once a deadline passed
 
     def __deepcopy__(self, memo: dict[int, Any]) -> _Deadlines:
         return self
@@ -319,6 +337,19 @@ class _Deadlines:
                 continue
             self._wake.wait(wait)
             self._wake.clear()
+
+
+#: Every remote's deadlines, made anew in a forked child (``_Deadlines._reset``).
+_ALL_DEADLINES: weakref.WeakSet[_Deadlines] = weakref.WeakSet()
+
+
+def _forked() -> None:
+    for deadlines in list(_ALL_DEADLINES):
+        deadlines._reset()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
 
 
 class _BoundedRetry(Retry):

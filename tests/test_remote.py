@@ -281,6 +281,22 @@ def test_a_link_that_trickles_is_cut_at_the_deadline_not_at_the_end(server):
         trickle.close()
 
 
+def test_a_forked_child_keeps_none_of_its_parents_deadlines():
+    """A fork while a parent's thread was in a Redis call: the child got that thread's
+    lock held (its first call hung) and its deadline (which, never taken off there,
+    marked the remote down in the child)."""
+    remote = RedisRemote(f"redis://127.0.0.1:{free_port()}/0")
+    deadlines = remote._deadlines
+    with deadlines._lock:  # as a parent's thread in a call holds it
+        deadlines._due[12345] = time.monotonic() - 1
+        child = os.fork()
+        if child == 0:
+            fresh = remote._deadlines._lock.acquire(timeout=2) and not remote._deadlines._due
+            os._exit(0 if fresh else 1)
+    deadlines._due.clear()
+    assert os.waitpid(child, 0)[1] == 0
+
+
 def test_bad_url_and_mode_are_usage_errors():
     with pytest.raises(UsageError):
         RedisRemote("http://127.0.0.1:6379")
@@ -290,6 +306,8 @@ def test_bad_url_and_mode_are_usage_errors():
     for url in ("redis://127.0.0.1:6379/abc", "redis://127.0.0.1:6379/0?db=x"):
         with pytest.raises(UsageError, match="is not a number"):
             RedisRemote(url)
+    with pytest.raises(UsageError, match="bad remote URL"):
+        RedisRemote("redis://[::1/0")  # a ValueError escaped, with its traceback
     for url in ("redis://127.0.0.1:6379", "redis://127.0.0.1:6379/", "redis://h:1/15",
                 "redis://h:1?db=3", "unix:///run/redis.sock?db=2"):
         RedisRemote(url)
@@ -305,6 +323,8 @@ def test_password_is_redacted():
     assert redact_url("unix:///run/redis.sock?db=2&password=s3cret") == \
         "unix:///run/redis.sock?db=2&password=***"
     assert "s3cret" not in RedisRemote("redis://h:1/0?Password=s3cret").display_url
+    assert redact_url("rediss://h/0?ssl_password=s3cret&db=1") == \
+        "rediss://h/0?ssl_password=***&db=1"
 
 
 def test_what_the_server_says_is_shown_as_plain_text():

@@ -39,6 +39,7 @@ from cachebuild.tracing.guards import (
     encode_key,
     fingerprint,
     is_process_group,
+    path_name,
     process_state,
     resolve,
     singleton,
@@ -419,7 +420,7 @@ def records_from(collected: Collected, model: torch.nn.Module, args: Sequence[An
         if record is not None and not _dynamo_internal(record):
             # repr: a path may hold a key stored as a dict (a tuple key: ``encode_key``)
             records.setdefault((repr(record.path), record.check, repr(record.arg)), record)
-            if record.check == "type" and aliasable(resolve(record.path, model, args)):
+            if record.check == "type" and _aliasable_at(record.path, model, args):
                 # Dynamo guards ``x is OTHER`` between two objects of one class by their
                 # type alone; which of the traced paths hold the same object is recorded
                 # (its fingerprint is filled in below, from all of them).
@@ -434,6 +435,14 @@ def records_from(collected: Collected, model: torch.nn.Module, args: Sequence[An
 
 #: ``Py_TPFLAGS_HEAPTYPE``: a class a ``class`` statement made (whose attributes can be set).
 _HEAPTYPE = 1 << 9
+
+
+def _aliasable_at(path: tuple[Any, ...], model: Any, args: Sequence[Any]) -> bool:
+    """Whether the value at ``path`` is ``aliasable`` (False where it no longer reads)."""
+    try:
+        return aliasable(resolve(path, model, args))
+    except Exception:
+        return False
 
 
 def _held_by(value: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
@@ -451,11 +460,9 @@ def _held_by(value: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
     elif isinstance(value, (list, tuple)):
         yield from ((("item", i), v) for i, v in enumerate(list(value)))
     elif isinstance(value, dict):
-        for k, v in list(value.items()):
-            try:
-                yield ("item", encode_key(k)), v
-            except Unplain:
-                continue
+        # By name only: other keys (a hook's handle number, an id) may differ from one
+        # process to the next, and so would every fingerprint naming them.
+        yield from ((("item", k), v) for k, v in list(value.items()) if isinstance(k, str))
     else:
         try:
             own = vars(value)
@@ -477,7 +484,10 @@ def _with_aliases(records: list[GuardRecord], model: Any, args: Sequence[Any]
     objects: dict[int, Any] = {}
     for r in records:
         if r.check == "alias":
-            value = resolve(r.path, model, args)
+            try:
+                value = resolve(r.path, model, args)
+            except Exception as e:  # changed since it was read (another thread)
+                raise Unrecordable(f"{path_name(r.path)}: no longer readable") from e
             objects[id(value)] = value
     if not objects:
         return records

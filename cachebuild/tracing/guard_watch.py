@@ -366,17 +366,24 @@ class _Plan:
         for v in self.roots:
             if v.needed:
                 self.emit(v, None)
-        if self.alias_vars:  # objects read at each call: still the same ones as each other?
-            items = [self.alias_vars.get(i) or self.const(value) for i, value in self.aliases]
-            armed = _partition([value for _, value in self.aliases])
-            self.lines += [f"    if PART([{', '.join(items)}]) != {self.const(armed)}:",
-                           "        return False"]
+        if self.alias_vars:
+            # Objects read at each call: still the same as each other, and as the watched
+            # ones, as they were? The watched ones' grouping cannot change unseen: it is
+            # made once, here (their objects kept alive in K, so their ids stay theirs).
+            fixed = [value for i, value in self.aliases if i not in self.alias_vars]
+            self.const(fixed)
+            known = {id(value): k for k, value in enumerate(fixed)}
+            opened = [(i, value) for i, value in self.aliases if i in self.alias_vars]
+            armed = _groups([value for _, value in opened], known)
+            names = ", ".join(self.alias_vars[i] for i, _ in opened)
+            self.lines += [f"    if GROUPS([{names}], {self.const(known)}) != "
+                           f"{self.const(armed)}:", "        return False"]
         source = "def check(model, args):\n" + "\n".join(self.lines) + "\n    return True\n"
         scope: dict[str, Any] = {"K": self.consts, "STEP": step, "UNCHANGED": unchanged,
                                  "KEPT": kept_dicts(self.owners.values()),
                                  "CODE": operator.attrgetter("__code__"),
                                  "STATE": compat.process_state_signature,
-                                 "GRAD": _grad_modes, "PART": _partition,
+                                 "GRAD": _grad_modes, "GROUPS": _groups,
                                  "ROOT": lambda root: root_value(root, None, ())}
         exec(compile(source, "<cachebuild guards>", "exec"), scope)
         return scope["check"]
@@ -425,10 +432,13 @@ class _Plan:
         return exact
 
 
-def _partition(objects: Sequence[Any]) -> list[int]:
-    """For each of ``objects``, the position of the first that is the same object."""
+def _groups(objects: Sequence[Any], known: dict[int, int]) -> list[int]:
+    """For each of ``objects``, its group: the one ``known`` gives its id (an object kept
+    alive elsewhere, so the id is its own), else ``-1 - k`` for the first of ``objects``,
+    the ``k``-th, that is the same object."""
     first: dict[int, int] = {}
-    return [first.setdefault(id(o), k) for k, o in enumerate(objects)]
+    return [known[id(o)] if id(o) in known else first.setdefault(id(o), -1 - k)
+            for k, o in enumerate(objects)]
 
 
 def _class_pairs(cls: type, name: str) -> list[Pair]:

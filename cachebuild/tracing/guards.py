@@ -603,8 +603,10 @@ class GuardSet:
     def __init__(self, data: Sequence[Sequence[Any]]) -> None:
         self.data = data
         self.expected = [d[3] for d in data]
-        #: The ``alias`` records, with each one's path as JSON text (``_same_as``).
+        #: The ``alias`` records, with each one's path as JSON text (``_same_as``), in
+        #: record order and by that text.
         self.aliases = [(i, json.dumps(d[0])) for i, d in enumerate(data) if d[1] == "alias"]
+        self._aliases_by_text = sorted(self.aliases, key=lambda a: a[1])
         self.tree = _Node()
         for i, (path, check, arg, _) in enumerate(data):
             node = self.tree
@@ -647,7 +649,7 @@ class GuardSet:
         that holds across processes, and differs once any of those paths holds another
         object (``mode is Mode.FAST`` after ``model.mode = Mode.SLOW``)."""
         first: dict[int, str] = {}
-        for i, text in sorted(self.aliases, key=lambda a: a[1]):
+        for i, text in self._aliases_by_text:
             first.setdefault(id(out[i]), text)
         for i, _ in self.aliases:
             out[i] = {"same_as": json.loads(first[id(out[i])])}
