@@ -38,6 +38,7 @@ import struct
 import subprocess
 import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, BinaryIO
@@ -308,6 +309,28 @@ class Result:
     died: bool = False
 
 
+#: Every worker this process started, for ``_forked``.
+_STARTED: weakref.WeakSet[_Worker] = weakref.WeakSet()
+
+
+def _forked() -> None:
+    """In a forked child: let go of the pipes to the parent's workers (a worker ends when
+    its job pipe closes, and the child's copy kept it open: the parent waited 30 s for
+    each). The fds stay open, on /dev/null, so the copies' file objects close cleanly."""
+    devnull = os.open(os.devnull, os.O_RDWR)
+    try:
+        for worker in list(_STARTED):
+            for f in (worker.jobs, worker.results):
+                with contextlib.suppress(OSError, ValueError):
+                    os.dup2(devnull, f.fileno())
+    finally:
+        os.close(devnull)
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
 class _Worker:
     """One worker process; told what to set up now (``setup``) or later (``begin``)."""
 
@@ -328,6 +351,7 @@ class _Worker:
         self.results: BinaryIO = os.fdopen(read, "rb")
         assert self.proc.stdin is not None
         self.jobs: BinaryIO = self.proc.stdin
+        _STARTED.add(self)
         if setup is not None:
             self.begin(setup)
 

@@ -183,10 +183,14 @@ def pull_command(ctx: click.Context, model: str, jobs: int) -> None:
     targets.bytes += bytes_after - bytes_before - targets.bytes
     click.echo(f"entry {entry_key} and its targets ← {remote.display_url}: "
                + _summary("pulled", targets, seconds, rate=True))
-    if targets.missing or targets.rejected:
-        click.echo(f"error: the remote lacks {plural(targets.missing + targets.rejected, 'target')} "
-                   f"of the entry (missing, or failing verification): `cachebuild warm {model}` "
-                   "with the remote read-write builds them and sends them there", err=True)
+    if targets.missing:
+        click.echo(f"error: the remote lacks {plural(targets.missing, 'target')} of the "
+                   f"entry: `cachebuild warm {model}` with the remote read-write builds them "
+                   "and sends them there", err=True)
+    if targets.rejected:
+        click.echo(f"error: {plural(targets.rejected, 'target')} of the remote failed "
+                   "verification here: check that CACHEBUILD_SIGNING_KEY is the fleet's key "
+                   "(the log names each one and why)", err=True)
     if targets.missing or targets.rejected or targets.failed:
         ctx.exit(1)
 
