@@ -253,9 +253,11 @@ def aliasable(value: Any) -> bool:
     alone (``x is OTHER``) where no other check names it: an object with no plain value
     that ``identity`` does not name either (a sentinel made by ``object()``, an instance
     held by a class attribute, a container or another module's global)."""
-    if isinstance(value, (torch.Tensor, type, types.ModuleType, types.FunctionType,
-                          dict, list, tuple, set, frozenset)):
-        return False  # tensors, code and containers are told apart otherwise
+    if isinstance(value, (torch.Tensor, torch.nn.Module, type, types.ModuleType,
+                          types.FunctionType, dict, list, tuple, set, frozenset)):
+        # Tensors, submodules (by their type, code and weights), code and containers are
+        # told apart otherwise.
+        return False
     try:
         identity(value)
     except Unplain:
