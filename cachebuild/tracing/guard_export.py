@@ -30,6 +30,7 @@ import torch
 
 from cachebuild import compat
 from cachebuild.tracing.guards import (
+    HEAPTYPE,
     STATE_NAMES,
     GuardRecord,
     GuardSet,
@@ -433,10 +434,6 @@ def records_from(collected: Collected, model: torch.nn.Module, args: Sequence[An
     return _with_aliases(list(records.values()), model, args)
 
 
-#: ``Py_TPFLAGS_HEAPTYPE``: a class a ``class`` statement made (whose attributes can be set).
-_HEAPTYPE = 1 << 9
-
-
 def _aliasable_at(path: tuple[Any, ...], model: Any, args: Sequence[Any]) -> bool:
     """Whether the value at ``path`` is ``aliasable`` (False where it no longer reads)."""
     try:
@@ -450,7 +447,7 @@ def _held_by(value: Any) -> Iterator[tuple[tuple[Any, ...], Any]]:
     (along its MRO), a list's or tuple's items, a dict's items (under keys a path can
     name), an object's or a module's attributes in its dict."""
     if isinstance(value, type):
-        names = {n for c in getattr(value, "__mro__", ()) if c.__flags__ & _HEAPTYPE
+        names = {n for c in getattr(value, "__mro__", ()) if c.__flags__ & HEAPTYPE
                  for n in vars(c)}
         for name in sorted(names):
             try:

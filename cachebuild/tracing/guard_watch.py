@@ -37,6 +37,7 @@ from cachebuild import compat
 from cachebuild.dictwatch import ANY, kept_dicts
 from cachebuild.tracing.guards import (
     GRAD_STATES,
+    HEAPTYPE,
     UNRESOLVED,
     GuardSet,
     Mismatch,
@@ -61,9 +62,6 @@ _IMMUTABLE = (type(None), bool, int, float, complex, str, bytes, range, enum.Enu
 #: A pair to watch: a dict and a key of it (``ANY``: every key).
 Pair = tuple[dict[Any, Any], Any]
 
-#: ``Py_TPFLAGS_HEAPTYPE``: a class made by a ``class`` statement (or ``type()``), whose
-#: instances may be given another such class.
-_HEAPTYPE = 1 << 9
 
 
 def _singleton(check: str, value: Any) -> tuple[dict[str, Any], str] | None:
@@ -167,7 +165,7 @@ class _Plan:
         self.owners: dict[int, tuple[Any, dict[str, Any]]] = {}
         #: Every ``alias`` record (index, object now), and the variable of the generated
         #: check that reads each one its watch does not cover: which of them are the
-        #: same object is compared at each call (``_partition``).
+        #: same object is compared at each call (``_groups``).
         self.aliases: list[tuple[int, Any]] = []
         self.alias_vars: dict[int, str] = {}
 
@@ -317,7 +315,7 @@ class _Plan:
         """Have the per-call check compare ``value``'s type, where it may be given
         another: an instance of a class defined in Python, or a module. Python refuses
         ``__class__ =`` on any other object (a dict, a list, a builtin's)."""
-        if type(value).__flags__ & _HEAPTYPE or isinstance(value, types.ModuleType):
+        if type(value).__flags__ & HEAPTYPE or isinstance(value, types.ModuleType):
             self.typed.setdefault(id(value), (value, type(value)))
 
     # -- pass 2: the per-call check -----------------------------------------------------
@@ -446,7 +444,7 @@ def _class_pairs(cls: type, name: str) -> list[Pair]:
     attributes (one a ``class`` statement made)."""
     pairs: list[Pair] = []
     for klass in cls.__mro__:
-        if klass.__flags__ & _HEAPTYPE:
+        if klass.__flags__ & HEAPTYPE:
             own = gc.get_referents(vars(klass))  # the dict behind the mappingproxy
             if len(own) == 1 and isinstance(own[0], dict):
                 pairs.append((own[0], name))

@@ -43,6 +43,10 @@ Step = list[Any]
 #: The fingerprint of a path that does not resolve (an attribute that is not there).
 MISSING = {"missing": True}
 
+#: ``Py_TPFLAGS_HEAPTYPE``: a class a ``class`` statement made (or ``type()``): its
+#: attributes can be set, and its instances may be given another such class.
+HEAPTYPE = 1 << 9
+
 
 class Unplain(ValueError):
     """A value with no plain, process-independent form."""
