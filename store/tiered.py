@@ -234,6 +234,15 @@ class TieredStore(Store):
         self._keep_count("l2_hits")
         return payload, "pulled"
 
+    def check_remote_copy(self, key: str) -> FetchOutcome:
+        """Whether L2's copy of ``key`` verifies as a reader of this store would verify it
+        ("pulled"), fails ("rejected") or is absent or incomplete ("missing"); nothing is
+        written to L1, and the answer is not remembered (the copy may be replaced next)."""
+        self._rejected.discard(key)
+        outcome = self.fetch(key, keep=False)[1]
+        self._rejected.discard(key)
+        return outcome
+
     def _early_check(self, key: str) -> Callable[[memoryview, int], None]:
         """A check of each chunk as it arrives (``RedisRemote.get``): the header, in the
         first, must be for ``key``, declare the length the record does and, with a signing

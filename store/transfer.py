@@ -7,6 +7,11 @@ What they promise:
   the tiered store's ``fetch``; a key L1 holds is not fetched. ``push`` uploads a blob L1
   read and verified with its own settings, signed with the fleet key: one L1 holds
   unsigned because it was built here before the key was set is signed on the way.
+- **"Already there" means usable there.** A copy the remote holds counts as present only
+  when it verifies as a reader with this store's settings would verify it; one that does
+  not (damaged, or signed with another key) is counted ``rejected`` and left alone, unless
+  ``replace`` asks for it to be deleted and uploaded again (a wrong local key would
+  otherwise replace a fleet's good copies with copies nobody else can read).
 - **Nobody's word is signed unasked.** What entered L1 unsigned from elsewhere
   (``Record.unsigned_from``) is not pushed unless it is vouched for by name.
 - **A remote in trouble is counted, not raised.** A remote that goes down part-way makes
@@ -41,12 +46,14 @@ class TransferCounts:
     transferred: int = 0  # copied to the other tier by this call
     present: int = 0  # already in the destination tier
     missing: int = 0  # not in the source tier (or incomplete there)
-    rejected: int = 0  # pull only: failed verification, not loaded
+    rejected: int = 0  # failed verification: pull: not loaded; push: the remote's copy
+    replaced: int = 0  # push only: the remote's copy failed verification, uploaded again
     failed: int = 0  # remote down, refused, or another writer was uploading it
     bytes: int = 0  # payload bytes transferred
     signed: int = 0  # push only: held unsigned in L1, signed with the fleet key to upload
     unvouched: int = 0  # push only: entered L1 unsigned from elsewhere, not named: not pushed
     unvouched_keys: list[str] = dataclasses.field(default_factory=list)
+    rejected_keys: list[str] = dataclasses.field(default_factory=list)  # push only
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -59,14 +66,25 @@ def _tiers(store: Store, what: str) -> TieredStore:
     return store
 
 
-def upload(tiered: TieredStore, key: str, vouched: bool = False) -> str:
+def upload(tiered: TieredStore, key: str, vouched: bool = False,
+           replace: bool = False) -> str:
     """Upload L1's ``key`` to L2: "pushed", "signed" (pushed, after signing a blob L1
-    holds unsigned), "present", "missing", "unvouched" (it entered L1 unsigned from
-    elsewhere and ``vouched`` is False) or "failed"."""
+    holds unsigned), "present" (L2's copy verifies), "rejected" (L2's copy does not, and
+    ``replace`` is False), "replaced" (it did not and was uploaded again), "missing",
+    "unvouched" (it entered L1 unsigned from elsewhere and ``vouched`` is False) or
+    "failed"."""
     remote = tiered.remote
     assert remote is not None
+    replacing = False
     if remote.contains(key):
-        return "present"
+        outcome = tiered.check_remote_copy(key)
+        if outcome == "pulled":
+            return "present"
+        if outcome == "rejected":
+            if not replace:
+                return "rejected"
+            replacing = True
+        # "missing": the copy was incomplete (its record is dropped): upload it again.
     record = tiered.local.get_record(key)
     if record is None:
         return "missing"
@@ -83,16 +101,19 @@ def upload(tiered: TieredStore, key: str, vouched: bool = False) -> str:
         payload = memoryview(framed)[header.header_size:header.header_size + header.length]
         framed = encode_blob(key, record.kind, payload, tiered.signing_key)
         signed_now = True
+    if replacing and not remote.delete(key):
+        return "failed"
     if remote.put(key, outgoing(record, tiered.signing_key), framed):
-        return "signed" if signed_now else "pushed"
+        return "replaced" if replacing else "signed" if signed_now else "pushed"
     return "present" if remote.contains(key) else "failed"
 
 
 def push(store: Store, keys: Iterable[str] | None = None,
-         vouch: Iterable[str] = ()) -> TransferCounts:
+         vouch: Iterable[str] = (), *, replace: bool = False) -> TransferCounts:
     """Copy ``keys`` (default: every L1 entry) and ``vouch`` from L1 to L2; what happened,
     counted (see the module doc). ``vouch``: keys that entered L1 unsigned, to sign and
-    push all the same. Raises UsageError without a remote or with a read-only one."""
+    push all the same. ``replace``: delete the remote copies that fail verification and
+    upload them again. Raises UsageError without a remote or with a read-only one."""
     tiered = _tiers(store, "push")
     remote = tiered.remote
     assert remote is not None
@@ -105,19 +126,23 @@ def push(store: Store, keys: Iterable[str] | None = None,
     else:
         wanted = list(keys)
     for key in dict.fromkeys([*wanted, *vouched]):
-        outcome = upload(tiered, key, vouched=key in vouched)
+        outcome = upload(tiered, key, vouched=key in vouched, replace=replace)
         if outcome == "unvouched":
             counts.unvouched += 1
             counts.unvouched_keys.append(key)
-        elif outcome in ("pushed", "signed"):
+        elif outcome in ("pushed", "signed", "replaced"):
             counts.transferred += 1
             counts.signed += outcome == "signed"
+            counts.replaced += outcome == "replaced"
             record = tiered.local.get_record(key)
             counts.bytes += record.size if record is not None else 0
         elif outcome == "present":
             counts.present += 1
         elif outcome == "missing":
             counts.missing += 1
+        elif outcome == "rejected":
+            counts.rejected += 1
+            counts.rejected_keys.append(key)
         else:
             counts.failed += 1
     return counts

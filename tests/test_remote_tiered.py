@@ -409,6 +409,36 @@ def test_push_all_then_pull(tmp_path, server):
     assert sorted(r.key for r in puller.records(shared=True)) == sorted(items)
 
 
+def test_push_counts_a_bad_remote_copy_as_rejected_and_replaces_it_only_when_asked(
+        tmp_path, server):
+    """A damaged remote copy is not "already there"; a pusher with another key (which
+    rejects the fleet's good copies) replaces nothing unless asked."""
+    pusher = tiered(tmp_path / "a", server.url)
+    damaged, good = new_key(), new_key()
+    pusher.put(damaged, os.urandom(20_000), kind="target")
+    pusher.put(good, os.urandom(20_000), kind="target")
+    blob = bytearray(encode_blob(damaged, "target", pusher.local.get(damaged), KEY_A))
+    blob[-100] ^= 0x01
+    rewrite_remote_blob(server, damaged, bytes(blob))
+
+    counts = push(pusher, [damaged, good])
+    assert (counts.rejected, counts.present, counts.transferred) == (1, 1, 0)
+    assert counts.rejected_keys == [damaged]
+    assert tiered(tmp_path / "r1", server.url).get(damaged) is None  # left as it was
+
+    counts = push(pusher, [damaged, good], replace=True)
+    assert (counts.replaced, counts.transferred, counts.present) == (1, 1, 1)
+    reader = tiered(tmp_path / "r2", server.url)
+    assert reader.get(damaged) == pusher.local.get(damaged)
+
+    # Another key sees every fleet copy as bad: reported, never replaced unasked.
+    other = tiered(tmp_path / "b", server.url, signing_key=KEY_B)
+    other.local.put(good, pusher.local.get(good), kind="target")
+    counts = push(other, [good])
+    assert counts.rejected == 1 and counts.replaced == 0
+    assert tiered(tmp_path / "r3", server.url).get(good) == pusher.local.get(good)
+
+
 def test_open_store_reads_the_environment(tmp_path, server, monkeypatch):
     monkeypatch.setenv("CACHEBUILD_DIR", str(tmp_path / "env-l1"))
     monkeypatch.setenv("CACHEBUILD_REMOTE", server.url)

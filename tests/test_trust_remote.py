@@ -195,6 +195,33 @@ def test_push_all_signs_what_the_local_store_holds_unsigned(open_local, tmp_path
     assert all(got[k]["data"] == "built unsigned " + k for k in keys)
 
 
+def test_push_reports_a_damaged_remote_copy_and_replaces_it_with_replace(
+        open_local, tmp_path, server):
+    l1 = tmp_path / "l1"
+    w = writer(l1, server.url)
+    key = new_key()
+    w.put(key, b"artifact " + key.encode(), kind="target")
+    w.close()
+    chunk = chunk_key(key, 0)
+    client = server.client()
+    damaged = bytearray(client.get(chunk))
+    damaged[-3] ^= 0x01
+    client.set(chunk, bytes(damaged))
+    doc = doc_of(server, key)
+    doc["xxh3_128"] = xxhash.xxh3_128_hexdigest(bytes(damaged))
+    set_doc(server, key, doc)
+
+    proc = cli("push", "--all", env=env_for(l1, server.url))
+    assert proc.returncode == 1, proc.stderr
+    assert "0 already there, 1 rejected" in proc.stdout
+    assert f"copy of {key} failed verification here" in proc.stderr
+    assert "--replace" in proc.stderr and "Traceback" not in proc.stderr
+    proc = cli("push", "--all", "--replace", env=env_for(l1, server.url))
+    assert proc.returncode == 0, proc.stderr
+    assert "pushed 1" in proc.stdout and "1 replaced" in proc.stdout
+    assert read(tmp_path / "other", server.url, [key])[key]["data"] == "artifact " + key
+
+
 # -- 9: bounds ----------------------------------------------------------------------------
 
 MEMORY = r"""

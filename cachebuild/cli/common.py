@@ -216,8 +216,9 @@ def stderr() -> Console:
     return _console(stderr=True)
 
 
-def plural(n: int, word: str) -> str:
-    return f"{n} {word}" if n == 1 else f"{n} {word}s"
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``n`` and ``word``, or ``words`` (default: ``word`` + "s") unless ``n`` is 1."""
+    return f"{n} {word}" if n == 1 else f"{n} {words or word + 's'}"
 
 
 def ago(when: float, now: float) -> str:

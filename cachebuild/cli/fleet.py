@@ -68,7 +68,7 @@ def _entry_targets(store: Store, key: str) -> list[str]:
 def _summary(verb: str, counts: TransferCounts, seconds: float, *, rate: bool = False) -> str:
     parts = [f"{verb} {counts.transferred} ({format_size(counts.bytes)})",
              f"{counts.present} already there"]
-    for name in ("missing", "rejected", "failed"):
+    for name in ("missing", "rejected", "replaced", "failed"):
         if getattr(counts, name):
             parts.append(f"{getattr(counts, name)} {name}")
     if counts.unvouched:
@@ -89,12 +89,17 @@ def _summary(verb: str, counts: TransferCounts, seconds: float, *, rate: bool = 
               help="Also push KEY although it entered the local store without a verified "
                    "signature (pulled from a remote used without a key, imported unsigned), "
                    "signing it with the fleet key: you vouch for it (repeatable).")
+@click.option("--replace", is_flag=True,
+              help="Delete the remote's copies that fail verification here (damaged, or "
+                   "signed with another key) and upload this store's instead.")
 @click.pass_context
 def push_command(ctx: click.Context, model: str | None, push_all: bool,
-                 vouch: tuple[str, ...]) -> None:
+                 vouch: tuple[str, ...], replace: bool) -> None:
     """Upload MODEL.py's entry and targets (or, with --all, everything in L1) to the remote.
 
-    Entries the remote already holds are left alone. With CACHEBUILD_SIGNING_KEY every
+    Entries the remote already holds are left alone once they verify here, as a server
+    with this store's settings would verify them; one that does not is reported, and
+    replaced only with --replace. With CACHEBUILD_SIGNING_KEY every
     blob uploaded is signed with it: one the local store holds unsigned because it was
     built here before the key was set is signed on the way, and the summary says how many
     were. One that entered the local store unsigned from elsewhere (`ls` and `verify` show
@@ -126,7 +131,7 @@ def push_command(ctx: click.Context, model: str | None, push_all: bool,
                              f"`cachebuild warm {model}` first")
         keys = [entry_key, *_entry_targets(store, entry_key)]
         what = f"entry {entry_key} and {len(keys) - 1} targets"
-    counts = push(store, keys, vouch=vouched)
+    counts = push(store, keys, vouch=vouched, replace=replace)
     click.echo(f"{what} → {remote.display_url}: "
                + _summary("pushed", counts, time.perf_counter() - start))
     for key in counts.unvouched_keys[:MAX_LISTED]:
@@ -137,7 +142,14 @@ def push_command(ctx: click.Context, model: str | None, push_all: bool,
                    err=True)
     if counts.unvouched > MAX_LISTED:
         click.echo(f"not pushed: and {counts.unvouched - MAX_LISTED} more", err=True)
-    if counts.failed or counts.missing or counts.unvouched:
+    if counts.rejected:
+        listed = ", ".join(counts.rejected_keys[:MAX_LISTED])
+        more = f" and {counts.rejected - MAX_LISTED} more" if counts.rejected > MAX_LISTED else ""
+        click.echo(f"error: the remote's {plural(counts.rejected, 'copy', 'copies')} of "
+                   f"{listed}{more} failed verification here (the log says why): check that "
+                   "CACHEBUILD_SIGNING_KEY is the fleet's key, then run push again with "
+                   "--replace to upload this store's", err=True)
+    if counts.failed or counts.missing or counts.unvouched or counts.rejected:
         ctx.exit(1)
 
 
