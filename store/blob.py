@@ -56,6 +56,10 @@ MAX_HEADER_SIZE = _FIXED.size + MAX_KEY_BYTES + MAX_KIND_BYTES + _HEADER_CHECK.s
 _SMALL_READ = 256 * 1024
 
 
+#: Why a store that requires signatures refuses an unsigned blob: not damage, a refusal.
+UNSIGNED_REFUSED = "unsigned, but this store requires signed blobs"
+
+
 class CorruptBlob(StoreError):
     """A blob failed verification; ``reason`` says which check, ``key`` which blob."""
 
@@ -184,7 +188,7 @@ def _check_payload(header: BlobHeader, header_bytes: bytes | memoryview,
         raise CorruptBlob("payload checksum mismatch", header.key)
     if not header.signed:
         if require_signature:
-            raise CorruptBlob("unsigned, but this store requires signed blobs", header.key)
+            raise CorruptBlob(UNSIGNED_REFUSED, header.key)
         return
     if signing_key is None:
         if require_signature:
@@ -357,7 +361,7 @@ class StreamCheck:
             raise CorruptBlob("payload checksum mismatch", header.key)
         if not header.signed:
             if self.require_signature:
-                raise CorruptBlob("unsigned, but this store requires signed blobs", header.key)
+                raise CorruptBlob(UNSIGNED_REFUSED, header.key)
             return header
         if self.signing_key is None:
             if self.require_signature:

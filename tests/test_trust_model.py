@@ -159,7 +159,8 @@ def test_compile_refuses_unsigned_blobs_exactly_as_the_cli_does(tmp_path):
     proc = cli("verify", env=strict)
     assert proc.returncode == 1
     # Two targets, the entry and the seal of its guards.
-    assert proc.stderr.count("unsigned, but this store requires signed blobs") == 4
+    assert proc.stderr.count("unsigned, and CACHEBUILD_REQUIRE_SIGNATURE is set") == 4
+    assert "0 damaged, 4 unsigned (refused)" in proc.stdout and "damaged" not in proc.stderr
     # The library, from the same environment, refuses the same blobs: it rebuilds them.
     stats = serve(model, strict)
     assert stats["built"] == 2 and stats["traced"] == 1

@@ -29,6 +29,7 @@ from cachebuild.cli.common import (
 )
 from cachebuild.errors import UsageError, one_line
 from cachebuild.store import QUARANTINE_KEEP_S
+from cachebuild.store.blob import UNSIGNED_REFUSED
 from cachebuild.units import format_size
 
 if TYPE_CHECKING:
@@ -360,10 +361,20 @@ def verify_command(ctx: click.Context, repair: bool) -> None:
     if repair:
         for key, _ in refused[MAX_LISTED:]:
             store.delete(key)
-    for key, reason in report.damaged[:MAX_LISTED]:
+    # Unsigned blobs a store requiring signatures refuses are not damage; they are never
+    # served either way.
+    unsigned_refused = [key for key, reason in report.damaged if reason == UNSIGNED_REFUSED]
+    damaged = [(key, reason) for key, reason in report.damaged if reason != UNSIGNED_REFUSED]
+    for key, reason in damaged[:MAX_LISTED]:
         click.echo(f"damaged {key}: {reason}" + (" (quarantined)" if repair else ""), err=True)
-    if len(report.damaged) > MAX_LISTED:
-        click.echo(f"damaged: and {len(report.damaged) - MAX_LISTED} more", err=True)
+    if len(damaged) > MAX_LISTED:
+        click.echo(f"damaged: and {len(damaged) - MAX_LISTED} more", err=True)
+    for key in unsigned_refused[:MAX_LISTED]:
+        click.echo(f"refused {key}: unsigned, and CACHEBUILD_REQUIRE_SIGNATURE is set, so it "
+                   "is never served" + (" (quarantined: the next warm builds it signed)"
+                                        if repair else ""), err=True)
+    if len(unsigned_refused) > MAX_LISTED:
+        click.echo(f"refused: and {len(unsigned_refused) - MAX_LISTED} more unsigned", err=True)
     for key, origin in report.unsigned[:MAX_LISTED]:
         click.echo(f"unsigned {key}: entered this store without a verified signature from "
                    f"{printable(origin)}; push signs it only if named with --vouch", err=True)
@@ -380,7 +391,9 @@ def verify_command(ctx: click.Context, repair: bool) -> None:
     # Untrusted records are not served, and their graphs were not read: not "ok".
     summary = (f"checked {report.checked} blobs: "
                f"{report.ok - len(refused) - len(report.untrusted)} ok, "
-               f"{len(report.damaged)} damaged")
+               f"{len(damaged)} damaged")
+    if unsigned_refused:
+        summary += f", {len(unsigned_refused)} unsigned (refused)"
     if refused:
         summary += f", {len(refused)} holding graphs a load refuses"
     if report.untrusted:
