@@ -79,12 +79,13 @@ def format_size(n: int | float) -> str:
     return f"{n / 1024:.1f} PiB"
 
 
-def format_duration(seconds: float) -> str:
-    """A duration for people, at most two units: ``250ms``, ``45s``, ``3m 20s``, ``2d 4h``."""
+def format_duration(seconds: float, units: int = 2) -> str:
+    """A duration for people, in at most ``units`` units: ``250ms``, ``45s``, ``3m 20s``,
+    ``2d 4h`` (one unit: ``3m``, ``2d``)."""
     if not math.isfinite(seconds):
         return "never"
     if seconds < 0:
-        return "-" + format_duration(-seconds)
+        return "-" + format_duration(-seconds, units)
     if seconds < 1:
         return f"{seconds * 1000:.0f}ms"
     if seconds < 60:
@@ -95,6 +96,6 @@ def format_duration(seconds: float) -> str:
         if rest >= size:
             parts.append(f"{rest // size}{unit}")
             rest %= size
-        if len(parts) == 2 or (parts and rest == 0):
+        if len(parts) == units or (parts and rest == 0):
             break
     return " ".join(parts)

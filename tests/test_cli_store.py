@@ -83,6 +83,48 @@ def test_ls(filled):
     assert typo.stdout == ""  # no empty table under it
 
 
+def on_a_terminal(args: list[str], env: dict[str, str], columns: int) -> str:
+    """What ``cachebuild ARGS`` prints on a terminal ``columns`` wide (escapes removed)."""
+    import fcntl
+    import pty
+    import re
+    import struct
+    import termios
+
+    leader, follower = pty.openpty()
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 24, columns, 0, 0))
+    env = {k: v for k, v in env.items() if k != "COLUMNS"}
+    proc = subprocess.Popen([sys.executable, "-m", "cachebuild.cli", *args], stdin=follower,
+                            stdout=follower, stderr=follower, env=env, close_fds=True)
+    os.close(follower)
+    out = bytearray()
+    while True:
+        try:
+            chunk = os.read(leader, 65536)
+        except OSError:  # the child closed its side
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(leader)
+    assert proc.wait(timeout=60) == 0, out.decode(errors="replace")
+    return re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.decode())
+
+
+def test_ls_on_an_80_column_terminal_keeps_each_row_on_one_line(open_local, filled):
+    open_local(filled).pin(key("t1"))
+    env = {**os.environ, "CACHEBUILD_DIR": str(filled), "TERM": "xterm"}
+    lines = on_a_terminal(["ls"], env, 80).splitlines()
+    rows = [line for line in lines if key("t1") in line or key("entry") in line]
+    assert len(rows) == 2 and all(len(line.rstrip()) <= 80 for line in lines), lines
+    assert all(" ago " in row and "B " in row for row in rows), rows
+    pinned = next(row for row in rows if key("t1") in row)
+    assert pinned.rstrip().endswith("yes")
+    assert any("a wider terminal, or --json" in line for line in lines)
+    wide = on_a_terminal(["ls"], env, 140)
+    assert "created" in wide and "refs" in wide and "wider terminal" not in wide
+
+
 def test_gc(open_local, filled):
     dry = run(filled, "gc", "--max-size", "4K", "--dry-run")
     assert dry.exit_code == 0, dry.output

@@ -221,8 +221,9 @@ def plural(n: int, word: str, words: str | None = None) -> str:
     return f"{n} {word}" if n == 1 else f"{n} {words or word + 's'}"
 
 
-def ago(when: float, now: float) -> str:
-    return format_duration(max(0.0, now - when)) + " ago"
+def ago(when: float, now: float, units: int = 2) -> str:
+    """How long before ``now`` ``when`` was, in at most ``units`` units: ``3m 20s ago``."""
+    return format_duration(max(0.0, now - when), units=units) + " ago"
 
 
 @contextmanager

@@ -40,6 +40,11 @@ if TYPE_CHECKING:
 _QUARANTINE_DAYS = QUARANTINE_KEEP_S // 86400
 
 
+#: Below this many columns a terminal gets ``ls``'s narrow table (it fits 80).
+_LS_WIDE = 110
+_LS_ONE_LINE = frozenset({"key", "kind", "size", "created", "last used", "hits", "pinned", "refs"})
+
+
 @click.command("ls")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON (records with manifests).")
 @click.option("--kind", metavar="KIND", help="Only records of this kind (entry, aoti-cuda, ...).")
@@ -59,29 +64,45 @@ def ls_command(ctx: click.Context, as_json: bool, kind: str | None) -> None:
         click.echo(json.dumps([r.to_json() for r in records], indent=2))
         return
     now = time.time()
+    out = stdout()
+    # A terminal too narrow for every column gets the ones a glance needs, each on one
+    # line: a wrapped key or size cannot be read, nor copied.
+    narrow = out.is_terminal and out.width < _LS_WIDE
     table = Table(title=f"{plural(len(records), 'record')} in {store.root}", title_justify="left",
-                  box=box.SIMPLE_HEAD)
-    table.add_column("key", no_wrap=True, min_width=32)
-    table.add_column("kind")
-    table.add_column("size", justify="right")
-    table.add_column("created")
-    table.add_column("last used")
-    table.add_column("hits", justify="right")
-    table.add_column("pinned")
-    table.add_column("refs", justify="right")
+                  box=box.SIMPLE_HEAD, pad_edge=not narrow,
+                  caption=None if not narrow else
+                  "(created, refs" + ("" if any(r.pinned for r in records) else ", pinned")
+                  + ": a wider terminal, or --json)",
+                  caption_justify="left")
+    columns: list[tuple[str, str]] = [("key", "left"), ("kind", "left"), ("size", "right")]
+    if not narrow:
+        columns.append(("created", "left"))
+    columns += [("last used", "left"), ("hits", "right")]
+    pinned = not narrow or any(r.pinned for r in records)
+    if pinned:
+        columns.append(("pinned", "left"))
+    if not narrow:
+        columns.append(("refs", "right"))
     unsigned = any(r.unsigned_from for r in records)
     if unsigned:  # where each artifact that entered unsigned came from, and who trusted it
-        table.add_column("entered unsigned from")
-        table.add_column("trusted by (else not served)")
+        columns += [("entered unsigned from", "left"), ("trusted by (else not served)", "left")]
+    for name, justify in columns:
+        table.add_column(name, justify=justify,  # type: ignore[arg-type]
+                         no_wrap=name in _LS_ONE_LINE, min_width=32 if name == "key" else None)
     for r in records:
-        row = [r.key, r.kind, format_size(r.size), ago(r.created, now),
-               ago(r.last_used, now), str(r.hits), "yes" if r.pinned else "",
-               str(len(r.refs)) if r.refs else ""]
+        row = [r.key, r.kind, format_size(r.size)]
+        if not narrow:
+            row.append(ago(r.created, now))
+        row += [ago(r.last_used, now, units=1 if narrow else 2), str(r.hits)]
+        if pinned:
+            row.append("yes" if r.pinned else "")
+        if not narrow:
+            row.append(str(len(r.refs)) if r.refs else "")
         if unsigned:
             row.append(safe_text(r.unsigned_from or ""))
             row.append(safe_text(r.trusted or ("NOT TRUSTED" if r.unsigned_from else "")))
         table.add_row(*row)
-    stdout().print(table)
+    out.print(table)
 
 
 def store_metrics(stats: StoreStats) -> str:
