@@ -269,14 +269,13 @@ def within_guards(config: CompileConfig, fakes: list[Any]) -> CompileConfig:
     return replace(config, compile_ranges=tuple(ranges), compile_sizes=sizes)
 
 
-def shared_written(gm: fx.GraphModule, fakes: list[Any]) -> list[tuple[int, int]]:
-    """Pairs ``(i, j)`` of inputs of ``gm`` that share memory where ``i`` is written in
-    place (Dynamo's fake inputs share it as the call's do). Whether their bytes overlap
-    is a call's to say (``overlapping``): disjoint slices of one cache are fine."""
+def shared_written(fakes: list[Any], written: list[int]) -> list[tuple[int, int]]:
+    """Pairs ``(i, j)`` of a graph's inputs that share memory where ``i`` is written in
+    place (``written``; Dynamo's fake inputs share it as the call's do). Whether their
+    bytes overlap is a call's to say (``overlapping``): disjoint slices of one cache are
+    fine."""
     tensors = [(i, storage_of(f)) for i, f in enumerate(fakes) if isinstance(f, torch.Tensor)]
-    if len({s for _, s in tensors}) == len(tensors):
-        return []
-    return [(i, j) for i in graph_effects(gm, list(fakes)).written_inputs
+    return [(i, j) for i in written
             for j, s in tensors if j != i and s == storage_of(fakes[i])]
 
 
@@ -313,11 +312,14 @@ class GraphForward:
                         for d, size in enumerate(f.shape) if isinstance(size, torch.SymInt)
                         and size.node.expr.is_Symbol]
         self._warned_eager = False
+        #: The graph inputs it writes in place: their version counters move at each call,
+        #: as eager's in-place ops move them (compiled pieces write behind autograd's back).
+        self.written = graph_effects(gm, list(self.fakes)).written_inputs
         # Inputs that share memory where one is written (two views of one cache, a buffer
         # that views another): pieces take each input apart, so a read of bytes the write
         # reached would miss it. A call where they overlap runs the graph as Dynamo made
         # it, which keeps the sharing.
-        self.shared = shared_written(gm, self.fakes)
+        self.shared = shared_written(self.fakes, self.written)
         # The graph as Dynamo made it, for the calls that run eagerly (planning below
         # names the traced GPU by its type in ``gm``).
         self._eager_gm = (fx.GraphModule(gm, copy_graph(gm.graph))
@@ -372,7 +374,10 @@ class GraphForward:
         fn = self.variants.get(key)
         if fn is None:
             fn = self._build(key, args)
-        return self.counts.put(fn(*args), args)
+        out = fn(*args)
+        if self.written:
+            torch.autograd.graph.increment_version([args[i] for i in self.written])
+        return self.counts.put(out, args)
 
     def _outside(self, said: str, args: Sequence[Any], always: bool = False) -> Any:
         """A call no bucket holds: refused, or run eagerly where the config says so

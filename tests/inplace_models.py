@@ -256,12 +256,22 @@ def run_sequence(fn: Any, model: nn.Module, cls: type[nn.Module],
     with torch.no_grad():
         for size in sizes:
             args = with_state(call_args(cls, size, start), shared)
+            before = versions(model, args[:arity(cls)])
             out = fn(*args[:arity(cls)])
+            moved = [int(a != b) for a, b in zip(versions(model, args[:arity(cls)]), before,
+                                                    strict=True)]
             results.append([t.clone() for t in flat(out)]
                            + [t.clone() for t in state(model, args[:arity(cls)])]
-                           + [aliasing(flat(out), args[:arity(cls)])])
+                           + [aliasing(flat(out), args[:arity(cls)]), torch.tensor(moved)])
             start += size
     return results
+
+
+def versions(model: nn.Module, args: tuple[Any, ...]) -> list[int]:
+    """The version counters of the tensor arguments and the model's buffers: each write
+    in place moves its tensor's (autograd refuses a backward through a tensor saved before
+    one), compiled or not."""
+    return [t._version for t in [*args, *model.buffers()] if isinstance(t, torch.Tensor)]
 
 
 def aliasing(outputs: list[Any], args: tuple[Any, ...]) -> torch.Tensor:

@@ -159,6 +159,9 @@ class ModelRuntime:
         self.check = CallCheck([(b.arg, m) for b, m in self._arg_metas], self.device,
                                self._dynamic_size, self.written_args,
                                [(n, t) for n, t in named if n in written])
+        #: The weights the forward writes in place (``_call`` moves their version counters).
+        self._written_weights = [template[i] for i in self.entry.written_inputs
+                                 if self.bindings[i].kind in ("param", "buffer")]
         # Kept once every weight passed: one refused above is looked up again next call.
         self._generation, self._held = generation, held
         # A weight whose memory moved under the same tensor object (``model.half()``, a
@@ -408,12 +411,23 @@ class ModelRuntime:
                 not weights.unmoved(self._bound, self._bound_at):
             self._rebind_if_replaced()
         with self._on_device:  # graphs name the GPU by type: run on the model's
-            if self.capturer is not None:
-                if torch.is_grad_enabled():  # graphs and their buffers serve inference only
-                    with torch.no_grad():
-                        return self.capturer(args)
-                return self.capturer(args)
-            return self._forward(*args)
+            if self.capturer is None:
+                out = self._forward(*args)
+            elif torch.is_grad_enabled():  # graphs and their buffers serve inference only
+                with torch.no_grad():
+                    out = self.capturer(args)
+            else:
+                out = self.capturer(args)
+        self._wrote(args)
+        return out
+
+    def _wrote(self, args: tuple[Any, ...]) -> None:
+        """Move the version counters of what the call wrote in place, as eager's in-place
+        ops do: compiled pieces and graph replays write memory behind autograd's back, and
+        a tensor saved for backward, or a check made on ``_version``, must see the write."""
+        written = [args[i] for i in self.written_args if i < len(args)]
+        if written or self._written_weights:
+            torch.autograd.graph.increment_version([*written, *self._written_weights])
 
     def _forward(self, *args: Any) -> Any:
         return self._exact(args)
