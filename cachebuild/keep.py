@@ -48,6 +48,23 @@ def environment() -> Iterator[None]:
             os.environ.pop(name, None)
 
 
+@contextlib.contextmanager
+def default_dtype(name: str | None) -> Iterator[None]:
+    """Run the block with torch's default dtype ``name`` (``"float64"``; None: as it is),
+    put back afterwards: a target is built, and proven, under the default dtype its piece
+    was traced with (``targets.DEFAULT_DTYPE``), which a build worker does not share."""
+    wanted = getattr(torch, name) if name is not None else None
+    before = torch.get_default_dtype()
+    if wanted is None or wanted == before:
+        yield
+        return
+    torch.set_default_dtype(wanted)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
+
+
 class Tensors:
     """Copies of tensors, taken before they are written and put back by ``restore``.
 

@@ -130,6 +130,8 @@ class Net(Tuned):
             y = y * 0.5
         y = y * self.table[(1, "x")] * self.sibling.gain
         act = torch.relu if self.config.act == "relu" else torch.tanh
+        # Made in the process's default dtype: float64 there makes the output float64.
+        y = y + torch.full((y.shape[-1],), 0.125)
         return finish(self.post(act(y) + self.config.eps))
 
     def post(self, y: torch.Tensor) -> torch.Tensor:
@@ -161,6 +163,12 @@ def _set_global(value: float) -> None:
     SCALE = value
 
 
+def _set_default_dtype(dtype: torch.dtype) -> torch.dtype:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    return old
+
+
 def _set_env(value: str | None, name: str = "LIVE_DOUBLE") -> None:
     if value is None:
         os.environ.pop(name, None)
@@ -185,6 +193,7 @@ INPUT_GRAD: list[bool] = []
 #: Calls made with autograd on while it holds an item (else under no_grad).
 GRAD: list[bool] = []
 AROUND_THE_CALL = "a dispatch mode around the call"
+DEFAULT_DTYPE = "default dtype of the process"
 #: A call with autograd on, to a forward that reads autograd's mode: run eagerly.
 GRAD_ON = "autograd on around the call"
 
@@ -280,6 +289,10 @@ CASES = [
     # compiled code would run past. The model runs eagerly under it (nothing traced).
     Case(AROUND_THE_CALL, lambda n: MODE.append(DoubledMatmuls()), lambda n, _: MODE.clear()),
     Case(GRAD_ON, lambda n: GRAD.append(True), lambda n, _: GRAD.clear()),
+    # Process state a forward's graph takes without naming it: a tensor made without a
+    # dtype (a build worker's default dtype is float32 whatever the caller's is).
+    Case(DEFAULT_DTYPE, lambda n: _set_default_dtype(torch.float64),
+         lambda n, old: _set_default_dtype(old)),
 ]
 
 
@@ -300,8 +313,8 @@ def main(door: str, backend: str, cases: list[str]) -> None:
             given = x.detach().requires_grad_(bool(INPUT_GRAD))
             out = compiled(given).detach()
             want = net(given).detach()
-        print(json.dumps({"case": case, "step": step,
-                          "error": float((out - want).abs().max()),
+        error = float((out - want).abs().max()) if out.dtype == want.dtype else float("inf")
+        print(json.dumps({"case": case, "step": step, "error": error,
                           "traced": cachebuild.stats()["traced"]}), flush=True)
 
     for case in [c for c in CASES if not cases or c.name in cases]:

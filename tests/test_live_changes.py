@@ -105,9 +105,10 @@ def test_every_live_change_through_torch_compile(tmp_path):
 
 
 def test_a_flag_flipped_with_inductor_cold_then_warm(tmp_path):
-    """Also a caller's dispatch mode around a call: generated code would run past it."""
+    """Also a caller's dispatch mode around a call (generated code would run past it), and
+    the process's default dtype changed (build workers have their own)."""
     store = tmp_path / "store"
-    cases = ("attribute", live_changes.AROUND_THE_CALL)
+    cases = ("attribute", live_changes.AROUND_THE_CALL, live_changes.DEFAULT_DTYPE)
     _assert_exact(_run("compile", "inductor", store, *cases))
     warm = _run("compile", "inductor", store, *cases)
     _assert_exact(warm)

@@ -49,7 +49,7 @@ from cachebuild.errors import (
 from cachebuild.graph.facts import device_of, on_device
 from cachebuild.keys import make_key
 from cachebuild.tracing.distributed import local_groups
-from cachebuild.tracing.targets import BuildJob, bucket_label
+from cachebuild.tracing.targets import DEFAULT_DTYPE, BuildJob, bucket_label
 from cachebuild.trust.fxjson import data_to_module
 
 if TYPE_CHECKING:
@@ -220,9 +220,11 @@ class Builder:
             toolchain = job.target.manifest["backend"].get("toolchain", {})
             gpu = on_device(device_of(job.input_metas))
             clock = BuildClock()
+            dtype = job.target.manifest.get(DEFAULT_DTYPE)
             try:
                 with measuring(clock), clock.phase("lowering"), quiet_compiler_warnings(), \
-                        local_groups(layout), gpu, keep.rng(), self._compilers(toolchain):
+                        local_groups(layout), gpu, keep.rng(), self._compilers(toolchain), \
+                        keep.default_dtype(dtype):
                     artifact = self.backend.compile(BuildRequest(
                         # Compilers trace the graph and check what it calls by name:
                         # the original arithmetic, not its bounded stand-ins.
@@ -247,7 +249,7 @@ class Builder:
             seconds = time.perf_counter() - start
             with measuring(clock), clock.phase("proof"), timed("verify"), local_groups(layout), \
                     on_device(device_of(job.input_metas)), keep.rng(), \
-                    self._compilers(toolchain):
+                    self._compilers(toolchain), keep.default_dtype(dtype):
                 self._prove(job, artifact, where)
             with measuring(clock), clock.phase("store"):
                 self.store.put(key, artifact.payload, kind=artifact.kind,
@@ -315,7 +317,8 @@ class Builder:
         with timed("verify"):
             try:
                 with local_groups(job.target.manifest.get("distributed")), \
-                        on_device(device_of(metas)):
+                        on_device(device_of(metas)), \
+                        keep.default_dtype(job.target.manifest.get(DEFAULT_DTYPE)):
                     check(fn, job.nodes, metas, job.target.bucket)
             except Exception as e:
                 raise BuildError(

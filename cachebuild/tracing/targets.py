@@ -130,6 +130,21 @@ def op_sources(graph: Any) -> dict[str, list[str | None]]:
     return out
 
 
+#: The manifest factor naming the default dtype a piece was traced under, where it is not
+#: float32: a graph's ``torch.ones(n)``, or an integer tensor times a Python float, takes
+#: it, and the graph does not say which it was (other keys stay as they were).
+DEFAULT_DTYPE = "default_dtype"
+
+
+def traced_default_dtype() -> str | None:
+    """The default dtype a trace in this process runs under, by name, where it is not
+    float32 (see ``DEFAULT_DTYPE``)."""
+    import torch
+
+    dtype = torch.get_default_dtype()
+    return None if dtype == torch.float32 else str(dtype).removeprefix("torch.")
+
+
 def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend: dict[str, Any],
                  passes: dict[str, Any], env: dict[str, Any]) -> dict[int, list[Target]]:
     """Every target of every compiled piece, keyed by the factors above.
@@ -137,6 +152,7 @@ def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend:
     Returns piece index → its targets in bucket order. Identical pieces share keys.
     """
     out: dict[int, list[Target]] = {}
+    dtype = traced_default_dtype()
     for piece in pieces:
         if not piece.compiled:
             continue
@@ -154,6 +170,8 @@ def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend:
                 manifest["distributed"] = layout
             if ops:
                 manifest["ops"] = ops
+            if dtype is not None:
+                manifest[DEFAULT_DTYPE] = dtype
             targets.append(Target(make_key(manifest), piece.index, bucket, manifest, sources))
         out[piece.index] = targets
     return out
