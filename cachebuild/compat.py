@@ -316,8 +316,7 @@ def _changed_items(variable: Any) -> list[Any] | None:
     its value: the same variable, or the same tensor (an in-place update stored back under
     its own key, as ``self.buf += x`` does with a module's ``_buffers``); None where that
     cannot be told."""
-    items = getattr(variable, "items", None)
-    original = getattr(variable, "original_items", None)
+    items, original = _held(variable, "items"), _held(variable, "original_items")
     if not isinstance(items, dict) or not isinstance(original, dict) or len(items) != len(original):
         return None
 
@@ -340,10 +339,20 @@ def _changed_items(variable: Any) -> list[Any] | None:
     return changed
 
 
+def _held(variable: Any, name: str) -> Any:
+    """``variable.name``, or None: some of Dynamo's variables raise other errors than
+    AttributeError for what they cannot give (a list's ``value`` holding a symbolic
+    size raises ``AsPythonConstantNotImplementedError``)."""
+    try:
+        return getattr(variable, name, None)
+    except Exception:
+        return None
+
+
 def _changed_attributes(variable: Any, pending: dict[str, Any] | None) -> list[str] | None:
     """The attributes the frame sets on ``variable``'s object to another value than they
     had (None where that cannot be told: not an attribute change)."""
-    obj = getattr(variable, "value", None)
+    obj = _held(variable, "value")
     if not pending or obj is None:
         return None
     missing = object()

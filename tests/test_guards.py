@@ -224,21 +224,37 @@ def test_a_guard_kind_with_no_plain_form_refuses_the_entry():
         records_from(Collected([Entry_()]), Tunable(), models.inputs(3), set())
 
 
-def test_side_effects_on_existing_objects_are_refused():
+@pytest.mark.parametrize("form", ["count", "append a size", "list item"])
+def test_side_effects_on_existing_objects_are_refused_and_never_made(form):
+    """Refused in one line, before the frame makes them: the refused trace leaves the
+    objects as they were (a caller running the model eagerly next must not see them
+    twice)."""
     class Counting(nn.Module):
         def __init__(self):
             super().__init__()
             self.inner = models.make(models.Decoder, layers=1)
             self.calls = 0
+            self.log: list[object] = []
+            self.hist = [torch.zeros(())]
 
         def forward(self, ids, pos):
-            self.calls += 1
-            return self.inner(ids, pos)
+            out = self.inner(ids, pos)
+            if form == "count":
+                self.calls += 1
+            elif form == "append a size":  # a symbolic size: Dynamo's list cannot say it
+                self.log.append(ids.shape[0])
+            else:
+                self.hist[0] = out.sum()
+            return out
 
     from cachebuild.errors import UsageError
 
-    with pytest.raises(UsageError, match="changes .*calls.*replays no side effects"):
-        trace_model(Counting().eval(), models.inputs(4), DYN)
+    model = Counting().eval()
+    before = model.hist[0]
+    name = {"count": "calls", "append a size": "log", "list item": "hist"}[form]
+    with pytest.raises(UsageError, match=f"changes .*{name}.*replays no side effects"):
+        trace_model(model, models.inputs(4), DYN)
+    assert (model.calls, model.log) == (0, []) and model.hist[0] is before
 
 
 def test_a_branch_on_the_token_count_inside_a_range_is_refused():

@@ -447,6 +447,9 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
 
     captured: dict[str, Any] = {}
 
+    class _SideEffects(Exception):
+        """The traced frame changes objects that existed before it (refused below)."""
+
     def capture(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         if "gm" in captured:
             raise UsageError("the model's forward traced into more than one graph")
@@ -460,6 +463,10 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         items = item_outputs(gm)
 
         def run(*inputs: Any) -> Any:
+            # Refused before the frame applies its side effects, which come after this
+            # call in the code Dynamo made: a refused trace changes nothing.
+            if captured["mutated"]:
+                raise _SideEffects
             # Tracing leaves the model as it was: what the forward writes in place (a
             # buffer, a cache) is put back afterwards, in the same tensors (Dynamo then
             # stores them where the forward did). Runs after Dynamo's compile, so looking
@@ -489,6 +496,8 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     try:
         with torch.inference_mode(False), torch.no_grad(), _quiet_meta_failures():
             output = compiled(*args)
+    except _SideEffects:
+        output = None  # refused below
     except torch._dynamo.exc.Unsupported as e:
         if str(e).lstrip().startswith("Observed exception"):  # the forward itself raised
             raise UsageError(f"the model's forward raises on these inputs (check that the "
