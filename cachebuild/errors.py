@@ -75,6 +75,11 @@ _TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EIO, errno.
                      errno.EMFILE, errno.ENFILE, errno.EAGAIN}
 _TRANSIENT_TEXT = ("No space left on device", "Disk quota exceeded", "Cannot allocate memory",
                    "Read-only file system", "Too many open files")
+#: What a compiler driver says when the compiler it ran was killed (by the kernel's
+#: out-of-memory killer, say): the driver itself exits 1, not by a signal.
+_KILLED_TEXT = ("Killed signal terminated program",  # gcc
+                "due to signal",  # clang: "... command failed due to signal"
+                "unable to execute command: Killed")  # clang
 
 
 def transient(error: BaseException) -> str | None:
@@ -93,12 +98,14 @@ def transient(error: BaseException) -> str | None:
             return "a compiler timed out"
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
             return e.strerror or errno.errorcode.get(e.errno, str(e.errno))
-        if isinstance(e, subprocess.CalledProcessError) and (e.returncode or 0) < 0:
+        if isinstance(e, subprocess.CalledProcessError) and (e.returncode or 0) < 0 or \
+                any(t in str(e) for t in _KILLED_TEXT):
             return "the compiler was killed"
         found = next((t for t in _TRANSIENT_TEXT if t in str(e)), None)
         if found is not None:
             return found
-        e = e.__cause__
+        # Inductor wraps what a lowering raised ``from None``, keeping it as an attribute.
+        e = e.__cause__ or getattr(e, "inner_exception", None)
     return None
 
 

@@ -454,6 +454,29 @@ def test_transient_errors_are_the_machines_not_the_pieces():
     assert transient(MemoryError())
     assert transient(RuntimeError("C++ compile error: ... No space left on device"))
     assert transient(sp.CalledProcessError(-9, ["g++"]))  # the compiler was killed
+    # ... or the compiler the driver ran (the driver exits 1): gcc's and clang's words
+    from torch._inductor.exc import CppCompileError
+
+    for said in ("g++: fatal error: Killed signal terminated program cc1plus",
+                 "clang++: error: clang frontend command failed due to signal (use -v)"):
+        try:
+            try:
+                raise sp.CalledProcessError(1, ["g++"], output=said.encode())
+            except sp.CalledProcessError as e:
+                raise CppCompileError(["g++"], said) from e
+        except CppCompileError as killed:
+            assert transient(killed) == "the compiler was killed"
+    # The compiler driver killed, as Inductor raises it: its CppCompileError wrapped in an
+    # InductorError ``from None``.
+    from torch._inductor.exc import InductorError
+
+    try:
+        try:
+            raise sp.CalledProcessError(-9, ["g++"], output=b"")
+        except sp.CalledProcessError as e:
+            raise CppCompileError(["g++"], "") from e
+    except CppCompileError as inner:
+        assert transient(InductorError(inner, None)) == "the compiler was killed"
     try:
         try:
             raise OSError(errno.ENOSPC, "disk full")
