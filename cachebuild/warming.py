@@ -420,12 +420,17 @@ def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
 
     pool = workers if isinstance(workers, BuildPool) else start_pool(workers, model_path, options)
     not_set_up: list[tuple[BuildJob, str]] = []
+    died: list[tuple[BuildJob, str]] = []
+    again = False
 
     def done(job: BuildJob, result: Any) -> None:
         error = result.error or ""
         if store is not None and result.died and error.startswith(NOT_SET_UP) \
                 and "No module named" in error:
             not_set_up.append((job, result.error))
+            return
+        if result.died and not again and not error.startswith(NOT_SET_UP):
+            died.append((job, error))  # built once more below, in a new worker, alone
             return
         for name, message in result.warnings:
             warnings.warn(message, _warning_classes()[name], stacklevel=1)
@@ -438,6 +443,16 @@ def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
     finally:
         if pool is not workers:
             pool.close()
+    if died:
+        # Its worker ended while it held the job (killed for its memory, say): as a cold
+        # start does, once more in a new worker, alone, where it has the machine to itself.
+        from cachebuild.building.pool import job_label
+
+        for job, error in died:
+            log.warning("%s: %s; building it again in a new worker", job_label(job), error)
+        again = True
+        with start_pool(1, model_path, options) as fresh:
+            fresh.run([job for job, _ in died], done)
     if not_set_up and store is not None:
         log.warning("cachebuild: %s; building %d target%s in this process instead",
                     not_set_up[0][1], len(not_set_up), "" if len(not_set_up) == 1 else "s")

@@ -424,6 +424,27 @@ def test_a_job_whose_worker_died_is_built_again_in_a_new_worker_never_here(
     torch.testing.assert_close(compiled(x), model(x), **models.TOL)
 
 
+def test_warm_builds_a_job_whose_worker_died_again_in_a_new_worker(tmp_path, monkeypatch,
+                                                                  caplog):
+    """``warm`` does as a cold start does: the job whose worker was killed is built once
+    more, in a new worker, and the run succeeds."""
+    _dies_once(tmp_path, monkeypatch, "cb_tests_warm_dies")
+    path = tmp_path / "model_file.py"
+    path.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import torch, cachebuild, models\n"
+        "from cb_tests_warm_dies import Model\n"
+        "def build():\n"
+        "    return cachebuild.ModelSpec(Model().eval(), (torch.randn(5, 16),), {0: 0},\n"
+        "                                models.config(splitting_ops=()))\n")
+    with caplog.at_level(logging.WARNING, logger="cachebuild"):
+        report = cachebuild.warm(str(path), store=LocalStore(tmp_path / "store"), jobs=2)
+    assert (tmp_path / "died").exists(), "no worker died: the test did not test anything"
+    assert "building it again in a new worker" in caplog.text
+    assert report.ok and [t.state for t in report.targets] == ["built"], report
+
+
 @pytest.mark.slow
 def test_a_background_build_whose_worker_died_builds_it_again_in_a_new_worker(
         tmp_path, monkeypatch, caplog):
