@@ -449,3 +449,73 @@ def test_a_worker_that_cannot_set_up_fails_its_targets_in_one_line_each(tmp_path
     assert said.count("the build worker could not set up: ") == 3, proc.stderr
     assert "RuntimeError: this model file imports in one process only" in said, proc.stderr
     assert summary(proc.stderr)[2:] == (0, 3), proc.stderr
+
+
+OUTPUT_CLASSES = f"""
+import collections, dataclasses, sys
+sys.path.insert(0, {str(ROOT / "tests")!r})
+import torch, cachebuild, models
+
+
+@dataclasses.dataclass
+class Out:
+    hidden: torch.Tensor
+    pair: tuple
+
+
+Pair = collections.namedtuple("Pair", "first second")
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = models.make(models.LayerStack, layers=1)
+
+    def forward(self, x, pos):
+        h = self.inner(x, pos)
+        return Out(h, Pair(h * 2, h.sum()))
+
+
+def build():
+    torch.manual_seed(0)
+    return cachebuild.ModelSpec(Net().eval(), models.hidden_inputs(8), {{0: 0, 1: 0}},
+                                models.config(compile_ranges=((1, 16),)))
+
+
+def serve():
+    spec = build()
+    compiled = cachebuild.compile(spec.model, spec.config, spec.dynamic_dims)
+    x, pos = models.hidden_inputs(5)
+    with torch.no_grad():
+        got, want = compiled(x, pos), spec.model(x, pos)
+    assert type(got) is Out and type(got.pair) is Pair, (type(got), type(got.pair))
+    for a, b in ((got.hidden, want.hidden), (got.pair.first, want.pair.first),
+                 (got.pair.second, want.pair.second)):
+        torch.testing.assert_close(a, b, **models.TOL)
+    print(cachebuild.stats()["traced"])
+
+
+if __name__ == "__main__":
+    serve()
+"""
+
+
+def test_output_classes_of_the_model_file_are_found_whatever_it_is_imported_as(tmp_path):
+    """A dataclass or namedtuple the model's file defines, as its output: `warm` imports
+    the file under a name of its own, the server runs it as __main__ (or imports it by its
+    name): each finds the class in the file it loaded."""
+    path = tmp_path / "outputs_model.py"
+    path.write_text(OUTPUT_CLASSES)
+    store = tmp_path / "store"
+    warmed = cli(store, "warm", str(path))
+    assert warmed.returncode == 0, warmed.stderr[-2000:]
+    env = {**os.environ, "CACHEBUILD_DIR": str(store)}
+    served = subprocess.run([sys.executable, str(path)], env=env, capture_output=True,
+                            text=True, timeout=600)
+    assert served.returncode == 0, served.stderr[-3000:]
+    assert served.stdout.split()[-1] == "0"  # warm: nothing traced
+    imported = subprocess.run([sys.executable, "-c", "import outputs_model; "
+                               "outputs_model.serve()"], env=env, cwd=tmp_path,
+                              capture_output=True, text=True, timeout=600)
+    assert imported.returncode == 0, imported.stderr[-3000:]
+    assert imported.stdout.split()[-1] == "0"

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 import base64
 import io
+import os
 import pickle
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -21,8 +23,14 @@ import torch
 import torch.utils._pytree as pytree
 
 from cachebuild.errors import UsageError
+from cachebuild.trust.sources import find_module, is_label, object_label
 
 TREE, OBJECT = "tree:", "pickle:"
+#: A class of the model's own code in a kept output, named by its source (``CLASS``,
+#: label, file name, qualified name): a pickle names a class by its module, and one file
+#: is a module of another name in each process (``cachebuild warm`` imports MODEL.py under
+#: a name of its own, a server as ``__main__`` or as what it imported).
+CLASS = "class"
 ITEM = "item"  # a graph output's .item() in a kept output (``ReturnedItem``)
 INPUT, ARG = "input", "arg"  # a graph input or a call's argument returned as it is
 
@@ -104,6 +112,13 @@ def output_recipe(output: Any, graph_outputs: Sequence[Any],
 
     class Template(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
+            if isinstance(obj, type):
+                label = object_label(obj)
+                if not is_label(label):
+                    return None  # installed code: one module name everywhere
+                module = sys.modules.get(obj.__module__)
+                return CLASS, label, os.path.basename(getattr(module, "__file__", "") or ""), \
+                    obj.__qualname__
             if isinstance(obj, Returned) and id(obj) in position:
                 return position[id(obj)]
             if isinstance(obj, ReturnedItem):
@@ -130,6 +145,19 @@ def output_recipe(output: Any, graph_outputs: Sequence[Any],
 Builder = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], Any]
 
 
+def _class_of(label: str, file_name: str, qualname: str) -> type:
+    """The class ``qualname`` of the loaded module whose source has ``label``."""
+    module = find_module(label, file_name or None)
+    found: Any = module
+    for part in qualname.split(".") if module is not None else ():
+        found = getattr(found, part, None)
+    if not isinstance(found, type):
+        raise UsageError(f"the model's output is a {qualname} of {file_name or 'its file'}, "
+                         "and no module loaded in this process has that file's source as "
+                         "it was traced: import the model's file before its first call")
+    return found
+
+
 def output_builder(recipe: str) -> Builder:
     """A function from a call's graph outputs, graph inputs and arguments to the model's
     output, for ``recipe``."""
@@ -140,6 +168,8 @@ def output_builder(recipe: str) -> Builder:
             def value(pid: Any) -> Any:
                 if type(pid) is int:
                     return outs[pid]
+                if pid[0] == CLASS:
+                    return _class_of(*pid[1:])
                 kind, i = pid
                 return ins[i] if kind == INPUT else args[i] if kind == ARG else outs[i].item()
 
