@@ -15,7 +15,7 @@ them on arrival.
 
 from cachebuild.errors import LockTimeout, StoreError
 
-from .blob import CorruptBlob, decode_blob, encode_blob
+from .blob import UNSIGNED_REFUSED, CorruptBlob, decode_blob, encode_blob
 from .files import write_whole
 from .interface import ArtifactSource, RemoteTier, Store
 from .layout import (
@@ -52,6 +52,7 @@ from .work import ObjectRecords, open_work_dir
 
 __all__ = [
     "QUARANTINE_KEEP_S",
+    "UNSIGNED_REFUSED",
     "FORMAT_DIR",
     "check_can_make",
     "WORK_LOCK",

@@ -28,8 +28,7 @@ from cachebuild.cli.common import (
     stdout,
 )
 from cachebuild.errors import UsageError, one_line
-from cachebuild.store import QUARANTINE_KEEP_S
-from cachebuild.store.blob import UNSIGNED_REFUSED
+from cachebuild.store import QUARANTINE_KEEP_S, UNSIGNED_REFUSED
 from cachebuild.units import format_size
 
 if TYPE_CHECKING:
