@@ -80,6 +80,16 @@ class MutatedBuffer(Base):
         return self.o(attend(self.q(x), k, k)) + self.calls
 
 
+class WritesAWeight(Base):
+    """A weight that requires grad, scaled in place (called under no_grad, as eager
+    allows): a parameter written, as code normalising its weights does."""
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor) -> Any:
+        self.k.weight.mul_(0.5)
+        k = self.k(x)
+        return self.o(attend(self.q(x), k, k))
+
+
 class BumpedAroundTheSplit(Base):
     """A buffer bumped with ``+=`` in the pieces on both sides of attention (a layer's
     step counter), read after: each ``+=`` returns the tensor the one before returned."""
@@ -193,7 +203,7 @@ class AllPatterns(Base):
         return out, cache[:4]
 
 
-PATTERNS = [MutatedInput, MutatedBuffer, BumpedAroundTheSplit, ViewReadLater, ReadBySplittingOp,
+PATTERNS = [MutatedInput, MutatedBuffer, WritesAWeight, BumpedAroundTheSplit, ViewReadLater, ReadBySplittingOp,
             ReadInNextPiece, WrittenBySplittingOp, WritesAnOpsOutput, AliasingOutputs,
             ReturnsArguments]
 
@@ -210,7 +220,7 @@ def call_args(cls: type[nn.Module], tokens: int, start: int = 0, seed: int = 1
     g = torch.Generator().manual_seed(seed + tokens)
     x = torch.randn(tokens, H, generator=g)
     slots = torch.arange(start, start + tokens)
-    if cls is MutatedBuffer:
+    if cls in (MutatedBuffer, WritesAWeight):
         return x, slots
     return x, slots, torch.randn(SLOTS, H, generator=g), torch.zeros(H)
 
@@ -221,7 +231,7 @@ def with_state(args: tuple[Any, ...], state: tuple[Any, ...]) -> tuple[Any, ...]
 
 
 def arity(cls: type[nn.Module]) -> int:
-    return {MutatedBuffer: 2, AllPatterns: 4}.get(cls, 3)
+    return {MutatedBuffer: 2, WritesAWeight: 2, AllPatterns: 4}.get(cls, 3)
 
 
 def dynamic_dims(cls: type[nn.Module]) -> dict[int, int]:
@@ -236,9 +246,11 @@ def config(**overrides: Any) -> cachebuild.CompileConfig:
 
 
 def state(model: nn.Module, args: tuple[Any, ...]) -> list[torch.Tensor]:
-    """Every tensor a call may change: the tensor arguments and the model's buffers."""
+    """Every tensor a call may change: the tensor arguments and the model's buffers and
+    parameters."""
     return [a for a in args if isinstance(a, torch.Tensor)] + [b for _, b in
-                                                               model.named_buffers()]
+                                                               model.named_buffers()] + \
+        [p.detach() for p in model.parameters()]
 
 
 def flat(out: Any) -> list[torch.Tensor]:
@@ -271,7 +283,8 @@ def versions(model: nn.Module, args: tuple[Any, ...]) -> list[int]:
     """The version counters of the tensor arguments and the model's buffers: each write
     in place moves its tensor's (autograd refuses a backward through a tensor saved before
     one), compiled or not."""
-    return [t._version for t in [*args, *model.buffers()] if isinstance(t, torch.Tensor)]
+    return [t._version for t in [*args, *model.buffers(), *model.parameters()]
+            if isinstance(t, torch.Tensor)]
 
 
 def aliasing(outputs: list[Any], args: tuple[Any, ...]) -> torch.Tensor:

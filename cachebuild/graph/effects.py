@@ -133,9 +133,12 @@ def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any], fake_mode: Any = N
         fake_mode = fake_mode_of(fake_inputs)
     from torch._dispatch.python import enable_python_dispatcher
 
-    # Outside inference mode: a tensor made in it keeps no version counter to watch.
+    # Outside inference mode: a tensor made in it keeps no version counter to watch. Without
+    # autograd all the same (leaving inference mode turns it on), as every trace and
+    # compiled forward runs: a write into a weight that requires grad (``self.w.mul_(0.5)``
+    # called under no_grad) is no error there.
     with fake_mode if fake_mode is not None else contextlib.nullcontext(), \
-            enable_python_dispatcher(), torch.inference_mode(False):
+            enable_python_dispatcher(), torch.inference_mode(False), torch.no_grad():
         Watcher(gm).run(*fake_inputs)
     written = effects.written
     effects.written_inputs = [i for i, p in enumerate(placeholders) if p in written]

@@ -140,8 +140,10 @@ def split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPla
     memory are taken in a last eager piece.
     """
     # Outside inference mode (a caller's first call may be in it): what a piece writes is
-    # seen by version counters, which tensors made in that mode do not keep.
-    with torch.inference_mode(False):
+    # seen by version counters, which tensors made in that mode do not keep. Without
+    # autograd all the same (leaving inference mode turns it on), as the trace ran: a
+    # write into a weight that requires grad, made under the caller's no_grad, is fine.
+    with torch.inference_mode(False), torch.no_grad():
         return _split_graph(traced, splitting_ops)
 
 
