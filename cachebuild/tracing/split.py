@@ -9,6 +9,7 @@ a tuple.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -188,6 +189,11 @@ def _split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPl
             current += 1
             part[node] = current
             current += 1
+        elif node.target is operator.getitem and isinstance(node.args[0], fx.Node) \
+                and is_splitting(node.args[0], wanted):
+            # An item of what a splitting op returns as a tuple (flash attention's output
+            # and its log-sum-exp): taken beside it, so that pieces hand over tensors.
+            part[node] = part[node.args[0]]
         else:
             part[node] = current
     eager_parts = {part[n] for n in part if is_splitting(n, wanted)}
