@@ -519,3 +519,24 @@ def test_output_classes_of_the_model_file_are_found_whatever_it_is_imported_as(t
                               capture_output=True, text=True, timeout=600)
     assert imported.returncode == 0, imported.stderr[-3000:]
     assert imported.stdout.split()[-1] == "0"
+
+
+def test_warm_of_a_model_no_entry_can_be_recorded_for_says_so_in_its_last_line(tmp_path):
+    """An nn.Sequential called as the model: its forward's ``*args`` has no plain path for
+    a guard, so no entry is recorded. The targets are built; the summary names no entry
+    key (a start would not find one)."""
+    path = tmp_path / "seq.py"
+    path.write_text(textwrap.dedent("""
+        import cachebuild, torch
+        import torch.nn as nn
+
+        def build():
+            m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+            return cachebuild.ModelSpec(m, (torch.randn(3, 4),), {0: 0},
+                                        cachebuild.CompileConfig(backend="eager_fusion"))
+        """))
+    proc = cli(tmp_path / "store", "warm", str(path))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert "no entry recorded: every start traces the model" in last, last
+    assert " entry " not in last.split(";")[-1].replace("no entry recorded", "")

@@ -245,6 +245,9 @@ def _say(console: Console) -> Callable[[str], None]:
 def _entries_said(report: PlanReport) -> str:
     """``entry KEY``, or for a world size each distinct entry with the ranks it serves."""
     if report.world_size is None:
+        if report.entries and report.entries[0].recorded is False:
+            # Its targets are stored; a start traces the model (Dynamo) to find them.
+            return "no entry recorded: every start traces the model, then loads these targets"
         return f"entry {report.entry_key}"
     return "entries " + ", ".join(f"{e.key} ({rank_ranges(e.ranks)})" for e in report.entries)
 
