@@ -540,3 +540,55 @@ def test_warm_of_a_model_no_entry_can_be_recorded_for_says_so_in_its_last_line(t
     last = proc.stderr.strip().splitlines()[-1]
     assert "no entry recorded: every start traces the model" in last, last
     assert " entry " not in last.split(";")[-1].replace("no entry recorded", "")
+
+
+TWO_VERSIONS_MODEL = f"""
+import sys
+sys.path.insert(0, {str(ROOT / "tests")!r})
+import torch, cachebuild, models
+import helper
+
+
+class Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = models.make(models.LayerStack, layers=1)
+
+    def forward(self, x, pos):
+        return helper.mix(self.inner(x, pos))
+
+
+def build():
+    torch.manual_seed(0)
+    return cachebuild.ModelSpec(Net().eval(), models.hidden_inputs(8), {{0: 0, 1: 0}},
+                                models.config(compile_ranges=((1, 16),)))
+
+
+if __name__ == "__main__":
+    spec = build()
+    compiled = cachebuild.compile(spec.model, spec.config, spec.dynamic_dims)
+    x, pos = models.hidden_inputs(5)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, pos), spec.model(x, pos), **models.TOL)
+    print(cachebuild.stats()["traced"])
+"""
+
+
+def test_two_versions_of_a_module_the_model_imports_keep_their_entries_in_one_store(tmp_path):
+    """Two checkouts of one model whose model file is the same and whose imported helper
+    differs (a rolling deploy onto one store): each version's entry is kept, so that
+    neither start traces again after both were warmed (they replaced each other's)."""
+    store = tmp_path / "store"
+    for name, op in (("a", "tanh"), ("b", "sigmoid")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.py").write_text(TWO_VERSIONS_MODEL)
+        (tmp_path / name / "helper.py").write_text(
+            f"import torch\n\ndef mix(x):\n    return torch.{op}(x) + x\n")
+        warmed = cli(store, "warm", str(tmp_path / name / "model.py"))
+        assert warmed.returncode == 0, warmed.stderr[-2000:]
+    env = {**os.environ, "CACHEBUILD_DIR": str(store)}
+    for name in ("a", "b", "a"):
+        served = subprocess.run([sys.executable, str(tmp_path / name / "model.py")], env=env,
+                                capture_output=True, text=True, timeout=600)
+        assert served.returncode == 0, served.stderr[-3000:]
+        assert served.stdout.split()[-1] == "0", (name, served.stderr[-2000:])

@@ -161,14 +161,18 @@ def test_traced_files_decide_whether_the_entry_is_valid(open_local, tmp_path):
     assert warm["stats"]["entries_loaded"] == 1 and warm["stats"]["built"] == 0
     assert warm["entry"] == cold["entry"]
 
-    # Code in a traced helper file: the entry is stale, traced again, re-recorded.
+    # Code in a traced helper file: the entry is stale, traced again, recorded beside it
+    # (under a variant of its key for this code: the other version's entry is kept).
     layers.write_text(LAYERS_FILE.replace("F.silu(gate)", "F.gelu(gate)"))
     stale = run()
     assert stale["stats"]["traced"] == 1 and stale["graphs"] >= 1
     assert stale["stats"]["built"] >= 1  # the piece holding the edited MLP changed
-    assert stale["entry"] == cold["entry"]
+    assert stale["entry"] != cold["entry"]
     store = open_local(path)
-    assert Entry.from_bytes(store.get(cold["entry"])).stale_files() == []
+    assert Entry.from_bytes(store.get(stale["entry"])).stale_files() == []
+    assert Entry.from_bytes(store.get(cold["entry"])).stale_files()  # kept, for the old code
+    again = run()
+    assert again["stats"]["traced"] == 0 and again["entry"] == stale["entry"]
 
     # Code in the file that defines the model class: traced again too.
     model_file.write_text(MODEL_FILE.replace("x = x + edit_layers", "x = x - edit_layers"))

@@ -226,13 +226,15 @@ def read_entry(data: bytes) -> Entry | None:
         return None
 
 
-def stored_entry(store: Store, key: str, *, touch: bool = True
+def stored_entry(store: Store, key: str, *, touch: bool = True, stale_too: bool = False
                  ) -> tuple[Entry | None, str | None]:
     """The entry stored under ``key`` if a warm start may use it: ``(entry, None)``;
     else ``(None, why)``: not an entry this version reads, its guard list not the one
     sealed with it, or a source its trace read changed since; ``(None, None)`` if none
     is stored. Its guards are the caller's to check, on the live model. ``touch=False``:
-    a look, not a use of the store."""
+    a look, not a use of the store. ``stale_too``: an entry whose traced sources changed
+    is returned with why, ``(entry, why)`` (another version of the code: ``lookup``
+    looks for that version's entry)."""
     recorded = store.get_record(key) is not None  # here; a remote tier's are fetched
     data = store.get(key, touch=touch)
     if data is None:
@@ -245,7 +247,13 @@ def stored_entry(store: Store, key: str, *, touch: bool = True
     entry, why = _decoded(data)
     if entry is not None:
         why = _unusable(store, entry, key)
-    return (entry, None) if why is None else (None, why)
+    if why is not None and not (stale_too and why.startswith(STALE)):
+        entry = None
+    return entry, why
+
+
+#: Why an entry whose traced code changed since is not used (a miss, not damage).
+STALE = "traced source changed"
 
 
 def _decoded(data: bytes) -> tuple[Entry | None, str | None]:
@@ -263,7 +271,7 @@ def _unusable(store: Store, entry: Entry, key: str) -> str | None:
         return "the stored entry's guards are not the ones recorded with it (no seal for them)"
     changed = entry.stale_files()
     if changed:
-        return f"traced source changed: {', '.join(changed)}"
+        return f"{STALE}: {', '.join(changed)}"
     return None
 
 

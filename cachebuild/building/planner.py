@@ -33,6 +33,7 @@ from cachebuild.tracing.guards import Mismatch, is_grad_mode
 from cachebuild.tracing.split import check_splitting_ops, split_graph
 from cachebuild.tracing.targets import make_targets
 from cachebuild.tracing.trace import TracedGraph, trace_model
+from cachebuild.trust.sources import code_here
 
 
 def target_factors(backend: Backend, config: CompileConfig, passes: PassManager,
@@ -128,7 +129,16 @@ class Planner:
             # are this process's code.
             entry = (pending or {}).get(key)
             if entry is None:
-                entry, unusable = stored_entry(self.store, key, touch=self.touch)
+                entry, unusable = stored_entry(self.store, key, touch=self.touch,
+                                               stale_too=True)
+                if unusable is not None and entry is not None:
+                    # Traced from other code (a module it imports differs): that code's
+                    # entry stays where it is, and this code's is at a variant of its
+                    # own, so two versions served from one store never replace each
+                    # other's entry (a rolling deploy).
+                    why, wrong = unusable, []
+                    key = variant_key(key, [{"code": code_here(entry.stale_files())}])
+                    continue
                 if unusable is not None:
                     return Lookup(None, unusable, key, factors)
                 if entry is None:

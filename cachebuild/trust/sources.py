@@ -447,5 +447,18 @@ def stale(files: dict[str, str], stamps: dict[str, list[int]],
     return [where for where in found if where is not None]
 
 
+def code_here(changed_files: list[str]) -> list[list[str | None]]:
+    """What this process has where a trace read code that changed since (``stale``'s
+    words for each file): each file's name and the hash of its code here (None where it
+    is not found). Two processes with the same code say the same, whatever folder it lies
+    in: where an entry of the other code is, theirs is found (``planner.lookup``)."""
+    out: list[list[str | None]] = []
+    for where in changed_files:
+        path = where.removesuffix(" (not found)")
+        digest = None if where.endswith(" (not found)") else digest_of(path)
+        out.append([os.path.basename(path), digest])
+    return sorted(out, key=lambda item: (item[0] or "", item[1] or ""))
+
+
 def _here_library_path(path: str) -> str | None:
     return library_paths([path]).get(path)
