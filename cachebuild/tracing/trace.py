@@ -514,8 +514,11 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         said = next((line.strip(" -") for line in str(e).splitlines()
                      if "specialized" in line), one_line(e))
         raise UsageError(f"the model's forward fixes the size of a dim given as dynamic "
-                         f"({said.split(' If you')[0]}): give in dynamic_dims only dims whose "
-                         "size the forward lets vary (the token dim)") from e
+                         f"({said.split(' If you')[0]}): it ties that dim to a size that "
+                         "does not vary: another argument's dim of that size left out of "
+                         "dynamic_dims (give that argument's dim there too, one per "
+                         "argument), or a weight or constant of that size (then leave the "
+                         "dim out: give in dynamic_dims only dims the forward lets vary)") from e
     except AssertionError as e:
         if not compat.is_rebuilt_object_guard(e):
             raise
