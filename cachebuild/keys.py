@@ -71,7 +71,13 @@ class Difference:
             return f"{self.path} added ({_short(self.new)})"
         if self.new is MISSING:
             return f"{self.path} removed (was {_short(self.old)})"
-        return f"{self.path}: {_short(self.old)} → {_short(self.new)}"
+        old, new = _texts(self.old), _texts(self.new)
+        # Long values alike up to a point (a list of inputs, one value apart): each from a
+        # little before where they part, so that what differs is in view.
+        start = next((i for i, (a, b) in enumerate(zip(old, new, strict=False)) if a != b),
+                     min(len(old), len(new)))
+        start = 0 if start < _SHORT // 2 else start - 24
+        return f"{self.path}: {_short(old, start=start)} → {_short(new, start=start)}"
 
 
 class _Missing:
@@ -96,8 +102,20 @@ def variant_key(entry_key: str, values: list[Any]) -> str:
     return make_key({"variant_of": entry_key, "guards": values})
 
 
-def _short(value: Any, limit: int = 60) -> str:
-    text = value if isinstance(value, str) else canonical_json(value)
+#: How many characters of a value a difference shows.
+_SHORT = 60
+
+
+def _texts(value: Any) -> str:
+    return value if isinstance(value, str) else canonical_json(value)
+
+
+def _short(value: Any, limit: int = _SHORT, start: int = 0) -> str:
+    """``value`` as text, at most ``limit`` characters of it from ``start`` (``…`` where
+    it is cut)."""
+    text = _texts(value)
+    if start > 0:
+        text = "…" + text[start:]
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 

@@ -71,3 +71,15 @@ def test_triton_is_a_factor_of_cpu_targets_only_where_it_builds_for_the_cpu(tmp_
         assert env.env_factors("cpu")["triton"] == "9.9.9"
     finally:
         env._triton_builds_for_cpu.cache_clear()
+
+
+def test_a_long_value_that_differs_late_is_shown_where_it_differs():
+    """A list of inputs one value apart: each side shown from a little before the value,
+    not cut before it."""
+    from cachebuild.keys import Difference
+
+    old = [{"kind": "tensor", "dtype": "float32", "shape": ["s0", 32]}, {"kind": "int", "value": 3}]
+    new = [{"kind": "tensor", "dtype": "float32", "shape": ["s0", 32]}, {"kind": "int", "value": 4}]
+    said = Difference("inputs", old, new).describe()
+    assert '"value":3' in said and '"value":4' in said, said
+    assert Difference("env.torch", "2.11.0", "2.13.0").describe() == "env.torch: 2.11.0 → 2.13.0"
