@@ -168,8 +168,9 @@ def test_a_start_after_the_model_file_changed_says_the_source_changed(open_local
         cachebuild.compile(second.Small().eval(), config, {0: 0}, store=store)(torch.randn(4, 8))
     said = [r.getMessage() for r in caplog.records if "from scratch" in r.getMessage()]
     assert len(said) == 1, said
-    assert "because its source changed since it was warmed: the file defining the model's " \
-           "class was edited (source " in said[0], said[0]
+    assert "because its source differs from the one warmed (its file was edited since, or " \
+           "the warmed class of that name is another file's): the file defining the " \
+           "model's class differs (source " in said[0], said[0]
     assert "not warmed" not in said[0]
 
 

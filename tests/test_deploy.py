@@ -217,7 +217,7 @@ def test_a_change_of_code_or_of_a_value_the_trace_read_is_a_miss(deployed, tmp_p
     assert "its stored entry was traced for other values: globals['SCALE']: 2.0 → 3.0" in \
         value.stderr, value.stderr
     assert _result(code) == {**WARM, "traced": 1, "built": 1, "entries_loaded": 0}
-    assert "its source changed since it was warmed" in code.stderr, code.stderr
+    assert "its source differs from the one warmed" in code.stderr, code.stderr
     assert _result(cold) == {**WARM, "traced": 1, "built": 2, "entries_loaded": 0}
     # The cold start names the file to warm (it has a build()).
     assert f"`cachebuild warm {app / 'dm.py'}` before the server starts avoids this" in \

@@ -184,7 +184,7 @@ def describe_entry(d: Difference) -> list[str]:
     if d.path == "model.source":
         change = (f" (source {str(d.old)[:8]} → {str(d.new)[:8]})"
                   if isinstance(d.old, str) and isinstance(d.new, str) else "")
-        return [f"the file defining the model's class was edited{change}"]
+        return [f"the file defining the model's class differs{change}"]
     if d.path.startswith("model_config."):
         return [f"{d.path.removeprefix('model_config.')}: {_value(d.old)} → {_value(d.new)}"]
     if d.path.startswith("model.code"):

@@ -69,7 +69,10 @@ def reason(why: str, store: Store | None = None,
             return ("it was not warmed (no stored entry for this model, config and input "
                     "shapes)")
         if any(c.startswith("the file defining") for c in changes):
-            return f"its source changed since it was warmed: {'; '.join(changes)}"
+            # The nearest entry is found by the class's name: the same file edited since,
+            # or another file defining a class of that name.
+            return ("its source differs from the one warmed (its file was edited since, or "
+                    f"the warmed class of that name is another file's): {'; '.join(changes)}")
         return f"it was warmed with other settings: {'; '.join(changes)}"
     if why.startswith("traced source changed"):
         return f"its stored entry is stale: {why}"
