@@ -50,12 +50,13 @@ def environment() -> Iterator[None]:
 
 @contextlib.contextmanager
 def default_dtype(name: str | None) -> Iterator[None]:
-    """Run the block with torch's default dtype ``name`` (``"float64"``; None: as it is),
-    put back afterwards: a target is built, and proven, under the default dtype its piece
-    was traced with (``targets.DEFAULT_DTYPE``), which a build worker does not share."""
-    wanted = getattr(torch, name) if name is not None else None
+    """Run the block with torch's default dtype ``name`` (``"float64"``; None: float32, as
+    a manifest without one was traced), put back afterwards: a target is built, and
+    proven, under the default dtype its piece was traced with (``targets.DEFAULT_DTYPE``),
+    which the process building it need not share."""
+    wanted = getattr(torch, name) if name is not None else torch.float32
     before = torch.get_default_dtype()
-    if wanted is None or wanted == before:
+    if wanted == before:
         yield
         return
     torch.set_default_dtype(wanted)

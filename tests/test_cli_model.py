@@ -592,3 +592,37 @@ def test_two_versions_of_a_module_the_model_imports_keep_their_entries_in_one_st
                                 capture_output=True, text=True, timeout=600)
         assert served.returncode == 0, served.stderr[-3000:]
         assert served.stdout.split()[-1] == "0", (name, served.stderr[-2000:])
+
+
+def test_output_classes_no_file_holds_are_kept_by_name_as_before(monkeypatch):
+    """A class from a notebook cell (its text in linecache, its module no file of it) is
+    kept by its module's name, as pickle keeps it; one made inside a function is refused
+    when traced, not at every call after."""
+    import dataclasses
+    import linecache
+    import types
+
+    import torch
+
+    from cachebuild.errors import UsageError
+    from cachebuild.graph.outputs import output_builder, output_recipe
+
+    def make():
+        @dataclasses.dataclass
+        class Local:
+            logits: torch.Tensor
+        return Local
+
+    t = torch.ones(2)
+    with pytest.raises(UsageError, match="cannot be rebuilt without Dynamo"):
+        output_recipe(make()(t), [t])
+
+    text = "import dataclasses, torch\n@dataclasses.dataclass\nclass CellOut:\n" \
+           "    logits: torch.Tensor\n"
+    cell = "/tmp/ipykernel_0/cell_for_output_classes.py"
+    monkeypatch.setitem(linecache.cache, cell, (len(text), None, text.splitlines(True), cell))
+    module = types.ModuleType("cell_module_for_output_classes")
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    exec(compile(text, cell, "exec"), vars(module))
+    rebuilt = output_builder(output_recipe(module.CellOut(t), [t]))([t * 2], [], [])
+    assert type(rebuilt) is module.CellOut and torch.equal(rebuilt.logits, t * 2)

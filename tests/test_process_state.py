@@ -64,3 +64,24 @@ def test_a_fresh_state_forgets_failed_models_and_loaded_targets(open_local, tmp_
         models.assert_matches_eager(fresh, model, models.inputs(5))
         delta = models.counters_delta(before, cachebuild.stats())
         assert delta["traced"] == 1 and delta["loaded"] == len(state.loaded)
+
+
+def test_a_target_builds_under_the_default_dtype_it_was_traced_with():
+    """``keep.default_dtype``: the manifest's dtype, float32 where it names none (a target
+    traced in float32, built by a process whose default is float64), put back after."""
+    import torch
+
+    from cachebuild import keep
+
+    before = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.float64)
+        with keep.default_dtype(None):
+            assert torch.get_default_dtype() == torch.float32
+        assert torch.get_default_dtype() == torch.float64
+        torch.set_default_dtype(torch.float32)
+        with keep.default_dtype("float64"):
+            assert torch.ones(1).dtype == torch.float64
+        assert torch.get_default_dtype() == torch.float32
+    finally:
+        torch.set_default_dtype(before)

@@ -98,8 +98,8 @@ def push_command(ctx: click.Context, model: str | None, push_all: bool,
     """Upload MODEL.py's entry and targets (or, with --all, everything in L1) to the remote.
 
     Entries the remote already holds are left alone once they verify here, as a server
-    with this store's settings would verify them; one that does not is reported, and
-    replaced only with --replace. With CACHEBUILD_SIGNING_KEY every
+    with this store's settings would verify them (each is read whole to check it); one
+    that does not is reported, and replaced only with --replace. With CACHEBUILD_SIGNING_KEY every
     blob uploaded is signed with it: one the local store holds unsigned because it was
     built here before the key was set is signed on the way, and the summary says how many
     were. One that entered the local store unsigned from elsewhere (`ls` and `verify` show
@@ -146,9 +146,10 @@ def push_command(ctx: click.Context, model: str | None, push_all: bool,
         listed = ", ".join(counts.rejected_keys[:MAX_LISTED])
         more = f" and {counts.rejected - MAX_LISTED} more" if counts.rejected > MAX_LISTED else ""
         click.echo(f"error: the remote's {plural(counts.rejected, 'copy', 'copies')} of "
-                   f"{listed}{more} failed verification here (the log says why): check that "
-                   "CACHEBUILD_SIGNING_KEY is the fleet's key, then run push again with "
-                   "--replace to upload this store's", err=True)
+                   f"{listed}{more} failed verification here (damaged, unsigned, or signed "
+                   "with another key: the log says which): where CACHEBUILD_SIGNING_KEY is "
+                   "the fleet's key, run push again with --replace to upload this store's",
+                   err=True)
     if counts.failed or counts.missing or counts.unvouched or counts.rejected:
         ctx.exit(1)
 

@@ -113,12 +113,7 @@ def output_recipe(output: Any, graph_outputs: Sequence[Any],
     class Template(pickle.Pickler):
         def persistent_id(self, obj: Any) -> Any:
             if isinstance(obj, type):
-                label = object_label(obj)
-                if not is_label(label):
-                    return None  # installed code: one module name everywhere
-                module = sys.modules.get(obj.__module__)
-                return CLASS, label, os.path.basename(getattr(module, "__file__", "") or ""), \
-                    obj.__qualname__
+                return _by_source(obj)
             if isinstance(obj, Returned) and id(obj) in position:
                 return position[id(obj)]
             if isinstance(obj, ReturnedItem):
@@ -143,6 +138,27 @@ def output_recipe(output: Any, graph_outputs: Sequence[Any],
 
 
 Builder = Callable[[Sequence[Any], Sequence[Any], Sequence[Any]], Any]
+
+
+def _by_source(cls: type) -> tuple[str, str, str, str] | None:
+    """How a kept output names ``cls``: by its source (``CLASS``) where it is a class of a
+    file outside installed libraries that a process finds again that way (the module of
+    that source, the qualified name in it); None (by module name, as pickle does) for
+    anything else: installed code, a class made inside a function, one from a notebook
+    cell (no module's file holds its source)."""
+    if "<locals>" in cls.__qualname__:
+        return None
+    label = object_label(cls)
+    if not is_label(label):
+        return None
+    module = sys.modules.get(cls.__module__)
+    named = CLASS, label, os.path.basename(getattr(module, "__file__", "") or ""), \
+        cls.__qualname__
+    try:
+        found = _class_of(*named[1:])
+    except UsageError:
+        return None
+    return named if found is cls else None
 
 
 def _class_of(label: str, file_name: str, qualname: str) -> type:
