@@ -405,8 +405,10 @@ ADAPTERS = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_variant_swaps_at_its_own_call_and_a_waiting_start_joins_the_build(tmp_path):
     out = _run(ADAPTERS, tmp_path / "store", _defaults_env())
-    # Standalone pieces first for each rank; then every call on its own AOTI targets.
-    assert out["served"][:2] == [["standalone"]] * 2, out
+    # Standalone pieces first for rank 2; rank 4, started once rank 2's AOTI targets were
+    # stored, serves those of its pieces it shares with rank 2 as they are, and standalone
+    # ones for the rest; then every call on its own AOTI targets.
+    assert out["served"][:2] == [["standalone"], ["aoti-cpu", "standalone"]], out
     assert out["served"][2:] == [["aoti-cpu"]] * 3, out
     assert out["waited"] == ["aoti-cpu"] and out["joined"], out
     assert out["swaps"] == 2, out
@@ -492,3 +494,42 @@ def test_ctrl_c_while_an_ending_process_waits_leaves_the_build_and_the_store_who
     again = subprocess.run([sys.executable, "-c", DEFAULTS, str(store)], capture_output=True,
                            text=True, timeout=900, env=env)
     assert again.returncode == 0, again.stderr[-3000:]
+
+
+ONE_MISSING = textwrap.dedent("""
+    import json, sys
+    import cachebuild, models
+    from cachebuild.store import LocalStore
+
+    model = models.make(models.Decoder, layers=2)
+    store = LocalStore(sys.argv[1])
+    compiled = cachebuild.compile(model, models.aoti_config(), {0: 0, 1: 0}, store=store)
+    kind = lambda: sorted({store.get_record(k).kind for k in compiled.runtime.entry.target_keys()})
+    models.assert_matches_eager(compiled, model, models.inputs(5))
+    first = kind()
+    built_first = cachebuild.stats()["built"]
+    assert compiled.wait_built(timeout=600)
+    models.assert_matches_eager(compiled, model, models.inputs(6))
+    print(json.dumps({"first": first, "built_first": built_first, "then": kind(),
+                      "traced": cachebuild.stats()["traced"]}))
+""")
+
+
+@pytest.mark.slow
+def test_a_start_missing_one_target_serves_the_others_as_stored_meanwhile(tmp_path):
+    """A warmed store that lost one target (gc evicted it): the start builds an interim
+    piece for that one alone, and serves its stored AOTI targets as they are (it built
+    interim pieces for every target before its first output)."""
+    import shutil
+
+    from cachebuild.store import LocalStore
+
+    warmed = models.aoti_store()
+    store = tmp_path / "store"
+    shutil.copytree(warmed["path"], store)
+    with LocalStore(store) as opened:
+        assert opened.delete(warmed["target_keys"][0])
+    out = _run(ONE_MISSING, store, _defaults_env())
+    assert out["first"] == ["aoti-cpu", "standalone"], out
+    assert out["built_first"] == 1, out  # the one interim piece, before the first output
+    assert out["then"] == ["aoti-cpu"] and out["traced"] == 0, out

@@ -202,11 +202,18 @@ class Builder:
                 if not self.store.contains(key)]
 
     def build(self, job: BuildJob) -> bool:
-        """Make sure ``job``'s target is stored; True if this call compiled it."""
+        """Make sure ``job``'s target is stored; True if this call compiled it. A target
+        planned for another backend or flavour than this builder's is never built here
+        (BuildError): it would be stored under a key that names what it is not."""
         job = self.here(job)
         key = job.target.key
         if self.store.contains(key):
             return False
+        planned = {k: v for k, v in job.target.manifest["backend"].items() if k != "toolchain"}
+        if planned != self.backend.factors(self.config):
+            raise BuildError(f"target {key} was planned for {planned.get('name')} "
+                             f"({planned.get('flavour', 'its own settings')}), not for this "
+                             f"build's {self.config.backend} ({self.config.flavour})")
         COUNTERS.misses += 1
         # Compiled and proven here: not with a compiler the probe has only presumed (and
         # not waiting for its verdict while holding the key's lock).

@@ -36,15 +36,20 @@ if TYPE_CHECKING:
 log = logging.getLogger("cachebuild")
 
 
-def interim_entry(entry: Entry, config: CompileConfig, passes: PassManager) -> Entry:
-    """``entry`` with every target keyed for ``config``'s backend instead (an entry that is
-    used, never recorded: it shares the recorded one's key)."""
+def interim_entry(entry: Entry, config: CompileConfig, passes: PassManager,
+                  stored: frozenset[str] = frozenset()) -> Entry:
+    """``entry`` with every target keyed for ``config``'s backend instead, but those in
+    ``stored`` (its own targets stored already, which that backend loads too): an entry
+    that is used, never recorded (it shares the recorded one's key)."""
     from cachebuild.backends import get_backend
 
     factors = target_factors(get_backend(config.backend), config, passes, entry.device)
     keys: dict[str, str] = {}
     manifests: dict[str, dict[str, Any]] = {}
     for key, manifest in entry.manifests.items():
+        if key in stored:
+            keys[key], manifests[key] = key, manifest
+            continue
         new = {**manifest, "backend": factors["backend"], "passes": factors["passes"]}
         keys[key] = make_key(new)
         manifests[keys[key]] = new
@@ -73,7 +78,13 @@ def serve_while_building(model: torch.nn.Module, config: CompileConfig,
     if interim.backend == "inductor" and not all(
             m["backend"].get("toolchain", {}).get("aoti") for m in entry.manifests.values()):
         return None  # no compiler makes packages that load here: its own are standalone
-    served = interim_entry(entry, interim, builder.passes)
+    # The targets stored already serve as they are where the interim backend loads them
+    # (the same backend, another flavour): one target gc evicted costs one interim build,
+    # not one per piece.
+    missing = {job.target.key for job in jobs}
+    stored = frozenset(k for k in entry.manifests if k not in missing) \
+        if interim.backend == config.backend else frozenset()
+    served = interim_entry(entry, interim, builder.passes, stored)
     # How workers would build them (None: none can as this process would), and how many.
     setup = setup_for(jobs, builder.store, builder.passes)
     workers = background_jobs(len(jobs))
