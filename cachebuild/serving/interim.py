@@ -75,6 +75,11 @@ def serve_while_building(model: torch.nn.Module, config: CompileConfig,
     build the missing targets as this process would (then the caller builds them here)."""
     if not jobs:
         return None
+    if warm and 2 * len(jobs) <= len(entry.target_keys()):
+        # A few targets of a stored entry missing (evicted, damaged): building them is
+        # about as quick as building interim pieces for them and loading those (which
+        # takes Inductor into this process): the start builds them and waits.
+        return None
     if interim.backend == "inductor" and not all(
             m["backend"].get("toolchain", {}).get("aoti") for m in entry.manifests.values()):
         return None  # no compiler makes packages that load here: its own are standalone
