@@ -1,9 +1,11 @@
 """Serving while the targets build (``CompileConfig.while_building``).
 
 A cold start whose entry has targets missing builds, first, the same pieces for a backend
-that builds in seconds (``interim_entry``: every target's manifest with that backend's
-factors instead, so the targets are content-addressed like any other and shared with any
-later start that asks for them) and serves with those at once. The missing targets build
+that builds in seconds (``interim_entry``: every missing target's manifest with that
+backend's factors instead, so the targets are content-addressed like any other and shared
+with any later start that asks for them; those stored serve as they are where that
+backend loads them) and serves with those at once. A stored entry that lacks no more than
+half its targets builds them and waits instead. The missing targets build
 meanwhile in worker processes (``background.BackgroundBuild``): never in the serving
 process, whose calls, random streams and environment a build must not touch. Once every
 one of them is stored, it loads them (on its thread) and records the entry; the next call
