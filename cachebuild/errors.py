@@ -98,7 +98,7 @@ def transient(error: BaseException) -> str | None:
             return "a compiler timed out"
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
             return e.strerror or errno.errorcode.get(e.errno, str(e.errno))
-        if isinstance(e, subprocess.CalledProcessError) and (e.returncode or 0) < 0 or \
+        if (isinstance(e, subprocess.CalledProcessError) and (e.returncode or 0) < 0) or \
                 any(t in str(e) for t in _KILLED_TEXT):
             return "the compiler was killed"
         found = next((t for t in _TRANSIENT_TEXT if t in str(e)), None)

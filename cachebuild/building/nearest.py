@@ -14,6 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from cachebuild.building.entry import STALE
 from cachebuild.graph.graphdiff import diff_graphs, similarity
 from cachebuild.keys import MISSING, Difference, canonical_json, diff_manifests
 from cachebuild.store import Record
@@ -248,7 +249,7 @@ def edited_since(why: str, store: Store, factors: dict[str, Any]) -> bool:
     entry, or a stored entry of its class differs from ``factors`` in the model's code
     alone. Most of its targets are then likely stored already. False for anything else,
     or where the store cannot say (a damaged record)."""
-    if why.startswith("traced source changed"):
+    if why.startswith(STALE):
         return True
     if why != "no entry":
         return False

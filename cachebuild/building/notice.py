@@ -74,7 +74,9 @@ def reason(why: str, store: Store | None = None,
             return ("its source differs from the one warmed (its file was edited since, or "
                     f"the warmed class of that name is another file's): {'; '.join(changes)}")
         return f"it was warmed with other settings: {'; '.join(changes)}"
-    if why.startswith("traced source changed"):
+    from cachebuild.building.entry import STALE
+
+    if why.startswith(STALE):
         return f"its stored entry is stale: {why}"
     if why.startswith("a value the trace read differs"):
         return f"its stored entry was traced for other values: {why.split(': ', 1)[-1]}"

@@ -345,7 +345,9 @@ def _entry_said(entry: EntryExplanation, model: str) -> str:
     if entry.mismatches:
         return f"{head} was traced for other values: " + "; ".join(
             printable(m, 300) for m in entry.mismatches)
-    if entry.why.startswith("traced source changed"):
+    from cachebuild.building.entry import STALE
+
+    if entry.why.startswith(STALE):
         return f"{head} is stale: {entry.why}"
     if entry.why != "no entry":
         return f"{head} not used: {entry.why}"
