@@ -711,26 +711,98 @@ def process_state_signature() -> tuple[Any, ...]:
     detail = (torch.is_autocast_enabled("cpu"), torch.is_autocast_enabled("cuda"),
               c.get_autocast_dtype("cpu"), c.get_autocast_dtype("cuda")) if autocast else ()
     return (torch.get_default_dtype(), torch.are_deterministic_algorithms_enabled(),
-            c._get_deterministic_algorithms_warn_only(), autocast, detail, matmul_rounding(),
-            modes)
-
-
-#: torch's reader of the float32 matmul precision (torch 2.9+): its legacy ``allow_tf32``
-#: raises in a process that set this newer setting.
-_FP32_PRECISION: Any = getattr(torch._C, "_get_fp32_precision_getter", None)
+            c._get_deterministic_algorithms_warn_only(),
+            c._get_deterministic_fill_uninitialized_memory(), autocast, detail,
+            c._get_cublas_allow_fp16_reduced_precision_reduction(),
+            c._get_cublas_allow_bf16_reduced_precision_reduction(), _precisions(), modes)
 
 
 def matmul_rounding() -> tuple[Any, ...]:
-    """How CUDA matmuls may round, as a forward could read it: float32's precision (TF32
-    or not: the legacy flag, the cheaper read, or the newer setting where a process set
-    that one) and whether float16 and bfloat16 reductions may round. C calls only."""
+    """How matmuls and convolutions may round, as a forward, or Inductor generating its
+    code, could read it: whether float16 and bfloat16 reductions may round in cuBLAS, and
+    the float32 precisions of ``_PRECISIONS`` (TF32, bfloat16)."""
     c = torch._C
-    try:
-        fp32: Any = c._get_cublas_allow_tf32()
-    except RuntimeError:  # the newer setting was used: read as it says
-        fp32 = _FP32_PRECISION("cuda", "matmul") if _FP32_PRECISION is not None else None
-    return (fp32, c._get_cublas_allow_fp16_reduced_precision_reduction(),
-            c._get_cublas_allow_bf16_reduced_precision_reduction())
+    return (c._get_cublas_allow_fp16_reduced_precision_reduction(),
+            c._get_cublas_allow_bf16_reduced_precision_reduction(),
+            *_precision_settings().values())
+
+
+#: The float32 precisions Inductor reads while it generates a piece's code (TF32 in Triton's
+#: matmul and convolution templates, bfloat16 or TF32 in oneDNN's packed matmuls), as
+#: torch's ``(backend, op)`` pairs, parents first, each with its value in a process that set
+#: none (torch's defaults: cuDNN's convolutions may use TF32). An op's value is its
+#: backend's where the process set none for it, and "none" rounds as "ieee" does; the older
+#: settings (``allow_tf32``, ``set_float32_matmul_precision``) read through them.
+_PRECISIONS = {("cuda", "all"): "ieee", ("cuda", "matmul"): "ieee", ("cuda", "conv"): "tf32",
+               ("mkldnn", "all"): "ieee", ("mkldnn", "matmul"): "ieee"}
+#: torch's readers and setters of those (torch 2.9+).
+_FP32_PRECISION: Any = getattr(torch._C, "_get_fp32_precision_getter", None)
+_SET_FP32_PRECISION: Any = getattr(torch._C, "_set_fp32_precision_setter", None)
+#: The older setting that gives CUDA's and oneDNN's matmuls these precisions.
+_MATMUL_PRECISION = {("ieee", "ieee"): "highest", ("tf32", "tf32"): "high",
+                     ("tf32", "bf16"): "medium"}
+
+
+def _precisions() -> tuple[Any, ...]:
+    """The values of ``_PRECISIONS`` in this process, in its order (C calls only)."""
+    if _FP32_PRECISION is None:
+        return ()
+    return tuple(_FP32_PRECISION(backend, op) for backend, op in _PRECISIONS)
+
+
+def _precision_settings() -> dict[str, str]:
+    """Every precision of ``_PRECISIONS`` by name (``"cuda/matmul"``), "none" read as
+    "ieee"."""
+    return {f"{backend}/{op}": "ieee" if value == "none" else value
+            for (backend, op), value in zip(_PRECISIONS, _precisions(), strict=False)}
+
+
+def codegen_settings() -> dict[str, Any]:
+    """The process-wide settings Inductor generates other code under, where this process
+    differs from torch's defaults: a float32 precision (``"cuda/matmul": "tf32"``), and
+    deterministic algorithms (``"deterministic": True``, and whether they fill memory
+    ``torch.empty`` leaves unset). Empty in a process that changed none of them."""
+    defaults = {f"{backend}/{op}": value for (backend, op), value in _PRECISIONS.items()}
+    out: dict[str, Any] = {name: value for name, value in _precision_settings().items()
+                           if value != defaults[name]}
+    if torch.are_deterministic_algorithms_enabled():
+        out["deterministic"] = True
+        if not torch._C._get_deterministic_fill_uninitialized_memory():
+            out["fill_uninitialized_memory"] = False
+    return out
+
+
+def set_codegen_settings(settings: dict[str, Any]) -> None:
+    """Make this process's settings those ``settings`` names (``codegen_settings``' form:
+    what it leaves out is torch's default), changing only those that differ. Through the
+    older setters where they give the precisions asked for, which keep
+    ``torch.get_float32_matmul_precision()`` readable (Inductor reads it; the newer
+    setters make it raise)."""
+    wanted = {f"{backend}/{op}": settings.get(f"{backend}/{op}", default)
+              for (backend, op), default in _PRECISIONS.items()}
+    now = _precision_settings()
+    pair = (wanted["cuda/matmul"], wanted["mkldnn/matmul"])
+    if pair != (now["cuda/matmul"], now["mkldnn/matmul"]):
+        if pair in _MATMUL_PRECISION:
+            torch.set_float32_matmul_precision(_MATMUL_PRECISION[pair])
+        elif pair[1] == "ieee" and pair[0] in ("tf32", "ieee"):
+            torch.set_float32_matmul_precision("highest")
+            torch.backends.cuda.matmul.allow_tf32 = pair[0] == "tf32"
+    if wanted["cuda/conv"] != _precision_settings()["cuda/conv"] and \
+            wanted["cuda/conv"] in ("tf32", "ieee"):
+        torch.backends.cudnn.allow_tf32 = wanted["cuda/conv"] == "tf32"
+    for backend, op in _PRECISIONS:  # what the older setters cannot say; parents first
+        name = f"{backend}/{op}"
+        if _precision_settings()[name] != wanted[name] and _SET_FP32_PRECISION is not None:
+            _SET_FP32_PRECISION(backend, op, wanted[name])
+    wanted_fill = settings.get("fill_uninitialized_memory", True)  # read where deterministic
+    if settings.get("deterministic") and \
+            torch._C._get_deterministic_fill_uninitialized_memory() != wanted_fill:
+        torch._C._set_deterministic_fill_uninitialized_memory(wanted_fill)
+    if torch.are_deterministic_algorithms_enabled() != bool(settings.get("deterministic")):
+        torch.use_deterministic_algorithms(
+            bool(settings.get("deterministic")),
+            warn_only=torch.is_deterministic_algorithms_warn_only_enabled())
 
 
 def user_dispatch_mode() -> bool:

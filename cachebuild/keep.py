@@ -14,8 +14,11 @@ import contextlib
 import os
 import sys
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
+
+from cachebuild import compat
 
 
 @contextlib.contextmanager
@@ -64,6 +67,22 @@ def default_dtype(name: str | None) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(before)
+
+
+@contextlib.contextmanager
+def codegen_settings(settings: dict[str, Any] | None) -> Iterator[None]:
+    """Run the block under the settings Inductor generates code under that ``settings``
+    names (``compat.codegen_settings``' form; None or what it leaves out: torch's
+    defaults), put back afterwards: a target is built, and proven, under those its piece
+    was traced with (``targets.CODEGEN``), which the process building it need not share."""
+    before = compat.codegen_settings()
+    fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
+    compat.set_codegen_settings(settings or {})
+    try:
+        yield
+    finally:
+        compat.set_codegen_settings(before)
+        torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
 
 
 class Tensors:

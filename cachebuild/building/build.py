@@ -49,7 +49,7 @@ from cachebuild.errors import (
 from cachebuild.graph.facts import device_of, on_device
 from cachebuild.keys import make_key
 from cachebuild.tracing.distributed import local_groups
-from cachebuild.tracing.targets import DEFAULT_DTYPE, BuildJob, bucket_label
+from cachebuild.tracing.targets import BuildJob, bucket_label, traced_settings
 from cachebuild.trust.fxjson import data_to_module
 
 if TYPE_CHECKING:
@@ -227,11 +227,10 @@ class Builder:
             toolchain = job.target.manifest["backend"].get("toolchain", {})
             gpu = on_device(device_of(job.input_metas))
             clock = BuildClock()
-            dtype = job.target.manifest.get(DEFAULT_DTYPE)
             try:
                 with measuring(clock), clock.phase("lowering"), quiet_compiler_warnings(), \
                         local_groups(layout), gpu, keep.rng(), self._compilers(toolchain), \
-                        keep.default_dtype(dtype):
+                        traced_settings(job.target.manifest):
                     artifact = self.backend.compile(BuildRequest(
                         # Compilers trace the graph and check what it calls by name:
                         # the original arithmetic, not its bounded stand-ins.
@@ -256,7 +255,7 @@ class Builder:
             seconds = time.perf_counter() - start
             with measuring(clock), clock.phase("proof"), timed("verify"), local_groups(layout), \
                     on_device(device_of(job.input_metas)), keep.rng(), \
-                    self._compilers(toolchain), keep.default_dtype(dtype):
+                    self._compilers(toolchain), traced_settings(job.target.manifest):
                 self._prove(job, artifact, where)
             with measuring(clock), clock.phase("store"):
                 self.store.put(key, artifact.payload, kind=artifact.kind,
@@ -325,7 +324,7 @@ class Builder:
             try:
                 with local_groups(job.target.manifest.get("distributed")), \
                         on_device(device_of(metas)), \
-                        keep.default_dtype(job.target.manifest.get(DEFAULT_DTYPE)):
+                        traced_settings(job.target.manifest):
                     check(fn, job.nodes, metas, job.target.bucket)
             except Exception as e:
                 raise BuildError(

@@ -44,7 +44,7 @@ log = logging.getLogger("cachebuild")
 
 #: The layout of a stored entry; bumped when it changes, so older entries are never misread
 #: (it is an entry-key factor: an old entry is simply not found, and the model retraced).
-ENTRY_FORMAT = 7  # 7: traced graphs checked at one token (a branch there refused)
+ENTRY_FORMAT = 8  # 8: the float32 precisions of oneDNN and cuDNN in the process state
 
 
 @dataclass(frozen=True)

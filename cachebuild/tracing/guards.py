@@ -435,8 +435,9 @@ def process_state(name: str) -> Any:
     """Process-wide torch state a trace depends on, read plainly (no Dynamo)."""
     if name == "default_dtype":
         return torch.get_default_dtype()
-    if name == "deterministic":
-        return torch.are_deterministic_algorithms_enabled()
+    if name == "deterministic":  # and whether it fills what ``torch.empty`` leaves unset
+        return [torch.are_deterministic_algorithms_enabled(),
+                torch._C._get_deterministic_fill_uninitialized_memory()]
     if name == "default_device":
         return str(torch.get_default_device())
     if name == "autocast":
@@ -446,7 +447,7 @@ def process_state(name: str) -> Any:
                 for d in ("cpu", "cuda")]
     if name == "deterministic_warn_only":
         return torch.is_deterministic_algorithms_warn_only_enabled()
-    if name == "matmul_precision":  # what a forward may read of how matmuls round
+    if name == "matmul_precision":  # what a forward, or Inductor, reads of how matmuls round
         return [str(value) for value in compat.matmul_rounding()]
     if name == "torch_function_modes":
         return len(torch.overrides._get_current_function_mode_stack())

@@ -21,9 +21,12 @@ Weights never enter a key: they are inputs of the piece.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from cachebuild import compat, keep
 from cachebuild.graph.facts import SYMBOL, InputMeta, op_files, torch_dir, user_ops
 from cachebuild.graph.graphdiff import user_frame
 from cachebuild.keys import make_key
@@ -145,6 +148,23 @@ def traced_default_dtype() -> str | None:
     return None if dtype == torch.float32 else str(dtype).removeprefix("torch.")
 
 
+#: The manifest factor naming the settings Inductor generates other code under, where the
+#: tracing process set them otherwise than torch's defaults (``compat.codegen_settings``:
+#: TF32 or bfloat16 matmuls, deterministic algorithms): a build worker has the defaults
+#: (other keys stay as they were).
+CODEGEN = "codegen"
+
+
+@contextlib.contextmanager
+def traced_settings(manifest: dict[str, Any]) -> Iterator[None]:
+    """Run the block under the process-wide settings ``manifest``'s piece was traced under
+    (``DEFAULT_DTYPE``, ``CODEGEN``; torch's defaults where it names none), put back
+    afterwards: a target is built and proven as its tracing process would have built it."""
+    with keep.default_dtype(manifest.get(DEFAULT_DTYPE)), \
+            keep.codegen_settings(manifest.get(CODEGEN)):
+        yield
+
+
 def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend: dict[str, Any],
                  passes: dict[str, Any], env: dict[str, Any]) -> dict[int, list[Target]]:
     """Every target of every compiled piece, keyed by the factors above.
@@ -153,6 +173,7 @@ def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend:
     """
     out: dict[int, list[Target]] = {}
     dtype = traced_default_dtype()
+    settings = compat.codegen_settings()
     for piece in pieces:
         if not piece.compiled:
             continue
@@ -172,6 +193,8 @@ def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend:
                 manifest["ops"] = ops
             if dtype is not None:
                 manifest[DEFAULT_DTYPE] = dtype
+            if settings:
+                manifest[CODEGEN] = settings
             targets.append(Target(make_key(manifest), piece.index, bucket, manifest, sources))
         out[piece.index] = targets
     return out

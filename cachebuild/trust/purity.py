@@ -273,6 +273,9 @@ def _uninitialized() -> frozenset[Any]:
 
 
 def _zeroed(_: Any, result: Any) -> Any:
+    if torch.are_deterministic_algorithms_enabled() and \
+            torch.utils.deterministic.fill_uninitialized_memory:  # type: ignore[attr-defined]
+        return result  # torch filled it already (NaN, or an integer's largest), as eager does
     with torch.no_grad():
         return result.zero_()
 
@@ -282,7 +285,7 @@ def bounded(fn: Callable[..., Any]) -> Callable[..., Any]:
     can grow without bound a version that refuses (Impure) operands past ``MAX_INT_BITS``
     or ``MAX_ITEMS`` before computing; for an operator that returns uninitialised memory
     (``torch.empty``) a version that zero-fills it, so that a graph never reads what a
-    freed tensor held."""
+    freed tensor held (unless deterministic algorithms have torch fill it)."""
     try:
         zero = fn in _uninitialized()
     except TypeError:  # unhashable
