@@ -42,6 +42,7 @@ from cachebuild.backends.protocol import (
     symbolic_fake_inputs,
 )
 from cachebuild.errors import ConfigError, transient
+from cachebuild.graph.facts import random_ops
 from cachebuild.store.interface import ArtifactSource
 
 log = logging.getLogger("cachebuild.inductor")
@@ -57,6 +58,10 @@ def _inductor_options(request: BuildRequest) -> dict[str, Any]:
     # Every piece gets the edge pass: a piece's outputs must not make Inductor choose
     # other kernels than compiling the whole model would (``edges.py``).
     options["post_grad_custom_post_pass"] = EdgePass(passes)
+    if random_ops(request.gm.graph):
+        # Eager's random ops, not Inductor's own kernels: a seeded caller gets eager's
+        # numbers, and torch's generators are left as eager leaves them.
+        options["fallback_random"] = True
     return options
 
 

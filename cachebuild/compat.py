@@ -7,10 +7,12 @@ say what each difference papers over.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import sys
-from collections.abc import Callable
+import weakref
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -423,6 +425,33 @@ def export_keeping_unproven_guards(export: Callable[..., Any]) -> tuple[Any, boo
         if "Constraints violated" not in str(e):
             raise
     return export(prefer_deferred_runtime_asserts_over_guards=True), True
+
+
+@contextlib.contextmanager
+def guards_rebuilt_by_identity() -> Iterator[None]:
+    """Let Dynamo build a frame's guards twice over an object whose ``==`` is elementwise
+    (a NumPy array attribute): a ``guard_filter_fn`` makes it build them again, and
+    ``Guard.set_export_info`` then compares its two weak references to the object with
+    ``==``, which compares the objects (torch 2.11-2.13). Here they are compared by
+    identity, for the block."""
+    from torch._guards import Guard
+
+    original = Guard.set_export_info
+
+    def set_export_info(self: Any, guard_type: Any, guarded_class: Any, code_list: Any,
+                        obj_weakref: Any = None) -> Any:
+        held = self.obj_weakref
+        if isinstance(held, weakref.ref) and isinstance(obj_weakref, weakref.ref):
+            # The same object, or a stand-in made anew for each build (an array's tensor
+            # view): no comparison of the objects themselves.
+            self.obj_weakref = obj_weakref if held() is obj_weakref() else None
+        return original(self, guard_type, guarded_class, code_list, obj_weakref)
+
+    Guard.set_export_info = set_export_info  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        Guard.set_export_info = original  # type: ignore[method-assign]
 
 
 def is_rebuilt_object_guard(error: BaseException) -> bool:

@@ -10,6 +10,7 @@ import logging
 import sys
 
 import models
+import numpy
 import pytest
 import torch
 import torch.nn as nn
@@ -279,3 +280,63 @@ def test_an_input_of_another_layout_keys_another_entry():
     turned = entry_factors(model, (torch.randn(4, 3).t(),), {0: 0}, config, {})
     again = entry_factors(model, (torch.randn(5, 4),), {0: 0}, config, {})
     assert plain["inputs"] != turned["inputs"] and plain["inputs"] == again["inputs"]
+
+
+class HoldsAnArray(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.coef = numpy.array([1.0, 2.0])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * float(self.coef[1])
+
+
+def test_a_numpy_array_the_forward_reads_is_refused_in_one_line(open_local, tmp_path):
+    """Dynamo reads the array as a tensor (and rebuilds its guards: torch's own check of
+    them compared the array elementwise, an internal Dynamo error): both doors refuse it,
+    naming NumPy, where nothing can bind it in a warm process."""
+    model = HoldsAnArray().eval()
+    config = models.config(splitting_ops=(), compile_ranges=((1, 16),))
+    store = open_local(tmp_path / "store")
+    with pytest.raises(UsageError, match="NumPy array"), torch.no_grad():
+        cachebuild.compile(model, config, {0: 0}, store=store)(torch.randn(4, 8))
+    torch._dynamo.reset()
+    door = torch.compile(model, backend=cachebuild.backend(config, store=store), dynamic=False)
+    with pytest.raises(Exception, match="stand-in for NumPy code"), torch.no_grad():
+        door(torch.randn(4, 8))
+
+
+class Settings:
+    """A config reading a dict: a missing name raises KeyError, not AttributeError."""
+
+    def __init__(self) -> None:
+        object.__setattr__(self, "values", {"scale": 2.0})
+
+    def __getattr__(self, name: str) -> object:
+        return self.values[name]
+
+    def __setattr__(self, name: str, value: object) -> None:
+        self.values[name] = value
+
+
+class ReadsSettings(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.settings = Settings()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * self.settings.scale
+
+
+def test_a_config_whose_getattr_raises_keyerror_compiles_and_is_watched(open_local, tmp_path):
+    """Reading ``__func__``, ``__module__`` or ``__qualname__`` of such an object raises
+    KeyError: taken as absent, as ``getattr`` takes AttributeError."""
+    model = ReadsSettings().eval()
+    config = models.config(splitting_ops=(), compile_ranges=((1, 16),))
+    compiled = cachebuild.compile(model, config, {0: 0}, store=open_local(tmp_path / "store"))
+    x = torch.randn(4, 8)
+    models.assert_matches_eager(compiled, model, (x,))
+    model.settings.scale = 3.0
+    models.assert_matches_eager(compiled, model, (x,))

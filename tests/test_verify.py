@@ -119,6 +119,27 @@ def test_an_output_carries_the_error_of_the_inputs_it_came_from(dtype):
             check(off_by_a_rounding, graph_to_data(graph), metas, {"range": [1, 8]})
 
 
+def _scaled(x: torch.Tensor) -> tuple[torch.Tensor]:
+    return (x * 2,)
+
+
+def test_the_proof_refuses_an_artifact_that_draws_other_random_numbers():
+    """An artifact with its piece's outputs that draws from torch's generator where its
+    piece does not fails the proof: a seeded caller would draw other numbers after."""
+    from cachebuild.trust.fxjson import graph_to_data
+
+    nodes = graph_to_data(fx.symbolic_trace(_scaled).graph)
+    metas = [InputMeta("tensor", "float32", ("s0", 4), (4, 1))]
+
+    def drawing(x):
+        torch.rand(1)
+        return _scaled(x)
+
+    assert check(_scaled, nodes, metas, {"range": [1, 8]}) == [1, 8]
+    with pytest.raises(Exception, match="random number generator is left in another state"):
+        check(drawing, nodes, metas, {"range": [1, 8]})
+
+
 def _pinned(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
     # int() of a symbolic size: tracing pins it to the size it was traced at.
     return (x.reshape(int(x.shape[0]), -1) @ w,)

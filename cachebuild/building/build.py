@@ -49,7 +49,7 @@ from cachebuild.errors import (
 from cachebuild.graph.facts import device_of, on_device
 from cachebuild.keys import make_key
 from cachebuild.tracing.distributed import local_groups
-from cachebuild.tracing.targets import BuildJob, bucket_label, traced_settings
+from cachebuild.tracing.targets import RANDOM, BuildJob, bucket_label, traced_settings
 from cachebuild.trust.fxjson import data_to_module
 
 if TYPE_CHECKING:
@@ -301,10 +301,10 @@ class Builder:
                     "on a file system mounted noexec? Set CACHEBUILD_WORK_DIR to a folder "
                     "where libraries may run; not stored") from e
             sizes = verify_sizes(job.target.bucket)
-            drawn = random_ops(job.nodes)
-            hint = (f"; the piece draws random numbers ({', '.join(drawn)}), which compiled "
-                    "code does not draw as eager does: dropout in train mode? serve the model "
-                    "in eval()" if drawn else "")
+            drawn = job.target.manifest.get(RANDOM)
+            hint = (f"; the piece draws random numbers ({', '.join(drawn)}), which this "
+                    "build does not draw as eager does: dropout in train mode? serve the "
+                    "model in eval()" if drawn else "")
             raise BuildError(
                 f"{where} does not match its piece run eagerly at sizes "
                 f"{', '.join(map(str, sizes))}: {type(e).__name__}: {e}; not stored{hint}"
@@ -538,28 +538,6 @@ def early_pool(store: Store, config: CompileConfig,
         return None
     return BuildPool(cold_start_jobs(expected_targets(len(config.buckets()),
                                                       edited=edited())))
-
-
-#: Ops that draw from torch's generators, by their last name.
-RANDOM_OPS = frozenset({
-    "dropout", "dropout_", "native_dropout", "alpha_dropout", "feature_alpha_dropout",
-    "dropout1d", "dropout2d", "dropout3d", "bernoulli", "bernoulli_", "rand", "randn",
-    "randint", "rand_like", "randn_like", "randint_like", "randperm", "multinomial",
-    "normal", "normal_", "uniform_", "exponential_", "poisson", "random_"})
-
-
-def random_ops(nodes: list[dict[str, Any]]) -> list[str]:
-    """The ops among a piece's nodes that draw random numbers, by name, each once."""
-    found: list[str] = []
-    for node in nodes:
-        target = node.get("target")
-        if not isinstance(target, str):
-            continue
-        name = target.rsplit(":", 1)[-1].rsplit(".", 1)[0] if target.startswith("op:") \
-            else target.rsplit(":", 1)[-1]
-        if name in RANDOM_OPS and name not in found:
-            found.append(name)
-    return found
 
 
 def jobs_of(entry: Entry, config: CompileConfig) -> dict[str, BuildJob]:

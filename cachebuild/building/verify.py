@@ -130,6 +130,9 @@ def check(fn: Any, nodes: list[dict[str, Any]], metas: list[InputMeta],
                 torch.manual_seed(seed + (size or 0))
                 inputs = example_inputs(metas, bucket, size, distinct=distinct)
                 ref_inputs, out_inputs = _clone(inputs), _clone(inputs)
+                # Both from one state of torch's generators, which each must leave alike:
+                # a piece that draws random numbers draws eager's.
+                drawn_from = _generator_states(metas)
                 with torch.no_grad():
                     try:
                         # forward itself: GraphModule's __call__ prints the error of a
@@ -137,10 +140,32 @@ def check(fn: Any, nodes: list[dict[str, Any]], metas: list[InputMeta],
                         ref = _flat(reference.forward(*ref_inputs))
                     except Exception:
                         continue
+                    ref_left = _generator_states(metas)
+                    _set_generator_states(metas, drawn_from)
                     out = _run(fn, out_inputs, size)
                 _compare_all(out, ref, out_inputs, ref_inputs, size, floor)
+                if not all(map(torch.equal, _generator_states(metas), ref_left)):
+                    raise Mismatch(f"at size {size}: torch's random number generator is left "
+                                   "in another state than eager leaves it (the artifact drew "
+                                   "other random numbers)")
                 break
     return sizes
+
+
+def _cuda_devices(metas: Sequence[InputMeta]) -> list[int]:
+    return sorted({torch.device(m.device).index or 0 for m in metas
+                   if m.kind == "tensor" and m.device.startswith("cuda")})
+
+
+def _generator_states(metas: Sequence[InputMeta]) -> list[torch.Tensor]:
+    """The states of torch's CPU generator and of the CUDA devices ``metas`` are on."""
+    return [torch.get_rng_state(), *(torch.cuda.get_rng_state(d) for d in _cuda_devices(metas))]
+
+
+def _set_generator_states(metas: Sequence[InputMeta], states: list[torch.Tensor]) -> None:
+    torch.set_rng_state(states[0])
+    for device, state in zip(_cuda_devices(metas), states[1:], strict=True):
+        torch.cuda.set_rng_state(state, device)
 
 
 def _run(fn: Any, inputs: list[Any], size: int | None) -> list[Any]:

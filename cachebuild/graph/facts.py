@@ -173,6 +173,31 @@ def op_files(qualname: str) -> tuple[str, ...]:
                         and os.path.isfile(f) and not os.path.abspath(f).startswith(torch_dir())))
 
 
+#: Ops that draw from torch's generators, by their last name.
+RANDOM_OPS = frozenset({
+    "dropout", "dropout_", "native_dropout", "alpha_dropout", "feature_alpha_dropout",
+    "dropout1d", "dropout2d", "dropout3d", "bernoulli", "bernoulli_", "rand", "randn",
+    "randint", "rand_like", "randn_like", "randint_like", "randperm", "multinomial",
+    "normal", "normal_", "uniform_", "exponential_", "poisson", "random_", "cauchy_",
+    "geometric_", "log_normal_", "rrelu", "rrelu_", "rrelu_with_noise", "rrelu_with_noise_",
+    "fused_dropout", "_fused_dropout"})
+
+
+def random_ops(graph: fx.Graph) -> list[str]:
+    """The ops of ``graph`` that draw random numbers, by name, each once, in graph order:
+    its code must draw them as eager does (Inductor's own random kernels draw others)."""
+    found: list[str] = []
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_method"):
+            continue
+        target = node.target
+        name = target if isinstance(target, str) else getattr(target, "__name__", "")
+        name = name.split(".")[0]
+        if name in RANDOM_OPS and name not in found:
+            found.append(name)
+    return found
+
+
 def on_device(device: str | torch.device) -> Any:
     """A context in which ``device`` (``cuda:1``) is the current device of its type, which
     is what a bare ``cuda`` in a graph (``unpin_device``) means; a no-op context for a

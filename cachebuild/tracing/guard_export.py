@@ -36,6 +36,7 @@ from cachebuild.tracing.guards import (
     GuardSet,
     Unplain,
     aliasable,
+    attribute,
     decode_key,
     encode_key,
     fingerprint,
@@ -203,8 +204,8 @@ def class_made_with(test: Callable[[types.FunctionType], bool]) -> type | None:
 
 def _importable(value: Any) -> list[list[Any]] | None:
     """``value``'s path as its module and qualified name give it, where they do."""
-    module_name = getattr(value, "__module__", None)
-    qualname = getattr(value, "__qualname__", None)
+    module_name = attribute(value, "__module__")
+    qualname = attribute(value, "__qualname__")
     module = sys.modules.get(module_name) if isinstance(module_name, str) else None
     if module is None or not isinstance(qualname, str) or "<" in qualname:
         return None

@@ -191,7 +191,7 @@ class _Plan:
     def visit(self, v: _Visit) -> bool:
         """Fill in ``v`` and below; True where the generated check must read ``v``."""
         for i, check, arg in v.node.checks:
-            function = getattr(v.value, "__func__", v.value)
+            function = v.value.__func__ if isinstance(v.value, types.MethodType) else v.value
             if check in ("id", "equals") and isinstance(function, types.FunctionType):
                 self.functions.append(function)
             if check == "alias":

@@ -83,12 +83,21 @@ def plain(value: Any) -> Any:
     raise Unplain(f"{type(value).__name__} has no plain value")
 
 
+def attribute(obj: Any, name: str, default: Any = None) -> Any:
+    """``getattr(obj, name, default)``, also where a user's ``__getattr__`` raises another
+    error than AttributeError for a name it does not hold (a config reading a dict)."""
+    try:
+        return getattr(obj, name, default)
+    except Exception:
+        return default
+
+
 def qualname(obj: Any) -> str:
     """``module.QualName`` of a class or function; code outside installed libraries by the
     label of its source (``sources.object_label``: ``<src:1a2b3c4d5e6f7a8b>.Served``)."""
     module = object_label(obj) if isinstance(obj, (type, types.FunctionType)) else \
-        module_label(getattr(obj, "__module__", None) or "")
-    name = getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
+        module_label(attribute(obj, "__module__") or "")
+    name = attribute(obj, "__qualname__") or attribute(obj, "__name__") or repr(obj)
     return f"{module}.{name}" if module else name
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cachebuild import compat, keep
-from cachebuild.graph.facts import SYMBOL, InputMeta, op_files, torch_dir, user_ops
+from cachebuild.graph.facts import SYMBOL, InputMeta, op_files, random_ops, torch_dir, user_ops
 from cachebuild.graph.graphdiff import user_frame
 from cachebuild.keys import make_key
 from cachebuild.tracing.distributed import layout_factors
@@ -155,6 +155,12 @@ def traced_default_dtype() -> str | None:
 CODEGEN = "codegen"
 
 
+#: The manifest factor naming the ops a piece draws random numbers with, where it has any:
+#: its code draws them as eager does (Inductor's ``fallback_random``), which code built
+#: before it did not (other keys stay as they were).
+RANDOM = "random"
+
+
 @contextlib.contextmanager
 def traced_settings(manifest: dict[str, Any]) -> Iterator[None]:
     """Run the block under the process-wide settings ``manifest``'s piece was traced under
@@ -183,6 +189,7 @@ def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend:
         sources = tuple(user_frame(n.meta.get("stack_trace"), torch_dir())
                         for n in piece.gm.graph.nodes)
         ops = op_sources(piece.gm.graph)
+        drawn = random_ops(piece.gm.graph)
         targets = []
         for bucket in buckets if piece.size_input is not None else [{"static": True}]:
             manifest = {"graph": graph, "bucket": bucket, "backend": backend,
@@ -195,6 +202,8 @@ def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend:
                 manifest[DEFAULT_DTYPE] = dtype
             if settings:
                 manifest[CODEGEN] = settings
+            if drawn:
+                manifest[RANDOM] = drawn
             targets.append(Target(make_key(manifest), piece.index, bucket, manifest, sources))
         out[piece.index] = targets
     return out

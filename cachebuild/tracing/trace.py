@@ -159,8 +159,9 @@ def _bind(model: torch.nn.Module, args: list[Any], inputs: list[Any],
         else:
             raise UsageError(
                 "the traced graph reads a tensor that is neither a parameter, a buffer nor a "
-                "call argument of the model (a plain tensor attribute or a global?): register "
-                "it with register_buffer so it can be bound in a warm process"
+                "call argument of the model (a plain tensor attribute, a NumPy array or a "
+                "global?): register it with register_buffer, as a tensor, so it can be bound "
+                "in a warm process"
             )
     return bindings
 
@@ -494,7 +495,8 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     compiled = torch.compile(model, backend=capture, fullgraph=True, dynamic=False,
                              options={"guard_filter_fn": collected})
     try:
-        with torch.inference_mode(False), torch.no_grad(), _quiet_meta_failures():
+        with torch.inference_mode(False), torch.no_grad(), _quiet_meta_failures(), \
+                compat.guards_rebuilt_by_identity():
             output = compiled(*args)
     except _SideEffects:
         output = None  # refused below

@@ -162,8 +162,13 @@ def target_name(target: Any) -> str:
     target = purity.original(target)
     why = callable_impurity(target)
     if why is not None:
+        numpy = ("numpy" in type(target).__name__ or
+                 (getattr(target, "__module__", None) or "").startswith("torch._numpy"))
+        hint = ("; it is Dynamo's stand-in for NumPy code in the forward (an array attribute "
+                "or a NumPy call): compute with torch tensors instead, held in a buffer"
+                if numpy else "")
         raise GraphFormatError(f"graph calls {_short(target)}, which stored graphs may not "
-                               f"call: {why}")
+                               f"call: {why}{hint}")
     name = getattr(target, "__name__", None)
     module = getattr(target, "__module__", None)
     candidates = ([module] if module else []) + list(_FALLBACK_MODULES)
