@@ -440,6 +440,9 @@ def build_jobs(jobs: list[BuildJob], workers: int | BuildPool, model_path: str,
 
     try:
         pool.run(sorted(jobs, key=lambda j: -len(j.nodes)), done)
+    except KeyboardInterrupt:
+        pool.close(now=True)  # the command ends: its builds with it
+        raise
     finally:
         if pool is not workers:
             pool.close()
@@ -614,6 +617,10 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
             pool.close()
         return WarmReport(report.entries, report.targets, world_size,
                           seconds=time.perf_counter() - start, phases=model_phases)
+    except KeyboardInterrupt:
+        if pool is not None:
+            pool.close(now=True)  # the command ends: its builds with it
+        raise
     finally:
         if pool is not None:
             pool.close()

@@ -626,3 +626,52 @@ def test_output_classes_no_file_holds_are_kept_by_name_as_before(monkeypatch):
     exec(compile(text, cell, "exec"), vars(module))
     rebuilt = output_builder(output_recipe(module.CellOut(t), [t]))([t * 2], [], [])
     assert type(rebuilt) is module.CellOut and torch.equal(rebuilt.logits, t * 2)
+
+
+def _marked(mark: str) -> list[int]:
+    """Live processes whose environment holds ``mark`` (the command's and its children's)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            environ = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if mark.encode() in environ and state != "Z":
+            found.append(int(entry.name))
+    return found
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
+def test_ctrl_c_during_warm_ends_its_builds_and_starts_none(tmp_path):
+    """A Ctrl-C at the terminal (SIGINT to the command's process group) while a target
+    builds: no build starts after it, the workers and the compilers they started end with
+    the command (none writes to the store after it exits), exit 130, and the store is
+    whole."""
+    import signal
+    import uuid
+
+    path = tmp_path / "model.py"
+    path.write_text(MODEL.replace('backend="eager_fusion"', 'backend="inductor"'))
+    mark = f"cachebuild-test-{uuid.uuid4().hex}"
+    env = {**os.environ, **SMALL, "CACHEBUILD_DIR": str(tmp_path / "store"), mark: "1"}
+    proc = subprocess.Popen([sys.executable, "-m", "cachebuild.cli", "warm", "-j", "1",
+                             str(path)], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    seen = []
+    for line in proc.stdout:
+        seen.append(line)
+        if "building piece" in line:
+            break
+    else:
+        pytest.fail("".join(seen))
+    os.killpg(proc.pid, signal.SIGINT)
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 130, "".join(seen) + rest
+    assert "building piece" not in rest, rest
+    assert rest.strip().splitlines()[-1] == "error: interrupted (Ctrl-C)", rest
+    assert _marked(mark) == []
+    verify = cli(tmp_path / "store", "verify")
+    assert verify.returncode == 0, verify.stdout + verify.stderr

@@ -34,6 +34,7 @@ import contextlib
 import logging
 import os
 import pickle
+import signal
 import struct
 import subprocess
 import sys
@@ -343,9 +344,12 @@ class _Worker:
         try:
             # Isolated: it imports cachebuild, torch and the model's modules from where
             # this process does, never from the working directory (``processes``).
+            # A process group of its own, with the compilers it starts: a Ctrl-C at a
+            # terminal reaches the caller alone, which ends them all together (``kill``).
             self.proc = subprocess.Popen(
                 python_command("cachebuild.worker", str(write), flags=("-u",)),
-                stdin=subprocess.PIPE, pass_fds=(write,), env=child_env(env), close_fds=True)
+                stdin=subprocess.PIPE, pass_fds=(write,), env=child_env(env), close_fds=True,
+                process_group=0)
         finally:
             os.close(write)
         self.results: BinaryIO = os.fdopen(read, "rb")
@@ -385,13 +389,29 @@ class _Worker:
         if not self.used and self.proc.poll() is None:
             self.proc.terminate()  # still importing, say: it holds nothing to finish
 
+    def kill(self) -> None:
+        """End the worker now, and the compilers it started: its job is lost (the store
+        holds only what was whole), nothing else."""
+        with contextlib.suppress(OSError):
+            self.jobs.close()
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.proc.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=5)
+                break
+
     def wait(self) -> None:
         try:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
-            self.proc.kill()
+            self.kill()
+        except BaseException:  # Ctrl-C again while it finishes its job: now, then
+            self.kill()
+            raise
+        finally:
             self.proc.wait()
-        self.results.close()
+            self.results.close()
 
     @property
     def alive(self) -> bool:
@@ -407,6 +427,7 @@ class BuildPool:
         self._env = compile_threads(workers)  # the next workers' (``grow`` sets it again)
         self._idle: list[_Worker] = []
         self._all: list[_Worker] = []  # every worker started, for ``close``
+        self._closing = threading.Event()  # no job starts once it is set
         try:
             self.grow(max(1, workers))
         except BaseException:
@@ -450,6 +471,8 @@ class BuildPool:
         def serve(worker: _Worker) -> None:
             while True:
                 with lock:
+                    if self._closing.is_set():
+                        return
                     if not pending:
                         self._idle.append(worker)
                         ready.notify_all()
@@ -459,7 +482,10 @@ class BuildPool:
                 try:
                     if not worker.alive:  # died after its last job: a new one takes this
                         worker.close()
-                        worker = self._start()
+                        with lock:
+                            if self._closing.is_set():
+                                return
+                            worker = self._start()
                     result = worker.run(job)
                 except Exception as e:  # a worker that cannot start: the job fails, said why
                     result = Result(job.target.key, False, 0.0,
@@ -475,21 +501,32 @@ class BuildPool:
         for t in threads:
             t.start()
         done = 0
-        while done < len(jobs):
+        try:
+            while done < len(jobs):
+                with lock:
+                    while not finished:
+                        ready.wait()
+                    batch, finished[:] = list(finished), []
+                for job, result in batch:
+                    done += 1
+                    on_done(job, result)
+        except BaseException:  # Ctrl-C, say: no job starts after it
             with lock:
-                while not finished:
-                    ready.wait()
-                batch, finished[:] = list(finished), []
-            for job, result in batch:
-                done += 1
-                on_done(job, result)
+                self._closing.set()
+                pending.clear()
+            raise
         for t in threads:
             t.join()
 
-    def close(self) -> None:
-        """End the workers (each after the job it holds), also any a ``run`` that was
-        interrupted still holds."""
+    def close(self, *, now: bool = False) -> None:
+        """End the workers, also any a ``run`` that was interrupted still holds: each
+        after the job it holds, or with ``now`` (an interrupted command) at once, with the
+        compilers they started."""
+        self._closing.set()
         workers, self._all, self._idle = self._all, [], []
+        if now:
+            for worker in workers:
+                worker.kill()
         for worker in workers:  # all told first: they end side by side, not one by one
             worker.stop()
         for worker in workers:
@@ -498,8 +535,8 @@ class BuildPool:
     def __enter__(self) -> BuildPool:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        self.close(now=kind is not None and issubclass(kind, KeyboardInterrupt))
 
 
 # -- framing -----------------------------------------------------------------------------------
