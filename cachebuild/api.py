@@ -75,6 +75,10 @@ class ModelSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.model, torch.nn.Module):
             raise UsageError("ModelSpec.model must be a torch.nn.Module")
+        if not isinstance(self.example_inputs, tuple | list):
+            given = type(self.example_inputs).__name__
+            raise UsageError(f"ModelSpec.example_inputs must be a tuple of the forward's "
+                             f"arguments, not a {given}: for one argument write (x,)")
         self.example_inputs = tuple(self.example_inputs)
         if not isinstance(self.config, CompileConfig):
             raise UsageError("ModelSpec.config must be a cachebuild.CompileConfig")

@@ -367,15 +367,26 @@ def plan(model: ModelSource, *, store: StoreArg = None,
     ``store``: a store, its options, or a store directory (default: the environment's,
     ``CACHEBUILD_DIR``). ``device``: move the model and its example inputs there first.
     ``world_size``: plan each rank of a tensor-parallel model. ``say``: told, in words,
-    when the model is traced (its entry is not stored).
+    when the model is traced (its entry is not stored). Where ``store`` names a place
+    that holds no store, it looks in an empty one, and makes none there.
     """
-    opened, owned = open_given(store)
+    from cachebuild.store import StoreOptions, open_to_look
+
+    scratch = None
+    if store is None or isinstance(store, str | os.PathLike | StoreOptions):
+        opened, scratch = open_to_look(store if isinstance(store, StoreOptions) else
+                                       StoreOptions.from_env(cache_dir=store))
+        owned = True
+    else:
+        opened, owned = store, False
     try:
         group = list(plan_group(source_of(model), opened, device, world_size, say))
         return _report(group, opened, world_size)
     finally:
         if owned:
             opened.close()
+        if scratch is not None:
+            scratch.cleanup()
 
 
 # -- building in worker processes ---------------------------------------------------------------

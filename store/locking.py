@@ -34,6 +34,7 @@ def build_lock(path: Path, key: str, timeout: float) -> Iterator[None]:
     import filelock  # here: a process that only loads takes no build lock, nor pays the import
 
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    _clear_odd(path)
     lock = filelock.FileLock(str(path), timeout=timeout)
     try:
         lock.acquire()
@@ -46,6 +47,29 @@ def build_lock(path: Path, key: str, timeout: float) -> Iterator[None]:
         yield
     finally:
         lock.release()
+
+
+def _clear_odd(path: Path) -> None:
+    """Remove what sits at ``path`` where it is no regular file (a folder, a link, left by
+    damage or a hand): a lock file is made again, and the key could otherwise never be
+    built. Only the store's owner can write there (the locks folder is private)."""
+    import shutil
+    import stat
+
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISREG(mode):
+        return
+    log.warning("cachebuild: removed %s, which is no lock file (%s)", path,
+                "a folder" if stat.S_ISDIR(mode) else
+                "a link" if stat.S_ISLNK(mode) else "not a regular file")
+    with contextlib.suppress(FileNotFoundError):
+        if stat.S_ISDIR(mode):
+            shutil.rmtree(path)
+        else:
+            os.unlink(path)
 
 
 @contextlib.contextmanager

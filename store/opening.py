@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
+import tempfile
 from pathlib import Path
 
 from cachebuild.errors import UsageError
@@ -81,3 +83,54 @@ def check_can_make(path: Path) -> None:
     raise UsageError(f"no store at {path}, and none can be made there: {where} (a read-only "
                      "mount, another user's folder, or no write permission); give another "
                      "--cache-dir or CACHEBUILD_DIR")
+
+
+def holds_store(path: Path) -> bool:
+    """Whether ``path`` holds a store. Before it looks, an unsafe or unusable place is
+    refused as opening a store there would refuse it (StoreError, UsageError): a folder
+    that is there (another user's, open to others, unreadable), or the folders above one
+    that is not (another user may have moved it away)."""
+    from .layout import check_private_dir, check_readable_dir, check_where_made
+
+    if os.path.lexists(path):
+        real = Path(os.path.realpath(path))
+        (check_private_dir if writable_here(real) else check_readable_dir)(real)
+    else:
+        check_where_made(path.absolute())
+    return os.path.isdir(path / FORMAT_DIR)
+
+
+def holds_store_or_may_make(path: Path) -> bool:
+    """``holds_store``, where one that is not there could be made (``check_can_make``)."""
+    if holds_store(path):
+        return True
+    check_can_make(path)
+    return False
+
+
+#: How the temporary folder of a look at a place with no store begins.
+LOOK_PREFIX = "cachebuild-look-"
+
+
+def open_to_look(options: StoreOptions) -> tuple[Store, tempfile.TemporaryDirectory[str] | None]:
+    """The store ``options`` name, for a command that only looks (``plan``, ``explain``,
+    ``warm --dry-run``): where they name a place a store could be made but none is, an
+    empty one in a temporary folder (its remote tier, if any, still asked), returned with
+    it for the caller to remove, so that looking makes no store where a path may be
+    mistyped."""
+    if holds_store_or_may_make(Path(options.cache_dir)):
+        return open_store(options), None
+    from .layout import UnsafeStore
+
+    scratch = tempfile.TemporaryDirectory(prefix=LOOK_PREFIX)
+    try:
+        return open_store(dataclasses.replace(options, cache_dir=scratch.name)), scratch
+    except UnsafeStore as e:  # a path the user never gave: say where it came from
+        scratch.cleanup()
+        raise UnsafeStore(
+            f"the empty store this command looks in, in the temporary folder "
+            f"{tempfile.gettempdir()} (TMPDIR), cannot be used: {e}; set TMPDIR to "
+            "a folder only you can write") from None
+    except BaseException:
+        scratch.cleanup()
+        raise

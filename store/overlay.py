@@ -197,18 +197,19 @@ class OverlayStore(Store):
         return overlay.gc(max_size=max_size, older_than=older_than, dry_run=dry_run)
 
     def verify(self, repair: bool = False, progress: Progress | None = None) -> VerifyReport:
-        """Check both layers; ``repair`` repairs the overlay only."""
+        """Check both layers. ``repair`` is refused (ReadOnlyStore): the read-only store's
+        damage cannot be repaired here, and the overlay's is a miss that builds again."""
+        if repair:
+            raise access.refusal(self.root, "repair damage")
         report = self.base.verify(repair=False, progress=progress)
-        base_damaged = bool(report.damaged)
         overlay = self.overlay
         if overlay is not None:
-            more = overlay.verify(repair=repair, progress=progress)
+            more = overlay.verify(repair=False, progress=progress)
             report.checked += more.checked
             report.ok += more.ok
             report.damaged += more.damaged
-            report.tmp_removed, report.orphans_removed = more.tmp_removed, more.orphans_removed
+            report.tmp_removed = more.tmp_removed
             report.unrecorded = more.unrecorded
-            report.repaired = more.repaired and not base_damaged
         return report
 
     def stats(self) -> StoreStats:

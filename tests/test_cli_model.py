@@ -16,7 +16,7 @@ from cachebuild.store import LocalStore
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = {"LLAMA_LAYERS": "2", "LLAMA_HIDDEN": "64", "LLAMA_HEADS": "4", "LLAMA_KV_HEADS": "2",
          "LLAMA_MLP": "128", "LLAMA_VOCAB": "128"}
-SUMMARY = re.compile(r"(\d+) targets: (\d+) already stored, (\d+) built, (\d+) failed")
+SUMMARY = re.compile(r"(\d+) targets?: (\d+) already stored, (\d+) built, (\d+) failed")
 
 MODEL = f"""
 import dataclasses, sys

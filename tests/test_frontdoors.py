@@ -338,6 +338,9 @@ def test_model_spec_is_validated():
         cachebuild.ModelSpec(lambda x: x, models.inputs(4), DYN, models.config())
     with pytest.raises(UsageError, match="CompileConfig"):
         cachebuild.ModelSpec(model, models.inputs(4), DYN, {"backend": "inductor"})
+    # One tensor where a tuple of one belongs: said so (iterated, it read as many inputs).
+    with pytest.raises(UsageError, match=r"not a Tensor: for one argument write \(x,\)"):
+        cachebuild.ModelSpec(model, models.inputs(4)[0], DYN, models.config())
 
 
 @pytest.mark.slow
@@ -566,3 +569,23 @@ def test_torch_compile_door_keeps_out_of_range_as_the_config_says(open_local, tm
     models.assert_matches_eager(compiled, model, models.inputs(12))
     delta = models.counters_delta(before, cachebuild.stats())
     assert delta["built"] == 0 and delta["failed"] == 0
+
+
+class SumsRows(torch.nn.Module):
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return y.sum(1, keepdim=True) * y[:, :1]
+
+
+@pytest.mark.slow
+def test_torch_compile_door_serves_inputs_that_are_not_dense(open_local, tmp_path):
+    """Through ``torch.compile(backend=cachebuild.backend(...))`` with Inductor, an input
+    sliced from a wider tensor: its piece is built for its strides and answers as eager
+    (every such build failed its proof; other layouts: ``test_verify``)."""
+    model = SumsRows()
+    config = cachebuild.CompileConfig(compile_ranges=((1, 16),), backend="inductor",
+                                      while_building="wait")
+    door = torch.compile(model, dynamic=False,
+                         backend=cachebuild.backend(config, store=open_local(tmp_path / "s")))
+    y = torch.randn(5, 9).t()[:4]  # strides (1, 9)
+    with torch.no_grad():
+        torch.testing.assert_close(door(y), model(y), **models.TOL)

@@ -70,7 +70,7 @@ with torch.no_grad():
 print(json.dumps({"stats": cachebuild.stats(), "tiers": store.stats().to_json()["tiers"]}))
 """
 
-SUMMARY = re.compile(r"(\d+) targets: (\d+) already stored, (\d+) built, (\d+) failed")
+SUMMARY = re.compile(r"(\d+) targets?: (\d+) already stored, (\d+) built, (\d+) failed")
 
 
 def env_for(l1: Path, url: str | None, **extra: str) -> dict[str, str]:

@@ -616,6 +616,27 @@ def test_lock_nests_in_a_thread_and_excludes_other_threads(open_local, store_dir
     assert (store.root / "locks" / k[:2] / f"{k}.lock").exists()
 
 
+@pytest.mark.parametrize("odd", ["folder", "link"])
+def test_a_lock_path_that_is_no_file_is_cleared_and_the_key_builds(open_local, store_dir,
+                                                                   tmp_path, odd):
+    """A folder or a link where a key's lock file belongs (damage, a hand) made that key
+    impossible to build, for good: it is removed, and a link's target is left alone."""
+    store = open_local(store_dir)
+    k = key("odd")
+    path = store.root / "locks" / k[:2] / f"{k}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    target = tmp_path / "elsewhere"
+    target.write_text("kept")
+    if odd == "folder":
+        (path / "inside").mkdir(parents=True)
+    else:
+        path.symlink_to(target)
+    with store.lock(k):
+        store.put(k, b"built", kind="target")
+    assert store.get(k) == b"built" and path.is_file() and not path.is_symlink()
+    assert target.read_text() == "kept"
+
+
 @pytest.mark.parametrize("what,named", [("store directory", "CACHEBUILD_DIR"),
                                         ("work folder", "CACHEBUILD_WORK_DIR"),
                                         ("environment folder", "CACHEBUILD_PROBE_DIR")])

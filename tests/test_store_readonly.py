@@ -73,6 +73,10 @@ def test_a_read_only_mount_is_read_and_nothing_is_written(read_only, written):
     assert {r.key for r in store.records()} == {key("target"), key("entry")}
     assert store.stats().read_only and store.overlay is None
     assert store.verify().clean
+    # Repair is refused in one line, before anything is read (it said "quarantined"
+    # and changed nothing).
+    with pytest.raises(ReadOnlyStore, match="cannot repair damage"):
+        store.verify(repair=True)
     store.count("warm_starts")
     store.close()
     assert snapshot(written) == before  # no usage flushed, no index touched

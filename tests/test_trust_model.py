@@ -62,7 +62,7 @@ except CachebuildError as e:
 print(json.dumps(cachebuild.stats()))
 """
 
-SUMMARY = re.compile(r"(\d+) targets: (\d+) already stored, (\d+) built, (\d+) failed")
+SUMMARY = re.compile(r"(\d+) targets?: (\d+) already stored, (\d+) built, (\d+) failed")
 
 
 def model_file(tmp_path: Path, config: str = "") -> Path:

@@ -140,6 +140,28 @@ def test_the_proof_refuses_an_artifact_that_draws_other_random_numbers():
         check(drawing, nodes, metas, {"range": [1, 8]})
 
 
+def _sum_rows(y: torch.Tensor) -> tuple[torch.Tensor]:
+    return (y.sum(1, keepdim=True) * y[:, :1],)
+
+
+@pytest.mark.parametrize("stride", [(1, 9), (1, 0), (16, 2)])
+def test_the_proof_gives_the_artifact_inputs_with_the_strides_it_was_built_for(stride):
+    """An input that is not dense (a slice of a wider tensor, an expanded one, every
+    other column) reaches the artifact with the strides its piece was traced with: a
+    clone() made them dense, and an artifact built for them read garbage (the torch.compile
+    door failed every such build)."""
+    from cachebuild.trust.fxjson import graph_to_data
+
+    nodes = graph_to_data(fx.symbolic_trace(_sum_rows).graph)
+    metas = [InputMeta("tensor", "float32", (4, 5), stride)]
+
+    def built_for_those_strides(y):
+        assert y.stride() == stride, y.stride()
+        return _sum_rows(y)
+
+    check(built_for_those_strides, nodes, metas, {"static": True})
+
+
 def _pinned(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor]:
     # int() of a symbolic size: tracing pins it to the size it was traced at.
     return (x.reshape(int(x.shape[0]), -1) @ w,)

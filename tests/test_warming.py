@@ -33,6 +33,7 @@ def test_warm_a_spec_then_a_server_starts_warm(open_local, tmp_path):
     assert isinstance(planned, cachebuild.PlanReport)
     assert {t.state for t in planned.targets} == {"missing"}
     assert planned.entries[0].why == "no entry"
+    assert not store.exists()  # looking makes no store, as `cachebuild plan` makes none
     report = cachebuild.warm(spec(), store=store)
     assert isinstance(report, cachebuild.WarmReport) and report.ok
     assert [t.state for t in report.targets] == ["built"] * len(report.targets)

@@ -8,7 +8,6 @@ exit with the error's code (2 bad usage or input, 1 an operation that failed); t
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 import tempfile
 import warnings
@@ -59,23 +58,13 @@ class CliState:
 
     def open_store_to_look(self) -> tuple[Store, bool]:
         """The store for a command that only looks (``plan``, ``explain``, ``warm
-        --dry-run``), and whether it is there: where the options name a place a store
-        could be made (``check_can_make``) but none is, an empty one in a temporary folder
-        (its remote tier, if any, still asked), removed when the command ends, so that
-        looking makes no store where a path may be mistyped."""
-        if self.store is None and not holds_store_or_may_make(Path(self.options.cache_dir)):
-            from cachebuild.store import UnsafeStore
+        --dry-run``), and whether it is there (``store.open_to_look``: where none is, an
+        empty one in a temporary folder, removed when the command ends)."""
+        if self.store is None:
+            from cachebuild.store import open_to_look
 
-            self.scratch = tempfile.TemporaryDirectory(prefix="cachebuild-look-")
-            self.options = dataclasses.replace(self.options, cache_dir=self.scratch.name)
-            try:
-                return self.open_store(), False
-            except UnsafeStore as e:  # a path the user never gave: say where it came from
-                raise UnsafeStore(
-                    f"the empty store this command looks in, in the temporary folder "
-                    f"{tempfile.gettempdir()} (TMPDIR), cannot be used: {e}; set TMPDIR to "
-                    "a folder only you can write") from None
-        return self.open_store(), self.scratch is None
+            self.store, self.scratch = open_to_look(self.options)
+        return self.store, self.scratch is None
 
     def close(self) -> None:
         if self.store is not None:
@@ -105,7 +94,7 @@ def open_existing_store(ctx: click.Context) -> Store:
     the path)."""
     import os
 
-    from cachebuild.store import FORMAT_DIR
+    from cachebuild.store import FORMAT_DIR, holds_store
 
     path = Path(state_of(ctx).options.cache_dir)
     if not holds_store(path):
@@ -115,39 +104,6 @@ def open_existing_store(ctx: click.Context) -> Store:
                          "or make one with `cachebuild warm MODEL.py` or `cachebuild import "
                          "FILE`")
     return open_store(ctx)
-
-
-def holds_store(path: Path) -> bool:
-    """Whether ``path`` holds a store. Before it looks, an unsafe or unusable place is
-    refused as opening a store there would refuse it (StoreError, UsageError): a folder
-    that is there (another user's, open to others, unreadable), or the folders above one
-    that is not (another user may have moved it away)."""
-    import os
-
-    from cachebuild.store import (
-        FORMAT_DIR,
-        check_private_dir,
-        check_readable_dir,
-        check_where_made,
-        writable_here,
-    )
-
-    if os.path.lexists(path):
-        real = Path(os.path.realpath(path))
-        (check_private_dir if writable_here(real) else check_readable_dir)(real)
-    else:
-        check_where_made(path.absolute())
-    return os.path.isdir(path / FORMAT_DIR)
-
-
-def holds_store_or_may_make(path: Path) -> bool:
-    """``holds_store``, where one that is not there could be made (``check_can_make``)."""
-    from cachebuild.store import check_can_make
-
-    if holds_store(path):
-        return True
-    check_can_make(path)
-    return False
 
 
 def safe_text(value: object, limit: int = 200) -> str:

@@ -35,6 +35,7 @@ from cachebuild.cli.common import (
     MAX_JOBS,
     MAX_WORLD_SIZE,
     model_file,
+    plural,
     printable,
     safe_text,
     state_of,
@@ -211,8 +212,9 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
         console.print("model: " + ", ".join(f"{k} {v:.1f} s" for k, v in report.phases.items()),
                       markup=False, highlight=False)
     console.print(
-        f"{total} targets: {len(report.stored)} already stored, {len(report.built)} built, "
-        f"{len(report.failed)} failed, in {report.seconds:.1f} s; {_entries_said(report)}")
+        f"{plural(total, 'target')}: {len(report.stored)} already stored, "
+        f"{len(report.built)} built, {len(report.failed)} failed, in {report.seconds:.1f} s; "
+        f"{_entries_said(report)}")
     if not report.ok:
         ctx.exit(1)
 
