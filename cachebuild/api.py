@@ -83,6 +83,15 @@ class ModelSpec:
         if not isinstance(self.config, CompileConfig):
             raise UsageError("ModelSpec.config must be a cachebuild.CompileConfig")
         self.dynamic_dims = check_dynamic_dims(self.dynamic_dims)
+        for i, d in self.dynamic_dims.items():
+            given = self.example_inputs[i] if i < len(self.example_inputs) else None
+            if isinstance(given, torch.Tensor) and -given.dim() <= d < given.dim() and \
+                    not self.config.in_buckets(given.shape[d]):
+                raise UsageError(
+                    f"ModelSpec's example inputs are {given.shape[d]} long at the dynamic "
+                    f"dim (argument {i}, dim {d}), outside every compile range "
+                    f"{list(self.config.compile_ranges)}: the trace runs at that size, "
+                    "which no call is served at; give example inputs a range holds")
 
 
 class CompiledModule(torch.nn.Module):

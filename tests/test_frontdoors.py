@@ -341,6 +341,10 @@ def test_model_spec_is_validated():
     # One tensor where a tuple of one belongs: said so (iterated, it read as many inputs).
     with pytest.raises(UsageError, match=r"not a Tensor: for one argument write \(x,\)"):
         cachebuild.ModelSpec(model, models.inputs(4)[0], DYN, models.config())
+    # Example inputs no range holds: `warm` traced at a size no call is served at.
+    with pytest.raises(UsageError, match=r"4 long at the dynamic dim \(argument 0, dim 0\), "
+                                         r"outside every compile range \[\(1, 2\)\]"):
+        cachebuild.ModelSpec(model, models.inputs(4), DYN, models.config(compile_ranges=((1, 2),)))
 
 
 @pytest.mark.slow
