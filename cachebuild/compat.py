@@ -11,6 +11,7 @@ import contextlib
 import os
 import platform
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -427,31 +428,43 @@ def export_keeping_unproven_guards(export: Callable[..., Any]) -> tuple[Any, boo
     return export(prefer_deferred_runtime_asserts_over_guards=True), True
 
 
+#: Threads inside ``guards_rebuilt_by_identity`` (the patch, once made, stays: a thread
+#: outside it gets torch's own comparison).
+_BY_IDENTITY = threading.local()
+_PATCHING = threading.Lock()
+
+
 @contextlib.contextmanager
 def guards_rebuilt_by_identity() -> Iterator[None]:
     """Let Dynamo build a frame's guards twice over an object whose ``==`` is elementwise
     (a NumPy array attribute): a ``guard_filter_fn`` makes it build them again, and
     ``Guard.set_export_info`` then compares its two weak references to the object with
-    ``==``, which compares the objects (torch 2.11-2.13). Here they are compared by
-    identity, for the block."""
+    ``==``, which compares the objects (torch 2.11-2.13). On this thread, for the block,
+    they are compared by identity."""
     from torch._guards import Guard
 
-    original = Guard.set_export_info
+    with _PATCHING:
+        if not getattr(Guard.set_export_info, "_cachebuild", False):
+            original = Guard.set_export_info
 
-    def set_export_info(self: Any, guard_type: Any, guarded_class: Any, code_list: Any,
-                        obj_weakref: Any = None) -> Any:
-        held = self.obj_weakref
-        if isinstance(held, weakref.ref) and isinstance(obj_weakref, weakref.ref):
-            # The same object, or a stand-in made anew for each build (an array's tensor
-            # view): no comparison of the objects themselves.
-            self.obj_weakref = obj_weakref if held() is obj_weakref() else None
-        return original(self, guard_type, guarded_class, code_list, obj_weakref)
+            def set_export_info(self: Any, guard_type: Any, guarded_class: Any,
+                                code_list: Any, obj_weakref: Any = None) -> Any:
+                held = self.obj_weakref
+                if getattr(_BY_IDENTITY, "on", False) and isinstance(held, weakref.ref) \
+                        and isinstance(obj_weakref, weakref.ref):
+                    # The same object, or a stand-in made anew for each build (an array's
+                    # tensor view): no comparison of the objects themselves.
+                    self.obj_weakref = obj_weakref if held() is obj_weakref() else None
+                return original(self, guard_type, guarded_class, code_list, obj_weakref)
 
-    Guard.set_export_info = set_export_info  # type: ignore[method-assign]
+            set_export_info._cachebuild = True  # type: ignore[attr-defined]
+            Guard.set_export_info = set_export_info  # type: ignore[method-assign]
+    was = getattr(_BY_IDENTITY, "on", False)
+    _BY_IDENTITY.on = True
     try:
         yield
     finally:
-        Guard.set_export_info = original  # type: ignore[method-assign]
+        _BY_IDENTITY.on = was
 
 
 def is_rebuilt_object_guard(error: BaseException) -> bool:
@@ -786,16 +799,42 @@ def _precision_settings() -> dict[str, str]:
             for (backend, op), value in zip(_PRECISIONS, _precisions(), strict=False)}
 
 
+#: Every float32 precision torch keeps, as ``(backend, op)`` pairs, parents first.
+_ALL_PRECISIONS = (("generic", "all"), ("cuda", "all"), ("cuda", "matmul"), ("cuda", "conv"),
+                   ("cuda", "rnn"), ("mkldnn", "all"), ("mkldnn", "matmul"),
+                   ("mkldnn", "conv"), ("mkldnn", "rnn"))
+
+
+def raw_precisions() -> tuple[Any, ...]:
+    """Every float32 precision of this process as torch holds it (``_ALL_PRECISIONS``),
+    to put back exactly with ``set_raw_precisions``."""
+    if _FP32_PRECISION is None:
+        return ()
+    return tuple(_FP32_PRECISION(backend, op) for backend, op in _ALL_PRECISIONS)
+
+
+def set_raw_precisions(values: tuple[Any, ...]) -> None:
+    """Put back what ``raw_precisions`` read, changing only what differs now."""
+    if _SET_FP32_PRECISION is None:
+        return
+    for (backend, op), value in zip(_ALL_PRECISIONS, values, strict=False):
+        if _FP32_PRECISION(backend, op) != value:
+            _SET_FP32_PRECISION(backend, op, value)
+
+
 def codegen_settings() -> dict[str, Any]:
     """The process-wide settings Inductor generates other code under, where this process
     differs from torch's defaults: a float32 precision (``"cuda/matmul": "tf32"``), and
-    deterministic algorithms (``"deterministic": True``, and whether they fill memory
-    ``torch.empty`` leaves unset). Empty in a process that changed none of them."""
+    deterministic algorithms (``"deterministic": True``, whether they only warn where an
+    op has no deterministic kernel, and whether they fill memory ``torch.empty`` leaves
+    unset). Empty in a process that changed none of them."""
     defaults = {f"{backend}/{op}": value for (backend, op), value in _PRECISIONS.items()}
     out: dict[str, Any] = {name: value for name, value in _precision_settings().items()
                            if value != defaults[name]}
     if torch.are_deterministic_algorithms_enabled():
         out["deterministic"] = True
+        if torch.is_deterministic_algorithms_warn_only_enabled():
+            out["warn_only"] = True
         if not torch._C._get_deterministic_fill_uninitialized_memory():
             out["fill_uninitialized_memory"] = False
     return out
@@ -828,10 +867,13 @@ def set_codegen_settings(settings: dict[str, Any]) -> None:
     if settings.get("deterministic") and \
             torch._C._get_deterministic_fill_uninitialized_memory() != wanted_fill:
         torch._C._set_deterministic_fill_uninitialized_memory(wanted_fill)
-    if torch.are_deterministic_algorithms_enabled() != bool(settings.get("deterministic")):
+    deterministic = bool(settings.get("deterministic"))
+    if torch.are_deterministic_algorithms_enabled() != deterministic or (
+            deterministic and torch.is_deterministic_algorithms_warn_only_enabled()
+            != bool(settings.get("warn_only"))):
         torch.use_deterministic_algorithms(
-            bool(settings.get("deterministic")),
-            warn_only=torch.is_deterministic_algorithms_warn_only_enabled())
+            deterministic, warn_only=bool(settings.get("warn_only")) if deterministic
+            else torch.is_deterministic_algorithms_warn_only_enabled())
 
 
 def user_dispatch_mode() -> bool:

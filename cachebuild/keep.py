@@ -75,14 +75,18 @@ def codegen_settings(settings: dict[str, Any] | None) -> Iterator[None]:
     names (``compat.codegen_settings``' form; None or what it leaves out: torch's
     defaults), put back afterwards: a target is built, and proven, under those its piece
     was traced with (``targets.CODEGEN``), which the process building it need not share."""
-    before = compat.codegen_settings()
+    before, raw = compat.codegen_settings(), compat.raw_precisions()
     fill = torch.utils.deterministic.fill_uninitialized_memory  # type: ignore[attr-defined]
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
     compat.set_codegen_settings(settings or {})
     try:
         yield
     finally:
         compat.set_codegen_settings(before)
+        compat.set_raw_precisions(raw)  # what the older setters moved besides (cuDNN's RNNs)
         torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
+        torch.use_deterministic_algorithms(torch.are_deterministic_algorithms_enabled(),
+                                           warn_only=warn_only)
 
 
 class Tensors:

@@ -380,6 +380,39 @@ def test_a_piece_that_draws_random_numbers_draws_eagers(open_local, tmp_path, ba
     models.assert_matches_eager(compiled, model, (x,))
 
 
+def _dynamo_graph(fn, *args) -> torch.fx.Graph:
+    graphs = []
+
+    def keep(gm, example_inputs):
+        graphs.append(gm.graph)
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(fn, backend=keep, fullgraph=True)(*args)
+    return graphs[0]
+
+
+def test_what_draws_random_numbers_is_read_off_the_arguments_too():
+    """Dropout draws in training at a probability above 0 (Dynamo keeps an eval-mode
+    dropout in the graph, with ``training=False``); attention draws where its dropout_p
+    is not 0; a ``*_like`` random op always draws."""
+    from cachebuild.graph.facts import random_ops
+
+    x = torch.randn(2, 4, 8)
+    drop = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Dropout(0.1))
+    assert random_ops(_dynamo_graph(drop.eval(), x)) == []
+    assert random_ops(_dynamo_graph(drop.train(), x)) == ["dropout"]
+    assert random_ops(_dynamo_graph(torch.nn.Dropout(0.0).train(), x)) == []
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    assert random_ops(_dynamo_graph(lambda q: sdpa(q, q, q, dropout_p=0.5), x)) == [
+        "scaled_dot_product_attention"]
+    assert random_ops(_dynamo_graph(lambda q: sdpa(q, q, q), x)) == []
+    alpha = torch.nn.functional.alpha_dropout
+    assert random_ops(_dynamo_graph(lambda q: alpha(q, 0.3), x)) == []  # training=False
+    assert random_ops(_dynamo_graph(lambda q: alpha(q, 0.3, True), x)) == ["alpha_dropout"]
+    assert random_ops(_dynamo_graph(lambda q: q + torch.randn_like(q), x)) == ["randn_like"]
+
+
 NAMED_CHILD = """
 import collections, json
 import torch

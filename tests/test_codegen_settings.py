@@ -28,6 +28,9 @@ MADE = {
     'torch.backends.fp32_precision = "tf32"': {"cuda/all": "tf32", "cuda/matmul": "tf32",
                                                "mkldnn/all": "tf32", "mkldnn/matmul": "tf32"},
     "torch.use_deterministic_algorithms(True)": {"deterministic": True},
+    "torch.use_deterministic_algorithms(True, warn_only=True)": {"deterministic": True,
+                                                                 "warn_only": True},
+    'torch.backends.cudnn.conv.fp32_precision = "ieee"': {"cuda/conv": "ieee"},
     "torch.use_deterministic_algorithms(True); "
     "torch.utils.deterministic.fill_uninitialized_memory = False":
         {"deterministic": True, "fill_uninitialized_memory": False},
@@ -44,7 +47,8 @@ def legacy():
         return None
 
 def state():
-    return [compat.codegen_settings(), torch.utils.deterministic.fill_uninitialized_memory,
+    return [compat.codegen_settings(), compat.raw_precisions(),
+            torch.utils.deterministic.fill_uninitialized_memory,
             torch.is_deterministic_algorithms_warn_only_enabled()]
 
 exec(sys.argv[1])

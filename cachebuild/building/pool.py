@@ -34,7 +34,6 @@ import contextlib
 import logging
 import os
 import pickle
-import signal
 import struct
 import subprocess
 import sys
@@ -344,12 +343,12 @@ class _Worker:
         try:
             # Isolated: it imports cachebuild, torch and the model's modules from where
             # this process does, never from the working directory (``processes``).
-            # A process group of its own, with the compilers it starts: a Ctrl-C at a
-            # terminal reaches the caller alone, which ends them all together (``kill``).
+            # In the caller's process group: a signal sent to the group (a hang-up, a
+            # Ctrl-C, a supervisor's stop) reaches it too (it ignores Ctrl-C: the caller
+            # decides, ``kill``).
             self.proc = subprocess.Popen(
                 python_command("cachebuild.worker", str(write), flags=("-u",)),
-                stdin=subprocess.PIPE, pass_fds=(write,), env=child_env(env), close_fds=True,
-                process_group=0)
+                stdin=subprocess.PIPE, pass_fds=(write,), env=child_env(env), close_fds=True)
         finally:
             os.close(write)
         self.results: BinaryIO = os.fdopen(read, "rb")
@@ -390,13 +389,14 @@ class _Worker:
             self.proc.terminate()  # still importing, say: it holds nothing to finish
 
     def kill(self) -> None:
-        """End the worker now, and the compilers it started: its job is lost (the store
-        holds only what was whole), nothing else."""
+        """End the worker now: its job is lost (the store holds only what was whole),
+        nothing else. The compilers it started end with their compile, or, at a terminal,
+        with the Ctrl-C that reached them too."""
         with contextlib.suppress(OSError):
             self.jobs.close()
-        for sig in (signal.SIGTERM, signal.SIGKILL):
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(self.proc.pid, sig)
+        for end in (self.proc.terminate, self.proc.kill):
+            with contextlib.suppress(ProcessLookupError):
+                end()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=5)
                 break

@@ -183,9 +183,49 @@ RANDOM_OPS = frozenset({
     "fused_dropout", "_fused_dropout"})
 
 
+#: Ops that draw only where an argument says so: name → (position, keyword) of the
+#: probability they drop with (none drawn at 0).
+_DROPPING = {"scaled_dot_product_attention": (4, "dropout_p"),
+             "_scaled_dot_product_attention_math": (4, "dropout_p"),
+             "_scaled_dot_product_flash_attention": (3, "dropout_p"),
+             "_scaled_dot_product_flash_attention_for_cpu": (3, "dropout_p"),
+             "_scaled_dot_product_efficient_attention": (5, "dropout_p"),
+             "_scaled_dot_product_cudnn_attention": (5, "dropout_p")}
+#: Dropout's functions, which draw only in training and at a probability above 0:
+#: ``F.dropout(x, p, training, inplace)``, ``torch.dropout(x, p, train)``.
+_DROPOUTS = frozenset({"dropout", "dropout_", "native_dropout", "alpha_dropout",
+                       "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_",
+                       "feature_dropout", "feature_dropout_", "dropout1d", "dropout2d",
+                       "dropout3d"})
+
+
+def _argument(node: fx.Node, position: int, keyword: str, default: Any) -> Any:
+    if keyword in node.kwargs:
+        return node.kwargs[keyword]
+    return node.args[position] if len(node.args) > position else default
+
+
+def _draws(node: fx.Node, name: str) -> bool:
+    """Whether a call of ``name`` at ``node`` draws random numbers (where its arguments say
+    it does not, a constant ``training=False`` or a probability of 0, it does not)."""
+    if name in _DROPPING:
+        return _argument(node, *_DROPPING[name], 0.0) not in (0, 0.0)
+    if name not in RANDOM_OPS:
+        return False
+    if name in _DROPOUTS and node.op == "call_function":
+        # F.alpha_dropout's and F.feature_alpha_dropout's ``training`` is False unless
+        # given; every other one's is True, or must be given.
+        functional = getattr(node.target, "__module__", "") == "torch.nn.functional"
+        default = not (functional and name in ("alpha_dropout", "feature_alpha_dropout"))
+        training = _argument(node, 2, "training" if functional else "train", default)
+        return training is not False and _argument(node, 1, "p", 0.5) not in (0, 0.0)
+    return True
+
+
 def random_ops(graph: fx.Graph) -> list[str]:
     """The ops of ``graph`` that draw random numbers, by name, each once, in graph order:
-    its code must draw them as eager does (Inductor's own random kernels draw others)."""
+    its code must draw them as eager does (Inductor's own random kernels draw others).
+    Dropout in eval mode, or at 0, and attention without dropout draw nothing."""
     found: list[str] = []
     for node in graph.nodes:
         if node.op not in ("call_function", "call_method"):
@@ -193,7 +233,7 @@ def random_ops(graph: fx.Graph) -> list[str]:
         target = node.target
         name = target if isinstance(target, str) else getattr(target, "__name__", "")
         name = name.split(".")[0]
-        if name in RANDOM_OPS and name not in found:
+        if name not in found and _draws(node, name):
             found.append(name)
     return found
 
