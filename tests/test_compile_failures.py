@@ -8,6 +8,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import sys
+import types
 
 import models
 import numpy
@@ -89,6 +90,39 @@ def test_a_failure_is_the_models_with_the_values_it_had(open_local, tmp_path):
     with pytest.raises(CompileFailed, match="does not trace as one graph"), torch.no_grad():
         cachebuild.compile(model, config, {0: 0}, store=store)(torch.randn(4, 8))
     assert models.counters_delta(before, cachebuild.stats())["traced"] == 0
+
+
+class BreaksInOneMode(nn.Module):
+    """Its forward breaks the graph where a plain attribute says so (a mode, an adapter's
+    name), not where ``training`` does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.config = types.SimpleNamespace(mode="breaks")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.config.mode == "breaks":
+            torch._dynamo.graph_break()
+        return torch.relu(self.proj(x))
+
+
+def test_a_failure_is_the_models_with_the_attribute_values_it_had(open_local, tmp_path):
+    """A trace that fails for one value of a config's field is not another value's
+    failure, on the same compiled module: it compiles (and matches eager) once the value
+    changes, and the failing value fails again, then at once (it blocked every value for
+    the rest of the process)."""
+    store = open_local(tmp_path / "store")
+    model = BreaksInOneMode().eval()
+    config = cachebuild.CompileConfig(compile_ranges=((1, 16),), backend="eager_fusion")
+    compiled = cachebuild.compile(model, config, {0: 0}, store=store)
+    with pytest.raises(UsageError, match="does not trace as one graph"), torch.no_grad():
+        compiled(torch.randn(4, 8))
+    model.config.mode = "plain"
+    models.assert_matches_eager(compiled, model, (torch.randn(4, 8),))
+    model.config.mode = "breaks"
+    with pytest.raises(Exception, match="does not trace as one graph"), torch.no_grad():
+        compiled(torch.randn(4, 8))
 
 
 def test_with_on_failure_eager_the_model_runs_eagerly_after_one_warning(open_local, tmp_path, caplog):

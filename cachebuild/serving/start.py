@@ -25,6 +25,7 @@ them: the store may be repaired meanwhile) or a transient error.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from dataclasses import dataclass
@@ -101,6 +102,7 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
         warm = found.entry is not None
         pool = None
         traced: Entry | None = None
+        values: tuple[Any, ...] | None = None
         try:
             if not warm and (interim is None or interim.backend != "eager_fusion"):
                 # A cold start's build workers start before its trace: their imports
@@ -111,6 +113,7 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             entry = found.entry
             if entry is None:
                 notice.must_trace(model, found.why, store, found.factors)
+                values = _values(model)
                 entry = traced = planner.trace(args, found)
             builder = Builder(store, config, planner.passes, device)
             # Serving meanwhile, where the config asks, while what is missing builds.
@@ -147,9 +150,15 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
                 raise  # the machine's or the store's trouble: another start may succeed
             # Remembered with what its trace read, where it got that far: the same model
             # with other values (eval() after train()) is another start, not this failure.
+            if traced is None and values is not None and _values(model) != values:
+                # Changed while it traced (another thread): this trace read no one state,
+                # and the next call traces again rather than meet a failure of neither.
+                return Started(None, e, first=True)
             failed.setdefault(base, []).append(process_state.Failure(
                 e, found.key, _reads(traced) if traced is not None else
-                lambda k, model, args, key=found.key: k != key or _state(model) != was))
+                lambda k, model, args, key=found.key, values=values:
+                    k != key or _state(model) != was
+                    or (values is not None and _values(model) != values)))
             return Started(None, e, first=True)
         finally:
             if pool is not None:
@@ -201,6 +210,47 @@ def _state(model: torch.nn.Module) -> tuple[Any, ...]:
     besides its entry key: ``training`` on every module, and torch's process state (a
     graph break in train() alone is not eval()'s)."""
     return tuple(m.training for m in model.modules()), compat.process_state_signature()
+
+
+#: How deep ``_values`` reads into lists, dicts and plain objects an attribute holds, and
+#: how many items of each.
+_VALUES_DEPTH, _VALUES_ITEMS = 3, 64
+
+
+def _plain(value: Any, depth: int = 0) -> Any:
+    """``value`` as plain data to compare (scalars; lists, dicts and objects' attributes
+    read ``_VALUES_DEPTH`` deep), or its type's name where it is none of those (a tensor,
+    a module: its weights and modules are not read here)."""
+    import torch
+
+    if value is None or isinstance(value, bool | int | float | str | bytes | enum.Enum):
+        return value
+    if isinstance(value, torch.Tensor | torch.nn.Module) or depth >= _VALUES_DEPTH:
+        return type(value).__qualname__
+    try:
+        if isinstance(value, list | tuple | set | frozenset):
+            items = list(value)[:_VALUES_ITEMS] if not isinstance(value, set | frozenset) \
+                else sorted(map(repr, value))[:_VALUES_ITEMS]
+            return (type(value).__name__, tuple(_plain(v, depth + 1) for v in items))
+        if isinstance(value, dict):
+            return ("dict", tuple((repr(k), _plain(v, depth + 1))
+                                  for k, v in list(value.items())[:_VALUES_ITEMS]))
+        held = vars(value) if hasattr(type(value), "__dict__") else None
+    except Exception:  # a container or object that cannot be read plainly
+        return type(value).__qualname__
+    if isinstance(held, dict) and not isinstance(value, type):
+        return (type(value).__qualname__, _plain(held, depth + 1))
+    return type(value).__qualname__
+
+
+def _values(model: torch.nn.Module) -> tuple[Any, ...]:
+    """What a failed trace is remembered with besides ``_state``: every module's class and
+    the plain values of its attributes (a flag, a mode string, an active adapter's name,
+    a config's fields), so that the same model with other values (a branch that traces)
+    is another start, not the failure. Read only before a trace (milliseconds)."""
+    return tuple((name, type(m).__qualname__,
+                  tuple((k, _plain(v)) for k, v in vars(m).items() if not k.startswith("_")))
+                 for name, m in model.named_modules())
 
 
 def take_over(swap: BackgroundBuild, owner: object, model: torch.nn.Module,
