@@ -85,8 +85,10 @@ def codegen_settings(settings: dict[str, Any] | None) -> Iterator[None]:
         compat.set_codegen_settings(before)
         compat.set_raw_precisions(raw)  # what the older setters moved besides (cuDNN's RNNs)
         torch.utils.deterministic.fill_uninitialized_memory = fill  # type: ignore[attr-defined]
-        torch.use_deterministic_algorithms(torch.are_deterministic_algorithms_enabled(),
-                                           warn_only=warn_only)
+        if torch.is_deterministic_algorithms_warn_only_enabled() != warn_only:
+            # Only then: the call imports Inductor's config (a warm load imports no compiler).
+            torch.use_deterministic_algorithms(torch.are_deterministic_algorithms_enabled(),
+                                               warn_only=warn_only)
 
 
 class Tensors:
