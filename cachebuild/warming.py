@@ -347,15 +347,24 @@ def _report(group: list[Planned], store: Store, world_size: int | None) -> PlanR
 StoreArg: TypeAlias = "Store | StoreOptions | str | os.PathLike | None"
 
 
+def _options_of(store: StoreArg) -> StoreOptions | None:
+    """The options a ``store`` argument names, or None where it is an opened store."""
+    from cachebuild.store import StoreOptions
+
+    if store is None or isinstance(store, str | os.PathLike):
+        return StoreOptions.from_env(cache_dir=store)
+    return store if isinstance(store, StoreOptions) else None
+
+
 def open_given(store: StoreArg) -> tuple[Store, bool]:
     """The store a ``store`` argument names, and whether it was opened here (and is to be
     closed here). Worker processes ask it how to open it (``Store.reopen_options``)."""
-    from cachebuild.store import StoreOptions, open_store
+    from cachebuild.store import open_store
 
-    if store is None or isinstance(store, str | os.PathLike | StoreOptions):
-        return open_store(store if isinstance(store, StoreOptions) else
-                          StoreOptions.from_env(cache_dir=store)), True
-    return store, False
+    options = _options_of(store)
+    if options is not None:
+        return open_store(options), True
+    return store, False  # type: ignore[return-value]
 
 
 def plan(model: ModelSource, *, store: StoreArg = None,
@@ -370,15 +379,15 @@ def plan(model: ModelSource, *, store: StoreArg = None,
     when the model is traced (its entry is not stored). Where ``store`` names a place
     that holds no store, it looks in an empty one, and makes none there.
     """
-    from cachebuild.store import StoreOptions, open_to_look
+    from cachebuild.store import open_to_look
 
     scratch = None
-    if store is None or isinstance(store, str | os.PathLike | StoreOptions):
-        opened, scratch = open_to_look(store if isinstance(store, StoreOptions) else
-                                       StoreOptions.from_env(cache_dir=store))
+    options = _options_of(store)
+    if options is not None:
+        opened, scratch = open_to_look(options)
         owned = True
     else:
-        opened, owned = store, False
+        opened, owned = store, False  # type: ignore[assignment]
     try:
         group = list(plan_group(source_of(model), opened, device, world_size, say))
         return _report(group, opened, world_size)

@@ -34,14 +34,7 @@ from .layout import (
 from .local import LocalStore, UnknownKey
 from .locking import flocked_shared, try_flock
 from .maintenance import QUARANTINE_KEEP_S, WORK_LOCK
-from .opening import (
-    LOOK_PREFIX,
-    check_can_make,
-    holds_store,
-    holds_store_or_may_make,
-    open_store,
-    open_to_look,
-)
+from .opening import check_can_make, holds_store, open_store, open_to_look
 from .options import StoreOptions, cache_home
 from .overlay import OverlayStore
 from .record import (
@@ -63,9 +56,7 @@ __all__ = [
     "FORMAT_DIR",
     "check_can_make",
     "holds_store",
-    "holds_store_or_may_make",
     "open_to_look",
-    "LOOK_PREFIX",
     "WORK_LOCK",
     "ArtifactSource",
     "CorruptBlob",

@@ -520,8 +520,8 @@ class BuildPool:
 
     def close(self, *, now: bool = False) -> None:
         """End the workers, also any a ``run`` that was interrupted still holds: each
-        after the job it holds, or with ``now`` (an interrupted command) at once, with the
-        compilers they started."""
+        after the job it holds, or with ``now`` (an interrupted command) at once
+        (``_Worker.kill``)."""
         self._closing.set()
         workers, self._all, self._idle = self._all, [], []
         if now:
