@@ -411,6 +411,11 @@ def test_what_draws_random_numbers_is_read_off_the_arguments_too():
     assert random_ops(_dynamo_graph(lambda q: alpha(q, 0.3), x)) == []  # training=False
     assert random_ops(_dynamo_graph(lambda q: alpha(q, 0.3, True), x)) == ["alpha_dropout"]
     assert random_ops(_dynamo_graph(lambda q: q + torch.randn_like(q), x)) == ["randn_like"]
+    # torch's own dropouts take ``train`` (once read by name only where it was a
+    # random op's name: torch.feature_dropout was missed)
+    assert random_ops(_dynamo_graph(lambda q: torch.feature_dropout(q, 0.3, True), x)) == [
+        "feature_dropout"]
+    assert random_ops(_dynamo_graph(lambda q: torch.feature_dropout(q, 0.3, False), x)) == []
 
 
 NAMED_CHILD = """

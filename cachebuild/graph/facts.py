@@ -173,16 +173,19 @@ def op_files(qualname: str) -> tuple[str, ...]:
                         and os.path.isfile(f) and not os.path.abspath(f).startswith(torch_dir())))
 
 
-#: Ops that draw from torch's generators, by their last name.
-RANDOM_OPS = frozenset({
-    "dropout", "dropout_", "native_dropout", "alpha_dropout", "feature_alpha_dropout",
-    "dropout1d", "dropout2d", "dropout3d", "bernoulli", "bernoulli_", "rand", "randn",
-    "randint", "rand_like", "randn_like", "randint_like", "randperm", "multinomial",
-    "normal", "normal_", "uniform_", "exponential_", "poisson", "random_", "cauchy_",
-    "geometric_", "log_normal_", "rrelu", "rrelu_", "rrelu_with_noise", "rrelu_with_noise_",
-    "fused_dropout", "_fused_dropout"})
-
-
+#: Dropout's functions, which draw only in training and at a probability above 0:
+#: ``F.dropout(x, p, training, inplace)``, ``torch.dropout(x, p, train)``.
+_DROPOUTS = frozenset({"dropout", "dropout_", "native_dropout", "alpha_dropout",
+                       "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_",
+                       "feature_dropout", "feature_dropout_", "dropout1d", "dropout2d",
+                       "dropout3d"})
+#: Ops that draw from torch's generators, by their last name (dropout's where its
+#: arguments say so).
+RANDOM_OPS = _DROPOUTS | frozenset({
+    "bernoulli", "bernoulli_", "rand", "randn", "randint", "rand_like", "randn_like",
+    "randint_like", "randperm", "multinomial", "normal", "normal_", "uniform_",
+    "exponential_", "poisson", "random_", "cauchy_", "geometric_", "log_normal_", "rrelu",
+    "rrelu_", "rrelu_with_noise", "rrelu_with_noise_", "fused_dropout", "_fused_dropout"})
 #: Ops that draw only where an argument says so: name → (position, keyword) of the
 #: probability they drop with (none drawn at 0).
 _DROPPING = {"scaled_dot_product_attention": (4, "dropout_p"),
@@ -191,12 +194,6 @@ _DROPPING = {"scaled_dot_product_attention": (4, "dropout_p"),
              "_scaled_dot_product_flash_attention_for_cpu": (3, "dropout_p"),
              "_scaled_dot_product_efficient_attention": (5, "dropout_p"),
              "_scaled_dot_product_cudnn_attention": (5, "dropout_p")}
-#: Dropout's functions, which draw only in training and at a probability above 0:
-#: ``F.dropout(x, p, training, inplace)``, ``torch.dropout(x, p, train)``.
-_DROPOUTS = frozenset({"dropout", "dropout_", "native_dropout", "alpha_dropout",
-                       "alpha_dropout_", "feature_alpha_dropout", "feature_alpha_dropout_",
-                       "feature_dropout", "feature_dropout_", "dropout1d", "dropout2d",
-                       "dropout3d"})
 
 
 def _argument(node: fx.Node, position: int, keyword: str, default: Any) -> Any:
