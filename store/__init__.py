@@ -54,6 +54,7 @@ __all__ = [
     "QUARANTINE_KEEP_S",
     "UNSIGNED_REFUSED",
     "FORMAT_DIR",
+    "check_bundle",
     "check_can_make",
     "holds_store",
     "open_to_look",
@@ -114,7 +115,7 @@ __all__ = [
 def __getattr__(name: str):
     # Bundles (tarfile) and the tiered store (the Redis client) are loaded only when asked
     # for: a server that loads its targets needs neither.
-    if name in ("ExportReport", "ImportReport", "bundle_source", "export_bundle",
+    if name in ("ExportReport", "ImportReport", "bundle_source", "check_bundle", "export_bundle",
                 "import_bundle"):
         from . import bundle
 

@@ -50,7 +50,7 @@ from typing import Any
 
 import xxhash
 
-from cachebuild.errors import StoreError, UsageError
+from cachebuild.errors import StoreError, UsageError, printable
 
 from .blob import BlobHeader, CorruptBlob
 from .interface import LocalTier
@@ -210,6 +210,29 @@ def _read_header(tar: tarfile.TarFile, path: Path) -> tuple[tarfile.TarInfo, dic
     if header.get("version") != BUNDLE_VERSION:
         raise UsageError(f"{path}: unsupported bundle version {header.get('version')!r}")
     return first, header
+
+
+def check_bundle(path: str | os.PathLike[str]) -> None:
+    """Raise UsageError unless ``path`` starts as a bundle of this version does (its
+    header), reading no more than that: an import refuses a file that is no bundle
+    before it opens, or makes, the store it would import into."""
+    src = Path(path)
+    try:
+        f = open(src, "rb")  # noqa: SIM115  # closed below
+    except FileNotFoundError:
+        raise UsageError(f"no such bundle: {printable(src)}") from None
+    except IsADirectoryError:
+        raise UsageError(f"{printable(src)} is a folder, not a bundle: give a file `cachebuild export` "
+                         "wrote") from None
+    except OSError as e:
+        raise UsageError(f"cannot read the bundle {printable(src)}: {e.strerror or e}") from None
+    with f:
+        try:
+            with tarfile.open(fileobj=f, mode="r|*") as tar:
+                _read_header(tar, Path(printable(src)))
+        except _ARCHIVE_ERRORS as e:
+            raise UsageError(f"{printable(src)} is not a cachebuild bundle (not a tar archive): "
+                             f"{e}") from None
 
 
 def _read_record(tar: tarfile.TarFile, member: tarfile.TarInfo, key: str) -> Record | str:

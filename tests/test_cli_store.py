@@ -210,6 +210,12 @@ def test_pin_and_unpin(open_local, filled):
     result = run(filled, "unpin", key("loose"))
     assert result.exit_code == 0 and f"unpinned {key('loose')}" in result.stdout
     assert not open_local(filled).get_record(key("loose")).pinned
+    # Said as it is where nothing changes: a script reading the line is not misled.
+    again = run(filled, "unpin", key("loose"))
+    assert again.exit_code == 0 and f"{key('loose')} was not pinned" in again.stdout
+    assert run(filled, "pin", key("loose")).exit_code == 0
+    twice = run(filled, "pin", key("loose"))
+    assert twice.exit_code == 0 and f"{key('loose')} was already pinned" in twice.stdout
 
 
 def test_keys_like_gits_a_unique_prefix_of_eight_will_do(open_local, store_dir):
@@ -513,8 +519,14 @@ def test_import_not_a_bundle_exits_2(filled, tmp_path):
     assert result.exit_code == 2 and result.stderr.startswith("error: ")
     result = run(filled, "import", str(tmp_path / "absent.tar"))
     assert result.exit_code == 2 and "no such bundle" in result.stderr
+    # A tar archive, but not one `export` wrote.
+    other = tmp_path / "other.tar"
+    with tarfile.open(other, "w") as tar:
+        tar.add(junk, arcname="junk.txt")
+    result = run(filled, "import", str(other))
+    assert result.exit_code == 2 and "is not a cachebuild bundle" in result.stderr
     # Refused before a store is opened: none is made where none was.
-    for bundle in (junk, tmp_path / "absent.tar"):
+    for bundle in (junk, tmp_path / "absent.tar", other, tmp_path):
         result = run(tmp_path / "new-store", "import", str(bundle))
         assert result.exit_code == 2 and not (tmp_path / "new-store").exists()
 

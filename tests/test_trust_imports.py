@@ -10,6 +10,7 @@ marker exists, whatever the command said.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -242,3 +243,38 @@ def test_a_worker_that_cannot_import_a_module_of_a_withheld_folder_says_why(tmp_
     assert "another user could change" in text and str(shared) in text, text[-3000:]
     assert "building 3 targets in this process instead" in text, text[-3000:]
     assert summary(proc.stderr)[1:] == (0, 3, 0), text[-3000:]
+
+
+def test_a_child_gets_the_callers_warning_filters_but_error(tmp_path):
+    """A caller's ``-W error`` (or ``PYTHONWARNINGS=error``) is about its own code: a build
+    worker or probe child that inherited it failed as torch's compiler warned while it was
+    imported. Filters that only decide what is shown still reach the child."""
+    ours = tmp_path / "ours"
+    ours.mkdir(mode=0o755)
+    (ours / "show_warnings.py").write_text(textwrap.dedent("""
+        import json, os, subprocess, sys, warnings
+        warnings.warn("deprecated", DeprecationWarning)  # an error under -W error
+        grandchild = subprocess.run([sys.executable, "-c", "import sys; print(sys.warnoptions)"],
+                                    capture_output=True, text=True, check=True)
+        print(json.dumps([sys.warnoptions, os.environ.get("PYTHONWARNINGS"),
+                          grandchild.stdout.strip()]))
+    """))
+    parent = textwrap.dedent(f"""
+        import os, subprocess, sys
+        sys.path.insert(0, {str(ours)!r})
+        from cachebuild.trust.processes import child_env, python_command
+        done = subprocess.run(python_command("show_warnings"), env=child_env(),
+                              capture_output=True, text=True, timeout=120)
+        print(done.stdout, end="")
+        sys.stderr.write(done.stderr)
+        sys.exit(done.returncode)
+    """)
+    env = {**os.environ, "PYTHONWARNINGS": "error,ignore::FutureWarning"}
+    done = subprocess.run([sys.executable, "-W", "error", "-W", "ignore::UserWarning", "-W",
+                           "e::ResourceWarning", "-c", parent], env=env, capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    options, variable, grandchild = json.loads(done.stdout)
+    assert options == ["ignore::FutureWarning", "ignore::UserWarning"]  # the variable's too
+    assert variable == "ignore::FutureWarning"
+    assert grandchild == "['ignore::FutureWarning']"

@@ -479,8 +479,9 @@ def pin_command(ctx: click.Context, target: str) -> None:
     """Keep a record (a model entry keeps everything it refers to) from GC."""
     store = open_existing_store(ctx)
     key = resolve_key(ctx, target)
+    was = store.get_record(key)
     store.pin(key)
-    click.echo(f"pinned {key}")
+    click.echo(f"{key} was already pinned" if was is not None and was.pinned else f"pinned {key}")
 
 
 @click.command("unpin")
@@ -490,8 +491,9 @@ def unpin_command(ctx: click.Context, target: str) -> None:
     """Let GC remove a record again."""
     store = open_existing_store(ctx)
     key = resolve_key(ctx, target)
+    was = store.get_record(key)
     store.unpin(key)
-    click.echo(f"unpinned {key}")
+    click.echo(f"unpinned {key}" if was is None or was.pinned else f"{key} was not pinned")
 
 
 #: Suffixes of archive formats a bundle is not (it is a tar, gzip-compressed or not).
@@ -560,20 +562,10 @@ def import_command(ctx: click.Context, file: Path, allow_unsigned: bool, trust: 
     unless --allow-unsigned or --trust is given. What comes in without a signature the
     store's key verifies is not served until its source is trusted: --trust, or
     `cachebuild trust SOURCE` later."""
-    import tarfile
+    from cachebuild.store import check_bundle, import_bundle
 
-    from cachebuild.store import import_bundle
-
-    # A bundle that cannot be one is refused before the store is opened, which makes one.
-    if not file.is_file():
-        raise UsageError(f"no such bundle: {printable(file)}")
-    try:
-        bundle_like = tarfile.is_tarfile(file)
-    except OSError as e:
-        raise UsageError(f"cannot read the bundle {printable(file)}: {e.strerror or e}") from None
-    if not bundle_like:
-        raise UsageError(f"{printable(file)} is not a cachebuild bundle (not a tar archive): "
-                         "give a file `cachebuild export` wrote")
+    # A file that is no bundle is refused before the store is opened, which makes one.
+    check_bundle(file)
     store = open_store(ctx).local
     store.check_writable("import a bundle")  # said before anything is read, as gc says it
     with progress_bar("importing") as on_progress:

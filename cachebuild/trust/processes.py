@@ -10,7 +10,7 @@ started by ``python_command``:
 - isolated (``python -I``): no working directory or script folder on ``sys.path``, no
   user site, no ``PYTHON*`` variables read; the settings that only decide how bytecode
   and text are handled are passed as flags instead (``-B``, ``-X pycache_prefix`` where
-  that folder is safe, ``-X utf8``, ``-W``);
+  that folder is safe, ``-X utf8``, ``-W`` but for ``error``);
 - with the caller's own ``sys.path`` entries, in the caller's order, where each passes the
   store's checks (``trusted_dir``: a directory owned by us or root that no one else may
   write, under directories no one else could rename), so that the child still finds
@@ -125,8 +125,18 @@ def _flags() -> list[str]:
     if sys.flags.utf8_mode:
         flags += ["-X", "utf8"]
     for option in sys.warnoptions:
-        flags += ["-W", option]
+        if _shown_only(option):
+            flags += ["-W", option]
     return flags
+
+
+def _shown_only(option: str) -> bool:
+    """Whether a warnings option (``-W``, ``PYTHONWARNINGS``) only decides what is shown.
+    An ``error`` one makes a warning an exception: a child building or probing for the
+    caller would fail where the caller meant its own code (torch's Inductor warns as it
+    is imported), so a child gets none."""
+    action = option.split(":", 1)[0].strip().lower()
+    return not (action and "error".startswith(action))
 
 
 def python_command(module: str, *args: str, flags: tuple[str, ...] = ()) -> list[str]:
@@ -141,6 +151,10 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     with ``PYTHONSAFEPATH=1`` for the Python processes it starts, plus ``extra``."""
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("PYTHON") or k in KEPT_PYTHON_VARIABLES}
+    if "PYTHONWARNINGS" in env:
+        kept = [o for o in env.pop("PYTHONWARNINGS").split(",") if _shown_only(o)]
+        if kept:
+            env["PYTHONWARNINGS"] = ",".join(kept)
     prefix = getattr(sys, "pycache_prefix", None)
     if prefix and os.path.isdir(prefix) and trusted_dir(prefix) is None:
         env["PYTHONPYCACHEPREFIX"] = prefix
