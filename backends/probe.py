@@ -705,6 +705,9 @@ def _probe_all(device: str, candidates: list[str],
                 if proc.poll() is None:
                     _kill(proc)
                 proc.wait()
+                if proc.stdin is not None:  # the pipe a waiting child was told through
+                    with contextlib.suppress(OSError):
+                        proc.stdin.close()
                 _children.discard(proc)
     if _ENDING.is_set():  # what a child killed at the exit said is not a verdict
         raise CachebuildError("the process ended before the C++ toolchain probe did")
