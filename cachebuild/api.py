@@ -123,6 +123,9 @@ class CompiledModule(torch.nn.Module):
         self.swap: BackgroundBuild | None = None
         self._interim: list[tuple[ModelRuntime, BackgroundBuild]] = []
         self._swapping = threading.Lock()  # calls on two threads swap one pair once
+        #: Held while a forward is found or traced: calls on other threads that need one
+        #: wait for it and take it, rather than each tracing and building the same.
+        self._starting = threading.RLock()
         #: The instance's own forward as compiled (``hooks.own_forward``): one set later
         #: is refused, never skipped.
         self._forward = own_forward(model)
@@ -305,14 +308,16 @@ class CompiledModule(torch.nn.Module):
                 # Nothing to trace or look up for it: run as every later such call is.
                 warn_caller(said)
                 return self.model(*args)
-            self.prepare(*args)
-            if self._runtime is None:
-                return self.model(*args)  # on_failure="eager"
+            with self._starting:
+                if self._runtime is None and not self._eager:  # else another thread's start
+                    self.prepare(*args)
         if self._dynamo is not None:
             return self._through_dynamo(args)
         if self._interim:
             self._swap_in(args)
         runtime = self._runtime  # read once: a call runs on one runtime from start to end
+        if runtime is None:
+            return self.model(*args)  # on_failure="eager"
         wrong = runtime.mismatches(self.model, args)
         if wrong and grad_mode_changed(wrong):
             return self._in_other_grad_mode(args)
@@ -377,10 +382,16 @@ class CompiledModule(torch.nn.Module):
         where that variant cannot be compiled and ``on_failure="eager"``; raises where it
         cannot be compiled otherwise. Never the old forward."""
         COUNTERS.guard_misses += 1
+        with self._starting:  # a forward another thread makes for these values is taken
+            return self._find_or_start(args, wrong)
+
+    def _find_or_start(self, args: tuple[Any, ...], wrong: list[Mismatch]) -> ModelRuntime | None:
         name = type(self.model).__name__
         changed = "; ".join(m.describe() for m in wrong[:3]) + (
             f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
         current = self._runtime
+        if current is not None and not current.mismatches(self.model, args):
+            return current  # made by another thread while this one waited
         for runtime in reversed(self._variants):
             if runtime is not current and not runtime.mismatches(self.model, args):
                 COUNTERS.variant_switches += 1
@@ -392,7 +403,8 @@ class CompiledModule(torch.nn.Module):
                  "forward for these values", name, changed)
         left: list[Mismatch] = []
         for _ in range(3):
-            self._runtime = None
+            # The current forward stays until another replaces it: a call on another
+            # thread meanwhile finds it wrong for its values and waits here for this one.
             runtime = self.prepare(*args)
             if runtime is None:
                 return None
