@@ -12,8 +12,9 @@ import pytest
 import cachebuild
 import cachebuild.tracing.env
 from cachebuild.building.planner import Planner
-from cachebuild.keys import diff_manifests
+from cachebuild.keys import diff_manifests, make_key
 from cachebuild.passes import PassConfig, PassManager
+from cachebuild.tracing.targets import RECIPE
 from cachebuild.tracing.trace import trace_model
 
 DYN = {0: 0, 1: 0}
@@ -75,8 +76,15 @@ def test_unique_targets_do_not_grow_with_depth(open_local, tmp_path):
 def test_targets_carry_their_factors(base):
     _, entry = base
     for target in entry.targets():
-        assert set(target.manifest) == {"graph", "bucket", "backend", "passes", "env"}
+        assert set(target.manifest) == {"graph", "bucket", "backend", "passes", "env",
+                                        "recipe"}
         assert target.manifest["bucket"] == target.bucket == {"range": [1, 32]}
+        # A version before the recipe's factors for the default dtype and codegen settings
+        # built under any of them with the key a default process's target has: none of its
+        # keys is one this version looks up.
+        assert target.manifest["recipe"] == RECIPE >= 2
+        older = {k: v for k, v in target.manifest.items() if k != "recipe"}
+        assert make_key(older) != target.key == make_key(target.manifest)
         assert target.manifest["backend"]["name"] == "eager_fusion"
         # Inputs are described by position and canonical symbol, never by a layer's name.
         text = str(target.manifest["graph"])

@@ -11,6 +11,7 @@ The key covers everything that decides the compiled output, named as factors:
 - ``backend``: the backend's name, version and options (``Backend.factors``).
 - ``passes``: each enabled pass's name and uuid, and the pass config.
 - ``env``: torch, triton, CUDA, device, Python and schema versions (``env.py``).
+- ``recipe``: this recipe's version (``RECIPE``).
 - ``distributed`` (only for a piece that calls collectives): the world size and the layout
   of the process groups it names (``distributed.layout_factors``). No rank and no device
   index enter a key (inputs keep the device *type*), so ranks whose shards are equal
@@ -133,6 +134,13 @@ def op_sources(graph: Any) -> dict[str, list[str | None]]:
     return out
 
 
+#: The version of this recipe, a factor of every key: bumped where a factor is added that
+#: only some keys carry, whose absence meant any value before. 2: ``default_dtype`` and
+#: ``codegen``: a version before them built a target under a float64 default dtype or
+#: TF32 matmuls with the key a default process's target now has, so no target of an
+#: older version is found (each is built again once).
+RECIPE = 2
+
 #: The manifest factor naming the default dtype a piece was traced under, where it is not
 #: float32: a graph's ``torch.ones(n)``, or an integer tensor times a Python float, takes
 #: it, and the graph does not say which it was (other keys stay as they were).
@@ -193,7 +201,7 @@ def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend:
         targets = []
         for bucket in buckets if piece.size_input is not None else [{"static": True}]:
             manifest = {"graph": graph, "bucket": bucket, "backend": backend,
-                        "passes": passes, "env": env}
+                        "passes": passes, "env": env, "recipe": RECIPE}
             if layout is not None:
                 manifest["distributed"] = layout
             if ops:
