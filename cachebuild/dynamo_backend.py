@@ -374,7 +374,8 @@ class GraphForward:
         fn = self.variants.get(key)
         if fn is None:
             fn = self._build(key, args)
-        out = fn(*args)
+        with torch.no_grad():  # pieces were traced without autograd (``ModelRuntime._call``)
+            out = fn(*args)
         if self.written:
             torch.autograd.graph.increment_version([args[i] for i in self.written])
         return self.counts.put(out, args)

@@ -23,6 +23,30 @@ def test_a_graph_that_builds_a_size_round_trips():
     torch.testing.assert_close(module(x), x.reshape(2, 6))
 
 
+def test_a_graph_that_switches_grad_mode_round_trips_and_other_c_functions_do_not():
+    # Dynamo records ``with torch.no_grad():`` in a forward traced with autograd on (the
+    # torch.compile door) as calls of torch._C._set_grad_enabled: named under torch._C,
+    # which the table admits it from, not under torch.
+    graph = fx.Graph()
+    x = graph.placeholder("x")
+    graph.call_function(torch._C._set_grad_enabled, (False,))
+    y = graph.call_function(torch.mul, (x, 2))
+    graph.call_function(torch._C._set_grad_enabled, (True,))
+    graph.output(y)
+    data = graph_to_data(graph)
+    assert "fn:torch._C:_set_grad_enabled" in str(data)
+    module = data_to_module(data)
+    x = torch.randn(3, requires_grad=True)
+    out = module(x)
+    assert not out.requires_grad and torch.is_grad_enabled()
+    torch.testing.assert_close(out, x.detach() * 2)
+    # Another function of torch._C by the same way in: refused at load.
+    forged = [dict(n, target="fn:torch._C:_set_default_dtype") if "_set_grad_enabled" in
+              str(n.get("target")) else n for n in data]
+    with pytest.raises(GraphFormatError, match="may not call"):
+        data_to_module(forged)
+
+
 #: torch's C function that takes a raw address (torch 2.13 binds it; 2.11 does not).
 _FROM_BLOB = getattr(torch._C._VariableFunctions, "_from_blob", None)
 

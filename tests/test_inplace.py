@@ -343,3 +343,53 @@ print(json.dumps({"traced": cachebuild.stats()["traced"],
 def test_compiling_leaves_the_callers_environment_alone(tmp_path):
     child = models.run_python(COLD_ENV_CHILD, env={"STORE": str(tmp_path / "store")})
     assert child == {"traced": 1, "changed": []}
+
+
+class _RunningMean(torch.nn.Module):
+    """Running statistics kept the usual ways: under ``no_grad``, and from a detached value."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("ema", torch.zeros(8))
+        self.register_buffer("total", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(y.mean(0), alpha=0.1)
+        self.total.add_(y.detach().sum(0))
+        return y.relu()
+
+
+@pytest.mark.parametrize("backend", ["eager_fusion", "inductor"])
+@pytest.mark.parametrize("door", ["cachebuild.compile", "torch.compile"])
+def test_state_kept_under_no_grad_takes_no_gradient_history_with_autograd_on(
+        open_local, tmp_path, backend, door):
+    """Called with autograd on, a buffer updated under ``no_grad`` or from a detached value
+    is eager's and holds no gradient history (an ``eager_fusion`` piece, traced without
+    autograd, had lost both and chained every call's graph onto the buffer); through
+    torch.compile, whose trace keeps the ``no_grad`` block, the graph names torch's
+    grad-mode switch, which a stored graph may call."""
+    import copy
+
+    torch.manual_seed(0)
+    model = _RunningMean().eval()
+    ref = copy.deepcopy(model)
+    config = cachebuild.CompileConfig(backend=backend, compile_ranges=((1, 16),))
+    store = open_local(tmp_path / "store")
+    if door == "torch.compile":
+        compiled = torch.compile(model, backend=cachebuild.backend(config, store),
+                                 dynamic=False)
+    else:
+        compiled = cachebuild.compile(model, config, {0: 0}, store=store)
+    for size in (4, 4, 6):
+        x = torch.randn(size, 8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out, want = compiled(x), ref(x)
+        torch.testing.assert_close(out, want, **models.TOL)
+        for name in ("ema", "total"):
+            torch.testing.assert_close(getattr(model, name), getattr(ref, name), **models.TOL)
+            assert not getattr(model, name).requires_grad, name
+            assert getattr(model, name).grad_fn is None, name

@@ -99,8 +99,7 @@ class ModelRuntime:
         self._warned_pad = False
         self._first_call = True
         # Compiled pieces answer without autograd: said once if a call could expect it.
-        self._no_autograd_unsaid = config.backend != "eager_fusion" and any(
-            p.requires_grad for p in model.parameters())
+        self._no_autograd_unsaid = any(p.requires_grad for p in model.parameters())
         #: Which weights were one tensor at the trace (``entry.shared_tensors``): each is
         #: bound once, so a tying undone (or made) since needs another forward.
         self._shared: list[list[str]] = entry.factors.get("shared", [])
@@ -410,14 +409,12 @@ class ModelRuntime:
         if self._generation != weights.GENERATION[0] or not self._held() or \
                 not weights.unmoved(self._bound, self._bound_at):
             self._rebind_if_replaced()
-        with self._on_device:  # graphs name the GPU by type: run on the model's
-            if self.capturer is None:
-                out = self._forward(*args)
-            elif torch.is_grad_enabled():  # graphs and their buffers serve inference only
-                with torch.no_grad():
-                    out = self.capturer(args)
-            else:
-                out = self.capturer(args)
+        # Graphs name the GPU by type: run on the model's. Every piece was traced without
+        # autograd, so none may record it: an ``eager_fusion`` piece runs its ops eagerly,
+        # but its graph lost the ``no_grad`` blocks and ``detach`` calls of the code it came
+        # from (a buffer updated under one would take on gradient history).
+        with self._on_device, torch.no_grad():
+            out = self._forward(*args) if self.capturer is None else self.capturer(args)
         self._wrote(args)
         return out
 

@@ -60,8 +60,8 @@ _OPS = frozenset({"placeholder", "call_function", "call_method", "call_module", 
 #: torch's C modules whose functions bind ATen operators one to one.
 _TORCH_C = ("_VariableFunctions", "_nn", "_fft", "_linalg", "_special", "_nested", "_sparse")
 #: Modules a stored ``fn:`` name may come from (besides those of registered callables).
-_MODULES = frozenset({"operator", "_operator", "builtins", "math", "torch", *allowed.FUNCTIONAL,
-                      *(f"torch._C.{m}" for m in _TORCH_C)})
+_MODULES = frozenset({"operator", "_operator", "builtins", "math", "torch", "torch._C",
+                      *allowed.FUNCTIONAL, *(f"torch._C.{m}" for m in _TORCH_C)})
 
 _REGISTERED: dict[int, Callable[..., Any]] = {}
 #: A stored graph has at most this many nodes, and its integers fit in 64 bits.
