@@ -167,8 +167,8 @@ def target_name(target: Any) -> str:
         hint = ("; it is Dynamo's stand-in for NumPy code in the forward (an array attribute "
                 "or a NumPy call): compute with torch tensors instead, held in a buffer"
                 if numpy else "")
-        raise GraphFormatError(f"graph calls {_short(target)}, which stored graphs may not "
-                               f"call: {why}{hint}")
+        raise GraphFormatError(f"graph calls {_callable_name(target)}, which stored graphs "
+                               f"may not call: {why}{hint}")
     name = getattr(target, "__name__", None)
     module = getattr(target, "__module__", None)
     candidates = ([module] if module else []) + list(_FALLBACK_MODULES)
@@ -313,6 +313,14 @@ def decode_arg(data: Any, env: dict[str, fx.Node]) -> Any:
     elif tag == "ellipsis" and v is True:
         return Ellipsis
     raise GraphFormatError(f"not a stored graph constant: {_short(data)}")
+
+
+def _callable_name(target: Any) -> str:
+    """A function as its module and name (``torch._weight_norm``), not its repr."""
+    module, name = getattr(target, "__module__", None), getattr(target, "__name__", None)
+    if isinstance(module, str) and isinstance(name, str):
+        return f"{module}.{name}"
+    return _short(target)
 
 
 def _short(value: Any) -> str:
