@@ -614,6 +614,21 @@ def _kill(child: subprocess.Popen[bytes]) -> None:
 _ENDING = threading.Event()
 
 
+def _forked() -> None:
+    """In a child forked while a probe ran: its thread and its children are the parent's.
+    The child neither waits for that thread (a verdict is then read from the verdict
+    file, whose lock the parent's probe holds until it is written) nor, ending, stops the
+    parent's children (their deaths would read as crashes of their compilers)."""
+    global _inflight_lock
+    _inflight_lock = threading.Lock()
+    _inflight.clear()
+    _children.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forked)
+
+
 @atexit.register
 def _stop_children() -> None:
     _ENDING.set()

@@ -417,8 +417,9 @@ def test_a_variant_swaps_at_its_own_call_and_a_waiting_start_joins_the_build(tmp
 
 
 #: A pre-fork server: a cold start, its first call, then a fork while the AOTI targets
-#: build in the background. The child serves, finds no build of its own to wait for
-#: (the threads building are the parent's) and ends; the parent's build goes on.
+#: build in the background. The child serves, follows the parent's build through the
+#: store (the threads building are the parent's), swaps to the targets once the parent
+#: has stored them, and ends without waiting for anything; the parent's build goes on.
 FORKED = textwrap.dedent("""
     import json, os, sys, time
     import torch
@@ -437,15 +438,21 @@ FORKED = textwrap.dedent("""
     child = os.fork()
     if child == 0:
         models.assert_matches_eager(compiled, model, models.inputs(5))
-        assert compiled.wait_built(30) and not running_builds(store)
-        time.sleep(60)  # alive after the parent's build: it must not hold it up
-        sys.exit(0)  # its exit handlers run: none may wait for the parent's build
-    deadline = time.monotonic() + 300
+        followed = compiled.wait_built(450) and compiled.swap.error is None
+        models.assert_matches_eager(compiled, model, models.inputs(5))
+        kinds = {store.get_record(k).kind for k in compiled.runtime.entry.target_keys()}
+        swapped = cachebuild.stats()["swaps"] == 1 and kinds == {"aoti-cpu"}
+        assert not running_builds(store)
+        time.sleep(20)  # alive after the parent's build: it must not hold it up
+        # Its exit handlers run: none may wait for anything.
+        sys.exit(0 if followed and swapped else 3)
+    built = compiled.wait_built(400) and compiled.swap.error is None
+    # The child takes the targets within its longest look at the store, and ends.
+    deadline = time.monotonic() + 150
     while (ended := os.waitpid(child, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     if ended[0] == 0:
         os.kill(child, 9)
-    built = compiled.wait_built(600) and compiled.swap.error is None
     models.assert_matches_eager(compiled, model, models.inputs(6))
     print(json.dumps({"building_at_fork": building, "child_ended": ended[0] != 0,
                       "child_status": ended[1], "built": built}))
@@ -455,7 +462,7 @@ FORKED = textwrap.dedent("""
 @pytest.mark.slow
 def test_a_child_forked_while_targets_build_serves_and_ends(tmp_path):
     # It waited forever at its exit (and a start of its own waited forever to join) for a
-    # build whose threads were its parent's.
+    # build whose threads were its parent's; then it served its interim pieces for good.
     out = _run(FORKED, tmp_path / "store", _defaults_env())
     assert out == {"building_at_fork": True, "child_ended": True, "child_status": 0,
                    "built": True}, out

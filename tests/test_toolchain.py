@@ -521,3 +521,41 @@ def test_stats_says_which_compiler_builds_here_and_why_others_were_refused(plant
     (environment,) = [p for p in parts if p["what"] == "environment"]
     assert environment["path"] == str(planted) and environment["bytes"] > 0
     assert "environment" in text and str(planted) in text
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_child_forked_while_the_probe_runs_neither_waits_for_it_nor_stops_its_children():
+    """The probe's thread and its children are the parent's: a forked child waited
+    forever for that thread's verdict (a pre-fork server's child taking its parent's
+    targets), and at its exit killed the parent's probe children, whose deaths the parent
+    read as crashes of their compilers."""
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
+                               start_new_session=True)
+    key = probe._inflight_key("cpu", None)
+    with probe._inflight_lock:
+        probe._inflight[key] = probe._Inflight()
+    probe._children.add(sleeper)
+    try:
+        child = os.fork()
+        if child == 0:
+            ok = not probe._inflight and not probe._children and probe._inflight_lock.acquire(
+                timeout=5)
+            os._exit(0 if ok else 3)  # its exit handlers: ``_stop_children`` among them
+        _, status = os.waitpid(child, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        # The child's exit handlers, as its end runs them: the parent's probe child lives.
+        child = os.fork()
+        if child == 0:
+            import atexit
+
+            atexit._run_exitfuncs()
+            os._exit(0)
+        os.waitpid(child, 0)
+        assert sleeper.poll() is None
+        assert key in probe._inflight and sleeper in probe._children  # the parent's own
+    finally:
+        with probe._inflight_lock:
+            probe._inflight.pop(key, None)
+        probe._children.discard(sleeper)
+        sleeper.kill()
+        sleeper.wait()

@@ -92,17 +92,22 @@ def finish_at_exit() -> None:
 
 def _forked() -> None:
     """In a child forked while builds ran in the background (a pre-fork server): the
-    threads that built them are not in the child, so each is over here, left to the
-    parent, which stores them for the next start. The child serves what it has; a start
-    of its own looks in the store (it neither waits for them nor, ending, for them)."""
+    threads that built them are not in the child; its parent builds and stores them. The
+    child follows each through the store (``BackgroundBuild._follow``): it serves what it
+    has meanwhile, takes the targets once the parent has stored them all, as the parent
+    does, and never waits for them at its exit (nor records the entry: the parent does)."""
+    parent = os.getppid()
     for b in list(process_state.current().building):
         if not b.done.is_set():
             # New locks: one held by a thread of the parent at the fork stays held here.
             b._lock, b.done = threading.Lock(), threading.Event()
-            b.error = ("this process was forked while they built in the background: its "
-                       "parent builds them")
             b.left = True
-            b.done.set()
+            b._parent, b._follower = parent, None
+
+
+#: How often a forked child looks in the store for its parent's targets, at first and at
+#: most (it looks less often the longer they take).
+FOLLOW_POLL_S = (0.5, 10.0)
 
 
 if hasattr(os, "register_at_fork"):
@@ -139,6 +144,10 @@ class BackgroundBuild:
         self._lock = threading.Lock()
         self._jobs, self._workers, self._setup = jobs, workers, setup
         self._record = record
+        #: In a child forked while this built: the parent's pid, and the thread following
+        #: its build through the store (``_forked``); None in the process that builds.
+        self._parent: int | None = None
+        self._follower: threading.Thread | None = None
         self._thread = threading.Thread(target=self._run, name="cachebuild-background-build",
                                         daemon=True)
         self._thread.start()
@@ -150,6 +159,7 @@ class BackgroundBuild:
     @property
     def running(self) -> bool:
         """True while the targets build (or load), before they are ready or failed."""
+        self._follow_in_child()
         return not self.done.is_set()
 
     @property
@@ -159,12 +169,13 @@ class BackgroundBuild:
 
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the targets are built and loaded, or failed; True if that is over."""
+        self._follow_in_child()
         return self.done.wait(timeout)
 
     def claim(self, owner: object) -> dict[str, Any] | None:
         """The loaded targets, to ``owner`` the first time it asks after they are ready
         (None after that, and while they build or after they failed)."""
-        if not self.done.is_set() or self.error is not None:
+        if self.running or self.error is not None:
             return None
         with self._lock:
             if id(owner) in self._claimants:
@@ -176,7 +187,7 @@ class BackgroundBuild:
         """The targets, once built, for a start that has nothing else to serve with (its
         interim targets failed) and serves them at once: raises BuildError if they
         failed too."""
-        self.done.wait()
+        self.wait()
         if self.error is not None:
             raise BuildError(self.error)
         return self._loaded
@@ -195,14 +206,8 @@ class BackgroundBuild:
                                     built)
             if failed:
                 raise BuildError("; ".join(why for _, why in failed))
-            loaded = {}
-            for key, job in jobs_of(self.entry, self.builder.config).items():
-                fn = self.builder.load(key, job)
-                if fn is None:
-                    raise BuildError(f"target {key} was built but cannot be loaded back")
-                loaded[key] = fn
+            self._loaded = self._load_all()
             self.seconds = time.perf_counter() - start
-            self._loaded = loaded
             if self._record:
                 record_entry(self.entry, self.builder.store)
         except Exception as e:  # the caller keeps what it has
@@ -210,5 +215,48 @@ class BackgroundBuild:
             log.warning("cachebuild: the targets building in the background failed: %s; a "
                         "model served by interim targets keeps them, one without any raises "
                         "this at its call", self.error)
+        finally:
+            self.done.set()
+
+    def _load_all(self) -> dict[str, Any]:
+        """Every target of the entry, loaded from the store (where all are now)."""
+        loaded = {}
+        for key, job in jobs_of(self.entry, self.builder.config).items():
+            fn = self.builder.load(key, job)
+            if fn is None:
+                raise BuildError(f"target {key} was built but cannot be loaded back")
+            loaded[key] = fn
+        return loaded
+
+    def _follow_in_child(self) -> None:
+        """In a forked child (``_forked``): start following the parent's build, once."""
+        if self._parent is None or self._follower is not None:
+            return
+        with self._lock:
+            if self._follower is None:
+                self._follower = threading.Thread(target=self._follow, daemon=True,
+                                                  name="cachebuild-follow-build")
+                self._follower.start()
+
+    def _follow(self) -> None:
+        """Wait until the parent has stored every target, then load them; an error if the
+        parent ended before it did (the next start builds what is missing)."""
+        start = time.perf_counter()
+        poll = FOLLOW_POLL_S[0]
+        try:
+            keys = list(jobs_of(self.entry, self.builder.config))
+            while not all(self.builder.store.contains(k) for k in keys):
+                if os.getppid() != self._parent:
+                    raise BuildError("the process this one was forked from ended before it "
+                                     "stored them")
+                time.sleep(poll)
+                poll = min(FOLLOW_POLL_S[1], poll * 1.5)
+            self._loaded = self._load_all()
+            self.seconds = time.perf_counter() - start
+        except Exception as e:  # the child keeps what it has
+            self.error = str(e) if isinstance(e, BuildError) else f"{type(e).__name__}: {e}"
+            log.warning("cachebuild: the targets this process's parent built in the "
+                        "background cannot be taken here: %s; it keeps serving with what it "
+                        "has", self.error)
         finally:
             self.done.set()
