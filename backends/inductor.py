@@ -148,6 +148,7 @@ class InductorBackend(Backend):
             except Exception as e:
                 if request.config.flavour == "aoti" or transient(e):
                     raise
+                _check_room(e)  # a compiler that ran out of disk says many things
                 reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 artifact = self._compile_standalone(request, compiler)
                 artifact.fallback = f"AOTInductor cannot take it: {type(e).__name__}: {reason}"
@@ -392,3 +393,28 @@ def _check_range_kept(ep: Any, dynamic: list[dict[int, str]], bounds: tuple[int,
             r = ep.range_constraints.get(size.node.expr)
             if r is None or not (bool(r.lower <= bounds[0]) and bool(r.upper >= bounds[1])):
                 raise ValueError(f"export narrowed the range {bounds[0]}-{bounds[1]} to {r}")
+
+
+#: Free bytes where the compilers write under which a failed AOTInductor build is the
+#: disk's fault, not the piece's: a C++ compiler that runs out of room mid-file says
+#: anything (a missing file, a syntax error in a truncated one).
+LOW_DISK_BYTES = 256 * 1024 * 1024
+
+
+def _check_room(error: BaseException) -> None:
+    """Raise ENOSPC (from ``error``) where the folder Inductor's compilers write in has
+    less than ``LOW_DISK_BYTES`` free: the build fails as the machine's fault, rather than
+    storing a ``standalone`` artifact under the target's key for good."""
+    import shutil
+
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    folder = cache_dir()
+    try:
+        free = shutil.disk_usage(folder).free
+    except OSError:
+        return
+    if free < LOW_DISK_BYTES:
+        raise OSError(errno.ENOSPC, f"No space left on device: {free // 2**20} MiB free in "
+                                    f"{folder}, where the compilers write, when an AOTInductor "
+                                    f"build failed ({type(error).__name__})") from error

@@ -80,7 +80,7 @@ from pathlib import Path
 from typing import Any
 
 from cachebuild.backends.executables import content_hash, replaceable
-from cachebuild.errors import CachebuildError
+from cachebuild.errors import CachebuildError, transient_advice
 
 log = logging.getLogger("cachebuild.probe")
 #: What a long wait is doing, as it starts (the command line shows it at once).
@@ -831,6 +831,10 @@ def _outcome(proc: subprocess.Popen[bytes], out: Path, err: Path) -> tuple[bool,
     stdout = out.read_text(errors="replace")
     if proc.returncode == 0 and stdout.strip().endswith("ok"):
         return True, "ok"
+    if proc.returncode == SHORT_EXIT and "short " in stdout:
+        raise CachebuildError(
+            f"the C++ toolchain probe could not finish ({stdout.split('short ', 1)[1].strip()}): "
+            f"{transient_advice('')}; nothing was decided about the compiler")
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name
         if "library" not in stdout:
@@ -942,6 +946,20 @@ def _probe(device: str, compiler: str | None, records: str = "", headers: str = 
     print("ok")
 
 
+#: The exit status of a probe child that failed for the machine's sake (a full disk, a
+#: file size limit, no memory: ``errors.transient``), not its compiler's (EX_TEMPFAIL).
+SHORT_EXIT = 75
+
+
 if __name__ == "__main__":
     _args = sys.argv[1:] + ["", "", "", "", ""]
-    _probe(_args[0] or "cpu", _args[1] or None, _args[2], _args[3], _args[4])
+    try:
+        _probe(_args[0] or "cpu", _args[1] or None, _args[2], _args[3], _args[4])
+    except Exception as _e:
+        from cachebuild.errors import transient
+
+        _why = transient(_e)
+        if _why is None:
+            raise
+        print(f"short {_why}", flush=True)
+        sys.exit(SHORT_EXIT)

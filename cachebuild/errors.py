@@ -72,9 +72,11 @@ class CompileFailed(CachebuildError):
 
 #: errno values of a machine that is short of something (not of a piece that is wrong).
 _TRANSIENT_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.ENOMEM, errno.EIO, errno.EROFS,
-                     errno.EMFILE, errno.ENFILE, errno.EAGAIN}
+                     errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.EFBIG}
 _TRANSIENT_TEXT = ("No space left on device", "Disk quota exceeded", "Cannot allocate memory",
-                   "Read-only file system", "Too many open files")
+                   "Read-only file system", "Too many open files", "File too large",
+                   "File size limit exceeded",  # gcc under a file size limit (ulimit -f)
+                   "when writing output to")  # gcc: the file it writes could not be written
 #: What a compiler driver says when the compiler it ran was killed (by the kernel's
 #: out-of-memory killer, say): the driver itself exits 1, not by a signal.
 _KILLED_TEXT = ("Killed signal terminated program",  # gcc
@@ -98,15 +100,26 @@ def transient(error: BaseException) -> str | None:
             return "a compiler timed out"
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:
             return e.strerror or errno.errorcode.get(e.errno, str(e.errno))
+        said = str(e)
+        if isinstance(e, subprocess.CalledProcessError):  # what the compiler printed
+            said += "".join(x if isinstance(x, str) else bytes(x).decode(errors="replace")
+                            for x in (e.stdout, e.stderr) if x)
         if (isinstance(e, subprocess.CalledProcessError) and (e.returncode or 0) < 0) or \
-                any(t in str(e) for t in _KILLED_TEXT):
+                any(t in said for t in _KILLED_TEXT):
             return "the compiler was killed"
-        found = next((t for t in _TRANSIENT_TEXT if t in str(e)), None)
+        found = next((t for t in _TRANSIENT_TEXT if t in said), None)
         if found is not None:
             return found
         # Inductor wraps what a lowering raised ``from None``, keeping it as an attribute.
         e = e.__cause__ or getattr(e, "inner_exception", None)
     return None
+
+
+def transient_advice(reason: str) -> str:
+    """What to do about a build that failed for ``reason`` (``transient``'s answer)."""
+    if "Read-only" in reason:
+        return "a folder the build writes to is read-only; build where it can write"
+    return "the machine ran short; free some and build again"
 
 
 def one_line(error: BaseException | str, *, typed: bool = False) -> str:

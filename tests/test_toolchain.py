@@ -493,6 +493,35 @@ def test_transient_errors_are_the_machines_not_the_pieces():
             raise RuntimeError("unsupported operator") from None
     except RuntimeError as unrelated:
         assert not transient(unrelated)  # an OSError met and handled on the way is not it
+    # A file size limit (ulimit -f), and gcc unable to write its output (a disk that filled
+    # mid-file): the machine's, never a reason to build a standalone artifact instead.
+    assert transient(OSError(errno.EFBIG, "File too large"))
+    for said in ("g++: internal compiler error: File size limit exceeded signal terminated "
+                 "program as",
+                 "fatal error: when writing output to /w/header.i: No such file or directory"):
+        assert transient(CppCompileError(["g++"], said)), said
+
+
+def test_a_failed_aoti_build_on_a_nearly_full_disk_is_the_disks_fault(monkeypatch, tmp_path):
+    """A compiler that ran out of room mid-file says anything (a truncated file's syntax
+    error): with little room left where the compilers write, a failed AOTInductor build
+    fails as the machine's fault rather than falling back to a standalone artifact."""
+    import errno
+    import shutil
+    from collections import namedtuple
+
+    from cachebuild.backends import inductor
+    from cachebuild.errors import transient, transient_advice
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10 * 2**30, 10 * 2**30, 2**20))
+    with pytest.raises(OSError) as short:
+        inductor._check_room(RuntimeError("expected ';' before '}' token"))
+    assert short.value.errno == errno.ENOSPC and "1 MiB free" in str(short.value)
+    assert "free some" in transient_advice(transient(short.value))
+    assert "read-only" in transient_advice(transient(OSError(errno.EROFS, "Read-only file system")))
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10 * 2**30, 0, 10 * 2**30))
+    inductor._check_room(RuntimeError("a piece AOTInductor cannot take"))  # room: the piece's
 
 
 def test_stats_says_which_compiler_builds_here_and_why_others_were_refused(planted, tmp_path,
@@ -559,3 +588,21 @@ def test_a_child_forked_while_the_probe_runs_neither_waits_for_it_nor_stops_its_
         probe._children.discard(sleeper)
         sleeper.kill()
         sleeper.wait()
+
+
+def test_a_probe_child_short_of_the_machine_decides_nothing(tmp_path):
+    """A candidate whose check failed for the machine's sake (a file size limit, a full
+    disk) is not refused for good: the probe fails, its verdict unwritten, and says why."""
+    import types
+
+    from cachebuild.errors import CachebuildError
+
+    out, err = tmp_path / "stdout", tmp_path / "stderr"
+    out.write_text("short File size limit exceeded\n")
+    err.write_text("")
+    with pytest.raises(CachebuildError, match="could not finish .File size limit exceeded.: "
+                                              "the machine ran short"):
+        probe._outcome(types.SimpleNamespace(returncode=probe.SHORT_EXIT), out, err)
+    out.write_text("")  # a compiler that fails by itself is refused, as ever
+    passed, why = probe._outcome(types.SimpleNamespace(returncode=1), out, err)
+    assert not passed and why.startswith("exit 1")

@@ -45,6 +45,7 @@ from cachebuild.errors import (
     UsageError,
     one_line,
     transient,
+    transient_advice,
 )
 from cachebuild.graph.facts import device_of, on_device
 from cachebuild.keys import make_key
@@ -249,8 +250,7 @@ class Builder:
                 if said:
                     first += f": the compiler said: {said}"
                 machine = transient(e)
-                hint = (f" ({machine}: the machine ran short; free some and build again)"
-                        if machine else "")
+                hint = f" ({machine}: {transient_advice(machine)})" if machine else ""
                 raise BuildError(f"{where} failed to compile: {type(e).__name__}: {first}{hint}") from e
             seconds = time.perf_counter() - start
             with measuring(clock), clock.phase("proof"), timed("verify"), local_groups(layout), \
