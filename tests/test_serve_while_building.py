@@ -547,3 +547,44 @@ def test_a_start_missing_some_targets_serves_the_others_as_stored(tmp_path, lost
         assert out["first"] == ["aoti-cpu", "standalone"], out
         assert out["built_first"] == lost, out  # the interim pieces, before the first output
     assert out["then"] == ["aoti-cpu"] and out["traced"] == 0, out
+
+
+def test_a_target_removed_before_it_was_loaded_is_built_again_in_the_background(monkeypatch):
+    """A `cachebuild gc` between a background build storing a target and loading it: the
+    build failed ("built but cannot be loaded back") and the model served its interim
+    pieces for the rest of its life; the target is built again, as a start that waits
+    for its builds does."""
+    import types
+
+    from cachebuild import process_state
+    from cachebuild.building import background
+
+    built: list[list[str]] = []
+    gone = {"a"}  # evicted once, right after its first build
+
+    def run_in_workers(jobs, builder, setup, workers, on_built):
+        built.append([j.target.key for j in jobs])
+        return []
+
+    def load(key, job):
+        if key in gone:
+            gone.discard(key)
+            return None
+        return f"loaded {key}"
+
+    jobs = {k: types.SimpleNamespace(target=types.SimpleNamespace(key=k)) for k in ("a", "b")}
+    monkeypatch.setattr(background, "run_in_workers", run_in_workers)
+    monkeypatch.setattr(background, "jobs_of", lambda entry, config: jobs)
+    builder = types.SimpleNamespace(store=types.SimpleNamespace(reopen_options=lambda: None),
+                                    load=load, config=None)
+    with process_state.fresh():
+        b = background.BackgroundBuild(types.SimpleNamespace(key="e"), builder,
+                                       list(jobs.values()), 1, None, record=False)
+        assert b.wait(30) and b.error is None, b.error
+        assert built == [["a", "b"], ["a"]]
+        assert b.claim(object()) == {"a": "loaded a", "b": "loaded b"}
+        # Removed every time: the build fails, saying why.
+        monkeypatch.setattr(builder, "load", lambda key, job: None if key == "a" else "x")
+        b = background.BackgroundBuild(types.SimpleNamespace(key="e"), builder,
+                                       list(jobs.values()), 1, None, record=False)
+        assert b.wait(30) and "removed from the store before they were loaded" in b.error

@@ -105,6 +105,9 @@ def _forked() -> None:
             b._parent, b._follower = parent, None
 
 
+#: How many times targets removed from the store before they were loaded are built again.
+BUILD_ROUNDS = 3
+
 #: How often a forked child looks in the store for its parent's targets, at first and at
 #: most (it looks less often the longer they take).
 FOLLOW_POLL_S = (0.5, 10.0)
@@ -202,11 +205,21 @@ class BackgroundBuild:
                     result.seconds)
 
         try:
-            failed = run_in_workers(self._jobs, self.builder, self._setup, self._workers,
-                                    built)
-            if failed:
-                raise BuildError("; ".join(why for _, why in failed))
-            self._loaded = self._load_all()
+            jobs, loaded = self._jobs, {}
+            for _ in range(BUILD_ROUNDS):
+                failed = run_in_workers(jobs, self.builder, self._setup, self._workers, built)
+                if failed:
+                    raise BuildError("; ".join(why for _, why in failed))
+                # A target removed from the store meanwhile (a `cachebuild gc`) is built
+                # again, as a start that waits for its builds does.
+                jobs = self._load_into(loaded)
+                if not jobs:
+                    break
+            else:
+                raise BuildError(f"built, then removed from the store before they were "
+                                 f"loaded, {BUILD_ROUNDS} times (a `cachebuild gc` meanwhile?): "
+                                 f"{', '.join(j.target.key for j in jobs)}")
+            self._loaded = loaded
             self.seconds = time.perf_counter() - start
             if self._record:
                 record_entry(self.entry, self.builder.store)
@@ -218,14 +231,26 @@ class BackgroundBuild:
         finally:
             self.done.set()
 
+    def _load_into(self, loaded: dict[str, Any]) -> list[BuildJob]:
+        """Load every target of the entry not in ``loaded`` yet from the store into it;
+        the jobs of those the store no longer holds."""
+        gone = []
+        for key, job in jobs_of(self.entry, self.builder.config).items():
+            if key not in loaded:
+                fn = self.builder.load(key, job)
+                if fn is None:
+                    gone.append(job)
+                else:
+                    loaded[key] = fn
+        return gone
+
     def _load_all(self) -> dict[str, Any]:
         """Every target of the entry, loaded from the store (where all are now)."""
-        loaded = {}
-        for key, job in jobs_of(self.entry, self.builder.config).items():
-            fn = self.builder.load(key, job)
-            if fn is None:
-                raise BuildError(f"target {key} was built but cannot be loaded back")
-            loaded[key] = fn
+        loaded: dict[str, Any] = {}
+        gone = self._load_into(loaded)
+        if gone:
+            raise BuildError(f"target {gone[0].target.key} was stored, then removed from the "
+                             "store before it was loaded (a `cachebuild gc` meanwhile?)")
         return loaded
 
     def _follow_in_child(self) -> None:
