@@ -277,15 +277,16 @@ def unit_of(head: Record, referrers: dict[str, set[str]], protected: set[str],
     return unit
 
 
-def evict_unpinned(layout: Layout, index: Index, key: str) -> bool:
-    """Delete ``key`` for GC unless it was pinned since GC planned; True if deleted."""
+def evict_unpinned(layout: Layout, index: Index, key: str) -> bool | None:
+    """Delete ``key`` for GC unless it was pinned since GC planned: True if deleted, False
+    if pinned, None if it was gone already (another process removed it meanwhile)."""
     with flocked(layout.entry_lock(key)):
         small = index.get_small(key)
         if small is not None and small["pinned"]:
             return False
         had_record = index.delete(key)
         had_blob = remove_stored_files(layout, key)
-    return had_record or had_blob
+    return True if had_record or had_blob else None
 
 
 def collect(layout: Layout, index: Index, work_dir: Path, *, max_size: int | None,
@@ -320,21 +321,23 @@ def collect(layout: Layout, index: Index, work_dir: Path, *, max_size: int | Non
         old = cutoff is not None and head.last_used < cutoff
         if not old and (max_size is None or remaining <= max_size):
             continue
-        removed = []
+        removed, vanished = [], []
         for key in unit_of(head, referrers, protected, evicted):
             # The entry first: no moment leaves a stored entry without its targets.
-            if not dry_run and not evict_unpinned(layout, index, key):
+            done = True if dry_run else evict_unpinned(layout, index, key)
+            if done is False:
                 break  # pinned while we planned: it keeps the rest of its unit
-            removed.append(key)
-        evicted.update(removed)
+            (removed if done else vanished).append(key)  # or removed by another process
+        evicted.update(removed + vanished)
         report.units.append(removed)
         report.removed += removed
         freed = sum(usage.get(k, 0) for k in removed)
         report.freed_bytes += freed
-        remaining -= freed
+        report.vanished += len(vanished)
+        remaining -= freed + sum(usage.get(k, 0) for k in vanished)
     report.over_cap = max_size is not None and remaining > max_size
-    report.bytes_after = total - report.freed_bytes
-    report.records_after = len(records) - len(report.removed)
+    report.bytes_after = remaining
+    report.records_after = len(records) - len(report.removed) - report.vanished
     return report
 
 

@@ -241,6 +241,7 @@ class GCReport:
     quarantine_removed: int = 0
     work_bytes: int = 0  # compilers' working files of builds removed (or that would be)
     work_busy: bool = False  # a build was running, so they were left
+    vanished: int = 0  # records of its units another process removed while it ran
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -707,3 +707,30 @@ def test_only_a_group_of_the_owner_alone_may_write_a_folder(tmp_path):
     if os.geteuid() == 0 and named_otherwise is not None:  # a group no one is listed in,
         os.chown(folder, -1, named_otherwise.gr_gid)     # but not the user's own
         assert others_can_write(os.stat(folder))
+
+
+def test_gc_goes_on_past_a_record_another_process_removed_meanwhile(open_local, store_dir,
+                                                                    monkeypatch):
+    """A unit's record removed by another process (a second gc, a warm) between GC's
+    listing and its eviction: GC removed the records before it, then stopped as if the
+    record had been pinned, left the rest of the unit and said pins kept it over the cap."""
+    from cachebuild.store import maintenance
+
+    store = open_local(store_dir)
+    t1, t2, g, e = (f"{i:032x}" for i in (0x11, 0x22, 0x33, 0x44))
+    store.put(t1, b"a" * 1000, kind="data")
+    store.put(t2, b"b" * 1000, kind="data")
+    store.put(g, b"", kind="guards")
+    store.put(e, b"entry", kind="entry", refs=[t1, t2, g])
+    listed = maintenance.disk_usage
+
+    def usage_then_removed(layout):
+        found = listed(layout)
+        open_local(store_dir).delete(t1)  # another process, after GC listed the records
+        return found
+
+    monkeypatch.setattr(maintenance, "disk_usage", usage_then_removed)
+    report = store.gc(max_size=0)
+    assert not list(store.records())
+    assert sorted(report.removed) == sorted([e, t2, g]) and report.vanished == 1
+    assert not report.over_cap and report.records_after == 0 and report.bytes_after == 0
