@@ -62,3 +62,19 @@ def test_a_start_that_must_build_says_so_and_a_warm_one_is_silent(open_local, tm
                        "`cachebuild warm MODEL.py` (a file whose build() returns this "
                        "model's ModelSpec) before the server starts avoids this"), lost
     assert len([line for line in lost if line.startswith("cachebuild: built piece ")]) == 1
+
+
+def test_a_target_built_again_is_not_counted_twice(caplog):
+    """A target removed from the store meanwhile (a gc) and built again: said as built
+    again, never "3 of 2"."""
+    import logging
+
+    from cachebuild.building.notice import build_progress
+
+    with caplog.at_level(logging.WARNING, logger="cachebuild"), build_progress(2) as done:
+        done("piece 0", 1.0)
+        done("piece 0", 1.0)
+        done("piece 2", 1.0)
+    said = [r.getMessage() for r in caplog.records if "built" in r.getMessage()]
+    assert "(1 of 2" in said[0] and "built piece 0 again" in said[1]
+    assert "(2 of 2" in said[2] and not any("3 of 2" in s for s in said)

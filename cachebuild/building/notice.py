@@ -212,20 +212,29 @@ def build_progress(total: int) -> Iterator[Any]:
                       console=Console(stderr=True), transient=True) as progress:
             task = progress.add_task("", total=total)
 
+            seen: set[str] = set()
+
             def advance(label: str, seconds: float) -> None:
-                progress.update(task, advance=1, description=f"{label} ({seconds:.1f} s)")
+                # A target built again (removed from the store meanwhile) is not one more.
+                progress.update(task, advance=0 if label in seen else 1,
+                                description=f"{label} ({seconds:.1f} s)")
+                seen.add(label)
 
             yield advance
         return
-    count = [0]
+    built: set[str] = set()
     start = time.perf_counter()
     with Heartbeat(lambda line: log.warning("cachebuild: %s", line)) as heartbeat:
         heartbeat.said(f"building {total} target{'s' if total != 1 else ''}")
 
         def line(label: str, seconds: float) -> None:
-            count[0] += 1
-            log.warning("cachebuild: built %s in %.1f s (%d of %d, %.0f s so far)", label,
-                        seconds, count[0], total, time.perf_counter() - start)
+            if label in built:  # removed from the store meanwhile (a gc), built again
+                log.warning("cachebuild: built %s again in %.1f s (%.0f s so far)", label,
+                            seconds, time.perf_counter() - start)
+            else:
+                built.add(label)
+                log.warning("cachebuild: built %s in %.1f s (%d of %d, %.0f s so far)", label,
+                            seconds, len(built), total, time.perf_counter() - start)
             heartbeat.said()
 
         yield line
