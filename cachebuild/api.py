@@ -54,9 +54,9 @@ def open_default_store(store: Store | None = None) -> Store:
     the same policy as the command line's, signing included)."""
     if store is not None:
         return store
-    from cachebuild.store import open_store
+    from cachebuild.store import open_to_serve
 
-    return open_store()
+    return open_to_serve()
 
 
 @dataclass

@@ -34,7 +34,7 @@ from .layout import (
 from .local import LocalStore, UnknownKey
 from .locking import flocked_shared, try_flock
 from .maintenance import QUARANTINE_KEEP_S, WORK_LOCK
-from .opening import check_can_make, holds_store, open_store, open_to_look
+from .opening import check_can_make, holds_store, open_store, open_to_look, open_to_serve
 from .options import StoreOptions, cache_home
 from .overlay import OverlayStore
 from .record import (
@@ -101,6 +101,7 @@ __all__ = [
     "import_bundle",
     "make_private_dir",
     "open_store",
+    "open_to_serve",
     "open_work_dir",
     "prepare_work_dir",
     "pull",

@@ -54,6 +54,21 @@ def open_store(options: StoreOptions | None = None) -> Store:
     return TieredStore(local, remote, allow_unsigned=options.allow_unsigned, opened_with=options)
 
 
+def open_to_serve(options: StoreOptions | None = None) -> Store:
+    """``open_store``'s store, for a compiled model's start: where the disk holding it is
+    too full to open it to write (``LocalStore.read_only``), an ``OverlayStore`` over it,
+    as over a read-only mount, so that a model it does not hold builds (in memory, or in
+    ``overlay_dir``) and serves rather than failing; a build command keeps refusing."""
+    options = options or StoreOptions.from_env()
+    store = open_store(options)
+    if isinstance(store, LocalStore) and store.read_only:
+        from .overlay import OverlayStore
+
+        return OverlayStore(store, options.overlay_dir, work_dir=options.work_dir,
+                            opened_with=options)
+    return store
+
+
 def check_can_make(path: Path) -> None:
     """UsageError (exit 2) where ``path`` holds no store and none can be made there: it
     is a folder this process may not write (a read-only mount, another user's, no write

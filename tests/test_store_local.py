@@ -520,6 +520,15 @@ def test_a_store_on_a_disk_too_full_to_open_its_index_is_still_read(open_local, 
         with pytest.raises(StoreError, match="disk holding it is full"):
             write()
     full.close()
+    # A compiled model's start reads it as a read-only mount: what it builds goes to an
+    # overlay (in memory here), so a model the store lacks still serves.
+    from cachebuild.store import OverlayStore, StoreOptions, open_to_serve
+
+    served = open_to_serve(StoreOptions(cache_dir=tiny_fs / "store"))
+    assert isinstance(served, OverlayStore) and served.get(key(0)) == stored[key(0)]
+    served.put(key("new"), b"built here", kind="target")
+    assert served.get(key("new")) == b"built here" and not served.base.contains(key("new"))
+    served.close()
     damaged.write_bytes(damaged.read_bytes()[:-1] + stored[key(2)][-1:])
     os.unlink(tiny_fs / "filler")
     again = open_local(tiny_fs / "store")
