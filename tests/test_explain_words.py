@@ -179,3 +179,22 @@ def test_after_an_edit_early_workers_leave_the_trace_a_cpu(monkeypatch):
     assert (expected_targets(1), expected_targets(1, edited=True)) == (3, 1)
     monkeypatch.setattr("cachebuild.building.pool.usable_cpus", lambda: 16)
     assert expected_targets(2, edited=True) == expected_targets(2) == 6
+
+
+def test_an_entry_of_another_version_is_said_as_such_not_diffed_factor_by_factor():
+    """An entry another version wrote writes its factors otherwise (a flag as a pair): its
+    format is the difference, not settings the caller never changed."""
+    import types
+
+    from cachebuild.building.nearest import nearest_entry
+
+    now = {"entry_format": 8, "model": {"class": "m.M"}, "process": {"deterministic": [False,
+                                                                                       True]}}
+    old = {"entry_format": 5, "model": {"class": "m.M"}, "process": {"deterministic": False}}
+    record = types.SimpleNamespace(kind="entry", key="k" * 32, manifest=old)
+    key, said = nearest_entry(now, [record])
+    assert key == "k" * 32 and len(said) == 1
+    assert said[0].startswith("entry_format: 5 → 8 (an entry another version of cachebuild")
+    same = types.SimpleNamespace(kind="entry", key="s" * 32, manifest={**now, "process": {}})
+    said = nearest_entry(now, [same])[1]  # the same version: each factor that differs
+    assert len(said) == 1 and "deterministic" in said[0] and "entry_format" not in said[0]

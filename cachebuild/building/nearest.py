@@ -179,6 +179,9 @@ def _tensor_changes(kind: str, old: Any, new: Any) -> list[str]:
 def describe_entry(d: Difference) -> list[str]:
     """An entry factor that differs, in words: ``hf.config.rms_norm_eps: 1e-06 → 1e-05``,
     ``parameter layers.0.down.weight: float32 [64, 128] → float32 [64, 192]``."""
+    if d.path == "entry_format":
+        return [f"entry_format: {_value(d.old)} → {_value(d.new)} (an entry another version "
+                "of cachebuild wrote, whose other factors it writes otherwise: not compared)"]
     if d.path in ("params", "buffers"):
         kind = "parameter" if d.path == "params" else "buffer"
         return _tensor_changes(kind, d.old, d.new) or [f"the {kind}s differ"]
@@ -240,7 +243,11 @@ def nearest_entry(factors: dict[str, Any], records: Iterable[Record]
             best = (len(diffs), record.key, diffs)
     if best is None:
         return None
-    return best[1], [r for d in best[2] for r in describe_entry(d)]
+    diffs = best[2]
+    # Another version's entry: its factors are written otherwise (a flag as a pair, a
+    # setting named anew), so what else differs says nothing of the caller's model.
+    diffs = [d for d in diffs if d.path == "entry_format"] or diffs
+    return best[1], [r for d in diffs for r in describe_entry(d)]
 
 
 def edited_since(why: str, store: Store, factors: dict[str, Any]) -> bool:
