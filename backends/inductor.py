@@ -402,19 +402,30 @@ LOW_DISK_BYTES = 256 * 1024 * 1024
 
 
 def _check_room(error: BaseException) -> None:
-    """Raise ENOSPC (from ``error``) where the folder Inductor's compilers write in has
-    less than ``LOW_DISK_BYTES`` free: the build fails as the machine's fault, rather than
-    storing a ``standalone`` artifact under the target's key for good."""
+    """Raise ENOSPC (from ``error``) where a compiler or a file failed (``error`` is or
+    was caused by a C++ compile error, a compiler's exit, an OSError) and the folder
+    Inductor's compilers write in has less than ``LOW_DISK_BYTES`` free: the build fails
+    as the machine's fault, rather than storing a ``standalone`` artifact under the
+    target's key for good."""
     import shutil
+    import subprocess
 
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
+    from torch._inductor.exc import CppCompileError
 
-    folder = cache_dir()
+    seen, e, wrote = set(), error, False
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        wrote = wrote or isinstance(e, CppCompileError | subprocess.CalledProcessError | OSError)
+        e = e.__cause__ or getattr(e, "inner_exception", None)
+    if not wrote:
+        return  # failed before it wrote anything: the piece's
+    folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or tempfile.gettempdir()
     try:
         free = shutil.disk_usage(folder).free
     except OSError:
         return
     if free < LOW_DISK_BYTES:
+        first = (str(error).strip().splitlines() or [type(error).__name__])[0][:200]
         raise OSError(errno.ENOSPC, f"No space left on device: {free // 2**20} MiB free in "
                                     f"{folder}, where the compilers write, when an AOTInductor "
-                                    f"build failed ({type(error).__name__})") from error
+                                    f"build failed ({type(error).__name__}: {first})") from error

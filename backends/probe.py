@@ -80,7 +80,7 @@ from pathlib import Path
 from typing import Any
 
 from cachebuild.backends.executables import content_hash, replaceable
-from cachebuild.errors import CachebuildError, transient_advice
+from cachebuild.errors import CachebuildError, MachineShort, transient_advice
 
 log = logging.getLogger("cachebuild.probe")
 #: What a long wait is doing, as it starts (the command line shows it at once).
@@ -731,6 +731,11 @@ def _probe_all(device: str, candidates: list[str],
             refused.append((path, "does not run (`--version` failed)"))
             continue
         ok, why = results[path]
+        if why.startswith(SHORT):  # undecided, and before any that passed: nothing decided
+            reason = why.removeprefix(SHORT)
+            raise MachineShort(f"the C++ toolchain probe could not decide on {path} ({reason}):"
+                               f" {transient_advice(reason)}; nothing was decided about the "
+                               "compilers", reason)
         if ok:
             log.warning("the C++ compiler for AOTInductor on %s is %s (%s): chosen by the "
                         "probe in %.0f s%s, kept for every build in this environment", kind,
@@ -832,9 +837,7 @@ def _outcome(proc: subprocess.Popen[bytes], out: Path, err: Path) -> tuple[bool,
     if proc.returncode == 0 and stdout.strip().endswith("ok"):
         return True, "ok"
     if proc.returncode == SHORT_EXIT and "short " in stdout:
-        raise CachebuildError(
-            f"the C++ toolchain probe could not finish ({stdout.split('short ', 1)[1].strip()}): "
-            f"{transient_advice('')}; nothing was decided about the compiler")
+        return False, SHORT + stdout.split("short ", 1)[1].strip()
     if proc.returncode < 0:
         name = signal.Signals(-proc.returncode).name
         if "library" not in stdout:
@@ -946,6 +949,9 @@ def _probe(device: str, compiler: str | None, records: str = "", headers: str = 
     print("ok")
 
 
+#: How ``_outcome`` says a child failed for the machine's sake (``SHORT_EXIT``).
+SHORT = "short of the machine: "
+
 #: The exit status of a probe child that failed for the machine's sake (a full disk, a
 #: file size limit, no memory: ``errors.transient``), not its compiler's (EX_TEMPFAIL).
 SHORT_EXIT = 75
@@ -959,7 +965,9 @@ if __name__ == "__main__":
         from cachebuild.errors import transient
 
         _why = transient(_e)
-        if _why is None:
+        # A compiler killed by a signal, or one that hangs, is refused as ever: it may be
+        # broken. A full disk, a file size limit, no memory is nothing of the compiler's.
+        if _why is None or _why in ("the compiler was killed", "a compiler timed out"):
             raise
         print(f"short {_why}", flush=True)
         sys.exit(SHORT_EXIT)

@@ -13,6 +13,7 @@ traces every process, but targets are still built once and loaded from then on.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -126,6 +127,7 @@ class CompiledModule(torch.nn.Module):
         #: Held while a forward is found or traced: calls on other threads that need one
         #: wait for it and take it, rather than each tracing and building the same.
         self._starting = threading.RLock()
+        self._starting_pid = os.getpid()
         #: The instance's own forward as compiled (``hooks.own_forward``): one set later
         #: is refused, never skipped.
         self._forward = own_forward(model)
@@ -171,7 +173,6 @@ class CompiledModule(torch.nn.Module):
             assert started.error is not None
             return self._failed(started.error, first=started.first)
         COUNTERS.add_time("prepare", started.ready_at - began)
-        self._runtime = started.runtime
         self._remember(started.runtime)
         unrecordable = started.runtime.entry.unrecordable
         if unrecordable is not None and self._dynamo is None:
@@ -186,6 +187,8 @@ class CompiledModule(torch.nn.Module):
             self._interim.append((started.runtime, started.swap))
         if started.capture_report is not None:
             self.capture_report = started.capture_report
+        # Last: a call on another thread that finds it set serves it as set up above.
+        self._runtime = started.runtime
         return self._runtime
 
     def _swap_in(self, args: tuple[Any, ...]) -> None:
@@ -308,7 +311,7 @@ class CompiledModule(torch.nn.Module):
                 # Nothing to trace or look up for it: run as every later such call is.
                 warn_caller(said)
                 return self.model(*args)
-            with self._starting:
+            with self._start_lock():
                 if self._runtime is None and not self._eager:  # else another thread's start
                     self.prepare(*args)
         if self._dynamo is not None:
@@ -382,8 +385,15 @@ class CompiledModule(torch.nn.Module):
         where that variant cannot be compiled and ``on_failure="eager"``; raises where it
         cannot be compiled otherwise. Never the old forward."""
         COUNTERS.guard_misses += 1
-        with self._starting:  # a forward another thread makes for these values is taken
+        with self._start_lock():  # a forward another thread makes for these values is taken
             return self._find_or_start(args, wrong)
+
+    def _start_lock(self) -> threading.RLock:
+        """``_starting``, made anew in a process forked while a thread of its parent held
+        it (a pre-fork server's worker): that thread is not here to let it go."""
+        if self._starting_pid != os.getpid():
+            self._starting, self._starting_pid = threading.RLock(), os.getpid()
+        return self._starting
 
     def _find_or_start(self, args: tuple[Any, ...], wrong: list[Mismatch]) -> ModelRuntime | None:
         name = type(self.model).__name__

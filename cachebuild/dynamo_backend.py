@@ -112,6 +112,23 @@ def specialise(gm: fx.GraphModule, values: dict[int, Any]) -> fx.GraphModule:
     return new
 
 
+def without_grad_switches(gm: fx.GraphModule) -> fx.GraphModule:
+    """``gm``, or a copy without the calls that switch autograd on and off (Dynamo records
+    a forward's ``with torch.no_grad():`` as ``torch._C._set_grad_enabled``, traced with
+    the caller's mode): every piece runs without autograd (``GraphForward.__call__``), and
+    a switch back on inside would have the rest of the call record it."""
+    switches = [n for n in gm.graph.nodes
+                if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    if not switches:
+        return gm
+    new = fx.GraphModule(gm, copy_graph(gm.graph))
+    for node in [n for n in new.graph.nodes
+                 if n.op == "call_function" and n.target is torch._C._set_grad_enabled]:
+        new.graph.erase_node(node)
+    new.recompile()
+    return new
+
+
 @dataclass
 class Counts:
     """The outputs of a graph that are Python numbers computed from scalar inputs alone
@@ -349,6 +366,7 @@ class GraphForward:
 
         values = {i: scalar_value(args[i]) for i in self.scalars}
         gm = specialise(self.gm, values) if self.scalars else self.gm
+        gm = without_grad_switches(gm)
         unpin_device(gm, device_of(self.fakes))  # every rank's graph alike (facts.py)
         n_out = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
         traced = TracedGraph(
@@ -374,7 +392,7 @@ class GraphForward:
         fn = self.variants.get(key)
         if fn is None:
             fn = self._build(key, args)
-        with torch.no_grad():  # pieces were traced without autograd (``ModelRuntime._call``)
+        with torch.no_grad():  # as ``ModelRuntime._call``: no piece records autograd
             out = fn(*args)
         if self.written:
             torch.autograd.graph.increment_version([args[i] for i in self.written])

@@ -59,6 +59,15 @@ class ToolchainRefuted(CachebuildError):
         self.device = device
 
 
+class MachineShort(CachebuildError):
+    """Work that failed for the machine's sake (``transient``: ``reason``), not the
+    model's: never remembered as the model's failure, never a verdict."""
+
+    def __init__(self, message: str, reason: str) -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
 class CompileFailed(CachebuildError):
     """A model failed to compile earlier in this process and nothing it depends on
     changed, so it is not tried again; ``original`` is the first failure (also the
@@ -94,6 +103,8 @@ def transient(error: BaseException) -> str | None:
     e: BaseException | None = error
     while e is not None and id(e) not in seen:
         seen.add(id(e))
+        if isinstance(e, MachineShort):
+            return e.reason
         if isinstance(e, MemoryError):
             return "out of memory"
         if isinstance(e, subprocess.TimeoutExpired):

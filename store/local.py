@@ -253,6 +253,11 @@ class LocalStore(LocalTier):
         """True: this process only reads the store (see the class doc)."""
         return self._access.read_only
 
+    @property
+    def disk_full(self) -> bool:
+        """True where the disk holding the store was found full as it was opened."""
+        return bool(getattr(self._access, "disk_full", False))
+
     def check_writable(self, what: str) -> None:
         """ReadOnlyStore (exit 2), saying what to use instead, where ``what`` (``"import
         a bundle"``) would write to a store this process may only read."""

@@ -73,12 +73,16 @@ class OverlayStore(Store):
             parent = "/dev/shm" if os.path.isdir("/dev/shm") else None
             self._memory = tempfile.mkdtemp(prefix=f"cachebuild-overlay-{os.getpid()}-",
                                             dir=parent)
-            atexit.register(shutil.rmtree, self._memory, True)
+            atexit.register(_remove_if_ours, self._memory, os.getpid())
             where = ("memory, gone when this process exits (set CACHEBUILD_OVERLAY_DIR to a "
                      "folder of yours to keep it)")
             self._overlay = self._open(Path(self._memory) / "store")
-        log.warning("cachebuild: the store at %s is read-only here, so what this process "
-                    "builds goes to %s", self.base.path, where)
+        if self.base.disk_full:
+            log.warning("cachebuild: the disk holding the store at %s is full, so what this "
+                        "process builds goes to %s", self.base.path, where)
+        else:
+            log.warning("cachebuild: the store at %s is read-only here, so what this process "
+                        "builds goes to %s", self.base.path, where)
         return self._overlay
 
     def _open(self, path: Path) -> LocalStore:
@@ -240,3 +244,10 @@ class OverlayStore(Store):
 
     def __repr__(self) -> str:
         return f"OverlayStore({self.base!r}, overlay_dir={self.overlay_dir!r})"
+
+
+def _remove_if_ours(folder: str, pid: int) -> None:
+    """At exit: remove an overlay in memory, in the process that made it only (a child
+    forked from it ends before it, and the folder is still its parent's)."""
+    if os.getpid() == pid:
+        shutil.rmtree(folder, ignore_errors=True)

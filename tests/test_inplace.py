@@ -389,6 +389,7 @@ def test_state_kept_under_no_grad_takes_no_gradient_history_with_autograd_on(
             warnings.simplefilter("ignore")
             out, want = compiled(x), ref(x)
         torch.testing.assert_close(out, want, **models.TOL)
+        assert out.grad_fn is None and not out.requires_grad  # as under torch.no_grad()
         for name in ("ema", "total"):
             torch.testing.assert_close(getattr(model, name), getattr(ref, name), **models.TOL)
             assert not getattr(model, name).requires_grad, name

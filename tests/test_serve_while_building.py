@@ -588,3 +588,54 @@ def test_a_target_removed_before_it_was_loaded_is_built_again_in_the_background(
         b = background.BackgroundBuild(types.SimpleNamespace(key="e"), builder,
                                        list(jobs.values()), 1, None, record=False)
         assert b.wait(30) and "removed from the store before they were loaded" in b.error
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("parent", ["stores", "fails"])
+def test_a_forked_child_follows_its_parents_build_to_its_end(monkeypatch, tmp_path, parent):
+    """A child forked while its parent builds in the background takes the targets once
+    the parent stored them, and, where the parent's build failed (it lives on, serving
+    its interim pieces), stops following at once, rather than waiting for ever."""
+    import threading
+    import time
+    import types
+
+    from cachebuild import process_state
+    from cachebuild.building import background
+
+    go = threading.Event()
+
+    def run_in_workers(jobs, builder, setup, workers, on_built):
+        go.wait(60)
+        if parent == "fails":
+            return [(jobs[0], "the compiler said no")]
+        for j in jobs:
+            (tmp_path / j.target.key).touch()  # stored: a store both processes see
+        return []
+
+    jobs = {k: types.SimpleNamespace(target=types.SimpleNamespace(key=k)) for k in ("a", "b")}
+    monkeypatch.setattr(background, "run_in_workers", run_in_workers)
+    monkeypatch.setattr(background, "jobs_of", lambda entry, config: jobs)
+    monkeypatch.setattr(background, "FOLLOW_POLL_S", (0.05, 0.2))
+    store = types.SimpleNamespace(
+        reopen_options=lambda: None,
+        get_record=lambda k: object() if (tmp_path / k).exists() else None)
+    builder = types.SimpleNamespace(store=store, load=lambda key, job: f"loaded {key}",
+                                    config=None)
+    with process_state.fresh():
+        b = background.BackgroundBuild(types.SimpleNamespace(key="e"), builder,
+                                       list(jobs.values()), 1, None, record=False)
+        child = os.fork()
+        if child == 0:  # the child, as a pre-fork server's worker: it follows at once
+            ended = b.wait(30)
+            if parent == "stores":
+                ok = ended and b.error is None and b.claim(object()) == {
+                    "a": "loaded a", "b": "loaded b"}
+            else:
+                ok = ended and "stopped building them" in (b.error or "")
+            os._exit(0 if ok else 3)
+        time.sleep(0.5)  # the child follows while the parent still builds
+        go.set()
+        _, status = os.waitpid(child, 0)
+        assert b.wait(30)
+        assert os.waitstatus_to_exitcode(status) == 0

@@ -510,18 +510,22 @@ def test_a_failed_aoti_build_on_a_nearly_full_disk_is_the_disks_fault(monkeypatc
     import shutil
     from collections import namedtuple
 
+    from torch._inductor.exc import CppCompileError
+
     from cachebuild.backends import inductor
     from cachebuild.errors import transient, transient_advice
 
     usage = namedtuple("usage", "total used free")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10 * 2**30, 10 * 2**30, 2**20))
     with pytest.raises(OSError) as short:
-        inductor._check_room(RuntimeError("expected ';' before '}' token"))
+        inductor._check_room(CppCompileError(["g++"], "expected ';' before '}' token"))
     assert short.value.errno == errno.ENOSPC and "1 MiB free" in str(short.value)
+    inductor._check_room(ValueError("AOTInductor pieces take tensors only"))  # wrote nothing
     assert "free some" in transient_advice(transient(short.value))
     assert "read-only" in transient_advice(transient(OSError(errno.EROFS, "Read-only file system")))
     monkeypatch.setattr(shutil, "disk_usage", lambda _: usage(10 * 2**30, 0, 10 * 2**30))
-    inductor._check_room(RuntimeError("a piece AOTInductor cannot take"))  # room: the piece's
+    inductor._check_room(CppCompileError(["g++"], "an error"))  # room: the piece's
 
 
 def test_stats_says_which_compiler_builds_here_and_why_others_were_refused(planted, tmp_path,
@@ -558,31 +562,41 @@ def test_a_child_forked_while_the_probe_runs_neither_waits_for_it_nor_stops_its_
     forever for that thread's verdict (a pre-fork server's child taking its parent's
     targets), and at its exit killed the parent's probe children, whose deaths the parent
     read as crashes of their compilers."""
+    import threading
+
     sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
                                start_new_session=True)
     key = probe._inflight_key("cpu", None)
     with probe._inflight_lock:
         probe._inflight[key] = probe._Inflight()
     probe._children.add(sleeper)
+    # The probe's lock held by another thread across the fork, as the probe's thread holds
+    # it a moment at a time: that thread is not in the child to let it go.
+    held, fork_done = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with probe._inflight_lock:
+            held.set()
+            fork_done.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(30)
     try:
         child = os.fork()
         if child == 0:
             ok = not probe._inflight and not probe._children and probe._inflight_lock.acquire(
                 timeout=5)
-            os._exit(0 if ok else 3)  # its exit handlers: ``_stop_children`` among them
+            probe._stop_children()  # as the child's exit runs it
+            os._exit(0 if ok else 3)
+        fork_done.set()
         _, status = os.waitpid(child, 0)
         assert os.waitstatus_to_exitcode(status) == 0
-        # The child's exit handlers, as its end runs them: the parent's probe child lives.
-        child = os.fork()
-        if child == 0:
-            import atexit
-
-            atexit._run_exitfuncs()
-            os._exit(0)
-        os.waitpid(child, 0)
-        assert sleeper.poll() is None
+        assert sleeper.poll() is None  # the parent's probe child lives
         assert key in probe._inflight and sleeper in probe._children  # the parent's own
     finally:
+        fork_done.set()
+        holder.join()
         with probe._inflight_lock:
             probe._inflight.pop(key, None)
         probe._children.discard(sleeper)
@@ -592,17 +606,20 @@ def test_a_child_forked_while_the_probe_runs_neither_waits_for_it_nor_stops_its_
 
 def test_a_probe_child_short_of_the_machine_decides_nothing(tmp_path):
     """A candidate whose check failed for the machine's sake (a file size limit, a full
-    disk) is not refused for good: the probe fails, its verdict unwritten, and says why."""
+    disk) is not refused for good: it is undecided, and a probe whose verdict depends on it
+    fails as the machine's fault (never remembered as the model's), its verdict
+    unwritten."""
     import types
 
-    from cachebuild.errors import CachebuildError
+    from cachebuild.errors import MachineShort, transient
 
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     out.write_text("short File size limit exceeded\n")
     err.write_text("")
-    with pytest.raises(CachebuildError, match="could not finish .File size limit exceeded.: "
-                                              "the machine ran short"):
-        probe._outcome(types.SimpleNamespace(returncode=probe.SHORT_EXIT), out, err)
+    passed, why = probe._outcome(types.SimpleNamespace(returncode=probe.SHORT_EXIT), out, err)
+    assert not passed and why == probe.SHORT + "File size limit exceeded"
     out.write_text("")  # a compiler that fails by itself is refused, as ever
     passed, why = probe._outcome(types.SimpleNamespace(returncode=1), out, err)
     assert not passed and why.startswith("exit 1")
+    short = MachineShort("the probe could not decide", "File size limit exceeded")
+    assert transient(short) == "File size limit exceeded"

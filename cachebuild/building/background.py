@@ -10,6 +10,7 @@ once.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import sys
@@ -70,7 +71,7 @@ def finish_at_exit() -> None:
     start finds them stored and the entries recorded. Ctrl-C, or an exit that a
     Ctrl-C caused, leaves them: the next start builds what is missing."""
     pending = [b for b in list(process_state.current().building)
-               if b.running and not b.left]
+               if not b.left and b.running]
     if not pending:
         return
     if isinstance(getattr(sys, "last_value", None), KeyboardInterrupt):
@@ -96,13 +97,59 @@ def _forked() -> None:
     child follows each through the store (``BackgroundBuild._follow``): it serves what it
     has meanwhile, takes the targets once the parent has stored them all, as the parent
     does, and never waits for them at its exit (nor records the entry: the parent does)."""
-    parent = os.getppid()
     for b in list(process_state.current().building):
         if not b.done.is_set():
             # New locks: one held by a thread of the parent at the fork stays held here.
             b._lock, b.done = threading.Lock(), threading.Event()
             b.left = True
-            b._parent, b._follower = parent, None
+            b._follower = None
+            b._following = True
+        if b._busy_fd is not None:  # the builder's lock is its own: this copy would hold it
+            with contextlib.suppress(OSError):
+                os.close(b._busy_fd)
+            b._busy_fd = None
+
+
+def _busy_file() -> tuple[str | None, int | None]:
+    """A new file of this user's, locked (``flock``) by this process: held while it builds.
+    ``(None, None)`` where none can be made (a child then follows until the targets come)."""
+    import fcntl
+    import tempfile
+
+    try:
+        fd, path = tempfile.mkstemp(prefix="cachebuild-building-")
+    except OSError:
+        return None, None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        os.unlink(path)
+        return None, None
+    return path, fd
+
+
+def _held(path: str | None) -> bool:
+    """Whether the process that made ``path`` (``_busy_file``) still holds it: builds."""
+    import fcntl
+
+    if path is None:
+        return True  # nothing says otherwise
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False  # let go: done, or failed
+    except OSError:
+        return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
+    return False  # ended without letting go (killed)
 
 
 #: How many times targets removed from the store before they were loaded are built again.
@@ -147,9 +194,12 @@ class BackgroundBuild:
         self._lock = threading.Lock()
         self._jobs, self._workers, self._setup = jobs, workers, setup
         self._record = record
-        #: In a child forked while this built: the parent's pid, and the thread following
-        #: its build through the store (``_forked``); None in the process that builds.
-        self._parent: int | None = None
+        #: A file the building process holds locked while it builds (``_busy``): a child
+        #: forked meanwhile follows the build through the store (``_forked``) until it
+        #: is stored, or the lock is let go without it (the build failed, the builder
+        #: died, a gc removed a target since).
+        self._busy, self._busy_fd = _busy_file()
+        self._following = False
         self._follower: threading.Thread | None = None
         self._thread = threading.Thread(target=self._run, name="cachebuild-background-build",
                                         daemon=True)
@@ -230,6 +280,17 @@ class BackgroundBuild:
                         "this at its call", self.error)
         finally:
             self.done.set()
+            self._let_go()
+
+    def _let_go(self) -> None:
+        """End the lock that says this process builds (``_busy``)."""
+        if self._busy is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(self._busy)
+        if self._busy_fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(self._busy_fd)
+        self._busy_fd = None
 
     def _load_into(self, loaded: dict[str, Any]) -> list[BuildJob]:
         """Load every target of the entry not in ``loaded`` yet from the store into it;
@@ -255,7 +316,7 @@ class BackgroundBuild:
 
     def _follow_in_child(self) -> None:
         """In a forked child (``_forked``): start following the parent's build, once."""
-        if self._parent is None or self._follower is not None:
+        if not self._following or self._follower is not None:
             return
         with self._lock:
             if self._follower is None:
@@ -264,16 +325,23 @@ class BackgroundBuild:
                 self._follower.start()
 
     def _follow(self) -> None:
-        """Wait until the parent has stored every target, then load them; an error if the
-        parent ended before it did (the next start builds what is missing)."""
+        """Wait until the parent has stored every target, then load them; an error once
+        the parent stopped building without storing them all (``_held``)."""
         start = time.perf_counter()
         poll = FOLLOW_POLL_S[0]
         try:
-            keys = list(jobs_of(self.entry, self.builder.config))
-            while not all(self.builder.store.contains(k) for k in keys):
-                if os.getppid() != self._parent:
-                    raise BuildError("the process this one was forked from ended before it "
-                                     "stored them")
+            missing = list(jobs_of(self.entry, self.builder.config))
+            while True:
+                # The index alone (a record is there): loading checks the bytes.
+                missing = [k for k in missing if self.builder.store.get_record(k) is None]
+                if not missing:
+                    break
+                if not _held(self._busy) and any(
+                        self.builder.store.get_record(k) is None for k in missing):
+                    raise BuildError("the process this one was forked from stopped building "
+                                     "them before they were all stored (its build failed, it "
+                                     "ended, or a gc removed one since): the next start builds "
+                                     "what is missing")
                 time.sleep(poll)
                 poll = min(FOLLOW_POLL_S[1], poll * 1.5)
             self._loaded = self._load_all()

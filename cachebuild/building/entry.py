@@ -44,7 +44,8 @@ log = logging.getLogger("cachebuild")
 
 #: The layout of a stored entry; bumped when it changes, so older entries are never misread
 #: (it is an entry-key factor: an old entry is simply not found, and the model retraced).
-ENTRY_FORMAT = 8  # 8: the float32 precisions of oneDNN and cuDNN in the process state
+ENTRY_FORMAT = 9  # 9: target keys name their recipe (``targets.RECIPE``): an older entry names
+#: targets an older version built under settings their keys did not name
 
 
 @dataclass(frozen=True)
