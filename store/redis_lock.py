@@ -106,7 +106,8 @@ def proven(name: str, value: Any, signing_key: bytes, max_age_s: float, now: flo
             value = value.decode("ascii")
         except UnicodeDecodeError:
             return False
-    if not isinstance(value, str) or value.count(".") != 2 or len(value) > 100:
+    if not isinstance(value, str) or not value.isascii() or value.count(".") != 2 \
+            or len(value) > 100:
         return False
     nonce, when, _ = value.split(".")
     if not when.isdigit() or len(when) > 16:

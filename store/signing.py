@@ -53,7 +53,7 @@ def sign_record(signing_key: bytes, shared: dict[str, Any]) -> str:
 def record_signed_by(signing_key: bytes, shared: dict[str, Any]) -> bool:
     """True if ``shared`` carries a valid signature made with ``signing_key``."""
     sig = shared.get(SIGNATURE)
-    if not isinstance(sig, str):
+    if not isinstance(sig, str) or not sig.isascii():  # compare_digest takes ASCII text only
         return False
     try:
         expected = sign_record(signing_key, shared)

@@ -508,3 +508,23 @@ def test_builders_of_the_fleet_still_wait_for_each_other(tmp_path, server):
     finally:
         held.release()
     assert not server.client().exists(lock_key(k))
+
+
+def test_a_signature_or_lock_value_in_other_than_ascii_is_refused_not_raised():
+    """Text from Redis that is no signature (found by the fuzzer: non-ASCII characters)
+    made ``hmac.compare_digest`` raise TypeError, which a server's start met as a
+    traceback: it is simply not authentic."""
+    import time
+
+    from cachebuild.store.redis_lock import lock_token, proven
+    from cachebuild.store.signing import SIGNATURE, record_signed_by, sign_record
+
+    key = b"k" * 32
+    shared = {"kind": "target", "size": 1}
+    good = {**shared, SIGNATURE: sign_record(key, shared)}
+    assert record_signed_by(key, good)
+    assert not record_signed_by(key, {**shared, SIGNATURE: "é" * 64})
+    now = time.time()
+    token = lock_token("name", "nonce", key, int(now * 1000))
+    assert proven("name", token, key, 60, now)
+    assert not proven("name", "nonce.١٢٣.é", key, 60, now)
