@@ -41,7 +41,7 @@ from cachebuild.backends.protocol import (
     example_inputs,
     symbolic_fake_inputs,
 )
-from cachebuild.errors import ConfigError, transient
+from cachebuild.errors import ConfigError, causes, transient
 from cachebuild.graph.facts import random_ops
 from cachebuild.store.interface import ArtifactSource
 
@@ -412,12 +412,8 @@ def _check_room(error: BaseException) -> None:
 
     from torch._inductor.exc import CppCompileError
 
-    seen, e, wrote = set(), error, False
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
-        wrote = wrote or isinstance(e, CppCompileError | subprocess.CalledProcessError | OSError)
-        e = e.__cause__ or getattr(e, "inner_exception", None)
-    if not wrote:
+    if not any(isinstance(e, CppCompileError | subprocess.CalledProcessError | OSError)
+               for e in causes(error)):
         return  # failed before it wrote anything: the piece's
     folder = os.environ.get("TORCHINDUCTOR_CACHE_DIR") or tempfile.gettempdir()
     try:

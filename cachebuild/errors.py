@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 import warnings
+from collections.abc import Iterator
 
 
 class CachebuildError(Exception):
@@ -93,16 +94,24 @@ _KILLED_TEXT = ("Killed signal terminated program",  # gcc
                 "unable to execute command: Killed")  # clang
 
 
+def causes(error: BaseException) -> Iterator[BaseException]:
+    """``error``, then what caused it, and so on, each once."""
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        yield e
+        # Inductor wraps what a lowering raised ``from None``, keeping it as an attribute.
+        e = e.__cause__ or getattr(e, "inner_exception", None)
+
+
 def transient(error: BaseException) -> str | None:
     """Why ``error`` is the machine's fault rather than the piece's (a full disk, no
     memory, a killed compiler), looking through what caused it; None if it is not.
 
     A build that fails this way fails: it is never a reason to build something else.
     """
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    for e in causes(error):
         if isinstance(e, MachineShort):
             return e.reason
         if isinstance(e, MemoryError):
@@ -121,8 +130,6 @@ def transient(error: BaseException) -> str | None:
         found = next((t for t in _TRANSIENT_TEXT if t in said), None)
         if found is not None:
             return found
-        # Inductor wraps what a lowering raised ``from None``, keeping it as an attribute.
-        e = e.__cause__ or getattr(e, "inner_exception", None)
     return None
 
 
