@@ -143,9 +143,7 @@ def _held(path: str | None) -> bool:
         return True
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
+    except OSError:  # held (BlockingIOError), or cannot say
         return True
     finally:
         os.close(fd)
@@ -274,13 +272,18 @@ class BackgroundBuild:
             if self._record:
                 record_entry(self.entry, self.builder.store)
         except Exception as e:  # the caller keeps what it has
-            self.error = str(e) if isinstance(e, BuildError) else f"{type(e).__name__}: {e}"
-            log.warning("cachebuild: the targets building in the background failed: %s; a "
-                        "model served by interim targets keeps them, one without any raises "
-                        "this at its call", self.error)
+            self._failed(e, "cachebuild: the targets building in the background failed: %s; "
+                            "a model served by interim targets keeps them, one without any "
+                            "raises this at its call")
         finally:
             self.done.set()
             self._let_go()
+
+    def _failed(self, error: Exception, said: str) -> None:
+        """Keep why the targets cannot be had (``error``), and log ``said`` with it."""
+        self.error = (str(error) if isinstance(error, BuildError)
+                      else f"{type(error).__name__}: {error}")
+        log.warning(said, self.error)
 
     def _let_go(self) -> None:
         """End the lock that says this process builds (``_busy``)."""
@@ -347,9 +350,8 @@ class BackgroundBuild:
             self._loaded = self._load_all()
             self.seconds = time.perf_counter() - start
         except Exception as e:  # the child keeps what it has
-            self.error = str(e) if isinstance(e, BuildError) else f"{type(e).__name__}: {e}"
-            log.warning("cachebuild: the targets this process's parent built in the "
-                        "background cannot be taken here: %s; it keeps serving with what it "
-                        "has", self.error)
+            self._failed(e, "cachebuild: the targets this process's parent built in the "
+                            "background cannot be taken here: %s; it keeps serving with "
+                            "what it has")
         finally:
             self.done.set()
