@@ -48,6 +48,7 @@ from cachebuild.graph.facts import (
     meta_of,
     on_device,
     unpin_device,
+    without_autograd,
 )
 from cachebuild.tracing.trace import TracedGraph, output_metas
 
@@ -117,13 +118,14 @@ def without_grad_switches(gm: fx.GraphModule) -> fx.GraphModule:
     a forward's ``with torch.no_grad():`` as ``torch._C._set_grad_enabled``, traced with
     the caller's mode): every piece runs without autograd (``GraphForward.__call__``), and
     a switch back on inside would have the rest of the call record it."""
-    switches = [n for n in gm.graph.nodes
+    def switches(graph: fx.Graph) -> list[fx.Node]:
+        return [n for n in graph.nodes
                 if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
-    if not switches:
+
+    if not switches(gm.graph):
         return gm
     new = fx.GraphModule(gm, copy_graph(gm.graph))
-    for node in [n for n in new.graph.nodes
-                 if n.op == "call_function" and n.target is torch._C._set_grad_enabled]:
+    for node in switches(new.graph):
         new.graph.erase_node(node)
     new.recompile()
     return new
@@ -392,8 +394,7 @@ class GraphForward:
         fn = self.variants.get(key)
         if fn is None:
             fn = self._build(key, args)
-        with torch.no_grad():  # as ``ModelRuntime._call``: no piece records autograd
-            out = fn(*args)
+        out = without_autograd(fn, *args)
         if self.written:
             torch.autograd.graph.increment_version([args[i] for i in self.written])
         return self.counts.put(out, args)

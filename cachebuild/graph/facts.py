@@ -14,6 +14,7 @@ import contextlib
 import functools
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -243,6 +244,17 @@ def on_device(device: str | torch.device) -> Any:
     if dev.type == "cuda" and dev.index is not None:
         return torch.cuda.device(dev)
     return contextlib.nullcontext()
+
+
+def without_autograd(run: Callable[..., Any], *args: Any) -> Any:
+    """``run(*args)`` recording no autograd, as every compiled piece runs (pieces are
+    traced without it: an ``eager_fusion`` piece, which runs its ops eagerly, has lost its
+    code's ``no_grad`` blocks and ``detach`` calls). A call made under ``no_grad`` or
+    ``inference_mode``, a server's, enters no context: this is on every call's path."""
+    if torch.is_grad_enabled():
+        with torch.no_grad():
+            return run(*args)
+    return run(*args)
 
 
 def unpin_device(gm: fx.GraphModule, device: str) -> int:

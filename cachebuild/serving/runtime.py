@@ -25,7 +25,7 @@ from cachebuild.config import CompileConfig
 from cachebuild.counters import timed
 from cachebuild.errors import UsageError, warn_caller
 from cachebuild.graph import weights
-from cachebuild.graph.facts import device_of, on_device
+from cachebuild.graph.facts import device_of, on_device, without_autograd
 from cachebuild.graph.inputs import CallCheck, check_unshared_weights, check_weight, layout_guards
 from cachebuild.graph.outputs import TREE, output_builder
 from cachebuild.serving.capture import CallShape, Capturer, CaptureState
@@ -409,12 +409,11 @@ class ModelRuntime:
         if self._generation != weights.GENERATION[0] or not self._held() or \
                 not weights.unmoved(self._bound, self._bound_at):
             self._rebind_if_replaced()
-        # Graphs name the GPU by type: run on the model's. Every piece was traced without
-        # autograd, so none may record it: an ``eager_fusion`` piece runs its ops eagerly,
-        # but its graph lost the ``no_grad`` blocks and ``detach`` calls of the code it came
-        # from (a buffer updated under one would take on gradient history).
-        with self._on_device, torch.no_grad():
-            out = self._forward(*args) if self.capturer is None else self.capturer(args)
+        with self._on_device:  # graphs name the GPU by type: run on the model's
+            if self.capturer is None:
+                out = without_autograd(self._forward, *args)
+            else:
+                out = without_autograd(self.capturer, args)
         self._wrote(args)
         return out
 
