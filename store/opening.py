@@ -32,12 +32,9 @@ def open_store(options: StoreOptions | None = None) -> Store:
                              "remote tier needs a local store it can write: give one "
                              "(--cache-dir, CACHEBUILD_DIR) or turn the remote off "
                              "(CACHEBUILD_REMOTE_MODE=off)")
-        from .overlay import OverlayStore
-
-        base = LocalStore(options.cache_dir, signing_key=options.signing_key,
-                          require_signature=options.require_signature, read_only=True)
-        return OverlayStore(base, options.overlay_dir, work_dir=options.work_dir,
-                            opened_with=options)
+        return _overlay_over(LocalStore(options.cache_dir, signing_key=options.signing_key,
+                                        require_signature=options.require_signature,
+                                        read_only=True), options)
     local = LocalStore(options.cache_dir, signing_key=options.signing_key,
                        require_signature=options.require_signature, work_dir=options.work_dir)
     if not options.uses_remote:
@@ -62,11 +59,17 @@ def open_to_serve(options: StoreOptions | None = None) -> Store:
     options = options or StoreOptions.from_env()
     store = open_store(options)
     if isinstance(store, LocalStore) and store.read_only:
-        from .overlay import OverlayStore
-
-        return OverlayStore(store, options.overlay_dir, work_dir=options.work_dir,
-                            opened_with=options)
+        return _overlay_over(store, options)
     return store
+
+
+def _overlay_over(base: LocalStore, options: StoreOptions) -> Store:
+    """An ``OverlayStore`` over ``base``, which this process only reads, as ``options``
+    place the overlay and the builds' work folder."""
+    from .overlay import OverlayStore
+
+    return OverlayStore(base, options.overlay_dir, work_dir=options.work_dir,
+                        opened_with=options)
 
 
 def check_can_make(path: Path) -> None:
