@@ -46,7 +46,7 @@ import zlib
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import xxhash
 
@@ -217,22 +217,26 @@ def check_bundle(path: str | os.PathLike[str]) -> None:
     header), reading no more than that: an import refuses a file that is no bundle
     before it opens, or makes, the store it would import into."""
     src = Path(path)
-    try:
-        f = open(src, "rb")  # noqa: SIM115  # closed below
-    except FileNotFoundError:
-        raise UsageError(f"no such bundle: {printable(src)}") from None
-    except IsADirectoryError:
-        raise UsageError(f"{printable(src)} is a folder, not a bundle: give a file `cachebuild export` "
-                         "wrote") from None
-    except OSError as e:
-        raise UsageError(f"cannot read the bundle {printable(src)}: {e.strerror or e}") from None
-    with f:
+    with _open_bundle(src) as f:
         try:
             with tarfile.open(fileobj=f, mode="r|*") as tar:
                 _read_header(tar, Path(printable(src)))
         except _ARCHIVE_ERRORS as e:
             raise UsageError(f"{printable(src)} is not a cachebuild bundle (not a tar archive): "
                              f"{e}") from None
+
+
+def _open_bundle(src: Path) -> BinaryIO:
+    """The bundle file at ``src``, open to read; UsageError, saying why, where it cannot be."""
+    try:
+        return open(src, "rb")  # noqa: SIM115  # the caller closes it
+    except FileNotFoundError:
+        raise UsageError(f"no such bundle: {printable(src)}") from None
+    except IsADirectoryError:
+        raise UsageError(f"{printable(src)} is a folder, not a bundle: give a file "
+                         "`cachebuild export` wrote") from None
+    except OSError as e:
+        raise UsageError(f"cannot read the bundle {printable(src)}: {e.strerror or e}") from None
 
 
 def _read_record(tar: tarfile.TarFile, member: tarfile.TarInfo, key: str) -> Record | str:
@@ -339,12 +343,7 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
     UsageError if ``path`` is not a bundle at all.
     """
     src = Path(path)
-    try:
-        bundle_file = open(src, "rb")  # noqa: SIM115  # closed with the tar below
-    except FileNotFoundError:
-        raise UsageError(f"no such bundle: {src}") from None
-    except OSError as e:
-        raise UsageError(f"cannot read the bundle {src}: {e.strerror or e}") from None
+    bundle_file = _open_bundle(src)  # closed with the tar below
     source = bundle_source(src, bundle_file)
     try:
         tar = tarfile.open(fileobj=bundle_file, mode="r|*")
