@@ -80,7 +80,7 @@ def private_cache_dir(store: ArtifactSource, *, in_memory: bool = False,
     with _state:
         while (_active["count"] and _active["dir"] != str(root)) or \
                 _active["builder"] not in (None, me):
-            _state.wait()
+            _state.wait(1.0)  # in slices: a Ctrl-C reaches a waiting main thread
         if not _active["count"]:
             _active["dir"], _active["saved"] = str(root), os.environ.get(_ENV)
             os.environ[_ENV] = str(root)
@@ -160,7 +160,7 @@ def _building() -> Iterator[None]:
     me = threading.get_ident()
     with _state:
         while _active["builder"] not in (None, me) or any(t != me for t in _loaders):
-            _state.wait()
+            _state.wait(1.0)  # in slices: a Ctrl-C reaches a waiting main thread
         _active["builder"] = me
         _active["builds"] += 1
     try:

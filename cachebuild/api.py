@@ -295,9 +295,11 @@ class CompiledModule(torch.nn.Module):
             raise UsageError(_keywords_refused(self.model, sorted(kwargs)))
         if self._eager:
             return self.model(*args)  # cannot be compiled, on_failure="eager"
-        if compat.user_dispatch_mode():
+        if compat.user_dispatch_mode() or compat.user_function_mode():
             # A mode of the caller's sees every op the model runs (counting, checking,
-            # changing them); compiled code would run past it. As torch.compile does.
+            # changing them); compiled code would run past it. As torch.compile does for a
+            # dispatch mode (a function mode it traces into one graph per mode, which a
+            # stored entry cannot name).
             return self.model(*args)
         # Dynamo runs the model's own hooks and forward, not torch's global module hooks.
         why = global_hooks() if self._dynamo is not None else not_run(self.model, self._forward)

@@ -876,6 +876,19 @@ def set_codegen_settings(settings: dict[str, Any]) -> None:
             else torch.is_deterministic_algorithms_warn_only_enabled())
 
 
+def user_function_mode() -> bool:
+    """Whether a TorchFunctionMode of the caller's is active on this thread (one that
+    changes what ``F.linear`` returns, say): a trace would bake it into the graph, and a
+    call under another mode (or none) read the graph as if under it. torch's own modes
+    (``with torch.device(...)``, which the trace's process state records) do not count.
+    One C call where no mode is active."""
+    depth = torch._C._len_torch_function_stack()
+    if not depth:
+        return False
+    return any(not type(torch._C._get_function_stack_at(i)).__module__.startswith("torch.")
+               for i in range(depth))
+
+
 def user_dispatch_mode() -> bool:
     """Whether a TorchDispatchMode of the caller's is active on this thread (``with
     FlopCounterMode():``): torch.compile runs the model eagerly under one, as compiled code

@@ -19,6 +19,7 @@ import difflib
 import functools
 import math
 import operator
+import os
 import re
 import sys
 from collections.abc import Mapping, Sequence, Set
@@ -368,7 +369,19 @@ def _check_value(value: Any, what: str, depth: int = 0) -> None:
 def check_inductor_options(config: CompileConfig) -> None:
     """ConfigError if ``config.inductor_options`` names a setting that Inductor's config
     does not have (imports ``torch._inductor.config``: seconds, once per process). Run
-    before a trace or a build, and at once by CompileConfig where it is loaded already."""
+    before a trace or a build, and at once by CompileConfig where it is loaded already.
+
+    Also a ConfigError where Inductor's freezing is asked for (``TORCHINDUCTOR_FREEZING=1``,
+    ``torch._inductor.config.freezing``, or these options): it makes the weights constants
+    of the compiled code, which cachebuild binds to the live model's weights instead."""
+    inductor = sys.modules.get("torch._inductor.config")
+    if dict(config.inductor_options).get("freezing") or \
+            os.environ.get("TORCHINDUCTOR_FREEZING") == "1" or \
+            (inductor is not None and getattr(inductor, "freezing", False)):
+        raise ConfigError("Inductor's freezing is on (TORCHINDUCTOR_FREEZING=1, "
+                          "torch._inductor.config.freezing or inductor_options): it makes "
+                          "the weights constants of the compiled code, and cachebuild's "
+                          "pieces read the live model's weights instead; turn it off")
     if not config.inductor_options:
         return
     known = _inductor_settings()

@@ -503,11 +503,12 @@ def warm(model: ModelSource, *, store: StoreArg = None,
     """Build every target ``model`` needs that is not stored, and record its entry.
 
     ``model``: a MODEL.py path, a ``build`` function or a ``ModelSpec``. ``store`` as for
-    ``plan``. ``jobs``: worker processes (default: as many as the CPUs this process may use
-    and the memory available allow, ``workers.jobs_here``). ``device``, ``world_size``: as
-    for ``plan``. ``dry_run``: build and record nothing (the report's states are then
-    ``plan``'s). ``say``: told, in words, when the model is traced; ``on_target(target,
-    done, total)``: called as each target finishes.
+    ``plan``. ``jobs``: worker processes (default: ``CACHEBUILD_BUILD_JOBS`` where set,
+    else as many as the CPUs this process may use and the memory available allow:
+    ``pool.cold_start_jobs``). ``device``, ``world_size``: as for ``plan``. ``dry_run``:
+    build and record nothing (the report's states are then ``plan``'s). ``say``: told, in
+    words, when the model is traced; ``on_target(target, done, total)``: called as each
+    target finishes.
 
     A model file's workers start as soon as the model is to be traced, so that their
     imports overlap the trace. Each built target's report holds its build's phases
@@ -541,7 +542,7 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
     """``warm``, once."""
     from cachebuild.building.build import jobs_of, proven_by_build
     from cachebuild.building.entry import record_entry
-    from cachebuild.building.pool import expected_targets, jobs_here
+    from cachebuild.building.pool import cold_start_jobs, expected_targets
     from cachebuild.counters import COUNTERS
 
     start = time.perf_counter()
@@ -561,7 +562,8 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
         def start_workers(targets: Callable[[], int]) -> None:
             nonlocal pool
             if pool is None and not dry_run and source.file is not None and options is not None:
-                pool = start_pool(jobs or jobs_here(targets()), str(source.file), options)
+                pool = start_pool(jobs or cold_start_jobs(targets()), str(source.file),
+                                  options)
 
         def before_trace(config: CompileConfig, edited: Callable[[], bool]) -> None:
             if not dry_run and config.backend != "eager_fusion":
@@ -616,7 +618,7 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
                 start_workers(lambda: len(missing))
                 assert pool is not None
                 if jobs is None:  # the guess at the trace may have been short
-                    pool.grow(jobs_here(len(missing)))
+                    pool.grow(cold_start_jobs(len(missing)))
                 progress.info("building %d target%s in worker processes", len(missing),
                               "" if len(missing) == 1 else "s")
                 build_jobs(missing, pool, str(source.file), options, finished, phases,

@@ -11,10 +11,14 @@ nothing.
 
 Needs ``pip install peft``. The size knobs are ``llama.py``'s (``LLAMA_LAYERS``, ...,
 ``LLAMA_BACKEND``); ``LORA_REQUESTS`` (8) requests alternate between the adapters;
-``LORA_DOOR=torch`` serves through ``torch.compile(model, backend=cachebuild.backend())``.
+``LORA_DOOR=torch`` serves through ``torch.compile(model, backend=cachebuild.backend())``;
+``LORA_WARM`` names the adapter ``build()`` leaves active (``a``): ``warm`` builds the
+forward of the model as ``build()`` returns it, so each adapter is warmed by a ``warm`` of
+its own.
 
-    cachebuild warm examples/lora.py      # adapter a's forward, ahead of time
-    python examples/lora.py               # serve a, b, a, b, ...; exit 1 unless equal to eager
+    cachebuild warm examples/lora.py                 # adapter a's forward, ahead of time
+    LORA_WARM=b cachebuild warm examples/lora.py     # and b's (else the first b request traces)
+    python examples/lora.py                # serve a, b, a, b, ...; exit 1 unless equal to eager
 """
 
 from __future__ import annotations
@@ -33,8 +37,9 @@ import cachebuild  # noqa: E402
 TARGETS = ["qkv", "o_proj", "gate_up", "down"]
 
 
-def make_model() -> torch.nn.Module:
-    """The Llama with adapters ``a`` (active) and ``b``, each with weights of its own."""
+def make_model(active: str = "a") -> torch.nn.Module:
+    """The Llama with adapters ``a`` and ``b``, each with weights of its own, ``active``
+    the active one."""
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(0)
@@ -43,12 +48,15 @@ def make_model() -> torch.nn.Module:
                                             init_lora_weights=False), adapter_name="a")
     model.add_adapter("b", LoraConfig(r=4, lora_alpha=32, target_modules=TARGETS,
                                       init_lora_weights=False))
-    model.set_adapter("a")
+    model.set_adapter(active)
     return model.to(base.embed.weight.dtype).eval()
 
 
 def build() -> cachebuild.ModelSpec:
-    model = make_model()
+    adapter = os.environ.get("LORA_WARM", "a")
+    if adapter not in ("a", "b"):
+        raise ValueError(f"LORA_WARM={adapter!r}: the adapters are 'a' and 'b'")
+    model = make_model(adapter)
     return cachebuild.ModelSpec(model, llama.example_inputs(model.get_base_model()),
                                 {0: 0, 1: 0}, llama.config())
 

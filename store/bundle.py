@@ -27,8 +27,10 @@ say, trust is the importer's: an unsigned blob is served only once its source is
 (``cachebuild import --trust``, ``cachebuild trust``), and its source is the bundle file
 it was imported from (its name and a digest of its bytes), never a name its record gives.
 A key the store already holds is compared with what the bundle brings: the same payload is
-already present, other bytes are refused unless they replace a copy that is not served by
-one that will be (``LocalStore.write_blob_chunks``); ``--trust`` marks only records that
+already present, other bytes are kept out where the store's copy was built here (two
+builds of one target are seldom byte for byte alike), and refused otherwise,
+unless they replace a copy that is not served by one that will be
+(``LocalStore.write_blob_chunks``); ``--trust`` marks only records that
 hold exactly the bytes this bundle brought. A key's blob appears once in a bundle; a
 second copy is refused unread. Bundles are written 0600.
 """
@@ -96,6 +98,9 @@ class ImportReport:
 
     imported: list[str] = field(default_factory=list)
     existing: list[str] = field(default_factory=list)
+    #: Keys the store holds other bytes for, its copy built here: kept, as two builds of
+    #: one target are seldom byte for byte alike.
+    kept: list[str] = field(default_factory=list)
     refused: list[tuple[str, str]] = field(default_factory=list)
     more_refused: int = 0
     #: Why the import stopped before the bundle's end (the store could not take a blob:
@@ -311,7 +316,10 @@ def _import_entry(store: LocalTier, key: str, record: Record, f: Any, size: int,
             pinned=lambda header: record.pinned and trust_of(header) is not None,
             accept=accept, unsigned_from=origin, trusted=trust_of)
     except CorruptBlob as e:
-        report.refuse(key, e.reason)
+        if getattr(e, "stored_built_here", False):  # a ``BlobConflict`` with our own build
+            report.kept.append(key)
+        else:
+            report.refuse(key, e.reason)
         return
     brought[key] = done.record.checksum
     (report.imported if done.written else report.existing).append(key)

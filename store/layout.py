@@ -202,7 +202,9 @@ def make_private_dir(path: Path, what: str = "store directory") -> None:
                     continue             # is checked below, those above by check_parents
                 os.chmod(folder, 0o700)
         except OSError as e:
-            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR):
+            # ENOENT: a file system that makes no folders there (``/proc``).
+            if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR,
+                           errno.ENOENT):
                 where = f" ({SET_BY[what]})" if what in SET_BY else ""
                 raise UnsafeStore(f"cannot create {what} {path}: {e.strerror}; give a folder "
                                   f"this user may write{where}") from None

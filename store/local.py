@@ -113,6 +113,11 @@ class BlobConflict(CorruptBlob):
     which one is not for an import to guess."""
 
     def __init__(self, key: str, stored: Record, incoming: str) -> None:
+        #: The stored copy was built here (it came from no bundle or remote): the key has
+        #: a copy this store stands by, and two builds of a target seldom match byte for
+        #: byte. A copy that came from elsewhere, trusted or not, differing from another
+        #: source's stays a conflict to say.
+        self.stored_built_here = not stored.is_untrusted and stored.unsigned_from is None
         served = "not trusted" if stored.is_untrusted else "trusted or built here"
         super().__init__(f"differs from the blob already stored under this key (payload "
                          f"checksum {incoming}, stored {stored.checksum}, {served}); the "

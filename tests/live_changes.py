@@ -16,6 +16,7 @@ import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
+from os import environ
 from typing import Any
 
 import torch
@@ -94,6 +95,7 @@ class Net(Tuned):
         self.picked = MODES[0]
         self.kind = Kinds.FIRST
         self.env_name = "LIVE_TRIPLE"  # a variable named by an attribute, not a constant
+        self.env = os.environ  # the environment held by an attribute
         self.count = 1  # made True: equal to 1 in Python, yet another value
         self.gate = Gate()  # given another class in place
         self.scale = Scale()  # a submodule given another class in place
@@ -109,6 +111,12 @@ class Net(Tuned):
             y = y * 2
         if os.environ.get(self.env_name) == "1":
             y = y * 3
+        if os.getenv("live_quarter") == "1":  # os.getenv, a name not in capitals
+            y = y * 1.25
+        if environ.get("LV") == "1":  # `from os import environ`, a short name
+            y = y * 1.75
+        if self.env.get("LIVE_HELD") == "1":
+            y = y * 2.25
         for name in self.extra:
             y = y + getattr(self, name)(x)
         if self.mode is QUADRUPLED:
@@ -238,6 +246,11 @@ CASES = [
     Case("environment variable", lambda n: _set_env("1"), lambda n, _: _set_env(None)),
     Case("environment variable named by an attribute", lambda n: _set_env("1", n.env_name),
          lambda n, _: _set_env(None, n.env_name)),
+    *[Case(f"environment variable {how}", lambda n, name=name: _set_env("1", name),
+           lambda n, _, name=name: _set_env(None, name))
+      for how, name in (("read by os.getenv, in lower case", "live_quarter"),
+                        ("read through `from os import environ`", "LV"),
+                        ("read through an attribute holding the environment", "LIVE_HELD"))],
     Case("forward hook", _hook, lambda n, handle: handle.remove()),
     Case("module-level object", lambda n: setattr(n, "mode", QUADRUPLED),
          lambda n, _: setattr(n, "mode", PLAIN)),

@@ -495,3 +495,71 @@ def test_a_build_that_fails_in_a_worker_raises_its_words_and_builds_nothing_here
         compiled(torch.randn(5, 16))
     assert not (tmp_path / "died").exists()
     assert not [r for r in store.records() if r.kind != "guards"]  # nothing stored
+
+
+
+INTERRUPTED_CHILD = """
+import json, signal, threading
+from cachebuild.building import pool
+
+released, built = threading.Event(), threading.Event()
+
+
+class Worker:
+    \"\"\"A build that takes 30 s.\"\"\"
+    alive = True
+
+    def run(self, job):
+        released.wait(30)
+        built.set()
+        return pool.Result("key", True, 30.0, None)
+
+
+waiting = object.__new__(pool.BuildPool)  # its workers, not processes
+waiting.setup, waiting._idle, waiting._all = object(), [Worker()], []
+waiting._closing = threading.Event()
+pool.job_label = lambda job: "piece 0"
+# A Ctrl-C the OS hands to another thread than the waiting one (it may pick any).
+threading.Timer(1.0, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGINT)).start()
+try:
+    waiting.run([object()], lambda job, result: None)
+    print(json.dumps({"interrupted": False}))
+except KeyboardInterrupt:
+    print(json.dumps({"interrupted": True, "while_building": not built.is_set()}))
+released.set()
+"""
+
+
+def test_a_ctrl_c_reaches_a_start_waiting_for_its_builds_at_once():
+    """Not when the next build finishes: a server's cold start waits for builds of
+    seconds to minutes, and one Ctrl-C is to stop it."""
+    assert models.run_python(INTERRUPTED_CHILD) == {"interrupted": True,
+                                                    "while_building": True}
+
+
+def test_warm_takes_its_workers_from_the_operator_where_jobs_are_not_given(tmp_path,
+                                                                          monkeypatch):
+    """``CACHEBUILD_BUILD_JOBS`` (a CI job with little memory, say) bounds ``warm`` too,
+    not only a cold start; ``--jobs`` says otherwise where given."""
+    import cachebuild.warming as warming
+
+    class Started(Exception):
+        pass
+
+    def start_pool(workers, model_path, options):
+        raise Started(workers)
+
+    monkeypatch.setattr(warming, "start_pool", start_pool)
+    path = tmp_path / "model_file.py"
+    path.write_text(
+        "import sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "import cachebuild, models\n"
+        "def build():\n"
+        "    model = models.make(models.Decoder, layers=2)\n"
+        "    return cachebuild.ModelSpec(model, models.inputs(4), {0: 0, 1: 0}, models.config())\n")
+    monkeypatch.setenv("CACHEBUILD_BUILD_JOBS", "1")
+    for jobs, workers in ((None, 1), (2, 2)):
+        with pytest.raises(Started) as started:
+            cachebuild.warm(str(path), store=LocalStore(tmp_path / "store"), jobs=jobs)
+        assert started.value.args == (workers,)

@@ -11,6 +11,7 @@ module ``cachebuild.compile`` returned runs around the compiled forward.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
@@ -268,3 +269,52 @@ def test_a_method_is_recorded_as_the_class_resolves_it(open_local, tmp_path):
     for _ in range(2):
         matches(compiled, net, x)
     assert cachebuild.stats()["traced"] == traced
+
+
+class WithExtras(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, extras: dict) -> torch.Tensor:
+        return self.lin(x) + extras["bias"]
+
+
+def test_tensors_held_in_a_container_argument_are_refused_as_such(open_local, tmp_path):
+    """Not "a tensor that is neither a parameter nor a call argument: register it as a
+    buffer", which is no fix for per-call data."""
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    compiled = cachebuild.compile(WithExtras().eval(), config, {0: 0},
+                                  store=open_local(tmp_path / "store"))
+    with pytest.raises(UsageError, match="argument 1 holds tensors in a dict") as refused, \
+            torch.no_grad():
+        compiled(torch.randn(4, 8), {"bias": torch.randn(8)})
+    assert "register_buffer" not in str(refused.value)
+
+
+def test_a_callers_torch_function_mode_is_run_eagerly_as_a_dispatch_mode_is(open_local,
+                                                                           tmp_path):
+    """A mode that changes what ``F.linear`` returns, around a call: compiled code traced
+    without it (or under another) would answer as if it were not there; a trace under it
+    was refused as a branch at one token."""
+    from torch.overrides import TorchFunctionMode
+
+    class Scaled(TorchFunctionMode):
+        def __init__(self, k: float) -> None:
+            super().__init__()
+            self.k = k
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            return out * self.k if func is torch._C._nn.linear else out
+
+    net, compiled = compiled_net(open_local, tmp_path)
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        for mode in (Scaled(2.0), None, Scaled(3.0), None):  # the first call under one
+            with mode or contextlib.nullcontext():
+                got = compiled(x)
+            with mode or contextlib.nullcontext():
+                want = net(x)
+            torch.testing.assert_close(got, want)
+    assert cachebuild.stats()["traced"] >= 1  # calls without a mode were compiled

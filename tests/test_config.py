@@ -181,3 +181,18 @@ def test_pass_config_enters_the_pass_manager_factors():
     off = PassManager.from_config(PassConfig(cleanup=False)).factors()
     assert on["config"]["cleanup"] is True and off["config"]["cleanup"] is False
     assert make_key(on) != make_key(off)
+
+
+def test_inductor_freezing_is_refused_before_a_trace(monkeypatch):
+    """Freezing makes the weights constants of the compiled code; pieces read the live
+    model's weights: refused in one line, not a trace that fails deep in the split."""
+    from cachebuild.config import check_inductor_options
+    from cachebuild.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="freezing"):
+        check_inductor_options(cachebuild.CompileConfig(inductor_options={"freezing": True}))
+    monkeypatch.setenv("TORCHINDUCTOR_FREEZING", "1")
+    with pytest.raises(ConfigError, match="TORCHINDUCTOR_FREEZING"):
+        check_inductor_options(cachebuild.CompileConfig())
+    monkeypatch.setenv("TORCHINDUCTOR_FREEZING", "0")
+    check_inductor_options(cachebuild.CompileConfig())

@@ -133,6 +133,27 @@ def test_environment_variable_read_while_tracing(open_local, tmp_path, monkeypat
     assert "environment variable CACHEBUILD_TEST_SCALE: unset → '2'" in caplog.text
 
 
+def test_environment_names_are_any_constant_but_the_shells_own():
+    """Where a trace reads the environment (held by an attribute, here), every constant
+    that could name a variable is recorded (in lower case too), but not bash's ``_`` (the
+    command's path: ``cachebuild warm`` and the server would differ) or the folder's."""
+    from cachebuild.tracing.guard_export import environment_records
+    from cachebuild.tracing.guards import GuardRecord
+
+    class Holder(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.env = os.environ
+
+    def forward(kind):
+        return os.environ.get("_".join([kind, "FLAG"])), os.getenv("my_flag"), "PWD"
+
+    reads = GuardRecord((("model",), ("attr", "env")), "id", None, 0)
+    names = {r.path[0][1] for r in environment_records([reads], [forward.__code__],
+                                                         Holder(), ())}
+    assert {"FLAG", "my_flag"} <= names and not names & {"_", "PWD"}, names
+
+
 # -- the records themselves ------------------------------------------------------------
 
 def test_records_read_values_plainly_and_name_what_differs():

@@ -147,3 +147,38 @@ def test_dynamic_dims_of_other_sizes_are_refused_at_every_call(open_local):
         for x, y in ((3, 5), (4, 12), (5, 4)):
             with pytest.raises(UsageError, match="every dynamic dim must have the same size"):
                 compiled(torch.randn(x, 16), torch.randn(y, 8))
+
+
+class ColumnCache(torch.nn.Module):
+    """Writes a cache argument in place: the caller's is a column slice of one allocation
+    (a key half beside a value half)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.k = torch.nn.Linear(16, 16)
+
+    def forward(self, x, pos, cache):
+        cache.index_copy_(0, pos, self.k(x))
+        return cache.sum(0) + x.sum(0)
+
+
+def test_a_written_argument_with_gaps_is_traced_and_served_with_its_layout(open_local):
+    """The first call's strides are traced, not a contiguous copy's: calls like it are
+    served, writes reaching the caller's allocation; a call with another layout is refused
+    without the advice of a copy, which would take the writes."""
+    torch.manual_seed(0)
+    model = ColumnCache().eval()
+    config = cachebuild.CompileConfig(compile_ranges=((1, 32),), backend="eager_fusion")
+    compiled = cachebuild.compile(model, config, dynamic_dims={0: 0, 1: 0},
+                                  store=open_local())
+    for n in (5, 3, 5):
+        x, pos = torch.randn(n, 16), torch.randperm(48)[:n]
+        mine, eager = torch.zeros(48, 32), torch.zeros(48, 32)
+        with torch.no_grad():
+            got = compiled(x, pos, mine[:, :16])
+            want = model(x, pos, eager[:, :16])
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(mine, eager, rtol=1e-5, atol=1e-5)
+    with pytest.raises(UsageError, match="writes it in place") as refused, torch.no_grad():
+        compiled(x, pos, torch.zeros(48, 16))
+    assert ".contiguous()" not in str(refused.value)

@@ -21,7 +21,7 @@ from typing import Any
 from cachebuild import process_state
 from cachebuild.building.build import Builder, BuildJob, jobs_of, run_in_workers
 from cachebuild.building.entry import Entry, record_entry
-from cachebuild.building.pool import WorkerSetup, job_label
+from cachebuild.building.pool import WAIT_SLICE_S, WorkerSetup, job_label
 from cachebuild.errors import BuildError, UsageError
 from cachebuild.store.interface import Store
 
@@ -221,7 +221,11 @@ class BackgroundBuild:
     def wait(self, timeout: float | None = None) -> bool:
         """Wait until the targets are built and loaded, or failed; True if that is over."""
         self._follow_in_child()
-        return self.done.wait(timeout)
+        if timeout is not None:
+            return self.done.wait(timeout)
+        while not self.done.wait(WAIT_SLICE_S):  # in slices: see ``WAIT_SLICE_S``
+            pass
+        return True
 
     def claim(self, owner: object) -> dict[str, Any] | None:
         """The loaded targets, to ``owner`` the first time it asks after they are ready

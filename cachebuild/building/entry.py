@@ -44,8 +44,10 @@ log = logging.getLogger("cachebuild")
 
 #: The layout of a stored entry; bumped when it changes, so older entries are never misread
 #: (it is an entry-key factor: an old entry is simply not found, and the model retraced).
-ENTRY_FORMAT = 9  # 9: target keys name their recipe (``targets.RECIPE``): an older entry names
-#: targets an older version built under settings their keys did not name
+ENTRY_FORMAT = 10  # 9: target keys name their recipe (``targets.RECIPE``): an older entry
+#: names targets an older version built under settings their keys did not name. 10: the
+#: files an operator's inlined kernel runs are traced sources (``facts.kernel_files``): an
+#: older entry does not name a kernel's file other than the one registering it
 
 
 @dataclass(frozen=True)

@@ -27,6 +27,9 @@ log = logging.getLogger("cachebuild")
 #: Seconds a long wait may go without a line on a log that is not a terminal.
 QUIET_S = 15.0
 
+#: How a lookup's ``why`` begins where the stored entry was traced for other values.
+VALUES_DIFFER = "a value the trace read differs"
+
 #: What to run instead, said with every notice where the model file is not known.
 HINT = ("`cachebuild warm MODEL.py` (a file whose build() returns this model's ModelSpec) "
         "before the server starts avoids this")
@@ -38,15 +41,24 @@ def _model_file(model: Any) -> str:
     return code_file(type(model)) or "its file"
 
 
-def hint(model: Any) -> str:
+def hint(model: Any, why: str = "") -> str:
     """The command that would have avoided a cold start: ``cachebuild warm`` with the
     model file where it is known (the file defining the model's class, or the script
-    running, if it has a ``build()``), else the generic form."""
+    running, if it has a ``build()``), else the generic form. Where the stored entry was
+    traced for other values (``why``), warming avoids it only for the values its
+    ``build()`` gives the model: said so."""
+    other_values = why.startswith(VALUES_DIFFER)
     for module in (sys.modules.get(type(model).__module__), sys.modules.get("__main__")):
         path = getattr(module, "__file__", None)
         if callable(getattr(module, "build", None)) and isinstance(path, str) and \
                 os.path.isfile(path):
+            if other_values:
+                return (f"`cachebuild warm {path}` with its build() leaving the model as "
+                        "this call finds it (the values above) avoids this")
             return f"`cachebuild warm {path}` before the server starts avoids this"
+    if other_values:
+        return ("`cachebuild warm MODEL.py` whose build() leaves the model as this call finds "
+                "it (the values above) avoids this")
     return HINT
 
 
@@ -78,7 +90,7 @@ def reason(why: str, store: Store | None = None,
 
     if why.startswith(STALE):
         return f"its stored entry is stale: {why}"
-    if why.startswith("a value the trace read differs"):
+    if why.startswith(VALUES_DIFFER):
         return f"its stored entry was traced for other values: {why.split(': ', 1)[-1]}"
     return why
 
@@ -90,7 +102,16 @@ def must_trace(model: Any, why: str, store: Store | None = None,
     log.warning("cachebuild: compiling %s (defined in %s) from scratch because %s; tracing "
                 "and building what is missing can take minutes; %s",
                 type(model).__name__, _model_file(model), reason(why, store, factors),
-                hint(model))
+                hint(model, why))
+
+
+@contextmanager
+def tracing(model: Any) -> Iterator[None]:
+    """While a start traces ``model`` (seconds to minutes, no target done yet to say), a
+    line every ``QUIET_S`` seconds says that it still does, as ``warm``'s log does."""
+    with Heartbeat(lambda line: log.warning("cachebuild: %s", line)) as heartbeat:
+        heartbeat.said(f"tracing {type(model).__name__}")
+        yield
 
 
 def _refused(store: Store | None, factors: dict[str, Any] | None) -> bool:
@@ -235,6 +256,7 @@ def build_progress(total: int) -> Iterator[Any]:
                 built.add(label)
                 log.warning("cachebuild: built %s in %.1f s (%d of %d, %.0f s so far)", label,
                             seconds, len(built), total, time.perf_counter() - start)
-            heartbeat.said()
+            heartbeat.said(f"building, {len(built)} of {total} targets done"
+                           if len(built) < total else None)
 
         yield line

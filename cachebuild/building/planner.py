@@ -20,6 +20,7 @@ import torch
 from cachebuild.backends import Backend, get_backend
 from cachebuild.building.entry import Entry, make_entry, stored_entry
 from cachebuild.building.entry_key import entry_factors
+from cachebuild.building.notice import VALUES_DIFFER
 from cachebuild.config import CompileConfig, check_inductor_options
 from cachebuild.counters import COUNTERS, timed
 from cachebuild.errors import UsageError
@@ -157,7 +158,7 @@ class Planner:
                     values = [*values, {"process_groups": live}]
             if not wrong:
                 return Lookup(entry, "fresh", key, factors)
-            why = "a value the trace read differs: " + "; ".join(
+            why = f"{VALUES_DIFFER}: " + "; ".join(
                 m.describe() for m in wrong[:3]) + (f" (and {len(wrong) - 3} more)"
                                                     if len(wrong) > 3 else "")
             key = variant_key(key, values)

@@ -62,6 +62,10 @@ def job_label(job: BuildJob) -> str:
 
     return f"piece {job.target.piece} {bucket_label(job.target.bucket)}"
 
+#: Seconds a thread waiting for builds waits at a time: a Ctrl-C that the OS hands to
+#: another thread of the process is raised in the waiting one only when its wait returns.
+WAIT_SLICE_S = 0.5
+
 #: Memory one build takes at its peak, by default (see the module doc).
 BUILD_MEMORY = int(1.5 * 2**30)
 
@@ -505,7 +509,7 @@ class BuildPool:
             while done < len(jobs):
                 with lock:
                     while not finished:
-                        ready.wait()
+                        ready.wait(WAIT_SLICE_S)
                     batch, finished[:] = list(finished), []
                 for job, result in batch:
                     done += 1

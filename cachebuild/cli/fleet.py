@@ -130,7 +130,7 @@ def push_command(ctx: click.Context, model: str | None, push_all: bool,
             raise UsageError(f"{model}: the model has no entry in the local store; run "
                              f"`cachebuild warm {model}` first")
         keys = [entry_key, *_entry_targets(store, entry_key)]
-        what = f"entry {entry_key} and {len(keys) - 1} targets"
+        what = f"entry {entry_key} and the {plural(len(keys) - 1, 'record')} it needs"
     counts = push(store, keys, vouch=vouched, replace=replace)
     click.echo(f"{what} → {remote.display_url}: "
                + _summary("pushed", counts, time.perf_counter() - start))

@@ -166,9 +166,9 @@ def _progress(console: Console, verbose: bool = False
 @click.command("warm")
 @click.argument("model", type=click.Path(dir_okay=False), callback=model_file)
 @click.option("--jobs", "-j", type=click.IntRange(min=1, max=MAX_JOBS), default=None,
-              help="Worker processes building targets (default: one per target to build, "
-                   "at most one per CPU this process may use and per CACHEBUILD_BUILD_MEMORY "
-                   "of available memory).")
+              help="Worker processes building targets (default: CACHEBUILD_BUILD_JOBS "
+                   "where set, else one per target to build, at most one per CPU this "
+                   "process may use and per CACHEBUILD_BUILD_MEMORY of available memory).")
 @click.option("--device", metavar="D", help="Move the model and inputs to D (e.g. cuda:0).")
 @click.option("--dry-run", is_flag=True, help="Show what would be built; build nothing.")
 @click.option("--world-size", type=click.IntRange(min=1, max=MAX_WORLD_SIZE), default=None,

@@ -572,7 +572,11 @@ def import_command(ctx: click.Context, file: Path, allow_unsigned: bool, trust: 
         report = import_bundle(store, file, progress=on_progress, allow_unsigned=allow_unsigned,
                                trust=trust)
     click.echo(f"imported {plural(len(report.imported), 'record')} from {file}"
-               + (f", {len(report.existing)} already present" if report.existing else ""))
+               + (f", {len(report.existing)} already present" if report.existing else "")
+               + (f", {len(report.kept)} kept as built here (the bundle's copies differ, as "
+                  "two builds of one target do)" if report.kept else ""))
+    for key in report.kept[:MAX_LISTED]:
+        click.echo(f"kept {key}: built here; the bundle's copy differs", err=True)
     untrusted: dict[str, int] = {}
     for key in report.imported:
         record = store.get_record(key)

@@ -10,11 +10,15 @@ depends on torch alone, so the backends need nothing of the planning layers abov
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
+import logging
 import os
 import re
-from collections.abc import Callable
+import sys
+import threading
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,6 +26,8 @@ import torch
 import torch.fx as fx
 
 from cachebuild.errors import UsageError
+
+log = logging.getLogger("cachebuild")
 
 SYMBOL = re.compile(r"\b[su]\d+\b")
 
@@ -131,6 +137,14 @@ def torch_dir() -> str:
     return os.path.dirname(torch.__file__) + os.sep
 
 
+@functools.cache
+def stdlib_dir() -> str:
+    """The directory of Python's standard library (it comes with the Python version)."""
+    import sysconfig  # here: no warm start needs it
+
+    return os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
+
+
 #: Namespaces whose ops are torch's own (their code is in every key through its version)
 #: or cachebuild's fusion ops (whose sources the pass manager's factors hold).
 KEYED_NAMESPACES = frozenset({"aten", "prims", "_c10d_functional", "c10d",
@@ -140,15 +154,40 @@ _REGISTERED_AT = re.compile(r"registered at (.+?):\d+")
 
 def user_ops(graph: fx.Graph) -> list[str]:
     """The operators ``graph`` calls (``ns::name``) outside ``KEYED_NAMESPACES``, sorted."""
-    names = set()
-    for n in graph.nodes:
-        if n.op != "call_function":
-            continue
-        if isinstance(n.target, torch._ops.OpOverload):
-            names.add(n.target._schema.name)
-        elif isinstance(n.target, torch._ops.OpOverloadPacket):  # Dynamo's ``torch.ops.ns.op``
-            names.add(n.target._qualified_op_name)
+    names = {_op_name(n) for n in graph.nodes} - {None}
     return sorted(q for q in names if q.split("::")[0] not in KEYED_NAMESPACES)
+
+
+def _op_name(node: fx.Node) -> str | None:
+    """The operator ``node`` calls (``ns::name``), if it calls one."""
+    if node.op != "call_function":
+        return None
+    if isinstance(node.target, torch._ops.OpOverload):
+        return node.target._schema.name
+    if isinstance(node.target, torch._ops.OpOverloadPacket):  # Dynamo's ``torch.ops.ns.op``
+        return node.target._qualified_op_name
+    return None
+
+
+def user_op_files(graph: fx.Graph) -> dict[str, tuple[str, ...]]:
+    """For each operator of ``user_ops(graph)`` with any, the files a build of ``graph``
+    may take its code from: those that registered it (``op_files``) and those the
+    ``CompositeImplicitAutograd`` kernel of each overload it calls runs (``kernel_files``,
+    on the first call's values)."""
+    calls: dict[str, dict[str, tuple[torch._ops.OpOverload, fx.Node]]] = {}
+    for n in graph.nodes:
+        name = _op_name(n)
+        if name is not None:
+            for op in _overloads(n.target):
+                calls.setdefault(name, {}).setdefault(op.name(), (op, n))
+    out = {}
+    for qualname in user_ops(graph):
+        files = set(op_files(qualname))
+        for op, node in calls.get(qualname, {}).values():
+            files.update(kernel_files(op, node))
+        if files:
+            out[qualname] = tuple(sorted(files))
+    return out
 
 
 @functools.cache
@@ -170,8 +209,176 @@ def op_files(qualname: str) -> tuple[str, ...]:
     code = getattr(getattr(opdef, "_init_fn", None), "__code__", None)
     if code is not None:
         found.add(code.co_filename)
-    return tuple(sorted(os.path.abspath(f) for f in found if f.endswith(".py")
-                        and os.path.isfile(f) and not os.path.abspath(f).startswith(torch_dir())))
+    return _python_files_outside_torch(found)
+
+
+def _python_files_outside_torch(paths: Iterable[str]) -> tuple[str, ...]:
+    """The existing ``.py`` files among ``paths``, absolute, sorted, but torch's own."""
+    absolute = {os.path.abspath(p) for p in paths}
+    return tuple(sorted(p for p in absolute if p.endswith(".py") and os.path.isfile(p)
+                        and not p.startswith(torch_dir())))
+
+
+#: The files of the Python code each user operator overload's ``CompositeImplicitAutograd``
+#: kernel ran, by overload (``ns::name.overload``): found once per process where the kernel
+#: ran (``kernel_files``), as ``op_files`` is.
+_KERNEL_FILES: dict[str, tuple[str, ...]] = {}
+
+
+def kernel_files(op: torch._ops.OpOverload, node: fx.Node) -> tuple[str, ...]:
+    """The Python files outside torch whose code the ``CompositeImplicitAutograd`` kernel
+    of the user operator overload ``op``, which ``node`` calls, runs: the build inlines
+    that kernel, and it may live in another file than the one that registered it
+    (``op_files``), or call helpers of other files. Found by running the kernel once on
+    the node's fake values (what the build does with it) and noting the files of the
+    functions it calls; none where the overload has no such kernel. Where it cannot run
+    (no fake values here, a kernel that needs real tensors: the build then fails or keeps
+    the op), none either, said in the debug log and tried again at the next graph."""
+    name = op.name()
+    if name in _KERNEL_FILES:
+        return _KERNEL_FILES[name]
+    found: set[str] = set()
+    for kernel in _inlined_kernels(op):
+        files = _files_run_by(kernel, node, name)
+        if files is None:
+            return ()
+        found |= files
+    # And the files of the modules those import (``from consts import SCALE``): a value
+    # read at import leaves no frame of its file while the kernel runs.
+    found |= {f for path in found for f in _imported_files(path)}
+    _KERNEL_FILES[name] = _python_files_outside_torch(found)
+    return _KERNEL_FILES[name]
+
+
+def _inlined_kernels(op: torch._ops.OpOverload) -> list[Callable[..., Any]]:
+    """What a build may inline for ``op``: its ``CompositeImplicitAutograd`` kernel (a C++
+    registration's, or a ``py_impl``'s, which ``decompose`` prefers), and a decomposition
+    registered in Inductor's table."""
+    kernels: list[Callable[..., Any]] = []
+    try:
+        composite = torch._C._dispatch_has_kernel_for_dispatch_key(
+            op.name(), "CompositeImplicitAutograd")
+    except RuntimeError:  # not an operator the dispatcher knows by that name
+        composite = False
+    if composite or torch._C.DispatchKey.CompositeImplicitAutograd in op.py_kernels:
+        kernels.append(op.decompose)
+    inductor = sys.modules.get("torch._inductor.decomposition")
+    table = getattr(inductor, "decompositions", None)
+    if isinstance(table, dict) and op in table:
+        kernels.append(table[op])
+    return kernels
+
+
+def _imported_files(path: str) -> set[str]:
+    """The files of the modules that the module loaded from ``path`` imports by name
+    (``import a``, ``from a import b``, relative ones too), as this process loaded them;
+    none where it is not loaded or does not parse."""
+    module = next((m for m in list(sys.modules.values())
+                   if getattr(m, "__file__", None) and os.path.abspath(m.__file__) == path),
+                  None)
+    if module is None:
+        return set()
+    try:
+        with open(path, "rb") as f:
+            tree = ast.parse(f.read())
+    except (OSError, SyntaxError, ValueError):
+        return set()
+    package = getattr(module, "__package__", None) or ""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                parts = package.split(".")
+                base = ".".join([*parts[:len(parts) - node.level + 1], *filter(None, [base])])
+            names.add(base)
+            names |= {f"{base}.{alias.name}" for alias in node.names}  # submodules
+    files = set()
+    for name in names:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if isinstance(file, str) and not os.path.abspath(file).startswith(stdlib_dir()):
+            files.add(os.path.abspath(file))
+    return files
+
+
+def _overloads(target: Any) -> list[torch._ops.OpOverload]:
+    """The overloads a call of ``target`` may reach: itself, or each of a packet's (Dynamo
+    keeps ``torch.ops.ns.op`` as called)."""
+    if isinstance(target, torch._ops.OpOverload):
+        return [target]
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return [getattr(target, name) for name in target.overloads()]
+    return []
+
+
+def _files_run_by(kernel: Callable[..., Any], node: fx.Node, name: str) -> set[str] | None:
+    """The files of the Python functions ``kernel`` (a decomposition of operator ``name``)
+    calls on ``node``'s fake values; None where they are not all there, or the call fails.
+
+    Run on a thread of its own: its profile hook is that thread's alone (a caller's
+    profiler on this one is left as it is), and no tracing context of this thread
+    (Dynamo's, at a ``torch.compile`` backend's call) gives the kernel another fake mode
+    than its values'."""
+    values = []
+
+    def value(a: Any) -> Any:
+        if isinstance(a, fx.Node):  # Dynamo's graph has ``example_value``, others ``val``
+            fake = a.meta.get("val", a.meta.get("example_value"))
+            if fake is None:
+                raise LookupError(a.name)
+            values.append(fake)
+            return fake
+        return a
+
+    try:
+        args, kwargs = fx.node.map_aggregate((node.args, node.kwargs), value)
+    except LookupError:
+        return None
+    mode = fake_mode_of(values)
+    if mode is None:
+        return None
+    files: set[str] = set()
+    failed: list[BaseException] = []
+    # The kernel is called from torch's ``_ops.py`` (through the dispatcher) or from here;
+    # what it calls outside torch, and what that calls, is its code. torch's own machinery
+    # on the way (fake tensors, symbolic shapes, and what they call) is not.
+    callers = {os.path.abspath(torch._ops.__file__), os.path.abspath(__file__)}
+    kernel_frames: set[Any] = set()  # the frames themselves: an id could be reused
+
+    def note(frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or frame.f_back is None:
+            return
+        file = os.path.abspath(frame.f_code.co_filename)
+        if file.startswith(torch_dir()):
+            return
+        caller = frame.f_back
+        if caller in kernel_frames or os.path.abspath(caller.f_code.co_filename) in callers:
+            kernel_frames.add(frame)
+            files.add(file)
+
+    def run() -> None:
+        try:
+            with mode, torch.no_grad():
+                sys.setprofile(note)
+                try:
+                    kernel(*args, **kwargs)
+                finally:
+                    sys.setprofile(None)
+        except Exception as e:  # a kernel that runs only on real tensors: the build's to say
+            failed.append(e)
+
+    thread = threading.Thread(target=run, name="cachebuild-kernel-files", daemon=True)
+    thread.start()
+    thread.join()
+    kernel_frames.clear()
+    if failed:
+        log.debug(
+            "the kernel of %s did not run on fake values (%s: %s): the files it calls are "
+            "not known", name, type(failed[0]).__name__, failed[0])
+        return None
+    return files
 
 
 #: Dropout's functions, which draw only in training and at a probability above 0:

@@ -125,14 +125,28 @@ def _symbol_values(metas: Sequence[InputMeta], shapes: Sequence[Sequence[int] | 
 
 
 def _traced_contiguous(m: InputMeta) -> bool:
-    """True if the traced strides are the contiguous ones for every value of the symbols."""
+    """True if the traced strides are the contiguous ones for every value of the symbols;
+    False where a stride is a symbol of its own (a view's, that no size gives)."""
     probe = {s: 7 for s in symbols_in(m)}  # any value: strides are polynomials in the sizes
     probe2 = {s: 11 for s in symbols_in(m)}
     for values in (probe, probe2):
-        shape = [eval_dim(d, values) for d in m.shape]
-        if tuple(eval_dim(s, values) for s in m.stride) != contiguous_strides(shape):
+        try:
+            shape = [eval_dim(d, values) for d in m.shape]
+            if tuple(eval_dim(s, values) for s in m.stride) != contiguous_strides(shape):
+                return False
+        except (NameError, ValueError):
             return False
     return True
+
+
+def _evaluated(dims: Sequence[int | str], values: dict[str, int]) -> tuple[int, ...]:
+    """``dims`` (sizes or strides) at the symbols' ``values``; empty (unchecked) where one
+    names a symbol no dynamic dim gives (a stride Dynamo made a symbol of its own: the
+    compiled code reads it from the tensor)."""
+    try:
+        return tuple(eval_dim(d, values) for d in dims)
+    except (NameError, ValueError):
+        return ()
 
 
 class CallCheck:
@@ -173,11 +187,7 @@ class CallCheck:
             values = dict.fromkeys(self._symbols, size) if size is not None else {}
             found = {}
             for i, m in self.args:
-                try:
-                    shape = tuple(eval_dim(d, values) for d in m.shape)
-                    found[i] = (shape, tuple(eval_dim(s, values) for s in m.stride))
-                except (NameError, ValueError):  # a symbol no dynamic dim gives: unchecked
-                    found[i] = ((), ())
+                found[i] = (_evaluated(m.shape, values), _evaluated(m.stride, values))
             self._expected[size] = found
         return found
 
@@ -250,9 +260,27 @@ class CallCheck:
                     f"{size}: every dynamic dim must have the same size (traced as {traced})")
 
     def _wrong_layout(self, i: int, a: torch.Tensor, want: str) -> None:
-        raise UsageError(f"argument {i} has strides {tuple(a.stride())}, but the compiled model "
-                         f"reads it as {want} (an expanded or sliced view?); pass "
-                         f"`.contiguous()` of it")
+        what = ("another memory format: channels_last?" if _dense(a)
+                else "an expanded or sliced view?")
+        if i in self.written:  # a copy would take the writes, not the caller's tensor
+            raise UsageError(f"argument {i} has strides {tuple(a.stride())} ({what}), but the "
+                             f"compiled model was traced with {want} and writes it in place: "
+                             "pass it with the layout of the first call's (a contiguous copy "
+                             "would take the writes instead of it)")
+        raise UsageError(f"argument {i} has strides {tuple(a.stride())} ({what}), but the "
+                         f"compiled model reads it as {want}; pass `.contiguous()` of it")
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether ``t``'s elements fill its memory without gaps or overlap, in any order of
+    dims (a permuted or channels_last tensor is; a slice or an expanded view is not)."""
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(t.shape, t.stride(), strict=True)
+                               if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def check_unshared_weights(weights: Sequence[tuple[str, torch.Tensor]],
@@ -292,8 +320,13 @@ def _extent(t: torch.Tensor) -> tuple[int, int]:
     if t.numel() == 0:
         return (0, 0)
     start = t.data_ptr()  # strides are never negative in torch
-    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
-    return (start, start + (last + 1) * t.element_size())
+    return (start, start + elements_spanned(t) * t.element_size())
+
+
+def elements_spanned(t: torch.Tensor) -> int:
+    """How many elements of its storage a non-empty ``t`` spans, from its first to its
+    last (gaps between them included: a column slice spans the rows' full width)."""
+    return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
 
 
 class LayoutGuard:

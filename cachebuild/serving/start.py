@@ -114,7 +114,8 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             if entry is None:
                 notice.must_trace(model, found.why, store, found.factors)
                 values = _values(model)
-                entry = traced = planner.trace(args, found)
+                with notice.tracing(model):
+                    entry = traced = planner.trace(args, found)
             builder = Builder(store, config, planner.passes, device)
             # Serving meanwhile, where the config asks, while what is missing builds.
             serving = None

@@ -45,6 +45,7 @@ from cachebuild.tracing.guards import (
     process_state,
     resolve,
     singleton,
+    step,
 )
 from cachebuild.trust.sources import module_root
 
@@ -500,8 +501,8 @@ def _with_aliases(records: list[GuardRecord], model: Any, args: Sequence[Any]
             value = resolve(r.path, model, args)
         except Exception:
             continue
-        for step, held in _held_by(value):
-            path = (*r.path, step)
+        for hop, held in _held_by(value):
+            path = (*r.path, hop)
             if id(held) in objects and objects[id(held)] is held and repr(path) not in known:
                 known.add(repr(path))
                 records.append(GuardRecord(path, "alias"))
@@ -510,9 +511,15 @@ def _with_aliases(records: list[GuardRecord], model: Any, args: Sequence[Any]
             for i, r in enumerate(records)]
 
 
-#: How environment variables are named by convention: what a constant must look like to be
-#: taken for one.
-_ENV_NAME = re.compile(r"^[A-Z][A-Z0-9_]{2,}$")
+#: What a constant must look like to be taken for an environment variable's name: any
+#: identifier (``PA_FLAG``, ``my_flag``, ``PA``). Taking more names than were read costs a
+#: watched value each; taking fewer would serve a forward traced for another value.
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+#: Variables a shell sets anew for each command or folder (bash's ``_`` is the command's
+#: path): a constant of that name (``"_".join(...)``) is not taken for one the forward
+#: reads, or ``cachebuild warm`` and the server would read other values.
+_SHELL_NAMES = frozenset({"_", "PWD", "OLDPWD", "SHLVL"})
 
 
 def environment_records(records: list[GuardRecord], code_objects: Sequence[types.CodeType],
@@ -521,8 +528,9 @@ def environment_records(records: list[GuardRecord], code_objects: Sequence[types
 
     Dynamo guards the environment object when traced code reads it, but not the variable
     read (not even its absence), so a variable set later would go unnoticed. Where the
-    trace read the environment, every upper-case string constant of the traced code, and
-    every upper-case string the trace's other records compare a value with (a name held
+    trace read the environment (``_reads_environment``), every string constant of the
+    traced code that could name a variable, and every such string the trace's other
+    records compare a value with (a name held
     by an attribute or a config object: ``os.environ.get(self.flag_name)``), is taken for
     a variable name and its value recorded: more than were read, never fewer named by a
     constant or a value the trace read. A name the forward builds from other strings
@@ -536,6 +544,7 @@ def environment_records(records: list[GuardRecord], code_objects: Sequence[types
     for r in records:
         if r.check == "equals":
             names |= {s for s in _strings(r.expected) if _ENV_NAME.match(s)}
+    names -= _SHELL_NAMES
     return [GuardRecord((("env", name),), "equals", None, os.environ.get(name))
             for name in sorted(names)]
 
@@ -693,14 +702,27 @@ def requires_grad_records(code_objects: Sequence[types.CodeType],
     return records
 
 
+def _environment_objects() -> tuple[Any, ...]:
+    """What a trace that reads the environment reaches: ``os.environ`` (however it is
+    held: ``os.environ``, ``from os import environ``, an attribute), its dict, or
+    ``os.getenv``, whose read of the environment Dynamo inlines without a guard on it."""
+    found = [os.environ, os.environ._data, os.getenv]  # type: ignore[attr-defined]
+    found += [getattr(os, name) for name in ("environb", "getenvb") if hasattr(os, name)]
+    return tuple(found)
+
+
 def _reads_environment(record: GuardRecord, model: Any, args: Sequence[Any]) -> bool:
-    for k, s in enumerate(record.path):
-        if s == ("attr", "environ"):
-            try:
-                return resolve(record.path[:k + 1], model, args) is os.environ
-            except Exception:
-                return False
-    return False
+    """Whether ``record``'s path passes through the environment (``_environment_objects``)."""
+    reached = _environment_objects()
+    try:
+        value = resolve(record.path[:1], model, args)
+        for s in record.path[1:]:
+            if any(value is o for o in reached):
+                return True
+            value = step(value, s)
+    except Exception:
+        return False
+    return any(value is o for o in reached)
 
 
 def _strings(value: Any) -> list[str]:

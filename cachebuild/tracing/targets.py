@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cachebuild import compat, keep
-from cachebuild.graph.facts import SYMBOL, InputMeta, op_files, random_ops, torch_dir, user_ops
+from cachebuild.graph.facts import SYMBOL, InputMeta, random_ops, torch_dir, user_op_files
 from cachebuild.graph.graphdiff import user_frame
 from cachebuild.keys import make_key
 from cachebuild.tracing.distributed import layout_factors
@@ -126,12 +126,8 @@ def op_sources(graph: Any) -> dict[str, list[str | None]]:
     ``CompositeImplicitAutograd`` decomposition), which the graph names only by the op's
     name, so an edit of them is another target. Empty where there is none (other keys
     stay as they were)."""
-    out: dict[str, list[str | None]] = {}
-    for qualname in user_ops(graph):
-        files = op_files(qualname)
-        if files:
-            out[qualname] = [digest_of(f) for f in files]
-    return out
+    return {qualname: [digest_of(f) for f in files]
+            for qualname, files in user_op_files(graph).items()}
 
 
 #: The version of this recipe, a factor of every key: bumped where a factor is added that

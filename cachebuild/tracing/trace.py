@@ -31,11 +31,11 @@ from cachebuild.graph.facts import (
     device_of,
     holds_at,
     meta_of,
-    op_files,
     torch_dir,
     unpin_device,
-    user_ops,
+    user_op_files,
 )
+from cachebuild.graph.inputs import elements_spanned
 from cachebuild.graph.outputs import item_outputs, output_builder, output_recipe, returned
 from cachebuild.graph.weights import hooks_hidden
 from cachebuild.tracing.guards import (
@@ -157,6 +157,7 @@ def _bind(model: torch.nn.Module, args: list[Any], inputs: list[Any],
         elif id(value) in by_id:
             bindings.append(by_id[id(value)])
         else:
+            _refuse_held_tensors(args, value)
             raise UsageError(
                 "the traced graph reads a tensor that is neither a parameter, a buffer nor a "
                 "call argument of the model (a plain tensor attribute, a NumPy array or a "
@@ -164,6 +165,22 @@ def _bind(model: torch.nn.Module, args: list[Any], inputs: list[Any],
                 "in a warm process"
             )
     return bindings
+
+
+def _refuse_held_tensors(args: list[Any], value: Any) -> None:
+    """A UsageError naming the argument that holds the graph's input ``value`` in a
+    container (a list of caches, a dict of extras), if one does: only tensors passed as
+    arguments themselves are bound to a warm process's calls."""
+    from torch.utils._pytree import tree_leaves
+
+    for i, a in enumerate(args):
+        if not isinstance(a, torch.Tensor) and any(leaf is value for leaf in tree_leaves(a)):
+            raise UsageError(
+                f"argument {i} holds tensors in a {type(a).__name__}, which "
+                "cachebuild.compile does not bind to later calls (only tensors passed as "
+                "arguments themselves): pass each tensor as an argument of its own, or "
+                "compile with torch.compile(model, backend=cachebuild.backend(...)), whose "
+                "Dynamo takes containers")
 
 
 def _bind_symint(value: torch.SymInt, args: list[Any], dynamic_dims: dict[int, int]) -> Binding:
@@ -228,8 +245,9 @@ def check_shape_guards(guards: list[Any], symbols: set[Any],
                 text = str(guard)
                 for s in symbols:
                     text = re.sub(rf"\b{s}\b", "T", text)
-                branch = (f"the model's forward takes another branch at size {bad} than at "
-                          f"{traced_at} (it holds only where {text})")
+                branch = (f"the model's forward (its code, or an op it calls that torch "
+                          f"handles otherwise by size, as a convolution) takes another branch "
+                          f"at size {bad} than at {traced_at} (it holds only where {text})")
                 if len(failing) < hi - lo + 1:
                     raise UsageError(f"{branch}, and compile range ({lo}, {hi}) holds both: "
                                      "keep every compile range on one side of that size")
@@ -436,8 +454,8 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     # traced, outside inference mode: tensors made in it keep no version counter, which
     # the trace's look at what a graph writes reads (``graph_effects``).
     with torch.inference_mode(False):
-        args = [a.detach().clone().requires_grad_(a.requires_grad)
-                if isinstance(a, torch.Tensor) else a for a in args]
+        args = [_copy_as_is(a, dynamic=i in dynamic_dims) if isinstance(a, torch.Tensor)
+                else a for i, a in enumerate(args)]
     check_call_dims(args, dynamic_dims)
     for i, d in dynamic_dims.items():
         if args[i].shape[d] == 1:
@@ -589,7 +607,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
             unrecordable = f"{wrong[0].describe()} right after tracing"
     # The files that registered the ops the graph calls: a build may inline their kernels,
     # so an edit of one makes the entry stale (and its targets other ones).
-    op_defs = [f for q in user_ops(gm.graph) for f in op_files(q)]
+    op_defs = [f for files in user_op_files(gm.graph).values() for f in files]
     files, stamps = _traced_files(captured["code"], [*generated_from, *op_defs])
     return TracedGraph(
         gm=gm,
@@ -605,6 +623,21 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         guards=guards,
         unrecordable=unrecordable,
     )
+
+
+def _copy_as_is(t: torch.Tensor, dynamic: bool) -> torch.Tensor:
+    """A copy of ``t`` with its strides (a column slice of a larger cache, an expanded
+    view), its requires_grad too: traced as the caller passes it, so that calls with the
+    same layout are served (``clone`` of a view with gaps would be contiguous). One with a
+    dynamic dim (``dynamic``) is cloned: Dynamo would give a view's other strides symbols
+    of their own, which no build reads from the call."""
+    if dynamic or t.is_contiguous() or t.numel() == 0 or t.layout != torch.strided:
+        copy = t.detach().clone()
+    else:
+        span = elements_spanned(t)
+        memory = t.detach().as_strided((span,), (1,)).clone()  # from t's first element
+        copy = memory.as_strided(t.shape, t.stride())
+    return copy.requires_grad_(t.requires_grad)
 
 
 def _unkeyed_code(model: torch.nn.Module, code_objects: list[Any]) -> tuple[str | None, list[str]]:
