@@ -5,7 +5,9 @@ file lies now, and an edit anywhere it is loaded is a change."""
 from __future__ import annotations
 
 import linecache
+import os
 import sys
+import time
 import types
 
 import pytest
@@ -192,3 +194,22 @@ def test_a_changed_copy_is_named_not_another_file_of_its_name(monkeypatch, tmp_p
     assert sources.changed(recorded, digest) is None
     (tmp_path / "model" / "helpers.py").write_text(CODE.replace("return 1", "return 6"))
     assert sources.changed(recorded, digest) == recorded
+
+
+def test_a_same_size_edit_with_its_time_put_back_is_a_change(monkeypatch, tmp_path):
+    """An edit that keeps the file's size and puts its modification time back (``touch
+    -r``, an image build that gives every file one time) still changes its stamp: the
+    change time is the kernel's. A stamp is not kept for a file changed just now (the
+    kernel's clock for file times is coarse), so such a file is read again."""
+    path = tmp_path / "kernels.py"
+    path.write_text(CODE)
+    os.utime(path, ns=(10**18, 10**18))
+    assert sources.stamped_digest(str(path))[1] is None  # changed less than RACY_S ago
+    monkeypatch.setattr(sources, "RACY_S", 0.0)
+    digest, stamp = sources.stamped_digest(str(path))
+    assert stamp is not None and sources.changed(str(path), digest, stamp) is None
+    time.sleep(0.05)  # past the kernel's tick, as a real edit would be
+    path.write_text(CODE.replace("return 1", "return 7"))
+    os.utime(path, ns=(10**18, 10**18))
+    assert path.stat().st_size == stamp[0] and path.stat().st_mtime_ns == stamp[1]
+    assert sources.changed(str(path), digest, stamp) == str(path)

@@ -102,7 +102,7 @@ class Entry:
     #: What the tracing process knew of each source label its guards name (file name,
     #: module name, hash): how ``explain`` names a change of code.
     sources: dict[str, dict[str, Any]] = field(default_factory=dict)
-    #: Each traced file's size and time as of its hash (``sources.stamp``).
+    #: Each traced file's size and times as of its hash (``sources.stamp``).
     source_stamps: dict[str, list[int]] = field(default_factory=dict)
     #: Each traced file of an installed library: its path inside the library folder
     #: (``peft/config.py``), by which it is found and never confused with a file of the

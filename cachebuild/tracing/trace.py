@@ -84,7 +84,7 @@ class TracedGraph:
     fake_inputs: list[Any] = field(default_factory=list)
     guards: list[GuardRecord] = field(default_factory=list)  # what the trace read
     unrecordable: str | None = None  # why no entry may be stored for this trace
-    source_stamps: dict[str, list[int]] = field(default_factory=dict)  # size, time per file
+    source_stamps: dict[str, list[int]] = field(default_factory=dict)  # size, times per file
     #: Each traced file of an installed library: its path inside the library folder
     #: (``sources.library_path``), by which a later process finds it.
     source_libraries: dict[str, str] = field(default_factory=dict)
@@ -116,7 +116,7 @@ def _traced_files(code_objects: list[Any], more: Sequence[str] = ()
     """Sources whose code Dynamo traced (and ``more``), outside torch itself (its version is
     in every key): files by their absolute path, code compiled from linecache text (a
     notebook cell) by its linecache name; each with the hash of its syntax tree. And each
-    file's stamp (size, time) as of that hash, so that a warm start need not read an
+    file's stamp (size, times) as of that hash, so that a warm start need not read an
     unchanged file again."""
     files: dict[str, str] = {}
     stamps: dict[str, list[int]] = {}

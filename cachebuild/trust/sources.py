@@ -27,6 +27,7 @@ import linecache
 import os
 import re
 import sys
+import time
 import types
 import weakref
 from dataclasses import dataclass
@@ -118,27 +119,36 @@ def library_module(rel: str) -> str:
     return ".".join(parts)
 
 
-_FILE_DIGESTS: dict[str, tuple[tuple[int, int, int], str | None]] = {}
+_FILE_DIGESTS: dict[str, tuple[tuple[int, ...], str | None]] = {}
+
+#: A stamp taken this soon after its file last changed is not kept: the kernel's clock for
+#: file times is coarse (milliseconds), so a second edit in the same tick would leave the
+#: stamp as it was (git's "racily clean" files).
+RACY_S = 2.0
 
 
 def stamp(path: str) -> list[int] | None:
-    """A file's size and modification time in ns: equal stamps, equal contents (as make
-    and git take it). None if there is no such file."""
+    """A file's size, modification time and change time in ns: equal stamps, equal
+    contents. The change time is the kernel's own (``touch -r``, ``cp -p`` or an image
+    build that sets every modification time to one value do not put it back), so a
+    same-size edit is seen where the modification time alone would hide it. None if
+    there is no such file."""
     try:
         st = os.stat(path)
     except (OSError, ValueError):
         return None
-    return [st.st_size, st.st_mtime_ns]
+    return [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def file_digest(path: str) -> str | None:
     """The hash of a file's syntax tree (None: no such file, or not Python), read again
-    only when the file's size, time or inode changed."""
+    only when the file's size, times or inode changed (and each time while it changed
+    less than ``RACY_S`` ago)."""
     try:
         st = os.stat(path)
     except (OSError, ValueError):
         return None
-    key = (st.st_mtime_ns, st.st_size, st.st_ino)
+    key = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
     known = _FILE_DIGESTS.get(path)
     if known is not None and known[0] == key:
         return known[1]
@@ -147,16 +157,20 @@ def file_digest(path: str) -> str | None:
             digest = ast_hash_text(f.read())
     except OSError:
         digest = None
-    _FILE_DIGESTS[path] = (key, digest)
+    if time.time_ns() - st.st_ctime_ns >= RACY_S * 1e9:
+        _FILE_DIGESTS[path] = (key, digest)
     return digest
 
 
 def stamped_digest(path: str) -> tuple[str | None, list[int] | None]:
     """A file's digest and its stamp (``stamp``) as of that digest: None for the stamp
-    if the file changed while it was read (then only the digest can tell it again)."""
+    if the file changed while it was read, or less than ``RACY_S`` before (then only
+    the digest can tell it again)."""
     before = stamp(path)
     digest = file_digest(path)
-    return digest, before if before is not None and stamp(path) == before else None
+    if before is None or stamp(path) != before or time.time_ns() - before[2] < RACY_S * 1e9:
+        return digest, None
+    return digest, before
 
 
 _TEXT_DIGESTS: dict[str, tuple[int, str | None]] = {}
