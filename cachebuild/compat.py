@@ -8,6 +8,7 @@ say what each difference papers over.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import platform
 import sys
@@ -908,3 +909,20 @@ def user_dispatch_mode() -> bool:
             continue
         return True
     return False
+
+
+def prepare_inductor(devices: list[torch.device]) -> None:
+    """Inductor's first-use set-up, done before a build needs it (about a second on a
+    CPU): its pattern passes for ``devices`` (registered lazily, per input device) and
+    the system description its caches hash. Only a head start: a part this torch lacks
+    or that fails is left to the build, which sets it up as it always does."""
+    from torch._inductor import codecache
+    from torch._inductor.fx_passes import joint_graph, post_grad
+
+    steps: list[Callable[[], object]] = [post_grad.lazy_init,
+                                          getattr(codecache.CacheBase, "get_system", None)]
+    steps += [functools.partial(joint_graph.lazy_init, d) for d in devices]
+    for step in steps:
+        if step is not None:
+            with contextlib.suppress(Exception):
+                step()

@@ -499,7 +499,8 @@ def _build_here(jobs: list[BuildJob], store: Store, on_done: Done,
 def warm(model: ModelSource, *, store: StoreArg = None,
          jobs: int | None = None, device: str | None = None, world_size: int | None = None,
          dry_run: bool = False, say: Say | None = None,
-         on_target: Callable[[TargetReport, int, int], None] | None = None) -> WarmReport:
+         on_target: Callable[[TargetReport, int, int], None] | None = None,
+         here: int = 0) -> WarmReport:
     """Build every target ``model`` needs that is not stored, and record its entry.
 
     ``model``: a MODEL.py path, a ``build`` function or a ``ModelSpec``. ``store`` as for
@@ -508,7 +509,9 @@ def warm(model: ModelSource, *, store: StoreArg = None,
     ``pool.cold_start_jobs``). ``device``, ``world_size``: as for ``plan``. ``dry_run``:
     build and record nothing (the report's states are then ``plan``'s). ``say``: told, in
     words, when the model is traced; ``on_target(target, done, total)``: called as each
-    target finishes.
+    target finishes. ``here``: up to this many missing targets of a model file build in
+    this process, no worker started (a process that has set up Inductor already: a round
+    of ``cachebuild warm --watch``); more build in workers.
 
     A model file's workers start as soon as the model is to be traced, so that their
     imports overlap the trace. Each built target's report holds its build's phases
@@ -526,19 +529,19 @@ def warm(model: ModelSource, *, store: StoreArg = None,
     """
     try:
         return warm_once(model, store=store, jobs=jobs, device=device, world_size=world_size,
-                         dry_run=dry_run, say=say, on_target=on_target)
+                         dry_run=dry_run, say=say, on_target=on_target, here=here)
     except ToolchainRefuted as e:
         progress.warning("%s; planning again", e)
         get_backend("inductor").forget_refuted(e.device)
         return warm_once(model, store=store, jobs=jobs, device=device, world_size=world_size,
-                         dry_run=dry_run, say=say, on_target=on_target)
+                         dry_run=dry_run, say=say, on_target=on_target, here=here)
 
 
 def warm_once(model: ModelSource, *, store: StoreArg = None,
               jobs: int | None = None, device: str | None = None,
               world_size: int | None = None, dry_run: bool = False, say: Say | None = None,
-              on_target: Callable[[TargetReport, int, int], None] | None = None
-              ) -> WarmReport:
+              on_target: Callable[[TargetReport, int, int], None] | None = None,
+              here: int = 0) -> WarmReport:
     """``warm``, once."""
     from cachebuild.building.build import jobs_of, proven_by_build
     from cachebuild.building.entry import record_entry
@@ -571,8 +574,8 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
                 from cachebuild.backends.kernel_dir import check_cxx_work_dir
 
                 check_cxx_work_dir(opened.work_dir)
-            # a guess: the trace says later
-            start_workers(lambda: expected_targets(len(config.buckets()), edited=edited()))
+            if not here:  # a guess: the trace says later
+                start_workers(lambda: expected_targets(len(config.buckets()), edited=edited()))
 
         group = list(plan_group(source, opened, device, world_size, say, before_trace,
                                 touch=not dry_run))
@@ -614,7 +617,7 @@ def warm_once(model: ModelSource, *, store: StoreArg = None,
 
         if missing:
             _check_keeps(opened, len(missing))
-            if source.file is not None and options is not None:
+            if source.file is not None and options is not None and len(missing) > here:
                 start_workers(lambda: len(missing))
                 assert pool is not None
                 if jobs is None:  # the guess at the trace may have been short

@@ -176,25 +176,42 @@ def _progress(console: Console, verbose: bool = False
               help="MODEL.py is tensor-parallel: plan each of N ranks in this process under "
                    "torch's fake process group (no GPUs, no other processes) and build "
                    "each unique target once for the whole group.")
+@click.option("--watch", is_flag=True,
+              help="Keep running: warm again each time MODEL.py or a file its model was "
+                   "traced from changes, in a process that has imported torch and set up "
+                   "Inductor while you edited. Ctrl-C ends.")
+@click.option("--round", "round_", is_flag=True, hidden=True,
+              help="One round of --watch: prepare, wait for a line on stdin, then warm.")
 @click.pass_context
 def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str | None,
-                 dry_run: bool, world_size: int | None) -> None:
+                 dry_run: bool, world_size: int | None, watch: bool, round_: bool) -> None:
     """Build every missing target of MODEL.py ahead of deploy and record its entry.
 
     MODEL.py defines build() -> cachebuild.ModelSpec. A target that fails is reported with
     its piece, bucket, key and the compiler's message; the others still build (exit 1).
     With --world-size N, build() is called once per rank, with torch.distributed's rank
     and world size set as torchrun would (a fake process group), and every rank's entry
-    is recorded.
+    is recorded. With --watch, it warms again after each edit until Ctrl-C.
     """
     from cachebuild.warming import warm
 
+    if watch:
+        if dry_run:
+            raise click.UsageError("--watch builds after each edit: leave out --dry-run")
+        _watch(ctx, model, jobs, device, world_size)
+        return
     console = _console()
     say = _say(console)
     verbose = bool(getattr(ctx.obj, "verbose", False))
+    here = 0
+    if round_:
+        here = _round_ready(device)
+        if not here:
+            return
     with _progress(console, verbose) as (on_target, _):
         report = warm(model, store=_store_for(ctx, look=dry_run), jobs=jobs, device=device,
-                      world_size=world_size, dry_run=dry_run, say=say, on_target=on_target)
+                      world_size=world_size, dry_run=dry_run, say=say, on_target=on_target,
+                      here=here)
     if dry_run:
         _plan_table(report, console, state_of(ctx).open_store())
         would = len(report.targets) - len(report.with_state("stored"))
@@ -215,8 +232,59 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
         f"{plural(total, 'target')}: {len(report.stored)} already stored, "
         f"{len(report.built)} built, {len(report.failed)} failed, in {report.seconds:.1f} s; "
         f"{_entries_said(report)}")
+    if round_:
+        from cachebuild import watching
+
+        store = state_of(ctx).open_store()
+        watching.tell_files(watching.traced_files(store, [e.key for e in report.entries]))
     if not report.ok:
         ctx.exit(1)
+
+
+def _round_ready(device: str | None) -> int:
+    """A round of ``--watch``: make the imports and set-up every round needs, then wait
+    for the watching process to say go. How many missing targets to build in this
+    process (set up for them), or 0 where the watching process has gone."""
+    import signal
+
+    from cachebuild import watching
+
+    # Ctrl-C at the terminal reaches every process of the group: the watching process
+    # ends a round that waits (its stdin closes); only a round under way stops on it.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        watching.prepare(device)
+        if not watching.wait_for_go():
+            return 0
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    return 1
+
+
+def _watch(ctx: click.Context, model: str, jobs: int | None, device: str | None,
+           world_size: int | None) -> None:
+    """``warm --watch``: rounds of ``warm --round`` with this command's options, until
+    Ctrl-C."""
+    from cachebuild import watching
+
+    top = ctx.find_root().params
+    args: list[str] = []
+    for name in ("cache_dir", "remote", "remote_mode"):
+        if top.get(name) is not None:
+            args += ["--" + name.replace("_", "-"), str(top[name])]
+    args += ["--allow-unsigned"] if top.get("allow_unsigned") else []
+    args += ["-v"] if top.get("verbose") else []
+    args += ["warm", model, "--round"]
+    for flag, value in (("--jobs", jobs), ("--device", device), ("--world-size", world_size)):
+        if value is not None:
+            args += [flag, str(value)]
+    console = _console()
+    try:
+        watching.watch(args, model, _say(console))
+    except KeyboardInterrupt as e:
+        if type(e) is not KeyboardInterrupt:  # SIGTERM: ended as every command is
+            raise
+        console.print("stopped watching")  # Ctrl-C is how a watch ends: exit 0
 
 
 def _store_for(ctx: click.Context, look: bool = False) -> Store:

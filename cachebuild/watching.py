@@ -1,0 +1,218 @@
+"""Warming again as a model's code changes: ``cachebuild warm --watch``.
+
+A new ``cachebuild warm`` after an edit pays, before the trace and the one build the edit
+needs, its process's start, the imports of torch, Dynamo and Inductor, and Inductor's
+first-use set-up: on a small model, more than the edit's own work. ``watch`` pays those
+while the user edits. It keeps one *round* ready: a ``cachebuild warm --round`` process
+that has made those imports (``prepare``) and waits for a line on its stdin, the model
+file not imported yet. When a watched file changes, that round goes: it imports the
+edited model, traces it, builds what changed (one target in that process, more in
+workers, as ``warm`` does) and records the entry. Each round is a new process, so nothing
+of the code before the edit stays loaded; the next round gets ready while the user edits.
+
+The watching process imports no torch. It watches the model file and every file the last
+round's entry was traced from, by their stamps (``sources.stamp``), ``POLL_S`` apart. A
+round says which files those are on its stdout, in a line that begins with ``FILES``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+#: Seconds between two looks at the watched files' stamps.
+POLL_S = 0.2
+
+#: Seconds a round has to end once told to (then it is killed).
+STOP_S = 30.0
+
+#: How a round's line naming the files to watch begins (the rest: a JSON list of paths).
+FILES = "cachebuild-watch-files "
+
+#: Runs a module as ``python -m`` does, with the given ``sys.path`` (a round imports
+#: from where the watching command does, which is where ``cachebuild warm`` would).
+_BOOT = ("import json, runpy, sys\n"
+         "sys.path[:] = json.loads(sys.argv[1])\n"
+         "sys.argv = sys.argv[2:]\n"
+         "runpy.run_module(sys.argv[0], run_name='__main__', alter_sys=True)\n")
+
+
+# -- in a round -------------------------------------------------------------------------
+
+def prepare(device: str | None) -> None:
+    """What every round needs before it knows the model: torch, Dynamo, Inductor, export
+    and cachebuild's tracing and building imported, and Inductor's first-use set-up made
+    for ``device`` (default: the CPU, and the first GPU where there is one)."""
+    import torch
+    import torch._dynamo  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401
+    import torch.export  # noqa: F401
+
+    import cachebuild.building.build  # noqa: F401
+    import cachebuild.building.planner  # noqa: F401
+    import cachebuild.passes.ops  # noqa: F401  # the fusion passes' ops
+    from cachebuild import compat
+
+    if device is not None:
+        devices = [torch.device(device)]
+    else:
+        devices = [torch.device("cpu")]
+        if torch.cuda.is_available():
+            devices.append(torch.device("cuda", 0))
+    devices = [d if d.type == "cpu" or d.index is not None else torch.device(d.type, 0)
+               for d in devices]
+    compat.prepare_inductor(devices)
+
+
+def wait_for_go() -> bool:
+    """Block until the watching process says go (a line on stdin): True; False where it
+    is gone (stdin closed) and the round is not to run."""
+    return bool(sys.stdin.readline())
+
+
+def tell_files(files: Sequence[str]) -> None:
+    """Say, on stdout, which files the watching process is to watch now."""
+    sys.stdout.write(FILES + json.dumps(sorted(set(files))) + "\n")
+    sys.stdout.flush()
+
+
+def traced_files(store: Any, entry_keys: Sequence[str]) -> list[str]:
+    """The files on disk, outside installed libraries, the stored entries ``entry_keys``
+    were traced from."""
+    from cachebuild.building.entry import read_entry
+    from cachebuild.trust.sources import is_library_file
+
+    files: set[str] = set()
+    for key in entry_keys:
+        data = store.get(key, touch=False)
+        entry = read_entry(data) if data is not None else None
+        for path in entry.source_files if entry is not None else ():
+            if os.path.isfile(path) and not is_library_file(path):
+                files.add(path)
+    return sorted(files)
+
+
+# -- in the watching process ------------------------------------------------------------------
+
+class Round:
+    """One ``cachebuild warm --round`` process: started at once (it prepares), told to go
+    later; its output is the command's own, but for the ``FILES`` line, kept here."""
+
+    def __init__(self, args: Sequence[str]) -> None:
+        self.files: list[str] | None = None
+        self.went = False  # told to go
+        self.done = threading.Event()  # its FILES line came, or it ended
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _BOOT, json.dumps(sys.path), "cachebuild.cli", *args],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        assert self.proc.stdout is not None
+        threading.Thread(target=self._relay, args=(self.proc.stdout,), daemon=True).start()
+
+    def _relay(self, out: IO[str]) -> None:
+        for line in out:
+            if line.startswith(FILES):
+                try:
+                    self.files = [str(p) for p in json.loads(line[len(FILES):])]
+                except ValueError:
+                    pass
+                self.done.set()
+            else:
+                sys.stdout.write(line)
+                sys.stdout.flush()
+        self.done.set()
+
+    def go(self) -> None:
+        """Start the round's work (it waits for this once prepared)."""
+        assert self.proc.stdin is not None
+        self.went = True
+        try:
+            self.proc.stdin.write("go\n")
+            self.proc.stdin.flush()
+        except BrokenPipeError:  # it ended already: ``wait`` says so
+            pass
+
+    def wait(self) -> int | None:
+        """Wait until the round has recorded its work (its FILES line) or ended: its exit
+        code where it ended without one (a model file that does not import, say), else
+        None (the process may still be ending: nothing of it is waited for)."""
+        self.done.wait()
+        if self.files is not None:
+            return None
+        return self.proc.wait()
+
+    def stop(self) -> None:
+        """End the round: one still waiting to go as its stdin closes; one under way as
+        a command ends on SIGTERM (its builds with it, the store whole)."""
+        if self.proc.stdin is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        if self.went and self.proc.poll() is None and self.files is None:
+            self.proc.terminate()
+        try:
+            self.proc.wait(timeout=STOP_S)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def stamps(files: Sequence[str]) -> dict[str, Any]:
+    """Each file's stamp (None: not there)."""
+    from cachebuild.trust.sources import stamp
+
+    return {f: stamp(f) for f in files}
+
+
+def next_change(seen: dict[str, Any], poll_s: float = POLL_S) -> tuple[str, float]:
+    """Block until one of the files of ``seen`` (file → stamp) has another stamp; return
+    it and when that was seen (``time.perf_counter()``). A change seen is waited on for
+    one more poll, so that a save written in steps is one change."""
+    while True:
+        now = stamps(list(seen))
+        changed = [f for f in seen if now[f] != seen[f]]
+        if changed:
+            at = time.perf_counter()
+            time.sleep(poll_s)
+            return changed[0], at
+        time.sleep(poll_s)
+
+
+def watch(args: Sequence[str], model_file: str, say: Callable[[str], None]) -> None:
+    """Run rounds of ``cachebuild`` ``args`` (a ``warm ... --round`` command line) for
+    ever: the first at once, each next one as a watched file changes, and say how long
+    each took from the change seen to its entry recorded. Ends with a KeyboardInterrupt
+    (Ctrl-C), the round under way with it."""
+    model = os.path.abspath(model_file)
+    files = [model]
+    seen = stamps(files)
+    current = Round(args)
+    current.go()
+    started, first = time.perf_counter(), True
+    try:
+        while True:
+            code = current.wait()
+            took = time.perf_counter() - started
+            if current.files is not None:
+                files = sorted(set(current.files) | {model})
+                new = stamps([f for f in files if f not in seen])
+                seen = {f: seen[f] if f in seen else new[f] for f in files}
+            current = Round(args)  # gets ready while the user edits
+            what = (f"round ended with exit code {code}" if code is not None
+                    else "warmed" if first else "warmed again")
+            since = "" if first else " after the change"
+            say(f"{what} in {took:.1f} s{since}; watching {len(files)} "
+                f"file{'' if len(files) == 1 else 's'} for changes (Ctrl-C ends)")
+            changed, started = next_change(seen)
+            first = False
+            seen = stamps(files)
+            say(f"{changed} changed: warming again")
+            current.go()
+    finally:
+        current.stop()
