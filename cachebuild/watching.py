@@ -32,8 +32,12 @@ POLL_S = 0.2
 #: Seconds a round has to end once told to (then it is killed).
 STOP_S = 30.0
 
-#: How a round's line naming the files to watch begins (the rest: a JSON list of paths).
+#: How a round's line naming the files to watch begins (the rest: JSON, the paths and
+#: whether every target was built or stored).
 FILES = "cachebuild-watch-files "
+
+#: The line a round says once prepared, ready to go.
+READY = "cachebuild-watch-ready"
 
 #: Runs a module as ``python -m`` does, with the given ``sys.path`` (a round imports
 #: from where the watching command does, which is where ``cachebuild warm`` would).
@@ -71,14 +75,18 @@ def prepare(device: str | None) -> None:
 
 
 def wait_for_go() -> bool:
-    """Block until the watching process says go (a line on stdin): True; False where it
-    is gone (stdin closed) and the round is not to run."""
+    """Say that this round is ready, then block until the watching process says go (a
+    line on stdin): True; False where it is gone (stdin closed) and the round is not to
+    run."""
+    sys.stdout.write(READY + "\n")
+    sys.stdout.flush()
     return bool(sys.stdin.readline())
 
 
-def tell_files(files: Sequence[str]) -> None:
-    """Say, on stdout, which files the watching process is to watch now."""
-    sys.stdout.write(FILES + json.dumps(sorted(set(files))) + "\n")
+def tell_files(files: Sequence[str], ok: bool) -> None:
+    """Say, on stdout, which files the watching process is to watch now, and whether
+    every target was built or stored (``ok``)."""
+    sys.stdout.write(FILES + json.dumps({"files": sorted(set(files)), "ok": ok}) + "\n")
     sys.stdout.flush()
 
 
@@ -102,11 +110,15 @@ def traced_files(store: Any, entry_keys: Sequence[str]) -> list[str]:
 
 class Round:
     """One ``cachebuild warm --round`` process: started at once (it prepares), told to go
-    later; its output is the command's own, but for the ``FILES`` line, kept here."""
+    later; its output is the command's own, but for its ``READY`` and ``FILES`` lines."""
 
-    def __init__(self, args: Sequence[str]) -> None:
+    def __init__(self, args: Sequence[str],
+                 on_ready: Callable[[float], None] | None = None) -> None:
         self.files: list[str] | None = None
+        self.ok = False  # every target built or stored
         self.went = False  # told to go
+        self.started = time.perf_counter()
+        self.on_ready = on_ready  # told its set-up's seconds, once ready
         self.done = threading.Event()  # its FILES line came, or it ended
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _BOOT, json.dumps(sys.path), "cachebuild.cli", *args],
@@ -116,10 +128,14 @@ class Round:
 
     def _relay(self, out: IO[str]) -> None:
         for line in out:
-            if line.startswith(FILES):
+            if line.rstrip("\n") == READY:
+                if self.on_ready is not None and not self.went:
+                    self.on_ready(time.perf_counter() - self.started)
+            elif line.startswith(FILES):
                 try:
-                    self.files = [str(p) for p in json.loads(line[len(FILES):])]
-                except ValueError:
+                    said = json.loads(line[len(FILES):])
+                    self.files, self.ok = [str(p) for p in said["files"]], bool(said["ok"])
+                except (ValueError, KeyError, TypeError):
                     pass
                 self.done.set()
             else:
@@ -184,11 +200,13 @@ def next_change(seen: dict[str, Any], poll_s: float = POLL_S) -> tuple[str, floa
         time.sleep(poll_s)
 
 
-def watch(args: Sequence[str], model_file: str, say: Callable[[str], None]) -> None:
+def watch(args: Sequence[str], model_file: str, say: Callable[[str], None],
+          on_ready: Callable[[float], None] | None = None) -> None:
     """Run rounds of ``cachebuild`` ``args`` (a ``warm ... --round`` command line) for
     ever: the first at once, each next one as a watched file changes, and say how long
-    each took from the change seen to its entry recorded. Ends with a KeyboardInterrupt
-    (Ctrl-C), the round under way with it."""
+    each took from the change seen to its entry recorded. ``on_ready(seconds)``: called
+    as each next round is ready (its set-up took ``seconds``). Ends with a
+    KeyboardInterrupt (Ctrl-C), the round under way with it."""
     model = os.path.abspath(model_file)
     files = [model]
     seen = stamps(files)
@@ -203,9 +221,10 @@ def watch(args: Sequence[str], model_file: str, say: Callable[[str], None]) -> N
                 files = sorted(set(current.files) | {model})
                 new = stamps([f for f in files if f not in seen])
                 seen = {f: seen[f] if f in seen else new[f] for f in files}
-            current = Round(args)  # gets ready while the user edits
             what = (f"round ended with exit code {code}" if code is not None
+                    else "round ended with targets that failed" if not current.ok
                     else "warmed" if first else "warmed again")
+            current = Round(args, on_ready)  # gets ready while the user edits
             since = "" if first else " after the change"
             say(f"{what} in {took:.1f} s{since}; watching {len(files)} "
                 f"file{'' if len(files) == 1 else 's'} for changes (Ctrl-C ends)")

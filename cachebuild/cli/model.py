@@ -236,7 +236,8 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
         from cachebuild import watching
 
         store = state_of(ctx).open_store()
-        watching.tell_files(watching.traced_files(store, [e.key for e in report.entries]))
+        watching.tell_files(watching.traced_files(store, [e.key for e in report.entries]),
+                            report.ok)
     if not report.ok:
         ctx.exit(1)
 
@@ -279,8 +280,13 @@ def _watch(ctx: click.Context, model: str, jobs: int | None, device: str | None,
         if value is not None:
             args += [flag, str(value)]
     console = _console()
+    verbose = bool(getattr(ctx.obj, "verbose", False))
+
+    def ready(seconds: float) -> None:
+        console.print(f"ready for the next edit (set up in {seconds:.1f} s)", highlight=False)
+
     try:
-        watching.watch(args, model, _say(console))
+        watching.watch(args, model, _say(console), ready if verbose else None)
     except KeyboardInterrupt as e:
         if type(e) is not KeyboardInterrupt:  # SIGTERM: ended as every command is
             raise
