@@ -292,6 +292,22 @@ def test_tensors_held_in_a_container_argument_are_refused_as_such(open_local, tm
     assert "register_buffer" not in str(refused.value)
 
 
+@pytest.mark.parametrize("held", ["buffer", "argument"])
+def test_a_held_tensor_that_is_also_a_buffer_or_an_argument_is_refused(open_local, tmp_path,
+                                                                     held):
+    """A container's tensor is the container's at each call, even where the first call's
+    is also a weight or another argument: bound as that, later calls would read it and
+    not what the container holds."""
+    net = WithExtras().eval()
+    net.register_buffer("shift", torch.randn(8))
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    compiled = cachebuild.compile(net, config, {}, store=open_local(tmp_path / "store"))
+    x = torch.randn(4, 8)
+    with pytest.raises(UsageError, match="argument 1 holds tensors in a dict"), \
+            torch.no_grad():
+        compiled(x, {"bias": net.shift if held == "buffer" else x})
+
+
 def test_a_callers_torch_function_mode_is_run_eagerly_as_a_dispatch_mode_is(open_local,
                                                                            tmp_path):
     """A mode that changes what ``F.linear`` returns, around a call: compiled code traced

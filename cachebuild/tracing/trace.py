@@ -154,10 +154,13 @@ def _bind(model: torch.nn.Module, args: list[Any], inputs: list[Any],
             bindings.append(_bind_symint(value, args, dynamic_dims))
         elif isinstance(value, int):
             bindings.append(Binding("const", dim=value))
-        elif id(value) in by_id:
-            bindings.append(by_id[id(value)])
         else:
+            # Held in a container argument, it is that argument's at each call, even where
+            # this call's is also a weight or another argument: refused before binding.
             _refuse_held_tensors(args, value)
+            if id(value) in by_id:
+                bindings.append(by_id[id(value)])
+                continue
             raise UsageError(
                 "the traced graph reads a tensor that is neither a parameter, a buffer nor a "
                 "call argument of the model (a plain tensor attribute, a NumPy array or a "
