@@ -182,3 +182,24 @@ def test_a_written_argument_with_gaps_is_traced_and_served_with_its_layout(open_
     with pytest.raises(UsageError, match="writes it in place") as refused, torch.no_grad():
         compiled(x, pos, torch.zeros(48, 16))
     assert ".contiguous()" not in str(refused.value)
+
+
+class Project(torch.nn.Module):
+    def forward(self, x, w):
+        return x @ w
+
+
+def test_static_arguments_of_one_order_but_other_strides_find_entries_of_their_own(open_local):
+    """A static argument is traced with its very strides: a start whose first call has
+    other strides (a transposed tensor against an expanded one, both with the same order
+    of dims) finds an entry of its own, not the other's, which would refuse every call."""
+    config = cachebuild.CompileConfig(compile_ranges=((1, 32),), backend="eager_fusion")
+    store = open_local()
+    model = Project().eval()
+    x = torch.randn(5, 16)
+    views = {"expanded": torch.randn(8).expand(16, 8), "transposed": torch.randn(8, 16).t()}
+    for name, w in views.items():
+        compiled = cachebuild.compile(model, config, dynamic_dims={0: 0}, store=store)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x, w), model(x, w), rtol=1e-5, atol=1e-5)
+    assert cachebuild.stats()["traced"] == 2

@@ -36,6 +36,8 @@ def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: d
             found = {"dtype": m.dtype, "shape": shape, "device": m.device_type}
             if not a.is_contiguous():  # traced on another layout: another entry
                 found["layout"] = sorted(range(a.dim()), key=lambda d: (-a.stride(d), d))
+                if i not in dynamic_dims:  # traced with these very strides (_copy_as_is)
+                    found["strides"] = list(a.stride())
             inputs.append(found)
         else:
             # An object's default repr holds its address, which the next process does not
