@@ -260,15 +260,23 @@ class CallCheck:
                     f"{size}: every dynamic dim must have the same size (traced as {traced})")
 
     def _wrong_layout(self, i: int, a: torch.Tensor, want: str) -> None:
-        what = ("another memory format: channels_last?" if _dense(a)
-                else "an expanded or sliced view?")
+        what = ("contiguous" if a.is_contiguous() else
+                "another memory format: channels_last?" if _dense(a) and a.dim() == 4 else
+                "another order of dims: a transposed or permuted tensor?" if _dense(a) else
+                "an expanded or sliced view?")
         if i in self.written:  # a copy would take the writes, not the caller's tensor
             raise UsageError(f"argument {i} has strides {tuple(a.stride())} ({what}), but the "
                              f"compiled model was traced with {want} and writes it in place: "
                              "pass it with the layout of the first call's (a contiguous copy "
                              "would take the writes instead of it)")
+        if want == "contiguous":
+            raise UsageError(f"argument {i} has strides {tuple(a.stride())} ({what}), but the "
+                             f"compiled model reads it as contiguous; pass `.contiguous()` "
+                             "of it")
         raise UsageError(f"argument {i} has strides {tuple(a.stride())} ({what}), but the "
-                         f"compiled model reads it as {want}; pass `.contiguous()` of it")
+                         f"compiled model was traced with the first call's {want}: pass it "
+                         "with those strides, or compile again for this layout (a new "
+                         "cachebuild.compile whose first call passes it so)")
 
 
 def _dense(t: torch.Tensor) -> bool:
