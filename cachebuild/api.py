@@ -24,7 +24,12 @@ import torch
 from cachebuild import compat
 from cachebuild.building.build import Builder, resolve_all
 from cachebuild.building.planner import Planner, autocast_refusal
-from cachebuild.config import CompileConfig, check_config, check_dynamic_dims
+from cachebuild.config import (
+    CompileConfig,
+    check_config,
+    check_dynamic_dims,
+    check_inductor_options,
+)
 from cachebuild.counters import COUNTERS, snapshot
 from cachebuild.dynamo_backend import GraphForward, graph_fakes, within_guards
 from cachebuild.errors import CompileFailed, UsageError, one_line, warn_caller
@@ -484,8 +489,10 @@ def backend(config: CompileConfig | None = None, store: Store | None = None,
     or loaded on its first call (``dynamo_backend.GraphForward``).
     """
     config = check_config(config)
+    check_inductor_options(config)  # before torch.compile: Dynamo would wrap the error
 
     def compile_graph(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        check_inductor_options(config)  # a setting changed since
         graph_config = within_guards(config, graph_fakes(gm, example_inputs))
         planner = Planner(torch.nn.Module(), graph_config, {},
                           open_default_store(store), passes)

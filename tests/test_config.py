@@ -196,3 +196,21 @@ def test_inductor_freezing_is_refused_before_a_trace(monkeypatch):
         check_inductor_options(cachebuild.CompileConfig())
     monkeypatch.setenv("TORCHINDUCTOR_FREEZING", "0")
     check_inductor_options(cachebuild.CompileConfig())
+
+
+def test_inductor_freezing_is_refused_by_the_torch_compile_door(monkeypatch):
+    """``cachebuild.backend`` refuses it as it is made, before torch.compile (whose Dynamo
+    would wrap the error in a traceback of its own), and at a graph if it was turned on
+    since."""
+    import torch._inductor.config as inductor
+
+    from cachebuild.errors import ConfigError
+
+    monkeypatch.setenv("TORCHINDUCTOR_FREEZING", "1")
+    with pytest.raises(ConfigError, match="freezing"):
+        cachebuild.backend(cachebuild.CompileConfig(backend="eager_fusion"))
+    monkeypatch.setenv("TORCHINDUCTOR_FREEZING", "0")
+    door = cachebuild.backend(cachebuild.CompileConfig(backend="eager_fusion"))
+    monkeypatch.setattr(inductor, "freezing", True)
+    with pytest.raises(ConfigError, match="freezing"):
+        door(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)), [torch.randn(1, 2)])
