@@ -208,3 +208,32 @@ def test_static_arguments_of_one_order_but_other_strides_find_entries_of_their_o
                        r"with the first call's strides \(1, 16\)") as refused, torch.no_grad():
         compiled(x, torch.randn(16, 8))
     assert ".contiguous()" not in str(refused.value)
+
+
+class Linear(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.lin(x)
+
+
+def test_a_model_whose_weights_have_another_layout_finds_an_entry_of_its_own(open_local):
+    """Weights in column-major order (as some checkpoint conversions leave them) are
+    another entry than the same model's contiguous weights: each start finds its own and
+    serves it, where one stored for the other layout would refuse every call."""
+    config = cachebuild.CompileConfig(compile_ranges=((1, 32),), backend="eager_fusion")
+    store = open_local()
+    x = torch.randn(5, 16)
+    traced = cachebuild.stats()["traced"]
+    for column_major in (False, True, False):
+        torch.manual_seed(0)
+        model = Linear().eval()
+        if column_major:
+            with torch.no_grad():
+                model.lin.weight = torch.nn.Parameter(model.lin.weight.t().contiguous().t())
+        compiled = cachebuild.compile(model, config, dynamic_dims={0: 0}, store=store)
+        with torch.no_grad():
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-5, atol=1e-5)
+    assert cachebuild.stats()["traced"] == traced + 2  # the third found the first's

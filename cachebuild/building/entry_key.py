@@ -63,7 +63,11 @@ def entry_factors(model: torch.nn.Module, args: tuple[Any, ...], dynamic_dims: d
 
 
 def _tensor_table(items: Any) -> list[list[Any]]:
-    return [[name, list(t.shape), str(t.dtype).removeprefix("torch."), t.device.type]
+    """Each weight's name, shape, dtype and device, and its strides where it is not
+    contiguous (a column-major checkpoint's): the compiled pieces read each with the
+    strides it was traced with, so another layout is another entry, not one refused."""
+    return [[name, list(t.shape), str(t.dtype).removeprefix("torch."), t.device.type,
+             *([list(t.stride())] if not t.is_contiguous() else [])]
             for name, t in items]
 
 
