@@ -47,6 +47,21 @@ from cachebuild.store.interface import ArtifactSource
 
 log = logging.getLogger("cachebuild.inductor")
 
+#: Parts of a ``TORCHINDUCTOR_*`` variable's name that mark one deciding where Inductor
+#: keeps files or how many processes it uses, not the code it generates.
+_NOT_CODEGEN = ("CACHE", "_DIR", "THREADS", "WORKER", "TRACE", "LOG", "PROFILE")
+
+
+def inductor_environment() -> dict[str, str]:
+    """The ``TORCHINDUCTOR_*`` variables set here that may change the code Inductor
+    generates (``TORCHINDUCTOR_MAX_AUTOTUNE``, ``..._EMULATE_PRECISION_CASTS``, ...):
+    Inductor reads them as it is imported, in every build worker too, so a target built
+    under one is another target. Read from the environment, not from Inductor's config,
+    which a warm start does not import (a second or more)."""
+    return {k: v for k, v in sorted(os.environ.items())
+            if k.startswith("TORCHINDUCTOR_") and not any(p in k for p in _NOT_CODEGEN)}
+
+
 VERSION = "4"  # 3: AOTI packages (.pt2) built with the probed compiler; 4: the edge pass
 
 
@@ -69,8 +84,11 @@ class InductorBackend(Backend):
     name = "inductor"
 
     def factors(self, config: Any) -> dict[str, Any]:
+        settings = inductor_environment()
         return {"name": self.name, "version": VERSION, "flavour": config.flavour,
-                "options": config.factors()["inductor_options"]}
+                "options": config.factors()["inductor_options"],
+                # Only where there is any, so that the keys of the usual case stay as were.
+                **({"environment": settings} if settings else {})}
 
     def toolchain(self, config: Any, device: str, probe_dir: Path | None) -> dict[str, Any]:
         """The C++ compiler builds use here, and whether AOTI libraries load (``aoti``).

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import pytest
@@ -83,3 +84,23 @@ def test_a_long_value_that_differs_late_is_shown_where_it_differs():
     said = Difference("inputs", old, new).describe()
     assert '"value":3' in said and '"value":4' in said, said
     assert Difference("env.torch", "2.11.0", "2.13.0").describe() == "env.torch: 2.11.0 → 2.13.0"
+
+
+def test_inductor_variables_that_change_its_code_are_target_factors(monkeypatch):
+    """``TORCHINDUCTOR_EMULATE_PRECISION_CASTS=1`` (read as Inductor is imported, in each
+    build worker too) builds other code: another target. Where Inductor keeps files and
+    how many processes it uses are no factor (a warm start elsewhere must find them)."""
+    from cachebuild.backends import get_backend
+    from cachebuild.config import CompileConfig
+
+    for name in [k for k in os.environ if k.startswith("TORCHINDUCTOR_")]:
+        monkeypatch.delenv(name)
+    inductor, config = get_backend("inductor"), CompileConfig()
+    plain = inductor.factors(config)
+    assert "environment" not in plain
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/elsewhere")
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "3")
+    assert inductor.factors(config) == plain
+    monkeypatch.setenv("TORCHINDUCTOR_EMULATE_PRECISION_CASTS", "1")
+    assert inductor.factors(config)["environment"] == {
+        "TORCHINDUCTOR_EMULATE_PRECISION_CASTS": "1"}
