@@ -198,3 +198,86 @@ def test_the_kernels_a_build_inlines_and_what_they_import_are_sources(tmp_path):
     names = {op: {os.path.basename(f) for f in files} for op, files in out["files"].items()}
     assert names["cb_inlined::py"] == {"pykern.py", "consts.py"}, names
     assert names["cb_inlined::dec"] == {"deckern.py"}, names
+
+
+KERNEL_STATE_OPS = textwrap.dedent("""
+    import os
+    import torch
+    import big, small
+    from helpers import TABLE
+    OFFSET = float(os.environ.get("KOFFSET", "0"))  # read as the module is imported
+    lib = torch.library.Library("cb_state", "DEF")
+    lib.define("probe(Tensor x) -> Tensor")
+
+    def probe(x):
+        scale = float(os.environ.get("KSCALE", "2"))  # read at each call, eagerly
+        branch = big.f(x) if x.shape[-1] >= 16 else small.f(x)  # by the call's width
+        return branch * scale * TABLE["k"] + OFFSET
+
+    lib.impl("probe", probe, "CompositeImplicitAutograd")
+""")
+
+KERNEL_STATE_MODEL = textwrap.dedent("""
+    import json, os
+    import torch
+    import cachebuild
+    import kops
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.nn.Linear(16, 16)
+
+        def forward(self, x):
+            h = self.a(x)
+            return torch.ops.cb_state.probe(h) + torch.ops.cb_state.probe(h[:, :8]).sum(-1, True)
+
+    torch.manual_seed(0)
+    net = Net().eval()
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    compiled = cachebuild.compile(net, config, dynamic_dims={0: 0})
+    x = torch.randn(4, 16)
+    errors = []
+    with torch.no_grad():
+        errors.append(float((compiled(x) - net(x)).abs().max()))
+        os.environ["KSCALE"] = "7"  # changed after the first call
+        errors.append(float((compiled(x) - net(x)).abs().max()))
+    print(json.dumps({"errors": errors,
+                      **{k: cachebuild.stats()[k] for k in ("traced", "built")}}))
+""")
+
+
+def test_what_an_inlined_kernel_reads_besides_its_code_is_followed(tmp_path):
+    """A kernel the build inlines bakes in what it reads: an environment variable read
+    at each call (changed between processes, and after the first call), a constant its
+    module computed from the environment at import, the code of a branch another call
+    takes, and a table imported two modules away. A change of any is followed."""
+    files = {"kops.py": KERNEL_STATE_OPS, "model.py": KERNEL_STATE_MODEL,
+             "big.py": "def f(x):\n    return x * 1.5\n",
+             "small.py": "def f(x):\n    return x * 2.5\n",
+             "helpers.py": "from consts import TABLE\n",
+             "consts.py": "TABLE = {'k': 2.0}\n"}
+    for name, text in files.items():
+        (tmp_path / name).write_text(text)
+    store = tmp_path / "store"
+
+    def run(**env: str) -> dict:
+        saved = {k: os.environ.get(k) for k in env}
+        os.environ.update(env)
+        try:
+            out = _run(tmp_path, store)
+        finally:
+            for k, v in saved.items():
+                os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+        assert max(out["errors"]) < 1e-4, out
+        return out
+
+    assert run()["traced"] == 2  # KSCALE=7 after the first call: another entry
+    again = run()
+    assert (again["traced"], again["built"]) == (0, 0), again  # both found stored
+    assert run(KSCALE="3")["built"] >= 1
+    assert run(KOFFSET="1")["built"] >= 1
+    (tmp_path / "small.py").write_text("def f(x):\n    return x * 4.5\n")
+    assert run(KOFFSET="1")["built"] >= 1
+    (tmp_path / "consts.py").write_text("TABLE = {'k': 3.0}\n")
+    assert run(KOFFSET="1")["built"] >= 1

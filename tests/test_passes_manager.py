@@ -290,3 +290,50 @@ def test_a_cpu_install_without_triton_compiles_with_every_fusion():
         done = subprocess.run([sys.executable, "-c", code, str(Path(folder) / "store")],
                               capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+CAPPED = textwrap.dedent("""
+    from cachebuild.passes import FusionPass
+
+    CAP = {cap}
+
+    def cap_value(p):
+        return CAP
+
+    class CapRelu(FusionPass):
+        name = "cap_relu"
+
+        def __init__(self, cap=None):
+            if cap is not None:
+                self.cap = cap
+
+        def __call__(self, graph):
+            return 0 if cap_value(self) else 0
+""")
+
+
+def _module_from(tmp_path: Path, name: str, text: str):
+    path = tmp_path / f"{name}.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # kept: a pass's source is read through its module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_what_a_pass_reads_of_its_module_and_its_options_are_in_its_key(tmp_path):
+    """A pass's helper functions and the constants they read from its module (a cap set
+    at the top of a model file), and the options an instance was made with, change what
+    it emits: each is in the key, where the class source alone would not show it."""
+    v1 = _module_from(tmp_path, "capped_v1", CAPPED.format(cap="100"))
+    same = _module_from(tmp_path, "capped_same", CAPPED.format(cap="100"))
+    v2 = _module_from(tmp_path, "capped_v2", CAPPED.format(cap="float('inf')"))
+    assert v1.CapRelu().uuid() == same.CapRelu().uuid()
+    assert v1.CapRelu().uuid() != v2.CapRelu().uuid()
+    edited = _module_from(tmp_path, "capped_edited", CAPPED.format(cap="100").replace(
+        "return CAP", "return CAP * 2"))
+    assert edited.CapRelu().uuid() != v1.CapRelu().uuid()
+    small, large = (PassManager([v1.CapRelu(cap=c)]).factors() for c in (100, 1e30))
+    assert small != large and changed_passes(small, large) == ["cap_relu"]
+    assert PassManager([v1.CapRelu()]).factors() == PassManager([same.CapRelu()]).factors()

@@ -169,25 +169,87 @@ def _op_name(node: fx.Node) -> str | None:
     return None
 
 
+def _calls(graph: fx.Graph) -> dict[str, list[tuple[torch._ops.OpOverload, fx.Node]]]:
+    """Each user operator's calls in ``graph`` (overload and node), by operator name."""
+    calls: dict[str, list[tuple[torch._ops.OpOverload, fx.Node]]] = {}
+    for n in graph.nodes:
+        name = _op_name(n)
+        if name is not None:
+            calls.setdefault(name, []).extend((op, n) for op in _overloads(n.target))
+    return calls
+
+
 def user_op_files(graph: fx.Graph) -> dict[str, tuple[str, ...]]:
     """For each operator of ``user_ops(graph)`` with any, the files a build of ``graph``
     may take its code from: those that registered it (``op_files``) and those the
     ``CompositeImplicitAutograd`` kernel of each overload it calls runs (``kernel_files``,
-    on the first call's values)."""
-    calls: dict[str, dict[str, tuple[torch._ops.OpOverload, fx.Node]]] = {}
-    for n in graph.nodes:
-        name = _op_name(n)
-        if name is not None:
-            for op in _overloads(n.target):
-                calls.setdefault(name, {}).setdefault(op.name(), (op, n))
+    at each call: another call's values may take another branch)."""
+    calls = _calls(graph)
     out = {}
     for qualname in user_ops(graph):
         files = set(op_files(qualname))
-        for op, node in calls.get(qualname, {}).values():
+        for op, node in calls.get(qualname, []):
             files.update(kernel_files(op, node))
         if files:
             out[qualname] = tuple(sorted(files))
     return out
+
+
+def user_op_state(graph: fx.Graph) -> dict[str, list[str]]:
+    """For each operator of ``user_ops(graph)`` whose inlined kernel read any, what it
+    read besides its code, as it is now: each environment variable (``env NAME='value'``)
+    and each module global of plain value (``value module.NAME=repr``, a scale computed
+    from the environment as its module was imported, say). A build bakes them into the
+    target as the kernel read them, which no file's hash shows."""
+    out = {}
+    for qualname, (env, values) in _user_op_reads(graph).items():
+        said = {f"env {name}={os.environ.get(name)!r}" for name in env}
+        for module_name, name in values:
+            value = getattr(sys.modules.get(module_name), name, None)
+            if _plain(value):
+                said.add(f"value {module_name}.{name}={value!r}")
+        if said:
+            out[qualname] = sorted(said)
+    return out
+
+
+def user_op_reads(graph: fx.Graph) -> tuple[list[str], list[tuple[str, str]]]:
+    """The environment variables, and the module globals of plain value (module, name),
+    that the inlined kernels of ``graph``'s user operators read: what a call checks, as
+    it checks what the forward reads."""
+    env: set[str] = set()
+    values: set[tuple[str, str]] = set()
+    for names, globals_read in _user_op_reads(graph).values():
+        env |= names
+        values |= globals_read
+    return sorted(env), sorted(values)
+
+
+def _user_op_reads(graph: fx.Graph) -> dict[str, tuple[set[str], set[tuple[str, str]]]]:
+    calls = _calls(graph)
+    out = {}
+    for qualname in user_ops(graph):
+        env: set[str] = set()
+        values: set[tuple[str, str]] = set()
+        for op, node in calls.get(qualname, []):
+            run = kernel_run(op, node)
+            if run is not None:
+                env |= run.env
+                values |= run.values
+        if env or values:
+            out[qualname] = (env, values)
+    return out
+
+
+_PLAIN = (bool, int, float, str, type(None))
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    """Whether ``value`` is plain data whose ``repr`` says all of it and a guard can
+    compare (a number, a string; a tuple of such)."""
+    if isinstance(value, _PLAIN):
+        return True
+    return isinstance(value, tuple) and depth < 2 and all(_plain(v, depth + 1) for v in value)
 
 
 @functools.cache
@@ -219,35 +281,76 @@ def _python_files_outside_torch(paths: Iterable[str]) -> tuple[str, ...]:
                         and not p.startswith(torch_dir())))
 
 
-#: The files of the Python code each user operator overload's ``CompositeImplicitAutograd``
-#: kernel ran, by overload (``ns::name.overload``): found once per process where the kernel
-#: ran (``kernel_files``), as ``op_files`` is.
+@dataclass(frozen=True)
+class KernelRun:
+    """What a user operator's inlined kernel ran on one call's fake values: the files of
+    its Python code, the environment variables it read, and the module globals its code
+    names (module, name): their values are read when a key is made."""
+
+    files: frozenset[str]
+    env: frozenset[str]
+    values: frozenset[tuple[str, str]]
+
+
+#: The files each user operator overload's ``CompositeImplicitAutograd`` kernel ran, by
+#: overload (``ns::name.overload``), over every call seen in this process.
 _KERNEL_FILES: dict[str, tuple[str, ...]] = {}
+#: Each kernel's run, by overload and call (``_signature``): found once per process.
+_KERNEL_RUNS: dict[tuple[str, str], KernelRun] = {}
 
 
 def kernel_files(op: torch._ops.OpOverload, node: fx.Node) -> tuple[str, ...]:
     """The Python files outside torch whose code the ``CompositeImplicitAutograd`` kernel
-    of the user operator overload ``op``, which ``node`` calls, runs: the build inlines
-    that kernel, and it may live in another file than the one that registered it
-    (``op_files``), or call helpers of other files. Found by running the kernel once on
-    the node's fake values (what the build does with it) and noting the files of the
-    functions it calls; none where the overload has no such kernel. Where it cannot run
-    (no fake values here, a kernel that needs real tensors: the build then fails or keeps
-    the op), none either, said in the debug log and tried again at the next graph."""
+    of the user operator overload ``op``, which ``node`` calls, runs (``kernel_run``),
+    and the files of the modules those import; none where it has no such kernel or
+    cannot run here."""
+    run = kernel_run(op, node)
+    return tuple(sorted(run.files)) if run is not None else ()
+
+
+def kernel_run(op: torch._ops.OpOverload, node: fx.Node) -> KernelRun | None:
+    """The ``KernelRun`` of ``op``'s inlined kernels on ``node``'s fake values (what the
+    build does with them): they may live in another file than the one that registered
+    the op (``op_files``), call helpers of other files, read the environment or a
+    module's constants. Found once per overload and call signature (another call's
+    values may take another branch). Where a kernel cannot run (no fake values here, a
+    kernel that needs real tensors: the build then fails or keeps the op), None, said in
+    the debug log and tried again at the next graph."""
     name = op.name()
-    if name in _KERNEL_FILES:
-        return _KERNEL_FILES[name]
-    found: set[str] = set()
+    key = (name, _signature(node))
+    if key in _KERNEL_RUNS:
+        return _KERNEL_RUNS[key]
+    files: set[str] = set()
+    env: set[str] = set()
+    values: set[tuple[str, str]] = set()
     for kernel in _inlined_kernels(op):
-        files = _files_run_by(kernel, node, name)
-        if files is None:
-            return ()
-        found |= files
+        ran = _files_run_by(kernel, node, name)
+        if ran is None:
+            return None
+        files |= ran.files
+        env |= ran.env
+        values |= ran.values
     # And the files of the modules those import (``from consts import SCALE``): a value
     # read at import leaves no frame of its file while the kernel runs.
-    found |= {f for path in found for f in _imported_files(path)}
-    _KERNEL_FILES[name] = _python_files_outside_torch(found)
-    return _KERNEL_FILES[name]
+    files |= {f for path in files for f in _imported_files(path)}
+    run = _KERNEL_RUNS[key] = KernelRun(frozenset(_python_files_outside_torch(files)),
+                                        frozenset(env), frozenset(values))
+    _KERNEL_FILES[name] = tuple(sorted(set(_KERNEL_FILES.get(name, ())) | run.files))
+    return run
+
+
+def _signature(node: fx.Node) -> str:
+    """A call's arguments as a kernel sees them: each tensor's shape, dtype and strides,
+    every other value as it is."""
+    def meta(a: Any) -> Any:
+        if isinstance(a, fx.Node):
+            v = a.meta.get("val", a.meta.get("example_value"))
+            if isinstance(v, torch.Tensor):
+                return ("tensor", str(tuple(v.shape)), str(v.dtype), str(v.stride()))
+            return ("value", repr(v))
+        return a
+
+    return repr(fx.node.map_aggregate((node.args, node.kwargs), meta))
 
 
 def _inlined_kernels(op: torch._ops.OpOverload) -> list[Callable[..., Any]]:
@@ -271,18 +374,36 @@ def _inlined_kernels(op: torch._ops.OpOverload) -> list[Callable[..., Any]]:
 
 def _imported_files(path: str) -> set[str]:
     """The files of the modules that the module loaded from ``path`` imports by name
-    (``import a``, ``from a import b``, relative ones too), as this process loaded them;
-    none where it is not loaded or does not parse."""
+    (``import a``, ``from a import b``, relative ones too), as this process loaded them,
+    and what those import in turn where they are not installed libraries' (a value two
+    modules away: ``from helpers import SCALE``, where helpers has it from consts)."""
+    from cachebuild.trust.sources import is_library_file
+
+    found: set[str] = set()
+    todo = [path]
+    while todo:
+        for name, file in _imports_of(todo.pop()).items():
+            if file not in found and file != path:
+                found.add(file)
+                # cachebuild's own version is in every key
+                if not is_library_file(file) and name.split(".")[0] != "cachebuild":
+                    todo.append(file)
+    return found
+
+
+def _imports_of(path: str) -> dict[str, str]:
+    """The files of the modules the module loaded from ``path`` imports by name, by
+    module name; none where it is not loaded or does not parse."""
     module = next((m for m in list(sys.modules.values())
                    if getattr(m, "__file__", None) and os.path.abspath(m.__file__) == path),
                   None)
     if module is None:
-        return set()
+        return {}
     try:
         with open(path, "rb") as f:
             tree = ast.parse(f.read())
     except (OSError, SyntaxError, ValueError):
-        return set()
+        return {}
     package = getattr(module, "__package__", None) or ""
     names: set[str] = set()
     for node in ast.walk(tree):
@@ -295,11 +416,12 @@ def _imported_files(path: str) -> set[str]:
                 base = ".".join([*parts[:len(parts) - node.level + 1], *filter(None, [base])])
             names.add(base)
             names |= {f"{base}.{alias.name}" for alias in node.names}  # submodules
-    files = set()
+    files = {}
     for name in names:
         file = getattr(sys.modules.get(name), "__file__", None)
-        if isinstance(file, str) and not os.path.abspath(file).startswith(stdlib_dir()):
-            files.add(os.path.abspath(file))
+        if isinstance(file, str) and not os.path.abspath(file).startswith(stdlib_dir()) \
+                and not os.path.abspath(file).startswith(torch_dir()):
+            files[name] = os.path.abspath(file)
     return files
 
 
@@ -313,9 +435,12 @@ def _overloads(target: Any) -> list[torch._ops.OpOverload]:
     return []
 
 
-def _files_run_by(kernel: Callable[..., Any], node: fx.Node, name: str) -> set[str] | None:
-    """The files of the Python functions ``kernel`` (a decomposition of operator ``name``)
-    calls on ``node``'s fake values; None where they are not all there, or the call fails.
+def _files_run_by(kernel: Callable[..., Any], node: fx.Node, name: str) -> KernelRun | None:
+    """What ``kernel`` (a decomposition of operator ``name``) runs on ``node``'s fake
+    values: the files of the Python functions it calls, the environment variables they
+    read (``os.environ``'s ``__getitem__``, which ``get``, ``getenv`` and ``in`` go
+    through) and the module globals of plain value their code names; None where the
+    values are not all there, or the call fails.
 
     Run on a thread of its own: its profile hook is that thread's alone (a caller's
     profiler on this one is left as it is), and no tracing context of this thread
@@ -340,6 +465,8 @@ def _files_run_by(kernel: Callable[..., Any], node: fx.Node, name: str) -> set[s
     if mode is None:
         return None
     files: set[str] = set()
+    env: set[str] = set()
+    codes: list[tuple[Any, dict[str, Any]]] = []
     failed: list[BaseException] = []
     # The kernel is called from torch's ``_ops.py`` (through the dispatcher) or from here;
     # what it calls outside torch, and what that calls, is its code. torch's own machinery
@@ -357,6 +484,14 @@ def _files_run_by(kernel: Callable[..., Any], node: fx.Node, name: str) -> set[s
         if caller in kernel_frames or os.path.abspath(caller.f_code.co_filename) in callers:
             kernel_frames.add(frame)
             files.add(file)
+            if frame.f_code.co_name == "__getitem__" and \
+                    frame.f_locals.get("self") is os.environ:
+                key = frame.f_locals.get("key")
+                if isinstance(key, str):
+                    env.add(key)
+            elif not file.startswith(stdlib_dir()) and \
+                    not frame.f_code.co_filename.startswith("<frozen "):
+                codes.append((frame.f_code, frame.f_globals))
 
     def run() -> None:
         try:
@@ -378,7 +513,9 @@ def _files_run_by(kernel: Callable[..., Any], node: fx.Node, name: str) -> set[s
             "the kernel of %s did not run on fake values (%s: %s): the files it calls are "
             "not known", name, type(failed[0]).__name__, failed[0])
         return None
-    return files
+    values = {(str(g.get("__name__")), n) for code, g in codes for n in code.co_names
+              if n in g and _plain(g[n]) and not n.startswith("__")}
+    return KernelRun(frozenset(files), frozenset(env), frozenset(values))
 
 
 #: Dropout's functions, which draw only in training and at a probability above 0:

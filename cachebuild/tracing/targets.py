@@ -28,7 +28,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from cachebuild import compat, keep
-from cachebuild.graph.facts import SYMBOL, InputMeta, random_ops, torch_dir, user_op_files
+from cachebuild.graph.facts import (
+    SYMBOL,
+    InputMeta,
+    random_ops,
+    torch_dir,
+    user_op_files,
+    user_op_state,
+)
 from cachebuild.graph.graphdiff import user_frame
 from cachebuild.keys import make_key
 from cachebuild.tracing.distributed import layout_factors
@@ -124,10 +131,16 @@ def op_sources(graph: Any) -> dict[str, list[str | None]]:
     """The source hashes of the files that registered each operator ``graph`` calls beyond
     torch's and cachebuild's (``facts.op_files``): a build may inline their kernels (a
     ``CompositeImplicitAutograd`` decomposition), which the graph names only by the op's
-    name, so an edit of them is another target. Empty where there is none (other keys
-    stay as they were)."""
-    return {qualname: [digest_of(f) for f in files]
-            for qualname, files in user_op_files(graph).items()}
+    name, so an edit of them is another target; then what those kernels read besides
+    their code (``facts.user_op_state``: environment variables, module constants), which
+    the build bakes in. Empty where there is none (other keys stay as they were)."""
+    state = user_op_state(graph)
+    out: dict[str, list[str | None]] = {
+        qualname: [digest_of(f) for f in files]
+        for qualname, files in user_op_files(graph).items()}
+    for qualname, said in state.items():
+        out.setdefault(qualname, []).extend(said)
+    return out
 
 
 #: The version of this recipe, a factor of every key: bumped where a factor is added that

@@ -34,6 +34,7 @@ from cachebuild.graph.facts import (
     torch_dir,
     unpin_device,
     user_op_files,
+    user_op_reads,
 )
 from cachebuild.graph.inputs import elements_spanned
 from cachebuild.graph.outputs import item_outputs, output_builder, output_recipe, returned
@@ -42,12 +43,13 @@ from cachebuild.tracing.guards import (
     GRAD_STATES,
     GuardRecord,
     GuardSet,
+    fingerprint,
     is_grad_mode,
     process_state,
 )
 from cachebuild.trust.codehash import code_objects as code_objects_of
 from cachebuild.trust.codehash import has_source, sourceless_classes
-from cachebuild.trust.sources import digest_of, library_paths, stamped_digest
+from cachebuild.trust.sources import digest_of, library_paths, module_root, stamped_digest
 
 
 @dataclass(frozen=True)
@@ -611,6 +613,8 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     # The files that registered the ops the graph calls: a build may inline their kernels,
     # so an edit of one makes the entry stale (and its targets other ones).
     op_defs = [f for files in user_op_files(gm.graph).values() for f in files]
+    if unrecordable is None:  # read at each call, as the forward's own reads are
+        guards += kernel_records(gm.graph, guards)
     files, stamps = _traced_files(captured["code"], [*generated_from, *op_defs])
     return TracedGraph(
         gm=gm,
@@ -641,6 +645,23 @@ def _copy_as_is(t: torch.Tensor, dynamic: bool) -> torch.Tensor:
         memory = t.detach().as_strided((span,), (1,)).clone()  # from t's first element
         copy = memory.as_strided(t.shape, t.stride())
     return copy.requires_grad_(t.requires_grad)
+
+
+def kernel_records(graph: fx.Graph, guards: list[GuardRecord]) -> list[GuardRecord]:
+    """Records of what the inlined kernels of ``graph``'s user operators read besides
+    their code (``facts.user_op_reads``), which a build bakes in: each environment
+    variable, and each module constant as it is now (a call after it changed, or a
+    process where it is another, is a mismatch, as for the forward's own reads)."""
+    env, values = user_op_reads(graph)
+    read = {r.path[0][1] for r in guards if r.path and r.path[0][0] == "env"}
+    records = [GuardRecord((("env", name),), "equals", None, os.environ.get(name))
+               for name in env if name not in read]
+    for module_name, name in values:
+        if module_name in sys.modules:
+            value = getattr(sys.modules[module_name], name, None)
+            records.append(GuardRecord((tuple(module_root(module_name)), ("attr", name)),
+                                       "equals", None, fingerprint("equals", value, None)))
+    return records
 
 
 def _unkeyed_code(model: torch.nn.Module, code_objects: list[Any]) -> tuple[str | None, list[str]]:

@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import sys
+import types
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any, ClassVar
@@ -31,8 +33,9 @@ class FusionPass:
     Subclasses set ``name`` (short and stable: it names the pass in keys and counts),
     list in ``source_modules`` the importable modules whose source decides what the pass
     emits (its ops and kernels, shared matching helpers), and implement ``__call__``.
-    Everything a pass runs must be in its class (or a base class) or in one of those
-    modules: module-level helpers elsewhere would escape the uuid.
+    What its code reads of its own module (helper functions and classes, constants such as
+    a threshold) is in the uuid too (``_globals_read``); what it runs from any other module
+    must be in one of ``source_modules``, or it escapes the uuid.
     """
 
     name: ClassVar[str] = ""
@@ -43,8 +46,9 @@ class FusionPass:
         raise NotImplementedError(f"{type(self).__qualname__} does not implement __call__")
 
     def uuid(self) -> str:
-        """Hash of this pass's class source (and its bases up to ``FusionPass``) and of
-        the source of every module in ``source_modules``."""
+        """Hash of this pass's class source (and its bases up to ``FusionPass``), of what
+        that code reads of its module, and of the source of every module in
+        ``source_modules``."""
         return pass_uuid(type(self))
 
     def __repr__(self) -> str:
@@ -71,8 +75,61 @@ def pass_uuid(cls: type[FusionPass]) -> str:
         "classes": [{"qualname": c.__qualname__, "source": _class_source(c)} for c in classes],
         "modules": {m: module_source(m) for m in cls.source_modules},
     }
+    read = {name: value for c in classes for name, value in _globals_read(c).items()}
+    if read:  # only where there is any, so that the built-in passes' uuids stay as were
+        factors["globals"] = read
     uuid = _UUIDS[cls] = make_key(factors)
     return uuid
+
+
+_PLAIN = (bool, int, float, str, bytes, type(None))
+
+
+def _globals_read(cls: type) -> dict[str, str]:
+    """What the code of ``cls`` reads from its own module's globals, there and through
+    the module's functions and classes it calls: each function's and class's code by
+    hash, each plain value (a number, a string, a tuple of such) by ``repr`` (a
+    threshold set at the top of a model file, say, which no class source shows). A
+    module in ``source_modules`` is hashed whole already."""
+    from cachebuild.trust.codehash import code_hash, code_objects
+
+    module = sys.modules.get(cls.__module__)
+    if module is None or cls.__module__ in getattr(cls, "source_modules", ()):
+        return {}
+    namespace = vars(module)
+    read: dict[str, str] = {}
+    todo = list(code_objects(cls))
+    while todo:
+        code = todo.pop()
+        todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        for name in code.co_names:
+            if name in read or name.startswith("__") or name not in namespace:
+                continue
+            value = namespace[name]
+            if _plain(value):
+                read[name] = repr(value)
+            elif inspect.isfunction(value) and value.__module__ == module.__name__:
+                read[name] = code_hash(value.__code__)
+                todo.append(value.__code__)
+            elif inspect.isclass(value) and value.__module__ == module.__name__ and \
+                    value is not cls:
+                objects = code_objects(value)
+                read[name] = make_key({"code": [code_hash(c) for c in objects]})
+                todo += objects
+    return read
+
+
+def _plain(value: Any, depth: int = 0) -> bool:
+    if isinstance(value, _PLAIN):
+        return True
+    return isinstance(value, tuple) and depth < 2 and all(_plain(v, depth + 1) for v in value)
+
+
+def pass_options(p: FusionPass) -> dict[str, str]:
+    """What an instance of a pass was made with (``CapRelu(cap=100)``): each attribute
+    of its own, a plain value by ``repr``, any other by its type."""
+    return {name: repr(value) if _plain(value) else type(value).__qualname__
+            for name, value in sorted(vars(p).items())}
 
 
 def _class_source(cls: type) -> str:
@@ -99,8 +156,8 @@ def changed_passes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """Names of the passes that differ between two ``PassManager.factors()`` dicts: edited
     (uuid changed), added or removed, in the new order then the removed ones. Lets a
     manifest diff say which pass invalidated a target."""
-    before = {p["name"]: p["uuid"] for p in old.get("passes", [])}
-    after = {p["name"]: p["uuid"] for p in new.get("passes", [])}
+    before = {p["name"]: (p["uuid"], p.get("options")) for p in old.get("passes", [])}
+    after = {p["name"]: (p["uuid"], p.get("options")) for p in new.get("passes", [])}
     changed = [name for name, uuid in after.items() if before.get(name) != uuid]
     return changed + [name for name in before if name not in after]
 
@@ -164,10 +221,14 @@ class PassManager:
         return make_key(self.factors())
 
     def factors(self) -> dict[str, Any]:
-        """What the passes contribute to a key: the config and each pass's name and uuid."""
+        """What the passes contribute to a key: the config and each pass's name, uuid and
+        options (``pass_options``)."""
         return {
             "config": self.config.factors(),
-            "passes": [{"name": p.name, "uuid": p.uuid()} for p in self.passes],
+            # a pass's options only where it has any, so that the usual keys stay as were
+            "passes": [{"name": p.name, "uuid": p.uuid(),
+                        **({"options": pass_options(p)} if vars(p) else {})}
+                       for p in self.passes],
         }
 
     def as_inductor_pass(self) -> Any:
