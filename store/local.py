@@ -117,7 +117,7 @@ class BlobConflict(CorruptBlob):
         #: a copy this store stands by, and two builds of a target seldom match byte for
         #: byte. A copy that came from elsewhere, trusted or not, differing from another
         #: source's stays a conflict to say.
-        self.stored_built_here = not stored.is_untrusted and stored.unsigned_from is None
+        self.stored_built_here = stored.unsigned_from is None and stored.trusted is None
         served = "not trusted" if stored.is_untrusted else "trusted or built here"
         super().__init__(f"differs from the blob already stored under this key (payload "
                          f"checksum {incoming}, stored {stored.checksum}, {served}); the "
@@ -168,9 +168,10 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _trust_of(origin: str | None, trusted: str | None) -> str | None:
-    """``Record.trusted`` for an artifact from ``origin`` (None: built here, nothing to
-    trust)."""
-    return check_trust(trusted) if origin is not None else None
+    """``Record.trusted`` for an artifact from ``origin``, or that arrived signed with the
+    fleet key (``trusted`` says so); None for one built here, which nothing vouches for
+    but this store."""
+    return check_trust(trusted) if origin is not None or trusted is not None else None
 
 
 def untrusted_refusal(origin: str) -> str:

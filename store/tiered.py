@@ -280,8 +280,8 @@ class TieredStore(Store):
         the option that named this remote as a source of unsigned blobs
         (``allow_unsigned``, without which no keyless remote is used); with one, the fleet
         key's signature, verified on this very blob (someone vouched for it by name)."""
-        if origin is None:
-            return None
+        if origin is None:  # signed with the fleet key: came from the fleet, not built here
+            return "signed with the fleet key"
         assert self.remote is not None
         if self.signing_key is None:
             return f"--allow-unsigned with remote {self.remote.display_url}"[:MAX_ORIGIN]

@@ -341,3 +341,32 @@ def test_a_full_disk_stops_an_import_and_says_what_came_in(open_local, tmp_path)
         verified = run(disk / "store", "verify")
         assert verified.exit_code == 0 and f"{came} ok, 0 damaged" in verified.stdout, \
             verified.output
+
+
+def test_a_copy_signed_elsewhere_is_not_taken_for_one_built_here(open_local, tmp_path):
+    """A store with the fleet key that imported a signed bundle holds copies it did not
+    build: another bundle's differing copy is a conflict to see (exit 1), not "kept as
+    built here"; a copy it built itself still is."""
+    fleet = "k" * 32
+    with LocalStore(tmp_path / "source", signing_key=fleet.encode()) as store:
+        for name, payload in PAYLOADS.items():
+            store.put(key(name), payload, kind="target", manifest={"graph": name})
+        (tmp_path / "signed").mkdir()
+        export_bundle(store, tmp_path / "signed" / "cache.tar")
+    victim = key("t1")
+    evil = forged(tmp_path / "signed" / "cache.tar", tmp_path / "evil.tar", victim, EVIL)
+    env = {"CACHEBUILD_SIGNING_KEY": fleet}
+
+    def run_keyed(store_dir: Path, *args: str):
+        return CliRunner().invoke(cli.main, ["--cache-dir", str(store_dir), *args], env=env)
+
+    assert run_keyed(tmp_path / "store", "import", str(tmp_path / "signed" / "cache.tar")
+                     ).exit_code == 0
+    assert open_local(tmp_path / "store").get_record(victim).trusted
+    result = run_keyed(tmp_path / "store", "import", "--allow-unsigned", str(evil))
+    assert result.exit_code == 1, result.output
+    assert f"refused {victim}: differs from the blob already stored" in result.stderr
+    assert "kept as built here" not in result.output
+    built_here = run_keyed(tmp_path / "source", "import", "--allow-unsigned", str(evil))
+    assert built_here.exit_code == 0, built_here.output
+    assert "1 kept as built here" in built_here.stdout
