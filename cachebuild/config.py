@@ -129,10 +129,10 @@ class CompileConfig:
     - ``pad_to_capture_size``: run a call whose size was not captured at the next captured
       size, zero-padding the dynamic dim and cutting outputs back where their traced dims
       are the token count (token-parallel models); a model whose outputs depend on it
-      otherwise (``2 * T`` rows) runs every call at its own size, said once. Exact only
-      where no token's values depend on another token's outside attention: a forward
-      that mixes tokens otherwise (a mean or a cumulative sum over them) reads the zero
-      padding too; leave it off for such a model.
+      otherwise (``2 * T`` rows) runs every call at its own size, said once. For models
+      whose tokens mix only in attention: the first padded call also runs at its own
+      size, and where the padding rows changed the other rows (a mean over tokens),
+      calls run at their own size from then on, said once.
     - ``out_of_range``: a call whose size is outside every range raises (``"error"``)
       or runs the model eagerly with a one-time warning (``"eager"``).
     - ``on_failure``: a model that cannot be compiled (its trace, split or a build

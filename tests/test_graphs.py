@@ -90,6 +90,36 @@ def test_a_padded_call_returns_what_its_own_size_returns(module_store, doubled, 
     assert replays == ({4: 1, 8: 1} if doubled else {4: 2, 8: 2})
 
 
+class _Centred(torch.nn.Module):
+    """Tokens that mix outside attention: each row less the mean over the rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h - h.mean(0)
+
+
+def test_a_model_whose_tokens_mix_is_not_padded(module_store, caplog):
+    """Padding rows would enter the mean: the first padded call, compared with one at its
+    own size, says so; that call and every later one answer at their own size."""
+    torch.manual_seed(0)
+    model = _Centred().eval()
+    cfg = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),),
+                                   cudagraph_mode="piecewise", capture="eager",
+                                   capture_sizes=(4, 8), pad_to_capture_size=True)
+    compiled = cachebuild.compile(model, cfg, {0: 0}, store=module_store)
+    with torch.no_grad():
+        for n in (4, 5, 3, 5, 8):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    assert caplog.text.count("its tokens mix outside attention") == 1
+    replays = {s: r.replays for s, r in compiled.runtime.capturer.ready.items()}
+    assert replays == {4: 1, 8: 2}  # 4 and 8 themselves, and the first padded call
+
+
 def test_load_threads_from_environment(monkeypatch):
     from cachebuild.building.build import LOAD_THREADS, load_threads
 

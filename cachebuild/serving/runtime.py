@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from cachebuild import compat, keep
 from cachebuild.building.entry import Entry
@@ -97,6 +98,7 @@ class ModelRuntime:
         not_beside = _not_beside(entry)
         self._warned_eager = False
         self._warned_pad = False
+        self._pad_proven = False  # a padded call was compared with one at its own size
         self._first_call = True
         # Compiled pieces answer without autograd: said once if a call could expect it.
         self._no_autograd_unsaid = any(p.requires_grad for p in model.parameters())
@@ -355,11 +357,31 @@ class ModelRuntime:
                 and size not in self.captured_sizes):
             padded = next_capture_size(size, self.captured_sizes)
             if padded is not None and self._padding():
-                out = self._call(*pad_args(args, self.dynamic_dims, padded))
-                return unpad_outputs(out, self._pad, size)
+                return self._padded(args, size, padded)
         if self._first_call and self.capturer is not None:
             return self._first(args)
         return self._call(*args)
+
+    def _padded(self, args: tuple[Any, ...], size: int, padded: int) -> Any:
+        """The call of ``size`` tokens run at ``padded``, its outputs cut back. The first
+        such call also runs at its own size and compares (a model that writes nothing in
+        place, as padding requires, can run twice): where the padding rows changed what
+        the others get (tokens that mix outside attention: a mean over them), calls are
+        not padded from then on, said once, and this one answers at its own size."""
+        out = unpad_outputs(self._call(*pad_args(args, self.dynamic_dims, padded)),
+                            self._pad, size)
+        if self._pad_proven:
+            return out
+        self._pad_proven = True
+        out = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, out)
+        exact = self._call(*args)
+        if _close(out, exact):
+            return out
+        self._pad = (f"a call of {size} tokens padded to {padded} answered otherwise than at "
+                     "its own size: its tokens mix outside attention (a mean or a sum over "
+                     "them?)")
+        self._padding()  # says it, once
+        return exact
 
     def _padding(self) -> bool:
         """Whether calls are padded to a captured size; where they cannot be (``pad_plan``
@@ -458,3 +480,27 @@ def live_device(model: torch.nn.Module, entry: Entry) -> torch.device:
     """Where the model runs now: its first parameter's or buffer's device, else the
     traced one (a model without weights)."""
     return torch.device(device_of([*model.parameters(), *model.buffers()], entry.device))
+
+
+def _close(a: Any, b: Any) -> bool:
+    """Whether two results of one call are the same values: the same structure, tensors
+    equal within their dtype's rounding (another size runs other kernels), the rest
+    equal."""
+    left, spec = pytree.tree_flatten(a)
+    right, other = pytree.tree_flatten(b)
+    if spec != other:
+        return False
+    for x, y in zip(left, right, strict=True):
+        if not isinstance(x, torch.Tensor) or not isinstance(y, torch.Tensor):
+            if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor) or x != y:
+                return False
+        elif x.shape != y.shape or x.dtype != y.dtype:
+            return False
+        elif x.is_floating_point() or x.is_complex():
+            tol = 1e-3 if x.dtype in (torch.float32, torch.float64, torch.complex64) else 3e-2
+            if not torch.allclose(x, y, rtol=tol, atol=tol, equal_nan=True):
+                return False
+        elif not torch.equal(x, y):
+            return False
+    return True
+
