@@ -10,8 +10,9 @@ edited model, traces it, builds what changed (one target in that process, more i
 workers, as ``warm`` does) and records the entry. Each round is a new process, so nothing
 of the code before the edit stays loaded; the next round gets ready while the user edits.
 
-The watching process imports no torch. It watches the model file and every file the last
-round's entry was traced from, by their stamps (``sources.stamp``), ``POLL_S`` apart. A
+The watching process imports no torch. It watches the model file, every file the last
+round's entry was traced from and every module of code outside installed libraries that
+round loaded (``watched_files``), by their stamps (``sources.stamp``), ``POLL_S`` apart. A
 round says which files those are on its stdout, in a line that begins with ``FILES``.
 """
 
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -90,9 +92,11 @@ def tell_files(files: Sequence[str], ok: bool) -> None:
     sys.stdout.flush()
 
 
-def traced_files(store: Any, entry_keys: Sequence[str]) -> list[str]:
-    """The files on disk, outside installed libraries, the stored entries ``entry_keys``
-    were traced from."""
+def watched_files(store: Any, entry_keys: Sequence[str]) -> list[str]:
+    """The files on disk, outside installed libraries, that the stored entries
+    ``entry_keys`` were traced from, and those of every module this round loaded from
+    outside them (the model file's helpers, a config module its ``build()`` reads) but
+    cachebuild's own."""
     from cachebuild.building.entry import read_entry
     from cachebuild.trust.sources import is_library_file
 
@@ -100,10 +104,19 @@ def traced_files(store: Any, entry_keys: Sequence[str]) -> list[str]:
     for key in entry_keys:
         data = store.get(key, touch=False)
         entry = read_entry(data) if data is not None else None
-        for path in entry.source_files if entry is not None else ():
-            if os.path.isfile(path) and not is_library_file(path):
-                files.add(path)
-    return sorted(files)
+        files |= set(entry.source_files) if entry is not None else set()
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        spec = getattr(module, "__spec__", None)  # ``__main__`` is cachebuild.cli's here
+        real = getattr(spec, "name", None) or name
+        if isinstance(path, str) and path.endswith(".py") and \
+                real.split(".")[0] != "cachebuild":
+            files.add(os.path.abspath(path))
+    return sorted(f for f in files if os.path.isfile(f) and not is_library_file(f)
+                  and not f.startswith(_STDLIB))
+
+
+_STDLIB = os.path.dirname(os.__file__) + os.sep
 
 
 # -- in the watching process ------------------------------------------------------------------
@@ -120,9 +133,12 @@ class Round:
         self.started = time.perf_counter()
         self.on_ready = on_ready  # told its set-up's seconds, once ready
         self.done = threading.Event()  # its FILES line came, or it ended
+        # A session of its own: a Ctrl-C at the terminal reaches the watching process
+        # alone, which ends its rounds itself (``stop``), never one still starting up.
         self.proc = subprocess.Popen(
             [sys.executable, "-c", _BOOT, json.dumps(sys.path), "cachebuild.cli", *args],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            start_new_session=True)
         assert self.proc.stdout is not None
         threading.Thread(target=self._relay, args=(self.proc.stdout,), daemon=True).start()
 
@@ -139,8 +155,11 @@ class Round:
                     pass
                 self.done.set()
             else:
-                sys.stdout.write(line)
-                sys.stdout.flush()
+                try:
+                    sys.stdout.write(line)
+                    sys.stdout.flush()
+                except (OSError, ValueError):  # our reader has gone: the round goes on
+                    pass
         self.done.set()
 
     def go(self) -> None:
@@ -164,14 +183,14 @@ class Round:
 
     def stop(self) -> None:
         """End the round: one still waiting to go as its stdin closes; one under way as
-        a command ends on SIGTERM (its builds with it, the store whole)."""
+        a command ends on Ctrl-C (its builds with it, the store whole)."""
         if self.proc.stdin is not None:
             try:
                 self.proc.stdin.close()
             except OSError:
                 pass
         if self.went and self.proc.poll() is None and self.files is None:
-            self.proc.terminate()
+            self.proc.send_signal(signal.SIGINT)
         try:
             self.proc.wait(timeout=STOP_S)
         except subprocess.TimeoutExpired:

@@ -13,10 +13,12 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
-from tests.test_cli_model import ROOT, SMALL, summary
+from tests.test_cli_model import ROOT, SMALL, _marked, summary
 
 #: The line edited: the final norm's epsilon, which only the last piece reads.
 EDIT = ("self.norm = nn.RMSNorm(hidden, eps=1e-5)", "self.norm = nn.RMSNorm(hidden, eps=1e-2)")
@@ -79,21 +81,19 @@ class Lines:
             self.seen.append(line)
 
 
-def _gone(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return True
-    return False
-
-
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
 def test_watch_warms_again_after_each_edit_and_ctrl_c_ends_it(tmp_path):
     model = tmp_path / "llama.py"
     text = (ROOT / "examples" / "llama.py").read_text()
-    assert text.count(EDIT[0]) == 1
+    assert text.count(EDIT[0]) == 1 and text.count("\nimport cachebuild\n") == 1
+    # A module beside it that the model file imports (its build() could read it): watched
+    text = text.replace("\nimport cachebuild\n", "\nimport cachebuild\nimport beside  # noqa\n")
+    (tmp_path / "beside.py").write_text("SIZE = 1\n")
     model.write_text(text)
     store = tmp_path / "store"
-    env = {**os.environ, **SMALL, "LLAMA_BACKEND": "eager_fusion", "CACHEBUILD_DIR": str(store)}
+    mark = f"cachebuild-watch-test-{uuid.uuid4().hex}"  # in every process it starts
+    env = {**os.environ, **SMALL, "LLAMA_BACKEND": "eager_fusion", "CACHEBUILD_DIR": str(store),
+           mark: "1"}
     proc = subprocess.Popen([sys.executable, "-m", "cachebuild.cli", "warm", str(model),
                              "--watch"], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -101,7 +101,7 @@ def test_watch_warms_again_after_each_edit_and_ctrl_c_ends_it(tmp_path):
         out = Lines(proc)
         first = out.until("watching")
         assert summary("".join(first))[2] == 3, "".join(first)  # 3 targets built
-        assert "warmed in" in first[-1] and "1 file" in first[-1], first[-1]
+        assert "warmed in" in first[-1] and "2 files" in first[-1], first[-1]
 
         time.sleep(1.0)  # an edit comes later than this
         model.write_text(text.replace(*EDIT))
@@ -117,16 +117,19 @@ def test_watch_warms_again_after_each_edit_and_ctrl_c_ends_it(tmp_path):
         model.write_text(text.replace(*EDIT) + "\n# fixed\n")
         fixed = out.until("watching")
         assert summary("".join(fixed))[1:] == (3, 0, 0), "".join(fixed)  # nothing to build
+        (tmp_path / "beside.py").write_text("SIZE = 2\n")
+        helper = out.until("watching")
+        assert f"{tmp_path / 'beside.py'} changed" in "".join(helper), "".join(helper)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=60) == 0, "".join(out.seen)
     assert out.rest().splitlines()[-1] == "stopped watching", out.seen[-5:]
     for _ in range(100):  # the round that waited for the next edit ends with it
-        if _gone(proc.pid):
+        if not _marked(mark):
             break
         time.sleep(0.1)
-    assert _gone(proc.pid)
+    assert _marked(mark) == []
 
     check = tmp_path / "check.py"
     check.write_text(CHECK)

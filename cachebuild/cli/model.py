@@ -236,7 +236,7 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
         from cachebuild import watching
 
         store = state_of(ctx).open_store()
-        watching.tell_files(watching.traced_files(store, [e.key for e in report.entries]),
+        watching.tell_files(watching.watched_files(store, [e.key for e in report.entries]),
                             report.ok)
     if not report.ok:
         ctx.exit(1)
@@ -250,8 +250,8 @@ def _round_ready(device: str | None) -> int:
 
     from cachebuild import watching
 
-    # Ctrl-C at the terminal reaches every process of the group: the watching process
-    # ends a round that waits (its stdin closes); only a round under way stops on it.
+    # The watching process ends a round that waits by closing its stdin, and one under
+    # way with SIGINT: this one waits for neither.
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         watching.prepare(device)
