@@ -177,9 +177,9 @@ def _progress(console: Console, verbose: bool = False
                    "torch's fake process group (no GPUs, no other processes) and build "
                    "each unique target once for the whole group.")
 @click.option("--watch", is_flag=True,
-              help="Keep running: warm again each time MODEL.py or a file its model was "
-                   "traced from changes, in a process that has imported torch and set up "
-                   "Inductor while you edited. Ctrl-C ends.")
+              help="Keep running: warm again each time MODEL.py, a file its model was "
+                   "traced from or a module of yours it loaded changes, in a process that "
+                   "imported torch and set up Inductor while you edited. Ctrl-C ends.")
 @click.option("--round", "round_", is_flag=True, hidden=True,
               help="One round of --watch: prepare, wait for a line on stdin, then warm.")
 @click.pass_context
