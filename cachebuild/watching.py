@@ -79,15 +79,26 @@ def prepare(device: str | None) -> None:
 def wait_for_go() -> bool:
     """Say that this round is ready, then block until the watching process says go (a
     line on stdin): True; False where it is gone (stdin closed) and the round is not to
-    run."""
+    run. Once it goes, a watching process that goes away (its end of stdin closes: it
+    was killed) ends the round as a Ctrl-C would, its builds with it."""
     sys.stdout.write(READY + "\n")
     sys.stdout.flush()
-    return bool(sys.stdin.readline())
+    if not sys.stdin.readline():
+        return False
+
+    def end_with_watcher() -> None:
+        sys.stdin.read()
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=end_with_watcher, name="cachebuild-watcher", daemon=True).start()
+    return True
 
 
 def tell_files(files: Sequence[str], ok: bool) -> None:
     """Say, on stdout, which files the watching process is to watch now, and whether
-    every target was built or stored (``ok``)."""
+    every target was built or stored (``ok``). The round's work is recorded by then: an
+    interrupt while it ends (the watcher letting go of its stdin) has nothing to stop."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     sys.stdout.write(FILES + json.dumps({"files": sorted(set(files)), "ok": ok}) + "\n")
     sys.stdout.flush()
 
@@ -127,6 +138,7 @@ class Round:
 
     def __init__(self, args: Sequence[str],
                  on_ready: Callable[[float], None] | None = None) -> None:
+        self.args = list(args)
         self.files: list[str] | None = None
         self.ok = False  # every target built or stored
         self.went = False  # told to go
@@ -141,6 +153,10 @@ class Round:
             start_new_session=True)
         assert self.proc.stdout is not None
         threading.Thread(target=self._relay, args=(self.proc.stdout,), daemon=True).start()
+        # Its end, apart from its output's: the build workers it starts hold that pipe
+        # open, and one killed leaves them building their last job.
+        threading.Thread(target=lambda: (self.proc.wait(), self.done.set()),
+                         daemon=True).start()
 
     def _relay(self, out: IO[str]) -> None:
         for line in out:
@@ -162,15 +178,21 @@ class Round:
                     pass
         self.done.set()
 
-    def go(self) -> None:
-        """Start the round's work (it waits for this once prepared)."""
+    def go(self) -> Round:
+        """Start the round's work (it waits for this once prepared). One that ended
+        before it was told (its model file was gone as it started) is replaced by a new
+        one, told at once: the round that goes."""
+        if self.proc.poll() is not None:
+            fresh = Round(self.args, self.on_ready)
+            return fresh.go()
         assert self.proc.stdin is not None
         self.went = True
         try:
             self.proc.stdin.write("go\n")
             self.proc.stdin.flush()
-        except BrokenPipeError:  # it ended already: ``wait`` says so
+        except BrokenPipeError:  # it ended meanwhile: ``wait`` says so
             pass
+        return self
 
     def wait(self) -> int | None:
         """Wait until the round has recorded its work (its FILES line) or ended: its exit
@@ -181,21 +203,33 @@ class Round:
             return None
         return self.proc.wait()
 
-    def stop(self) -> None:
+    def stop(self, how: signal.Signals = signal.SIGINT) -> None:
         """End the round: one still waiting to go as its stdin closes; one under way as
-        a command ends on Ctrl-C (its builds with it, the store whole)."""
+        a command ends on ``how`` (Ctrl-C's SIGINT, or SIGTERM): its builds with it, the
+        store whole."""
+        if self.went and self.proc.poll() is None and self.files is None:
+            self.proc.send_signal(how)  # its stdin stays open: a closed one ends it too
+            try:
+                self.proc.wait(timeout=STOP_S)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
         if self.proc.stdin is not None:
             try:
                 self.proc.stdin.close()
             except OSError:
                 pass
-        if self.went and self.proc.poll() is None and self.files is None:
-            self.proc.send_signal(signal.SIGINT)
         try:
             self.proc.wait(timeout=STOP_S)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def ended(code: int) -> str:
+    """How a round that ended without recording anything ended, in words."""
+    if code < 0:
+        return f"round killed by signal {-code}"
+    return f"round ended with exit code {code}"
 
 
 def stamps(files: Sequence[str]) -> dict[str, Any]:
@@ -225,14 +259,15 @@ def watch(args: Sequence[str], model_file: str, say: Callable[[str], None],
     ever: the first at once, each next one as a watched file changes, and say how long
     each took from the change seen to its entry recorded. ``on_ready(seconds)``: called
     as each next round is ready (its set-up took ``seconds``). Ends with a
-    KeyboardInterrupt (Ctrl-C), the round under way with it."""
+    KeyboardInterrupt (Ctrl-C, or SIGTERM as the command line raises it), the round
+    under way with it."""
     model = os.path.abspath(model_file)
     files = [model]
     seen = stamps(files)
-    current = Round(args)
-    current.go()
-    started, first = time.perf_counter(), True
+    current: Round | None = None
     try:
+        current = Round(args).go()
+        started, first = time.perf_counter(), True
         while True:
             code = current.wait()
             took = time.perf_counter() - started
@@ -240,10 +275,12 @@ def watch(args: Sequence[str], model_file: str, say: Callable[[str], None],
                 files = sorted(set(current.files) | {model})
                 new = stamps([f for f in files if f not in seen])
                 seen = {f: seen[f] if f in seen else new[f] for f in files}
-            what = (f"round ended with exit code {code}" if code is not None
+            what = (ended(code) if code is not None
                     else "round ended with targets that failed" if not current.ok
                     else "warmed" if first else "warmed again")
-            current = Round(args, on_ready)  # gets ready while the user edits
+            # The next one gets ready while the user edits (where there is a model file
+            # to warm: one started without it would only fail).
+            current = Round(args, on_ready) if os.path.isfile(model) else None
             since = "" if first else " after the change"
             say(f"{what} in {took:.1f} s{since}; watching {len(files)} "
                 f"file{'' if len(files) == 1 else 's'} for changes (Ctrl-C ends)")
@@ -251,6 +288,11 @@ def watch(args: Sequence[str], model_file: str, say: Callable[[str], None],
             first = False
             seen = stamps(files)
             say(f"{changed} changed: warming again")
-            current.go()
+            current = (current or Round(args, on_ready)).go()
+    except KeyboardInterrupt as e:
+        if current is not None:
+            current.stop(signal.SIGINT if type(e) is KeyboardInterrupt else signal.SIGTERM)
+        raise
     finally:
-        current.stop()
+        if current is not None:
+            current.stop()

@@ -149,3 +149,68 @@ def test_watch_with_dry_run_is_a_usage_error(tmp_path):
     assert proc.returncode == 2
     assert "leave out --dry-run" in proc.stderr
     assert not (tmp_path / "store").exists()
+
+
+#: An edit of every layer's MLP: every piece but the first changes, built in workers.
+EVERY_LAYER = ("self.down(F.silu(gate) * up)", "self.down(F.gelu(gate) * up)")
+
+
+def _watcher(tmp_path, model, mark: str) -> subprocess.Popen:
+    env = {**os.environ, **SMALL, "LLAMA_BACKEND": "eager_fusion",
+           "CACHEBUILD_DIR": str(tmp_path / "store"), mark: "1"}
+    return subprocess.Popen([sys.executable, "-m", "cachebuild.cli", "warm", str(model),
+                             "--watch"], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+
+def _all_gone(mark: str, seconds: float = 60) -> bool:
+    end = time.monotonic() + seconds
+    while _marked(mark) and time.monotonic() < end:
+        time.sleep(0.2)
+    return not _marked(mark)
+
+
+@pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs /proc")
+def test_watch_ends_its_rounds_and_their_workers_however_it_ends(tmp_path):
+    """A model file deleted and written again is warmed once it is back; Ctrl-C while a
+    round builds in workers ends all of them (exit 0); the watcher killed (-9) while a
+    round builds ends that round and its workers too; the store is whole after each."""
+    from tests.test_cli_model import cli
+
+    model = tmp_path / "llama.py"
+    text = (ROOT / "examples" / "llama.py").read_text()
+    assert text.count(EDIT[0]) == 1 and text.count(EVERY_LAYER[0]) == 1
+    model.write_text(text)
+    mark = f"cachebuild-watch-test-{uuid.uuid4().hex}"
+    proc = _watcher(tmp_path, model, mark)
+    out = Lines(proc)
+    try:
+        out.until("watching")
+        model.unlink()
+        gone = out.until("watching")
+        assert "round ended with exit code 2" in gone[-1], "".join(gone)
+        time.sleep(1.0)
+        model.write_text(text.replace(*EDIT))
+        back = out.until("watching")
+        assert summary("".join(back))[1:] == (2, 1, 0), "".join(back)
+        model.write_text(text.replace(*EDIT).replace(*EVERY_LAYER))
+        out.until("in worker processes")
+        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C at the terminal, mid-build
+        assert proc.wait(timeout=120) == 0, out.rest()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert _all_gone(mark), _marked(mark)
+    assert cli(tmp_path / "store", "verify").returncode == 0
+
+    model.write_text(text)  # the first version again, then every layer edited once more
+    proc = _watcher(tmp_path, model, mark)
+    out = Lines(proc)
+    try:
+        out.until("watching")
+        model.write_text(text.replace(*EVERY_LAYER))
+        out.until("in worker processes")
+    finally:
+        proc.kill()  # -9: its round is left to see it
+    assert _all_gone(mark), _marked(mark)
+    assert cli(tmp_path / "store", "verify").returncode == 0
