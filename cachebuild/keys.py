@@ -134,3 +134,29 @@ def diff_manifests(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -
             diffs.append(Difference(path, a, b))
     return diffs
 
+
+
+#: Items a value may hold, all in all, to count as plain data (a table of constants, not
+#: a dataset).
+PLAIN_ITEMS = 256
+
+
+def plain_data(value: Any, limit: int = PLAIN_ITEMS) -> bool:
+    """Whether ``value`` is plain data whose ``repr`` says all of it, the same in every
+    process: None, a bool, a number or a string, or a tuple, list or dict of such (no
+    set: its order follows the process's string hashes), ``limit`` items at most in all."""
+    left = [limit]
+
+    def plain(v: Any, depth: int) -> bool:
+        left[0] -= 1
+        if left[0] < 0 or depth > 4:
+            return False
+        if v is None or isinstance(v, bool | int | float | str):
+            return True
+        if type(v) in (tuple, list):
+            return all(plain(x, depth + 1) for x in v)
+        if type(v) is dict:
+            return all(plain(k, depth + 1) and plain(x, depth + 1) for k, x in v.items())
+        return False
+
+    return plain(value, 0)

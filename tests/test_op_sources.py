@@ -232,6 +232,8 @@ KERNEL_STATE_MODEL = textwrap.dedent("""
             h = self.a(x)
             return torch.ops.cb_state.probe(h) + torch.ops.cb_state.probe(h[:, :8]).sum(-1, True)
 
+    if os.environ.get("TABLE_K"):  # the table changed in place by the caller
+        kops.TABLE["k"] = float(os.environ["TABLE_K"])
     torch.manual_seed(0)
     net = Net().eval()
     config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
@@ -251,7 +253,8 @@ def test_what_an_inlined_kernel_reads_besides_its_code_is_followed(tmp_path):
     """A kernel the build inlines bakes in what it reads: an environment variable read
     at each call (changed between processes, and after the first call), a constant its
     module computed from the environment at import, the code of a branch another call
-    takes, and a table imported two modules away. A change of any is followed."""
+    takes, and a table imported two modules away, edited there or changed in place by the
+    caller. A change of any is followed."""
     files = {"kops.py": KERNEL_STATE_OPS, "model.py": KERNEL_STATE_MODEL,
              "big.py": "def f(x):\n    return x * 1.5\n",
              "small.py": "def f(x):\n    return x * 2.5\n",
@@ -281,3 +284,4 @@ def test_what_an_inlined_kernel_reads_besides_its_code_is_followed(tmp_path):
     assert run(KOFFSET="1")["built"] >= 1
     (tmp_path / "consts.py").write_text("TABLE = {'k': 3.0}\n")
     assert run(KOFFSET="1")["built"] >= 1
+    assert run(KOFFSET="1", TABLE_K="5")["built"] >= 1

@@ -293,12 +293,13 @@ def test_a_cpu_install_without_triton_compiles_with_every_fusion():
 
 
 CAPPED = textwrap.dedent("""
+    import os
     from cachebuild.passes import FusionPass
 
     CAP = {cap}
 
     def cap_value(p):
-        return CAP
+        return CAP * float(os.environ.get("CAP_SCALE", "1"))
 
     class CapRelu(FusionPass):
         name = "cap_relu"
@@ -322,7 +323,8 @@ def _module_from(tmp_path: Path, name: str, text: str):
     return module
 
 
-def test_what_a_pass_reads_of_its_module_and_its_options_are_in_its_key(tmp_path):
+def test_what_a_pass_reads_of_its_module_and_its_options_are_in_its_key(tmp_path,
+                                                                      monkeypatch):
     """A pass's helper functions and the constants they read from its module (a cap set
     at the top of a model file), and the options an instance was made with, change what
     it emits: each is in the key, where the class source alone would not show it."""
@@ -332,8 +334,16 @@ def test_what_a_pass_reads_of_its_module_and_its_options_are_in_its_key(tmp_path
     assert v1.CapRelu().uuid() == same.CapRelu().uuid()
     assert v1.CapRelu().uuid() != v2.CapRelu().uuid()
     edited = _module_from(tmp_path, "capped_edited", CAPPED.format(cap="100").replace(
-        "return CAP", "return CAP * 2"))
+        "return CAP", "return 2 * CAP"))
     assert edited.CapRelu().uuid() != v1.CapRelu().uuid()
     small, large = (PassManager([v1.CapRelu(cap=c)]).factors() for c in (100, 1e30))
     assert small != large and changed_passes(small, large) == ["cap_relu"]
+    one, two = (PassManager([v1.CapRelu(cap={"c": c})]).factors() for c in (1, 2))
+    assert one != two  # a table of options, too
+    before = v1.CapRelu().uuid()
+    v1.CAP = 7  # reassigned in this process: another uuid from now on
+    assert v1.CapRelu().uuid() != before
+    v1.CAP = 100
+    monkeypatch.setenv("CAP_SCALE", "3")  # a variable its helper reads
+    assert v1.CapRelu().uuid() != before
     assert PassManager([v1.CapRelu()]).factors() == PassManager([same.CapRelu()]).factors()

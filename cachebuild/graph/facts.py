@@ -26,6 +26,7 @@ import torch
 import torch.fx as fx
 
 from cachebuild.errors import UsageError
+from cachebuild.keys import plain_data
 
 log = logging.getLogger("cachebuild")
 
@@ -206,7 +207,7 @@ def user_op_state(graph: fx.Graph) -> dict[str, list[str]]:
         said = {f"env {name}={os.environ.get(name)!r}" for name in env}
         for module_name, name in values:
             value = getattr(sys.modules.get(module_name), name, None)
-            if _plain(value):
+            if plain_data(value):
                 said.add(f"value {module_name}.{name}={value!r}")
         if said:
             out[qualname] = sorted(said)
@@ -239,17 +240,6 @@ def _user_op_reads(graph: fx.Graph) -> dict[str, tuple[set[str], set[tuple[str, 
         if env or values:
             out[qualname] = (env, values)
     return out
-
-
-_PLAIN = (bool, int, float, str, type(None))
-
-
-def _plain(value: Any, depth: int = 0) -> bool:
-    """Whether ``value`` is plain data whose ``repr`` says all of it and a guard can
-    compare (a number, a string; a tuple of such)."""
-    if isinstance(value, _PLAIN):
-        return True
-    return isinstance(value, tuple) and depth < 2 and all(_plain(v, depth + 1) for v in value)
 
 
 @functools.cache
@@ -514,7 +504,7 @@ def _files_run_by(kernel: Callable[..., Any], node: fx.Node, name: str) -> Kerne
             "not known", name, type(failed[0]).__name__, failed[0])
         return None
     values = {(str(g.get("__name__")), n) for code, g in codes for n in code.co_names
-              if n in g and _plain(g[n]) and not n.startswith("__")}
+              if n in g and plain_data(g[n]) and not n.startswith("__")}
     return KernelRun(frozenset(files), frozenset(env), frozenset(values))
 
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 import importlib
 import importlib.util
 import inspect
+import os
+import re
 import sys
 import types
 from collections import Counter
@@ -23,7 +25,7 @@ from typing import Any, ClassVar
 import torch.fx
 
 from cachebuild.config import PassConfig
-from cachebuild.keys import make_key
+from cachebuild.keys import make_key, plain_data
 from cachebuild.passes.rewrites.builtin import BUILTIN_PASSES
 
 
@@ -55,42 +57,47 @@ class FusionPass:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-_UUIDS: dict[type, str] = {}
+#: Each pass class's own factors (its sources), by class object: a class object's code is
+#: fixed once it is defined, and an edited module that is reloaded defines a new one.
+_SOURCES: dict[type, dict[str, Any]] = {}
 
 
 def pass_uuid(cls: type[FusionPass]) -> str:
-    """The uuid of a pass class, computed once per class object.
-
-    Caching per class is right: a class object's behaviour is fixed once it is defined,
-    and an edited module that is reloaded defines a new class object.
-    """
-    cached = _UUIDS.get(cls)
-    if cached is not None:
-        return cached
-    if not cls.name:
-        raise TypeError(f"{cls.__qualname__} has no name")
-    classes = [c for c in cls.__mro__ if issubclass(c, FusionPass) and c is not FusionPass]
-    factors = {
-        "name": cls.name,
-        "classes": [{"qualname": c.__qualname__, "source": _class_source(c)} for c in classes],
-        "modules": {m: module_source(m) for m in cls.source_modules},
-    }
-    read = {name: value for c in classes for name, value in _globals_read(c).items()}
-    if read:  # only where there is any, so that the built-in passes' uuids stay as were
-        factors["globals"] = read
-    uuid = _UUIDS[cls] = make_key(factors)
-    return uuid
+    """The uuid of a pass class: its sources (read once per class object), and what its
+    code reads of its module and the environment, as they are now (``_globals_read``:
+    a constant reassigned, a variable set, since)."""
+    factors = _SOURCES.get(cls)
+    if factors is None:
+        if not cls.name:
+            raise TypeError(f"{cls.__qualname__} has no name")
+        factors = _SOURCES[cls] = {
+            "name": cls.name,
+            "classes": [{"qualname": c.__qualname__, "source": _class_source(c)}
+                        for c in _pass_classes(cls)],
+            "modules": {m: module_source(m) for m in cls.source_modules},
+        }
+    read = {name: value for c in _pass_classes(cls) for name, value in _globals_read(c).items()}
+    # only where there is any, so that the built-in passes' uuids stay as they were
+    return make_key({**factors, "globals": read} if read else factors)
 
 
-_PLAIN = (bool, int, float, str, bytes, type(None))
+def _pass_classes(cls: type) -> list[type]:
+    return [c for c in cls.__mro__ if issubclass(c, FusionPass) and c is not FusionPass]
+
+
+#: Names through which code reads the environment, and what a variable's name looks like
+#: among a code object's constants (the names it reads are taken to be those).
+_ENVIRONMENT = frozenset({"environ", "getenv", "environb"})
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _globals_read(cls: type) -> dict[str, str]:
     """What the code of ``cls`` reads from its own module's globals, there and through
     the module's functions and classes it calls: each function's and class's code by
-    hash, each plain value (a number, a string, a tuple of such) by ``repr`` (a
-    threshold set at the top of a model file, say, which no class source shows). A
-    module in ``source_modules`` is hashed whole already."""
+    hash, each plain value (``keys.plain_data``) by ``repr`` (a threshold set at the top
+    of a model file, say, which no class source shows); and the environment variables
+    that code may read, with their values. A module in ``source_modules`` is hashed whole
+    already."""
     from cachebuild.trust.codehash import code_hash, code_objects
 
     module = sys.modules.get(cls.__module__)
@@ -102,11 +109,15 @@ def _globals_read(cls: type) -> dict[str, str]:
     while todo:
         code = todo.pop()
         todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+        if _ENVIRONMENT & set(code.co_names):  # ``os.environ.get("CAP")``, ``getenv``
+            for const in code.co_consts:
+                if isinstance(const, str) and _ENV_NAME.fullmatch(const):
+                    read[f"env {const}"] = repr(os.environ.get(const))
         for name in code.co_names:
             if name in read or name.startswith("__") or name not in namespace:
                 continue
             value = namespace[name]
-            if _plain(value):
+            if plain_data(value):
                 read[name] = repr(value)
             elif inspect.isfunction(value) and value.__module__ == module.__name__:
                 read[name] = code_hash(value.__code__)
@@ -119,16 +130,10 @@ def _globals_read(cls: type) -> dict[str, str]:
     return read
 
 
-def _plain(value: Any, depth: int = 0) -> bool:
-    if isinstance(value, _PLAIN):
-        return True
-    return isinstance(value, tuple) and depth < 2 and all(_plain(v, depth + 1) for v in value)
-
-
 def pass_options(p: FusionPass) -> dict[str, str]:
     """What an instance of a pass was made with (``CapRelu(cap=100)``): each attribute
     of its own, a plain value by ``repr``, any other by its type."""
-    return {name: repr(value) if _plain(value) else type(value).__qualname__
+    return {name: repr(value) if plain_data(value) else type(value).__qualname__
             for name, value in sorted(vars(p).items())}
 
 
