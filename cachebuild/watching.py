@@ -148,7 +148,9 @@ class Round:
         # A session of its own: a Ctrl-C at the terminal reaches the watching process
         # alone, which ends its rounds itself (``stop``), never one still starting up.
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _BOOT, json.dumps(sys.path), "cachebuild.cli", *args],
+            # -P: the working directory is not put first on the path before ``_BOOT``
+            # sets it (a json.py another user left there would run)
+            [sys.executable, "-P", "-c", _BOOT, json.dumps(sys.path), "cachebuild.cli", *args],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
             start_new_session=True)
         assert self.proc.stdout is not None

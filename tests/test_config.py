@@ -211,6 +211,7 @@ def test_inductor_freezing_is_refused_by_the_torch_compile_door(monkeypatch):
         cachebuild.backend(cachebuild.CompileConfig(backend="eager_fusion"))
     monkeypatch.setenv("TORCHINDUCTOR_FREEZING", "0")
     door = cachebuild.backend(cachebuild.CompileConfig(backend="eager_fusion"))
-    monkeypatch.setattr(inductor, "freezing", True)
-    with pytest.raises(ConfigError, match="freezing"):
+    # Inductor's own way to set a setting for a while (monkeypatch would delete it after)
+    with inductor.patch(freezing=True), pytest.raises(ConfigError, match="freezing"):
         door(torch.fx.symbolic_trace(torch.nn.Linear(2, 2)), [torch.randn(1, 2)])
+    assert inductor.freezing is False

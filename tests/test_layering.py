@@ -4,7 +4,7 @@ pipeline:
 
     values (the flat modules at the top of ``cachebuild``: config, keys, errors, compat...)
     → store, passes → trust → graph → tracing → backends → building → serving
-    → front doors (api, dynamo_backend, modelfile, warming, explain, worker) → cli
+    → front doors (api, dynamo_backend, modelfile, warming, watching, explain, worker) → cli
 
 Each folder's package docstring says what it holds and what it may import. Every import
 counts: the ones inside functions (deferred only to save start-up time), and the ones under
@@ -26,7 +26,8 @@ FOLDERS = {"cachebuild": "cachebuild", "backends": "cachebuild.backends",
 #: The flat modules at the top of ``cachebuild`` that are front doors; every other flat
 #: module there is a value every layer may use.
 FRONT_DOORS = ["cachebuild.api", "cachebuild.dynamo_backend", "cachebuild.modelfile",
-               "cachebuild.warming", "cachebuild.explain", "cachebuild.worker"]
+               "cachebuild.warming", "cachebuild.watching", "cachebuild.explain",
+               "cachebuild.worker"]
 #: Packages, lowest first, between the values and the front doors.
 PACKAGES = [["cachebuild.store", "cachebuild.passes"], ["cachebuild.trust"], ["cachebuild.graph"],
             ["cachebuild.tracing"], ["cachebuild.backends"], ["cachebuild.building"],

@@ -201,7 +201,7 @@ def test_a_same_size_edit_with_its_time_put_back_is_a_change(monkeypatch, tmp_pa
     -r``, an image build that gives every file one time) still changes its stamp: the
     change time is the kernel's. A stamp is not kept for a file changed just now (the
     kernel's clock for file times is coarse), so such a file is read again."""
-    path = tmp_path / "kernels.py"
+    path = tmp_path / "stamped_source_under_test.py"  # no loaded module has its name
     path.write_text(CODE)
     os.utime(path, ns=(10**18, 10**18))
     assert sources.stamped_digest(str(path))[1] is None  # changed less than RACY_S ago

@@ -94,9 +94,18 @@ def test_watch_warms_again_after_each_edit_and_ctrl_c_ends_it(tmp_path):
     mark = f"cachebuild-watch-test-{uuid.uuid4().hex}"  # in every process it starts
     env = {**os.environ, **SMALL, "LLAMA_BACKEND": "eager_fusion", "CACHEBUILD_DIR": str(store),
            mark: "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "cachebuild.cli", "warm", str(model),
-                             "--watch"], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    # Run as a user runs it, the command from a folder where another user left a json.py:
+    # neither the watcher nor its rounds may import it.
+    command = Path(sys.executable).with_name("cachebuild")
+    planted = tmp_path / "cwd"
+    planted.mkdir()
+    (planted / "json.py").write_text(f"open({str(tmp_path / 'PLANTED')!r}, 'w').close()\n"
+                                     "from importlib import import_module\n")
+    proc = subprocess.Popen([str(command) if command.exists() else sys.executable,
+                             *([] if command.exists() else ["-m", "cachebuild.cli"]),
+                             "warm", str(model), "--watch"], env=env, cwd=planted,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
     try:
         out = Lines(proc)
         first = out.until("watching")
@@ -125,6 +134,7 @@ def test_watch_warms_again_after_each_edit_and_ctrl_c_ends_it(tmp_path):
             os.killpg(proc.pid, signal.SIGINT)
     assert proc.wait(timeout=60) == 0, "".join(out.seen)
     assert out.rest().splitlines()[-1] == "stopped watching", out.seen[-5:]
+    assert not (tmp_path / "PLANTED").exists()
     for _ in range(100):  # the round that waited for the next edit ends with it
         if not _marked(mark):
             break

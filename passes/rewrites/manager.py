@@ -98,14 +98,12 @@ def _globals_read(cls: type) -> dict[str, str]:
     of a model file, say, which no class source shows); and the environment variables
     that code may read, with their values. A module in ``source_modules`` is hashed whole
     already."""
-    from cachebuild.trust.codehash import code_hash, code_objects
-
     module = sys.modules.get(cls.__module__)
     if module is None or cls.__module__ in getattr(cls, "source_modules", ()):
         return {}
     namespace = vars(module)
     read: dict[str, str] = {}
-    todo = list(code_objects(cls))
+    todo = _codes_of(cls)
     while todo:
         code = todo.pop()
         todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
@@ -120,14 +118,35 @@ def _globals_read(cls: type) -> dict[str, str]:
             if plain_data(value):
                 read[name] = repr(value)
             elif inspect.isfunction(value) and value.__module__ == module.__name__:
-                read[name] = code_hash(value.__code__)
+                read[name] = make_key({"source": _source(value)})
                 todo.append(value.__code__)
             elif inspect.isclass(value) and value.__module__ == module.__name__ and \
                     value is not cls:
-                objects = code_objects(value)
-                read[name] = make_key({"code": [code_hash(c) for c in objects]})
-                todo += objects
+                read[name] = make_key({"source": _source(value)})
+                todo += _codes_of(value)
     return read
+
+
+def _codes_of(cls: type) -> list[types.CodeType]:
+    """The code objects of a class's own functions (methods, static and class methods,
+    properties)."""
+    codes = []
+    for value in vars(cls).values():
+        for f in (value, getattr(value, "__func__", None), getattr(value, "fget", None),
+                  getattr(value, "fset", None)):
+            code = getattr(f, "__code__", None)
+            if isinstance(code, types.CodeType):
+                codes.append(code)
+    return codes
+
+
+def _source(obj: Any) -> str:
+    """The source text of a function or class (its code's bytes where there is none)."""
+    try:
+        return inspect.getsource(obj)
+    except (OSError, TypeError):
+        code = getattr(obj, "__code__", None)
+        return code.co_code.hex() if code is not None else obj.__qualname__
 
 
 def pass_options(p: FusionPass) -> dict[str, str]:
