@@ -135,7 +135,6 @@ def diff_manifests(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -
     return diffs
 
 
-
 #: Items a value may hold, all in all, to count as plain data (a table of constants, not
 #: a dataset).
 PLAIN_ITEMS = 256

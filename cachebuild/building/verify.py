@@ -28,6 +28,7 @@ from cachebuild.backends.protocol import (
     size_hint,
 )
 from cachebuild.graph.facts import InputMeta, device_of
+from cachebuild.graph.inputs import copy_with_strides
 from cachebuild.store.interface import ArtifactSource
 from cachebuild.trust.fxjson import data_to_module
 
@@ -99,17 +100,9 @@ def compare(out: Any, ref: Any, what: str, floor: float = 0.0) -> None:
 
 
 def _clone(values: Sequence[Any]) -> list[Any]:
-    return [_copy(v) if isinstance(v, torch.Tensor) else v for v in values]
-
-
-def _copy(tensor: torch.Tensor) -> torch.Tensor:
-    """A copy of ``tensor`` with its strides, whatever they are: ``clone()`` gives a tensor
-    that is not dense (a slice of a wider one, an expanded one) dense strides, and the
-    artifact, built for the strides its piece was traced with, would read it wrongly."""
-    if tensor.numel() == 0:
-        return tensor.clone()
-    span = 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(), strict=True))
-    return tensor.as_strided((span,), (1,)).clone().as_strided(tensor.shape, tensor.stride())
+    # With its strides: the artifact, built for the strides its piece was traced with,
+    # would read a dense copy of a slice wrongly.
+    return [copy_with_strides(v) if isinstance(v, torch.Tensor) else v for v in values]
 
 
 def _flat(outputs: Any) -> list[Any]:

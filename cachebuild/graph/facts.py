@@ -314,7 +314,7 @@ def kernel_run(op: torch._ops.OpOverload, node: fx.Node) -> KernelRun | None:
     env: set[str] = set()
     values: set[tuple[str, str]] = set()
     for kernel in _inlined_kernels(op):
-        ran = _files_run_by(kernel, node, name)
+        ran = _run_kernel(kernel, node, name)
         if ran is None:
             return None
         files |= ran.files
@@ -425,7 +425,7 @@ def _overloads(target: Any) -> list[torch._ops.OpOverload]:
     return []
 
 
-def _files_run_by(kernel: Callable[..., Any], node: fx.Node, name: str) -> KernelRun | None:
+def _run_kernel(kernel: Callable[..., Any], node: fx.Node, name: str) -> KernelRun | None:
     """What ``kernel`` (a decomposition of operator ``name``) runs on ``node``'s fake
     values: the files of the Python functions it calls, the environment variables they
     read (``os.environ``'s ``__getitem__``, which ``get``, ``getenv`` and ``in`` go
@@ -503,9 +503,9 @@ def _files_run_by(kernel: Callable[..., Any], node: fx.Node, name: str) -> Kerne
             "the kernel of %s did not run on fake values (%s: %s): the files it calls are "
             "not known", name, type(failed[0]).__name__, failed[0])
         return None
-    values = {(str(g.get("__name__")), n) for code, g in codes for n in code.co_names
-              if n in g and plain_data(g[n]) and not n.startswith("__")}
-    return KernelRun(frozenset(files), frozenset(env), frozenset(values))
+    constants = {(str(g.get("__name__")), n) for code, g in codes for n in code.co_names
+                 if n in g and plain_data(g[n]) and not n.startswith("__")}
+    return KernelRun(frozenset(files), frozenset(env), frozenset(constants))
 
 
 #: Dropout's functions, which draw only in training and at a probability above 0:

@@ -337,6 +337,15 @@ def elements_spanned(t: torch.Tensor) -> int:
     return 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
 
 
+def copy_with_strides(t: torch.Tensor) -> torch.Tensor:
+    """A copy of ``t`` with its strides, whatever they are (``clone()`` gives a tensor
+    that is not dense, a slice of a wider one or an expanded one, dense strides): the
+    memory it spans from its first element, copied, then viewed as ``t`` is."""
+    if t.numel() == 0:
+        return t.clone()
+    return t.as_strided((elements_spanned(t),), (1,)).clone().as_strided(t.shape, t.stride())
+
+
 class LayoutGuard:
     """Gives the inputs of one compiled piece that come from inside the model the strides
     the piece was compiled for (``metas[i]`` for each ``i`` in ``checked``)."""

@@ -317,7 +317,7 @@ def _environment(path: list[list[Any]], check: str, arg: Any, model: Any,
         else:
             raise Unrecordable("the forward reads the whole environment, not variables by name")
         name = key.decode() if isinstance(key, bytes) else str(key)
-        return GuardRecord((("env", name),), "equals", None, os.environ.get(name))
+        return env_record(name)
     return None
 
 
@@ -545,8 +545,12 @@ def environment_records(records: list[GuardRecord], code_objects: Sequence[types
         if r.check == "equals":
             names |= {s for s in _strings(r.expected) if _ENV_NAME.match(s)}
     names -= _SHELL_NAMES
-    return [GuardRecord((("env", name),), "equals", None, os.environ.get(name))
-            for name in sorted(names)]
+    return [env_record(name) for name in sorted(names)]
+
+
+def env_record(name: str) -> GuardRecord:
+    """The record of environment variable ``name`` as it is now (None: unset)."""
+    return GuardRecord((("env", name),), "equals", None, os.environ.get(name))
 
 
 def module_path(name: str) -> tuple[tuple[Any, ...], ...]:

@@ -36,7 +36,7 @@ from cachebuild.graph.facts import (
     user_op_files,
     user_op_reads,
 )
-from cachebuild.graph.inputs import elements_spanned
+from cachebuild.graph.inputs import copy_with_strides
 from cachebuild.graph.outputs import item_outputs, output_builder, output_recipe, returned
 from cachebuild.graph.weights import hooks_hidden
 from cachebuild.tracing.guards import (
@@ -638,12 +638,10 @@ def _copy_as_is(t: torch.Tensor, dynamic: bool) -> torch.Tensor:
     same layout are served (``clone`` of a view with gaps would be contiguous). One with a
     dynamic dim (``dynamic``) is cloned: Dynamo would give a view's other strides symbols
     of their own, which no build reads from the call."""
-    if dynamic or t.is_contiguous() or t.numel() == 0 or t.layout != torch.strided:
+    if dynamic or t.is_contiguous() or t.layout != torch.strided:
         copy = t.detach().clone()
     else:
-        span = elements_spanned(t)
-        memory = t.detach().as_strided((span,), (1,)).clone()  # from t's first element
-        copy = memory.as_strided(t.shape, t.stride())
+        copy = copy_with_strides(t.detach())
     return copy.requires_grad_(t.requires_grad)
 
 
@@ -652,10 +650,11 @@ def kernel_records(graph: fx.Graph, guards: list[GuardRecord]) -> list[GuardReco
     their code (``facts.user_op_reads``), which a build bakes in: each environment
     variable, and each module constant as it is now (a call after it changed, or a
     process where it is another, is a mismatch, as for the forward's own reads)."""
+    from cachebuild.tracing.guard_export import env_record
+
     env, values = user_op_reads(graph)
     read = {r.path[0][1] for r in guards if r.path and r.path[0][0] == "env"}
-    records = [GuardRecord((("env", name),), "equals", None, os.environ.get(name))
-               for name in env if name not in read]
+    records = [env_record(name) for name in env if name not in read]
     for module_name, name in values:
         if module_name in sys.modules:
             value = getattr(sys.modules[module_name], name, None)
