@@ -182,6 +182,8 @@ def _cxx(build: CxxBuild, run: Callable[[], None]) -> None:
         return
     with clock.phase(phase_of(build)):
         folder = _cache["dir"]
+        if phase_of(build) == "cxx_wrapper" and len(build.sources) == 1:
+            without_kernel_listings(Path(build.sources[0]))
         key = object_key(build) if folder is not None and build.step != "header" else None
         if key is None or folder is None:
             run()
@@ -231,6 +233,35 @@ def object_key(build: CxxBuild) -> str | None:
         h.update(b"\0")
     h.update(text)
     return h.hexdigest()
+
+
+def without_kernel_listings(source: Path) -> None:
+    """Take out of a C++ source, in place, the listings of Triton kernels' Python code that
+    AOTInductor writes into a GPU wrapper, each a block comment opened and closed on lines
+    of their own (``/*`` and ``*/``): they change nothing the compiler makes, but they hold
+    each kernel's code, so the wrapper of a piece whose kernels changed (a constant, an
+    edit) would not be found among the objects already compiled. The source is what is
+    compiled and keyed, so the object and its key agree. A file that cannot be read or
+    written, or an opening line with no closing one, is left as it is."""
+    try:
+        text = source.read_bytes()
+    except OSError:
+        return
+    lines = text.split(b"\n")
+    kept: list[bytes] = []
+    i = 0
+    while i < len(lines):
+        if lines[i].strip() == b"/*":
+            end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == b"*/"), None)
+            if end is not None:
+                i = end + 1
+                continue
+        kept.append(lines[i])
+        i += 1
+    if len(kept) == len(lines):
+        return
+    with contextlib.suppress(OSError):
+        write_whole(source, b"\n".join(kept))
 
 
 def _without_edge_comments(text: bytes) -> bytes:

@@ -19,6 +19,7 @@ import glob
 import json
 import logging
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -62,7 +63,9 @@ def inductor_environment() -> dict[str, str]:
             if k.startswith("TORCHINDUCTOR_") and not any(p in k for p in _NOT_CODEGEN)}
 
 
-VERSION = "4"  # 3: AOTI packages (.pt2) built with the probed compiler; 4: the edge pass
+#: 3: AOTI packages (.pt2) built with the probed compiler; 4: the edge pass; 5: a CUDA
+#: package's kernel binaries linked into its library (``kernel_binaries_linked``)
+VERSION = "5"
 
 
 def _inductor_options(request: BuildRequest) -> dict[str, Any]:
@@ -78,6 +81,25 @@ def _inductor_options(request: BuildRequest) -> dict[str, Any]:
         # numbers, and torch's generators are left as eager leaves them.
         options["fallback_random"] = True
     return options
+
+
+def kernel_binaries_linked() -> dict[str, Any]:
+    """AOTInductor's option that links each Triton kernel's binary into a CUDA package's
+    library (``aot_inductor.embed_kernel_binary``), where no other user could replace the
+    ``ld`` and ``objcopy`` torch then runs from ``PATH``; else none.
+
+    Why: otherwise the wrapper names each kernel by the path of its binary, which holds the
+    hash of the kernel's code, so an edit that changes one constant in one kernel changes
+    the wrapper's source, and its object (seconds of C++ on CUDA) is compiled again. Linked,
+    the wrapper names kernels by their names, which stay, and its object is reused
+    (``compilers``)."""
+    from cachebuild.backends.executables import replaceable
+
+    for tool in ("ld", "objcopy"):
+        found = shutil.which(tool)
+        if found is None or replaceable(found) is not None:
+            return {}
+    return {"aot_inductor.embed_kernel_binary": True}
 
 
 class InductorBackend(Backend):
@@ -207,9 +229,12 @@ class InductorBackend(Backend):
                         lambda **options: export(dim, **options))
                     if deferred:  # guards kept as checks: the range accepted is checked here
                         _check_range_kept(ep, dynamic, bounds)
+            options = _inductor_options(request)
+            if device.startswith("cuda"):
+                options.update(kernel_binaries_linked())
             with tempfile.TemporaryDirectory(prefix="cachebuild-aoti-") as tmp:
-                path = aoti.build_package(ep, os.path.join(tmp, "piece.pt2"),
-                                          _inductor_options(request), compiler)
+                path = aoti.build_package(ep, os.path.join(tmp, "piece.pt2"), options,
+                                          compiler)
                 with clock.phase("packaging"), open(path, "rb") as f:
                     payload = f.read()
         kind = "aoti-cuda" if device.startswith("cuda") else "aoti-cpu"

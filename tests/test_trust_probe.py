@@ -179,3 +179,22 @@ def test_a_verdicts_compiler_is_checked_again_before_every_use(tmp_path, monkeyp
         with pytest.raises(UntrustedCompiler, match="another user could replace it"):
             trusted_compiler(str(compiler))
         assert not (tmp_path / "ran").exists()
+
+
+def test_kernel_binaries_are_linked_only_with_tools_no_other_user_could_replace(monkeypatch):
+    """A CUDA package links its kernels' binaries with the ``ld`` and ``objcopy`` found on
+    PATH: where either is in a folder another user owns, packages name the binaries'
+    files instead (the wrapper is compiled again after an edit, nothing else changes)."""
+    from cachebuild.backends.inductor import kernel_binaries_linked
+
+    require_root()
+    if shutil.which("ld") is None or shutil.which("objcopy") is None:
+        pytest.skip("no binutils here")
+    assert kernel_binaries_linked() == {"aot_inductor.embed_kernel_binary": True}
+    with public_dir() as public:
+        theirs = others_dir(public, "bin")
+        for tool in ("ld", "objcopy"):
+            (theirs / tool).write_text("#!/bin/sh\nexit 1\n")
+            os.chmod(theirs / tool, 0o755)
+        monkeypatch.setenv("PATH", f"{theirs}:{os.environ['PATH']}")
+        assert kernel_binaries_linked() == {}

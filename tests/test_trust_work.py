@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from trust import (
@@ -178,6 +179,43 @@ def test_a_kernel_key_leaves_out_only_comment_lines_at_the_edges():
     spliced = b'int g();\nconst char* s = "abc\\\n'
     assert strip(spliced + b'// one";\n') != strip(spliced + b'// two";\n')
     assert strip(b"// goes on \\\nint h;\n" + body) == b"// goes on \\\nint h;\n" + body
+
+
+def test_a_gpu_wrapper_whose_kernels_changed_is_compiled_once(tmp_path):
+    """AOTInductor lists each Triton kernel's Python code in a GPU wrapper, in a block
+    comment on lines of its own: two wrappers that differ only there (a kernel's constant
+    edited) compile to one object, reused, and what is compiled is the source without the
+    listings (the object and its key agree). A block that is not closed, and comments
+    within a line, stay."""
+    records = ObjectRecords(tmp_path / "records")
+    (tmp_path / "work").mkdir()
+    code = "void launch_{0}() {{\n    /*\n    @triton.jit\n    def k(x): return x + {1}\n    */\n" \
+           "    load(/*smem=*/0);\n}}\n"
+    target = tmp_path / "out" / "c1.wrapper.o"
+    runs: list[str] = []
+
+    def build(eps: str) -> tuple[CxxBuild, Any]:
+        source = tmp_path / f"w{eps}" / "c1.wrapper.cpp"
+        source.parent.mkdir()
+        source.write_text(code.format("a", eps))
+
+        def run() -> None:
+            runs.append(source.read_text())
+            target.parent.mkdir(exist_ok=True)
+            target.write_bytes(b"compiled")
+        return CxxBuild(f"g++ -c {source} -o {target}", (str(source),), str(target),
+                        "object"), run
+
+    with compilers.watch(tmp_path / "work", tmp_path / "isa", records):
+        for eps in ("1e-5", "1e-6"):
+            b, run = build(eps)
+            compilers._cxx(b, run)
+            target.unlink()
+    assert runs == ["void launch_a() {\n    load(/*smem=*/0);\n}\n"]
+    open_only = tmp_path / "open.cpp"
+    open_only.write_text("int a;\n/*\nint b;\n")
+    compilers.without_kernel_listings(open_only)
+    assert open_only.read_text() == "int a;\n/*\nint b;\n"
 
 
 #: Keeps 200 objects 5 times over, each time with bytes of this process's own (as two
