@@ -151,3 +151,31 @@ def test_piecewise_pool_is_at_most_twice_the_full_pool(warmed):
              for mode in ("piecewise", "full")}
     print(f"graph pools: {pools}")
     assert pools["piecewise"] <= 2 * pools["full"], pools
+
+
+def test_an_edit_of_one_kernels_constant_reuses_the_cuda_wrappers_object(tmp_path):
+    """A one-line edit that changes a constant in one kernel (the final norm's epsilon)
+    rebuilds one target, and its AOTInductor wrapper is not compiled again: the package
+    links its kernels' binaries, so the wrapper's source is unchanged (``compilers``)."""
+    model = tmp_path / "llama.py"
+    text = (ROOT / "examples" / "llama.py").read_text()
+    edit = ("self.norm = nn.RMSNorm(hidden, eps=1e-5)", "self.norm = nn.RMSNorm(hidden, eps=1e-6)")
+    assert edit[0] in text
+    model.write_text(text)
+    env = {**os.environ, "LLAMA_DEVICE": "cuda", "LLAMA_LAYERS": "2",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+
+    def warm() -> str:
+        proc = subprocess.run([sys.executable, "-m", "cachebuild.cli", "-v", "--cache-dir",
+                               str(tmp_path / "store"), "warm", str(model)],
+                              capture_output=True, text=True, env=env, timeout=1200)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return proc.stdout + proc.stderr
+
+    warm()
+    model.write_text(text.replace(*edit))
+    said = warm()
+    assert ", 1 built, 0 failed" in said, said[-3000:]
+    phases = [line for line in said.splitlines() if line.startswith("  export ")]
+    assert len(phases) == 1 and "cxx_wrapper" not in phases[0], said[-3000:]
+    assert "C++ objects reused" in phases[0]
