@@ -394,3 +394,32 @@ def test_state_kept_under_no_grad_takes_no_gradient_history_with_autograd_on(
             torch.testing.assert_close(getattr(model, name), getattr(ref, name), **models.TOL)
             assert not getattr(model, name).requires_grad, name
             assert getattr(model, name).grad_fn is None, name
+
+
+@pytest.mark.parametrize("cls", [*im.PATTERNS, im.AllPatterns], ids=lambda c: c.__name__)
+def test_a_split_takes_its_pieces_values_from_the_trace_as_a_run_would_make_them(cls,
+                                                                                   monkeypatch):
+    """The stitch's values are taken from what the trace left on the pieces' nodes
+    (``split._values_from_pieces``); the pieces then take, give, write and keep exactly
+    what they do when the stitch is run again on fake inputs, for every pattern of writes
+    and aliases."""
+    from cachebuild.tracing import split
+    from cachebuild.tracing.trace import trace_model
+
+    model = im.make(cls)
+    traced = trace_model(model, im.call_args(cls, 5)[:im.arity(cls)], im.dynamic_dims(cls))
+    config = im.config()
+
+    def pieces(plan: Any) -> list[Any]:
+        return [(p.name, p.compiled, repr(p.input_metas), p.single_output, p.written,
+                 p.size_input, p.gm.code) for p in plan.pieces] + [plan.stitch.code,
+                                                                     plan.written_inputs]
+
+    taken = []
+    real = split._values_from_pieces
+    monkeypatch.setattr(split, "_values_from_pieces",
+                        lambda *a: taken.append(real(*a)) or taken[-1])
+    from_trace = pieces(split.split_graph(traced, config.splitting_ops))
+    monkeypatch.setattr(split, "_values_from_pieces", lambda *a: False)
+    assert taken == [True]
+    assert from_trace == pieces(split.split_graph(traced, config.splitting_ops))

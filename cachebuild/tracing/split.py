@@ -205,7 +205,8 @@ def _split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPl
     gm.recompile()
 
     stitch = split_module(gm, None, lambda n: part[n], keep_original_order=True)
-    record_example_values(stitch, traced.fake_inputs)
+    if not _values_from_pieces(stitch, traced.fake_inputs):
+        record_example_values(stitch, traced.fake_inputs)
     _check_still_symbolic(traced)
 
     pieces = []
@@ -239,6 +240,36 @@ def _split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPl
         p.size_input = _size_input(p.input_metas, dims)
     stitch.recompile()
     return SplitPlan(stitch=stitch, pieces=pieces, written_inputs=effects.written_inputs)
+
+
+def _values_from_pieces(stitch: fx.GraphModule, fake_inputs: list[Any]) -> bool:
+    """Give each node of ``stitch`` its fake value (``meta["example_value"]``) from the
+    values the trace left on its pieces' nodes, which split_module copies: what a piece
+    returns is what its returned nodes held. Running the stitch again on fake inputs
+    (``record_example_values``) would make the same values, at the cost of every op of the
+    model run once more (most of a split). False, with nothing set, where a value the
+    stitch needs is not there (a node a rewrite made): then it is to be run."""
+    values: dict[fx.Node, Any] = {}
+    placeholders = iter(fake_inputs)
+    for node in stitch.graph.nodes:
+        if node.op == "placeholder":
+            values[node] = next(placeholders, None)
+        elif node.op == "call_module":
+            sub = getattr(stitch, node.target)
+            out = next(n for n in sub.graph.nodes if n.op == "output")
+            missing = [n for n in out.all_input_nodes if "example_value" not in n.meta]
+            if missing:
+                return False
+            values[node] = fx.node.map_aggregate(
+                out.args[0], lambda a: a.meta["example_value"] if isinstance(a, fx.Node) else a)
+        elif node.op == "call_function" and node.target is operator.getitem \
+                and node.args[0] in values and isinstance(node.args[1], int):
+            values[node] = values[node.args[0]][node.args[1]]
+        elif node.op != "output":
+            return False
+    for node, value in values.items():
+        node.meta["example_value"] = value
+    return True
 
 
 def _shape_of(gm: fx.GraphModule, metas: list[Any], fake_args: list[Any]) -> str:
