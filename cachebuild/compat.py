@@ -911,10 +911,23 @@ def user_dispatch_mode() -> bool:
     return False
 
 
+def _gpu_ready(device: torch.device) -> None:
+    """The GPU's context made, and Triton's driver for it loaded (its launcher's helpers
+    are built on first use): what a first GPU build in a process pays before its first
+    kernel."""
+    torch.empty(1, device=device)
+    from torch.utils._triton import has_triton
+
+    if has_triton():
+        import triton
+
+        triton.runtime.driver.active.get_current_device()
+
+
 def prepare_inductor(devices: list[torch.device]) -> None:
     """Inductor's first-use set-up, done before a build needs it (about a second on a
-    CPU): its pattern passes for ``devices`` (registered lazily, per input device) and
-    the system description its caches hash. Only a head start: a part this torch lacks
+    CPU): its pattern passes for ``devices`` (registered lazily, per input device), the
+    system description its caches hash, and on a GPU its context and Triton's driver. Only a head start: a part this torch lacks
     or that fails is left to the build, which sets it up as it always does."""
     from torch._inductor import codecache
     from torch._inductor.fx_passes import joint_graph, post_grad
@@ -922,6 +935,7 @@ def prepare_inductor(devices: list[torch.device]) -> None:
     steps: list[Callable[[], object]] = [post_grad.lazy_init,
                                           getattr(codecache.CacheBase, "get_system", None)]
     steps += [functools.partial(joint_graph.lazy_init, d) for d in devices]
+    steps += [functools.partial(_gpu_ready, d) for d in devices if d.type == "cuda"]
     for step in steps:
         if step is not None:
             with contextlib.suppress(Exception):
