@@ -37,7 +37,16 @@ def build_lock(path: Path, key: str, timeout: float) -> Iterator[None]:
     _clear_odd(path)
     lock = filelock.FileLock(str(path), timeout=timeout)
     try:
-        lock.acquire()
+        try:
+            lock.acquire(timeout=0)
+        except filelock.Timeout:
+            if timeout == 0:
+                raise
+            # Another build of the same target (a second `warm`, a server's background
+            # build): said, so that a wait of minutes is not taken for this one building.
+            log.warning("waiting for another process that is building %s (it holds its "
+                        "build lock, %s): used from the store once that build ends", key, path)
+            lock.acquire()
     except filelock.Timeout:
         raise LockTimeout(
             f"timed out after {timeout:g}s waiting for the build lock of {key}: another "

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
 import stat
 import subprocess
@@ -623,6 +624,38 @@ def test_lock_nests_in_a_thread_and_excludes_other_threads(open_local, store_dir
     other.join()
     assert result == ["timeout", "acquired"]
     assert (store.root / "locks" / k[:2] / f"{k}.lock").exists()
+
+
+HOLD_LOCK = """
+import sys, time
+from cachebuild.store import LocalStore
+with LocalStore(sys.argv[1]).lock(sys.argv[2]):
+    print("held", flush=True)
+    time.sleep(1.5)
+"""
+
+
+def test_a_build_that_waits_for_another_process_building_the_key_says_so(open_local, store_dir,
+                                                                          caplog):
+    """Waiting for the build lock another process holds (a second `warm` of the same
+    model) is said at once, naming the target, then the lock is taken once it is free."""
+    store = open_local(store_dir)
+    k = key("busy")
+    holder = subprocess.Popen([sys.executable, "-c", HOLD_LOCK, str(store_dir), k],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with caplog.at_level(logging.WARNING, logger="cachebuild.store"), store.lock(k):
+            assert holder.poll() is not None  # taken once the other process let go
+        said = [r.getMessage() for r in caplog.records if "waiting for another" in r.getMessage()]
+        assert len(said) == 1 and k in said[0]
+        caplog.clear()
+        with store.lock(k):  # free: nothing said
+            pass
+        assert "waiting" not in caplog.text
+    finally:
+        holder.kill()
+        holder.wait()
 
 
 @pytest.mark.parametrize("odd", ["folder", "link"])
