@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -138,6 +139,11 @@ def diff_manifests(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -
 #: Items a value may hold, all in all, to count as plain data (a table of constants, not
 #: a dataset).
 PLAIN_ITEMS = 256
+
+
+#: What an environment variable's name looks like: a string constant of this form in code
+#: whose reads a key follows may name one it reads (``os.environ[NAME]``).
+ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def plain_data(value: Any, limit: int = PLAIN_ITEMS) -> bool:

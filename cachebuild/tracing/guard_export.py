@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from cachebuild import compat
+from cachebuild.keys import ENV_NAME
 from cachebuild.tracing.guards import (
     HEAPTYPE,
     STATE_NAMES,
@@ -511,10 +512,10 @@ def _with_aliases(records: list[GuardRecord], model: Any, args: Sequence[Any]
             for i, r in enumerate(records)]
 
 
-#: What a constant must look like to be taken for an environment variable's name: any
-#: identifier (``PA_FLAG``, ``my_flag``, ``PA``). Taking more names than were read costs a
-#: watched value each; taking fewer would serve a forward traced for another value.
-_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+# A constant that looks like an environment variable's name (``keys.ENV_NAME``: any
+# identifier, ``PA_FLAG``, ``my_flag``, ``PA``) is taken for one: taking more names than
+# were read costs a watched value each; taking fewer would serve a forward traced for
+# another value.
 
 #: Variables a shell sets anew for each command or folder (bash's ``_`` is the command's
 #: path): a constant of that name (``"_".join(...)``) is not taken for one the forward
@@ -540,10 +541,10 @@ def environment_records(records: list[GuardRecord], code_objects: Sequence[types
         return []
     names: set[str] = set()
     for code in code_objects:
-        names |= {c for c in _constants(code) if _ENV_NAME.match(c)}
+        names |= {c for c in _constants(code) if ENV_NAME.fullmatch(c)}
     for r in records:
         if r.check == "equals":
-            names |= {s for s in _strings(r.expected) if _ENV_NAME.match(s)}
+            names |= {s for s in _strings(r.expected) if ENV_NAME.fullmatch(s)}
     names -= _SHELL_NAMES
     return [env_record(name) for name in sorted(names)]
 

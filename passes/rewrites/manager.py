@@ -15,7 +15,6 @@ import importlib
 import importlib.util
 import inspect
 import os
-import re
 import sys
 import types
 from collections import Counter
@@ -25,7 +24,7 @@ from typing import Any, ClassVar
 import torch.fx
 
 from cachebuild.config import PassConfig
-from cachebuild.keys import make_key, plain_data
+from cachebuild.keys import ENV_NAME, make_key, plain_data
 from cachebuild.passes.rewrites.builtin import BUILTIN_PASSES
 
 
@@ -85,10 +84,9 @@ def _pass_classes(cls: type) -> list[type]:
     return [c for c in cls.__mro__ if issubclass(c, FusionPass) and c is not FusionPass]
 
 
-#: Names through which code reads the environment, and what a variable's name looks like
-#: among a code object's constants (the names it reads are taken to be those).
+#: Names through which code reads the environment (a code object's constants that look
+#: like a variable's name, ``keys.ENV_NAME``, are taken to be the names it reads).
 _ENVIRONMENT = frozenset({"environ", "getenv", "environb"})
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _globals_read(cls: type) -> dict[str, str]:
@@ -109,7 +107,7 @@ def _globals_read(cls: type) -> dict[str, str]:
         todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
         if _ENVIRONMENT & set(code.co_names):  # ``os.environ.get("CAP")``, ``getenv``
             for const in code.co_consts:
-                if isinstance(const, str) and _ENV_NAME.fullmatch(const):
+                if isinstance(const, str) and ENV_NAME.fullmatch(const):
                     read[f"env {const}"] = repr(os.environ.get(const))
         for name in code.co_names:
             if name in read or name.startswith("__") or name not in namespace:
