@@ -927,8 +927,9 @@ def _gpu_ready(device: torch.device) -> None:
 def prepare_inductor(devices: list[torch.device]) -> None:
     """Inductor's first-use set-up, done before a build needs it (about a second on a
     CPU): its pattern passes for ``devices`` (registered lazily, per input device), the
-    system description its caches hash, and on a GPU its context and Triton's driver. Only a head start: a part this torch lacks
-    or that fails is left to the build, which sets it up as it always does."""
+    system description its caches hash, and on a GPU its context and Triton's driver.
+    Only a head start: a part this torch lacks or that fails is left to the build, which
+    sets it up as it always does."""
     from torch._inductor import codecache
     from torch._inductor.fx_passes import joint_graph, post_grad
 
