@@ -237,12 +237,14 @@ def object_key(build: CxxBuild) -> str | None:
 
 def without_kernel_listings(source: Path) -> None:
     """Take out of a C++ source, in place, the listings of Triton kernels' Python code that
-    AOTInductor writes into a GPU wrapper, each a block comment opened and closed on lines
-    of their own (``/*`` and ``*/``): they change nothing the compiler makes, but they hold
-    each kernel's code, so the wrapper of a piece whose kernels changed (a constant, an
+    AOTInductor writes into a GPU wrapper: they change nothing the compiler makes, but they
+    hold each kernel's code, so the wrapper of a piece whose kernels changed (a constant, an
     edit) would not be found among the objects already compiled. The source is what is
-    compiled and keyed, so the object and its key agree. A file that cannot be read or
-    written, or an opening line with no closing one, is left as it is."""
+    compiled and keyed, so the object and its key agree. A listing is taken only as
+    AOTInductor writes it, nothing that merely looks like a comment (text in a raw string
+    could): a block comment opened on a line of its own right after the line that opens a
+    kernel's launcher (``... {``), closed on a line of its own, holding a ``@triton.jit``
+    line. A file that cannot be read or written is left as it is."""
     try:
         text = source.read_bytes()
     except OSError:
@@ -251,9 +253,10 @@ def without_kernel_listings(source: Path) -> None:
     kept: list[bytes] = []
     i = 0
     while i < len(lines):
-        if lines[i].strip() == b"/*":
+        if lines[i].strip() == b"/*" and kept and kept[-1].rstrip().endswith(b"{"):
             end = next((j for j in range(i + 1, len(lines)) if lines[j].strip() == b"*/"), None)
-            if end is not None:
+            if end is not None and any(line.strip() == b"@triton.jit"
+                                       for line in lines[i + 1:end]):
                 i = end + 1
                 continue
         kept.append(lines[i])

@@ -912,22 +912,16 @@ def user_dispatch_mode() -> bool:
 
 
 def _gpu_ready(device: torch.device) -> None:
-    """The GPU's context made, and Triton's driver for it loaded (its launcher's helpers
-    are built on first use): what a first GPU build in a process pays before its first
-    kernel."""
+    """The GPU's context made: what a first GPU build in a process pays before anything
+    else. (Not Triton's driver: it builds and loads a helper library from its cache
+    folder, which is trusted only inside a build's own work folder, ``kernel_dir``.)"""
     torch.empty(1, device=device)
-    from torch.utils._triton import has_triton
-
-    if has_triton():
-        import triton
-
-        triton.runtime.driver.active.get_current_device()
 
 
 def prepare_inductor(devices: list[torch.device]) -> None:
     """Inductor's first-use set-up, done before a build needs it (about a second on a
     CPU): its pattern passes for ``devices`` (registered lazily, per input device), the
-    system description its caches hash, and on a GPU its context and Triton's driver.
+    system description its caches hash, and on a GPU its context.
     Only a head start: a part this torch lacks or that fails is left to the build, which
     sets it up as it always does."""
     from torch._inductor import codecache

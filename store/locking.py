@@ -44,8 +44,8 @@ def build_lock(path: Path, key: str, timeout: float) -> Iterator[None]:
                 raise
             # Another build of the same target (a second `warm`, a server's background
             # build): said, so that a wait of minutes is not taken for this one building.
-            log.warning("waiting for another process that is building %s (it holds its "
-                        "build lock, %s): used from the store once that build ends", key, path)
+            log.warning("waiting for another build of %s (a process or thread that holds "
+                        "its build lock, %s): used from the store once that build ends", key, path)
             lock.acquire()
     except filelock.Timeout:
         raise LockTimeout(

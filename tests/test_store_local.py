@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -645,9 +646,12 @@ def test_a_build_that_waits_for_another_process_building_the_key_says_so(open_lo
                               stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
+        started = time.monotonic()
         with caplog.at_level(logging.WARNING, logger="cachebuild.store"), store.lock(k):
-            assert holder.poll() is not None  # taken once the other process let go
-        said = [r.getMessage() for r in caplog.records if "waiting for another" in r.getMessage()]
+            waited = time.monotonic() - started
+        assert holder.wait(timeout=30) == 0
+        assert waited > 0.5  # taken once the other process let go (it holds it 1.5 s)
+        said = [r.getMessage() for r in caplog.records if "waiting for another build" in r.getMessage()]
         assert len(said) == 1 and k in said[0]
         caplog.clear()
         with store.lock(k):  # free: nothing said

@@ -183,14 +183,15 @@ def test_a_kernel_key_leaves_out_only_comment_lines_at_the_edges():
 
 def test_a_gpu_wrapper_whose_kernels_changed_is_compiled_once(tmp_path):
     """AOTInductor lists each Triton kernel's Python code in a GPU wrapper, in a block
-    comment on lines of its own: two wrappers that differ only there (a kernel's constant
-    edited) compile to one object, reused, and what is compiled is the source without the
-    listings (the object and its key agree). A block that is not closed, and comments
-    within a line, stay."""
+    comment on lines of its own right inside the kernel's launcher: two wrappers that
+    differ only there (a kernel's constant edited) compile to one object, reused, and what
+    is compiled is the source without the listings (the object and its key agree). What
+    only looks like one (a raw string's text, a comment holding no kernel, one never
+    closed) and comments within a line stay."""
     records = ObjectRecords(tmp_path / "records")
     (tmp_path / "work").mkdir()
-    code = "void launch_{0}() {{\n    /*\n    @triton.jit\n    def k(x): return x + {1}\n    */\n" \
-           "    load(/*smem=*/0);\n}}\n"
+    code = ("void launch_{0}() {{\n    /*\n    @triton.jit\n    def k(x): return x + {1}\n"
+            "    */\n    load(/*smem=*/0);\n}}\n")
     target = tmp_path / "out" / "c1.wrapper.o"
     runs: list[str] = []
 
@@ -212,10 +213,13 @@ def test_a_gpu_wrapper_whose_kernels_changed_is_compiled_once(tmp_path):
             compilers._cxx(b, run)
             target.unlink()
     assert runs == ["void launch_a() {\n    load(/*smem=*/0);\n}\n"]
-    open_only = tmp_path / "open.cpp"
-    open_only.write_text("int a;\n/*\nint b;\n")
-    compilers.without_kernel_listings(open_only)
-    assert open_only.read_text() == "int a;\n/*\nint b;\n"
+    for text in ('const char* s = R"(\n/*\n@triton.jit\n*/\n)";\n',  # not after a `{`
+                 "void f() {\n/*\nint b;\n*/\n}\n",  # no kernel in it
+                 "void f() {\n/*\n@triton.jit\n"):  # never closed
+        kept = tmp_path / "kept.cpp"
+        kept.write_text(text)
+        compilers.without_kernel_listings(kept)
+        assert kept.read_text() == text
 
 
 #: Keeps 200 objects 5 times over, each time with bytes of this process's own (as two
