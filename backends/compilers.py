@@ -180,9 +180,10 @@ def _cxx(build: CxxBuild, run: Callable[[], None]) -> None:
     if current is not None and current.current == "cxx_isa":
         run()  # an ISA check's compile is part of the check
         return
-    with clock.phase(phase_of(build)):
+    phase = phase_of(build)
+    with clock.phase(phase):
         folder = _cache["dir"]
-        if phase_of(build) == "cxx_wrapper" and len(build.sources) == 1:
+        if phase == "cxx_wrapper" and len(build.sources) == 1:
             without_kernel_listings(Path(build.sources[0]))
         key = object_key(build) if folder is not None and build.step != "header" else None
         if key is None or folder is None:

@@ -512,11 +512,6 @@ def _with_aliases(records: list[GuardRecord], model: Any, args: Sequence[Any]
             for i, r in enumerate(records)]
 
 
-# A constant that looks like an environment variable's name (``keys.ENV_NAME``: any
-# identifier, ``PA_FLAG``, ``my_flag``, ``PA``) is taken for one: taking more names than
-# were read costs a watched value each; taking fewer would serve a forward traced for
-# another value.
-
 #: Variables a shell sets anew for each command or folder (bash's ``_`` is the command's
 #: path): a constant of that name (``"_".join(...)``) is not taken for one the forward
 #: reads, or ``cachebuild warm`` and the server would read other values.
@@ -539,6 +534,9 @@ def environment_records(records: list[GuardRecord], code_objects: Sequence[types
     """
     if not any(_reads_environment(r, model, args) for r in records):
         return []
+    # A constant that looks like a variable's name (``keys.ENV_NAME``: any identifier,
+    # ``PA_FLAG``, ``my_flag``, ``PA``) is taken for one: taking more names than were read
+    # costs a watched value each; taking fewer would serve a forward traced for another value.
     names: set[str] = set()
     for code in code_objects:
         names |= {c for c in _constants(code) if ENV_NAME.fullmatch(c)}
