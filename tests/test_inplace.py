@@ -268,6 +268,91 @@ def test_a_written_argument_that_shares_memory_with_another_is_refused(open_loca
     assert torch.equal(cache, before)  # refused before anything ran
 
 
+class ReshapedAcrossTheSplit(torch.nn.Module):
+    """Changes the layout of a value made before attention, after it: ``unsqueeze_`` or
+    ``t_`` (``how``)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        self.how = how
+        self.a, self.b = torch.nn.Linear(im.H, im.H), torch.nn.Linear(im.H, im.H)
+
+    def forward(self, x):
+        h = self.a(x)
+        y = im.attend(h, h, h)
+        if self.how == "unsqueeze_":
+            h.unsqueeze_(0)
+            return self.b(y) + h
+        h.t_()
+        return self.b(y) + h.t()
+
+
+class ReshapedWhereMade(torch.nn.Module):
+    """Changes layouts in place in the piece that makes the value, before and after
+    attention, and hands the reshaped values on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(im.H, im.H), torch.nn.Linear(im.H, im.H)
+
+    def forward(self, x):
+        h = self.a(x)
+        h.unsqueeze_(0)
+        g = h.squeeze(0)
+        y = im.attend(g, g, g)
+        z = self.b(y)
+        z.t_().unsqueeze_(0)
+        return z * 2, h
+
+
+@pytest.mark.parametrize("how", ["unsqueeze_", "t_"])
+def test_a_layout_changed_in_place_across_a_split_is_refused_in_one_line(open_local, how,
+                                                                          tmp_path):
+    """Pieces hand over a tensor with the layout the trace saw last; one reshaped in place
+    after the piece that made it handed it on is refused before anything is built."""
+    model = ReshapedAcrossTheSplit(how).eval()
+    compiled = cachebuild.compile(model, im.config(), {0: 0}, store=open_local(tmp_path / "s"))
+    with pytest.raises(UsageError, match=rf"^the forward changes the layout of a tensor in "
+                                         rf"place across a split: {how} .* reshapes h,") as e, \
+            torch.no_grad():
+        compiled(torch.randn(5, im.H))
+    assert "\n" not in str(e.value)
+    assert cachebuild.stats()["built"] == 0 or not list((tmp_path / "s").rglob("*.pt2"))
+
+
+def test_a_layout_changed_in_place_where_the_value_is_made_is_served(open_local, tmp_path):
+    model = ReshapedWhereMade().eval()
+    compiled = cachebuild.compile(model, im.config(), {0: 0}, store=open_local(tmp_path / "s"))
+    with torch.no_grad():
+        for n in (5, 3, 16):
+            x = torch.randn(n, im.H)
+            got, want = compiled(x), model(x)
+            for g, w in zip(got, want, strict=True):
+                assert g.shape == w.shape
+                torch.testing.assert_close(g, w)
+
+
+def test_effects_name_what_a_node_reshapes():
+    captured = {}
+
+    def backend(gm, example_inputs):
+        captured["gm"] = gm
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(ReshapedWhereMade().eval(), backend=backend, fullgraph=True)(
+            torch.randn(4, im.H))
+    torch._dynamo.reset()
+    gm = captured["gm"]
+    fakes = [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+    reshapes = {(n.target, n.args[0].name): [a.name for a in args]
+                for n, args in graph_effects(gm, fakes).reshapes.items()}
+    # each names the tensor it is called on (``t_`` returned ``z`` itself); nothing else
+    assert reshapes == {("unsqueeze_", "h"): ["h"], ("t_", "z"): ["z"],
+                        ("unsqueeze_", "t_"): ["t_"]}, reshapes
+
+
 def test_proof_compares_what_pieces_write(open_local, monkeypatch, tmp_path):
     """An artifact that drops a write is caught before it is stored."""
     from cachebuild.building import verify

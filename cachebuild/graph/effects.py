@@ -11,7 +11,10 @@ on fake values (``graph_effects``):
   (views share their base's counter, so a write through a view counts for the base);
 - every tensor value has a *base*: the placeholder or the node whose run allocated its
   memory; a node whose value lives in another node's memory is an *alias* (a view, or an
-  op like ``.to()`` that returned its argument).
+  op like ``.to()`` that returned its argument);
+- a node *reshapes* a tensor when that tensor's shape, strides or offset differ after the
+  node ran (``unsqueeze_``, ``t_``, ``resize_``): the tensor's value from then on is
+  another layout than the one it was made with.
 
 Writers are marked in ``node.meta`` (``WRITES``) so that the mark travels with the node into
 the pieces ``split_module`` makes, and ``eliminate_dead_code`` keeps them: FX's own pass
@@ -48,10 +51,12 @@ class Effects:
     ``writes``: writer node → the bases it writes. ``base``: tensor-valued node → the
     node owning its memory (itself for a fresh value). ``same``: node → the argument
     node whose value it returned as is (an in-place op's result, a no-op ``.to()``).
-    ``written_inputs``: positions of the placeholders some node writes.
+    ``written_inputs``: positions of the placeholders some node writes. ``reshapes``:
+    node → the argument nodes whose tensor's layout it changed in place.
     """
 
     writes: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
+    reshapes: dict[fx.Node, list[fx.Node]] = field(default_factory=dict)
     base: dict[fx.Node, fx.Node] = field(default_factory=dict)
     same: dict[fx.Node, fx.Node] = field(default_factory=dict)
     written_inputs: list[int] = field(default_factory=list)
@@ -89,6 +94,15 @@ def storage_of(t: torch.Tensor) -> Any:
     return StorageWeakRef(unwrapped(t).untyped_storage())
 
 
+def layout_of(t: torch.Tensor) -> tuple[Any, ...]:
+    """``t``'s shape, strides and storage offset, symbolic ones as their expressions:
+    compared as they are, without asking the shape environment (which would add guards)."""
+    def plain(values: Any) -> tuple[Any, ...]:
+        return tuple(v.node.expr if isinstance(v, torch.SymInt) else v for v in values)
+
+    return plain(t.shape), plain(t.stride()), plain([t.storage_offset()])
+
+
 def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any], fake_mode: Any = None) -> Effects:
     """Run ``gm`` on ``fake_inputs`` and return what it writes and what aliases what;
     writers are marked in their ``meta`` (``WRITES``). ``fake_mode``: the inputs' (found
@@ -104,7 +118,13 @@ def graph_effects(gm: fx.GraphModule, fake_inputs: list[Any], fake_mode: Any = N
             arg_values = [(a, self.env[a]) for a in arg_nodes if a in self.env]
             before = [(a, t, t._version) for a, v in arg_values
                       for t in map(unwrapped, _tensors(v))]
+            # Only an op that may write in place can change a layout (by its form: such
+            # ops end in ``_``, as ``unsqueeze_`` and ``set_`` do), so only theirs are kept.
+            layouts = [(a, t, layout_of(t)) for a, t, _ in before] if might_write(n) else []
             result = super().run_node(n)
+            reshaped = [a for a, t, layout in layouts if layout_of(t) != layout]
+            if reshaped:
+                effects.reshapes[n] = list(dict.fromkeys(reshaped))
             changed = [t for _, t, version in before if t._version != version]
             written = []
             for t in changed + _schema_written(n, self.env):

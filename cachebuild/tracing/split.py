@@ -196,6 +196,7 @@ def _split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPl
             part[node] = part[node.args[0]]
         else:
             part[node] = current
+    _check_reshapes(effects, part, read_as, wanted)
     eager_parts = {part[n] for n in part if is_splitting(n, wanted)}
     tail = current + 1
     if _take_views_where_used(graph, effects, part, tail, wanted):
@@ -305,6 +306,24 @@ def _check_writes(gm: fx.GraphModule, effects: Effects) -> None:
                     f"the forward writes in place into the constant tensor {base.target} "
                     f"with {_describe(node)}: register it as a buffer of the model, or pass it "
                     "as an argument")
+
+
+def _check_reshapes(effects: Effects, part: dict[fx.Node, int], read_as: dict[fx.Node, fx.Node],
+                    splitting: set[str]) -> None:
+    """UsageError for a tensor whose layout is changed in place (``h.unsqueeze_(0)``) in
+    another piece than the one that makes it, or that the graph is given: the pieces
+    between hand it over with the layout the trace saw last (after the change), which is
+    not the one it has when they run."""
+    for node, tensors in effects.reshapes.items():
+        for tensor in tensors:
+            made = read_as.get(tensor, tensor)
+            if made.op == "placeholder" or part.get(made) != part.get(node):
+                raise UsageError(
+                    f"the forward changes the layout of a tensor in place across a split: "
+                    f"{_describe(node)} reshapes {made.name}, made before a call of "
+                    f"{', '.join(sorted(splitting))} that comes between; pieces hand over "
+                    "tensors as they are made: use the op's out-of-place form "
+                    "(h = h.unsqueeze(0) rather than h.unsqueeze_(0))")
 
 
 def _take_views_where_used(graph: fx.Graph, effects: Effects, part: dict[fx.Node, int],

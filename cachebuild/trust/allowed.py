@@ -286,6 +286,7 @@ transpose_: default
 transpose_copy: int
 t: default
 t_copy: default
+t_: default
 squeeze: default dim dims
 squeeze_copy: default dim dims
 unsqueeze: default
