@@ -317,13 +317,18 @@ def _check_reshapes(effects: Effects, part: dict[fx.Node, int], read_as: dict[fx
     for node, tensors in effects.reshapes.items():
         for tensor in tensors:
             made = read_as.get(tensor, tensor)
-            if made.op == "placeholder" or part.get(made) != part.get(node):
-                raise UsageError(
-                    f"the forward changes the layout of a tensor in place across a split: "
-                    f"{_describe(node)} reshapes {made.name}, made before a call of "
-                    f"{', '.join(sorted(splitting))} that comes between; pieces hand over "
-                    "tensors as they are made: use the op's out-of-place form "
-                    "(h = h.unsqueeze(0) rather than h.unsqueeze_(0))")
+            if made.op != "placeholder" and part.get(made) == part.get(node):
+                continue
+            start = part.get(made, 0)
+            between = sorted({_describe(n) for n, p in part.items()
+                              if is_splitting(n, splitting) and start < p < part[node]})
+            where = ("given to the graph" if made.op == "placeholder"
+                     else f"made before {', '.join(between)}")
+            raise UsageError(
+                f"the forward changes the layout of a tensor in place across a split: "
+                f"{_describe(node)} reshapes {made.name}, {where}; pieces hand over "
+                "tensors as they are made: use the op's out-of-place form "
+                "(h = h.unsqueeze(0) rather than h.unsqueeze_(0))")
 
 
 def _take_views_where_used(graph: fx.Graph, effects: Effects, part: dict[fx.Node, int],
