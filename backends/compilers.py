@@ -7,7 +7,8 @@ process). Each C++ run is timed as the phase it is (``clock``: ``cxx_headers``,
 each file compiled from one source (an AOTInductor package's wrapper or kernels, a
 standalone artifact's kernels) is kept in a ``cxx/`` folder under a key of everything that
 decides its bytes: the compiler (its path, size and modification time), torch's version and
-build, the command line with the source's and the object's own paths taken out, and the
+build, the CPU (``cpu_identity``: Inductor compiles for the CPU it runs on), the command line
+with the source's and the object's own paths taken out, and the
 source text (less the comment lines at its start and end, which Inductor fills with paths
 and commands). A later compile with
 the same key, in any process using that folder, copies the object instead of compiling it:
@@ -43,8 +44,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
+import platform
 import shutil
 import threading
 from collections.abc import Callable, Iterator
@@ -62,7 +65,7 @@ if TYPE_CHECKING:
     from cachebuild.store import ObjectRecords
 
 #: Bumped when what goes into a key changes.
-_KEY_VERSION = "1"
+_KEY_VERSION = "2"
 
 _state = threading.Lock()
 #: While ``watch`` runs: the C++ object cache (``dir``), the store's records of its objects
@@ -229,11 +232,29 @@ def object_key(build: CxxBuild) -> str | None:
         info = None
     h = xxhash.xxh3_128()
     for part in (_KEY_VERSION, compiler or "", f"{info.st_size}:{info.st_mtime_ns}" if info else "",
-                 torch.__version__, compat.torch_git_version(), command):
+                 torch.__version__, compat.torch_git_version(), command, cpu_identity()):
         h.update(part.encode())
         h.update(b"\0")
     h.update(text)
     return h.hexdigest()
+
+
+@functools.cache
+def cpu_identity() -> str:
+    """The CPU an object is compiled for: Inductor compiles with ``-march=native``, so an
+    object made on one CPU may use instructions another lacks, and an environment folder
+    in a home shared by machines (NFS) is shared by their CPUs too. Its maker, model and
+    every feature flag as Linux lists them (``/proc/cpuinfo``), else what ``platform``
+    says."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            first = f.read().split("\n\n", 1)[0]
+    except OSError:
+        return f"{platform.machine()} {platform.processor()}"
+    wanted = ("vendor_id", "cpu family", "model", "model name", "flags", "Features",
+              "CPU implementer", "CPU architecture", "CPU variant", "CPU part")
+    return "\n".join(line for line in first.splitlines()
+                     if line.split(":")[0].strip() in wanted)
 
 
 def without_kernel_listings(source: Path) -> None:

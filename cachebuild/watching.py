@@ -94,12 +94,28 @@ def wait_for_go() -> bool:
     return True
 
 
-def tell_files(files: Sequence[str], ok: bool) -> None:
-    """Say, on stdout, which files the watching process is to watch now, and whether
-    every target was built or stored (``ok``). The round's work is recorded by then: an
-    interrupt while it ends (the watcher letting go of its stdin) has nothing to stop."""
+def import_model_file(model_file: str) -> dict[str, Any]:
+    """Import the round's model file (``warm`` then finds it imported) and return the
+    stamps, as the round read them, of the files of every module of the user's it loaded:
+    the watching process takes these, not the stamps a file has once the round is done,
+    as a file's first, so that an edit made while the round runs is a change after it."""
+    from cachebuild.modelfile import import_model
+
+    import_model(model_file)
+    return stamps(_module_files())
+
+
+def tell_files(files: Sequence[str], ok: bool, read: dict[str, Any] | None = None) -> None:
+    """Say, on stdout, which files the watching process is to watch now, whether every
+    target was built or stored (``ok``), and the stamps of those the round read as it
+    imported the model (``read``: ``import_model_file``). The round's work is recorded by
+    then: an interrupt while it ends (the watcher letting go of its stdin) has nothing to
+    stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    sys.stdout.write(FILES + json.dumps({"files": sorted(set(files)), "ok": ok}) + "\n")
+    files = sorted(set(files))
+    said = {"files": files, "ok": ok,
+            "stamps": {f: read[f] for f in files if read and f in read}}
+    sys.stdout.write(FILES + json.dumps(said) + "\n")
     sys.stdout.flush()
 
 
@@ -109,13 +125,19 @@ def watched_files(store: Any, entry_keys: Sequence[str]) -> list[str]:
     outside them (the model file's helpers, a config module its ``build()`` reads) but
     cachebuild's own."""
     from cachebuild.building.entry import read_entry
-    from cachebuild.trust.sources import is_library_file
 
     files: set[str] = set()
     for key in entry_keys:
         data = store.get(key, touch=False)
         entry = read_entry(data) if data is not None else None
         files |= set(entry.source_files) if entry is not None else set()
+    return _users_files(files | set(_module_files()))
+
+
+def _module_files() -> list[str]:
+    """The files of the modules this process loaded from outside installed libraries, the
+    standard library and cachebuild."""
+    files = set()
     for name, module in list(sys.modules.items()):
         path = getattr(module, "__file__", None)
         spec = getattr(module, "__spec__", None)  # ``__main__`` is cachebuild.cli's here
@@ -123,6 +145,12 @@ def watched_files(store: Any, entry_keys: Sequence[str]) -> list[str]:
         if isinstance(path, str) and path.endswith(".py") and \
                 real.split(".")[0] != "cachebuild":
             files.add(os.path.abspath(path))
+    return _users_files(files)
+
+
+def _users_files(files: set[str]) -> list[str]:
+    from cachebuild.trust.sources import is_library_file
+
     return sorted(f for f in files if os.path.isfile(f) and not is_library_file(f)
                   and not f.startswith(_STDLIB))
 
@@ -140,6 +168,7 @@ class Round:
                  on_ready: Callable[[float], None] | None = None) -> None:
         self.args = list(args)
         self.files: list[str] | None = None
+        self.read: dict[str, Any] = {}  # file → its stamp as the round read it
         self.ok = False  # every target built or stored
         self.went = False  # told to go
         self.started = time.perf_counter()
@@ -169,6 +198,7 @@ class Round:
                 try:
                     said = json.loads(line[len(FILES):])
                     self.files, self.ok = [str(p) for p in said["files"]], bool(said["ok"])
+                    self.read = {str(f): v for f, v in dict(said.get("stamps", {})).items()}
                 except (ValueError, KeyError, TypeError):
                     pass
                 self.done.set()
@@ -275,7 +305,9 @@ def watch(args: Sequence[str], model_file: str, say: Callable[[str], None],
             took = time.perf_counter() - started
             if current.files is not None:
                 files = sorted(set(current.files) | {model})
-                new = stamps([f for f in files if f not in seen])
+                # A file new to the watch: as the round read it, where it says, so that an
+                # edit made while it ran is a change (a file it does not say: as it is now).
+                new = {**stamps([f for f in files if f not in seen]), **current.read}
                 seen = {f: seen[f] if f in seen else new[f] for f in files}
             what = (ended(code) if code is not None
                     else "round ended with targets that failed" if not current.ok

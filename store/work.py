@@ -102,9 +102,14 @@ def open_work_dir(path: Path, records: Path) -> Path:
                          "it, so nothing found there is reused")
             for name in found:
                 remove_any(real / name)
-            tmp = claim.with_name(f".{claim.name}.{os.getpid()}.tmp")
-            tmp.write_text(json.dumps(identity))
-            os.replace(tmp, claim)
+            try:
+                write_whole(claim, json.dumps(identity).encode())
+            except OSError as e:
+                # A full (or quota-bound) disk under the records: the build goes on in the
+                # folder just emptied; with no claim, the next build empties it again.
+                say_once(f"cannot record the work folder {real} in {records} "
+                         f"({e.strerror or e}): builds go on, reusing nothing found there "
+                         "next time; free some room there")
     finally:
         os.close(lock)
     return real
@@ -141,19 +146,25 @@ class ObjectRecords:
         match its record)."""
         try:
             with flocked_shared(self.folder / OBJECTS_LOCK):
-                data = _read_regular(kept)
-                if data is None:
-                    return None
-                recorded = _read_regular(self._path(name))
-        except OSError:  # the lock cannot be had (a read-only or full disk): compile again
+                data, recorded = self._read(name, kept)
+        except OSError:
+            # The lock cannot be had (a read-only folder): read without it. A record and
+            # an object of two builds read together then differ, and it compiles again.
+            data, recorded = self._read(name, kept)
+        if data is None:
             return None
         if recorded is None:
             return None  # a build stopped between the two writes: nothing to say
         if recorded.decode(errors="replace").strip() == hashlib.sha256(data).hexdigest():
             return data
-        say_once(f"a kept C++ object ({kept.parent}) does not match "
-                 "the store's record of it: compiling it again (and any other such object)")
+        say_once(f"a kept C++ object ({kept.parent}) does not match its record "
+                 f"({self.folder}): compiling it again (and any other such object)")
         return None
+
+    def _read(self, name: str, kept: Path) -> tuple[bytes | None, bytes | None]:
+        """The object's bytes and its record's (None: missing)."""
+        data = _read_regular(kept)
+        return data, (_read_regular(self._path(name)) if data is not None else None)
 
 
 def _read_regular(path: Path) -> bytes | None:

@@ -191,10 +191,26 @@ def test_an_entry_of_another_version_is_said_as_such_not_diffed_factor_by_factor
     now = {"entry_format": 8, "model": {"class": "m.M"}, "process": {"deterministic": [False,
                                                                                        True]}}
     old = {"entry_format": 5, "model": {"class": "m.M"}, "process": {"deterministic": False}}
-    record = types.SimpleNamespace(kind="entry", key="k" * 32, manifest=old)
+    record = types.SimpleNamespace(kind="entry", key="k" * 32, manifest=old, created=1.0)
     key, said = nearest_entry(now, [record])
     assert key == "k" * 32 and len(said) == 1
     assert said[0].startswith("entry_format: 5 → 8 (an entry another version of cachebuild")
-    same = types.SimpleNamespace(kind="entry", key="s" * 32, manifest={**now, "process": {}})
+    same = types.SimpleNamespace(kind="entry", key="s" * 32, manifest={**now, "process": {}},
+                                 created=1.0)
     said = nearest_entry(now, [same])[1]  # the same version: each factor that differs
     assert len(said) == 1 and "deterministic" in said[0] and "entry_format" not in said[0]
+
+
+def test_of_entries_that_differ_alike_the_one_recorded_last_is_the_nearest():
+    """After edits, every earlier version of a model differs from the new one in its
+    source alone: the version warmed last is the one a change is said against."""
+    import types
+
+    from cachebuild.building.nearest import nearest_entry
+
+    now = {"model": {"class": "m.M", "source": "c" * 8}}
+    versions = [types.SimpleNamespace(kind="entry", key=k * 32, created=t,
+                                      manifest={"model": {"class": "m.M", "source": k * 8}})
+                for k, t in (("a", 1.0), ("b", 3.0), ("d", 2.0))]
+    key, said = nearest_entry(now, versions)
+    assert key == "b" * 32 and len(said) == 1, said

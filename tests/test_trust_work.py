@@ -153,7 +153,7 @@ def test_a_kept_object_is_linked_only_if_it_matches_its_record(tmp_path, caplog)
         compilers._cxx(build, run)
         assert runs == [1, 1] and target.read_bytes() == b"compiled here"
         assert kept.read_bytes() == b"compiled here"  # kept again, with its record
-        assert caplog.text.count("does not match the store's record") == 1
+        assert caplog.text.count("does not match its record") == 1
         (records.folder / kept.name).unlink()  # kept before records were made
         target.unlink()
         compilers._cxx(build, run)
@@ -166,6 +166,72 @@ def test_a_kept_object_is_linked_only_if_it_matches_its_record(tmp_path, caplog)
         assert runs == [1, 1, 1, 1]
 
 
+
+
+def test_an_object_is_reused_on_the_cpu_it_was_made_for_and_from_a_folder_it_cannot_lock(
+        tmp_path, monkeypatch):
+    """Inductor compiles for the CPU it runs on: an object kept in an environment folder
+    that machines share (a home on NFS) is reused only on a CPU like the one that made it.
+    A records folder whose lock cannot be had (read-only) is read without it."""
+    from cachebuild.store import work
+
+    (tmp_path / "work").mkdir()
+    records = ObjectRecords(tmp_path / "records")
+    source = tmp_path / "kernel.cpp"
+    source.write_text("int kernel() { return 1; }\n")
+    target = tmp_path / "out" / "kernel.o"
+    build = CxxBuild(f"g++ -march=native -c {source} -o {target}", (str(source),),
+                     str(target), "object")
+    runs: list[int] = []
+
+    def run() -> None:
+        runs.append(1)
+        target.parent.mkdir(exist_ok=True)
+        target.write_bytes(b"compiled here")
+
+    with compilers.watch(tmp_path / "work", tmp_path / "isa", records):
+        compilers._cxx(build, run)
+        target.unlink()
+
+        def no_lock(path):
+            raise PermissionError(13, "Read-only file system", str(path))
+
+        with monkeypatch.context() as m:
+            m.setattr(work, "flocked_shared", no_lock)
+            compilers._cxx(build, run)  # reused all the same
+        assert runs == [1] and target.read_bytes() == b"compiled here"
+        target.unlink()
+        monkeypatch.setattr(compilers, "cpu_identity", lambda: "model name : another CPU")
+        compilers._cxx(build, run)
+        assert runs == [1, 1]
+
+
+def test_a_work_folder_whose_claim_cannot_be_written_is_built_in_all_the_same(
+        tmp_path, monkeypatch, caplog):
+    """A full disk under the records (the environment folder in a home over quota, the
+    store elsewhere): the build goes on in the folder, said once; the claim is made by a
+    later build that can write it."""
+    import errno
+
+    from cachebuild.store import work
+
+    real = work.write_whole
+
+    def full(path, data):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    (tmp_path / "work").mkdir(mode=0o700)
+    (tmp_path / "work" / "tmp").mkdir(mode=0o700)
+    with caplog.at_level(logging.WARNING, logger="cachebuild.building.build"), \
+            monkeypatch.context() as m:
+        m.setattr(work, "write_whole", full)
+        folder = work.open_work_dir(tmp_path / "work", tmp_path / "records")
+    assert folder == (tmp_path / "work").resolve()
+    assert "cannot record the work folder" in caplog.text and "No space left" in caplog.text
+    assert not list((tmp_path / "records" / "claims").iterdir())  # nothing half-written
+    assert work.write_whole is real
+    work.open_work_dir(tmp_path / "work", tmp_path / "records")
+    assert len(list((tmp_path / "records" / "claims").iterdir())) == 1
 
 
 def test_a_kernel_key_leaves_out_only_comment_lines_at_the_edges():
@@ -329,7 +395,7 @@ def test_a_tampered_kept_object_never_reaches_a_signed_target(tmp_path):
     assert not marker.exists()
     total, _, built, failed = summary(second.stderr + second.stdout)
     assert built == total and failed == 0
-    assert "does not match the store's record" in second.stderr
+    assert "does not match its record" in second.stderr
     assert not any(b"cachebuild_planted" in obj.read_bytes() for obj in kept)
     served = python(SERVE, str(model), env={**env, "CACHEBUILD_DIR": str(tmp_path / "two")},
                     timeout=900)

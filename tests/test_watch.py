@@ -129,6 +129,17 @@ def test_watch_warms_again_after_each_edit_and_ctrl_c_ends_it(tmp_path):
         (tmp_path / "beside.py").write_text("SIZE = 2\n")
         helper = out.until("watching")
         assert f"{tmp_path / 'beside.py'} changed" in "".join(helper), "".join(helper)
+        # A module the model file imports from now on, edited while that round runs
+        # (after its import): the edit is a change after the round, which warms again.
+        late = tmp_path / "late.py"
+        late.write_text("SIZE = 1\n")
+        model.write_text(text.replace(*EDIT).replace("import beside  # noqa",
+                                                     "import beside, late  # noqa"))
+        out.until("tracing")
+        late.write_text("SIZE = 2\n")
+        out.until("watching")
+        after = out.until("watching", timeout=300)
+        assert f"{late} changed: warming again" in "".join(after), "".join(after)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGINT)
@@ -205,8 +216,11 @@ def test_watch_ends_its_rounds_and_their_workers_however_it_ends(tmp_path):
         assert summary("".join(back))[1:] == (2, 1, 0), "".join(back)
         model.write_text(text.replace(*EDIT).replace(*EVERY_LAYER))
         out.until("in worker processes")
+        before = len(out.seen)
         os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C at the terminal, mid-build
         assert proc.wait(timeout=120) == 0, out.rest()
+        said = out.rest()[len("".join(out.seen[:before])):]
+        assert said.splitlines()[-1] == "stopped watching" and "error:" not in said, said
     finally:
         if proc.poll() is None:
             proc.kill()

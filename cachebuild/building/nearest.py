@@ -231,23 +231,24 @@ def entries_of(store: Store, model_class: str) -> list[Record]:
 def nearest_entry(factors: dict[str, Any], records: Iterable[Record]
                   ) -> tuple[str, list[str]] | None:
     """The stored entry of the same model class whose key factors differ least from
-    ``factors``, with those differences in words (None if there is none)."""
-    best: tuple[int, str, list[Difference]] | None = None
+    ``factors`` (of those, the one recorded last: the version warmed before an edit, not
+    the first ever), with those differences in words (None if there is none)."""
+    best: tuple[int, float, str, list[Difference]] | None = None
     for record in records:
         manifest = record.manifest or {}
         if record.kind != "entry" or manifest.get("model", {}).get("class") != \
                 factors["model"]["class"]:
             continue
         diffs = diff_manifests(manifest, factors)
-        if best is None or len(diffs) < best[0]:
-            best = (len(diffs), record.key, diffs)
+        if best is None or (len(diffs), -record.created) < best[:2]:
+            best = (len(diffs), -record.created, record.key, diffs)
     if best is None:
         return None
-    diffs = best[2]
+    diffs = best[3]
     # Another version's entry: its factors are written otherwise (a flag as a pair, a
     # setting named anew), so what else differs says nothing of the caller's model.
     diffs = [d for d in diffs if d.path == "entry_format"] or diffs
-    return best[1], [r for d in diffs for r in describe_entry(d)]
+    return best[2], [r for d in diffs for r in describe_entry(d)]
 
 
 def edited_since(why: str, store: Store, factors: dict[str, Any]) -> bool:

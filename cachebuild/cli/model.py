@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import signal
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -203,15 +204,25 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
     console = _console()
     say = _say(console)
     verbose = bool(getattr(ctx.obj, "verbose", False))
-    here = 0
+    here, read = 0, None
     if round_:
+        from cachebuild import watching
+
         here = _round_ready(device)
         if not here:
             return
-    with _progress(console, verbose) as (on_target, _):
-        report = warm(model, store=_store_for(ctx, look=dry_run), jobs=jobs, device=device,
-                      world_size=world_size, dry_run=dry_run, say=say, on_target=on_target,
-                      here=here)
+        read = watching.import_model_file(model)
+    try:
+        with _progress(console, verbose) as (on_target, _):
+            report = warm(model, store=_store_for(ctx, look=dry_run), jobs=jobs,
+                          device=device, world_size=world_size, dry_run=dry_run, say=say,
+                          on_target=on_target, here=here)
+    except KeyboardInterrupt:
+        if not round_:
+            raise
+        # A round is stopped by its watching command (Ctrl-C there), which says so: no
+        # error line of its own, its builds ended and the store whole all the same.
+        ctx.exit(128 + signal.SIGINT)
     if dry_run:
         _plan_table(report, console, state_of(ctx).open_store())
         would = len(report.targets) - len(report.with_state("stored"))
@@ -237,7 +248,7 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
 
         store = state_of(ctx).open_store()
         watching.tell_files(watching.watched_files(store, [e.key for e in report.entries]),
-                            report.ok)
+                            report.ok, read)
     if not report.ok:
         ctx.exit(1)
 
@@ -246,8 +257,6 @@ def _round_ready(device: str | None) -> int:
     """A round of ``--watch``: make the imports and set-up every round needs, then wait
     for the watching process to say go. How many missing targets to build in this
     process (set up for them), or 0 where the watching process has gone."""
-    import signal
-
     from cachebuild import watching
 
     # The watching process ends a round that waits by closing its stdin, and one under
