@@ -94,23 +94,54 @@ def wait_for_go() -> bool:
     return True
 
 
-def import_model_file(model_file: str) -> dict[str, Any]:
-    """Import the round's model file (``warm`` then finds it imported) and return the
-    stamps, as the round read them, of the files of every module of the user's it loaded:
-    the watching process takes these, not the stamps a file has once the round is done,
-    as a file's first, so that an edit made while the round runs is a change after it."""
-    from cachebuild.modelfile import import_model
+class ReadStamps:
+    """The stamps of the user's module files as a round loads them: a thread looks at
+    ``sys.modules`` every ``LOOK_S`` and stamps each file new there (a module is there from
+    the start of its import). The watching process takes these, not the stamps a file has
+    once the round is done, as a file's first, so that an edit made while the round runs
+    (to a module its model file imports, or one its ``build()`` or forward imports later)
+    is a change after it."""
 
-    import_model(model_file)
-    return stamps(_module_files())
+    #: Seconds between two looks.
+    LOOK_S = 0.05
+
+    def __init__(self) -> None:
+        self.stamps: dict[str, Any] = {}
+        self._names: set[str] = set()
+        self._stop = threading.Event()
+        self._look()
+        self._thread = threading.Thread(target=self._run, name="cachebuild-stamps",
+                                        daemon=True)
+        self._thread.start()
+
+    def _look(self) -> None:
+        from cachebuild.trust.sources import stamp
+
+        for name, module in list(sys.modules.items()):
+            if name in self._names:
+                continue
+            self._names.add(name)
+            path = _module_file(name, module)
+            if path is not None and path not in self.stamps:
+                self.stamps[path] = stamp(path)
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.LOOK_S):
+            self._look()
+
+    def stop(self) -> dict[str, Any]:
+        """Stop looking; the stamps of the user's files (file → stamp as first seen)."""
+        self._stop.set()
+        self._thread.join()
+        self._look()
+        return {f: self.stamps[f] for f in _users_files(set(self.stamps))}
 
 
 def tell_files(files: Sequence[str], ok: bool, read: dict[str, Any] | None = None) -> None:
     """Say, on stdout, which files the watching process is to watch now, whether every
     target was built or stored (``ok``), and the stamps of those the round read as it
-    imported the model (``read``: ``import_model_file``). The round's work is recorded by
-    then: an interrupt while it ends (the watcher letting go of its stdin) has nothing to
-    stop."""
+    loaded them (``read``: ``ReadStamps.stop``). The round's work is recorded by then: an
+    interrupt while it ends (the watcher letting go of its stdin) has nothing to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     files = sorted(set(files))
     said = {"files": files, "ok": ok,
@@ -137,15 +168,18 @@ def watched_files(store: Any, entry_keys: Sequence[str]) -> list[str]:
 def _module_files() -> list[str]:
     """The files of the modules this process loaded from outside installed libraries, the
     standard library and cachebuild."""
-    files = set()
-    for name, module in list(sys.modules.items()):
-        path = getattr(module, "__file__", None)
-        spec = getattr(module, "__spec__", None)  # ``__main__`` is cachebuild.cli's here
-        real = getattr(spec, "name", None) or name
-        if isinstance(path, str) and path.endswith(".py") and \
-                real.split(".")[0] != "cachebuild":
-            files.add(os.path.abspath(path))
-    return _users_files(files)
+    found = (_module_file(name, module) for name, module in list(sys.modules.items()))
+    return _users_files({f for f in found if f is not None})
+
+
+def _module_file(name: str, module: Any) -> str | None:
+    """The source file of a module but cachebuild's own (None: none)."""
+    path = getattr(module, "__file__", None)
+    spec = getattr(module, "__spec__", None)  # ``__main__`` is cachebuild.cli's here
+    real = getattr(spec, "name", None) or name
+    if isinstance(path, str) and path.endswith(".py") and real.split(".")[0] != "cachebuild":
+        return os.path.abspath(path)
+    return None
 
 
 def _users_files(files: set[str]) -> list[str]:

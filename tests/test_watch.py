@@ -129,12 +129,13 @@ def test_watch_warms_again_after_each_edit_and_ctrl_c_ends_it(tmp_path):
         (tmp_path / "beside.py").write_text("SIZE = 2\n")
         helper = out.until("watching")
         assert f"{tmp_path / 'beside.py'} changed" in "".join(helper), "".join(helper)
-        # A module the model file imports from now on, edited while that round runs
+        # A module the model's build() imports from now on, edited while that round runs
         # (after its import): the edit is a change after the round, which warms again.
         late = tmp_path / "late.py"
         late.write_text("SIZE = 1\n")
-        model.write_text(text.replace(*EDIT).replace("import beside  # noqa",
-                                                     "import beside, late  # noqa"))
+        build = "def build() -> cachebuild.ModelSpec:\n"
+        assert text.count(build) == 1
+        model.write_text(text.replace(*EDIT).replace(build, build + "    __import__('late')\n"))
         out.until("tracing")
         late.write_text("SIZE = 2\n")
         out.until("watching")

@@ -211,7 +211,7 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
         here = _round_ready(device)
         if not here:
             return
-        read = watching.import_model_file(model)
+        read = watching.ReadStamps()
     try:
         with _progress(console, verbose) as (on_target, _):
             report = warm(model, store=_store_for(ctx, look=dry_run), jobs=jobs,
@@ -248,7 +248,7 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
 
         store = state_of(ctx).open_store()
         watching.tell_files(watching.watched_files(store, [e.key for e in report.entries]),
-                            report.ok, read)
+                            report.ok, read.stop() if read is not None else None)
     if not report.ok:
         ctx.exit(1)
 

@@ -196,7 +196,7 @@ def _split_graph(traced: TracedGraph, splitting_ops: tuple[str, ...]) -> SplitPl
             part[node] = part[node.args[0]]
         else:
             part[node] = current
-    _check_reshapes(effects, part, read_as, wanted)
+    _check_reshapes(graph, effects, part, read_as, wanted)
     eager_parts = {part[n] for n in part if is_splitting(n, wanted)}
     tail = current + 1
     if _take_views_where_used(graph, effects, part, tail, wanted):
@@ -308,27 +308,47 @@ def _check_writes(gm: fx.GraphModule, effects: Effects) -> None:
                     "as an argument")
 
 
-def _check_reshapes(effects: Effects, part: dict[fx.Node, int], read_as: dict[fx.Node, fx.Node],
-                    splitting: set[str]) -> None:
-    """UsageError for a tensor whose layout is changed in place (``h.unsqueeze_(0)``) in
-    another piece than the one that makes it, or that the graph is given: the pieces
-    between hand it over with the layout the trace saw last (after the change), which is
-    not the one it has when they run."""
+def _check_reshapes(graph: fx.Graph, effects: Effects, part: dict[fx.Node, int],
+                    read_as: dict[fx.Node, fx.Node], splitting: set[str]) -> None:
+    """UsageError for a layout changed in place (``h.unsqueeze_(0)``) that a piece after
+    the change would see otherwise than eager does: a tensor reshaped in another piece
+    than the one that makes it, or that the graph is given (the pieces between hand it
+    over with the layout the trace saw last, after the change), or one that shares its
+    memory with a value taken before the change and used in another piece (a view there
+    is taken again from the reshaped tensor)."""
+    order = {n: i for i, n in enumerate(graph.nodes)}
     for node, tensors in effects.reshapes.items():
         for tensor in tensors:
             made = read_as.get(tensor, tensor)
-            if made.op != "placeholder" and part.get(made) == part.get(node):
-                continue
-            start = part.get(made, 0)
-            between = sorted({_describe(n) for n, p in part.items()
-                              if is_splitting(n, splitting) and start < p < part[node]})
-            where = ("given to the graph" if made.op == "placeholder"
-                     else f"made before {', '.join(between)}")
+            base = effects.base.get(made, made)
+            if made.op == "placeholder" or part.get(made) != part.get(node):
+                where = _made_where(made, node, part, splitting)
+            else:
+                taken = [n for n in effects.base if effects.base[n] is base
+                         and n is not base and order[n] < order[node]
+                         and any(part.get(u) != part[node] for u in n.users)]
+                if not taken:
+                    continue
+                where = (f"which {taken[0].name}, taken from its memory before that, "
+                         "shares, used after a split")
             raise UsageError(
                 f"the forward changes the layout of a tensor in place across a split: "
                 f"{_describe(node)} reshapes {made.name}, {where}; pieces hand over "
-                "tensors as they are made: use the op's out-of-place form "
-                "(h = h.unsqueeze(0) rather than h.unsqueeze_(0))")
+                "tensors as they are made: change the layout out of place "
+                "(h = h.unsqueeze(0) rather than h.unsqueeze_(0)), or where nothing "
+                "made before it is used after a split")
+
+
+def _made_where(made: fx.Node, node: fx.Node, part: dict[fx.Node, int],
+                splitting: set[str]) -> str:
+    """Where ``made`` comes from, for a reshape of it in a later piece (``node``)."""
+    if made.op == "placeholder":
+        return "given to the graph"
+    if is_splitting(made, splitting):
+        return f"made by {_describe(made)}"
+    between = sorted({_describe(n) for n, p in part.items()
+                      if is_splitting(n, splitting) and part.get(made, 0) < p < part[node]})
+    return f"made before {', '.join(between)}"
 
 
 def _take_views_where_used(graph: fx.Graph, effects: Effects, part: dict[fx.Node, int],
