@@ -95,46 +95,37 @@ def wait_for_go() -> bool:
 
 
 class ReadStamps:
-    """The stamps of the user's module files as a round loads them: a thread looks at
-    ``sys.modules`` every ``LOOK_S`` and stamps each file new there (a module is there from
-    the start of its import). The watching process takes these, not the stamps a file has
-    once the round is done, as a file's first, so that an edit made while the round runs
-    (to a module its model file imports, or one its ``build()`` or forward imports later)
-    is a change after it."""
-
-    #: Seconds between two looks.
-    LOOK_S = 0.05
+    """The stamps of the user's module files as a round loads them, each taken as its
+    module's code starts to run (an audit hook on ``exec``: Python runs a module's code
+    right after reading it, from its source or its cached bytecode). The watching process
+    takes these, not the stamps a file has once the round is done, as a file's first, so
+    that an edit made while the round runs (to a module its model file imports, or one its
+    ``build()`` or forward imports later) is a change after it. A round process makes one:
+    an audit hook stays for the process's life."""
 
     def __init__(self) -> None:
         self.stamps: dict[str, Any] = {}
-        self._names: set[str] = set()
-        self._stop = threading.Event()
-        self._look()
-        self._thread = threading.Thread(target=self._run, name="cachebuild-stamps",
-                                        daemon=True)
-        self._thread.start()
+        self._on = True
+        for name, module in list(sys.modules.items()):  # loaded before the round went
+            self._take(_module_file(name, module))
+        sys.addaudithook(self._heard)
 
-    def _look(self) -> None:
+    def _heard(self, event: str, args: tuple[Any, ...]) -> None:
+        if event == "exec" and self._on and args:
+            self._take(getattr(args[0], "co_filename", None))
+
+    def _take(self, path: Any) -> None:
         from cachebuild.trust.sources import stamp
 
-        for name, module in list(sys.modules.items()):
-            if name in self._names:
-                continue
-            self._names.add(name)
-            path = _module_file(name, module)
-            if path is not None and path not in self.stamps:
+        if isinstance(path, str) and path.endswith(".py"):
+            path = os.path.abspath(path)
+            if path not in self.stamps:
                 self.stamps[path] = stamp(path)
 
-    def _run(self) -> None:
-        while not self._stop.wait(self.LOOK_S):
-            self._look()
-
     def stop(self) -> dict[str, Any]:
-        """Stop looking; the stamps of the user's files (file → stamp as first seen)."""
-        self._stop.set()
-        self._thread.join()
-        self._look()
-        return {f: self.stamps[f] for f in _users_files(set(self.stamps))}
+        """Stop taking stamps; those of the user's files (file → stamp as first run)."""
+        self._on = False
+        return {f: self.stamps[f] for f in _users_files(set(self.stamps)) if self.stamps[f]}
 
 
 def tell_files(files: Sequence[str], ok: bool, read: dict[str, Any] | None = None) -> None:
