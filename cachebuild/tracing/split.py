@@ -329,8 +329,10 @@ def _check_reshapes(graph: fx.Graph, effects: Effects, part: dict[fx.Node, int],
                          and any(part.get(u) != part[node] for u in n.users)]
                 if not taken:
                     continue
-                where = (f"which {taken[0].name}, taken from its memory before that, "
-                         "shares, used after a split")
+                where = ("a view used after a split, where it is taken again without the "
+                         "change" if taken[0] is made else
+                         f"which {taken[0].name}, taken from its memory before that, shares, "
+                         "used after a split")
             raise UsageError(
                 f"the forward changes the layout of a tensor in place across a split: "
                 f"{_describe(node)} reshapes {made.name}, {where}; pieces hand over "
