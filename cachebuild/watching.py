@@ -100,14 +100,13 @@ class ReadStamps:
     right after reading it, from its source or its cached bytecode). The watching process
     takes these, not the stamps a file has once the round is done, as a file's first, so
     that an edit made while the round runs (to a module its model file imports, or one its
-    ``build()`` or forward imports later) is a change after it. A round process makes one:
-    an audit hook stays for the process's life."""
+    ``build()`` or forward imports later) is a change after it. A round process makes one
+    as it goes (before that it loaded only torch and cachebuild): an audit hook stays for
+    the process's life."""
 
     def __init__(self) -> None:
         self.stamps: dict[str, Any] = {}
         self._on = True
-        for name, module in list(sys.modules.items()):  # loaded before the round went
-            self._take(_module_file(name, module))
         sys.addaudithook(self._heard)
 
     def _heard(self, event: str, args: tuple[Any, ...]) -> None:
@@ -153,24 +152,14 @@ def watched_files(store: Any, entry_keys: Sequence[str]) -> list[str]:
         data = store.get(key, touch=False)
         entry = read_entry(data) if data is not None else None
         files |= set(entry.source_files) if entry is not None else set()
-    return _users_files(files | set(_module_files()))
-
-
-def _module_files() -> list[str]:
-    """The files of the modules this process loaded from outside installed libraries, the
-    standard library and cachebuild."""
-    found = (_module_file(name, module) for name, module in list(sys.modules.items()))
-    return _users_files({f for f in found if f is not None})
-
-
-def _module_file(name: str, module: Any) -> str | None:
-    """The source file of a module but cachebuild's own (None: none)."""
-    path = getattr(module, "__file__", None)
-    spec = getattr(module, "__spec__", None)  # ``__main__`` is cachebuild.cli's here
-    real = getattr(spec, "name", None) or name
-    if isinstance(path, str) and path.endswith(".py") and real.split(".")[0] != "cachebuild":
-        return os.path.abspath(path)
-    return None
+    for name, module in list(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        spec = getattr(module, "__spec__", None)  # ``__main__`` is cachebuild.cli's here
+        real = getattr(spec, "name", None) or name
+        if isinstance(path, str) and path.endswith(".py") and \
+                real.split(".")[0] != "cachebuild":
+            files.add(os.path.abspath(path))
+    return _users_files(files)
 
 
 def _users_files(files: set[str]) -> list[str]:

@@ -316,6 +316,8 @@ def _check_reshapes(graph: fx.Graph, effects: Effects, part: dict[fx.Node, int],
     over with the layout the trace saw last, after the change), or one that shares its
     memory with a value taken before the change and used in another piece (a view there
     is taken again from the reshaped tensor)."""
+    if not effects.reshapes:
+        return
     order = {n: i for i, n in enumerate(graph.nodes)}
     for node, tensors in effects.reshapes.items():
         for tensor in tensors:
