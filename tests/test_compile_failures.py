@@ -125,6 +125,43 @@ def test_a_failure_is_the_models_with_the_attribute_values_it_had(open_local, tm
         compiled(torch.randn(4, 8))
 
 
+def _breaks(x: torch.Tensor) -> torch.Tensor:
+    torch._dynamo.graph_break()
+    return x
+
+
+class CallsItsFunction(nn.Module):
+    """Its forward calls the function an attribute holds (an activation chosen by config)."""
+
+    def __init__(self, f) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.f = f
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.f(self.proj(x))
+
+
+@pytest.mark.parametrize("works", [torch.relu, lambda x: x * 2, "partial"])
+def test_a_failure_is_not_another_function_attributes(open_local, tmp_path, works):
+    """A model whose trace fails for the function one instance's attribute holds is not
+    that failure with another function there (a builtin, a lambda, a partial):
+    compiles and matches eager, in the same process, after the other failed (it was
+    refused as that failure: every function read as one plain value)."""
+    import functools
+
+    store = open_local(tmp_path / "store")
+    config = cachebuild.CompileConfig(compile_ranges=((1, 16),), backend="eager_fusion")
+    failing, fine = (CallsItsFunction(_breaks).eval(), CallsItsFunction(_breaks).eval())
+    if works == "partial":
+        failing.f, works = functools.partial(_breaks), functools.partial(torch.mul, other=3.0)
+    fine.f = works
+    with pytest.raises(UsageError, match="does not trace as one graph"), torch.no_grad():
+        cachebuild.compile(failing, config, {0: 0}, store=store)(torch.randn(4, 8))
+    models.assert_matches_eager(cachebuild.compile(fine, config, {0: 0}, store=store), fine,
+                                (torch.randn(4, 8),))
+
+
 def test_with_on_failure_eager_the_model_runs_eagerly_after_one_warning(open_local, tmp_path, caplog):
     store = open_local(tmp_path / "store")
     model = NoSplit().eval()

@@ -26,8 +26,10 @@ them: the store may be repaired meanwhile) or a transient error.
 from __future__ import annotations
 
 import enum
+import functools
 import logging
 import time
+import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -228,6 +230,15 @@ def _plain(value: Any, depth: int = 0) -> Any:
         return value
     if isinstance(value, torch.Tensor | torch.nn.Module) or depth >= _VALUES_DEPTH:
         return type(value).__qualname__
+    if isinstance(value, functools.partial):
+        return ("partial", _plain(value.func, depth + 1), _plain(value.args, depth + 1),
+                _plain(value.keywords, depth + 1))
+    if isinstance(value, types.MethodType):
+        return ("method", _plain(value.__func__, depth + 1), id(value.__self__))
+    if isinstance(value, type | types.FunctionType | types.BuiltinFunctionType):
+        # By identity: every function's (and class's) own attributes are alike (none), and
+        # the forward that calls one traces its code, which another function does not have.
+        return (type(value).__name__, getattr(value, "__qualname__", ""), id(value))
     try:
         if isinstance(value, list | tuple | set | frozenset):
             items = list(value)[:_VALUES_ITEMS] if not isinstance(value, set | frozenset) \
