@@ -180,6 +180,56 @@ def test_effects_name_the_writes_and_the_written_inputs():
     assert writers == sorted(["mul_", "index_copy_", "iadd", "iadd", "write_cache"])
 
 
+def _traced(model: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, list[Any]]:
+    """Dynamo's graph of ``model(*args)`` with the first dim of every argument symbolic,
+    and its fake inputs."""
+    captured = {}
+
+    def backend(gm, example_inputs):
+        captured["gm"] = gm
+        return gm.forward
+
+    torch._dynamo.reset()
+    for a in args:
+        torch._dynamo.maybe_mark_dynamic(a, 0)
+    with torch.no_grad():
+        torch.compile(model, backend=backend, fullgraph=True)(*args)
+    torch._dynamo.reset()
+    gm = captured["gm"]
+    return gm, [n.meta["example_value"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def test_effects_on_static_stand_ins_are_those_of_the_symbolic_run():
+    """``graph_effects`` runs a graph on static stand-ins of symbolic inputs (faster):
+    every fact (writes, written inputs, bases, values returned as is, reshapes) is what a
+    run on the symbolic inputs finds, for a graph with every in-place pattern and inputs
+    sharing memory; a graph whose op needs the symbols (a size that depends on data) is
+    run on them instead, with the same facts."""
+    from cachebuild.graph import effects as fx_effects
+    from cachebuild.graph.facts import fake_mode_of
+
+    class DataDependent(torch.nn.Module):
+        def forward(self, x, cache):
+            cache[: x.shape[0]].add_(1)
+            return x[x > 0].sum() + cache.sum()
+
+    cases = [(im.make(im.AllPatterns), im.call_args(im.AllPatterns, 5)),
+             (DataDependent(), (torch.randn(3, 4), torch.zeros(6, 4)))]
+    for model, args in cases:
+        gm, fakes = _traced(model, args)
+        assert any(isinstance(s, torch.SymInt) for f in fakes if isinstance(f, torch.Tensor)
+                   for s in f.shape)
+        symbolic = fx_effects._run(gm, fake_mode_of(fakes), fakes)
+        got = graph_effects(gm, fakes)
+        for field in ("writes", "written_inputs", "base", "same", "reshapes"):
+            assert getattr(got, field) == getattr(symbolic, field), field
+        assert got.writes
+    stand_ins = fx_effects.stand_ins(_traced(*cases[0])[1])
+    assert stand_ins is not None
+    assert all(not isinstance(s, torch.SymInt) for t in stand_ins[1]
+               if isinstance(t, torch.Tensor) for s in t.shape)
+
+
 # -- every backend, cold and warm in fresh processes --------------------------------------
 
 #: Runs in a fresh process: AllPatterns through cachebuild.compile in every graph mode with
