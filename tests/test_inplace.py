@@ -230,6 +230,67 @@ def test_effects_on_static_stand_ins_are_those_of_the_symbolic_run():
                if isinstance(t, torch.Tensor) for s in t.shape)
 
 
+class WritesThroughTorchFunctions(im.Base):
+    """Writes made by torch's in-place functions rather than methods: a cache by
+    ``torch.index_put_``, a counter by ``torch.index_put_`` too, the input by
+    ``torch.relu_`` after it was read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("cache", torch.zeros(im.SLOTS, im.H))
+        self.register_buffer("calls", torch.zeros(1))
+
+    def forward(self, x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        k = self.k(x)
+        torch.index_put_(self.cache, (slots,), k)
+        torch.index_put_(self.calls, (torch.zeros(1, dtype=torch.long),), self.calls + 1)
+        out = self.o(im.attend(self.q(x), k, k)) * self.calls
+        torch.relu_(x)
+        return out
+
+
+def test_writes_by_torch_in_place_functions_are_kept(open_local, tmp_path):
+    """``torch.index_put_(buffer, ...)`` and ``torch.relu_(x)`` (functions, not methods,
+    whose writes no schema of their own names) are writes: served with eager's outputs and
+    state call after call, at one token too (a counter they bump was bumped twice by the
+    check of the one-token path, which then refused the model as branching there)."""
+    compiled_model, eager_model = im.make(WritesThroughTorchFunctions), \
+        im.make(WritesThroughTorchFunctions)
+    compiled = cachebuild.compile(compiled_model, mode_config("none", backend="eager_fusion"),
+                                  {0: 0, 1: 0}, store=open_local(tmp_path / "store"))
+    with torch.no_grad():
+        for start, tokens in ((0, 4), (4, 1), (5, 3)):
+            x, slots = im.call_args(im.MutatedBuffer, tokens, start)
+            x_eager = x.clone()
+            torch.testing.assert_close(compiled(x, slots), eager_model(x_eager, slots))
+            torch.testing.assert_close(x, x_eager)  # relu_ on the caller's input
+            torch.testing.assert_close(compiled_model.cache, eager_model.cache)
+            assert compiled_model.calls.item() == eager_model.calls.item()
+
+
+def test_in_place_torch_functions_are_seen_as_writes():
+    """``might_write`` and ``graph_effects`` know torch's in-place functions: by their
+    form, and by their aten op's schema where the fake run moves no version counter
+    (``torch._foreach_add_``)."""
+    from cachebuild.graph.effects import might_write
+
+    class Functions(torch.nn.Module):
+        def forward(self, x: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+            torch._foreach_add_([c], 1.0)
+            torch.exp_(c)
+            return torch.relu_(x) * 2
+
+    gm, fakes = _traced(Functions(), (torch.randn(4), torch.zeros(4)))
+    calls = {getattr(n.target, "__name__", str(n.target)): n for n in gm.graph.nodes
+             if n.op == "call_function"}
+    assert [name for name, n in calls.items() if might_write(n)] == \
+        ["_foreach_add_", "exp_", "relu_"]
+    effects = graph_effects(gm, fakes)
+    tensors = [i for i, f in enumerate(fakes) if isinstance(f, torch.Tensor)]
+    assert sorted(effects.written_inputs) == tensors and len(tensors) == 2
+    assert calls["_foreach_add_"] in effects.writes
+
+
 # -- every backend, cold and warm in fresh processes --------------------------------------
 
 #: Runs in a fresh process: AllPatterns through cachebuild.compile in every graph mode with

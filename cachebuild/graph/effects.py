@@ -245,19 +245,40 @@ def _schema(target: Any) -> Any:
     return getattr(target, "_schema", None)
 
 
+def _written_positions(target: Any) -> list[tuple[int, str]]:
+    """The arguments (position, name) that ``target`` writes by its schema (``Tensor(a!)``,
+    ``Tensor(a!)[]``). A torch function without a schema of its own (``torch._foreach_add_``,
+    ``torch.index_put_``) is read by its aten op's overloads: the arguments every one of them
+    writes."""
+    schemas = []
+    schema = _schema(target)
+    if schema is not None:
+        schemas = [schema]
+    elif getattr(target, "__module__", None) in ("torch", "torch._C._VariableFunctions") or \
+            type(target).__name__ == "builtin_function_or_method":
+        packet = getattr(torch.ops.aten, getattr(target, "__name__", ""), None)
+        if isinstance(packet, torch._ops.OpOverloadPacket):
+            schemas = [getattr(packet, o)._schema for o in packet.overloads()]
+    found: set[tuple[int, str]] | None = None
+    for schema in schemas:
+        here = {(i, arg.name) for i, arg in enumerate(schema.arguments)
+                if arg.alias_info is not None and arg.alias_info.is_write}
+        found = here if found is None else found & here
+    return sorted(found or ())
+
+
 def _schema_written(node: fx.Node, env: dict[fx.Node, Any]) -> list[torch.Tensor]:
-    """The tensors an op's schema says it writes (``Tensor(a!)``): an op defined without
-    an autograd kernel does not move their version counters."""
-    schema = _schema(node.target) if node.op == "call_function" else None
-    if schema is None or not schema.is_mutable:
+    """The tensors an op's schema says it writes (``Tensor(a!)``, a list of them): an op
+    defined without an autograd kernel, or a ``_foreach`` op on fake tensors, does not move
+    their version counters."""
+    if node.op != "call_function":
         return []
     found = []
-    for i, arg in enumerate(schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
-        if isinstance(value, fx.Node):
-            found += _tensors(env.get(value))
+    for i, name in _written_positions(node.target):
+        value = node.args[i] if i < len(node.args) else node.kwargs.get(name)
+        for leaf in pytree.tree_leaves(value):
+            if isinstance(leaf, fx.Node):
+                found += _tensors(env.get(leaf))
     return found
 
 
@@ -276,8 +297,12 @@ def might_write(node: fx.Node) -> bool:
         return True
     if node.kwargs.get("out") is not None or node.kwargs.get("inplace") is True:
         return True
-    schema = _schema(node.target)
-    return bool(schema is not None and schema.is_mutable)
+    # torch's in-place functions (``torch.relu_``, ``torch.index_put_``,
+    # ``torch._foreach_add_``, ``Tensor.add_`` called as a function) have no schema here.
+    name = getattr(node.target, "__name__", "")
+    if name.endswith("_") and not name.startswith("__"):
+        return True
+    return bool(_written_positions(node.target))
 
 
 def is_transform_call(node: fx.Node) -> bool:
