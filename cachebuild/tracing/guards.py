@@ -65,7 +65,10 @@ def plain(value: Any) -> Any:
     if isinstance(value, bool):
         return {"bool": value}
     if isinstance(value, enum.Enum):
-        return {"enum": f"{qualname(type(value))}.{value.name}"}
+        # With its value: an IntEnum or str Enum member is folded into the graph as its
+        # value, so another value under the same names (a constant edited in its file, a
+        # class made by a factory) is another forward.
+        return {"enum": f"{qualname(type(value))}.{value.name}", "value": plain(value._value_)}
     if value is None or isinstance(value, (int, str)):
         return value
     if isinstance(value, float):
@@ -187,6 +190,9 @@ def short(fingerprint: Any) -> str:
         if tag in ("list", "tuple", "set"):
             inner = ", ".join(short(x) for x in v)
             return f"({inner})" if tag == "tuple" else f"[{inner}]"
+    if isinstance(fingerprint, dict) and "enum" in fingerprint:
+        named = ".".join(fingerprint["enum"].rsplit(".", 2)[-2:])  # Class.MEMBER
+        return f"{named} ({short(fingerprint.get('value'))})"
     if isinstance(fingerprint, dict) and "same_as" in fingerprint:
         return f"the object at {path_name(fingerprint['same_as'])}"
     if isinstance(fingerprint, dict) and "process_group" in fingerprint:

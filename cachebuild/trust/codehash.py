@@ -62,7 +62,14 @@ def code_file(obj: Any) -> str | None:
     if isinstance(obj, type):
         for value in vars(obj).values():
             for fn in _functions(value):
-                return fn.__code__.co_filename
+                # Only a function of its body, from a source there is: an Enum's class holds
+                # enum.py's functions, a dataclass's ``__init__`` was compiled from a string
+                # and its ``__repr__`` is a wrapper written in dataclasses.py.
+                path = fn.__code__.co_filename
+                if fn.__qualname__.startswith(f"{obj.__qualname__}.") \
+                        and fn.__code__.co_name == fn.__name__ \
+                        and (os.path.isfile(path) or linecache_text(path) is not None):
+                    return path
     try:
         return inspect.getsourcefile(obj)
     except (OSError, TypeError):
