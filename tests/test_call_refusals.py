@@ -144,6 +144,16 @@ def test_keyword_inputs_and_inputs_an_op_refuses_are_one_line_errors(open_local,
         compiled(torch.randn(4, 9))
     assert "failed while attempting to run meta" not in caplog.text
     assert not logging.getLogger("torch._subclasses.fake_tensor").filters
+    # An op that fake tensors let through and the real ones do not (integers into a float
+    # matmul), and one input too many: one line each, not a traceback.
+    with pytest.raises(UsageError, match=r"fails on these inputs \(check that the same "
+                       r"call runs eagerly\): RuntimeError: .*dtype"):
+        cachebuild.compile(Net().eval(), compiled.config, {0: 0})(
+            torch.randint(0, 5, (4, 8)))
+    with pytest.raises(UsageError, match=r"cannot take these 2 inputs as its positional "
+                       r"arguments \(too many positional arguments\)"):
+        cachebuild.compile(Net().eval(), compiled.config, {0: 0})(torch.randn(4, 8),
+                                                                  torch.randn(4, 8))
 
 
 def test_with_on_failure_eager_a_hook_on_the_model_runs_eagerly_while_it_is_there(open_local,

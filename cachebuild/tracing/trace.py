@@ -454,6 +454,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         shadow_records,
     )
 
+    _check_takes(model, args)
     # Copies, so that the trace writes nothing of the caller's; each as the caller's
     # argument is, its requires_grad too (a clone made under no_grad drops it). Made, and
     # traced, outside inference mode: tensors made in it keep no version counter, which
@@ -473,6 +474,9 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
 
     class _SideEffects(Exception):
         """The traced frame changes objects that existed before it (refused below)."""
+
+    class _RunFails(Exception):
+        """The traced graph, run on the call's tensors, raised (an op refused them)."""
 
     def capture(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         if "gm" in captured:
@@ -501,8 +505,12 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
                     [n for n in gm.graph.nodes if n.op == "placeholder"], inputs, strict=True)]
                 written = graph_effects(gm, fakes).written_inputs
             saved = keep.Tensors(inputs[i] for i in written)
-            captured["outputs"] = out = returned(gm.forward(*inputs), items)
-            saved.restore()
+            try:
+                captured["outputs"] = out = returned(gm.forward(*inputs), items)
+            except Exception as e:
+                raise _RunFails from e
+            finally:
+                saved.restore()
             return out
 
         return run
@@ -523,6 +531,11 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
             output = compiled(*args)
     except _SideEffects:
         output = None  # refused below
+    except _RunFails as e:
+        # An op that fake tensors let through refused the real ones (an integer input to
+        # a float matmul): as it would eagerly, said in one line.
+        raise UsageError(f"the model's forward fails on these inputs (check that the same "
+                         f"call runs eagerly): {one_line(e.__cause__, typed=True)}") from e
     except torch._dynamo.exc.Unsupported as e:
         if str(e).lstrip().startswith("Observed exception"):  # the forward itself raised
             raise UsageError(f"the model's forward raises on these inputs (check that the "
@@ -630,6 +643,21 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         guards=guards,
         unrecordable=unrecordable,
     )
+
+
+def _check_takes(model: torch.nn.Module, args: Sequence[Any]) -> None:
+    """UsageError where ``model``'s forward cannot be called with ``args`` as its
+    positional arguments (too many, too few), before Dynamo raises it as a bare TypeError."""
+    try:
+        signature = inspect.signature(model.forward)
+    except (TypeError, ValueError):  # no signature to read (a builtin): the call will say
+        return
+    try:
+        signature.bind(*args)
+    except TypeError as e:
+        raise UsageError(f"the model's forward cannot take these {len(args)} inputs as its "
+                         f"positional arguments ({e}): give the inputs of one forward "
+                         "call, in its order") from None
 
 
 def _copy_as_is(t: torch.Tensor, dynamic: bool) -> torch.Tensor:
