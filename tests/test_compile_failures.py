@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import sys
 import types
 
@@ -160,6 +161,47 @@ def test_a_failure_is_not_another_function_attributes(open_local, tmp_path, work
         cachebuild.compile(failing, config, {0: 0}, store=store)(torch.randn(4, 8))
     models.assert_matches_eager(cachebuild.compile(fine, config, {0: 0}, store=store), fine,
                                 (torch.randn(4, 8),))
+
+
+#: Read by ``BreaksByGlobal``'s forward.
+BREAKS = True
+
+
+class BreaksByGlobal(nn.Module):
+    """Its forward breaks the graph where a module global, a class attribute or an
+    environment variable says so."""
+
+    loud = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if BREAKS or self.loud or os.environ.get("CB_TEST_BREAKS") == "1":
+            torch._dynamo.graph_break()
+        return torch.relu(self.proj(x))
+
+
+def test_a_failure_is_not_one_of_other_globals_class_attributes_or_environment(
+        open_local, tmp_path, monkeypatch):
+    """A trace that failed for a module global's value, a class attribute's or an
+    environment variable's is traced again once that value changes (it was refused as
+    the same failure: "nothing it depends on changed"), and compiles, matching eager."""
+    store = open_local(tmp_path / "store")
+    config = cachebuild.CompileConfig(compile_ranges=((1, 16),), backend="eager_fusion")
+    model = BreaksByGlobal().eval()
+    compiled = cachebuild.compile(model, config, {0: 0}, store=store)
+    monkeypatch.setenv("CB_TEST_BREAKS", "1")
+    monkeypatch.setattr(BreaksByGlobal, "loud", True)
+    monkeypatch.setattr(sys.modules[__name__], "BREAKS", True)
+    for change in (lambda: monkeypatch.setattr(sys.modules[__name__], "BREAKS", False),
+                   lambda: monkeypatch.setattr(BreaksByGlobal, "loud", False),
+                   lambda: monkeypatch.setenv("CB_TEST_BREAKS", "0")):
+        with pytest.raises(UsageError, match="does not trace as one graph"), torch.no_grad():
+            compiled(torch.randn(4, 8))
+        change()
+    models.assert_matches_eager(compiled, model, (torch.randn(4, 8),))
 
 
 def test_with_on_failure_eager_the_model_runs_eagerly_after_one_warning(open_local, tmp_path, caplog):

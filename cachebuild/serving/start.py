@@ -28,6 +28,8 @@ from __future__ import annotations
 import enum
 import functools
 import logging
+import os
+import sys
 import time
 import types
 from dataclasses import dataclass
@@ -258,11 +260,27 @@ def _plain(value: Any, depth: int = 0) -> Any:
 def _values(model: torch.nn.Module) -> tuple[Any, ...]:
     """What a failed trace is remembered with besides ``_state``: every module's class and
     the plain values of its attributes (a flag, a mode string, an active adapter's name,
-    a config's fields), so that the same model with other values (a branch that traces)
-    is another start, not the failure. Read only before a trace (milliseconds)."""
-    return tuple((name, type(m).__qualname__,
-                  tuple((k, _plain(v)) for k, v in vars(m).items() if not k.startswith("_")))
-                 for name, m in model.named_modules())
+    a config's fields), its class's attributes and its module's globals (a flag set on the
+    class, a module constant), and the environment variables, so that the same model with
+    other values (a branch that traces) is another start, not the failure. Read only
+    before a trace (milliseconds)."""
+    classes = list(dict.fromkeys(type(m) for m in model.modules()))
+    modules = list(dict.fromkeys(sys.modules.get(c.__module__) for c in classes))
+    return (
+        tuple((name, type(m).__qualname__,
+               tuple((k, _plain(v)) for k, v in vars(m).items() if not k.startswith("_")))
+              for name, m in model.named_modules()),
+        tuple(_namespace(vars(c)) for c in classes),
+        tuple(_namespace(vars(m)) for m in modules if m is not None),
+        hash(frozenset(os.environ.items())),
+    )
+
+
+def _namespace(names: Any) -> tuple[Any, ...]:
+    """The plain values of a class's or a module's names, modules and dunders left out
+    (a module's namespace is read only as the names it holds)."""
+    return tuple((k, _plain(v)) for k, v in list(names.items())
+                 if not k.startswith("__") and not isinstance(v, types.ModuleType))
 
 
 def take_over(swap: BackgroundBuild, owner: object, model: torch.nn.Module,
