@@ -41,7 +41,7 @@ from cachebuild.serving.runtime import CaptureReport, ModelRuntime
 from cachebuild.serving.start import start, take_over
 from cachebuild.serving.stitch import direct_forward, on_device_forward, stitch
 from cachebuild.store.interface import Store
-from cachebuild.tracing.guards import Mismatch, grad_mode_changed
+from cachebuild.tracing.guards import Mismatch, describe_all, grad_mode_changed
 from cachebuild.tracing.split import check_splitting_ops
 from cachebuild.tracing.trace import TracedGraph, check_call_dims
 
@@ -404,8 +404,7 @@ class CompiledModule(torch.nn.Module):
 
     def _find_or_start(self, args: tuple[Any, ...], wrong: list[Mismatch]) -> ModelRuntime | None:
         name = type(self.model).__name__
-        changed = "; ".join(m.describe() for m in wrong[:3]) + (
-            f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else "")
+        changed = describe_all(wrong)
         current = self._runtime
         if current is not None and not current.mismatches(self.model, args):
             return current  # made by another thread while this one waited

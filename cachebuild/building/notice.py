@@ -85,7 +85,9 @@ def reason(why: str, store: Store | None = None,
             # or another file defining a class of that name.
             return ("its source differs from the one warmed (its file was edited since, or "
                     f"the warmed class of that name is another file's): {'; '.join(changes)}")
-        return f"it was warmed with other settings: {'; '.join(changes)}"
+        # Stored by `cachebuild warm` or by an earlier call (of this process or another):
+        # either way an entry of this model's class, made with other settings.
+        return f"its stored entry was made with other settings: {'; '.join(changes)}"
     from cachebuild.building.entry import STALE
 
     if why.startswith(STALE):

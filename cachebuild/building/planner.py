@@ -30,7 +30,7 @@ from cachebuild.passes import PassManager
 from cachebuild.store.interface import Store
 from cachebuild.tracing.distributed import layout_mismatches
 from cachebuild.tracing.env import env_factors
-from cachebuild.tracing.guards import Mismatch, is_grad_mode
+from cachebuild.tracing.guards import Mismatch, describe_all, is_grad_mode
 from cachebuild.tracing.split import check_splitting_ops, split_graph
 from cachebuild.tracing.targets import make_targets
 from cachebuild.tracing.trace import TracedGraph, trace_model
@@ -158,9 +158,7 @@ class Planner:
                     values = [*values, {"process_groups": live}]
             if not wrong:
                 return Lookup(entry, "fresh", key, factors)
-            why = f"{VALUES_DIFFER}: " + "; ".join(
-                m.describe() for m in wrong[:3]) + (f" (and {len(wrong) - 3} more)"
-                                                    if len(wrong) > 3 else "")
+            why = f"{VALUES_DIFFER}: {describe_all(wrong)}"
             key = variant_key(key, values)
         return Lookup(None, why, key, factors, wrong)
 

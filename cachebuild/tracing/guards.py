@@ -422,6 +422,14 @@ class Mismatch:
         return f"{self.name}: {short(self.old)} → {short(self.new)}"
 
 
+def describe_all(wrong: list[Mismatch], most: int = 3) -> str:
+    """The first ``most`` of ``wrong`` in words, each once (two reads of one value differ
+    alike), and how many more there are."""
+    said = list(dict.fromkeys(m.describe() for m in wrong))
+    return "; ".join(said[:most]) + (f" (and {len(said) - most} more)" if len(said) > most
+                                     else "")
+
+
 #: The fingerprint tags that name code: a class, a type check's class, a function, a module.
 _CODE_TAGS = ("type", "class", "function", "module")
 
