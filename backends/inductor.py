@@ -182,6 +182,8 @@ class InductorBackend(Backend):
         else:  # Inductor would run whatever `g++` PATH finds
             raise UntrustedCompiler("no C++ compiler here that only root or you can replace "
                                     "(see `cachebuild stats`); Inductor needs one to build")
+        if not str(device).startswith("cpu"):
+            compat.share_autotuning()  # one timing per kernel across this folder's builds
         if flavour == "aoti":
             try:
                 return self._compile_aoti(request, device, compiler)

@@ -574,6 +574,68 @@ def hook_compilers(cxx: Callable[[CxxBuild, Callable[[], None]], None],
              "triton")
 
 
+def share_autotuning() -> None:
+    """Make Inductor's Triton autotuning agree across the processes that build in one work
+    folder (once per process; later calls do nothing).
+
+    Pieces built at once (a cold ``warm``'s workers) hold the same kernels: every layer's
+    MLP, say. Each process timed its own copy and kept the winner of its own, noisy,
+    timings in its wrapper, while the result kept in the work folder was the last writer's;
+    a later build of one of those pieces (after an edit elsewhere in it) took that kept
+    result: another launch configuration than its wrapper had, so the wrapper (seconds of
+    C++) compiled again. Now a kernel is timed by one process at a time (a lock beside its
+    kept result), and one that finds a result kept meanwhile takes it without timing.
+
+    ``CachingAutotuner.autotune_to_one_config`` (torch 2.11-2.13) times the candidates with
+    ``benchmark_all_configs``; a torch without them is left alone."""
+    if _HOOKED.get("autotune"):
+        return
+    _HOOKED["autotune"] = True
+    try:
+        from torch._inductor.runtime import triton_heuristics
+    except ImportError:
+        return
+    tuner = getattr(triton_heuristics, "CachingAutotuner", None)
+    original = getattr(tuner, "autotune_to_one_config", None)
+    if original is None or not hasattr(tuner, "benchmark_all_configs"):
+        return
+    tuner.autotune_to_one_config = tune_once(original)
+
+
+def tune_once(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``original`` (an ``autotune_to_one_config``) run under a lock on the kernel's kept
+    result, and made to pick that result where one is kept (``share_autotuning``)."""
+    import fcntl
+
+    def autotune_to_one_config(self: Any, *args: Any, **kwargs: Any) -> Any:
+        kept = getattr(getattr(self, "save_cache_hook", None), "__self__", None)
+        local = getattr(kept, "local_cache", None)
+        if not local or not isinstance(local[1], str):
+            return original(self, *args, **kwargs)
+        fd = os.open(local[1] + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                     0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            launchers = list(self.launchers)
+            best = kept.read_best(self.inductor_meta, [launcher.config for launcher in launchers])
+            if best is None or not any(launcher.config is best for launcher in launchers):
+                return original(self, *args, **kwargs)
+
+            def timings(*_: Any, **__: Any) -> dict[Any, float]:  # the kept one wins
+                return {launcher: 0.0 if launcher.config is best else float("inf")
+                        for launcher in launchers}
+
+            self.benchmark_all_configs = timings
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                del self.benchmark_all_configs
+        finally:
+            os.close(fd)  # releases the lock
+
+    return autotune_to_one_config
+
+
 def hook_vec_isa_list(choose: Callable[[Callable[[], list[Any]]], list[Any]]) -> None:
     """Once per process: Inductor's list of the vector ISAs usable here
     (``cpu_vec_isa.valid_vec_isa_list``, which it computes by compiling and loading a
