@@ -621,7 +621,11 @@ def tune_once(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             launchers = list(self.launchers)
-            best = kept.read_best(self.inductor_meta, [launcher.config for launcher in launchers])
+            try:
+                best = kept.read_best(self.inductor_meta,
+                                      [launcher.config for launcher in launchers])
+            except Exception:  # noqa: BLE001 - a kept result that cannot be read: time again
+                best = None
             chosen = next((launcher for launcher in launchers if launcher.config is best), None)
             twin = _twin_path(self, local[1])
             if chosen is None and twin is not None:
