@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import random
+import warnings
 
 import pytest
 import torch
@@ -150,6 +152,20 @@ def test_keyword_inputs_and_inputs_an_op_refuses_are_one_line_errors(open_local,
                        r"call runs eagerly\): RuntimeError: .*dtype"):
         cachebuild.compile(Net().eval(), compiled.config, {0: 0})(
             torch.randint(0, 5, (4, 8)))
+    # A builtin Dynamo cannot trace: the graph break in one line, without Dynamo's warning
+    # page before it; the caller's warning filters as they were.
+
+    class Draws(torch.nn.Module):
+        def forward(self, x):
+            return x * random.random()
+
+    filters = list(warnings.filters)
+    with warnings.catch_warnings(record=True) as seen, \
+            pytest.raises(UsageError, match="does not trace as one graph: .*Random.random"):
+        warnings.simplefilter("always")
+        cachebuild.compile(Draws(), compiled.config, {0: 0})(torch.randn(4, 8))
+    assert not [w for w in seen if "Dynamo does not know" in str(w.message)]
+    assert warnings.filters == filters
     with pytest.raises(UsageError, match=r"cannot take these 2 inputs as its positional "
                        r"arguments \(too many positional arguments\)"):
         cachebuild.compile(Net().eval(), compiled.config, {0: 0})(torch.randn(4, 8),

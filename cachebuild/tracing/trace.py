@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -364,7 +365,8 @@ def _same_values(got: list[Any], want: list[Any]) -> bool:
 def _quiet_meta_failures() -> Iterator[None]:
     """While the block runs, drop the traceback torch logs (at ERROR) when an op's meta
     kernel refuses a call's shapes: the same error reaches the trace, which says it in one
-    line (``_op_error``). The caller's logging is as it was after."""
+    line (``_op_error``); and Dynamo's warning about a builtin it cannot trace. The caller's
+    logging and warning filters are as they were after."""
     said = {"torch._subclasses.fake_tensor": ("failed while attempting to run meta",),
             # a guard Dynamo could not make (the same error reaches the trace)
             "torch._guards": ("Error while creating guard", "Created at")}
@@ -376,7 +378,12 @@ def _quiet_meta_failures() -> Iterator[None]:
         logging.getLogger(name).addFilter(keep_others)
         filters.append((name, keep_others))
     try:
-        yield
+        with warnings.catch_warnings():
+            # Dynamo's page-long warning about a builtin it cannot trace (``random.random``)
+            # comes before the graph break it leads to, which the trace says in one line.
+            warnings.filterwarnings("ignore", message="Dynamo does not know how to trace",
+                                    category=UserWarning)
+            yield
     finally:
         for name, keep_others in filters:
             logging.getLogger(name).removeFilter(keep_others)
