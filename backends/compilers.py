@@ -59,7 +59,7 @@ import xxhash
 
 from cachebuild import clock, compat
 from cachebuild.compat import CxxBuild
-from cachebuild.store import write_whole
+from cachebuild.store import mark_work_folder, write_whole
 
 if TYPE_CHECKING:
     from cachebuild.store import ObjectRecords
@@ -87,6 +87,7 @@ def watch(kept: Path, records: Path | None = None,
     compat.hook_header_precompiles(_beside)
     folder = kept / "cxx"
     folder.mkdir(mode=0o700, exist_ok=True)
+    mark_work_folder(folder)  # ours to count and remove where ``kept`` is the work folder
     with _state:
         saved = dict(_cache)
         _cache.update(dir=folder if objects is not None else None, records=records or folder,

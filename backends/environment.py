@@ -238,6 +238,8 @@ def clean_objects(path: Path, dry_run: bool, older_than: float = OBJECT_AGE,
     the folder: ``(bytes, removed)`` (with ``dry_run``, what would go)."""
     if not (path / OBJECTS[0]).is_dir():
         return 0, True
+    from cachebuild.store.maintenance import WORK_MARK
+
     cutoff = (time.time() if now is None else now) - older_than
     with _alone(path) as real:
         if real is None:
@@ -245,6 +247,8 @@ def clean_objects(path: Path, dry_run: bool, older_than: float = OBJECT_AGE,
         kept, records = (real / part for part in OBJECTS)
         size = 0
         for entry in os.scandir(kept):
+            if entry.name == WORK_MARK:
+                continue  # the folder's mark, not an object
             with contextlib.suppress(OSError):  # counted once it is gone, not before
                 st = entry.stat(follow_symlinks=False)
                 if st.st_mtime >= cutoff:
@@ -289,8 +293,13 @@ def disk_paid(store_root: Path, folders: list[Folder], work_path: str | None) ->
     paid = DiskPaid([DiskPart("store on disk", str(store_root), tree_bytes(store_root)[0],
                               "records, blobs, index, work files")])
     if work_path is not None and not Path(work_path).is_relative_to(store_root):
-        paid.parts.append(DiskPart("work folder", work_path, tree_bytes(Path(work_path))[0],
-                                   "builds' files"))
+        # Only what builds marked as theirs: the operator's folder may hold their files.
+        from cachebuild.store.maintenance import WORK_FOLDERS, made_by_builds
+
+        ours = [Path(work_path) / name for name in WORK_FOLDERS
+                if made_by_builds(Path(work_path) / name)]
+        paid.parts.append(DiskPart("work folder", work_path,
+                                   sum(tree_bytes(p)[0] for p in ours), "builds' files"))
     for folder in folders:
         paid.parts.append(DiskPart("environment", folder.path, folder.bytes,
                                    f"{folder.summary()}; toolchain verdicts, ISA checks, "

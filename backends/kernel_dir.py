@@ -217,6 +217,7 @@ def build_work_dir(store: Store, *, cxx: bool = False) -> Iterator[Path]:
         ObjectRecords,
         flocked_shared,
         make_private_dir,
+        mark_work_folder,
         open_work_dir,
     )
 
@@ -224,11 +225,12 @@ def build_work_dir(store: Store, *, cxx: bool = False) -> Iterator[Path]:
     records = environment / "built" if environment is not None else Path(store.work_records)
     if cxx:
         check_cxx_work_dir(store.work_dir)
-    root = open_work_dir(Path(store.work_dir), records)
+    root = open_work_dir(Path(store.work_dir), records, named=store.work_dir_named)
     folders = {"TORCHINDUCTOR_CACHE_DIR": root / "inductor", "TRITON_CACHE_DIR": root / "triton",
                "TMPDIR": root / "tmp"}
     for folder in folders.values():
         make_private_dir(folder, "work folder")
+        mark_work_folder(folder)
     objects = ObjectRecords(records / "cxx")
     with flocked_shared(root / WORK_LOCK), \
             in_use(environment) if environment is not None else contextlib.nullcontext(), \

@@ -80,6 +80,10 @@ _CHUNK = 1 << 20
 Progress = Callable[[int, int], None]
 
 
+#: How a report names what could not be read past a damaged member of a bundle.
+REST = "(rest of bundle)"
+
+
 @dataclass
 class ExportReport:
     """Entries written to a bundle, their payload bytes, and entries left out with why."""
@@ -116,11 +120,17 @@ class ImportReport:
 
     @property
     def refused_count(self) -> int:
-        return len(self.refused) + self.more_refused
+        """How many records were refused (not the unread rest of a damaged bundle)."""
+        return len(self.refused) + self.more_refused - self.rest_refused
+
+    @property
+    def rest_refused(self) -> bool:
+        """Whether the rest of the bundle could not be read (damaged, truncated, too long)."""
+        return any(name == REST for name, _ in self.refused)
 
     @property
     def ok(self) -> bool:
-        return not self.refused_count and self.stopped is None
+        return not self.refused and not self.more_refused and self.stopped is None
 
 
 def _select(store: LocalTier, keys: Iterable[str] | None, kinds: Iterable[str] | None,
@@ -377,7 +387,7 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
                     continue
                 members += 1
                 if members > MAX_MEMBERS:
-                    report.refuse("(rest of bundle)", f"more than {MAX_MEMBERS} members: "
+                    report.refuse(REST, f"more than {MAX_MEMBERS} members: "
                                                       "the rest was not read")
                     break
                 if m := _RECORD_RE.fullmatch(name):
@@ -426,7 +436,7 @@ def import_bundle(store: LocalTier, path: str | os.PathLike[str], *,
                 else:
                     report.refuse(_printable(name), "unexpected member in bundle")
         except (*_ARCHIVE_ERRORS, CorruptBlob) as e:
-            report.refuse(current or "(rest of bundle)", f"bundle is damaged or truncated: {e}")
+            report.refuse(current or REST, f"bundle is damaged or truncated: {e}")
         if report.stopped is None:  # else the rest was not read: nothing is missing
             for key in records:
                 seen.add(key)

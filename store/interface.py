@@ -95,6 +95,12 @@ class Store(ArtifactSource, Protocol):
         ...
 
     @property
+    def work_dir_named(self) -> bool:
+        """True where the operator named the work folder (``CACHEBUILD_WORK_DIR``): it may
+        hold their own files, so builds and ``gc`` touch only what builds marked there."""
+        ...
+
+    @property
     def work_records(self) -> Path:
         """A private folder of the store's own (never inside ``work_dir``) where builds
         record what they leave in the work folder, so that what a later build reuses

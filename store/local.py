@@ -335,6 +335,11 @@ class LocalStore(LocalTier):
         return self._work_dir
 
     @property
+    def work_dir_named(self) -> bool:
+        """See ``Store.work_dir_named``."""
+        return self._work_dir != self._layout.work
+
+    @property
     def work_records(self) -> Path:
         """See ``Store.work_records`` (the store's ``built/``, made on use)."""
         return self._layout.built

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import stat
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -80,6 +81,25 @@ WORK_LOCK = ".builds"
 #: the compilers' temp files and kept C++ objects. Nothing else there is ours to count or
 #: remove (the operator may have pointed ``CACHEBUILD_WORK_DIR`` at a folder of theirs).
 WORK_FOLDERS = ("inductor", "triton", "tmp", "cxx")
+#: The file every one of those folders holds once a build made (or used) it: a folder of
+#: that name without it (the operator's ``tmp/``) is not ours, and is neither counted nor
+#: removed.
+WORK_MARK = ".cachebuild-work"
+
+
+def mark_work_folder(folder: Path) -> None:
+    """Mark ``folder`` (one of ``WORK_FOLDERS``, made by a build) as the builds'."""
+    fd = os.open(folder / WORK_MARK, os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
+                 0o600)
+    os.close(fd)
+
+
+def made_by_builds(path: str | os.PathLike[str]) -> bool:
+    """True if ``path`` is a folder a build marked as its own (``WORK_MARK``)."""
+    try:
+        return stat.S_ISREG(os.lstat(os.path.join(path, WORK_MARK)).st_mode)
+    except OSError:
+        return False
 
 
 def work_usage(folder: Path) -> WorkUsage:
@@ -88,12 +108,12 @@ def work_usage(folder: Path) -> WorkUsage:
     size = files = 0
     for entry in WORK_FOLDERS:
         top = os.path.join(folder, entry)
-        if os.path.isfile(top) and not os.path.islink(top):
-            with contextlib.suppress(OSError):
-                size += os.lstat(top).st_size
-                files += 1
+        if not made_by_builds(top):
+            continue  # not there, or not ours (a folder of the operator's of that name)
         for dirpath, _, names in os.walk(top):
             for name in names:
+                if name == WORK_MARK and dirpath == top:
+                    continue  # the mark, not a build's file
                 with contextlib.suppress(OSError):
                     size += os.lstat(os.path.join(dirpath, name)).st_size
                     files += 1
@@ -101,8 +121,9 @@ def work_usage(folder: Path) -> WorkUsage:
 
 
 def clean_work(folder: Path, dry_run: bool) -> tuple[int, bool]:
-    """Empty the build work folder of what builds made there (``WORK_FOLDERS``) unless a
-    build holds it: ``(bytes, emptied)`` (with ``dry_run``, what would go). UnsafeStore if
+    """Empty the build work folder of what builds made there (``WORK_FOLDERS`` that carry
+    their mark) unless a build holds it: ``(bytes, emptied)`` (with ``dry_run``, what
+    would go). UnsafeStore if
     the folder is not checked like the store (ours, private, under directories no one
     else could rename)."""
     if not folder.is_dir():
@@ -128,7 +149,8 @@ def clean_work(folder: Path, dry_run: bool) -> tuple[int, bool]:
             return 0, False  # a build is running: its files stay
         if not dry_run:
             for entry in os.scandir(folder):
-                if entry.name in WORK_FOLDERS:  # what builds made, nothing else
+                # what builds made, nothing else (not an operator's own tmp/ there)
+                if entry.name in WORK_FOLDERS and made_by_builds(entry.path):
                     remove_any(entry.path)
         return size, True
     finally:
@@ -254,11 +276,13 @@ def eviction_heads(records: dict[str, Record], protected: set[str]) -> list[Reco
 
 
 def referrers_of(records: dict[str, Record]) -> dict[str, set[str]]:
-    """For each key, the keys of the records that refer to it."""
+    """For each key of ``records``, the keys of the records that refer to it (a key
+    referred to that is not stored, a target an imported entry names, is not one: GC
+    would count it as removed)."""
     out: dict[str, set[str]] = {}
     for key, record in records.items():
         for ref in record.refs:
-            if ref != key:
+            if ref != key and ref in records:
                 out.setdefault(ref, set()).add(key)
     return out
 

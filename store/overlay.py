@@ -119,6 +119,10 @@ class OverlayStore(Store):
         return self.writable().work_dir
 
     @property
+    def work_dir_named(self) -> bool:
+        return self.writable().work_dir_named
+
+    @property
     def work_records(self) -> Path:
         """The overlay's: builds write there."""
         return self.writable().work_records

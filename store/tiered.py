@@ -147,6 +147,10 @@ class TieredStore(Store):
         return self.local.work_dir
 
     @property
+    def work_dir_named(self) -> bool:
+        return self.local.work_dir_named
+
+    @property
     def work_records(self) -> Path:
         return self.local.work_records
 

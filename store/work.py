@@ -39,7 +39,7 @@ from cachebuild import process_state
 from .files import open_regular, remove_any, write_whole
 from .layout import UnsafeStore, make_private_dir, prepare_work_dir
 from .locking import flocked, flocked_shared
-from .maintenance import WORK_FOLDERS, WORK_LOCK
+from .maintenance import WORK_FOLDERS, WORK_LOCK, made_by_builds
 
 #: In a folder of object records: held while an object and its record are written or read.
 OBJECTS_LOCK = ".lock"
@@ -71,11 +71,13 @@ def _claimed(claim: Path, identity: dict[str, object]) -> bool:
         return False
 
 
-def open_work_dir(path: Path, records: Path) -> Path:
+def open_work_dir(path: Path, records: Path, named: bool = False) -> Path:
     """The work folder at ``path``, checked (``layout.prepare_work_dir``: UnsafeStore, exit
     2, if it is not a private directory of ours under safe directories) and known to the
     store: a folder ``records`` has no claim on is emptied first (when no build holds it)
-    and claimed. Returns its real path."""
+    and claimed. One that the operator ``named`` (``CACHEBUILD_WORK_DIR``) is emptied only
+    of what builds marked as theirs (``maintenance.WORK_MARK``): anything else there, a
+    ``tmp/`` of theirs too, makes it refused. Returns its real path."""
     real = prepare_work_dir(path)
     make_private_dir(records)
     make_private_dir(records / "claims")
@@ -89,7 +91,8 @@ def open_work_dir(path: Path, records: Path) -> Path:
         fcntl.flock(lock, fcntl.LOCK_EX)  # no build may be reading it while it is emptied
         if not _claimed(claim, identity):
             found = [e.name for e in os.scandir(real) if e.name != WORK_LOCK]
-            foreign = sorted(name for name in found if name not in WORK_FOLDERS)
+            foreign = sorted(name for name in found if name not in WORK_FOLDERS or (
+                named and not made_by_builds(real / name)))
             if foreign:
                 # Not emptied: a folder of the operator's, named by mistake, would be lost.
                 raise UnsafeStore(

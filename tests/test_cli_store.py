@@ -494,6 +494,19 @@ def test_entries_are_exported_with_their_guards_seals(open_local, store_dir, tmp
     assert {r.key for r in open_local(target).records()} == {key("entry"), key("seal")}
 
 
+def _refusal_counts_records_only(stderr: str) -> None:
+    """The import's last line counts the records refused by name, and says apart that the
+    rest of the bundle could not be read (it was counted as one more record)."""
+    named = [line for line in stderr.splitlines()
+             if line.startswith("refused ") and not line.startswith("refused (rest")]
+    rest = any(line.startswith("refused (rest of bundle)") for line in stderr.splitlines())
+    last = " ".join(stderr.split()).rsplit("error: refused ", 1)[-1]
+    if named:
+        n = len(named)
+        assert last.startswith(f"{n} record{'s' if n != 1 else ''} (damaged"), last
+    assert ("the rest of the bundle (damaged or truncated: not read)" in last) == rest, last
+
+
 def test_import_truncated_bundle(open_local, filled, tmp_path):
     bundle = tmp_path / "cache.tar"
     assert run(filled, "export", str(bundle)).exit_code == 0
@@ -505,6 +518,12 @@ def test_import_truncated_bundle(open_local, filled, tmp_path):
     result = run(target, "import", str(bundle))
     assert result.exit_code == 1
     assert "bundle is damaged or truncated" in result.stderr
+    _refusal_counts_records_only(result.stderr)
+    # Cut inside a member's header: the rest of the bundle is refused, not counted as a record.
+    bundle.write_bytes(data[:3000])
+    again = run(tmp_path / "third", "import", str(bundle))
+    assert again.exit_code == 1
+    _refusal_counts_records_only(again.stderr)
     dst = open_local(target)
     # What came before the damage, but the entry whose target it held: no record is kept
     # without what it refers to.

@@ -345,6 +345,23 @@ def test_gc_refs_are_followed_transitively(open_local, store_dir):
     assert {r.key for r in store.records()} == {a, b, c}
 
 
+def test_gc_counts_only_stored_records_where_an_entry_names_absent_targets(open_local,
+                                                                           store_dir):
+    """An entry whose targets are not stored (imported alone, or a target another process
+    removed): GC's dry run says what would go and the run removes it, both counting stored
+    records only (the absent targets were counted as removed, and the store was left with
+    "-2 records")."""
+    store = open_local(store_dir)
+    entry, guards = key("entry"), key("guards")
+    store.put(guards, b"g", kind="guards")
+    store.put(entry, b"e", kind="entry", refs=[guards, key("absent1"), key("absent2")])
+    dry = store.gc(max_size=0, dry_run=True)
+    assert sorted(dry.removed) == sorted([entry, guards]) and dry.records_after == 0
+    report = store.gc(max_size=0)
+    assert sorted(report.removed) == sorted([entry, guards]) and report.vanished == 0
+    assert report.records_after == 0 and not list(store.records())
+
+
 def test_gc_older_than_and_dry_run(store, clock):
     store.put(key("old"), b"x" * 100, kind="k")
     clock.advance(0.3)

@@ -150,9 +150,10 @@ def test_the_operator_names_the_work_folder(tmp_path, monkeypatch):
 
 def test_a_folder_of_the_operators_own_is_never_emptied(tmp_path, monkeypatch):
     """``CACHEBUILD_WORK_DIR`` set to a folder of the operator's by mistake (their home,
-    say): ``gc`` counts and removes only what builds make there, and a build refuses the
-    folder rather than empty it."""
-    from cachebuild.store import UnsafeStore
+    say): ``gc`` counts and removes only what builds made and marked there (not a ``tmp/``
+    or ``cxx/`` of theirs: those names were all it went by), and a build refuses the
+    folder rather than empty it (one holding nothing but a ``tmp/`` of theirs too)."""
+    from cachebuild.store import UnsafeStore, mark_work_folder
 
     mine = tmp_path / "home"
     (mine / "projects").mkdir(mode=0o700, parents=True)
@@ -160,18 +161,41 @@ def test_a_folder_of_the_operators_own_is_never_emptied(tmp_path, monkeypatch):
     (mine / ".bashrc").write_text("a")
     (mine / "projects" / "x.py").write_text("b")
     (mine / "tmp").mkdir(mode=0o700)
-    (mine / "tmp" / "left.o").write_bytes(b"x" * 100)  # what a build leaves: removed
+    (mine / "tmp" / "notes.txt").write_text("c")  # theirs
+    (mine / "cxx").mkdir(mode=0o700)
+    mark_work_folder(mine / "cxx")
+    (mine / "cxx" / "left.o").write_bytes(b"x" * 100)  # what a build leaves: removed
     monkeypatch.setenv("CACHEBUILD_WORK_DIR", str(mine))
     store = open_store(StoreOptions.from_env(cache_dir=tmp_path / "store"))
-    done = subprocess.run([sys.executable, "-m", "cachebuild.cli", "--cache-dir",
-                           str(tmp_path / "store"), "gc"], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr
-    assert "100 B of build work files" in " ".join(done.stdout.split()), done.stdout
-    assert sorted(p.name for p in mine.iterdir()) == [".bashrc", ".builds", "projects"]
-    with pytest.raises(UnsafeStore, match=r"holds what no build put there \(\.bashrc, projects\)"):
+    assert store.work_dir_named and store.stats().work.bytes == 100
+
+    def gc() -> str:
+        done = subprocess.run([sys.executable, "-m", "cachebuild.cli", "--cache-dir",
+                               str(tmp_path / "store"), "gc"], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+        return " ".join(done.stdout.split())
+
+    assert "100 B of build work files" in gc()
+    assert sorted(p.name for p in mine.iterdir()) == [".bashrc", ".builds", "projects", "tmp"]
+    assert (mine / "tmp" / "notes.txt").read_text() == "c"
+    with pytest.raises(UnsafeStore, match=r"holds what no build put there "
+                                          r"\(\.bashrc, projects, tmp\)"):
         with build_work_dir(store):
             pass
     assert (mine / ".bashrc").read_text() == "a" and (mine / "projects" / "x.py").exists()
+    # A folder of theirs holding only a tmp/: refused too, not emptied.
+    only = tmp_path / "only"
+    (only / "tmp").mkdir(mode=0o700, parents=True)
+    only.chmod(0o700)
+    (only / "tmp" / "notes.txt").write_text("d")
+    monkeypatch.setenv("CACHEBUILD_WORK_DIR", str(only))
+    store = open_store(StoreOptions.from_env(cache_dir=tmp_path / "store"))
+    with pytest.raises(UnsafeStore, match=r"holds what no build put there \(tmp\)"):
+        with build_work_dir(store):
+            pass
+    assert (only / "tmp" / "notes.txt").read_text() == "d"
+    assert "of build work files" not in gc() or "0 B of build work files" in gc()
+    assert (only / "tmp" / "notes.txt").read_text() == "d"
 
 
 @pytest.mark.slow

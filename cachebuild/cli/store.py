@@ -589,18 +589,22 @@ def import_command(ctx: click.Context, file: Path, allow_unsigned: bool, trust: 
                    f"'{printable(origin)}'` (or import with --trust)", err=True)
     for name, reason in report.refused[:MAX_LISTED]:
         click.echo(f"refused {printable(name)}: {printable(reason, 300)}", err=True)
-    if report.refused_count > MAX_LISTED:
-        click.echo(f"refused: and {report.refused_count - MAX_LISTED} more", err=True)
+    named = len(report.refused) + report.more_refused
+    if named > MAX_LISTED:
+        click.echo(f"refused: and {named - MAX_LISTED} more", err=True)
     if report.stopped is not None:
         click.echo(f"error: {one_line(report.stopped)}; the import stopped there: the "
                    f"{plural(len(report.imported), 'record')} named imported above are "
                    "stored, the rest of the bundle was not read (import it again once "
                    "there is room: what is stored is already present)", err=True)
         ctx.exit(1)
-    if report.refused_count:
-        click.echo(f"error: refused {report.refused_count} records (damaged, incomplete, or "
-                   "other bytes than the store holds under their key; each is named above)",
-                   err=True)
+    if report.refused_count or report.rest_refused:
+        said = [f"{plural(report.refused_count, 'record')} (damaged, incomplete, or other "
+                "bytes than the store holds under their key; each is named above)"
+                ] if report.refused_count else []
+        if report.rest_refused:
+            said.append("the rest of the bundle (damaged or truncated: not read)")
+        click.echo(f"error: refused {' and '.join(said)}", err=True)
         ctx.exit(1)
 
 
