@@ -38,6 +38,7 @@ second copy is refused unread. Bundles are written 0600.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
@@ -49,8 +50,6 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
-
-import xxhash
 
 from cachebuild.errors import StoreError, UsageError, printable
 
@@ -484,13 +483,15 @@ def bundle_source(path: str | os.PathLike[str], f: Any = None) -> str:
     """The source what comes unsigned from the bundle at ``path`` is marked with:
     ``bundle NAME (DIGEST)``, its file name and a digest of its bytes, so that two bundles
     of one name are two sources and trusting one never trusts the other. ``f``: the
-    bundle already open, read whole and rewound (the bytes then imported are those)."""
-    h = xxhash.xxh3_64()
+    bundle already open, read whole and rewound (the bytes then imported are those).
+    SHA-256, 16 hex digits shown: another bundle with the same name and digest as one the
+    operator trusts cannot be made (a fast hash's 48 bits could be matched)."""
+    h = hashlib.sha256()
     with contextlib.nullcontext(f) if f is not None else open(path, "rb") as bundle:
         while piece := bundle.read(_CHUNK):
             h.update(piece)
         bundle.seek(0)
-    return f"bundle {_printable(Path(path).name)[:200]} ({h.hexdigest()[:12]})"
+    return f"bundle {_printable(Path(path).name)[:200]} ({h.hexdigest()[:16]})"
 
 
 def _printable(name: str) -> str:

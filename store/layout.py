@@ -241,6 +241,24 @@ def check_parents(path: Path, what: str = "store directory") -> None:
         child = parent
 
 
+def check_links(path: Path, what: str = "store directory") -> None:
+    """Refuse ``path`` (as given, before its links are resolved) where a symlink on the
+    way is someone else's: its owner could point it at another directory later (a link
+    in ``/tmp`` to one of our stores today, to another of ours tomorrow, which ``gc``
+    would then empty). The real path is then checked by ``check_parents``."""
+    trusted = {0, os.geteuid()}
+    path = Path(os.path.abspath(os.path.expanduser(path)))
+    for prefix in [*reversed(path.parents), path]:
+        try:
+            st = os.lstat(prefix)
+        except OSError:
+            return  # not there (yet): nothing further on the way to check
+        if stat.S_ISLNK(st.st_mode) and st.st_uid not in trusted:
+            raise UnsafeStore(f"refusing {what} {path}: the link {prefix} on the way is "
+                              f"owned by uid {st.st_uid}, who could point it elsewhere; "
+                              "give the real path, or a link of your own")
+
+
 def prepare_work_dir(path: Path) -> Path:
     """The build work folder at ``path``, made (0700) if missing and checked like the store:
     a directory of ours that no one else may write, under directories that no one but us
@@ -250,6 +268,7 @@ def prepare_work_dir(path: Path) -> Path:
     targets."""
     what = "work folder"
     path = path.expanduser().absolute()
+    check_links(path, what)
     if not os.path.lexists(path):
         make_private_dir(path, what)
     real = Path(os.path.realpath(path))
@@ -292,6 +311,7 @@ def prepare(path: Path, what: str = "store directory") -> Layout:
     (on the real path: a symlink on the way is resolved once, here). ``what`` names the
     folder in messages (an overlay is a store too, set by another variable)."""
     path = path.expanduser().absolute()
+    check_links(path, what)
     if not os.path.lexists(path):
         make_private_dir(path, what)
     path = Path(os.path.realpath(path))
@@ -384,6 +404,7 @@ def open_read_only(path: Path) -> Layout:
     The store, its format folder, its index and its objects folder must each be a
     directory owned by us or root and writable by no one else, and every directory above
     it must pass ``check_parents``. Blobs are checked as they are read, like any store's."""
+    check_links(path.expanduser().absolute())
     path = Path(os.path.realpath(path.expanduser().absolute()))
     check_readable_dir(path)
     check_parents(path)

@@ -493,6 +493,34 @@ def test_directory_of_another_user_is_refused(open_local, tmp_path):
         open_local(d)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a link to another user")
+def test_a_link_of_another_users_on_the_way_is_refused(open_local, tmp_path):
+    """A store reached through someone else's symlink (in a sticky ``/tmp``): they could
+    point it at another of our stores later (which ``gc`` would then empty); refused,
+    read-only too, and the store it pointed at is left as it was. Our own link is fine."""
+    from cachebuild.store import LocalStore
+    from cachebuild.store.layout import open_read_only
+
+    real = tmp_path / "real"
+    open_local(real).put(key(3), b"payload", kind="target")
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    theirs = sticky / "theirs"
+    theirs.symlink_to(real)
+    os.lchown(theirs, 65534, 65534)
+    with pytest.raises(StoreError, match=f"the link {theirs} on the way is owned by uid 65534"):
+        LocalStore(theirs)
+    with pytest.raises(StoreError, match="owned by uid 65534, who could point it elsewhere"):
+        open_read_only(theirs)
+    with pytest.raises(StoreError, match="on the way is owned by uid 65534"):
+        LocalStore(theirs / "sub")  # a store below their link
+    mine = sticky / "mine"
+    mine.symlink_to(real)
+    with LocalStore(mine) as store:
+        assert store.get(key(3)) is not None
+
+
 # -- full and read-only disks -----------------------------------------------------------
 
 

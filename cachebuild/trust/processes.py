@@ -51,10 +51,11 @@ def trusted_dir(path: str | os.PathLike[str]) -> str | None:
     """Why code under ``path`` may not be imported by a child (None if it may): it must be
     an existing directory owned by us or root that no one else may write, and no one but
     us or root could rename it or a directory above it (the store's own checks)."""
-    from cachebuild.store import UnsafeStore, check_parents, check_readable_dir
+    from cachebuild.store import UnsafeStore, check_links, check_parents, check_readable_dir
 
     what = "import folder"
     try:
+        check_links(path, what)
         real = Path(os.path.realpath(path))
         check_readable_dir(real)
         check_parents(real, what)
