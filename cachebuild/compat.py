@@ -616,8 +616,11 @@ def tune_once(original: Callable[..., Any]) -> Callable[..., Any]:
         local = getattr(kept, "local_cache", None)
         if not local or not isinstance(local[1], str):
             return original(self, *args, **kwargs)
-        fd = os.open(local[1] + ".lock", os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW,
-                     0o600)
+        try:
+            fd = os.open(local[1] + ".lock",
+                         os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        except OSError:  # a folder it cannot write: timed as Inductor would alone
+            return original(self, *args, **kwargs)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             launchers = list(self.launchers)

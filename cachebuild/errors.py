@@ -114,8 +114,8 @@ def transient(error: BaseException) -> str | None:
     for e in causes(error):
         if isinstance(e, MachineShort):
             return e.reason
-        if isinstance(e, MemoryError):
-            return "out of memory"
+        if isinstance(e, MemoryError) or type(e).__name__ == "OutOfMemoryError":
+            return "out of memory"  # the host's, or torch's for a GPU
         if isinstance(e, subprocess.TimeoutExpired):
             return "a compiler timed out"
         if isinstance(e, OSError) and e.errno in _TRANSIENT_ERRNOS:

@@ -111,8 +111,9 @@ class ImportReport:
     stopped: str | None = None
 
     def refuse(self, name: str, why: str) -> None:
-        """Count ``name`` as refused, with ``why``."""
-        if len(self.refused) < MAX_REPORTED:
+        """Count ``name`` as refused, with ``why`` (the unread rest of the bundle is
+        always listed: it is said apart from the records)."""
+        if len(self.refused) < MAX_REPORTED or name == REST:
             self.refused.append((name, why))
         else:
             self.more_refused += 1

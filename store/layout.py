@@ -242,21 +242,45 @@ def check_parents(path: Path, what: str = "store directory") -> None:
 
 
 def check_links(path: Path, what: str = "store directory") -> None:
-    """Refuse ``path`` (as given, before its links are resolved) where a symlink on the
-    way is someone else's: its owner could point it at another directory later (a link
-    in ``/tmp`` to one of our stores today, to another of ours tomorrow, which ``gc``
-    would then empty). The real path is then checked by ``check_parents``."""
+    """Refuse ``path`` where a symlink the kernel follows on the way to it is someone
+    else's (one in the path as given, or in what a link points to): its owner could point
+    it at another directory later (a link in ``/tmp`` to one of our stores today, to
+    another of ours tomorrow, which ``gc`` would then empty). The path is walked as the
+    kernel walks it, a component at a time (``..`` after a link goes up from where the
+    link led); the real path is then checked by ``check_parents``."""
     trusted = {0, os.geteuid()}
-    path = Path(os.path.abspath(os.path.expanduser(path)))
-    for prefix in [*reversed(path.parents), path]:
+    given = Path(os.path.expanduser(path))
+    if not given.is_absolute():
+        given = Path(os.getcwd()) / given
+    todo = list(given.parts[1:])
+    current = Path("/")
+    hops = 0
+    while todo:
+        part = todo.pop(0)
+        if part in ("", "."):
+            continue
+        if part == "..":
+            current = current.parent
+            continue
+        candidate = current / part
         try:
-            st = os.lstat(prefix)
+            st = os.lstat(candidate)
         except OSError:
             return  # not there (yet): nothing further on the way to check
-        if stat.S_ISLNK(st.st_mode) and st.st_uid not in trusted:
-            raise UnsafeStore(f"refusing {what} {path}: the link {prefix} on the way is "
+        if not stat.S_ISLNK(st.st_mode):
+            current = candidate
+            continue
+        if st.st_uid not in trusted:
+            raise UnsafeStore(f"refusing {what} {path}: the link {candidate} on the way is "
                               f"owned by uid {st.st_uid}, who could point it elsewhere; "
                               "give the real path, or a link of your own")
+        hops += 1
+        if hops > 40:
+            return  # a loop of links: opening the path says so
+        target = Path(os.readlink(candidate))
+        if target.is_absolute():
+            current = Path("/")
+        todo = [p for p in target.parts if p != "/"] + todo
 
 
 def prepare_work_dir(path: Path) -> Path:

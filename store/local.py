@@ -862,7 +862,7 @@ class LocalStore(LocalTier):
         stats.traces, stats.warm_starts = counters["traces"], counters["warm_starts"]
         stats.l2_hits, stats.remote_rejected = counters["l2_hits"], counters["remote_rejected"]
         stats.tmp_files = maintenance.count_files(self._layout.tmp)
-        stats.work = maintenance.work_usage(self.work_dir)
+        stats.work = maintenance.work_usage(self.work_dir, self.work_dir_named)
         stats.quarantine_files = maintenance.count_files(self._layout.quarantine)
         stats.read_only = self.read_only
         return stats
@@ -880,7 +880,8 @@ class LocalStore(LocalTier):
         self.flush()
         report = maintenance.collect(self._layout, self._index, self.work_dir,
                                      max_size=max_size, older_than=older_than,
-                                     dry_run=dry_run, now=self.clock.time())
+                                     dry_run=dry_run, now=self.clock.time(),
+                                     work_named=self.work_dir_named)
         if not dry_run:
             self.ensure_reserve()  # given up on a full disk: back once there is room
         return report

@@ -81,9 +81,9 @@ WORK_LOCK = ".builds"
 #: the compilers' temp files and kept C++ objects. Nothing else there is ours to count or
 #: remove (the operator may have pointed ``CACHEBUILD_WORK_DIR`` at a folder of theirs).
 WORK_FOLDERS = ("inductor", "triton", "tmp", "cxx")
-#: The file every one of those folders holds once a build made (or used) it: a folder of
-#: that name without it (the operator's ``tmp/``) is not ours, and is neither counted nor
-#: removed.
+#: The file every one of those folders holds once a build made (or used) it: in a work
+#: folder the operator named, a folder of that name without it (their ``tmp/``) is not
+#: ours, and is neither counted nor removed.
 WORK_MARK = ".cachebuild-work"
 
 
@@ -102,13 +102,13 @@ def made_by_builds(path: str | os.PathLike[str]) -> bool:
         return False
 
 
-def work_usage(folder: Path) -> WorkUsage:
+def work_usage(folder: Path, named: bool = False) -> WorkUsage:
     """A folder's files (the build work folder): its bytes and file count (0 if it is
-    missing)."""
+    missing). In a folder the operator ``named``, only the folders builds marked."""
     size = files = 0
     for entry in WORK_FOLDERS:
         top = os.path.join(folder, entry)
-        if not made_by_builds(top):
+        if named and not made_by_builds(top):
             continue  # not there, or not ours (a folder of the operator's of that name)
         for dirpath, _, names in os.walk(top):
             for name in names:
@@ -120,10 +120,10 @@ def work_usage(folder: Path) -> WorkUsage:
     return WorkUsage(str(folder), size, files)
 
 
-def clean_work(folder: Path, dry_run: bool) -> tuple[int, bool]:
-    """Empty the build work folder of what builds made there (``WORK_FOLDERS`` that carry
-    their mark) unless a build holds it: ``(bytes, emptied)`` (with ``dry_run``, what
-    would go). UnsafeStore if
+def clean_work(folder: Path, dry_run: bool, named: bool = False) -> tuple[int, bool]:
+    """Empty the build work folder of what builds made there (``WORK_FOLDERS``; in a
+    folder the operator ``named``, only those that carry the builds' mark) unless a build
+    holds it: ``(bytes, emptied)`` (with ``dry_run``, what would go). UnsafeStore if
     the folder is not checked like the store (ours, private, under directories no one
     else could rename)."""
     if not folder.is_dir():
@@ -134,7 +134,7 @@ def clean_work(folder: Path, dry_run: bool) -> tuple[int, bool]:
     folder = Path(os.path.realpath(folder))
     check_private_dir(folder, "work folder")
     check_parents(folder, "work folder")
-    size = work_usage(folder).bytes
+    size = work_usage(folder, named).bytes
     if size == 0:
         return 0, True
     lock = folder / WORK_LOCK
@@ -151,7 +151,7 @@ def clean_work(folder: Path, dry_run: bool) -> tuple[int, bool]:
         if not dry_run:
             for entry in os.scandir(folder):
                 # what builds made, nothing else (not an operator's own tmp/ there)
-                if entry.name in WORK_FOLDERS and made_by_builds(entry.path):
+                if entry.name in WORK_FOLDERS and (not named or made_by_builds(entry.path)):
                     remove_any(entry.path)
         return size, True
     finally:
@@ -315,7 +315,8 @@ def evict_unpinned(layout: Layout, index: Index, key: str) -> bool | None:
 
 
 def collect(layout: Layout, index: Index, work_dir: Path, *, max_size: int | None,
-            older_than: float | None, dry_run: bool, now: float) -> GCReport:
+            older_than: float | None, dry_run: bool, now: float,
+            work_named: bool = False) -> GCReport:
     """The work of ``LocalStore.gc`` (see there), with records aged at time ``now`` (the
     store's clock); the caller writes its pending usage first."""
     if max_size is not None and max_size < 0:
@@ -330,7 +331,7 @@ def collect(layout: Layout, index: Index, work_dir: Path, *, max_size: int | Non
         _clean_lock_files(layout, index, time.time())
     else:  # what a run would quarantine
         report.orphans_removed = count_unrecorded(layout, index)
-    report.work_bytes, emptied = clean_work(work_dir, dry_run)
+    report.work_bytes, emptied = clean_work(work_dir, dry_run, work_named)
     report.work_busy = not emptied
     records = {r.key: r for r in index.records(manifest=False)}
     usage = disk_usage(layout)

@@ -204,6 +204,32 @@ def test_a_failure_is_not_one_of_other_globals_class_attributes_or_environment(
     models.assert_matches_eager(compiled, model, (torch.randn(4, 8),))
 
 
+#: A global of this module that no model's code names.
+UNRELATED = 0
+
+
+def test_a_failure_is_met_again_where_only_globals_its_code_does_not_name_changed(
+        open_local, tmp_path, monkeypatch):
+    """A script's other globals (a loop counter, a notebook's last output) and unrelated
+    environment variables change between calls: the failure is still this model's, raised
+    at once without a second trace (every call traced again when all globals counted)."""
+    store = open_local(tmp_path / "store")
+    config = cachebuild.CompileConfig(compile_ranges=((1, 16),), backend="eager_fusion")
+    monkeypatch.setattr(sys.modules[__name__], "BREAKS", True)
+    compiled = cachebuild.compile(BreaksByGlobal().eval(), config, {0: 0}, store=store)
+    before = cachebuild.stats()
+    with pytest.raises(UsageError, match="does not trace as one graph"), torch.no_grad():
+        compiled(torch.randn(4, 8))
+    for i in range(2):
+        monkeypatch.setattr(sys.modules[__name__], "UNRELATED", i + 1)
+        monkeypatch.setenv("CB_TEST_UNRELATED", str(i))
+        with pytest.raises(CompileFailed, match="BreaksByGlobal cannot be compiled"), \
+                torch.no_grad():
+            compiled(torch.randn(4, 8))
+    # (a trace that fails is not counted as one: none was made)
+    assert models.counters_delta(before, cachebuild.stats()).get("traced", 0) == 0
+
+
 def test_with_on_failure_eager_the_model_runs_eagerly_after_one_warning(open_local, tmp_path, caplog):
     store = open_local(tmp_path / "store")
     model = NoSplit().eval()

@@ -147,3 +147,17 @@ def test_a_class_without_functions_of_its_own_is_its_files():
     here = os.path.realpath(__file__)
     assert os.path.realpath(code_file(Colour)) == here
     assert os.path.realpath(code_file(Settings)) == here
+
+
+class Kind(enum.Enum):
+    RELU = dict  # a class: no plain value
+    PLAIN = 1
+
+
+def test_a_member_whose_value_has_no_plain_form_is_fingerprinted_by_its_names():
+    """A member holding a class or a function (``A = nn.ReLU``) is compared by identity and
+    never folded into a graph as a value: its names fingerprint it (refusing it made every
+    guard on it unrecordable)."""
+    assert plain(Kind.RELU) == {"enum": plain(Kind.RELU)["enum"]}
+    assert plain(Kind.RELU)["enum"].endswith("Kind.RELU")
+    assert plain(Kind.PLAIN)["value"] == 1

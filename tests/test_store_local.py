@@ -515,6 +515,12 @@ def test_a_link_of_another_users_on_the_way_is_refused(open_local, tmp_path):
         open_read_only(theirs)
     with pytest.raises(StoreError, match="on the way is owned by uid 65534"):
         LocalStore(theirs / "sub")  # a store below their link
+    with pytest.raises(StoreError, match="on the way is owned by uid 65534"):
+        LocalStore(theirs / ".." / ".." / "real")  # `..` goes up from where the link led
+    through = tmp_path / "through"  # a link of ours to theirs
+    through.symlink_to(theirs)
+    with pytest.raises(StoreError, match=f"the link {theirs} on the way is owned by uid"):
+        LocalStore(through)
     mine = sticky / "mine"
     mine.symlink_to(real)
     with LocalStore(mine) as store:

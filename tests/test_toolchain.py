@@ -454,6 +454,9 @@ def test_transient_errors_are_the_machines_not_the_pieces():
 
     assert transient(OSError(errno.ENOSPC, "No space left on device"))
     assert transient(MemoryError())
+    import torch
+
+    assert transient(torch.OutOfMemoryError("CUDA out of memory")) == "out of memory"
     assert transient(RuntimeError("C++ compile error: ... No space left on device"))
     assert transient(sp.CalledProcessError(-9, ["g++"]))  # the compiler was killed
     # ... or the compiler the driver ran (the driver exits 1): gcc's and clang's words

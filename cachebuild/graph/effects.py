@@ -246,6 +246,21 @@ def _schema(target: Any) -> Any:
 
 
 def _written_positions(target: Any) -> list[tuple[int, str]]:
+    """See ``_find_written_positions``; kept per target (a graph asks for every node)."""
+    try:
+        return _WRITTEN[target]
+    except KeyError:
+        found = _WRITTEN[target] = _find_written_positions(target)
+        return found
+    except TypeError:  # not hashable
+        return _find_written_positions(target)
+
+
+#: ``_written_positions`` by target.
+_WRITTEN: dict[Any, list[tuple[int, str]]] = {}
+
+
+def _find_written_positions(target: Any) -> list[tuple[int, str]]:
     """The arguments (position, name) that ``target`` writes by its schema (``Tensor(a!)``,
     ``Tensor(a!)[]``). A torch function without a schema of its own (``torch._foreach_add_``,
     ``torch.index_put_``) is read by its aten op's overloads: the arguments every one of them
@@ -298,9 +313,11 @@ def might_write(node: fx.Node) -> bool:
     if node.kwargs.get("out") is not None or node.kwargs.get("inplace") is True:
         return True
     # torch's in-place functions (``torch.relu_``, ``torch.index_put_``,
-    # ``torch._foreach_add_``, ``Tensor.add_`` called as a function) have no schema here.
+    # ``torch._foreach_add_``, ``Tensor.add_`` called as a function) have no schema here;
+    # Python's ``operator.and_`` and ``is_`` write nothing.
     name = getattr(node.target, "__name__", "")
-    if name.endswith("_") and not name.startswith("__"):
+    if name.endswith("_") and not name.startswith("__") and \
+            getattr(node.target, "__module__", None) not in ("_operator", "operator"):
         return True
     return bool(_written_positions(node.target))
 

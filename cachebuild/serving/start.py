@@ -260,20 +260,50 @@ def _plain(value: Any, depth: int = 0) -> Any:
 def _values(model: torch.nn.Module) -> tuple[Any, ...]:
     """What a failed trace is remembered with besides ``_state``: every module's class and
     the plain values of its attributes (a flag, a mode string, an active adapter's name,
-    a config's fields), its class's attributes and its module's globals (a flag set on the
-    class, a module constant), and the environment variables, so that the same model with
-    other values (a branch that traces) is another start, not the failure. Read only
-    before a trace (milliseconds)."""
+    a config's fields), its class's attributes, the module globals and environment
+    variables its classes' code names (a flag set on the class, a module constant, an
+    environment variable read by name), so that the same model with other values (a
+    branch that traces) is another start, not the failure. Only what the code names: a
+    script's other globals (a loop's counter, a notebook's last output) change at every
+    call, and the failure would never be met again. Read only before a trace
+    (milliseconds)."""
     classes = list(dict.fromkeys(type(m) for m in model.modules()))
-    modules = list(dict.fromkeys(sys.modules.get(c.__module__) for c in classes))
+    named: dict[str, set[str]] = {}  # module name → the globals its classes' code names
+    strings: set[str] = set()
+    for cls in classes:
+        names = named.setdefault(cls.__module__, set())
+        for code in _codes_of(cls):
+            names.update(code.co_names)
+            strings.update(c for c in code.co_consts if isinstance(c, str) and len(c) < 256)
+    held = []
+    for module_name, names in named.items():
+        namespace = vars(sys.modules[module_name]) if module_name in sys.modules else {}
+        held.append(_namespace({k: namespace[k] for k in sorted(names) if k in namespace}))
     return (
         tuple((name, type(m).__qualname__,
                tuple((k, _plain(v)) for k, v in vars(m).items() if not k.startswith("_")))
               for name, m in model.named_modules()),
         tuple(_namespace(vars(c)) for c in classes),
-        tuple(_namespace(vars(m)) for m in modules if m is not None),
-        hash(frozenset(os.environ.items())),
+        tuple(held),
+        tuple((k, os.environ.get(k)) for k in sorted(strings & os.environ.keys())),
     )
+
+
+def _codes_of(cls: type) -> list[types.CodeType]:
+    """The code of ``cls``'s own functions, nested functions included (its ``forward``
+    and the helpers in its body)."""
+    found: list[types.CodeType] = []
+    todo = []
+    for value in vars(cls).values():
+        value = getattr(value, "__func__", value)  # a staticmethod's, a classmethod's
+        code = getattr(value, "__code__", None)
+        if isinstance(code, types.CodeType):
+            todo.append(code)
+    while todo:
+        code = todo.pop()
+        found.append(code)
+        todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return found
 
 
 def _namespace(names: Any) -> tuple[Any, ...]:

@@ -68,7 +68,11 @@ def plain(value: Any) -> Any:
         # With its value: an IntEnum or str Enum member is folded into the graph as its
         # value, so another value under the same names (a constant edited in its file, a
         # class made by a factory) is another forward.
-        return {"enum": f"{qualname(type(value))}.{value.name}", "value": plain(value._value_)}
+        named = f"{qualname(type(value))}.{value.name}"
+        try:
+            return {"enum": named, "value": plain(value._value_)}
+        except Unplain:  # a class, a function: compared by identity, never folded as a value
+            return {"enum": named}
     if value is None or isinstance(value, (int, str)):
         return value
     if isinstance(value, float):
@@ -192,7 +196,7 @@ def short(fingerprint: Any) -> str:
             return f"({inner})" if tag == "tuple" else f"[{inner}]"
     if isinstance(fingerprint, dict) and "enum" in fingerprint:
         named = ".".join(fingerprint["enum"].rsplit(".", 2)[-2:])  # Class.MEMBER
-        return f"{named} ({short(fingerprint.get('value'))})"
+        return f"{named} ({short(fingerprint['value'])})" if "value" in fingerprint else named
     if isinstance(fingerprint, dict) and "same_as" in fingerprint:
         return f"the object at {path_name(fingerprint['same_as'])}"
     if isinstance(fingerprint, dict) and "process_group" in fingerprint:

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from cachebuild import keep
-from cachebuild.errors import UsageError, one_line
+from cachebuild.errors import UsageError, one_line, transient
 from cachebuild.graph.effects import graph_effects, might_write
 from cachebuild.graph.facts import (
     SYMBOL,
@@ -539,6 +539,8 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     except _SideEffects:
         output = None  # refused below
     except _RunFails as e:
+        if transient(e.__cause__):  # out of memory: the machine's, not the model's
+            raise e.__cause__ from None
         # An op that fake tensors let through refused the real ones (an integer input to
         # a float matmul): as it would eagerly, said in one line.
         raise UsageError(f"the model's forward fails on these inputs (check that the same "
@@ -654,9 +656,14 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
 
 def _check_takes(model: torch.nn.Module, args: Sequence[Any]) -> None:
     """UsageError where ``model``'s forward cannot be called with ``args`` as its
-    positional arguments (too many, too few), before Dynamo raises it as a bare TypeError."""
+    positional arguments (too many, too few), before Dynamo raises it as a bare TypeError.
+    Only where the call reaches ``forward`` as given: not through a pre-hook (which may
+    change the arguments), another ``__call__``, or a wrapper (``functools.wraps``)."""
+    if type(model).__call__ is not torch.nn.Module.__call__ or model._forward_pre_hooks \
+            or torch.nn.modules.module._global_forward_pre_hooks:
+        return
     try:
-        signature = inspect.signature(model.forward)
+        signature = inspect.signature(model.forward, follow_wrapped=False)
     except (TypeError, ValueError):  # no signature to read (a builtin): the call will say
         return
     try:
