@@ -239,7 +239,7 @@ def clean_objects(path: Path, dry_run: bool, older_than: float = OBJECT_AGE,
     the folder: ``(bytes, removed)`` (with ``dry_run``, what would go)."""
     if not (path / OBJECTS[0]).is_dir():
         return 0, True
-    from cachebuild.store.maintenance import WORK_MARK
+    from cachebuild.store import WORK_MARK
 
     cutoff = (time.time() if now is None else now) - older_than
     with _alone(path) as real:
@@ -295,7 +295,7 @@ def disk_paid(store_root: Path, folders: list[Folder], work_path: str | None) ->
                               "records, blobs, index, work files")])
     if work_path is not None and not Path(work_path).is_relative_to(store_root):
         # Only what builds marked as theirs: the operator's folder may hold their files.
-        from cachebuild.store.maintenance import WORK_FOLDERS, made_by_builds
+        from cachebuild.store import WORK_FOLDERS, made_by_builds
 
         ours = [Path(work_path) / name for name in WORK_FOLDERS
                 if made_by_builds(Path(work_path) / name)]

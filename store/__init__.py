@@ -34,7 +34,14 @@ from .layout import (
 )
 from .local import LocalStore, UnknownKey
 from .locking import flocked_shared, try_flock
-from .maintenance import QUARANTINE_KEEP_S, WORK_LOCK, mark_work_folder
+from .maintenance import (
+    QUARANTINE_KEEP_S,
+    WORK_FOLDERS,
+    WORK_LOCK,
+    WORK_MARK,
+    made_by_builds,
+    mark_work_folder,
+)
 from .opening import check_can_make, holds_store, open_store, open_to_look, open_to_serve
 from .options import StoreOptions, cache_home
 from .overlay import OverlayStore
@@ -59,7 +66,10 @@ __all__ = [
     "check_can_make",
     "holds_store",
     "open_to_look",
+    "WORK_FOLDERS",
     "WORK_LOCK",
+    "WORK_MARK",
+    "made_by_builds",
     "mark_work_folder",
     "ArtifactSource",
     "CorruptBlob",

@@ -63,10 +63,12 @@ def code_file(obj: Any) -> str | None:
         for value in vars(obj).values():
             for fn in _functions(value):
                 # Only a function of its body, from a source there is: an Enum's class holds
-                # enum.py's functions, a dataclass's ``__init__`` was compiled from a string
-                # and its ``__repr__`` is a wrapper written in dataclasses.py.
+                # enum.py's functions, a namedtuple's are collections' (named as its own),
+                # a dataclass's ``__init__`` was compiled from a string and its ``__repr__``
+                # is a wrapper written in dataclasses.py.
                 path = fn.__code__.co_filename
                 if fn.__qualname__.startswith(f"{obj.__qualname__}.") \
+                        and getattr(fn, "__module__", None) == obj.__module__ \
                         and fn.__code__.co_name == fn.__name__ \
                         and (os.path.isfile(path) or linecache_text(path) is not None):
                     return path
