@@ -49,6 +49,7 @@ from cachebuild.keys import make_key
 from cachebuild.serving.interim import serve_while_building
 from cachebuild.serving.runtime import CaptureReport, ModelRuntime
 from cachebuild.tracing.guard_watch import CallGuards
+from cachebuild.trust.codehash import code_objects
 
 if TYPE_CHECKING:
     import torch
@@ -272,7 +273,7 @@ def _values(model: torch.nn.Module) -> tuple[Any, ...]:
     strings: set[str] = set()
     for cls in classes:
         names = named.setdefault(cls.__module__, set())
-        for code in _codes_of(cls):
+        for code in code_objects(cls):
             names.update(code.co_names)
             strings.update(c for c in code.co_consts if isinstance(c, str) and len(c) < 256)
     held = []
@@ -287,23 +288,6 @@ def _values(model: torch.nn.Module) -> tuple[Any, ...]:
         tuple(held),
         tuple((k, os.environ.get(k)) for k in sorted(strings & os.environ.keys())),
     )
-
-
-def _codes_of(cls: type) -> list[types.CodeType]:
-    """The code of ``cls``'s own functions, nested functions included (its ``forward``
-    and the helpers in its body)."""
-    found: list[types.CodeType] = []
-    todo = []
-    for value in vars(cls).values():
-        value = getattr(value, "__func__", value)  # a staticmethod's, a classmethod's
-        code = getattr(value, "__code__", None)
-        if isinstance(code, types.CodeType):
-            todo.append(code)
-    while todo:
-        code = todo.pop()
-        found.append(code)
-        todo += [c for c in code.co_consts if isinstance(c, types.CodeType)]
-    return found
 
 
 def _namespace(names: Any) -> tuple[Any, ...]:
