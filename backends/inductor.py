@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from cachebuild import clock, compat
-from cachebuild.backends import aoti, kernel_dir
+from cachebuild.backends import aoti, autotune, kernel_dir
 from cachebuild.backends.pack import PackError, pack, unpack
 from cachebuild.backends.probe import UntrustedCompiler, trusted_compiler
 from cachebuild.backends.protocol import (
@@ -183,7 +183,7 @@ class InductorBackend(Backend):
             raise UntrustedCompiler("no C++ compiler here that only root or you can replace "
                                     "(see `cachebuild stats`); Inductor needs one to build")
         if not str(device).startswith("cpu"):
-            compat.share_autotuning()  # one timing per kernel across this folder's builds
+            autotune.share()  # one timing per kernel across this folder's builds
         if flavour == "aoti":
             try:
                 return self._compile_aoti(request, device, compiler)

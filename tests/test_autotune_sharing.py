@@ -1,5 +1,5 @@
 """Triton autotuning shared by the processes that build in one work folder
-(``compat.share_autotuning``), tested on its logic with stand-ins for Inductor's autotuner
+(``backends/autotune.py``), tested on its logic with stand-ins for Inductor's autotuner
 and its kept result, in real processes: two builds of pieces holding the same kernel,
 each of which would pick another launch configuration by its own timings, end with one
 configuration, the one kept (a later build takes the kept one: its wrapper then differs
@@ -13,14 +13,14 @@ import subprocess
 import sys
 import textwrap
 
-from cachebuild import compat
+from cachebuild.backends import autotune
 
 #: One build's autotuning of a kernel (its code ``argv[4]``) with two candidates, ``a`` and
 #: ``b``, its result kept at ``argv[1]``: this process's timings favour ``argv[2]``; prints
 #: the configuration it keeps in its wrapper.
 TUNE = textwrap.dedent('''
     import json, os, sys, time
-    from cachebuild import compat
+    from cachebuild.backends import autotune
 
     path, pick, shared, source = sys.argv[1], sys.argv[2], sys.argv[3] == "1", sys.argv[4]
 
@@ -71,7 +71,7 @@ TUNE = textwrap.dedent('''
         self.save_cache_hook(best.config)
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    tune = compat.tune_once(autotune_to_one_config) if shared else autotune_to_one_config
+    tune = autotune.tune_once(autotune_to_one_config) if shared else autotune_to_one_config
     tuner = Tuner()
     tune(tuner)
     print(tuner.launchers[0].config.kwargs["XBLOCK"])
@@ -123,14 +123,14 @@ def test_a_kernel_edited_in_a_float_constant_takes_its_twins_configuration(tmp_p
 
 
 def test_sharing_is_hooked_into_this_torchs_autotuner():
-    """The names ``share_autotuning`` patches exist in this torch (2.11-2.13); where Triton
-    is not installed the hook leaves Inductor alone."""
+    """The names ``compat.hook_autotuning`` patches exist in this torch (2.11-2.13); where
+    Triton is not installed the hook leaves Inductor alone."""
     try:
         from torch._inductor.runtime import triton_heuristics
     except ImportError:
         return
-    compat.share_autotuning()
+    autotune.share()
     method = triton_heuristics.CachingAutotuner.autotune_to_one_config
     assert method.__name__ == "autotune_to_one_config"
-    assert method.__code__ is compat.tune_once(lambda self: None).__code__
+    assert method.__code__ is autotune.tune_once(lambda self: None).__code__
     assert hasattr(triton_heuristics.CachingAutotuner, "benchmark_all_configs")
