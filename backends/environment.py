@@ -200,12 +200,9 @@ def _alone(path: Path) -> Iterator[Path | None]:
     path, or None where a process holds it. UnsafeStore if it is not a folder of ours that
     only we can write, under directories no one else could rename: someone else's folder
     is never emptied. OSError where its lock file cannot be opened (a read-only folder)."""
-    from cachebuild.store import check_links, check_parents, check_private_dir, try_flock
+    from cachebuild.store import checked_real_dir, try_flock
 
-    check_links(path, "environment folder")
-    real = Path(os.path.realpath(path))
-    check_private_dir(real, "environment folder")
-    check_parents(real, "environment folder")
+    real = checked_real_dir(path, "environment folder")
     fd = os.open(real / IN_USE, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
     try:
         yield real if try_flock(fd) else None

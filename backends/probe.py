@@ -262,18 +262,14 @@ def checked_dir(folder: Path | None = None) -> Path:
     exit 2, if another user owns it, could write it, or could rename it or a directory
     above it), with its ``environment.json``; its real path."""
     from cachebuild.backends.environment import describe, root
-    from cachebuild.store import check_links, check_parents, check_private_dir, make_private_dir
+    from cachebuild.store import checked_real_dir, make_private_dir
 
     path = probe_dir(folder).expanduser().absolute()
     if path.parent == root():
         # The folder of every environment folder: private too, so that no one else sees
         # which environments this user has.
         make_private_dir(path.parent, "folder of environment folders")
-    check_links(path, "environment folder")
-    make_private_dir(path, "environment folder")
-    real = Path(os.path.realpath(path))
-    check_private_dir(real, "environment folder")
-    check_parents(real, "environment folder")
+    real = checked_real_dir(path, "environment folder", make=True)
     describe(real)
     return real
 
@@ -555,16 +551,13 @@ def _read(path: Path) -> Verdict | None:
 def cached_verdicts(folder: Path | None = None) -> list[Verdict]:
     """Every verdict cached in ``folder`` (for ``cachebuild stats``); reads files only,
     from a folder checked like the store (UnsafeStore if it is not safe)."""
-    from cachebuild.store import check_links, check_parents, check_private_dir
+    from cachebuild.store import checked_real_dir
 
     path = folder if folder is not None else probe_dir()
     path = path.expanduser().absolute()
     if not path.exists():
         return []
-    check_links(path, "environment folder")
-    real = Path(os.path.realpath(path))
-    check_private_dir(real, "environment folder")
-    check_parents(real, "environment folder")
+    real = checked_real_dir(path, "environment folder")
     out = []
     for path in sorted(real.glob("aoti-*.json")):
         found = _read(path)

@@ -283,6 +283,22 @@ def check_links(path: Path, what: str = "store directory") -> None:
         todo = [p for p in target.parts if p != "/"] + todo
 
 
+def checked_real_dir(path: Path, what: str, make: bool = False) -> Path:
+    """The real path of the folder ``path`` once it is checked as a store is: no link on
+    the way that someone else owns (``check_links``), a directory of ours that no one else
+    may write (``check_private_dir``), under directories no one but us or root could
+    rename (``check_parents``). With ``make``, a missing folder is made (0700) first.
+    UnsafeStore (exit 2) where a check fails; ``what`` names the folder in the message."""
+    path = path.expanduser().absolute()
+    check_links(path, what)
+    if make and not os.path.lexists(path):
+        make_private_dir(path, what)
+    real = Path(os.path.realpath(path))
+    check_private_dir(real, what)
+    check_parents(real, what)
+    return real
+
+
 def prepare_work_dir(path: Path) -> Path:
     """The build work folder at ``path``, made (0700) if missing and checked like the store:
     a directory of ours that no one else may write, under directories that no one but us
@@ -290,15 +306,7 @@ def prepare_work_dir(path: Path) -> Path:
     directory, cannot be made, or fails a check. Compilers write there and builds reuse
     what they wrote, so a folder another user could change would put their code into
     targets."""
-    what = "work folder"
-    path = path.expanduser().absolute()
-    check_links(path, what)
-    if not os.path.lexists(path):
-        make_private_dir(path, what)
-    real = Path(os.path.realpath(path))
-    check_private_dir(real, what)
-    check_parents(real, what)
-    return real
+    return checked_real_dir(path, "work folder", make=True)
 
 
 def check_where_made(path: Path, what: str = "store directory") -> None:
@@ -334,14 +342,7 @@ def prepare(path: Path, what: str = "store directory") -> Layout:
     """Create (0700) and check the store directory tree under ``path``; return its Layout
     (on the real path: a symlink on the way is resolved once, here). ``what`` names the
     folder in messages (an overlay is a store too, set by another variable)."""
-    path = path.expanduser().absolute()
-    check_links(path, what)
-    if not os.path.lexists(path):
-        make_private_dir(path, what)
-    path = Path(os.path.realpath(path))
-    check_private_dir(path, what)
-    check_parents(path, what)
-    layout = Layout(path / FORMAT_DIR)
+    layout = Layout(checked_real_dir(path, what, make=True) / FORMAT_DIR)
     make_private_dir(layout.root, what)
     for name in SUBDIRS:
         make_private_dir(layout.root / name, what)

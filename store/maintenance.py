@@ -25,7 +25,7 @@ from typing import Any
 
 from .files import move_to_quarantine, remove_abandoned_scratch, remove_any, remove_stored_files
 from .index import Index
-from .layout import Layout, check_key, check_links, check_parents, check_private_dir
+from .layout import Layout, check_key, checked_real_dir
 from .locking import flocked, remove_if_abandoned, try_flock
 from .record import GCReport, Record, VerifyReport, WorkUsage
 
@@ -130,10 +130,7 @@ def clean_work(folder: Path, dry_run: bool, named: bool = False) -> tuple[int, b
         return 0, True
     # Checked like the store before anything in it is counted or removed: a work folder
     # set to someone else's directory is refused (UnsafeStore), never emptied.
-    check_links(folder, "work folder")
-    folder = Path(os.path.realpath(folder))
-    check_private_dir(folder, "work folder")
-    check_parents(folder, "work folder")
+    folder = checked_real_dir(folder, "work folder")
     size = work_usage(folder, named).bytes
     if size == 0:
         return 0, True
