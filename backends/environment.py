@@ -292,12 +292,11 @@ def disk_paid(store_root: Path, folders: list[Folder], work_path: str | None) ->
                               "records, blobs, index, work files")])
     if work_path is not None and not Path(work_path).is_relative_to(store_root):
         # Only what builds marked as theirs: the operator's folder may hold their files.
-        from cachebuild.store import WORK_FOLDERS, made_by_builds
+        from cachebuild.store import build_folders
 
-        ours = [Path(work_path) / name for name in WORK_FOLDERS
-                if made_by_builds(Path(work_path) / name)]
+        ours = build_folders(work_path, named=True)
         paid.parts.append(DiskPart("work folder", work_path,
-                                   sum(tree_bytes(p)[0] for p in ours), "builds' files"))
+                                   sum(tree_bytes(Path(p))[0] for p in ours), "builds' files"))
     for folder in folders:
         paid.parts.append(DiskPart("environment", folder.path, folder.bytes,
                                    f"{folder.summary()}; toolchain verdicts, ISA checks, "

@@ -40,6 +40,7 @@ from .maintenance import (
     WORK_FOLDERS,
     WORK_LOCK,
     WORK_MARK,
+    build_folders,
     made_by_builds,
     mark_work_folder,
 )
@@ -100,6 +101,7 @@ __all__ = [
     "UnsignedRemoteWarning",
     "VerifyReport",
     "WorkUsage",
+    "build_folders",
     "bundle_source",
     "cache_home",
     "check_links",

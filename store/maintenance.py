@@ -102,14 +102,19 @@ def made_by_builds(path: str | os.PathLike[str]) -> bool:
         return False
 
 
+def build_folders(folder: str | os.PathLike[str], named: bool = False) -> list[str]:
+    """The folders of a work folder that builds write (``WORK_FOLDERS``); in a folder the
+    operator ``named``, only those that carry the builds' mark (the operator's own folder
+    of such a name is not ours to count or empty)."""
+    tops = [os.path.join(folder, entry) for entry in WORK_FOLDERS]
+    return [top for top in tops if not named or made_by_builds(top)]
+
+
 def work_usage(folder: Path, named: bool = False) -> WorkUsage:
     """A folder's files (the build work folder): its bytes and file count (0 if it is
     missing). In a folder the operator ``named``, only the folders builds marked."""
     size = files = 0
-    for entry in WORK_FOLDERS:
-        top = os.path.join(folder, entry)
-        if named and not made_by_builds(top):
-            continue  # not there, or not ours (a folder of the operator's of that name)
+    for top in build_folders(folder, named):
         for dirpath, _, names in os.walk(top):
             for name in names:
                 if name == WORK_MARK and dirpath == top:
@@ -146,10 +151,10 @@ def clean_work(folder: Path, dry_run: bool, named: bool = False) -> tuple[int, b
         if not try_flock(fd):
             return 0, False  # a build is running: its files stay
         if not dry_run:
-            for entry in os.scandir(folder):
-                # what builds made, nothing else (not an operator's own tmp/ there)
-                if entry.name in WORK_FOLDERS and (not named or made_by_builds(entry.path)):
-                    remove_any(entry.path)
+            # what builds made, nothing else (not an operator's own tmp/ there)
+            for top in build_folders(folder, named):
+                if os.path.lexists(top):
+                    remove_any(top)
         return size, True
     finally:
         os.close(fd)
