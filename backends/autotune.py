@@ -61,15 +61,17 @@ def tune_once(original: Callable[..., Any]) -> Callable[..., Any]:
             except Exception:  # noqa: BLE001 - a kept result that cannot be read: time again
                 best = None
             chosen = next((launcher for launcher in launchers if launcher.config is best), None)
-            twin = _twin_path(self, local[1])
+            # Kept results lie in ``<root>/<2 hex>/<name>``; twins' notes in ``<root>/twins``.
+            root = os.path.dirname(os.path.dirname(local[1]))
+            twin = _twin_path(self, root)
             if chosen is None and twin is not None:
-                chosen = _kept_by_twin(twin, getattr(kept, "configs_hash", None), launchers)
+                chosen = _kept_by_twin(twin, root, getattr(kept, "configs_hash", None),
+                                       launchers)
             if chosen is None:
                 result = original(self, *args, **kwargs)
                 if twin is not None and os.path.exists(local[1]):
                     with contextlib.suppress(OSError):
-                        write_whole(Path(twin), os.path.relpath(local[1], os.path.dirname(
-                            os.path.dirname(twin))).encode())
+                        write_whole(Path(twin), os.path.relpath(local[1], root).encode())
                 return result
 
             def timings(*_: Any, **__: Any) -> dict[Any, float]:  # the kept one wins
@@ -91,21 +93,22 @@ def tune_once(original: Callable[..., Any]) -> Callable[..., Any]:
 _FLOAT = re.compile(r"(?<![\w.])(?:\d+\.\d*(?:[eE][-+]?\d+)?|\d+[eE][-+]?\d+)(?![\w.])")
 
 
-def _twin_path(tuner: Any, kept: str) -> str | None:
+def _twin_path(tuner: Any, root: str) -> str | None:
     """Where the name of the result kept for the twins of ``tuner``'s kernel is noted: a
     file named by the kernel's code with its float constants taken out, in a ``twins``
-    folder beside the kept results' folders."""
+    folder beside the kept results' folders (under ``root``)."""
     source = getattr(getattr(tuner, "fn", None), "src", None)
     if not isinstance(source, str):
         return None
     digest = hashlib.sha256(_FLOAT.sub("F", source).encode()).hexdigest()[:40]
-    return os.path.join(os.path.dirname(os.path.dirname(kept)), "twins", digest)
+    return os.path.join(root, "twins", digest)
 
 
-def _kept_by_twin(twin: str, configs_hash: str | None, launchers: list[Any]) -> Any | None:
-    """The launcher of ``launchers`` whose configuration is the result kept for the twin
-    that ``twin`` names, where that result was chosen among the same candidates."""
-    root = os.path.dirname(os.path.dirname(twin))
+def _kept_by_twin(twin: str, root: str, configs_hash: str | None,
+                  launchers: list[Any]) -> Any | None:
+    """The launcher of ``launchers`` whose configuration is the result kept (under
+    ``root``) for the twin that ``twin`` names, where that result was chosen among the
+    same candidates."""
     try:
         with open(twin) as f:
             name = f.read().strip()
