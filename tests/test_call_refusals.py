@@ -360,3 +360,49 @@ def test_a_callers_torch_function_mode_is_run_eagerly_as_a_dispatch_mode_is(open
                 want = net(x)
             torch.testing.assert_close(got, want)
     assert cachebuild.stats()["traced"] >= 1  # calls without a mode were compiled
+
+
+class Optional(nn.Module):
+    """A forward with a parameter the call may leave out, and one given by keyword only."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None, *,
+                scale: float = 2.0) -> torch.Tensor:
+        y = self.lin(x) * scale
+        return y if bias is None else y + bias
+
+
+def test_a_call_with_another_count_of_arguments_is_another_call(open_local, tmp_path):
+    """The entry records how many arguments its trace was given and reads a parameter left
+    out at its default: a later call that gives that argument (or one too many, or one too
+    few) is never served the forward traced without it, in this process or a new one."""
+    torch.manual_seed(0)
+    net = Optional().eval()
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    store = open_local(tmp_path / "store")
+    compiled = cachebuild.compile(net, config, {0: 0}, store=store)
+    x, bias = torch.randn(4, 8), torch.randn(8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), net(x))
+        assert compiled._dynamo is None  # recorded: the defaults have plain paths
+        torch.testing.assert_close(compiled(x, bias), net(x, bias))
+        torch.testing.assert_close(compiled(x), net(x))
+        with pytest.raises(UsageError, match="cannot take these 3 inputs"):
+            compiled(x, bias, bias)
+        # A new compile of a new instance finds the one-argument entry and is not served
+        # it for a call that gives the bias.
+        again = Optional().eval()
+        again.load_state_dict(net.state_dict())
+        started = cachebuild.compile(again, config, {0: 0}, store=store)
+        torch.testing.assert_close(started(x), net(x))
+        torch.testing.assert_close(started(x, bias), net(x, bias))
+        # A default changed on the function is a changed value, as in eager.
+        Optional.forward.__kwdefaults__ = {"scale": 3.0}
+        try:
+            torch.testing.assert_close(compiled(x), net(x))
+        finally:
+            Optional.forward.__kwdefaults__ = {"scale": 2.0}
+        torch.testing.assert_close(compiled(x), net(x))

@@ -114,42 +114,64 @@ class Collected:
 @dataclass(frozen=True)
 class Frame:
     """The traced frame, ``type(model).forward`` (possibly a decorator's wrapper): its
-    positional parameters (the module itself first), its ``*args`` and ``**kwargs`` names,
-    and the variables it closes over."""
+    positional parameters (the module itself first), its keyword-only ones, its ``*args``
+    and ``**kwargs`` names, the variables it closes over, and how many positional
+    arguments the traced call gave (``given``: the parameters after those held their
+    defaults)."""
 
     params: tuple[str, ...]
     varargs: str | None
     varkw: str | None
     freevars: tuple[str, ...]
+    given: int = 0
+    kwonly: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> Frame:
+    def of(cls, model: torch.nn.Module, given: int = 0) -> Frame:
         code = getattr(type(model).forward, "__code__", None)
         if code is None:  # not a Python function: only the module itself is known
-            return cls(("self",), None, None, ())
+            return cls(("self",), None, None, (), given)
         names = code.co_varnames
         n = code.co_argcount
         rest = n + code.co_kwonlyargcount
         varargs = names[rest] if code.co_flags & inspect.CO_VARARGS else None
         varkw = (names[rest + (varargs is not None)]
                  if code.co_flags & inspect.CO_VARKEYWORDS else None)
-        return cls(tuple(names[:n]), varargs, varkw, tuple(code.co_freevars))
+        return cls(tuple(names[:n]), varargs, varkw, tuple(code.co_freevars), given,
+                   tuple(names[n:rest]))
 
     def local(self, name: str) -> list[list[Any]]:
-        """The path of a local of the frame: the model, a call argument, ``*args`` (a
-        tuple of the module and the call's arguments), ``**kwargs`` (always empty: the
-        model is called positionally), or a variable it closes over."""
+        """The path of a local of the frame: the model, a call argument (or, for a
+        parameter the call left out, its default, read from the function as a later call
+        would get it), ``*args`` (a tuple of the module and the call's arguments),
+        ``**kwargs`` (always empty: the model is called positionally), or a variable it
+        closes over."""
+        forward = [["model"], ["type"], ["attr", "forward"]]
         if name in self.params:
             i = self.params.index(name)
-            return [["model"]] if i == 0 else [["arg", i - 1]]
+            if i == 0:
+                return [["model"]]
+            if i - 1 < self.given:
+                return [["arg", i - 1]]
+            # ``__defaults__`` holds the last parameters' defaults, in order.
+            return [*forward, ["attr", "__defaults__"], ["item", i - len(self.params)]]
+        if name in self.kwonly:  # the call is positional: a keyword-only one is its default
+            return [*forward, ["attr", "__kwdefaults__"], ["item", name]]
         if name == self.varargs:
             return [["varargs", len(self.params)]]
         if name == self.varkw:
             return [["kwargs"]]
         if name in self.freevars:
-            return [["model"], ["type"], ["attr", "forward"], ["attr", "__closure__"],
+            return [*forward, ["attr", "__closure__"],
                     ["item", self.freevars.index(name)], ["attr", "cell_contents"]]
         raise Unrecordable(f"local {name!r} of forward has no plain path")
+
+
+def arity_record(args: Sequence[Any]) -> GuardRecord:
+    """The record of how many positional arguments the traced call gave: a call with
+    another count is another call (an argument given that the trace took the default of,
+    or one too many, which the forward refuses), never the traced forward's."""
+    return GuardRecord((("varargs", 1),), "len", None, len(args))
 
 
 #: The names Dynamo's ``install_global_by_id`` gives: ``{prefix}_{id}_c{compile id}``.
@@ -408,7 +430,7 @@ def records_from(collected: Collected, model: torch.nn.Module, args: Sequence[An
     ``bound``: ids of the tensors the graph binds (parameters, buffers, arguments);
     ``dynamic_dims``: the call's, by argument.
     """
-    frame = Frame.of(model)
+    frame = Frame.of(model, len(args))
     records: dict[tuple[Any, ...], GuardRecord] = {}
     for entry in collected.entries:
         kind = entry.guard_type

@@ -453,6 +453,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     from cachebuild.tracing.guard_export import (
         Collected,
         Unrecordable,
+        arity_record,
         environment_records,
         grad_mode_records,
         method_records,
@@ -618,6 +619,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
             guards += method_records(captured["code"], model)
             guards += shadow_records(guards, model, args)
             guards += grad_mode_records(captured["code"], captured["modes"])
+            guards.append(arity_record(args))
             guards += requires_grad_records(
                 captured["code"], [(b.kind, b.arg if b.kind == "arg" else b.path)
                                    for b in bindings if b.kind in ("param", "buffer", "arg")],
