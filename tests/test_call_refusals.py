@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import cachebuild
-from cachebuild.errors import UsageError
+from cachebuild.errors import CompileFailed, UsageError
 
 pytestmark = pytest.mark.usefixtures("fresh_dynamo")
 
@@ -406,3 +406,70 @@ def test_a_call_with_another_count_of_arguments_is_another_call(open_local, tmp_
         finally:
             Optional.forward.__kwdefaults__ = {"scale": 2.0}
         torch.testing.assert_close(compiled(x), net(x))
+
+
+class Relu(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x).relu()
+
+
+def test_a_tensor_method_replaced_in_the_process_is_refused_not_served(open_local, tmp_path,
+                                                                        monkeypatch):
+    """The graph calls ``.relu()`` by name, so it is looked up wherever the graph is built
+    or run: a process that replaced torch.Tensor.relu (a library's patch) is refused, in
+    one line, whether the entry is stored already, made earlier in the process, or new;
+    without the patch the same store serves again."""
+    torch.manual_seed(0)
+    net = Relu().eval()
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    store = open_local(tmp_path / "store")
+    compiled = cachebuild.compile(net, config, {0: 0}, store=store)
+    x = torch.randn(4, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x), net(x))
+        monkeypatch.setattr(torch.Tensor, "relu", lambda self: self.abs() * 3.0)
+        # (a second model of the class meets the first one's failure, remembered)
+        for model in (compiled, cachebuild.compile(Relu().eval(), config, {0: 0}, store=store)):
+            with pytest.raises((UsageError, CompileFailed), match=r"torch.Tensor.relu is replaced in this "
+                               r"process \(by .*<lambda> from (tests\.)?test_call_refusals\)"):
+                model(x)
+        monkeypatch.undo()
+        torch.testing.assert_close(compiled(x), net(x))
+        # A new instance finds the entry again: it was stored without the patch.
+        traced = cachebuild.stats()["traced"]
+        again = Relu().eval()
+        again.load_state_dict(net.state_dict())
+        torch.testing.assert_close(cachebuild.compile(again, config, {0: 0}, store=store)(x),
+                                   net(x))
+        assert cachebuild.stats()["traced"] == traced
+
+
+class Loud(torch.Tensor):
+    """A tensor subclass that changes what F.linear returns."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        out = super().__torch_function__(func, types, args, kwargs or {})
+        return out + 1.0 if func is torch.nn.functional.linear else out
+
+
+def test_a_tensor_subclass_argument_is_refused_not_served_as_a_plain_tensor(open_local,
+                                                                           tmp_path):
+    """Eager runs a subclass's own code around each op and returns the subclass; compiled
+    code would return plain results. Refused in one line, at a first call and after one."""
+    net, compiled = compiled_net(open_local, tmp_path)
+    x = torch.randn(4, 8)
+    loud = x.as_subclass(Loud)
+    with torch.no_grad():
+        assert not torch.equal(net(loud).as_subclass(torch.Tensor), net(x))
+        with pytest.raises(UsageError, match=r"argument 0 is a .*Loud, a subclass of "
+                           r"torch.Tensor: a compiled forward takes plain tensors"):
+            cachebuild.compile(Net().eval(), compiled.config, {0: 0})(loud)
+        matches(compiled, net, x)
+        with pytest.raises(UsageError, match="argument 0 is a .*Loud, a subclass"):
+            compiled(loud)
+        matches(compiled, net, nn.Parameter(x, requires_grad=False))  # a plain tensor

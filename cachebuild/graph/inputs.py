@@ -40,6 +40,23 @@ _NODES = (ast.Expression, ast.BinOp, ast.UnaryOp, ast.Constant, ast.Name, ast.Lo
           ast.Add, ast.Sub, ast.Mult, ast.FloorDiv, ast.Mod, ast.USub)
 
 
+#: The tensor types a compiled forward takes as call arguments. A subclass runs its own
+#: code around each op (``__torch_function__``), and eager returns it, where compiled code
+#: traced and built for plain tensors would run plain ops and return a plain tensor.
+PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+
+
+def refuse_subclass(i: int, a: torch.Tensor) -> None:
+    """UsageError where argument ``i`` is a tensor of a subclass (see ``PLAIN_TENSORS``)."""
+    if type(a) not in PLAIN_TENSORS:
+        kind = type(a)
+        raise UsageError(f"argument {i} is a {kind.__module__}.{kind.__qualname__}, a "
+                         "subclass of torch.Tensor: a compiled forward takes plain tensors "
+                         "(eager runs the subclass's own code around each op, which compiled "
+                         "code would skip); pass a plain tensor (x.as_subclass(torch.Tensor))"
+                         " or run the model itself for such inputs")
+
+
 @functools.cache
 def _compiled(expr: str) -> Any:
     tree = ast.parse(expr, mode="eval")
@@ -199,6 +216,7 @@ class CallCheck:
             a = args[i]
             if not isinstance(a, torch.Tensor):
                 raise UsageError(f"argument {i} must be a tensor, got {type(a).__name__}")
+            refuse_subclass(i, a)
             if a.device != self.device:
                 self._wrong_device(i, a)
         size = self.size_of(args)

@@ -35,6 +35,8 @@ import types
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from cachebuild import compat, process_state
 from cachebuild.building import notice
 from cachebuild.building.background import running_builds, while_building_setting
@@ -52,8 +54,6 @@ from cachebuild.tracing.guard_watch import CallGuards
 from cachebuild.trust.codehash import code_objects
 
 if TYPE_CHECKING:
-    import torch
-
     from cachebuild.building.background import BackgroundBuild
     from cachebuild.building.entry import Entry
     from cachebuild.config import CompileConfig
@@ -94,7 +94,7 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
     device = device_of([*args, *model.parameters()])
     interim = interim_config(config, device)
     # What a failure before the end of its trace is remembered by: the state it began in.
-    was = _state(model)
+    was = _state(model, args)
     for last_try in (False, True):
         planner = Planner(model, config, dynamic_dims, store, passes)
         pending = pending_entries(store)
@@ -163,7 +163,7 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
             failed.setdefault(base, []).append(process_state.Failure(
                 e, found.key, _reads(traced) if traced is not None else
                 lambda k, model, args, key=found.key, values=values:
-                    k != key or _state(model) != was
+                    k != key or _state(model, args) != was
                     or (values is not None and _values(model) != values)))
             return Started(None, e, first=True)
         finally:
@@ -211,11 +211,13 @@ def _reads(entry: Entry) -> Any:
     return lambda key, model, args: bool(guards.mismatches(model, args))
 
 
-def _state(model: torch.nn.Module) -> tuple[Any, ...]:
+def _state(model: torch.nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     """What a failure before its trace was done (nothing says what it read) is told by
-    besides its entry key: ``training`` on every module, and torch's process state (a
-    graph break in train() alone is not eval()'s)."""
-    return tuple(m.training for m in model.modules()), compat.process_state_signature()
+    besides its entry key: ``training`` on every module, torch's process state (a graph
+    break in train() alone is not eval()'s), and the arguments' types (a tensor subclass
+    refused is not a plain tensor's failure)."""
+    return (tuple(m.training for m in model.modules()), compat.process_state_signature(),
+            tuple(type(a) for a in args))
 
 
 #: How deep ``_values`` reads into lists, dicts and plain objects an attribute holds, and
@@ -263,7 +265,7 @@ def _values(model: torch.nn.Module) -> tuple[Any, ...]:
     the plain values of its attributes (a flag, a mode string, an active adapter's name,
     a config's fields), its class's attributes, the module globals and environment
     variables its classes' code names (a flag set on the class, a module constant, an
-    environment variable read by name), so that the same model with other values (a
+    environment variable read by name) and the torch.Tensor methods of those names, so that the same model with other values (a
     branch that traces) is another start, not the failure. Only what the code names: a
     script's other globals (a loop's counter, a notebook's last output) change at every
     call, and the failure would never be met again. Read only before a trace
@@ -287,6 +289,10 @@ def _values(model: torch.nn.Module) -> tuple[Any, ...]:
         tuple(_namespace(vars(c)) for c in classes),
         tuple(held),
         tuple((k, os.environ.get(k)) for k in sorted(strings & os.environ.keys())),
+        # torch.Tensor's methods by those names (one a library replaced: refused, until
+        # it is torch's own again).
+        tuple((k, _plain(getattr(torch.Tensor, k))) for k in sorted(set().union(*named.values()))
+              if hasattr(torch.Tensor, k)),
     )
 
 

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 import sys
+import types
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -37,7 +38,7 @@ from cachebuild.graph.facts import (
     user_op_files,
     user_op_reads,
 )
-from cachebuild.graph.inputs import copy_with_strides
+from cachebuild.graph.inputs import copy_with_strides, refuse_subclass
 from cachebuild.graph.outputs import item_outputs, output_builder, output_recipe, returned
 from cachebuild.graph.weights import hooks_hidden
 from cachebuild.tracing.guards import (
@@ -463,6 +464,9 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     )
 
     _check_takes(model, args)
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Tensor):
+            refuse_subclass(i, a)
     # Copies, so that the trace writes nothing of the caller's; each as the caller's
     # argument is, its requires_grad too (a clone made under no_grad drops it). Made, and
     # traced, outside inference mode: tensors made in it keep no version counter, which
@@ -586,6 +590,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
             "before the call; cachebuild replays no side effects: keep such state out of "
             "forward, or use torch.compile(model, backend=cachebuild.backend(...))")
     gm: fx.GraphModule = captured["gm"]
+    _refuse_replaced_methods(gm.graph)
     inputs = captured["inputs"]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fakes = [n.meta.get("example_value", v) for n, v in zip(placeholders, inputs, strict=True)]
@@ -638,7 +643,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     # so an edit of one makes the entry stale (and its targets other ones).
     op_defs = [f for files in user_op_files(gm.graph).values() for f in files]
     if unrecordable is None:  # read at each call, as the forward's own reads are
-        guards += kernel_records(gm.graph, guards)
+        guards += kernel_records(gm.graph, guards) + tensor_method_records(gm.graph)
     files, stamps = _traced_files(captured["code"], [*generated_from, *op_defs])
     return TracedGraph(
         gm=gm,
@@ -687,6 +692,48 @@ def _copy_as_is(t: torch.Tensor, dynamic: bool) -> torch.Tensor:
     else:
         copy = copy_with_strides(t.detach())
     return copy.requires_grad_(t.requires_grad)
+
+
+def _tensor_methods(graph: fx.Graph) -> dict[str, Any]:
+    """The torch.Tensor methods ``graph`` calls by name (its ``call_method`` nodes), each
+    as this process resolves it: a graph names them, and wherever it is built or run they
+    are looked up again."""
+    names = {n.target for n in graph.nodes if n.op == "call_method" and isinstance(n.target, str)}
+    return {name: getattr(torch.Tensor, name, None) for name in sorted(names)}
+
+
+def _replaced(method: Any) -> bool:
+    """Whether a torch.Tensor attribute is not torch's own (a library or the model's file
+    set it: ``torch.Tensor.relu = ...``)."""
+    if isinstance(method, types.FunctionType | types.MethodType):
+        return not str(getattr(method, "__module__", None) or "").startswith("torch.")
+    return False  # a method of torch's C tensor type, or a descriptor of its
+
+
+def _refuse_replaced_methods(graph: fx.Graph) -> None:
+    """UsageError where the graph calls a torch.Tensor method replaced in this process:
+    the graph names the method, so builds in other processes (and stored targets, keyed by
+    the graph) would run torch's own one where eager runs the replacement."""
+    replaced = [name for name, method in _tensor_methods(graph).items() if _replaced(method)]
+    if replaced:
+        method = getattr(torch.Tensor, replaced[0])
+        where = getattr(method, "__module__", None) or "?"
+        raise UsageError(
+            f"torch.Tensor.{replaced[0]} is replaced in this process (by "
+            f"{getattr(method, '__qualname__', method)!s} from {where}), and the traced "
+            "graph calls it by name: builds, and later processes, would run torch's own. "
+            "Call the replacement as a function in forward instead of patching "
+            "torch.Tensor, or run the model eagerly")
+
+
+def tensor_method_records(graph: fx.Graph) -> list[GuardRecord]:
+    """Records of which function each torch.Tensor method ``graph`` calls by name is: a
+    process where one is replaced (an activation patched by a library imported there) is
+    another forward, not this one."""
+    root = tuple(module_root("torch"))
+    return [GuardRecord((root, ("attr", "Tensor"), ("attr", name)), "id", None,
+                        fingerprint("id", method, None))
+            for name, method in _tensor_methods(graph).items()]
 
 
 def kernel_records(graph: fx.Graph, guards: list[GuardRecord]) -> list[GuardRecord]:
