@@ -473,3 +473,21 @@ def test_a_tensor_subclass_argument_is_refused_not_served_as_a_plain_tensor(open
         with pytest.raises(UsageError, match="argument 0 is a .*Loud, a subclass"):
             compiled(loud)
         matches(compiled, net, nn.Parameter(x, requires_grad=False))  # a plain tensor
+
+
+def test_a_number_drawn_in_python_at_each_call_is_named_as_such(open_local, tmp_path):
+    """Dynamo hands the graph a ``random.randint`` draw as a 0-d tensor of its own: the
+    refusal says what it may be, not only 'a tensor attribute'."""
+
+    class Draws(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return self.lin(x) * random.randint(1, 3)
+
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    with pytest.raises(UsageError, match=r"a number the forward draws in Python at each call "
+                       r"\(random.randint"), torch.no_grad():
+        cachebuild.compile(Draws().eval(), config, {0: 0})(torch.randn(4, 8))

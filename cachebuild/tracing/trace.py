@@ -165,6 +165,15 @@ def _bind(model: torch.nn.Module, args: list[Any], inputs: list[Any],
             if id(value) in by_id:
                 bindings.append(by_id[id(value)])
                 continue
+            if isinstance(value, torch.Tensor) and value.dim() == 0:
+                # Dynamo also passes a Python number the forward makes at each call (a
+                # draw of its random module) to the graph as a 0-d tensor of its own.
+                raise UsageError(
+                    "the traced graph reads a 0-d tensor that is neither a parameter, a "
+                    "buffer nor a call argument: a plain tensor attribute or global (register "
+                    "it with register_buffer), or a number the forward draws in Python at "
+                    "each call (random.randint, random.uniform: draw it with torch.randint "
+                    "or torch.rand instead, or pass it as an argument)")
             raise UsageError(
                 "the traced graph reads a tensor that is neither a parameter, a buffer nor a "
                 "call argument of the model (a plain tensor attribute, a NumPy array or a "
