@@ -127,20 +127,22 @@ class ReadStamps:
         return {f: self.stamps[f] for f in _users_files(set(self.stamps)) if self.stamps[f]}
 
 
-def tell_files(files: Sequence[str], ok: bool, read: dict[str, Any] | None = None) -> None:
+def tell_files(files: Sequence[str], ok: bool, read: dict[str, Any] | None = None,
+               error: bool = False) -> None:
     """Say, on stdout, which files the watching process is to watch now, whether every
     target was built or stored (``ok``), and the stamps of those the round read as it
-    loaded them (``read``: ``ReadStamps.stop``). The round's work is recorded by then: an
+    loaded them (``read``: ``ReadStamps.stop``); with ``error``, that the round is ending
+    on an error (its exit code says which). The round's work is recorded by then: an
     interrupt while it ends (the watcher letting go of its stdin) has nothing to stop."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     files = sorted(set(files))
-    said = {"files": files, "ok": ok,
+    said = {"files": files, "ok": ok, "error": error,
             "stamps": {f: read[f] for f in files if read and f in read}}
     sys.stdout.write(FILES + json.dumps(said) + "\n")
     sys.stdout.flush()
 
 
-def watched_files(store: Any, entry_keys: Sequence[str]) -> list[str]:
+def watched_files(store: Any | None, entry_keys: Sequence[str]) -> list[str]:
     """The files on disk, outside installed libraries, that the stored entries
     ``entry_keys`` were traced from, and those of every module this round loaded from
     outside them (the model file's helpers, a config module its ``build()`` reads) but
@@ -148,7 +150,7 @@ def watched_files(store: Any, entry_keys: Sequence[str]) -> list[str]:
     from cachebuild.building.entry import read_entry
 
     files: set[str] = set()
-    for key in entry_keys:
+    for key in entry_keys if store is not None else ():
         data = store.get(key, touch=False)
         entry = read_entry(data) if data is not None else None
         files |= set(entry.source_files) if entry is not None else set()
@@ -160,6 +162,34 @@ def watched_files(store: Any, entry_keys: Sequence[str]) -> list[str]:
                 real.split(".")[0] != "cachebuild":
             files.add(os.path.abspath(path))
     return _users_files(files)
+
+
+def error_files(error: BaseException, model_file: str) -> list[str]:
+    """The user's files a round's ``error`` names, along its chain of causes: where a
+    syntax error is, the frames it went through, and, for a module not found, where it
+    would be made beside the model file (``helper.py``, ``helper/__init__.py``): a file
+    that is not there yet is watched for its making."""
+    found: set[str] = set()
+    missing: set[str] = set()
+    seen: set[int] = set()
+    e: BaseException | None = error
+    while e is not None and id(e) not in seen:
+        seen.add(id(e))
+        if isinstance(e, SyntaxError) and e.filename:
+            found.add(os.path.abspath(e.filename))
+        if isinstance(e, ModuleNotFoundError) and e.name:
+            folder = os.path.dirname(os.path.abspath(model_file))
+            top = e.name.split(".")[0]
+            missing |= {os.path.join(folder, top + ".py"),
+                        os.path.join(folder, top, "__init__.py")}
+        tb = e.__traceback__
+        while tb is not None:
+            module = str(tb.tb_frame.f_globals.get("__name__", ""))
+            if module.split(".")[0] != "cachebuild":  # cachebuild's own frames aside
+                found.add(os.path.abspath(tb.tb_frame.f_code.co_filename))
+            tb = tb.tb_next
+        e = e.__cause__ or e.__context__
+    return sorted({*_users_files(found), *(f for f in missing if not os.path.exists(f))})
 
 
 def _users_files(files: set[str]) -> list[str]:
@@ -184,6 +214,7 @@ class Round:
         self.files: list[str] | None = None
         self.read: dict[str, Any] = {}  # file → its stamp as the round read it
         self.ok = False  # every target built or stored
+        self.error = False  # it said it ends on an error
         self.went = False  # told to go
         self.started = time.perf_counter()
         self.on_ready = on_ready  # told its set-up's seconds, once ready
@@ -212,6 +243,7 @@ class Round:
                 try:
                     said = json.loads(line[len(FILES):])
                     self.files, self.ok = [str(p) for p in said["files"]], bool(said["ok"])
+                    self.error = bool(said.get("error"))
                     self.read = {str(f): v for f, v in dict(said.get("stamps", {})).items()}
                 except (ValueError, KeyError, TypeError):
                     pass
@@ -242,10 +274,10 @@ class Round:
 
     def wait(self) -> int | None:
         """Wait until the round has recorded its work (its FILES line) or ended: its exit
-        code where it ended without one (a model file that does not import, say), else
+        code where it ended on an error (a model file that does not import, say), else
         None (the process may still be ending: nothing of it is waited for)."""
         self.done.wait()
-        if self.files is not None:
+        if self.files is not None and not self.error:
             return None
         return self.proc.wait()
 
@@ -318,7 +350,8 @@ def watch(args: Sequence[str], model_file: str, say: Callable[[str], None],
             code = current.wait()
             took = time.perf_counter() - started
             if current.files is not None:
-                files = sorted(set(current.files) | {model})
+                # A round that failed loaded less than the one before: it adds to the watch.
+                files = sorted(set(current.files) | {model} | set(files if current.error else ()))
                 # A file new to the watch: as the round read it, where it says, so that an
                 # edit made while it ran is a change (a file it does not say: as it is now).
                 new = {**stamps([f for f in files if f not in seen]), **current.read}

@@ -223,6 +223,17 @@ def warm_command(ctx: click.Context, model: str, jobs: int | None, device: str |
         # A round is stopped by its watching command (Ctrl-C there), which says so: no
         # error line of its own, its builds ended and the store whole all the same.
         ctx.exit(128 + signal.SIGINT)
+    except Exception as e:
+        if round_:
+            # A failed round still says what to watch: the modules it loaded and the files
+            # its error names (a helper with a syntax error never ran; a module not found
+            # may be made next to the model file), so that the fix warms again.
+            from cachebuild import watching
+
+            watching.tell_files([*watching.watched_files(None, []),
+                                 *watching.error_files(e, model)],
+                                False, read.stop() if read is not None else None, error=True)
+        raise
     if dry_run:
         _plan_table(report, console, state_of(ctx).open_store())
         would = len(report.targets) - len(report.with_state("stored"))
