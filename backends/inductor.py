@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from cachebuild import clock, compat
+from cachebuild import clock, compat, process_state
 from cachebuild.backends import aoti, autotune, kernel_dir
 from cachebuild.backends.pack import PackError, pack, unpack
 from cachebuild.backends.probe import UntrustedCompiler, trusted_compiler
@@ -186,18 +186,40 @@ class InductorBackend(Backend):
             autotune.share()  # one timing per kernel across this folder's builds
         if flavour == "aoti":
             try:
-                return self._compile_aoti(request, device, compiler)
+                return self._compile_aoti_checking_headers(request, device, compiler)
             except Exception as e:
                 if request.config.flavour == "aoti" or transient(e):
                     raise
                 _check_room(e)  # a compiler that ran out of disk says many things
-                reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
                 artifact = self._compile_standalone(request, compiler)
-                artifact.fallback = f"AOTInductor cannot take it: {type(e).__name__}: {reason}"
+                artifact.fallback = f"AOTInductor cannot take it: {type(e).__name__}: {_first_line(e)}"
                 return artifact
         return self._compile_standalone(request, compiler)
 
-    def _compile_aoti(self, request: BuildRequest, device: str, compiler: str | None) -> Artifact:
+    def _compile_aoti_checking_headers(self, request: BuildRequest, device: str,
+                                       compiler: str | None) -> Artifact:
+        """``_compile_aoti``; where its C++ does not compile on a CPU, once more without
+        the precompiled headers kept for the environment: if it compiles then, those
+        were damaged (a disk's bit rot, a half-copied home folder) and every build of
+        this environment would have failed on them, so they are removed, said once, and
+        the next build that wants them precompiles them again."""
+        try:
+            return self._compile_aoti(request, device, compiler)
+        except Exception as e:
+            if not device.startswith("cpu") or transient(e) or not _cpp_compile_error(e):
+                raise
+            first = e
+        artifact = self._compile_aoti(request, device, compiler, headers=False)
+        removed = compat.drop_precompiled_headers()
+        said = (f"a C++ build failed with the environment's precompiled headers and "
+                f"compiled without them ({_first_line(first)}): they are taken as damaged, "
+                f"{len(removed)} removed, precompiled again by the next build")
+        if process_state.current().first_saying(said):
+            log.warning("cachebuild: %s", said)
+        return artifact
+
+    def _compile_aoti(self, request: BuildRequest, device: str, compiler: str | None,
+                      headers: bool = True) -> Artifact:
         from torch.export import Dim
 
         args = example_inputs(request.input_metas, request.bucket)
@@ -234,6 +256,8 @@ class InductorBackend(Backend):
             options = _inductor_options(request)
             if device.startswith("cuda"):
                 options.update(kernel_binaries_linked())
+            if not headers:
+                options["cpp_cache_precompile_headers"] = False
             with tempfile.TemporaryDirectory(prefix="cachebuild-aoti-") as tmp:
                 path = aoti.build_package(ep, os.path.join(tmp, "piece.pt2"), options,
                                           compiler)
@@ -470,3 +494,15 @@ def _check_room(error: BaseException) -> None:
         raise OSError(errno.ENOSPC, f"No space left on device: {free // 2**20} MiB free in "
                                     f"{folder}, where the compilers write, when an AOTInductor "
                                     f"build failed ({type(error).__name__}: {first})") from error
+
+
+def _first_line(e: BaseException) -> str:
+    """The first line of what ``e`` says (its type's name where it says nothing)."""
+    said = str(e).strip()
+    return said.splitlines()[0] if said else type(e).__name__
+
+
+def _cpp_compile_error(e: BaseException) -> bool:
+    """Whether ``e`` is, or was caused by, the C++ compiler refusing a source (Inductor's
+    ``CppCompileError``)."""
+    return any(type(c).__name__ == "CppCompileError" for c in causes(e))

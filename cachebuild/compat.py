@@ -397,6 +397,30 @@ def point_header_dir(folder: str | None) -> Callable[[], None]:
     return lambda: _set_header_dir(codecache, *saved)
 
 
+def drop_precompiled_headers() -> list[str]:
+    """Remove the precompiled C++ headers (``*.gch``) of the folder Inductor keeps them in
+    now, and forget the ones this process made (Inductor's memo of their paths): the
+    next build that wants one precompiles it again. Returns the files removed."""
+    import glob
+    import sys
+
+    codecache = sys.modules.get("torch._inductor.codecache")
+    folder = getattr(codecache, "_HEADER_DIR", None)
+    if not isinstance(folder, str):
+        return []
+    removed = []
+    for path in glob.glob(os.path.join(glob.escape(folder), "*.gch")):
+        try:
+            os.unlink(path)  # a compile reading it meanwhile keeps its open copy
+        except OSError:
+            continue
+        removed.append(path)
+    clear = getattr(getattr(codecache, "_precompile_header", None), "cache_clear", None)
+    if clear is not None:
+        clear()
+    return removed
+
+
 def _set_header_dir(codecache: Any, folder: str, lock_dir: str | None) -> None:
     """Point ``codecache``'s precompiled headers at ``folder``. Inductor memoizes the path
     of each header it precompiled (``_precompile_header``, keyed without the folder): a

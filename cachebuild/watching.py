@@ -169,12 +169,11 @@ def error_files(error: BaseException, model_file: str) -> list[str]:
     syntax error is, the frames it went through, and, for a module not found, where it
     would be made beside the model file (``helper.py``, ``helper/__init__.py``): a file
     that is not there yet is watched for its making."""
+    from cachebuild.errors import causes
+
     found: set[str] = set()
     missing: set[str] = set()
-    seen: set[int] = set()
-    e: BaseException | None = error
-    while e is not None and id(e) not in seen:
-        seen.add(id(e))
+    for e in causes(error):
         if isinstance(e, SyntaxError) and e.filename:
             found.add(os.path.abspath(e.filename))
         if isinstance(e, ModuleNotFoundError) and e.name:
@@ -188,7 +187,6 @@ def error_files(error: BaseException, model_file: str) -> list[str]:
             if module.split(".")[0] != "cachebuild":  # cachebuild's own frames aside
                 found.add(os.path.abspath(tb.tb_frame.f_code.co_filename))
             tb = tb.tb_next
-        e = e.__cause__ or e.__context__
     return sorted({*_users_files(found), *(f for f in missing if not os.path.exists(f))})
 
 

@@ -179,6 +179,55 @@ def test_a_server_rebuilding_a_damaged_target_uses_the_environment_headers(first
     assert list(store.rglob("*.gch")) == [], "precompiled headers made in the store"
 
 
+def test_damaged_precompiled_headers_are_dropped_and_the_build_stays_aoti(first_run, tmp_path):
+    """Precompiled headers kept for the environment that are damaged (bit rot, a half-copied
+    home folder) fail every C++ build that uses them: the build compiles without them,
+    says so once, removes them (the next build precompiles them again) and stores the
+    package it would have stored, not a standalone artifact in its place."""
+    import shutil
+
+    from trust import linked_environment
+
+    from cachebuild.backends import environment
+    from cachebuild.store import LocalStore
+
+    home = tmp_path / "home"
+    home.mkdir(mode=0o700)
+    folder = home / ".cache" / "cachebuild" / "env" / environment.fingerprint()
+    folder.parent.mkdir(parents=True)
+    linked_environment(folder)
+    headers = sorted((folder / "headers").glob("*.gch"))
+    assert headers
+    damaged = {}
+    for header in headers:  # a damaged copy in its place (the session's stays whole)
+        data = bytearray(header.read_bytes())
+        data[len(data) // 2: len(data) // 2 + 4096] = bytes(4096)
+        header.unlink()
+        header.write_bytes(bytes(data))
+        damaged[header] = header.stat().st_ino
+    store = tmp_path / "store"
+    shutil.copytree(first_run["store"], store, symlinks=True)
+    edited = tmp_path / "fr.py"
+    edited.write_text(MODEL.replace("* 2.0 + 1", "* 3.0 + 1"))
+    env = first_run["env"] | {"HOME": str(home), "XDG_CACHE_HOME": str(home / ".cache")}
+    warm = subprocess.run([CLI, "--cache-dir", str(store), "warm", str(edited)], env=env,
+                          capture_output=True, text=True, timeout=900)
+    assert warm.returncode == 0, warm.stderr
+    assert "1 built, 0 failed" in warm.stdout + warm.stderr, warm.stderr
+    said = warm.stdout + warm.stderr
+    assert said.count("taken as damaged") == 1, said
+    with LocalStore(store) as opened:
+        kinds = [r.kind for r in opened.records() if r.kind not in ("entry", "guards")]
+    assert kinds and all(k == "aoti-cpu" for k in kinds), kinds
+    assert not [h for h, inode in damaged.items() if h.exists() and h.stat().st_ino == inode]
+    served = subprocess.run([sys.executable, str(edited)], env=env | {
+        "CACHEBUILD_DIR": str(store)}, capture_output=True, text=True, timeout=900,
+        cwd=tmp_path)
+    assert served.returncode == 0, served.stderr
+    assert json.loads(served.stdout.splitlines()[-1]) == {
+        "traced": 0, "built": 0, "entries_loaded": 1, "equal": True}
+
+
 def test_a_second_store_uses_the_same_environment_folder_and_probes_nothing(first_run):
     folder = first_run["folder"]
     (verdict_file,) = folder.glob("aoti-cpu-*.json")
