@@ -133,22 +133,16 @@ def test_watch_warms_again_after_each_edit_and_ctrl_c_ends_it(tmp_path):
         # then one the model file imports and that is not there: the fix of the one and
         # the making of the other each warm again.
         imports = "\nimport beside  # noqa\n"
-        fresh, absent = tmp_path / "fresh.py", tmp_path / "absent.py"
-        fresh.write_text("def f(:\n")
-        model.write_text(text.replace(*EDIT).replace(imports, imports + "import fresh  # noqa\n"))
-        broken = out.until("watching")
-        assert "round ended with exit code 2" in broken[-1], "".join(broken)
-        fresh.write_text("SIZE = 1\n")
-        fixed = out.until("watching")
-        assert f"{fresh} changed: warming again" in "".join(fixed), "".join(fixed)
-        assert summary("".join(fixed))[1:] == (3, 0, 0), "".join(fixed)
-        model.write_text(text.replace(*EDIT).replace(imports, imports + "import absent  # noqa\n"))
-        broken = out.until("watching")
-        assert "round ended with exit code 2" in broken[-1], "".join(broken)
-        absent.write_text("SIZE = 1\n")
-        made = out.until("watching")
-        assert f"{absent} changed: warming again" in "".join(made), "".join(made)
-        assert summary("".join(made))[1:] == (3, 0, 0), "".join(made)
+        (tmp_path / "fresh.py").write_text("def f(:\n")
+        for name in ("fresh", "absent"):
+            module = tmp_path / f"{name}.py"
+            model.write_text(text.replace(*EDIT).replace(imports, f"{imports}import {name}\n"))
+            broken = out.until("watching")
+            assert "round ended with exit code 2" in broken[-1], "".join(broken)
+            module.write_text("SIZE = 1\n")
+            fixed = out.until("watching")
+            assert f"{module} changed: warming again" in "".join(fixed), "".join(fixed)
+            assert summary("".join(fixed))[1:] == (3, 0, 0), "".join(fixed)
         # A module the model's build() imports from now on, edited while that round runs
         # (after its import): the edit is a change after the round, which warms again.
         late = tmp_path / "late.py"
