@@ -399,6 +399,17 @@ def test_a_call_with_another_count_of_arguments_is_another_call(open_local, tmp_
         started = cachebuild.compile(again, config, {0: 0}, store=store)
         torch.testing.assert_close(started(x), net(x))
         torch.testing.assert_close(started(x, bias), net(x, bias))
+        # A subclass's own __call__ is the frame Dynamo traces: its parameter of the same
+        # name is not forward's default (served through Dynamo, as eager answers).
+        class Called(Optional):
+            def __call__(self, x, scale=2.0):
+                return nn.Module.__call__(self, x, None, scale=scale) + 1
+
+        called = Called().eval()
+        via_call = cachebuild.compile(called, config, {0: 0}, store=store)
+        torch.testing.assert_close(via_call(x), called(x))
+        Called.__call__.__defaults__ = (7.0,)
+        torch.testing.assert_close(via_call(x), called(x))
         # A default changed on the function is a changed value, as in eager.
         Optional.forward.__kwdefaults__ = {"scale": 3.0}
         try:
@@ -437,6 +448,12 @@ def test_a_tensor_method_replaced_in_the_process_is_refused_not_served(open_loca
             with pytest.raises((UsageError, CompileFailed), match=r"torch.Tensor.relu is replaced in this "
                                r"process \(by .*<lambda> from (tests\.)?test_call_refusals\)"):
                 model(x)
+        # Another method of torch's C tensor type, or a function torch defines elsewhere.
+        for other in (torch.Tensor.sigmoid, torch.nn.functional.silu):
+            monkeypatch.setattr(torch.Tensor, "relu", other)
+            with pytest.raises((UsageError, CompileFailed),
+                               match=rf"torch.Tensor.relu is replaced .*{other.__name__}"):
+                compiled(x)
         monkeypatch.undo()
         torch.testing.assert_close(compiled(x), net(x))
         # A new instance finds the entry again: it was stored without the patch.

@@ -117,7 +117,9 @@ class Frame:
     positional parameters (the module itself first), its keyword-only ones, its ``*args``
     and ``**kwargs`` names, the variables it closes over, and how many positional
     arguments the traced call gave (``given``: the parameters after those held their
-    defaults)."""
+    defaults; ``defaults``: whether the traced frame is ``forward``'s, so that a parameter
+    left out holds ``forward``'s default, not that of a ``__call__`` a subclass wrote,
+    whose frame Dynamo traces instead)."""
 
     params: tuple[str, ...]
     varargs: str | None
@@ -125,6 +127,7 @@ class Frame:
     freevars: tuple[str, ...]
     given: int = 0
     kwonly: tuple[str, ...] = ()
+    defaults: bool = False
 
     @classmethod
     def of(cls, model: torch.nn.Module, given: int = 0) -> Frame:
@@ -138,7 +141,7 @@ class Frame:
         varkw = (names[rest + (varargs is not None)]
                  if code.co_flags & inspect.CO_VARKEYWORDS else None)
         return cls(tuple(names[:n]), varargs, varkw, tuple(code.co_freevars), given,
-                   tuple(names[n:rest]))
+                   tuple(names[n:rest]), type(model).__call__ is torch.nn.Module.__call__)
 
     def local(self, name: str) -> list[list[Any]]:
         """The path of a local of the frame: the model, a call argument (or, for a
@@ -151,11 +154,11 @@ class Frame:
             i = self.params.index(name)
             if i == 0:
                 return [["model"]]
-            if i - 1 < self.given:
+            if i - 1 < self.given or not self.defaults:
                 return [["arg", i - 1]]
             # ``__defaults__`` holds the last parameters' defaults, in order.
             return [*forward, ["attr", "__defaults__"], ["item", i - len(self.params)]]
-        if name in self.kwonly:  # the call is positional: a keyword-only one is its default
+        if name in self.kwonly and self.defaults:  # a positional call: it is its default
             return [*forward, ["attr", "__kwdefaults__"], ["item", name]]
         if name == self.varargs:
             return [["varargs", len(self.params)]]

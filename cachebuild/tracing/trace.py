@@ -711,25 +711,42 @@ def _tensor_methods(graph: fx.Graph) -> dict[str, Any]:
     return {name: getattr(torch.Tensor, name, None) for name in sorted(names)}
 
 
-def _replaced(method: Any) -> bool:
-    """Whether a torch.Tensor attribute is not torch's own (a library or the model's file
-    set it: ``torch.Tensor.relu = ...``)."""
-    if isinstance(method, types.FunctionType | types.MethodType):
-        return not str(getattr(method, "__module__", None) or "").startswith("torch.")
-    return False  # a method of torch's C tensor type, or a descriptor of its
+#: What torch's C tensor type holds under a method's name: its own methods (descriptors).
+_C_METHODS = (types.MethodDescriptorType, types.WrapperDescriptorType,
+              types.BuiltinFunctionType, types.GetSetDescriptorType,
+              types.MemberDescriptorType)
+
+
+def _replaced(name: str) -> bool:
+    """Whether ``torch.Tensor.<name>`` is not torch's own method of that name (a library
+    or the model's file set it: ``torch.Tensor.relu = ...``, a lambda, another method of
+    torch's, a function of ``torch.nn.functional``). Torch's own is the C tensor type's
+    method where torch.Tensor does not set the name (that type cannot be given
+    attributes), else what ``torch/_tensor.py`` sets: a function of torch's of that name,
+    or a C method of that name (a few operators there are other methods' aliases:
+    ``__abs__`` is ``abs``)."""
+    own = vars(torch.Tensor).get(name)
+    if own is None:
+        return False
+    f = own.__func__ if isinstance(own, classmethod | staticmethod) else own
+    named = getattr(f, "__name__", None) == name or name.startswith("__")
+    if isinstance(f, types.FunctionType):
+        return not (named and f.__code__.co_filename.startswith(torch_dir()))
+    return not (named and isinstance(f, _C_METHODS))
 
 
 def _refuse_replaced_methods(graph: fx.Graph) -> None:
     """UsageError where the graph calls a torch.Tensor method replaced in this process:
     the graph names the method, so builds in other processes (and stored targets, keyed by
     the graph) would run torch's own one where eager runs the replacement."""
-    replaced = [name for name, method in _tensor_methods(graph).items() if _replaced(method)]
+    replaced = [name for name in _tensor_methods(graph) if _replaced(name)]
     if replaced:
         method = getattr(torch.Tensor, replaced[0])
-        where = getattr(method, "__module__", None) or "?"
+        where = getattr(method, "__module__", None)
         raise UsageError(
             f"torch.Tensor.{replaced[0]} is replaced in this process (by "
-            f"{getattr(method, '__qualname__', method)!s} from {where}), and the traced "
+            f"{getattr(method, '__qualname__', method)!s}{f' from {where}' if where else ''})"
+            ", and the traced "
             "graph calls it by name: builds, and later processes, would run torch's own. "
             "Call the replacement as a function in forward instead of patching "
             "torch.Tensor, or run the model eagerly")
