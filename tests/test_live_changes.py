@@ -30,7 +30,7 @@ import torch.nn as nn
 from cachebuild import compat
 from cachebuild.dictwatch import ANY, TagPoll
 from cachebuild.tracing import guard_watch
-from cachebuild.tracing.guards import GuardSet
+from cachebuild.tracing.guards import GuardSet, identity
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import live_changes  # noqa: E402
@@ -264,6 +264,33 @@ def test_an_equal_value_in_a_new_object_arms_again_without_a_mismatch():
     assert watch.mismatches(model, args) == []
     assert watch.mismatches(model, args) == []
     assert watch.full_checks <= 2
+
+
+def test_a_model_held_by_a_global_stays_armed_while_other_globals_change():
+    """The trace's identity check on the model names it by the global that holds it (a
+    script's ``m``): that global's module is not watched for it, so a script's loop
+    counter, set in the same globals at every call, does not make every call a full check
+    (Python 3.11 watches whole dicts)."""
+    import types as _types
+
+    script = _types.ModuleType("script_like")
+    script.Model = type("Model", (Flagged,), {"__module__": "script_like"})
+    script.m = script.Model()
+    sys.modules["script_like"] = script
+    try:
+        records = _records(script.m)
+        held = identity(script.m)
+        assert "global" in held, held
+        watch = guard_watch.CallGuards(GuardSet([*records.data, [[["model"]], "id", None, held]]))
+        args = (torch.zeros(2, 4),)
+        for i in range(5):
+            script.i = i  # the loop's counter, a global beside the model's
+            assert watch.mismatches(script.m, args) == []
+        assert watch.full_checks == 1
+        script.m.flag = True  # a real change is still seen
+        assert watch.mismatches(script.m, args)
+    finally:
+        del sys.modules["script_like"]
 
 
 def test_polling_version_tags_sees_a_change_at_any_key():

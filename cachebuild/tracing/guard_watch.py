@@ -168,10 +168,12 @@ class _Plan:
         #: same object is compared at each call (``_groups``).
         self.aliases: list[tuple[int, Any]] = []
         self.alias_vars: dict[int, str] = {}
+        self.model: Any = None  # the model the watch was armed on (``walk``)
 
     # -- pass 1: what is watched --------------------------------------------------------
 
     def walk(self, model: Any, args: Sequence[Any]) -> None:
+        self.model = model
         for root, child in self.tree.children.values():
             if root[0] == "state" and root[1] in GRAD_STATES:  # where the forward reads it
                 self.grad = _grad_modes()
@@ -290,6 +292,12 @@ class _Plan:
             self.retypable(value)
             return True  # while the per-call check finds the same type (``generate``)
         if check in ("id", "equals", "process_group") and _immutable(value):
+            return True
+        if check == "id" and value is self.model:
+            # The model is the same object for the life of the watch; which global holds
+            # it (its fingerprint where a script's global does) changes nothing it
+            # computes, and watching that script's globals would see every other global
+            # it sets (Python 3.11 watches whole dicts): a full check at every call.
             return True
         held = _singleton(check, value)
         if held is not None:  # the same object, still held by that global
