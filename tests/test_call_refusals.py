@@ -508,3 +508,11 @@ def test_a_number_drawn_in_python_at_each_call_is_named_as_such(open_local, tmp_
     with pytest.raises(UsageError, match=r"a number the forward draws in Python at each call "
                        r"\(random.randint"), torch.no_grad():
         cachebuild.compile(Draws().eval(), config, {0: 0})(torch.randn(4, 8))
+
+    class Shifted(nn.Module):  # a tensor as a parameter's default
+        def forward(self, x, shift=torch.ones(8)):
+            return x + shift
+
+    with pytest.raises(UsageError, match="is the default of a parameter of forward"), \
+            torch.no_grad():
+        cachebuild.compile(Shifted(), config, {0: 0})(torch.randn(4, 8))

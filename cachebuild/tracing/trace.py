@@ -165,6 +165,14 @@ def _bind(model: torch.nn.Module, args: list[Any], inputs: list[Any],
             if id(value) in by_id:
                 bindings.append(by_id[id(value)])
                 continue
+            forward = type(model).forward
+            defaults = [*(getattr(forward, "__defaults__", None) or ()),
+                        *(getattr(forward, "__kwdefaults__", None) or {}).values()]
+            if any(d is value for d in defaults):
+                raise UsageError(
+                    "the traced graph reads a tensor that is the default of a parameter of "
+                    "forward, which a warm process cannot bind: pass it as an argument, or "
+                    "register it as a buffer (register_buffer) and read it from the model")
             if isinstance(value, torch.Tensor) and value.dim() == 0:
                 # Dynamo also passes a Python number the forward makes at each call (a
                 # draw of its random module) to the graph as a 0-d tensor of its own.
