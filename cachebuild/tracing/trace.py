@@ -221,7 +221,10 @@ def check_call_dims(args: list[Any], dynamic_dims: dict[int, int]) -> None:
     """Dynamic dims must name tensor arguments and be equal in size (one token count)."""
     sizes = set()
     for i, d in dynamic_dims.items():
-        if i >= len(args) or not isinstance(args[i], torch.Tensor):
+        if i >= len(args):
+            raise UsageError(f"expected at least {i + 1} arguments, got {len(args)}: "
+                             f"dynamic_dims names argument {i}")
+        if not isinstance(args[i], torch.Tensor):
             raise UsageError(f"dynamic_dims names argument {i}, which is not a tensor argument")
         if d >= args[i].dim() or d < -args[i].dim():
             raise UsageError(f"dynamic_dims names dim {d} of argument {i}, which has {args[i].dim()} dims")
