@@ -415,10 +415,16 @@ def drop_precompiled_headers() -> list[str]:
         except OSError:
             continue
         removed.append(path)
+    _forget_precompiled(codecache)
+    return removed
+
+
+def _forget_precompiled(codecache: Any) -> None:
+    """Clear Inductor's memo of the headers it precompiled (``_precompile_header``, keyed
+    without their folder): a path it hands out must be one still there."""
     clear = getattr(getattr(codecache, "_precompile_header", None), "cache_clear", None)
     if clear is not None:
         clear()
-    return removed
 
 
 def _set_header_dir(codecache: Any, folder: str, lock_dir: str | None) -> None:
@@ -427,9 +433,7 @@ def _set_header_dir(codecache: Any, folder: str, lock_dir: str | None) -> None:
     path under another folder, which may be gone (an earlier store's work folder), must not
     be handed out, so the memo is cleared whenever the folder changes."""
     if codecache._HEADER_DIR != folder:
-        clear = getattr(getattr(codecache, "_precompile_header", None), "cache_clear", None)
-        if clear is not None:
-            clear()
+        _forget_precompiled(codecache)
     codecache._HEADER_DIR = folder
     if lock_dir is not None:
         codecache._HEADER_LOCK_DIR = lock_dir

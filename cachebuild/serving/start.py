@@ -265,8 +265,9 @@ def _values(model: torch.nn.Module) -> tuple[Any, ...]:
     the plain values of its attributes (a flag, a mode string, an active adapter's name,
     a config's fields), its class's attributes, the module globals and environment
     variables its classes' code names (a flag set on the class, a module constant, an
-    environment variable read by name) and the torch.Tensor methods of those names, so that the same model with other values (a
-    branch that traces) is another start, not the failure. Only what the code names: a
+    environment variable read by name) and the torch.Tensor methods of those names, so
+    that the same model with other values (a branch that traces) is another start, not
+    the failure. Only what the code names: a
     script's other globals (a loop's counter, a notebook's last output) change at every
     call, and the failure would never be met again. Read only before a trace
     (milliseconds)."""

@@ -610,7 +610,8 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
             "before the call; cachebuild replays no side effects: keep such state out of "
             "forward, or use torch.compile(model, backend=cachebuild.backend(...))")
     gm: fx.GraphModule = captured["gm"]
-    _refuse_replaced_methods(gm.graph)
+    methods = _tensor_methods(gm.graph)
+    _refuse_replaced_methods(methods)
     inputs = captured["inputs"]
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     fakes = [n.meta.get("example_value", v) for n, v in zip(placeholders, inputs, strict=True)]
@@ -663,7 +664,7 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
     # so an edit of one makes the entry stale (and its targets other ones).
     op_defs = [f for files in user_op_files(gm.graph).values() for f in files]
     if unrecordable is None:  # read at each call, as the forward's own reads are
-        guards += kernel_records(gm.graph, guards) + tensor_method_records(gm.graph)
+        guards += kernel_records(gm.graph, guards) + tensor_method_records(methods)
     files, stamps = _traced_files(captured["code"], [*generated_from, *op_defs])
     return TracedGraph(
         gm=gm,
@@ -746,13 +747,14 @@ def _replaced(name: str) -> bool:
     return not (named and isinstance(f, _C_METHODS))
 
 
-def _refuse_replaced_methods(graph: fx.Graph) -> None:
-    """UsageError where the graph calls a torch.Tensor method replaced in this process:
-    the graph names the method, so builds in other processes (and stored targets, keyed by
-    the graph) would run torch's own one where eager runs the replacement."""
-    replaced = [name for name in _tensor_methods(graph) if _replaced(name)]
+def _refuse_replaced_methods(methods: dict[str, Any]) -> None:
+    """UsageError where the graph calls a torch.Tensor method (of ``methods``:
+    ``_tensor_methods``) replaced in this process: the graph names the method, so builds
+    in other processes (and stored targets, keyed by the graph) would run torch's own one
+    where eager runs the replacement."""
+    replaced = [name for name in methods if _replaced(name)]
     if replaced:
-        method = getattr(torch.Tensor, replaced[0])
+        method = methods[replaced[0]]
         where = getattr(method, "__module__", None)
         raise UsageError(
             f"torch.Tensor.{replaced[0]} is replaced in this process (by "
@@ -763,14 +765,14 @@ def _refuse_replaced_methods(graph: fx.Graph) -> None:
             "torch.Tensor, or run the model eagerly")
 
 
-def tensor_method_records(graph: fx.Graph) -> list[GuardRecord]:
-    """Records of which function each torch.Tensor method ``graph`` calls by name is: a
-    process where one is replaced (an activation patched by a library imported there) is
-    another forward, not this one."""
+def tensor_method_records(methods: dict[str, Any]) -> list[GuardRecord]:
+    """Records of which function each torch.Tensor method a graph calls by name is
+    (``methods``: ``_tensor_methods``): a process where one is replaced (an activation
+    patched by a library imported there) is another forward, not this one."""
     root = tuple(module_root("torch"))
     return [GuardRecord((root, ("attr", "Tensor"), ("attr", name)), "id", None,
                         fingerprint("id", method, None))
-            for name, method in _tensor_methods(graph).items()]
+            for name, method in methods.items()]
 
 
 def kernel_records(graph: fx.Graph, guards: list[GuardRecord]) -> list[GuardRecord]:
