@@ -12,6 +12,7 @@ import json
 from typing import Any
 
 import torch
+import torch.utils._pytree as pytree
 
 from cachebuild.backends.protocol import (
     Artifact,
@@ -25,7 +26,11 @@ from cachebuild.graph.facts import device_of, unpin_device
 from cachebuild.store.interface import ArtifactSource
 from cachebuild.trust.fxjson import GraphFormatError, data_to_module, graph_to_data
 
-VERSION = "2"  # 2: lowered to aten before functionalisation (sizes stay symbolic)
+#: 2: lowered to aten before functionalisation (sizes stay symbolic); 3: outputs laid out
+#: as eager lays them out (``match_output_layouts``).
+VERSION = "3"
+
+aten = torch.ops.aten
 
 
 class EagerFusionBackend(Backend):
@@ -54,6 +59,7 @@ class EagerFusionBackend(Backend):
             fn = torch.func.functionalize(lambda *args: aten.forward(*args),
                                           remove="mutations_and_views")
             lowered = make_fx(fn, tracing_mode="symbolic")(*fake_args)
+            match_output_layouts(lowered, aten)
         check_kept_symbolic(fake_mode.shape_env, symbols, request.bucket)
         # Lowering writes the build's GPU into the ops it creates (full, arange...): name
         # it by type, so the graph runs on whichever GPU is current where it is loaded.
@@ -82,6 +88,75 @@ class EagerFusionBackend(Backend):
             return data_to_module(nodes).forward
         except GraphFormatError as e:
             raise GraphFormatError(f"stored graph of target {key} was not loaded: {e}") from None
+
+
+def match_output_layouts(lowered: torch.fx.GraphModule, reference: torch.fx.GraphModule) -> None:
+    """Make each output of ``lowered`` laid out as ``reference``'s (the same piece, not
+    functionalised) is, where they differ and eager's layout is dense.
+
+    Functionalising with views removed turns a returned ``permute`` into ``permute_copy``
+    and runs ops on its contiguous result: the values are eager's, the strides are not (a
+    caller's ``.stride()`` or ``.is_contiguous()`` answers otherwise, a ``view`` succeeds
+    where eager's raises). A dense layout is a dimension order: the output is copied
+    contiguous in eager's order and viewed back, one copy, as Inductor lays out what it
+    returns. Runs under the trace's fake mode (the new nodes get their fake values)."""
+    out_node = next(n for n in lowered.graph.nodes if n.op == "output")
+    ref_node = next(n for n in reference.graph.nodes if n.op == "output")
+    got, spec = pytree.tree_flatten(out_node.args[0])
+    want = pytree.tree_leaves(ref_node.args[0])
+    if len(got) != len(want):
+        return
+    changed = False
+    for i, (node, ref) in enumerate(zip(got, want, strict=True)):
+        have = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+        eager = ref.meta.get("val") if isinstance(ref, torch.fx.Node) else None
+        order = _dim_order(eager) if isinstance(have, torch.Tensor) else None
+        if order is None or _same_layout(have, eager):
+            continue
+        back = [order.index(d) for d in range(len(order))]
+        with lowered.graph.inserting_before(out_node):
+            permuted = lowered.graph.call_function(aten.permute.default, (node, order))
+            dense = lowered.graph.call_function(aten.clone.default, (permuted,),
+                                                {"memory_format": torch.contiguous_format})
+            got[i] = lowered.graph.call_function(aten.permute.default, (dense, back))
+        permuted.meta["val"] = aten.permute.default(have, order)
+        dense.meta["val"] = aten.clone.default(permuted.meta["val"],
+                                               memory_format=torch.contiguous_format)
+        got[i].meta["val"] = aten.permute.default(dense.meta["val"], back)
+        changed = True
+    if changed:
+        out_node.args = (pytree.tree_unflatten(got, spec),)
+        lowered.recompile()
+
+
+def _hints(values: Any) -> list[Any]:
+    return [v.node.hint if isinstance(v, torch.SymInt) else v for v in values]
+
+
+def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Equal sizes and equal strides where a stride matters (a dim of size one has none
+    that does), at the traced sizes; asks no shape environment (which would add guards)."""
+    sizes = _hints(a.shape)
+    return sizes == _hints(b.shape) and all(
+        n == 1 or x == y for n, x, y in zip(sizes, _hints(a.stride()), _hints(b.stride()),
+                                            strict=True))
+
+
+def _dim_order(t: Any) -> list[int] | None:
+    """``t``'s dimensions from outermost to innermost in memory, where ``t`` is dense (at
+    its traced sizes); else None."""
+    if not isinstance(t, torch.Tensor) or t.dim() == 0:
+        return None
+    sizes, strides = _hints(t.shape), _hints(t.stride())
+    if None in sizes or None in strides:
+        return None
+    order = sorted(range(t.dim()), key=lambda d: (-strides[d], d))
+    expected = 1
+    for d in reversed(order):  # dense: each dim's stride is the product of those inside it
+        if sizes[d] != 1 and strides[d] != expected:
+            return None
+        expected *= sizes[d]
+    return order
 
 
 #: Tensor constants up to this many elements are written into the stored graph as data.

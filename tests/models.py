@@ -260,8 +260,22 @@ def assert_matches_eager(compiled: Any, model: nn.Module, args: tuple[Any, ...])
     with torch.no_grad():
         out = compiled(*args)
         ref = model(*args)
-    assert out.shape == ref.shape and out.dtype == ref.dtype
+    for o, r in zip(*map(torch.utils._pytree.tree_leaves, (out, ref)), strict=True):
+        assert not isinstance(r, torch.Tensor) or (o.shape == r.shape and o.dtype == r.dtype)
     torch.testing.assert_close(out, ref, **TOL)
+    assert_same_layout(out, ref)
+
+
+def assert_same_layout(out: Any, ref: Any) -> None:
+    """Every tensor of ``out`` has the strides of ``ref``'s (where a stride means anything:
+    dims of size one have none that does), as torch.compile keeps eager's."""
+    outs, refs = torch.utils._pytree.tree_leaves(out), torch.utils._pytree.tree_leaves(ref)
+    assert len(outs) == len(refs)
+    for o, r in zip(outs, refs, strict=True):
+        if isinstance(r, torch.Tensor):
+            kept = [(n, a, b) for n, a, b in zip(r.shape, o.stride(), r.stride(), strict=True)
+                    if n != 1]
+            assert all(a == b for _, a, b in kept), (o.shape, o.stride(), r.stride())
 
 
 def counters_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:

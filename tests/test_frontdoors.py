@@ -593,3 +593,30 @@ def test_torch_compile_door_serves_inputs_that_are_not_dense(open_local, tmp_pat
     y = torch.randn(5, 9).t()[:4]  # strides (1, 9)
     with torch.no_grad():
         torch.testing.assert_close(door(y), model(y), **models.TOL)
+
+
+class ReturnsTransposed(torch.nn.Module):
+    """Outputs in other layouts than contiguous: a transposed result, an op on a
+    transposed value (eager keeps its input's dimension order), a 3-D permute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = torch.relu(self.lin(x))
+        return (h * 2).t(), h.t() * 3, h.view(-1, 2, 4).permute(2, 0, 1) + 1, h.sum(1)
+
+
+@pytest.mark.parametrize("backend", ["eager_fusion", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_outputs_keep_the_layout_eager_gives_them(open_local, tmp_path, backend):
+    """A caller reading ``.stride()``, or a ``view`` that only eager's layout allows, sees
+    what eager gives, in every bucket (eager_fusion functionalises views into copies, which
+    it lays out contiguous: it lays its outputs out again)."""
+    torch.manual_seed(0)
+    model = ReturnsTransposed().eval()
+    config = cachebuild.CompileConfig(backend=backend, compile_ranges=((1, 16),),
+                                      compile_sizes=(4,), while_building="wait")
+    compiled = cachebuild.compile(model, config, {0: 0}, store=open_local(tmp_path / "s"))
+    for size in (4, 5, 16):
+        models.assert_matches_eager(compiled, model, (torch.randn(size, 8),))
