@@ -9,6 +9,7 @@ graph is the artifact, stored as data (``fxjson``). Loading it compiles nothing.
 from __future__ import annotations
 
 import json
+import operator
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from cachebuild.backends.protocol import (
 )
 from cachebuild.graph.facts import device_of, unpin_device
 from cachebuild.store.interface import ArtifactSource
+from cachebuild.trust import allowed
 from cachebuild.trust.fxjson import GraphFormatError, data_to_module, graph_to_data
 
 #: 2: lowered to aten before functionalisation (sizes stay symbolic); 3: outputs laid out
@@ -92,50 +94,105 @@ class EagerFusionBackend(Backend):
 
 def match_output_layouts(lowered: torch.fx.GraphModule, reference: torch.fx.GraphModule) -> None:
     """Make each output of ``lowered`` laid out as ``reference``'s (the same piece, not
-    functionalised) is, where they differ and eager's layout is dense.
+    functionalised) is: values are eager's either way, strides must be too (a caller's
+    ``.stride()`` or ``.is_contiguous()``, a ``view`` that eager's layout refuses).
 
-    Functionalising with views removed turns a returned ``permute`` into ``permute_copy``
-    and runs ops on its contiguous result: the values are eager's, the strides are not (a
-    caller's ``.stride()`` or ``.is_contiguous()`` answers otherwise, a ``view`` succeeds
-    where eager's raises). A dense layout is a dimension order: the output is copied
-    contiguous in eager's order and viewed back, one copy, as Inductor lays out what it
-    returns. Runs under the trace's fake mode (the new nodes get their fake values)."""
-    out_node = next(n for n in lowered.graph.nodes if n.op == "output")
+    Functionalising with views removed turns a returned view of a value the piece made
+    (``h[:, :8]``, ``h.t()``, q, k and v split from one projection) into a copy
+    (``slice_copy``, ``permute_copy``): such an output is taken as the view again, of the
+    same value, as eager returns it. An op on a view (``h.t() * 3``) runs on that copy and
+    lays its result out contiguous where eager keeps its input's dimension order: where
+    eager's layout is dense, the output is copied contiguous in eager's order and viewed
+    back, as Inductor lays out what it returns. Runs under the trace's fake mode (the new
+    nodes get their fake values)."""
+    graph = lowered.graph
+    out_node = next(n for n in graph.nodes if n.op == "output")
     ref_node = next(n for n in reference.graph.nodes if n.op == "output")
     got, spec = pytree.tree_flatten(out_node.args[0])
     want = pytree.tree_leaves(ref_node.args[0])
     if len(got) != len(want):
         return
-    changed = False
+    views: dict[torch.fx.Node, torch.fx.Node | None] = {}
     for i, (node, ref) in enumerate(zip(got, want, strict=True)):
-        have = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
         eager = ref.meta.get("val") if isinstance(ref, torch.fx.Node) else None
-        order = _dim_order(eager) if isinstance(have, torch.Tensor) else None
-        if order is None or _same_layout(have, eager):
+        if not isinstance(node, torch.fx.Node) or not isinstance(node.meta.get("val"),
+                                                                  torch.Tensor):
             continue
-        back = [order.index(d) for d in range(len(order))]
-        with lowered.graph.inserting_before(out_node):
-            permuted = lowered.graph.call_function(aten.permute.default, (node, order))
-            dense = lowered.graph.call_function(aten.clone.default, (permuted,),
-                                                {"memory_format": torch.contiguous_format})
-            got[i] = lowered.graph.call_function(aten.permute.default, (dense, back))
-        permuted.meta["val"] = aten.permute.default(have, order)
-        dense.meta["val"] = aten.clone.default(permuted.meta["val"],
-                                               memory_format=torch.contiguous_format)
-        got[i].meta["val"] = aten.permute.default(dense.meta["val"], back)
-        changed = True
-    if changed:
-        out_node.args = (pytree.tree_unflatten(got, spec),)
-        lowered.recompile()
+        with graph.inserting_before(out_node):
+            if _same_layout(node.meta["val"], eager):
+                continue
+            got[i] = _as_view(graph, node, views) or got[i]
+            order = _dim_order(eager)
+            if order is None or _same_layout(got[i].meta["val"], eager):
+                continue
+            back = [order.index(d) for d in range(len(order))]
+            permuted = _call(graph, aten.permute.default, got[i], order)
+            dense = _call(graph, aten.clone.default, permuted,
+                          memory_format=torch.contiguous_format)
+            got[i] = _call(graph, aten.permute.default, dense, back)
+    out_node.args = (pytree.tree_unflatten(got, spec),)
+    lowered.recompile()
+
+
+def _call(graph: torch.fx.Graph, target: Any, *args: Any, **kwargs: Any) -> torch.fx.Node:
+    """A new node of ``graph`` calling ``target``, with its fake value."""
+    node = graph.call_function(target, args, kwargs)
+    values = pytree.tree_map_only(torch.fx.Node, lambda n: n.meta["val"], (args, kwargs))
+    node.meta["val"] = target(*values[0], **values[1])
+    return node
+
+
+def _as_view(graph: torch.fx.Graph, node: torch.fx.Node,
+             made: dict[torch.fx.Node, torch.fx.Node | None]) -> torch.fx.Node | None:
+    """A new node taking ``node``'s value as the view it was before functionalisation
+    made it a copy (``slice_copy`` → ``slice``, an item of ``split_with_sizes_copy`` →
+    of ``split_with_sizes``), of a value the piece made (never of an input: a view of
+    an input would alias memory the caller owns); None where ``node`` is no such copy."""
+    if node in made:
+        return made[node]
+    made[node] = None
+    if node.op != "call_function" or not node.args or not isinstance(node.args[0],
+                                                                       torch.fx.Node):
+        return None
+    base = node.args[0]
+    if node.target is operator.getitem:
+        view = _as_view(graph, base, made)
+        made[node] = None if view is None else _call(graph, operator.getitem, view,
+                                                     *node.args[1:])
+        return made[node]
+    target = _view_of(node.target)
+    if target is None or base.op == "placeholder":
+        return None
+    inner = _as_view(graph, base, made) or base  # a copy of an input's view is the piece's
+    made[node] = _call(graph, target, inner, *node.args[1:], **node.kwargs)
+    return made[node]
+
+
+def _view_of(target: Any) -> Any:
+    """The admitted view operator whose copy ``target`` is (``aten.slice_copy.Tensor`` →
+    ``aten.slice.Tensor``), or None."""
+    if not isinstance(target, torch._ops.OpOverload):
+        return None
+    namespace, _, name = target._schema.name.partition("::")
+    if namespace != "aten" or not name.endswith("_copy"):
+        return None
+    packet = getattr(aten, name.removesuffix("_copy"), None)
+    view = getattr(packet, target._overloadname, None)
+    if not isinstance(view, torch._ops.OpOverload) or not view.is_view:
+        return None
+    return view if allowed.op_refusal(view) is None else None
 
 
 def _hints(values: Any) -> list[Any]:
     return [v.node.hint if isinstance(v, torch.SymInt) else v for v in values]
 
 
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same_layout(a: torch.Tensor, b: Any) -> bool:
     """Equal sizes and equal strides where a stride matters (a dim of size one has none
-    that does), at the traced sizes; asks no shape environment (which would add guards)."""
+    that does), at the traced sizes; asks no shape environment (which would add guards).
+    True where ``b`` is no tensor (nothing to match)."""
+    if not isinstance(b, torch.Tensor):
+        return True
     sizes = _hints(a.shape)
     return sizes == _hints(b.shape) and all(
         n == 1 or x == y for n, x, y in zip(sizes, _hints(a.stride()), _hints(b.stride()),

@@ -597,7 +597,8 @@ def test_torch_compile_door_serves_inputs_that_are_not_dense(open_local, tmp_pat
 
 class ReturnsTransposed(torch.nn.Module):
     """Outputs in other layouts than contiguous: a transposed result, an op on a
-    transposed value (eager keeps its input's dimension order), a 3-D permute."""
+    transposed value (eager keeps its input's dimension order), a 3-D permute, a slice
+    and the parts of a split of a value the forward made (views into its memory)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -605,7 +606,9 @@ class ReturnsTransposed(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         h = torch.relu(self.lin(x))
-        return (h * 2).t(), h.t() * 3, h.view(-1, 2, 4).permute(2, 0, 1) + 1, h.sum(1)
+        q, k = (h + 1).split([5, 3], dim=1)
+        return ((h * 2).t(), h.t() * 3, h.view(-1, 2, 4).permute(2, 0, 1) + 1, h.sum(1),
+                self.lin(h)[:, :6], q, k.unsqueeze(0))
 
 
 @pytest.mark.parametrize("backend", ["eager_fusion", pytest.param("inductor", marks=pytest.mark.slow)])
