@@ -24,7 +24,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from .layout import Layout, check_private_dir
+from .layout import Layout, check_private_dir, others_can_write
 from .locking import try_flock
 
 # No following symlinks, no blocking on a FIFO: what is opened is then checked to be a
@@ -55,7 +55,7 @@ def open_regular(path: str | os.PathLike[str]) -> int | None:
 
     Raises OddFile if something else is there: a symlink is not followed and a FIFO is
     not waited on, so neither can redirect or hang a reader; and for a file owned by
-    another user than us or root, who could rewrite it.
+    another user than us or root, who could rewrite it, or one others may write.
     """
     try:
         fd = os.open(path, _READ_FLAGS)
@@ -77,6 +77,11 @@ def open_regular(path: str | os.PathLike[str]) -> int | None:
         # Its owner could rewrite it in place, whatever the folders' modes say.
         os.close(fd)
         raise OddFile(f"a file owned by another user (uid {st.st_uid})", st.st_ino)
+    if others_can_write(st):
+        # Folders opened to readers (chmod -R a+rX) let anyone reach it.
+        os.close(fd)
+        raise OddFile(f"a file others may write (mode {stat.S_IMODE(st.st_mode):o})",
+                      st.st_ino)
     return fd
 
 

@@ -31,6 +31,7 @@ import diskcache
 
 from cachebuild.errors import StoreError
 
+from .layout import check_private_file
 from .record import BadRecord, Record, check_fields, check_trust, loads_json
 
 log = logging.getLogger("cachebuild.store")
@@ -130,9 +131,15 @@ class _ReadOnlyCache:
             # a read-only file system: read it as it stands (an image layer changes never).
             self._con = sqlite3.connect(f"file:{path}?mode=ro&immutable=1", uri=True,
                                         check_same_thread=False)
+        # A database file with no table yet: a store whose first write never happened (its
+        # disk was full as the index was made): it holds no records.
+        self._empty = not self._con.execute(
+            "SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'Cache'").fetchall()
         self._lock = threading.Lock()
 
     def get(self, key: str, default: Any = None) -> Any:
+        if self._empty:
+            return default
         db_key, raw = self._disk.put(key)
         with self._lock:
             rows = self._con.execute("SELECT mode, filename, value FROM Cache WHERE key = ? "
@@ -146,6 +153,8 @@ class _ReadOnlyCache:
             return default
 
     def iterkeys(self) -> Iterator[Any]:
+        if self._empty:
+            return
         with self._lock:
             rows = self._con.execute("SELECT key, raw FROM Cache ORDER BY key, raw").fetchall()
         for key, raw in rows:
@@ -174,6 +183,20 @@ def free_bytes(directory: Path) -> int | None:
     return st.f_bavail * st.f_frsize
 
 
+def _create_private(db: Path) -> None:
+    """Create the index's database file, empty (an empty file is an empty SQLite
+    database), readable and writable by us alone, where there is none: SQLite makes its
+    journal files with the database's mode, and a mode from the umask could let others
+    write what the store serves (``check_private_file`` then refuses it)."""
+    try:
+        os.close(os.open(db, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
+                         | os.O_NOFOLLOW, 0o600))
+    except FileExistsError:
+        pass
+    except FileNotFoundError:  # no folder yet: diskcache makes it, and the file with it
+        pass
+
+
 def _busy(error: BaseException) -> bool:
     """Whether opening the index failed because another process holds it (SQLite's lock
     outlasted the wait), not because it is damaged."""
@@ -191,6 +214,8 @@ class Index:
         """``why``: what a refused write says where ``read_only`` (else that the index is
         read-only here)."""
         self.read_only = read_only
+        for suffix in ("", "-wal", "-shm"):  # what SQLite reads the records from
+            check_private_file(directory / (diskcache.core.DBNAME + suffix), "store index file")
         if read_only:
             try:
                 self._db: Any = _ReadOnlyCache(directory, why)
@@ -199,6 +224,7 @@ class Index:
             self._warned: set[str] = set()
             return
         try:
+            _create_private(directory / diskcache.core.DBNAME)
             # No eviction and no culling: the store decides what goes (GC), not the cache.
             self._db = diskcache.Cache(str(directory), timeout=self._TIMEOUT, disk=_PlainDisk,
                                        eviction_policy="none", size_limit=2**62, cull_limit=0,

@@ -185,6 +185,26 @@ def check_private_dir(path: Path, what: str = "store directory") -> None:
             f"when loaded, so only you may write there. Fix with: chmod 700 {path}")
 
 
+def check_private_file(path: Path, what: str) -> None:
+    """Refuse the file at ``path`` (nothing there is fine) unless it is a regular file that
+    only we (or root) can write: where the folders above it let others reach it, a file
+    others may write is as open as a folder they may write (``check_private_dir``)."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISREG(st.st_mode):
+        raise UnsafeStore(f"refusing {what} {path}: it is not a regular file; move it aside")
+    if st.st_uid not in (os.geteuid(), 0):
+        raise UnsafeStore(f"refusing {what} {path}: it is owned by uid {st.st_uid}, who could "
+                          "rewrite what the store serves; give it back to the store's owner "
+                          f"(chown {os.geteuid()} {path})")
+    if others_can_write(st):
+        raise UnsafeStore(f"refusing {what} {path}: others may write it (mode "
+                          f"{stat.S_IMODE(st.st_mode):o}) and so change what the store serves. "
+                          f"Fix with: chmod go-w {path}")
+
+
 def make_private_dir(path: Path, what: str = "store directory") -> None:
     """Create ``path`` and its missing parents, each with mode 0700 (whatever the umask
     would give: a folder made group-writable would be refused next), then check it.

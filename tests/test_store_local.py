@@ -477,6 +477,38 @@ def test_a_blob_owned_by_another_user_is_never_read(open_local, store_dir):
     assert not blob_path(store, key(2)).exists()  # quarantined, with its record dropped
 
 
+def test_a_blob_others_may_write_is_never_read(open_local, store_dir):
+    """Folders opened to readers (``chmod -R a+rX``, as a store served to another user is)
+    let anyone reach a blob a careless ``chmod`` made writable: they could rewrite it in
+    place, checksum included. Treated as damage (a miss), never loaded; ``verify`` says so."""
+    store = open_local(store_dir)
+    store.put(key(3), b"payload", kind="target")
+    store.put(key(4), b"payload", kind="target")
+    os.chmod(blob_path(store, key(3)), 0o666)
+    assert store.get(key(3)) is None and store.get(key(4)) == b"payload"
+    assert not blob_path(store, key(3)).exists()  # quarantined, with its record dropped
+
+
+@pytest.mark.parametrize("name", ["cache.db", "cache.db-wal"])
+def test_an_index_file_others_may_write_is_refused(open_local, store_dir, name):
+    """Whoever may write the index may point a record at a blob of theirs: the store is
+    refused in one line that says how to close it, read-only too; made private, it opens
+    with every record. The index is made private whatever the umask."""
+    store = open_local(store_dir)
+    store.put(key(5), b"payload", kind="target")
+    store.close()
+    index_file = store_dir / "v1" / "index" / name
+    assert stat.S_IMODE(os.stat(store_dir / "v1" / "index" / "cache.db").st_mode) == 0o600
+    if not index_file.exists():
+        index_file.touch(mode=0o600)
+    os.chmod(index_file, 0o666 if name == "cache.db" else 0o606)
+    for read_only in (False, True):
+        with pytest.raises(StoreError, match=f"others may write it .*chmod go-w {index_file}"):
+            open_local(store_dir, read_only=read_only)
+    os.chmod(index_file, 0o600)
+    assert open_local(store_dir).get(key(5)) == b"payload"
+
+
 def test_subdirectory_made_writable_is_refused(open_local, store_dir):
     open_local(store_dir)
     os.chmod(store_dir / "v1" / "objects", 0o777)

@@ -259,3 +259,17 @@ def test_a_store_says_how_another_process_opens_it(read_only, written, tmp_path)
     worker = open_store(overlay.reopen_options())  # as a worker would
     assert isinstance(worker, OverlayStore) and worker.get(key("built")) == b"built here"
     worker.close()
+
+
+def test_an_index_never_written_reads_as_no_records(tmp_path):
+    """A store whose first write never happened (its disk filled as SQLite made the index
+    file: a database with no table) opened read-only, as a full disk opens it: no records,
+    every lookup a miss, no error."""
+    with LocalStore(tmp_path / "store") as store:
+        pass
+    index_file = tmp_path / "store" / "v1" / "index" / "cache.db"
+    for name in ("cache.db-wal", "cache.db-shm"):
+        (index_file.parent / name).unlink(missing_ok=True)
+    index_file.write_bytes(b"")
+    with LocalStore(tmp_path / "store", read_only=True) as store:
+        assert store.get(key("target")) is None and list(store.records()) == []
