@@ -623,3 +623,43 @@ def test_outputs_keep_the_layout_eager_gives_them(open_local, tmp_path, backend)
     compiled = cachebuild.compile(model, config, {0: 0}, store=open_local(tmp_path / "s"))
     for size in (4, 5, 16):
         models.assert_matches_eager(compiled, model, (torch.randn(size, 8),))
+
+
+class CausalAttention(torch.nn.Module):
+    """``F.scaled_dot_product_attention`` inside a piece (no splitting op): its math path
+    with a causal mask is ``_safe_softmax``, which eager_fusion's stored graph calls."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(16, 48), torch.nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).view(x.shape[0], 3, 2, 8).permute(1, 2, 0, 3)
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(a.transpose(0, 1).reshape(x.shape[0], 16))
+
+
+def test_attention_inside_an_eager_fusion_piece_is_built_and_matches_eager(open_local, tmp_path):
+    torch.manual_seed(0)
+    model = CausalAttention().eval()
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    compiled = cachebuild.compile(model, config, {0: 0}, store=open_local(tmp_path / "s"))
+    for size in (5, 1, 16):
+        models.assert_matches_eager(compiled, model, (torch.randn(size, 16),))
+
+
+class PReLU(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.prelu(x, torch.full((1,), 0.25))
+
+
+def test_an_operator_stored_graphs_may_not_call_is_refused_at_the_line_that_calls_it(
+        open_local, tmp_path):
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    compiled = cachebuild.compile(PReLU(), config, {0: 0}, store=open_local(tmp_path / "s"))
+    with pytest.raises(Exception) as e:
+        compiled(torch.randn(4, 8))
+    said = str(e.value)
+    assert "aten::prelu is not in the table" in said and "\n" not in said
+    assert "made by test_frontdoors.py:" in said and "in forward: return torch.nn.functional" \
+        ".prelu" in said and "write that line with operators stored graphs may call" in said

@@ -53,8 +53,9 @@ import torch
 
 #: Goes up with every change to what the table admits (see the module doc).
 #: 2: aten::copy, convolutions, TorchScript's list and string slices; 3: tensor_split
-#: (transformers' MoE routing).
-VERSION = 3
+#: (transformers' MoE routing); 4: _safe_softmax (scaled_dot_product_attention's math path
+#: with a mask: softmax, then zeros where a whole row is masked, by ops that check ``dim``).
+VERSION = 4
 
 
 def _rows(reason: str, text: str) -> dict[str, str]:
@@ -188,6 +189,7 @@ softmax: int
 log_softmax: int
 _softmax: default
 _log_softmax: default
+_safe_softmax: default
 dropout: default
 native_dropout: default
 """)

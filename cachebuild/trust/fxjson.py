@@ -41,6 +41,8 @@ import inspect
 import keyword
 import math
 import operator
+import os
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -392,15 +394,36 @@ def graph_to_data(graph: fx.Graph) -> list[dict[str, Any]]:
             raise GraphFormatError(
                 f"graph reads attribute {node.target!r}: pieces must take weights as inputs"
             )
-        check_call(node.op, node.target, node.args, node.kwargs)
+        try:
+            check_call(node.op, node.target, node.args, node.kwargs)
+            target = target_name(node.target)
+        except GraphFormatError as e:
+            raise GraphFormatError(f"{e}{_called_at(node)}") from None
         nodes.append({
             "name": node.name,
             "op": node.op,
-            "target": target_name(node.target),
+            "target": target,
             "args": encode_arg(node.args),
             "kwargs": encode_arg(node.kwargs),
         })
     return nodes
+
+
+def _called_at(node: fx.Node) -> str:
+    """Where the model's code made ``node`` (the last frame of the trace's stack: the line
+    a refusal should send the reader to, for an op they did not write by name too), and
+    the ways around the refusal; empty where the trace kept no stack."""
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)',
+                        node.meta.get("stack_trace") or "")
+    if not frames:
+        return ""
+    path, line, function, code = frames[-1]
+    # An operator (not a function the forward names) is what a lowering made of that
+    # line: eager_fusion's; Inductor's artifacts are compiled code, not such graphs.
+    inductor = (", or build with backend='inductor'"
+                if isinstance(node.target, torch._ops.OpOverload) else "")
+    return (f" (made by {os.path.basename(path)}:{line} in {function}: {code.strip()}; "
+            f"write that line with operators stored graphs may call{inductor})")
 
 
 def data_to_graph(nodes: list[dict[str, Any]], *, bounded: bool = True,
