@@ -220,10 +220,17 @@ def _clean_old_files(layout: Layout, now: float) -> int:
     with contextlib.suppress(FileNotFoundError):
         for entry in os.scandir(layout.quarantine):
             with contextlib.suppress(FileNotFoundError):
-                if entry.stat().st_mtime < now - QUARANTINE_KEEP_S:
+                if _quarantined_at(entry) < now - QUARANTINE_KEEP_S:
                     os.unlink(entry.path)
                     removed += 1
     return removed
+
+
+def _quarantined_at(entry: os.DirEntry[str]) -> float:
+    """When ``entry`` went into quarantine: its change time, which the move into
+    quarantine/ sets (its modification time is the blob's own: a blob written ten days ago
+    and quarantined now would go at once)."""
+    return entry.stat(follow_symlinks=False).st_ctime
 
 
 def _clean_lock_files(layout: Layout, index: Index, now: float) -> None:

@@ -151,6 +151,24 @@ def test_gc(open_local, filled):
     assert not orphan.exists()
 
 
+def test_a_lost_index_keeps_every_blob_in_quarantine_for_its_days(filled):
+    """The index moved aside (as its error message says to do when it is damaged): `gc`
+    moves every blob into quarantine/, kept there its days counted from the move, not
+    from when the blob was written (a store warmed ten days ago lost everything at once)."""
+    objects = filled / "v1" / "objects"
+    blobs = [p for p in objects.rglob("*") if p.is_file()]
+    sizes = sorted(p.stat().st_size for p in blobs)
+    ten_days_ago = os.stat(blobs[0]).st_mtime - 10 * 86400
+    for p in blobs:
+        os.utime(p, (ten_days_ago, ten_days_ago))
+    (filled / "v1" / "index").rename(filled / "v1" / "index.damaged")
+    done = run(filled, "gc")
+    assert done.exit_code == 0 and f"moved {len(blobs)} blobs" in done.stdout, done.output
+    assert run(filled, "gc").exit_code == 0  # a later run within the days keeps them
+    kept = list((filled / "v1" / "quarantine").iterdir())
+    assert sorted(p.stat().st_size for p in kept) == sizes
+
+
 def test_gc_evicts_an_entry_with_its_targets_and_never_strands_one(open_local, store_dir):
     """Two unpinned model entries share a target. GC under a small cap takes the older
     entry first with the target only it refers to, then the newer one with the rest; at
