@@ -401,7 +401,7 @@ def test_a_path_that_cannot_be_a_store_is_one_line(tmp_path):
 def test_export_never_replaces_what_is_not_a_bundle(filled, tmp_path):
     """No file name, a path inside the store (its index, say) or something that is not a
     regular file (a FIFO here, a device as root): refused before anything is written, and
-    the store still reads."""
+    the store still reads; so is a metrics file (``stats --prometheus``) there."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
     index = next((filled / "v1" / "index").glob("*.db"))
@@ -413,7 +413,13 @@ def test_export_never_replaces_what_is_not_a_bundle(filled, tmp_path):
         assert result.exit_code == 2 and says in result.stderr, result.output
     result = run(filled, "stats", "--prometheus", str(fifo))
     assert result.exit_code == 2 and "not a regular file" in result.stderr, result.output
-    assert run(filled, "ls").exit_code == 0
+    blob = next(p for p in (filled / "v1" / "objects").rglob("*") if p.is_file())
+    for inside in (index, blob):  # the metrics file would replace the store's own
+        before = inside.read_bytes()
+        result = run(filled, "stats", "--prometheus", str(inside))
+        assert result.exit_code == 2 and "inside the store" in result.stderr, result.output
+        assert inside.read_bytes() == before
+    assert run(filled, "ls").exit_code == 0 and run(filled, "verify").exit_code == 0
     assert not (tmp_path / "cache.zip").exists()
 
 

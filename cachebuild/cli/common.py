@@ -106,6 +106,15 @@ def open_existing_store(ctx: click.Context) -> Store:
     return open_store(ctx)
 
 
+def refuse_inside_store(file: Path, store_path: Path, what: str) -> None:
+    """UsageError where ``file``, which a command is about to write, lies inside the store
+    at ``store_path``: it would replace the store's own files (its index, a blob)."""
+    inside, root = file.parent.resolve(), store_path.resolve()
+    if inside == root or root in inside.parents:
+        raise UsageError(f"cannot write {what} {file} inside the store {store_path}: give a "
+                         "path outside it")
+
+
 def safe_text(value: object, limit: int = 200) -> str:
     """``value`` as text that is safe to print through rich: control characters (terminal
     escape sequences among them) written as ``\\xNN``, rich markup escaped, and cut

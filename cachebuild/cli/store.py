@@ -22,6 +22,7 @@ from cachebuild.cli.common import (
     plural,
     printable,
     progress_bar,
+    refuse_inside_store,
     resolve_key,
     safe_text,
     state_of,
@@ -152,8 +153,10 @@ def stats_command(ctx: click.Context, as_json: bool, prometheus: str | None) -> 
     from cachebuild.backends.probe import listed_toolchains, unusable
     from cachebuild.metrics import check_target, write
 
-    if prometheus is not None:
-        check_target(prometheus)  # before the store is read: a bad path is bad usage
+    if prometheus is not None:  # before the store is read: a bad path is bad usage
+        if check_target(prometheus) is not None:
+            refuse_inside_store(Path(prometheus), Path(state_of(ctx).options.cache_dir),
+                                "--prometheus")
     store = open_existing_store(ctx)
     stats = store.stats()
     if prometheus is not None:
@@ -526,10 +529,7 @@ def export_command(ctx: click.Context, file: Path, model: str | None,
         raise UsageError(f"cannot write the bundle {file}: directory {file.parent} does not "
                          "exist")
     store = open_existing_store(ctx).local
-    inside = file.parent.resolve()
-    if inside == store.path.resolve() or store.path.resolve() in inside.parents:
-        raise UsageError(f"cannot write the bundle {file} inside the store {store.path}: "
-                         "give a path outside it")
+    refuse_inside_store(file, store.path, "the bundle")
     keys = [resolve_key(ctx, model)] if model else None
     held = {r.kind for r in store.records(manifests=False)}
     unheld = [k for k in kinds if k not in held]
