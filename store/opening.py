@@ -68,15 +68,41 @@ def _overlay_over(base: LocalStore, options: StoreOptions) -> Store:
     place the overlay and the builds' work folder."""
     from .overlay import OverlayStore
 
+    if options.overlay_dir:  # refused now, not after a trace, at the first build
+        try:
+            check_overlay_dir(Path(options.overlay_dir), base.path)
+        except UsageError:
+            base.close()
+            raise
     return OverlayStore(base, options.overlay_dir, work_dir=options.work_dir,
                         opened_with=options)
 
 
-def check_can_make(path: Path) -> None:
+def check_overlay_dir(path: Path, base: Path) -> None:
+    """UsageError (exit 2) where the overlay folder ``path`` (``CACHEBUILD_OVERLAY_DIR``)
+    cannot take what a process over the read-only store at ``base`` builds: it is a file,
+    it lies inside that store, or no store can be made there (``check_can_make``)."""
+    named = f"CACHEBUILD_OVERLAY_DIR={path}"
+    path = path.expanduser().absolute()
+    real, below = Path(os.path.realpath(path)), Path(os.path.realpath(base))
+    if real == below or below in real.parents:
+        raise UsageError(f"{named} lies inside the store it is to lie over ({base}), which "
+                         "this process only reads: give a folder outside it")
+    if os.path.lexists(path) and not os.path.isdir(path):
+        raise UsageError(f"{named} is not a folder: give a folder (or leave it unset: "
+                         "what is built then stays in memory)")
+    check_can_make(path, f"{named} holds no overlay", "give another folder, or leave it unset (what is built "
+                                "then stays in memory)")
+
+
+def check_can_make(path: Path, named: str | None = None,
+                   instead: str = "give another --cache-dir or CACHEBUILD_DIR") -> None:
     """UsageError (exit 2) where ``path`` holds no store and none can be made there: it
     is a folder this process may not write (a read-only mount, another user's, no write
     permission), or the nearest folder above it that is there is one it cannot write in.
-    A store that is there is left to the checks of opening it."""
+    A store that is there is left to the checks of opening it. ``named``: how a message
+    names the path (``no store at PATH``); ``instead``: what it says to do."""
+    named = named or f"no store at {path}"
     path = path.expanduser().absolute()
     if os.path.isdir(path / FORMAT_DIR):
         return
@@ -89,8 +115,8 @@ def check_can_make(path: Path) -> None:
         while not os.path.lexists(above) and above != above.parent:
             above = above.parent
         if not os.path.isdir(above):
-            raise UsageError(f"no store at {path}, and none can be made there: {above} is a "
-                             "file, not a folder; give another --cache-dir or CACHEBUILD_DIR")
+            raise UsageError(f"{named}, and none can be made there: {above} is a file, not a "
+                             f"folder; {instead}")
         try:
             read_only = bool(os.statvfs(above).f_flag & os.ST_RDONLY)
         except OSError:
@@ -98,9 +124,8 @@ def check_can_make(path: Path) -> None:
         if not read_only and os.access(above, os.W_OK | os.X_OK):
             return
         where = f"{above} is not writable here"
-    raise UsageError(f"no store at {path}, and none can be made there: {where} (a read-only "
-                     "mount, another user's folder, or no write permission); give another "
-                     "--cache-dir or CACHEBUILD_DIR")
+    raise UsageError(f"{named}, and none can be made there: {where} (a read-only mount, "
+                     f"another user's folder, or no write permission); {instead}")
 
 
 def holds_store(path: Path) -> bool:

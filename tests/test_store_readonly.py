@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cachebuild.errors import StoreError
+from cachebuild.errors import StoreError, UsageError
 from cachebuild.keys import make_key
 from cachebuild.store import LocalStore, OverlaySummary, StoreOptions, open_store
 from cachebuild.store.index import ReadOnlyStore
@@ -110,19 +110,26 @@ def test_writes_go_to_an_overlay_made_on_first_write(read_only, written, tmp_pat
 
 
 def test_an_overlay_folder_refused_names_the_variable_that_set_it(read_only, tmp_path):
-    """An overlay folder another user owns is refused naming CACHEBUILD_OVERLAY_DIR (the
-    message named the store's --cache-dir and CACHEBUILD_DIR, which were not at fault)."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root to give a directory to another user")
-    overlay_dir = tmp_path / "overlay"
-    overlay_dir.mkdir(mode=0o700)
-    os.chown(overlay_dir, 65534, 65534)
-    store = open_store(StoreOptions(cache_dir=read_only, overlay_dir=overlay_dir))
-    with pytest.raises(UnsafeStore) as e:
-        store.put(key("new"), b"built here", kind="target")
-    assert "overlay folder" in str(e.value) and "(CACHEBUILD_OVERLAY_DIR)" in str(e.value)
-    assert "CACHEBUILD_DIR" not in str(e.value).replace("CACHEBUILD_OVERLAY_DIR", "")
-    store.close()
+    """An overlay folder that cannot take a build (a file, a folder inside the read-only
+    store, a folder on that mount, one another user owns) is refused as the store opens,
+    exit 2, naming CACHEBUILD_OVERLAY_DIR: not after a server's trace, at its first build,
+    nor naming the store's --cache-dir and CACHEBUILD_DIR, which were not at fault."""
+    a_file = tmp_path / "a-file"
+    a_file.write_text("x")
+    cases = [(a_file, "is not a folder"), (read_only / "v1" / "overlay", "lies inside the store"),
+             (read_only, "lies inside the store")]
+    if os.geteuid() == 0:
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o700)
+        os.chown(theirs, 65534, 65534)
+        cases.append((theirs, "none can be made there"))
+    for overlay_dir, says in cases:
+        with pytest.raises(UsageError) as e:
+            open_store(StoreOptions(cache_dir=read_only, overlay_dir=overlay_dir))
+        said = str(e.value)
+        assert says in said and f"CACHEBUILD_OVERLAY_DIR={overlay_dir}" in said, said
+        assert "CACHEBUILD_DIR" not in said.replace("CACHEBUILD_OVERLAY_DIR", "")
+        assert e.value.exit_code == 2 and "\n" not in said
 
 
 def test_the_read_only_store_refuses_every_write_in_one_line(read_only):
