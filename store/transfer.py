@@ -105,7 +105,17 @@ def upload(tiered: TieredStore, key: str, vouched: bool = False,
         return "failed"
     if remote.put(key, outgoing(record, tiered.signing_key), framed):
         return "replaced" if replacing else "signed" if signed_now else "pushed"
-    return "present" if remote.contains(key) else "failed"
+    if not remote.contains(key):
+        return "failed"
+    # A put leaves what is there: another writer's copy, or one no reader can read (a
+    # value of another Redis type under the record's name), which is not "present".
+    if tiered.check_remote_copy(key) == "pulled":
+        return "present"
+    if not replace or replacing:
+        return "rejected"
+    if remote.delete(key) and remote.put(key, outgoing(record, tiered.signing_key), framed):
+        return "replaced"
+    return "failed"
 
 
 def push(store: Store, keys: Iterable[str] | None = None,

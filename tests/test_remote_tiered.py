@@ -409,6 +409,23 @@ def test_push_all_then_pull(tmp_path, server):
     assert sorted(r.key for r in puller.records(shared=True)) == sorted(items)
 
 
+def test_a_record_of_another_redis_type_is_not_already_there(tmp_path, server):
+    """A value of another Redis type under a record's name (no reader can read it) is
+    counted rejected by push, not "already there", and replaced when asked; then readers
+    get the blob again."""
+    pusher = tiered(tmp_path / "a", server.url)
+    key = new_key()
+    pusher.put(key, os.urandom(5000), kind="target")
+    client = server.client()
+    client.delete(record_key(key))
+    client.lpush(record_key(key), b"a")
+    counts = push(pusher, [key])
+    assert (counts.rejected, counts.present, counts.rejected_keys) == (1, 0, [key])
+    counts = push(pusher, [key], replace=True)
+    assert (counts.replaced, counts.present) == (1, 0)
+    assert tiered(tmp_path / "r", server.url).get(key) == pusher.local.get(key)
+
+
 def test_push_counts_a_bad_remote_copy_as_rejected_and_replaces_it_only_when_asked(
         tmp_path, server):
     """A damaged remote copy is not "already there"; a pusher with another key (which
