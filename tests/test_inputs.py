@@ -184,6 +184,38 @@ def test_a_written_argument_with_gaps_is_traced_and_served_with_its_layout(open_
     assert ".contiguous()" not in str(refused.value)
 
 
+class WritesItsTokens(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        cache[:, :8].copy_(h)
+        return h
+
+
+def test_a_written_argument_with_a_dynamic_dim_must_be_a_tensor_of_its_own(open_local):
+    """An argument with a dynamic dim is compiled contiguous: a column slice of a larger
+    tensor that the model writes is refused at the very first call, saying what to pass
+    (not "the layout of the first call's", which is the one refused); a tensor of its own
+    is served, its writes the caller's."""
+    torch.manual_seed(0)
+    model = WritesItsTokens().eval()
+    config = cachebuild.CompileConfig(compile_ranges=((1, 32),), backend="eager_fusion")
+    compiled = cachebuild.compile(model, config, dynamic_dims={0: 0, 1: 0}, store=open_local())
+    x = torch.randn(5, 8)
+    with pytest.raises(UsageError) as refused, torch.no_grad():
+        compiled(x, torch.zeros(5, 24)[:, 4:20])
+    said = str(refused.value)
+    assert "a dynamic dim is compiled contiguous" in said and "tensor of its own" in said
+    assert "first call" not in said
+    mine, eager = torch.zeros(5, 16), torch.zeros(5, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(x, mine), model(x, eager), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mine, eager, rtol=1e-5, atol=1e-5)
+
+
 class Project(torch.nn.Module):
     def forward(self, x, w):
         return x @ w

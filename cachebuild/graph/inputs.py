@@ -282,6 +282,13 @@ class CallCheck:
                 "another memory format: channels_last?" if _dense(a) and a.dim() == 4 else
                 "another order of dims: a transposed or permuted tensor?" if _dense(a) else
                 "an expanded or sliced view?")
+        dynamic = any(not isinstance(d, int) for d in dict(self.args)[i].shape)
+        if i in self.written and dynamic:  # traced contiguous whatever the first call gave
+            raise UsageError(f"argument {i} has strides {tuple(a.stride())} ({what}), but an "
+                             "argument with a dynamic dim is compiled contiguous, and the model "
+                             "writes this one in place: pass a contiguous tensor that is itself "
+                             "the one to write (a cache allocated as a tensor of its own, not a "
+                             "view of a larger one)")
         if i in self.written:  # a copy would take the writes, not the caller's tensor
             raise UsageError(f"argument {i} has strides {tuple(a.stride())} ({what}), but the "
                              f"compiled model was traced with {want} and writes it in place: "
