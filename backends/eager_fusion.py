@@ -8,6 +8,7 @@ graph is the artifact, stored as data (``fxjson``). Loading it compiles nothing.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import operator
 from typing import Any
@@ -25,6 +26,7 @@ from cachebuild.backends.protocol import (
 )
 from cachebuild.graph.facts import device_of, unpin_device
 from cachebuild.store.interface import ArtifactSource
+from cachebuild.tracing.targets import AUTOCAST_DEVICES
 from cachebuild.trust import allowed
 from cachebuild.trust.fxjson import GraphFormatError, data_to_module, graph_to_data
 
@@ -71,8 +73,10 @@ class EagerFusionBackend(Backend):
             request.passes(lowered.graph)
         lowered.graph.eliminate_dead_code()
         lowered.recompile()
-        payload = json.dumps({"nodes": graph_to_data(lowered.graph)}).encode()
-        return Artifact("fx-graph", payload)
+        data: dict[str, Any] = {"nodes": graph_to_data(lowered.graph)}
+        if torch._C._is_any_autocast_enabled():
+            data["autocast"] = True  # its casts are in the graph: run it with none applied
+        return Artifact("fx-graph", json.dumps(data).encode())
 
     def load(self, kind: str, key: str, source: ArtifactSource, device: str) -> Any:
         if kind != "fx-graph":
@@ -81,15 +85,31 @@ class EagerFusionBackend(Backend):
         if data is None:
             return None
         try:
-            nodes = json.loads(data)["nodes"]
-        except (ValueError, KeyError, TypeError, RecursionError):
+            stored = json.loads(data)
+            nodes, cast = stored["nodes"], stored.get("autocast", False) is True
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             raise GraphFormatError(f"stored graph of target {key} is not graph data") from None
         try:
             # Its forward, not the module: a module's __call__ would run torch's global
             # module hooks (the caller's, for its own modules) on the piece and its weights.
-            return data_to_module(nodes).forward
+            forward = data_to_module(nodes).forward
         except GraphFormatError as e:
             raise GraphFormatError(f"stored graph of target {key} was not loaded: {e}") from None
+        return _without_autocast(forward) if cast else forward
+
+
+def _without_autocast(forward: Any) -> Any:
+    """``forward`` run with autocast off: a graph lowered under autocast holds its casts
+    (those of the ops eager ran, composite ops taken apart after them), which autocast
+    applied again around the lowered ops would not repeat exactly."""
+    def run(*args: Any) -> Any:
+        with contextlib.ExitStack() as stack:
+            for device in AUTOCAST_DEVICES:
+                if torch.is_autocast_enabled(device):
+                    stack.enter_context(torch.autocast(device, enabled=False))
+            return forward(*args)
+
+    return run
 
 
 def match_output_layouts(lowered: torch.fx.GraphModule, reference: torch.fx.GraphModule) -> None:

@@ -70,6 +70,23 @@ def default_dtype(name: str | None) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def autocast(state: dict[str, str] | None, devices: Iterable[str]) -> Iterator[None]:
+    """Run the block with autocast on for exactly the devices ``state`` names (device →
+    dtype name; None: on for none of ``devices``), put back afterwards: a target is built,
+    and proven, under the autocast its piece was traced with (``targets.AUTOCAST``), which
+    the process building it (a worker, or the caller's thread inside its own autocast)
+    need not share."""
+    state = state or {}
+    with contextlib.ExitStack() as stack:
+        for device in devices:
+            if device in state:
+                stack.enter_context(torch.autocast(device, dtype=getattr(torch, state[device])))
+            elif torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+@contextlib.contextmanager
 def codegen_settings(settings: dict[str, Any] | None) -> Iterator[None]:
     """Run the block under the settings Inductor generates code under that ``settings``
     names (``compat.codegen_settings``' form; None or what it leaves out: torch's

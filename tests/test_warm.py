@@ -362,10 +362,25 @@ def test_a_call_under_autocast_is_refused_before_anything_and_never_remembered(
     assert models.counters_delta(before, cachebuild.stats())["traced"] == 0
 
 
+class NormAfterLinear(torch.nn.Module):
+    """A float32 norm weight after a linear that autocast runs in bfloat16: eager's
+    composite ``rms_norm`` returns bfloat16, its ops taken apart and run under autocast
+    again would return float32."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.norm = torch.nn.Linear(16, 16), torch.nn.RMSNorm(16)
+        self.group = torch.nn.GroupNorm(2, 16)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.lin(x)
+        return self.norm(h), self.group(h), torch.nn.functional.silu(h) * x
+
+
 def test_eager_fusion_pieces_run_under_the_callers_autocast(open_local, tmp_path, fresh_dynamo):
-    """``eager_fusion`` pieces run eagerly, so autocast around the call applies to them as
-    to the model: the same dtype and values as eager (bfloat16 tolerance), before and
-    after a call without it."""
+    """``eager_fusion`` pieces are lowered under the autocast of the call they serve, its
+    casts in their graph: the same dtypes and values as eager, before and after a call
+    without it, and from a second compile that loads what the first built."""
     model = models.make(models.Decoder, layers=2)
     compiled = cachebuild.compile(model, models.config(), DYN, store=open_local(tmp_path / "s"))
     args = models.inputs(6)
@@ -375,3 +390,19 @@ def test_eager_fusion_pieces_run_under_the_callers_autocast(open_local, tmp_path
     assert out.dtype == want.dtype == torch.bfloat16
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
     models.assert_matches_eager(compiled, model, args)
+
+    torch.manual_seed(0)
+    norm = NormAfterLinear().eval()
+    store = open_local(tmp_path / "norm")
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    for first in (True, False):
+        again = cachebuild.compile(norm, config, {0: 0}, store=store)
+        built = cachebuild.stats()["built"]
+        for size in (5, 12):
+            x = torch.randn(size, 16)
+            with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                out, want = again(x), norm(x)
+            assert [o.dtype for o in out] == [w.dtype for w in want], (out, want)
+            torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
+            models.assert_matches_eager(again, norm, (x,))
+        assert first or cachebuild.stats()["built"] == built  # the second loads them

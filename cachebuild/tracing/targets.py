@@ -172,6 +172,26 @@ def traced_default_dtype() -> str | None:
 CODEGEN = "codegen"
 
 
+#: The manifest factor naming the autocast a piece was traced under, where it was on
+#: (``{"cpu": "bfloat16"}``): only ``eager_fusion`` serves such calls, its pieces lowered
+#: under it, with its casts in the graph (other keys stay as they were).
+AUTOCAST = "autocast"
+
+
+def traced_autocast() -> dict[str, str] | None:
+    """The devices autocast is on for in this thread, with the dtype it casts to (see
+    ``AUTOCAST``); None where it is off."""
+    import torch
+
+    on = {d: str(torch.get_autocast_dtype(d)).removeprefix("torch.")
+          for d in AUTOCAST_DEVICES if torch.is_autocast_enabled(d)}
+    return on or None
+
+
+#: The devices whose autocast a trace follows.
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
 #: The manifest factor naming the ops a piece draws random numbers with, where it has any:
 #: its code draws them as eager does (Inductor's ``fallback_random``), which code built
 #: before it did not (other keys stay as they were).
@@ -181,10 +201,11 @@ RANDOM = "random"
 @contextlib.contextmanager
 def traced_settings(manifest: dict[str, Any]) -> Iterator[None]:
     """Run the block under the process-wide settings ``manifest``'s piece was traced under
-    (``DEFAULT_DTYPE``, ``CODEGEN``; torch's defaults where it names none), put back
+    (``DEFAULT_DTYPE``, ``CODEGEN``, ``AUTOCAST``; torch's defaults where it names none), put back
     afterwards: a target is built and proven as its tracing process would have built it."""
     with keep.default_dtype(manifest.get(DEFAULT_DTYPE)), \
-            keep.codegen_settings(manifest.get(CODEGEN)):
+            keep.codegen_settings(manifest.get(CODEGEN)), \
+            keep.autocast(manifest.get(AUTOCAST), AUTOCAST_DEVICES):
         yield
 
 
@@ -197,6 +218,7 @@ def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend:
     out: dict[int, list[Target]] = {}
     dtype = traced_default_dtype()
     settings = compat.codegen_settings()
+    autocast = traced_autocast()
     for piece in pieces:
         if not piece.compiled:
             continue
@@ -221,6 +243,8 @@ def make_targets(pieces: list[Piece], buckets: list[dict[str, Any]], *, backend:
                 manifest[CODEGEN] = settings
             if drawn:
                 manifest[RANDOM] = drawn
+            if autocast:
+                manifest[AUTOCAST] = autocast
             targets.append(Target(make_key(manifest), piece.index, bucket, manifest, sources))
         out[piece.index] = targets
     return out
