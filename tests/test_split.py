@@ -244,6 +244,21 @@ def test_a_forward_that_raises_is_said_with_its_exception_and_where():
     assert "raises on these inputs" in said and "one graph" not in said
 
 
+class IndexedByArgmax(nn.Module):
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        return x[ids.argmax()]
+
+
+def test_a_tensors_value_used_as_an_index_is_said_in_one_line():
+    """Dynamo's page about a data-dependent index (24 lines, links and logging variables)
+    is one line: what, where in the forward, and what to write instead."""
+    with pytest.raises(UsageError) as e:
+        trace_model(IndexedByArgmax(), (torch.randn(5, 4), torch.arange(5)), {0: 0, 1: 0})
+    said = str(e.value)
+    assert "\n" not in said and "data-dependent" in said and "x[ids.argmax()]" in said
+    assert "torch.index_select" in said
+
+
 def test_plain_tensor_attribute_is_refused():
     with pytest.raises(UsageError, match="register_buffer"):
         trace_model(PlainTensorAttribute(), (torch.randn(3, 4),), {0: 0})

@@ -447,6 +447,22 @@ def _op_error(e: BaseException) -> str:
     return one_line(error if error is not None else e, typed=True) + _where(e)
 
 
+def _user_error(e: BaseException) -> str:
+    """Dynamo's page about a forward it cannot trace (a ``UserError``) in one line: its
+    first line, where in the forward, and for a tensor's value used as an index or a size
+    (data-dependent), what to do instead."""
+    lines = [line.strip() for line in str(e).splitlines() if line.strip()]
+    first = (lines[0] if lines else type(e).__name__).split(" (unhinted")[0]
+    caused = next((line.removeprefix("Caused by:").strip() for line in lines
+                   if line.startswith("Caused by:")), "")
+    said = first + (f" (at {caused.split('  #')[0]})" if caused else _where(e))
+    if "data-dependent" in first:
+        said += ("; a tensor's value is used as an index or a size (h[ids.argmax()], "
+                 "x[:n.item()]), which one graph cannot follow: keep it a tensor "
+                 "(torch.index_select, torch.gather, a mask)")
+    return said
+
+
 def trace_model(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
                 dynamic_dims: dict[int, int],
                 compile_ranges: Sequence[tuple[int, int]] = ()) -> TracedGraph:
@@ -576,6 +592,8 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
                              f"same call runs eagerly): {_graph_break(e)}") from e
         raise UsageError(f"the model's forward does not trace as one graph: {_graph_break(e)}"
                          ) from e
+    except torch._dynamo.exc.UserError as e:
+        raise UsageError(f"the model's forward does not trace: {_user_error(e)}") from e
     except torch._dynamo.exc.TorchRuntimeError as e:
         # An op refused the call's shapes or dtypes (as it would eagerly): the error is the
         # op's, said in one line, not Dynamo's page about running FX nodes on fake tensors.
