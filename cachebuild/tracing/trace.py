@@ -179,9 +179,10 @@ def _bind(model: torch.nn.Module, args: list[Any], inputs: list[Any],
                 raise UsageError(
                     "the traced graph reads a 0-d tensor that is neither a parameter, a "
                     "buffer nor a call argument: a plain tensor attribute or global (register "
-                    "it with register_buffer), or a number the forward draws in Python at "
-                    "each call (random.randint, random.uniform: draw it with torch.randint "
-                    "or torch.rand instead, or pass it as an argument)")
+                    "it with register_buffer), a NumPy number (numpy.float32(...): make it a "
+                    "Python float), or a number the forward draws in Python at each call "
+                    "(random.randint, random.uniform: draw it with torch.rand instead, or "
+                    "pass it as an argument)")
             raise UsageError(
                 "the traced graph reads a tensor that is neither a parameter, a buffer nor a "
                 "call argument of the model (a plain tensor attribute, a NumPy array or a "
