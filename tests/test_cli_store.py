@@ -404,10 +404,13 @@ def test_export_never_replaces_what_is_not_a_bundle(filled, tmp_path):
     the store still reads; so is a metrics file (``stats --prometheus``) there."""
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
+    notes = tmp_path / "notes.txt"
+    notes.write_text("mine")
     index = next((filled / "v1" / "index").glob("*.db"))
     for target, says in (("", "give the bundle a file name"),
                          (str(index), "inside the store"),
                          (str(fifo), "exists and is not a regular file"),
+                         (str(notes), "exists and is not a bundle"),
                          (str(tmp_path / "cache.zip"), "use cache.tar, or cache.tar.gz")):
         result = run(filled, "export", target)
         assert result.exit_code == 2 and says in result.stderr, result.output
@@ -420,7 +423,7 @@ def test_export_never_replaces_what_is_not_a_bundle(filled, tmp_path):
         assert result.exit_code == 2 and "inside the store" in result.stderr, result.output
         assert inside.read_bytes() == before
     assert run(filled, "ls").exit_code == 0 and run(filled, "verify").exit_code == 0
-    assert not (tmp_path / "cache.zip").exists()
+    assert not (tmp_path / "cache.zip").exists() and notes.read_text() == "mine"
 
 
 # -- export / import ----------------------------------------------------------------------

@@ -503,6 +503,17 @@ def unpin_command(ctx: click.Context, target: str) -> None:
 _OTHER_ARCHIVES = (".zip", ".7z", ".rar", ".xz", ".bz2", ".zst", ".lz4", ".tbz2", ".txz")
 
 
+def _is_tar(path: Path) -> bool:
+    """Whether ``path`` holds a tar archive (compressed or not): an earlier bundle, which
+    an export may replace."""
+    import tarfile
+
+    try:
+        return tarfile.is_tarfile(path)
+    except OSError:
+        return False
+
+
 @click.command("export")
 @click.argument("file", type=click.Path(dir_okay=False, path_type=Path))
 @click.argument("model", required=False, metavar="[MODEL.py|KEY]")
@@ -530,6 +541,9 @@ def export_command(ctx: click.Context, file: Path, model: str | None,
                          "exist")
     store = open_existing_store(ctx).local
     refuse_inside_store(file, store.path, "the bundle")
+    if file.is_file() and file.stat().st_size and not _is_tar(file):  # a typo: notes.txt
+        raise UsageError(f"cannot write the bundle {file}: it exists and is not a bundle; "
+                         "give another name, or remove it first")
     keys = [resolve_key(ctx, model)] if model else None
     held = {r.kind for r in store.records(manifests=False)}
     unheld = [k for k in kinds if k not in held]
