@@ -43,6 +43,7 @@ from cachebuild.cli.common import (
     stderr,
     stdout,
 )
+from cachebuild.errors import one_line
 
 if TYPE_CHECKING:
     from cachebuild.explain import EntryExplanation
@@ -129,8 +130,10 @@ def _progress(console: Console, verbose: bool = False
             def line(target: TargetReport, done: int, total: int) -> None:
                 what = {"built": "built", "failed": "failed",
                         "stored": "found stored"}[target.state]
+                failed = target.state == "failed" and target.error
+                why = f": {printable(one_line(target.error), 300)}" if failed else ""
                 console.print(f"{what} {target.label} in {target.seconds:.1f} s ({done} of "
-                              f"{total})", markup=False, highlight=False)
+                              f"{total}){why}", markup=False, highlight=False)
                 phases = _phases_line(target) if verbose else None
                 if phases:
                     console.print(phases, markup=False, highlight=False)
