@@ -54,6 +54,7 @@ class TransferCounts:
     unvouched: int = 0  # push only: entered L1 unsigned from elsewhere, not named: not pushed
     unvouched_keys: list[str] = dataclasses.field(default_factory=list)
     rejected_keys: list[str] = dataclasses.field(default_factory=list)  # push only
+    missing_keys: list[str] = dataclasses.field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -150,6 +151,7 @@ def push(store: Store, keys: Iterable[str] | None = None,
             counts.present += 1
         elif outcome == "missing":
             counts.missing += 1
+            counts.missing_keys.append(key)
         elif outcome == "rejected":
             counts.rejected += 1
             counts.rejected_keys.append(key)
@@ -191,7 +193,9 @@ def pull(store: Store, keys: Iterable[str] | None = None, *,
         return ("missing" if remote.available else "failed"), 0
 
     with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        for outcome, size in pool.map(one, wanted):
+        for key, (outcome, size) in zip(wanted, pool.map(one, wanted), strict=True):
             setattr(counts, outcome, getattr(counts, outcome) + 1)
             counts.bytes += size
+            if outcome == "missing":
+                counts.missing_keys.append(key)
     return counts

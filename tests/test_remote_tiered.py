@@ -421,6 +421,8 @@ def test_a_record_of_another_redis_type_is_not_already_there(tmp_path, server):
     client.lpush(record_key(key), b"a")
     counts = push(pusher, [key])
     assert (counts.rejected, counts.present, counts.rejected_keys) == (1, 0, [key])
+    counts = pull(tiered(tmp_path / "p", server.url), [key])  # says which it could not read
+    assert (counts.missing, counts.missing_keys) == (1, [key])
     counts = push(pusher, [key], replace=True)
     assert (counts.replaced, counts.present) == (1, 0)
     assert tiered(tmp_path / "r", server.url).get(key) == pusher.local.get(key)

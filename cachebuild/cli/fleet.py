@@ -197,9 +197,12 @@ def pull_command(ctx: click.Context, model: str, jobs: int) -> None:
     click.echo(f"entry {entry_key} and its targets ← {remote.display_url}: "
                + _summary("pulled", targets, seconds, rate=True))
     if targets.missing:
-        click.echo(f"error: the remote lacks {plural(targets.missing, 'target')} of the "
-                   f"entry: `cachebuild warm {model}` with the remote read-write builds them "
-                   "and sends them there", err=True)
+        named = ", ".join(targets.missing_keys[:3]) + (
+            ", ..." if len(targets.missing_keys) > 3 else "")
+        click.echo(f"error: the remote lacks {plural(targets.missing, 'record')} of the "
+                   f"entry, or holds them unreadable ({named}): `cachebuild warm {model}` "
+                   "with the remote read-write builds them, and `cachebuild push --all "
+                   "--replace` from a store that holds them sends them again", err=True)
     if targets.rejected:
         click.echo(f"error: {plural(targets.rejected, 'target')} of the remote failed "
                    "verification here: check that CACHEBUILD_SIGNING_KEY is the fleet's key "
