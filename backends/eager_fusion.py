@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import operator
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -58,12 +59,17 @@ class EagerFusionBackend(Backend):
             # kernels that read concrete sizes, which pins the range's size to its hint.
             # Forwards, not modules: a module's __call__ would trace torch's global module
             # hooks (the caller's, for its own modules) into the piece.
+            # The first lowering runs under the autocast of the calls the piece serves
+            # (the build enters it), which records its casts as ops; they are not applied
+            # again (a forward's own ``with torch.autocast(enabled=False)`` block would be
+            # cast over).
             aten = make_fx(lambda *args: request.gm.forward(*args),
                            tracing_mode="symbolic")(*fake_args)
-            fn = torch.func.functionalize(lambda *args: aten.forward(*args),
-                                          remove="mutations_and_views")
-            lowered = make_fx(fn, tracing_mode="symbolic")(*fake_args)
-            match_output_layouts(lowered, aten)
+            with _autocast_off():
+                fn = torch.func.functionalize(lambda *args: aten.forward(*args),
+                                              remove="mutations_and_views")
+                lowered = make_fx(fn, tracing_mode="symbolic")(*fake_args)
+                match_output_layouts(lowered, aten)
         check_kept_symbolic(fake_mode.shape_env, symbols, request.bucket)
         # Lowering writes the build's GPU into the ops it creates (full, arange...): name
         # it by type, so the graph runs on whichever GPU is current where it is loaded.
@@ -103,13 +109,20 @@ def _without_autocast(forward: Any) -> Any:
     (those of the ops eager ran, composite ops taken apart after them), which autocast
     applied again around the lowered ops would not repeat exactly."""
     def run(*args: Any) -> Any:
-        with contextlib.ExitStack() as stack:
-            for device in AUTOCAST_DEVICES:
-                if torch.is_autocast_enabled(device):
-                    stack.enter_context(torch.autocast(device, enabled=False))
+        with _autocast_off():
             return forward(*args)
 
     return run
+
+
+@contextlib.contextmanager
+def _autocast_off() -> Iterator[None]:
+    """Run the block with autocast off for every device it is on for."""
+    with contextlib.ExitStack() as stack:
+        for device in AUTOCAST_DEVICES:
+            if torch.is_autocast_enabled(device):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
 
 
 def match_output_layouts(lowered: torch.fx.GraphModule, reference: torch.fx.GraphModule) -> None:

@@ -365,7 +365,7 @@ def test_a_call_under_autocast_is_refused_before_anything_and_never_remembered(
 class NormAfterLinear(torch.nn.Module):
     """A float32 norm weight after a linear that autocast runs in bfloat16: eager's
     composite ``rms_norm`` returns bfloat16, its ops taken apart and run under autocast
-    again would return float32."""
+    again would return float32; and ``with torch.autocast`` blocks of the forward's own."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -374,7 +374,11 @@ class NormAfterLinear(torch.nn.Module):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         h = self.lin(x)
-        return self.norm(h), self.group(h), torch.nn.functional.silu(h) * x
+        with torch.autocast("cpu", enabled=False):  # a part the forward keeps in float32
+            kept = self.lin(h.float())
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # and a part it casts itself
+            cast = self.lin(x)
+        return self.norm(h), self.group(h), torch.nn.functional.silu(h) * x, kept, cast
 
 
 def test_eager_fusion_pieces_run_under_the_callers_autocast(open_local, tmp_path, fresh_dynamo):

@@ -54,7 +54,8 @@ import torch
 #: Goes up with every change to what the table admits (see the module doc).
 #: 2: aten::copy, convolutions, TorchScript's list and string slices; 3: tensor_split
 #: (transformers' MoE routing); 4: _safe_softmax (scaled_dot_product_attention's math path
-#: with a mask: softmax, then zeros where a whole row is masked, by ops that check ``dim``).
+#: with a mask: softmax, then zeros where a whole row is masked, by ops that check ``dim``),
+#: and the autocast switches of a ``with torch.autocast(...)`` block.
 VERSION = 4
 
 
@@ -488,8 +489,10 @@ TORCH_FUNCTIONS: dict[str, str] = {
     **dict.fromkeys(("_check", "_check_is_size", "_assert"), "raises when its condition fails"),
 }
 #: Python functions of torch's a stored graph may call, by module: each runs admitted
-#: operators on the tensors it is given.
+#: operators on the tensors it is given, or (``torch.amp.autocast_mode``: a forward's
+#: ``with torch.autocast(...)`` block) sets and puts back this thread's autocast state.
 FUNCTIONAL: dict[str, frozenset[str]] = {
+    "torch.amp.autocast_mode": frozenset({"_enter_autocast", "_exit_autocast"}),
     "torch.nn.functional": frozenset({
         "relu", "relu_", "gelu", "silu", "mish", "sigmoid", "tanh", "softmax", "log_softmax",
         "softplus", "leaky_relu", "elu", "hardtanh", "hardswish", "hardsigmoid", "glu",

@@ -43,7 +43,7 @@ import math
 import operator
 import os
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -409,12 +409,21 @@ def graph_to_data(graph: fx.Graph) -> list[dict[str, Any]]:
     return nodes
 
 
+def _from(node: fx.Node) -> Iterator[fx.Node]:
+    """``node`` and the nodes after it, in graph order."""
+    while node.op != "root":
+        yield node
+        node = node.next
+
+
 def _called_at(node: fx.Node) -> str:
     """Where the model's code made ``node`` (the last frame of the trace's stack: the line
     a refusal should send the reader to, for an op they did not write by name too), and
     the ways around the refusal; empty where the trace kept no stack."""
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)',
-                        node.meta.get("stack_trace") or "")
+    # A node the trace made itself (a ``with`` block's switch) has no stack: the next
+    # node that has one is the line it stands before.
+    stack = next((n.meta["stack_trace"] for n in _from(node) if n.meta.get("stack_trace")), "")
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', stack)
     if not frames:
         return ""
     path, line, function, code = frames[-1]
