@@ -77,7 +77,7 @@ def open_regular(path: str | os.PathLike[str]) -> int | None:
         # Its owner could rewrite it in place, whatever the folders' modes say.
         os.close(fd)
         raise OddFile(f"a file owned by another user (uid {st.st_uid})", st.st_ino)
-    if others_can_write(st):
+    if others_can_write(st, fd):
         # Folders opened to readers (chmod -R a+rX) let anyone reach it.
         os.close(fd)
         raise OddFile(f"a file others may write (mode {stat.S_IMODE(st.st_mode):o})",

@@ -39,6 +39,7 @@ import functools
 import os
 import re
 import stat
+import struct
 from pathlib import Path
 
 from cachebuild.errors import StoreError
@@ -120,14 +121,44 @@ SET_BY = {"store directory": "--cache-dir, CACHEBUILD_DIR", "work folder": "CACH
           "environment folder": "CACHEBUILD_PROBE_DIR", "overlay folder": "CACHEBUILD_OVERLAY_DIR"}
 
 
-def others_can_write(st: os.stat_result) -> bool:
+def others_can_write(st: os.stat_result, where: int | str | os.PathLike[str] | None = None
+                     ) -> bool:
     """Whether a user other than the owner of what ``st`` describes (and root) may write
     it: its mode lets others write, or its group, unless that group is its owner's own
     (``_private_group``: what a umask of 002 gives every folder a user makes on systems
-    that give each user a group of their own)."""
+    that give each user a group of their own), or, where ``where`` (its path or an open
+    descriptor) is given, an access ACL lets a named user or group write it."""
     if st.st_mode & stat.S_IWOTH:
         return True
-    return bool(st.st_mode & stat.S_IWGRP) and not _private_group(st.st_gid, st.st_uid)
+    if not st.st_mode & stat.S_IWGRP:
+        return False  # with an ACL, the group bits are its mask: no named entry writes
+    if not _private_group(st.st_gid, st.st_uid):
+        return True
+    return where is not None and _acl_lets_others_write(where, st)
+
+
+#: ``system.posix_acl_access``: a 4-byte version, then entries of (tag u16, perm u16,
+#: id u32), little-endian. Tags of the entries that name someone, and the write bit.
+_ACL_USER, _ACL_GROUP_OBJ, _ACL_GROUP, _ACL_WRITE = 0x02, 0x04, 0x08, 0x02
+
+
+def _acl_lets_others_write(where: int | str | os.PathLike[str], st: os.stat_result) -> bool:
+    """Whether the access ACL of ``where`` lets a user other than its owner write it (a
+    named user, a named group or its owning group that is not the owner's own); False
+    where it has none, or the file system keeps none."""
+    try:
+        raw = os.getxattr(where, "system.posix_acl_access")
+    except OSError:
+        return False
+    for offset in range(4, len(raw) - 7, 8):
+        tag, perm, ident = struct.unpack_from("<HHI", raw, offset)
+        if not perm & _ACL_WRITE:
+            continue
+        if (tag == _ACL_USER and ident != st.st_uid) or \
+                (tag == _ACL_GROUP and not _private_group(ident, st.st_uid)) or \
+                (tag == _ACL_GROUP_OBJ and not _private_group(st.st_gid, st.st_uid)):
+            return True
+    return False
 
 
 @functools.lru_cache(maxsize=64)
@@ -176,7 +207,7 @@ def check_private_dir(path: Path, what: str = "store directory") -> None:
             f"(uid {euid}); stored artifacts contain code that runs when loaded, so a store "
             "must belong to the user who loads from it. Use a directory you own "
             f"({SET_BY.get(what, 'the variable that names it')}).")
-    if others_can_write(st):
+    if others_can_write(st, path):
         who = " and ".join(w for w, bit in (("group", stat.S_IWGRP), ("others", stat.S_IWOTH))
                            if st.st_mode & bit)
         raise UnsafeStore(
@@ -199,7 +230,7 @@ def check_private_file(path: Path, what: str) -> None:
         raise UnsafeStore(f"refusing {what} {path}: it is owned by uid {st.st_uid}, who could "
                           "rewrite what the store serves; give it back to the store's owner "
                           f"(chown {os.geteuid()} {path})")
-    if others_can_write(st):
+    if others_can_write(st, path):
         raise UnsafeStore(f"refusing {what} {path}: others may write it (mode "
                           f"{stat.S_IMODE(st.st_mode):o}) and so change what the store serves. "
                           f"Fix with: chmod go-w {path}")
@@ -254,7 +285,8 @@ def check_parents(path: Path, what: str = "store directory") -> None:
         if st.st_uid not in trusted:
             raise UnsafeStore(f"refusing {what} {path}: {parent} above it is owned by "
                              f"uid {st.st_uid}, who could rename it; {fix}")
-        if others_can_write(st) and not (st.st_mode & stat.S_ISVTX and below.st_uid in trusted):
+        if others_can_write(st, parent) and not (st.st_mode & stat.S_ISVTX
+                                                 and below.st_uid in trusted):
             raise UnsafeStore(f"refusing {what} {path}: {parent} above it is writable "
                              f"by others (mode {stat.S_IMODE(st.st_mode):o}), who could "
                              f"rename {child.name} in it; {fix}")
@@ -352,7 +384,7 @@ def _check_ancestor(real: Path, path: Path, what: str) -> None:
     if st.st_uid not in (0, os.geteuid()):
         raise UnsafeStore(f"refusing {what} {path}: {real} above it is owned by uid "
                           f"{st.st_uid}, who could change what is made there")
-    if others_can_write(st) and not st.st_mode & stat.S_ISVTX:
+    if others_can_write(st, real) and not st.st_mode & stat.S_ISVTX:
         raise UnsafeStore(f"refusing {what} {path}: {real} above it is writable by others "
                           f"(mode {stat.S_IMODE(st.st_mode):o})")
     check_parents(real, what)
@@ -431,7 +463,7 @@ def check_readable_dir(path: Path) -> None:
             f"refusing store directory {path}: it is owned by uid {st.st_uid}, neither you "
             f"(uid {euid}) nor root; stored artifacts contain code that runs when loaded, so "
             "a store must belong to you, or to root for a store you only read")
-    if others_can_write(st):
+    if others_can_write(st, path):
         raise UnsafeStore(
             f"refusing store directory {path}: it is writable by others (mode "
             f"{stat.S_IMODE(st.st_mode):o}); stored artifacts contain code that runs when "

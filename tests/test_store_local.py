@@ -489,6 +489,34 @@ def test_a_blob_others_may_write_is_never_read(open_local, store_dir):
     assert not blob_path(store, key(3)).exists()  # quarantined, with its record dropped
 
 
+def give_write_by_acl(path, uid: int = 65534) -> None:
+    """An access ACL letting user ``uid`` write ``path`` (``setfacl -m u:UID:rw``); the
+    test is skipped where the file system keeps no ACLs."""
+    import struct
+
+    entries = [(0x01, 6, 0xFFFFFFFF), (0x02, 6, uid), (0x04, 4, 0xFFFFFFFF),
+               (0x10, 6, 0xFFFFFFFF), (0x20, 4, 0xFFFFFFFF)]
+    raw = struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+    try:
+        os.setxattr(path, "system.posix_acl_access", raw)
+    except OSError as e:
+        pytest.skip(f"no ACLs here: {e.strerror}")
+
+
+def test_a_blob_or_index_another_user_may_write_by_an_acl_is_refused(open_local, store_dir):
+    """The mode's group bits are an ACL's mask: a named user's write is found in the ACL
+    itself (the owner's own group looked private, so the mode alone passed it)."""
+    store = open_local(store_dir)
+    store.put(key(6), b"payload", kind="target")
+    give_write_by_acl(blob_path(store, key(6)))
+    assert store.get(key(6)) is None and not blob_path(store, key(6)).exists()
+    store.close()
+    index_file = store_dir / "v1" / "index" / "cache.db"
+    give_write_by_acl(index_file)
+    with pytest.raises(StoreError, match="others may write it"):
+        open_local(store_dir)
+
+
 @pytest.mark.parametrize("name", ["cache.db", "cache.db-wal"])
 def test_an_index_file_others_may_write_is_refused(open_local, store_dir, name):
     """Whoever may write the index may point a record at a blob of theirs: the store is
