@@ -446,7 +446,8 @@ def test_a_worker_that_cannot_set_up_fails_its_targets_in_one_line_each(tmp_path
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr, proc.stderr
     said = " ".join(proc.stderr.split())
-    assert said.count("the build worker could not set up: ") == 3, proc.stderr
+    # Each target's reason on its progress line and again in the summary of failures.
+    assert said.count("the build worker could not set up: ") == 6, proc.stderr
     assert "RuntimeError: this model file imports in one process only" in said, proc.stderr
     assert summary(proc.stderr)[2:] == (0, 3), proc.stderr
 
