@@ -8,15 +8,14 @@ graph is the artifact, stored as data (``fxjson``). Loading it compiles nothing.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import operator
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.utils._pytree as pytree
 
+from cachebuild import keep
 from cachebuild.backends.protocol import (
     Artifact,
     Backend,
@@ -27,7 +26,6 @@ from cachebuild.backends.protocol import (
 )
 from cachebuild.graph.facts import device_of, unpin_device
 from cachebuild.store.interface import ArtifactSource
-from cachebuild.tracing.targets import AUTOCAST_DEVICES
 from cachebuild.trust import allowed
 from cachebuild.trust.fxjson import GraphFormatError, data_to_module, graph_to_data
 
@@ -65,7 +63,7 @@ class EagerFusionBackend(Backend):
             # cast over).
             aten = make_fx(lambda *args: request.gm.forward(*args),
                            tracing_mode="symbolic")(*fake_args)
-            with _autocast_off():
+            with keep.autocast(None):
                 fn = torch.func.functionalize(lambda *args: aten.forward(*args),
                                               remove="mutations_and_views")
                 lowered = make_fx(fn, tracing_mode="symbolic")(*fake_args)
@@ -109,20 +107,10 @@ def _without_autocast(forward: Any) -> Any:
     (those of the ops eager ran, composite ops taken apart after them), which autocast
     applied again around the lowered ops would not repeat exactly."""
     def run(*args: Any) -> Any:
-        with _autocast_off():
+        with keep.autocast(None):
             return forward(*args)
 
     return run
-
-
-@contextlib.contextmanager
-def _autocast_off() -> Iterator[None]:
-    """Run the block with autocast off for every device it is on for."""
-    with contextlib.ExitStack() as stack:
-        for device in AUTOCAST_DEVICES:
-            if torch.is_autocast_enabled(device):
-                stack.enter_context(torch.autocast(device, enabled=False))
-        yield
 
 
 def match_output_layouts(lowered: torch.fx.GraphModule, reference: torch.fx.GraphModule) -> None:

@@ -69,10 +69,15 @@ def default_dtype(name: str | None) -> Iterator[None]:
         torch.set_default_dtype(before)
 
 
+#: The devices whose autocast a trace follows, and a build sets.
+AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
 @contextlib.contextmanager
-def autocast(state: dict[str, str] | None, devices: Iterable[str]) -> Iterator[None]:
+def autocast(state: dict[str, str] | None,
+             devices: Iterable[str] = AUTOCAST_DEVICES) -> Iterator[None]:
     """Run the block with autocast on for exactly the devices ``state`` names (device →
-    dtype name; None: on for none of ``devices``), put back afterwards: a target is built,
+    dtype name; None: off for every one of ``devices``), put back afterwards: a target is built,
     and proven, under the autocast its piece was traced with (``targets.AUTOCAST``), which
     the process building it (a worker, or the caller's thread inside its own autocast)
     need not share."""

@@ -191,10 +191,8 @@ def _create_private(db: Path) -> None:
     try:
         os.close(os.open(db, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
                          | os.O_NOFOLLOW, 0o600))
-    except FileExistsError:
-        pass
-    except FileNotFoundError:  # no folder yet: diskcache makes it, and the file with it
-        pass
+    except (FileExistsError, FileNotFoundError):  # there, or no folder yet: diskcache
+        pass  # makes the folder, and the file with it
 
 
 def _busy(error: BaseException) -> bool:

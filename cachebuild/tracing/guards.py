@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from cachebuild import compat
+from cachebuild import compat, keep
 from cachebuild.graph.weights import hooks_hidden
 from cachebuild.trust.codehash import code_hash
 from cachebuild.trust.sources import code_change, find_module, is_label, module_label, object_label
@@ -468,10 +468,10 @@ def process_state(name: str) -> Any:
     if name == "default_device":
         return str(torch.get_default_device())
     if name == "autocast":
-        return [torch.is_autocast_enabled(d) for d in ("cpu", "cuda")]
+        return [torch.is_autocast_enabled(d) for d in keep.AUTOCAST_DEVICES]
     if name == "autocast_dtype":  # where autocast is on: the summary reads it only then
         return [str(torch.get_autocast_dtype(d)) if torch.is_autocast_enabled(d) else None
-                for d in ("cpu", "cuda")]
+                for d in keep.AUTOCAST_DEVICES]
     if name == "deterministic_warn_only":
         return torch.is_deterministic_algorithms_warn_only_enabled()
     if name == "matmul_precision":  # what a forward, or Inductor, reads of how matmuls round

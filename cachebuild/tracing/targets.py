@@ -184,12 +184,8 @@ def traced_autocast() -> dict[str, str] | None:
     import torch
 
     on = {d: str(torch.get_autocast_dtype(d)).removeprefix("torch.")
-          for d in AUTOCAST_DEVICES if torch.is_autocast_enabled(d)}
+          for d in keep.AUTOCAST_DEVICES if torch.is_autocast_enabled(d)}
     return on or None
-
-
-#: The devices whose autocast a trace follows.
-AUTOCAST_DEVICES = ("cpu", "cuda")
 
 
 #: The manifest factor naming the ops a piece draws random numbers with, where it has any:
@@ -205,7 +201,7 @@ def traced_settings(manifest: dict[str, Any]) -> Iterator[None]:
     afterwards: a target is built and proven as its tracing process would have built it."""
     with keep.default_dtype(manifest.get(DEFAULT_DTYPE)), \
             keep.codegen_settings(manifest.get(CODEGEN)), \
-            keep.autocast(manifest.get(AUTOCAST), AUTOCAST_DEVICES):
+            keep.autocast(manifest.get(AUTOCAST)):
         yield
 
 
