@@ -35,6 +35,10 @@ from cachebuild.errors import UsageError
 
 REMOTE_MODES = ("rw", "ro", "off")
 
+#: The shortest signing key taken: a shorter one can be guessed, and a guessed key signs
+#: anything (what a store or remote serves runs as code here).
+MIN_SIGNING_KEY_BYTES = 16
+
 
 def cache_home() -> Path:
     """The user's cache folder by the XDG rules: ``$XDG_CACHE_HOME`` if it is an absolute
@@ -51,6 +55,10 @@ def default_dir() -> Path:
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
+
+
+def _bytes(n: int) -> str:
+    return f"{n} byte" if n == 1 else f"{n} bytes"
 
 
 def env_flag(name: str) -> bool:
@@ -96,6 +104,11 @@ class StoreOptions:
             raise UsageError(f"the remote mode (--remote-mode, CACHEBUILD_REMOTE_MODE) must be "
                              f"one of {', '.join(REMOTE_MODES)}, not {self.remote_mode!r}")
         object.__setattr__(self, "remote_mode", mode)
+        if self.signing_key is not None and len(self.signing_key) < MIN_SIGNING_KEY_BYTES:
+            raise UsageError(
+                f"CACHEBUILD_SIGNING_KEY is {_bytes(len(self.signing_key))} long: use at least "
+                f"{MIN_SIGNING_KEY_BYTES} random bytes (for example the output of python -c "
+                f"'import secrets; print(secrets.token_hex(32))'), the same on every machine")
         if self.require_signature and not self.signing_key:
             raise UsageError("CACHEBUILD_REQUIRE_SIGNATURE needs a signing key: set "
                              "CACHEBUILD_SIGNING_KEY")

@@ -212,6 +212,17 @@ def test_bad_usage_exits_2(filled, args):
     assert "Traceback" not in result.output
 
 
+def test_a_signing_key_anyone_could_guess_is_refused(filled, monkeypatch):
+    """A short key signs nothing worth trusting: the store is not opened with it."""
+    monkeypatch.setenv("CACHEBUILD_SIGNING_KEY", "x")
+    result = run(filled, "stats")
+    assert result.exit_code == 2, result.output
+    assert "CACHEBUILD_SIGNING_KEY is 1 byte long: use at least 16 random bytes" in result.output
+    assert len(result.output.strip().splitlines()) == 1
+    monkeypatch.setenv("CACHEBUILD_SIGNING_KEY", "k" * 16)
+    assert run(filled, "stats").exit_code == 0
+
+
 @pytest.mark.parametrize(("option", "value", "says"), [
     ("--older-than", "7", "'7' has no unit: give one, e.g. 7d or 7h (7s for seconds)"),
     ("--max-size", "20", "'20' has no unit: give one, e.g. 20G or 20M (20B for bytes)")])

@@ -488,7 +488,7 @@ def test_a_store_without_remote_does_not_import_redis(tmp_path):
         "import sys\n"
         "from cachebuild.store import open_store\n"
         "from cachebuild.store import StoreOptions\n"
-        f"store = open_store(StoreOptions({str(tmp_path / 'l1')!r}, signing_key=b'k'))\n"
+        f"store = open_store(StoreOptions({str(tmp_path / 'l1')!r}, signing_key=b'k' * 32))\n"
         "store.put('ab' * 16, b'x', kind='target')\n"
         "assert store.get('ab' * 16) == b'x'\n"
         "assert 'redis' not in sys.modules, 'redis imported'\n"

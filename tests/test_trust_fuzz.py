@@ -24,7 +24,7 @@ from trust import clean_env, cli
 pytestmark = [pytest.mark.redis, pytest.mark.slow]
 
 TESTS = Path(__file__).resolve().parent
-KEY = "fuzz-fleet-key"
+KEY = "fuzz-fleet-signing-key"
 MODEL_PY = """
 import cachebuild
 import models

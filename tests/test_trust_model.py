@@ -96,7 +96,7 @@ def test_tampered_remote_targets_are_rebuilt_and_a_new_key_rebuilds_once(tmp_pat
             return clean_env(CACHEBUILD_DIR=str(tmp_path / l1), CACHEBUILD_REMOTE=server.url,
                              CACHEBUILD_SIGNING_KEY=key)
 
-        assert warm(model, env("builder", "key-A")) == (2, 0, 2, 0)
+        assert warm(model, env("builder", "fleet-signing-key-A")) == (2, 0, 2, 0)
         targets = [k.decode().rsplit(":", 1)[1] for k in server.client().keys(record_key("*"))]
         targets = [k for k in targets if json.loads(server.client().get(record_key(k)))
                    ["record"]["kind"] not in ("entry", "guards")]
@@ -111,11 +111,11 @@ def test_tampered_remote_targets_are_rebuilt_and_a_new_key_rebuilds_once(tmp_pat
         client.delete(chunk_key(targets[1], 0))
         # Another machine: both are missing, so both are built; warm succeeds, and so
         # does the server after it, loading everything.
-        assert warm(model, env("second", "key-A")) == (2, 0, 2, 0)
-        assert serve(model, env("second", "key-A"))["built"] == 0
+        assert warm(model, env("second", "fleet-signing-key-A")) == (2, 0, 2, 0)
+        assert serve(model, env("second", "fleet-signing-key-A"))["built"] == 0
         # The fleet rotates its key: each machine rebuilds once, then loads.
-        assert warm(model, env("rotated", "key-B")) == (2, 0, 2, 0)
-        stats = serve(model, env("rotated", "key-B"))
+        assert warm(model, env("rotated", "fleet-signing-key-B")) == (2, 0, 2, 0)
+        stats = serve(model, env("rotated", "fleet-signing-key-B"))
         assert stats["built"] == 0 and stats["traced"] == 0
 
 
@@ -154,7 +154,7 @@ def test_compile_refuses_unsigned_blobs_exactly_as_the_cli_does(tmp_path):
     model = model_file(tmp_path)
     store = tmp_path / "store"
     assert warm(model, clean_env(CACHEBUILD_DIR=str(store))) == (2, 0, 2, 0)  # no key yet
-    strict = clean_env(CACHEBUILD_DIR=str(store), CACHEBUILD_SIGNING_KEY="fleet-key",
+    strict = clean_env(CACHEBUILD_DIR=str(store), CACHEBUILD_SIGNING_KEY="fleet-signing-key",
                        CACHEBUILD_REQUIRE_SIGNATURE="1")
     proc = cli("verify", env=strict)
     assert proc.returncode == 1

@@ -132,7 +132,7 @@ def test_a_target_counts_as_present_only_once_its_bytes_verify(tmp_path, server)
                           "data": None}, k
     assert got[good]["present"] and got[good]["data"] == "the real artifact " + good
     # A reader with another key (a rotation): nothing verifies, nothing is present.
-    rotated = read(tmp_path / "r2", server.url, [good], CACHEBUILD_SIGNING_KEY="new-key")
+    rotated = read(tmp_path / "r2", server.url, [good], CACHEBUILD_SIGNING_KEY="a-new-fleet-signing-key")
     assert rotated[good]["present"] is False and rotated[good]["data"] is None
 
 

@@ -37,7 +37,7 @@ from cachebuild.keys import make_key
 from cachebuild.store import LocalStore, export_bundle
 from cachebuild.store.blob import encode_blob
 
-SIGNING_KEY = "store-trust-key"
+SIGNING_KEY = "store-trust-signing-key"
 
 
 def key(name: str) -> str:

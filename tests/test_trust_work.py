@@ -374,7 +374,7 @@ def test_a_tampered_kept_object_never_reaches_a_signed_target(tmp_path):
     environment = linked_environment(tmp_path / "environment")
     model = tmp_path / "model.py"
     model.write_text(MODEL)
-    env = clean_env(CACHEBUILD_PROBE_DIR=str(environment), CACHEBUILD_SIGNING_KEY="fleet-key",
+    env = clean_env(CACHEBUILD_PROBE_DIR=str(environment), CACHEBUILD_SIGNING_KEY="fleet-signing-key",
                     CACHEBUILD_REQUIRE_SIGNATURE="1", **SMALL)
     first = cli("--cache-dir", str(tmp_path / "one"), "warm", str(model), env=env, timeout=1500)
     assert first.returncode == 0, first.stderr[-3000:]
