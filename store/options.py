@@ -46,7 +46,18 @@ def cache_home() -> Path:
     given = os.environ.get("XDG_CACHE_HOME", "")
     if given and os.path.isabs(given):
         return Path(given)
-    return Path("~/.cache").expanduser()
+    return home() / ".cache"
+
+
+def home() -> Path:
+    """The user's home folder: ``$HOME``, or the account's where ``HOME`` is unset, empty or
+    relative (``HOME=`` would otherwise put every user's store at ``/.cache``)."""
+    given = os.environ.get("HOME", "")
+    if given and os.path.isabs(given):
+        return Path(given)
+    import pwd
+
+    return Path(pwd.getpwuid(os.getuid()).pw_dir)
 
 
 def default_dir() -> Path:

@@ -838,6 +838,22 @@ def test_a_new_home_under_umask_002_gets_private_folders(tmp_path):
     assert {oct(stat.S_IMODE(os.stat(p).st_mode)) for p in made} == {"0o700"}
 
 
+@pytest.mark.parametrize("home", ["", "relative/home"])
+def test_an_empty_or_relative_home_is_the_accounts_home(monkeypatch, home):
+    """``HOME=`` put every user's store at /.cache/cachebuild (and a relative HOME under
+    the working directory, which another user may own): the account's home is used."""
+    import pwd
+
+    from cachebuild.backends import environment
+    from cachebuild.store.options import default_dir
+
+    monkeypatch.setenv("HOME", home)
+    monkeypatch.delenv("XDG_CACHE_HOME", raising=False)
+    account = Path(pwd.getpwuid(os.getuid()).pw_dir)
+    assert default_dir() == account / ".cache" / "cachebuild"
+    assert environment.root() == account / ".cache" / "cachebuild" / "env"
+
+
 def test_only_a_group_of_the_owner_alone_may_write_a_folder(tmp_path):
     folder = tmp_path / "f"
     folder.mkdir(mode=0o700)
