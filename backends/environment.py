@@ -48,6 +48,10 @@ OBJECTS = ("cxx", "built/cxx")
 OBJECT_AGE = 7 * 24 * 3600.0
 
 
+#: The length of an environment folder's name (a key of its factors).
+FINGERPRINT_CHARS = 20
+
+
 def root() -> Path:
     """The folder holding one environment folder per fingerprint (beside the default
     store's ``v1/``, never inside a store's)."""
@@ -69,7 +73,7 @@ def fingerprint() -> str:
     """The name of this environment's folder: a key of ``factors()`` (imports torch)."""
     from cachebuild.keys import make_key
 
-    return make_key({"environment": factors()})[:20]
+    return make_key({"environment": factors()})[:FINGERPRINT_CHARS]
 
 
 def overridden() -> Path | None:
@@ -128,6 +132,14 @@ class Folder:
                  " ".join(str(f[k]) for k in ("machine", "cpu_isa") if f.get(k)),
                  f"Triton {f['triton']}" if f.get("triton") else ""]
         return ", ".join(p for p in parts if p.strip())
+
+
+def is_environment_folder(folder: Folder) -> bool:
+    """Whether ``folder`` is one this tool made: it describes itself, or is named as
+    ``fingerprint()`` names folders (one made before its description was written)."""
+    name = os.path.basename(folder.path)
+    return folder.description is not None or (
+        len(name) == FINGERPRINT_CHARS and all(c in "0123456789abcdef" for c in name))
 
 
 def tree_bytes(path: Path) -> tuple[int, int]:

@@ -314,6 +314,9 @@ def test_gc_environments_removes_other_environments_and_keeps_this_one(first_run
         {"factors": {"torch": "2.11.0+cpu", "python": "3.12"}}))
     (other / "headers").mkdir()
     (other / "headers" / "old.h.gch").write_bytes(b"\0" * 4096)
+    notes = folder.parent / "my-notes"  # not one of ours: kept
+    notes.mkdir(mode=0o700)
+    (notes / "todo.txt").write_text("keep me")
     legacy = store / "v1" / "probe"
     legacy.mkdir(mode=0o700)
     (legacy / "aoti-cpu-old.json").write_text("{}")
@@ -328,6 +331,8 @@ def test_gc_environments_removes_other_environments_and_keeps_this_one(first_run
     assert f"removed environment folder {other}" in text
     assert f"removed environment folder {legacy}" in text
     assert not other.exists() and not legacy.exists()
+    assert f"kept {notes}: not an environment folder" in text
+    assert (notes / "todo.txt").read_text() == "keep me"
     assert (folder / "environment.json").exists() and list(folder.glob("aoti-cpu-*.json"))
     # With $CACHEBUILD_PROBE_DIR elsewhere, this torch's, Python's and CPU's own folder
     # (what this user's other shells use) is still this environment's: kept.

@@ -333,8 +333,15 @@ def _gc_environments(store: Store, dry_run: bool, verb: str) -> None:
     # Both paths import torch (its fingerprint).
     ours = {os.path.realpath(environment.current()),
             os.path.realpath(environment.root() / environment.fingerprint())}
-    candidates = [(Path(f.path), f.summary()) for f in environment.listed()
-                  if os.path.realpath(f.path) not in ours]
+    candidates = []
+    for f in environment.listed():
+        if os.path.realpath(f.path) in ours:
+            continue
+        if not environment.is_environment_folder(f):  # put there by someone, for something
+            out.print(f"kept {safe_text(f.path, 500)}: not an environment folder (no "
+                      f"{environment.DESCRIPTION}, and its name is no environment's)")
+            continue
+        candidates.append((Path(f.path), f.summary()))
     legacy = Path(store.local.root) / "probe"
     if not getattr(store.local, "read_only", False) and legacy.is_dir() and \
             legacy.parent.name == FORMAT_DIR:
