@@ -625,6 +625,33 @@ def test_outputs_keep_the_layout_eager_gives_them(open_local, tmp_path, backend)
         models.assert_matches_eager(compiled, model, (torch.randn(size, 8),))
 
 
+class WritesInPlace(torch.nn.Module):
+    """In-place writes to values the forward made: through ``.diagonal()`` and a slice,
+    ``zero_`` of a whole tensor (functionalised into ``diagonal_scatter``, ``zero``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        h = self.lin(x)
+        g = h.t() @ h
+        g.diagonal().fill_(1.0)
+        g.diagonal().add_(h.sum())
+        m = h.clone()
+        m[:, :2].zero_()
+        return g, m, torch.empty_like(h).zero_() + h
+
+
+def test_in_place_writes_to_made_values_are_built_and_match_eager(open_local, tmp_path):
+    torch.manual_seed(0)
+    model = WritesInPlace().eval()
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    compiled = cachebuild.compile(model, config, {0: 0}, store=open_local(tmp_path / "s"))
+    for size in (5, 1, 16):
+        models.assert_matches_eager(compiled, model, (torch.randn(size, 8),))
+
+
 class CausalAttention(torch.nn.Module):
     """``F.scaled_dot_product_attention`` inside a piece (no splitting op): its math path
     with a causal mask is ``_safe_softmax``, which eager_fusion's stored graph calls."""

@@ -55,8 +55,10 @@ import torch
 #: 2: aten::copy, convolutions, TorchScript's list and string slices; 3: tensor_split
 #: (transformers' MoE routing); 4: _safe_softmax (scaled_dot_product_attention's math path
 #: with a mask: softmax, then zeros where a whole row is masked, by ops that check ``dim``),
-#: and the autocast switches of a ``with torch.autocast(...)`` block.
-VERSION = 4
+#: and the autocast switches of a ``with torch.autocast(...)`` block; 5: zero, diagonal_copy
+#: and diagonal_scatter (what functionalisation makes of ``zero_`` and a write through
+#: ``.diagonal()``).
+VERSION = 5
 
 
 def _rows(reason: str, text: str) -> dict[str, str]:
@@ -158,6 +160,7 @@ square: default
 fill: Scalar Tensor
 fill_: Scalar Tensor
 zero_: default
+zero: default
 masked_fill: Scalar Tensor
 masked_fill_: Scalar Tensor
 atan2: default
@@ -322,6 +325,8 @@ movedim: int intlist
 view_as: default
 reshape_as: default
 diagonal: default
+diagonal_copy: default
+diagonal_scatter: default
 as_strided: default
 as_strided_: default
 as_strided_copy: default
