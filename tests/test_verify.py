@@ -16,7 +16,7 @@ import torch.fx as fx
 import cachebuild
 from cachebuild.backends import BuildRequest, register_backend
 from cachebuild.backends.eager_fusion import EagerFusionBackend
-from cachebuild.building.verify import check, compare, verify_sizes
+from cachebuild.building.verify import Mismatch, check, compare, verify_sizes
 from cachebuild.errors import BuildError
 from cachebuild.tracing.trace import InputMeta
 
@@ -193,6 +193,37 @@ def test_check_skips_sizes_where_the_piece_rejects_random_inputs():
     # nothing and is skipped; the other sizes are checked.
     fn = fx.GraphModule(torch.nn.Module(), graph)
     assert check(fn, nodes, metas, {"range": [1, 8]}) == [1, 8]
+
+
+def test_a_size_that_only_repeated_write_indices_fit_proves_nothing():
+    """A 4-row cache written at ``size`` positions: past 4 rows only repeated positions
+    fit, and which write to a row lands is the kernel's choice (eager's too). An artifact
+    that writes in the other order is right there, and still proven at the sizes where
+    the positions can be distinct."""
+    graph = fx.Graph()
+    cache, pos, k = graph.placeholder("cache"), graph.placeholder("pos"), graph.placeholder("k")
+    graph.call_method("index_copy_", (cache, 0, pos, k))
+    graph.output((graph.call_method("sum", (k,)),))
+    from cachebuild.trust.fxjson import graph_to_data
+
+    nodes = graph_to_data(graph)
+    metas = [InputMeta("tensor", "float32", (4, 3), (3, 1)),
+             InputMeta("tensor", "int64", ("s0",), (1,)),
+             InputMeta("tensor", "float32", ("s0", 3), (3, 1))]
+
+    def last_first(cache, pos, k):  # the first write to a row lands, not the last
+        for i in reversed(range(len(pos))):
+            cache[pos[i]] = k[i]
+        return (k.sum(),)
+
+    assert check(last_first, nodes, metas, {"range": [2, 8]}) == [2, 8]
+
+    def wrong(cache, pos, k):  # where positions are distinct, a wrong write is caught
+        cache.index_copy_(0, pos, k * 2)
+        return (k.sum(),)
+
+    with pytest.raises(Mismatch, match="input 0 after the call"):
+        check(wrong, nodes, metas, {"range": [2, 8]})
 
 
 # -- on first load ---------------------------------------------------------------------
