@@ -100,8 +100,24 @@ class ModelSpec:
                     "which no call is served at; give example inputs a range holds")
 
 
+#: What nn.Module keeps on each instance (hooks, ``_parameters``...): the wrapper's own.
+_MODULE_INTERNALS = frozenset(vars(torch.nn.Module()))
+
+
 class CompiledModule(torch.nn.Module):
-    """Behaves like the model; compiled through cachebuild on the first call."""
+    """Behaves like the model; compiled through cachebuild on the first call.
+
+    Attributes other than its own (``OWN``) are the model's, read, set and deleted there
+    (as torch.compile's module does): ``compiled.use_bias = False`` or
+    ``compiled.lin = other`` changes the model, whose guards then see it; set on this
+    wrapper they would change nothing the forward reads. ``training`` is the model's too.
+    """
+
+    #: The attributes this wrapper keeps itself; every other one is the model's.
+    OWN = frozenset({
+        "model", "config", "dynamic_dims", "capture_report", "swap", "_store", "_passes",
+        "_runtime", "_variants", "_eager", "_dynamo", "_interim", "_swapping", "_starting",
+        "_starting_pid", "_forward", "_said_not_run", "_said_grad_mode"})
 
     def __init__(self, model: torch.nn.Module, config: CompileConfig,
                  dynamic_dims: dict[int, int], store: Store | None,
@@ -145,7 +161,38 @@ class CompiledModule(torch.nn.Module):
         if name == "model" and "model" in self._modules:
             raise UsageError("a compiled module serves the model it was compiled from; "
                              "compile the other model: cachebuild.compile(other, ...)")
-        super().__setattr__(name, value)
+        if name in self.OWN or name in _MODULE_INTERNALS or hasattr(type(self), name):
+            super().__setattr__(name, value)
+        else:
+            setattr(self._modules["model"], name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        # Only for what is not found the usual way (this wrapper's own attributes, its
+        # ``model`` submodule): the model's.
+        modules = self.__dict__.get("_modules", {})
+        if name in modules:
+            return modules[name]
+        if name in self.OWN or name in _MODULE_INTERNALS or "model" not in modules:
+            raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+        return getattr(modules["model"], name)
+
+    def __delattr__(self, name: str) -> None:
+        if name in self.OWN or name in _MODULE_INTERNALS or hasattr(type(self), name):
+            super().__delattr__(name)
+        else:
+            delattr(self._modules["model"], name)
+
+    @property  # type: ignore[override]
+    def training(self) -> bool:
+        model = self.__dict__.get("_modules", {}).get("model")
+        return True if model is None else model.training
+
+    @training.setter
+    def training(self, value: bool) -> None:
+        # nn.Module's own __init__ sets it before the model is there: nothing to mirror.
+        model = self.__dict__.get("_modules", {}).get("model")
+        if model is not None:
+            model.training = value
 
     @property
     def runtime(self) -> ModelRuntime | None:

@@ -652,6 +652,42 @@ def test_in_place_writes_to_made_values_are_built_and_match_eager(open_local, tm
         models.assert_matches_eager(compiled, model, (torch.randn(size, 8),))
 
 
+class Flagged(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin, self.use_bias, self.scale = torch.nn.Linear(8, 8), True, 1.0
+        self.drop = torch.nn.Dropout(0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.drop(self.lin(x)) * self.scale
+        return h + 1 if self.use_bias else h
+
+
+def test_changes_made_through_the_compiled_module_reach_the_model(open_local, tmp_path):
+    """``model = cachebuild.compile(model)`` keeps only the handle: a flag set on it, a
+    submodule swapped through it, ``eval()`` on it change the model (they sat on the
+    wrapper, where the forward never read them, and the old answer was served)."""
+    torch.manual_seed(0)
+    model = Flagged().eval()
+    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
+    compiled = cachebuild.compile(model, config, {0: 0}, store=open_local(tmp_path / "s"))
+    x = torch.randn(5, 8)
+    models.assert_matches_eager(compiled, model, (x,))
+    assert compiled.lin is model.lin and compiled.use_bias is True and not compiled.training
+    compiled.use_bias = False
+    compiled.scale = 0.5
+    assert model.use_bias is False and model.scale == 0.5 and "use_bias" not in vars(compiled)
+    models.assert_matches_eager(compiled, model, (x,))
+    compiled.lin = torch.nn.Linear(8, 8)
+    assert model.lin is compiled.lin
+    models.assert_matches_eager(compiled, model, (x,))
+    compiled.train()
+    assert model.training and compiled.training
+    compiled.eval()
+    del compiled.scale
+    assert not hasattr(model, "scale")
+
+
 class CausalAttention(torch.nn.Module):
     """``F.scaled_dot_product_attention`` inside a piece (no splitting op): its math path
     with a causal mask is ``_safe_softmax``, which eager_fusion's stored graph calls."""
