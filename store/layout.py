@@ -263,9 +263,16 @@ def make_private_dir(path: Path, what: str = "store directory") -> None:
     check_private_dir(path, what)
 
 
-def check_parents(path: Path, what: str = "store directory") -> None:
+#: Why a store must be a folder only its owner (or root) can change, and what to do.
+STORE_FIX = ("stored artifacts contain code that runs when loaded, so no one else may be "
+             "able to swap the store for another directory; use a store under a "
+             "directory that only you or root can change (e.g. ~/.cache/cachebuild)")
+
+
+def check_parents(path: Path, what: str = "store directory", fix: str = STORE_FIX) -> None:
     """Refuse ``path`` (a real path: no symlinks) if anyone but us or root could rename it,
-    or a directory above it, and put something else there.
+    or a directory above it, and put something else there (``fix``: why that matters for
+    ``what``, and what to do).
 
     A directory above the store may be writable by others only if it is sticky (``/tmp``)
     and the entry in it on our way is ours or root's: then only its owner may rename it.
@@ -279,9 +286,6 @@ def check_parents(path: Path, what: str = "store directory") -> None:
         except OSError as e:
             raise UnsafeStore(f"cannot check {parent}, above the {what} {path}: "
                              f"{e.strerror or e}") from None
-        fix = ("stored artifacts contain code that runs when loaded, so no one else may be "
-               "able to swap the store for another directory; use a store under a "
-               "directory that only you or root can change (e.g. ~/.cache/cachebuild)")
         if st.st_uid not in trusted:
             raise UnsafeStore(f"refusing {what} {path}: {parent} above it is owned by "
                              f"uid {st.st_uid}, who could rename it; {fix}")

@@ -219,7 +219,10 @@ def test_a_model_file_in_a_shared_folder_does_not_import_what_lies_beside_it(tmp
         (shared / "model.py").write_text("import beside_it\n")
         proc = cli("--cache-dir", str(tmp_path / "store"), "plan", str(shared / "model.py"))
         assert_one_line_error(proc, 2, r"No module named 'beside_it'.* is not put on sys.path:"
-                                       r" .*writable by others")
+                                       r" .*writable by others .*a module put there would run "
+                                       r"in this process; keep the model and the modules it "
+                                       r"imports in a folder only you")
+        assert "store" not in proc.stderr.split("not put on sys.path")[1]  # not a store's
 
 
 def test_a_worker_that_cannot_import_a_module_of_a_withheld_folder_says_why(tmp_path):

@@ -48,17 +48,29 @@ _BOOT = ("import json, runpy, sys\n"
 
 
 def trusted_dir(path: str | os.PathLike[str]) -> str | None:
-    """Why code under ``path`` may not be imported by a child (None if it may): it must be
-    an existing directory owned by us or root that no one else may write, and no one but
-    us or root could rename it or a directory above it (the store's own checks)."""
-    from cachebuild.store import UnsafeStore, check_links, check_parents, check_readable_dir
+    """Why code under ``path`` may not be imported (None if it may): it must be an existing
+    directory owned by us or root that no one else may write, and no one but us or root
+    could rename it or a directory above it (the store's own checks, said of a folder
+    modules are imported from)."""
+    import stat
+
+    from cachebuild.store import UnsafeStore, check_links, check_parents, others_can_write
 
     what = "import folder"
+    fix = ("a module put there would run in this process; keep the model and the modules "
+           "it imports in a folder only you (or root) can change")
     try:
         check_links(path, what)
         real = Path(os.path.realpath(path))
-        check_readable_dir(real)
-        check_parents(real, what)
+        st = os.stat(real)
+        if not stat.S_ISDIR(st.st_mode):
+            return f"{path} is not a directory"
+        if st.st_uid not in (0, os.geteuid()):
+            return f"{path} is owned by uid {st.st_uid}, who could put a module there; {fix}"
+        if others_can_write(st, real):
+            return (f"{path} is writable by others (mode {stat.S_IMODE(st.st_mode):o}); "
+                    f"{fix}, or make it yours alone (chmod go-w {path})")
+        check_parents(real, what, fix)
     except UnsafeStore as e:
         return str(e)
     except OSError as e:
