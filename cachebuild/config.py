@@ -132,8 +132,9 @@ class CompileConfig:
       otherwise (``2 * T`` rows) runs every call at its own size, said once. For models
       whose tokens mix only in attention: the first padded call also runs at its own
       size, and where the padding rows changed the other rows (a mean over tokens),
-      calls run at their own size from then on, said once (that one comparison is made
-      with that call's weights: it cannot vouch for weights that change later).
+      calls run at their own size from then on, said once; made again at the first
+      padded call after weights are written in place (``load_state_dict``; a write
+      through ``.data`` leaves no trace it can see).
     - ``out_of_range``: a call whose size is outside every range raises (``"error"``)
       or runs the model eagerly with a one-time warning (``"eager"``).
     - ``on_failure``: a model that cannot be compiled (its trace, split or a build

@@ -120,6 +120,40 @@ def test_a_model_whose_tokens_mix_is_not_padded(module_store, caplog):
     assert replays == {4: 1, 8: 2}  # 4 and 8 themselves, and the first padded call
 
 
+class _Gated(torch.nn.Module):
+    """Tokens mix only through a gate that starts at zero (a warm-up on dummy weights)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(16, 16)
+        self.gate = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        return h + self.gate * h.mean(0)
+
+
+def test_padding_is_compared_again_after_the_weights_are_loaded(module_store, caplog):
+    """With the gate at zero padded calls are right; once load_state_dict sets it, the next
+    padded call is compared again, found to differ, and answers at its own size."""
+    torch.manual_seed(0)
+    model = _Gated().eval()
+    cfg = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),),
+                                   cudagraph_mode="piecewise", capture="eager",
+                                   capture_sizes=(4, 8), pad_to_capture_size=True)
+    compiled = cachebuild.compile(model, cfg, {0: 0}, store=module_store)
+    with torch.no_grad():
+        for n in (4, 3, 3):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+        assert "its tokens mix outside attention" not in caplog.text
+        model.load_state_dict({"gate": torch.tensor(0.7)}, strict=False)
+        for n in (3, 3, 5):
+            x = torch.randn(n, 16)
+            torch.testing.assert_close(compiled(x), model(x), rtol=1e-4, atol=1e-4)
+    assert caplog.text.count("its tokens mix outside attention") == 1
+
+
 def test_load_threads_from_environment(monkeypatch):
     from cachebuild.building.build import LOAD_THREADS, load_threads
 

@@ -98,7 +98,9 @@ class ModelRuntime:
         not_beside = _not_beside(entry)
         self._warned_eager = False
         self._warned_pad = False
-        self._pad_proven = False  # a padded call was compared with one at its own size
+        #: The weights' versions when a padded call was last compared with one at its own
+        #: size (None: never): weights written since (load_state_dict) are compared again.
+        self._pad_proven: int | None = None
         self._first_call = True
         # Compiled pieces answer without autograd: said once if a call could expect it.
         self._no_autograd_unsaid = any(p.requires_grad for p in model.parameters())
@@ -367,12 +369,16 @@ class ModelRuntime:
         such call also runs at its own size and compares (a model that writes nothing in
         place, as padding requires, can run twice): where the padding rows changed what
         the others get (tokens that mix outside attention: a mean over them), calls are
-        not padded from then on, said once, and this one answers at its own size."""
+        not padded from then on, said once, and this one answers at its own size. The
+        comparison is made again at the first padded call after the weights are written in
+        place (a gate loaded after a warm-up on zeros); a write through ``.data`` leaves
+        no trace to see."""
         out = unpad_outputs(self._call(*pad_args(args, self.dynamic_dims, padded)),
                             self._pad, size)
-        if self._pad_proven:
+        versions = sum(t._version for t in self._bound)
+        if self._pad_proven == versions:
             return out
-        self._pad_proven = True
+        self._pad_proven = versions
         out = pytree.tree_map(lambda v: v.clone() if isinstance(v, torch.Tensor) else v, out)
         exact = self._call(*args)
         if _close(out, exact):
