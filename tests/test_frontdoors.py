@@ -643,15 +643,6 @@ class WritesInPlace(torch.nn.Module):
         return g, m, torch.empty_like(h).zero_() + h
 
 
-def test_in_place_writes_to_made_values_are_built_and_match_eager(open_local, tmp_path):
-    torch.manual_seed(0)
-    model = WritesInPlace().eval()
-    config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
-    compiled = cachebuild.compile(model, config, {0: 0}, store=open_local(tmp_path / "s"))
-    for size in (5, 1, 16):
-        models.assert_matches_eager(compiled, model, (torch.randn(size, 8),))
-
-
 class Flagged(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -702,13 +693,16 @@ class CausalAttention(torch.nn.Module):
         return self.o(a.transpose(0, 1).reshape(x.shape[0], 16))
 
 
-def test_attention_inside_an_eager_fusion_piece_is_built_and_matches_eager(open_local, tmp_path):
+@pytest.mark.parametrize(("make", "width"), [(CausalAttention, 16), (WritesInPlace, 8)])
+def test_eager_fusion_builds_attention_and_in_place_writes_and_matches_eager(
+        open_local, tmp_path, make, width):
+    """Attention inside a piece; in-place writes to values a piece made."""
     torch.manual_seed(0)
-    model = CausalAttention().eval()
+    model = make().eval()
     config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
     compiled = cachebuild.compile(model, config, {0: 0}, store=open_local(tmp_path / "s"))
     for size in (5, 1, 16):
-        models.assert_matches_eager(compiled, model, (torch.randn(size, 16),))
+        models.assert_matches_eager(compiled, model, (torch.randn(size, width),))
 
 
 class PReLU(torch.nn.Module):
