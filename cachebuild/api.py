@@ -110,12 +110,13 @@ class CompiledModule(torch.nn.Module):
     Attributes other than its own (``OWN``) are the model's, read, set and deleted there
     (as torch.compile's module does): ``compiled.use_bias = False`` or
     ``compiled.lin = other`` changes the model, whose guards then see it; set on this
-    wrapper they would change nothing the forward reads. ``training`` is the model's too.
+    wrapper they would change nothing the forward reads. ``training`` is the model's too,
+    and so is ``config`` (a transformers model's): cachebuild's is ``compile_config``.
     """
 
     #: The attributes this wrapper keeps itself; every other one is the model's.
     OWN = frozenset({
-        "model", "config", "dynamic_dims", "capture_report", "swap", "_store", "_passes",
+        "model", "compile_config", "dynamic_dims", "capture_report", "swap", "_store", "_passes",
         "_runtime", "_variants", "_eager", "_dynamo", "_interim", "_swapping", "_starting",
         "_starting_pid", "_forward", "_said_not_run", "_said_grad_mode"})
 
@@ -124,7 +125,7 @@ class CompiledModule(torch.nn.Module):
                  passes: PassManager | None = None) -> None:
         super().__init__()
         self.model = model
-        self.config = config
+        self.compile_config = config
         self.dynamic_dims = dict(dynamic_dims)
         self._store = store
         self._passes = passes
@@ -214,12 +215,12 @@ class CompiledModule(torch.nn.Module):
         why = not_run(self.model, self._forward)
         if why is not None:
             return self._failed(UsageError(why), first=True)
-        why = autocast_refusal(self.config)
+        why = autocast_refusal(self.compile_config)
         if why is not None:  # about this call: raised, not remembered
             raise UsageError(why)
         check_call_dims(list(args), self.dynamic_dims)
-        check_splitting_ops(self.config.splitting_ops)
-        started = start(self.model, self.config, self.dynamic_dims,
+        check_splitting_ops(self.compile_config.splitting_ops)
+        started = start(self.model, self.compile_config, self.dynamic_dims,
                         open_default_store(self._store), self._passes, args, capture=capture)
         if started.runtime is None:
             assert started.error is not None
@@ -233,7 +234,7 @@ class CompiledModule(torch.nn.Module):
                         "graphs): its trace read values that cannot be checked without "
                         "Dynamo: %s", type(self.model).__name__, unrecordable)
             self._dynamo = torch.compile(self.model, backend=backend(
-                self.config, self._store, self._passes))
+                self.compile_config, self._store, self._passes))
         if started.swap is not None:
             self.swap = started.swap
             self._interim.append((started.runtime, started.swap))
@@ -262,7 +263,7 @@ class CompiledModule(torch.nn.Module):
                    args: tuple[Any, ...]) -> None:
         """Serve with the runtime over ``swap``'s targets where ``interim`` served; its
         graphs stop with it."""
-        started = take_over(swap, self, self.model, self.config, self.dynamic_dims, args)
+        started = take_over(swap, self, self.model, self.compile_config, self.dynamic_dims, args)
         if started is None:
             return  # failed to build or to take over: the interim runtime keeps serving
         if started.capture_report is not None:
@@ -297,7 +298,7 @@ class CompiledModule(torch.nn.Module):
         ``CompileFailed`` at once), or with ``on_failure="eager"`` run eagerly from now on,
         saying so once per model and process."""
         name = type(self.model).__name__
-        if self.config.on_failure == "eager":
+        if self.compile_config.on_failure == "eager":
             self._eager = True
             if first:
                 log.warning("cachebuild: %s cannot be compiled, so it runs eagerly "
@@ -327,7 +328,7 @@ class CompiledModule(torch.nn.Module):
         one stored): a process's loaded libraries, graphs and locks are not copied."""
         import copy
 
-        return CompiledModule(copy.deepcopy(self.model, memo), self.config, self.dynamic_dims,
+        return CompiledModule(copy.deepcopy(self.model, memo), self.compile_config, self.dynamic_dims,
                               self._store, self._passes)
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -340,7 +341,7 @@ class CompiledModule(torch.nn.Module):
             raise TypeError(f"a compiled {type(self.model).__name__} given a store or "
                             "custom passes cannot be pickled: pickle its model (.model) and "
                             "compile it again where it is loaded")
-        return (_compiled_again, (self.model, self.config, self.dynamic_dims))
+        return (_compiled_again, (self.model, self.compile_config, self.dynamic_dims))
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs:  # a call's inputs are bound by position, as its entry and guards are
@@ -356,12 +357,12 @@ class CompiledModule(torch.nn.Module):
         # Dynamo runs the model's own hooks and forward, not torch's global module hooks.
         why = global_hooks() if self._dynamo is not None else not_run(self.model, self._forward)
         if why is None:
-            why = autocast_refusal(self.config)
+            why = autocast_refusal(self.compile_config)
         if why is not None:
             return self._not_run(why, args)
         if self._runtime is None:
             said = self._outside(args)
-            if said is not None and self.config.out_of_range == "eager":
+            if said is not None and self.compile_config.out_of_range == "eager":
                 # Nothing to trace or look up for it: run as every later such call is.
                 warn_caller(said)
                 return self.model(*args)
@@ -390,14 +391,14 @@ class CompiledModule(torch.nn.Module):
         for i, d in self.dynamic_dims.items():
             a = args[i] if i < len(args) else None
             if isinstance(a, torch.Tensor) and -a.dim() <= d < a.dim():
-                return self.config.outside(a.shape[d])
+                return self.compile_config.outside(a.shape[d])
         return None
 
     def _not_run(self, why: str, args: tuple[Any, ...]) -> Any:
         """A call that would skip what ``model(x)`` runs besides its traced code (``why``:
         a hook on the model, a global module hook, a forward set on the instance): refused,
         or with ``on_failure="eager"`` run eagerly while it lasts, said once."""
-        if self.config.on_failure != "eager":
+        if self.compile_config.on_failure != "eager":
             raise UsageError(why)
         if not self._said_not_run:
             self._said_not_run = True

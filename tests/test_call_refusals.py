@@ -133,7 +133,7 @@ def test_keyword_inputs_and_inputs_an_op_refuses_are_one_line_errors(open_local,
         def forward(self, x, *, scale=1.0):
             return x * scale
 
-    keyword_only = cachebuild.compile(Scaled(), compiled.config, {0: 0})
+    keyword_only = cachebuild.compile(Scaled(), compiled.compile_config, {0: 0})
     with pytest.raises(UsageError, match="takes scale by keyword only: serve it through "
                                          r"torch.compile\(model, backend=cachebuild.backend"):
         keyword_only(torch.randn(4, 8), scale=2.0)
@@ -150,7 +150,7 @@ def test_keyword_inputs_and_inputs_an_op_refuses_are_one_line_errors(open_local,
     # matmul), and one input too many: one line each, not a traceback.
     with pytest.raises(UsageError, match=r"fails on these inputs \(check that the same "
                        r"call runs eagerly\): RuntimeError: .*dtype"):
-        cachebuild.compile(Net().eval(), compiled.config, {0: 0})(
+        cachebuild.compile(Net().eval(), compiled.compile_config, {0: 0})(
             torch.randint(0, 5, (4, 8)))
     # A builtin Dynamo cannot trace: the graph break in one line, without Dynamo's warning
     # page before it; the caller's warning filters as they were.
@@ -163,12 +163,12 @@ def test_keyword_inputs_and_inputs_an_op_refuses_are_one_line_errors(open_local,
     with warnings.catch_warnings(record=True) as seen, \
             pytest.raises(UsageError, match="does not trace as one graph: .*Random.random"):
         warnings.simplefilter("always")
-        cachebuild.compile(Draws(), compiled.config, {0: 0})(torch.randn(4, 8))
+        cachebuild.compile(Draws(), compiled.compile_config, {0: 0})(torch.randn(4, 8))
     assert not [w for w in seen if "Dynamo does not know" in str(w.message)]
     assert warnings.filters == filters
     with pytest.raises(UsageError, match=r"cannot take these 2 inputs as its positional "
                        r"arguments \(too many positional arguments\)"):
-        cachebuild.compile(Net().eval(), compiled.config, {0: 0})(torch.randn(4, 8),
+        cachebuild.compile(Net().eval(), compiled.compile_config, {0: 0})(torch.randn(4, 8),
                                                                   torch.randn(4, 8))
 
 
@@ -485,7 +485,7 @@ def test_a_tensor_subclass_argument_is_refused_not_served_as_a_plain_tensor(open
         assert not torch.equal(net(loud).as_subclass(torch.Tensor), net(x))
         with pytest.raises(UsageError, match=r"argument 0 is a .*Loud, a subclass of "
                            r"torch.Tensor: a compiled forward takes plain tensors"):
-            cachebuild.compile(Net().eval(), compiled.config, {0: 0})(loud)
+            cachebuild.compile(Net().eval(), compiled.compile_config, {0: 0})(loud)
         matches(compiled, net, x)
         with pytest.raises(UsageError, match="argument 0 is a .*Loud, a subclass"):
             compiled(loud)

@@ -5,6 +5,7 @@ bucket, and both plan the same targets, so either finds what the other built."""
 from __future__ import annotations
 
 import dataclasses
+import types
 from typing import Any
 
 import models
@@ -648,9 +649,10 @@ class Flagged(torch.nn.Module):
         super().__init__()
         self.lin, self.use_bias, self.scale = torch.nn.Linear(8, 8), True, 1.0
         self.drop = torch.nn.Dropout(0.5)
+        self.config = types.SimpleNamespace(logit_scale=1.0)  # as transformers' models have
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.drop(self.lin(x)) * self.scale
+        h = self.drop(self.lin(x)) * self.scale * self.config.logit_scale
         return h + 1 if self.use_bias else h
 
 
@@ -671,6 +673,9 @@ def test_changes_made_through_the_compiled_module_reach_the_model(open_local, tm
     models.assert_matches_eager(compiled, model, (x,))
     compiled.lin = torch.nn.Linear(8, 8)
     assert model.lin is compiled.lin
+    models.assert_matches_eager(compiled, model, (x,))
+    compiled.config.logit_scale = 2.0  # the model's config, not cachebuild's
+    assert model.config.logit_scale == 2.0 and compiled.compile_config is config
     models.assert_matches_eager(compiled, model, (x,))
     compiled.train()
     assert model.training and compiled.training
