@@ -698,16 +698,27 @@ class CausalAttention(torch.nn.Module):
         return self.o(a.transpose(0, 1).reshape(x.shape[0], 16))
 
 
-@pytest.mark.parametrize(("make", "width"), [(CausalAttention, 16), (WritesInPlace, 8)])
-def test_eager_fusion_builds_attention_and_in_place_writes_and_matches_eager(
-        open_local, tmp_path, make, width):
-    """Attention inside a piece; in-place writes to values a piece made."""
+class ShiftsInts(torch.nn.Module):
+    def forward(self, a: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        b = a.clone()
+        b <<= 1
+        return (a << 3) + 1, a >> 1, torch.bitwise_left_shift(a, 2), b
+
+
+@pytest.mark.parametrize(("make", "given"), [
+    (CausalAttention, lambda n: torch.randn(n, 16)),
+    (WritesInPlace, lambda n: torch.randn(n, 8)),
+    (ShiftsInts, lambda n: torch.randint(0, 1000, (n, 4), dtype=torch.int32))])
+def test_eager_fusion_builds_attention_in_place_writes_and_shifts_and_matches_eager(
+        open_local, tmp_path, make, given):
+    """Attention inside a piece; in-place writes to values a piece made; shifts of
+    integers (``aten::__lshift__``, an operator named as Python's dunder methods are)."""
     torch.manual_seed(0)
     model = make().eval()
     config = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),))
     compiled = cachebuild.compile(model, config, {0: 0}, store=open_local(tmp_path / "s"))
     for size in (5, 1, 16):
-        models.assert_matches_eager(compiled, model, (torch.randn(size, width),))
+        models.assert_matches_eager(compiled, model, (given(size),))
 
 
 class PReLU(torch.nn.Module):

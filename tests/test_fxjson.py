@@ -117,13 +117,23 @@ def test_operators_that_reach_outside_tensors_are_refused_at_save_and_load(quali
 @pytest.mark.parametrize("qualified", [
     "aten::index_copy_.default", "aten::copy_.default", "aten::div.Tensor",
     "aten::einsum.default", "aten::randn.default", "_c10d_functional::all_reduce.default",
-    "aten::scatter_.src", "cachebuild_tests::attention"])
+    "aten::scatter_.src", "cachebuild_tests::attention", "aten::__lshift__.Scalar",
+    "aten::diagonal_scatter.default"])
 def test_admitted_operators_and_tensor_writes_are_allowed(qualified):
     import models  # noqa: F401  (registers cachebuild_tests::attention)
 
     from cachebuild.trust.fxjson import callable_impurity
 
     assert callable_impurity(resolve_target(f"op:{qualified}")) is None
+
+
+@pytest.mark.parametrize("name", ["aten::__class__", "aten::__init__", "aten::__lshift__",
+                                  "aten::__lshift__.int", "aten::__and__.Tensor",
+                                  "aten::__lshift__.__x__", "x__y::add.Tensor"])
+def test_a_dunder_operator_name_loads_only_as_one_the_table_admits(name):
+    """``aten::__lshift__.Scalar`` is an operator; no other ``__`` name is looked up."""
+    with pytest.raises(GraphFormatError, match="is not an operator name"):
+        resolve_target(f"op:{name}")
 
 
 @pytest.mark.parametrize("method", ["untyped_storage", "storage", "numpy", "share_memory_",

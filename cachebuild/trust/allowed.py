@@ -57,7 +57,7 @@ import torch
 #: with a mask: softmax, then zeros where a whole row is masked, by ops that check ``dim``),
 #: and the autocast switches of a ``with torch.autocast(...)`` block; 5: zero, diagonal_copy
 #: and diagonal_scatter (what functionalisation makes of ``zero_`` and a write through
-#: ``.diagonal()``).
+#: ``.diagonal()``), and the shifts of integer tensors (``a << 3``).
 VERSION = 5
 
 
@@ -152,6 +152,14 @@ bitwise_and: Scalar Scalar_Tensor Tensor
 bitwise_or: Scalar Scalar_Tensor Tensor
 bitwise_xor: Scalar Scalar_Tensor Tensor
 bitwise_not: default
+__lshift__: Tensor Scalar
+__rshift__: Tensor Scalar
+__ilshift__: Tensor Scalar
+__irshift__: Tensor Scalar
+bitwise_left_shift: Tensor Tensor_Scalar Scalar_Tensor
+bitwise_right_shift: Tensor Tensor_Scalar Scalar_Tensor
+bitwise_left_shift_: Tensor Tensor_Scalar
+bitwise_right_shift_: Tensor Tensor_Scalar
 isnan: default
 isinf: default
 isfinite: default

@@ -206,8 +206,12 @@ def resolve_target(name: str, *, bounded: bool = True) -> Any:
         qual = name[3:]
         ns, _, rest = qual.partition("::")
         op_name, _, overload = rest.partition(".")
-        if not all(map(_is_identifier, (ns, op_name))) or "__" in qual or (
-                overload and not _is_identifier(overload)):
+        # ``__`` only as an aten operator's own dunder name (``aten::__lshift__``): never
+        # a name that reaches a Python object's internals; the table then judges it.
+        dunder = ns == "aten" and op_name[:2] == op_name[-2:] == "__" and \
+            op_name[2:-2].isalpha() and f"{op_name}.{overload or 'default'}" in allowed.ATEN
+        if not all(map(_is_identifier, (ns, op_name))) or "__" in f"{ns}::{overload}" or (
+                "__" in op_name and not dunder) or (overload and not _is_identifier(overload)):
             raise GraphFormatError(f"graph target {qual!r} is not an operator name")
         try:
             packet = getattr(getattr(torch.ops, ns), op_name)
