@@ -259,6 +259,31 @@ def test_a_tensors_value_used_as_an_index_is_said_in_one_line():
     assert "torch.index_select" in said
 
 
+class OwnGenerator(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = torch.Generator().manual_seed(0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.rand(x.shape, generator=self.g)
+
+
+class NumpyRandom(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import numpy as np
+
+        return x * float(np.random.rand())
+
+
+def test_random_numbers_a_graph_cannot_draw_are_said_with_what_to_do():
+    with pytest.raises(UsageError) as e:
+        trace_model(OwnGenerator(), (torch.randn(5, 4),), {0: 0})
+    assert "\n" not in str(e.value) and "draw from torch's global generator" in str(e.value)
+    with pytest.raises(UsageError) as e:
+        trace_model(NumpyRandom(), (torch.randn(5, 4),), {0: 0})
+    assert "\n" not in str(e.value) and "NumPy's random numbers" in str(e.value)
+
+
 def test_plain_tensor_attribute_is_refused():
     with pytest.raises(UsageError, match="register_buffer"):
         trace_model(PlainTensorAttribute(), (torch.randn(3, 4),), {0: 0})

@@ -458,9 +458,11 @@ def _user_error(e: BaseException) -> str:
                    if line.startswith("Caused by:")), "")
     said = first + (f" (at {caused.split('  #')[0]})" if caused else _where(e))
     if "data-dependent" in first:
-        said += ("; a tensor's value is used as an index or a size (h[ids.argmax()], "
-                 "x[:n.item()]), which one graph cannot follow: keep it a tensor "
-                 "(torch.index_select, torch.gather, a mask)")
+        said += ("; a value known only as the forward runs (a tensor's value, NumPy's "
+                 "random numbers) is used as a Python number, an index or a size "
+                 "(h[ids.argmax()], x[:n.item()], float(np.random.rand())), which one graph "
+                 "cannot follow: keep it a tensor (torch.index_select, torch.gather, a mask; "
+                 "torch.rand for random numbers)")
     return said
 
 
@@ -591,8 +593,12 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         if str(e).lstrip().startswith("Observed exception"):  # the forward itself raised
             raise UsageError(f"the model's forward raises on these inputs (check that the "
                              f"same call runs eagerly): {_graph_break(e)}") from e
-        raise UsageError(f"the model's forward does not trace as one graph: {_graph_break(e)}"
-                         ) from e
+        said = _graph_break(e)
+        if "Generator" in said and "proxy" in said:  # Dynamo's words for generator=g
+            said += ("; a torch.Generator of the model's own cannot be given to an op in "
+                     "one graph: draw from torch's global generator (seeded with "
+                     "torch.manual_seed), or draw the random values outside and pass them in")
+        raise UsageError(f"the model's forward does not trace as one graph: {said}") from e
     except torch._dynamo.exc.UserError as e:
         raise UsageError(f"the model's forward does not trace: {_user_error(e)}") from e
     except torch._dynamo.exc.TorchRuntimeError as e:
