@@ -88,6 +88,29 @@ def test_bad_model_files_exit_2_with_one_line(tmp_path, source, expected):
         assert f"{path}:2" in lines[0]  # the line that raised
 
 
+_SPEC = ("import torch, cachebuild\n"
+         "def build():\n"
+         "    return cachebuild.ModelSpec({model}, (torch.randn(4, 4),), {{0: 0}},\n"
+         "                                cachebuild.CompileConfig(backend='eager_fusion'))\n")
+
+
+@pytest.mark.parametrize(("model", "expected"), [
+    ("type('M', (torch.nn.Module,), {'forward': lambda self, x: None})()",
+     "the model's forward computes no tensor (it returns None"),
+    ("torch.nn.BatchNorm1d(4).eval()",
+     "graph calls torch.nn.functional.batch_norm, which stored graphs may not call"),
+])
+def test_a_model_that_traces_to_nothing_to_store_is_bad_input(tmp_path, model, expected):
+    """Refused after the trace, before any build: exit 2 (bad input), one line."""
+    path = tmp_path / "m.py"
+    path.write_text(_SPEC.format(model=model))
+    proc = cli(tmp_path / "store", "warm", str(path))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and expected in errors[0], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+
+
 @pytest.mark.parametrize(("name", "expected"), [
     ("missing.py", "no such model file; a model file is a .py file that defines build()"),
     ("README.md", "not a Python file; a model file is a .py file that defines build()"),

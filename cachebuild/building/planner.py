@@ -34,6 +34,7 @@ from cachebuild.tracing.guards import Mismatch, describe_all, is_grad_mode
 from cachebuild.tracing.split import check_splitting_ops, split_graph
 from cachebuild.tracing.targets import make_targets
 from cachebuild.tracing.trace import TracedGraph, trace_model
+from cachebuild.trust.fxjson import GraphFormatError
 from cachebuild.trust.sources import code_here
 
 
@@ -196,8 +197,12 @@ class Planner:
         with timed("plan"):
             device = device_of(traced.input_metas)
             tf = target_factors(self.backend, self.config, self.passes, device)
-            targets = make_targets(split.pieces, self.config.buckets(), backend=tf["backend"],
-                                   passes=tf["passes"], env=env_factors(device))
+            try:
+                targets = make_targets(split.pieces, self.config.buckets(),
+                                       backend=tf["backend"], passes=tf["passes"],
+                                       env=env_factors(device))
+            except GraphFormatError as e:  # a call the model makes: bad input, not a failure
+                raise UsageError(str(e)) from e
             entry = make_entry(factors, traced, split, targets, key)
         planned = sum(len(t) for t in targets.values())
         COUNTERS.planned += planned

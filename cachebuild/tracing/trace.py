@@ -629,6 +629,11 @@ def _trace(model: torch.nn.Module, args: tuple[Any, ...] | list[Any],
         if not marked:  # the caller's model as it was
             vars(model).pop("_is_torch_compile", None)
 
+    if "gm" not in captured:  # Dynamo hands a backend no graph that computes nothing
+        raise UsageError(
+            "the model's forward computes no tensor (it returns None, or values made "
+            "without a tensor op): there is nothing to compile; return what the forward "
+            "computes, or call the model itself")
     if captured["mutated"]:
         raise UsageError(
             f"the model's forward changes {', '.join(captured['mutated'][:3])}, which existed "
