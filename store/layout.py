@@ -384,7 +384,10 @@ def _check_ancestor(real: Path, path: Path, what: str) -> None:
         raise UnsafeStore(f"cannot check {real}, above the {what} {path}: "
                           f"{e.strerror or e}") from None
     if not stat.S_ISDIR(st.st_mode):
-        raise UnsafeStore(f"cannot create the {what} {path}: {real} is not a directory")
+        kind = "a file, not a directory" if stat.S_ISREG(st.st_mode) else "not a directory"
+        where = " (--cache-dir, CACHEBUILD_DIR)" if what == "store directory" else ""
+        raise UnsafeStore(f"there is no {what} {path}, and none can be: {real} is {kind}; "
+                          f"give another path{where}")
     if st.st_uid not in (0, os.geteuid()):
         raise UnsafeStore(f"refusing {what} {path}: {real} above it is owned by uid "
                           f"{st.st_uid}, who could change what is made there")

@@ -356,6 +356,12 @@ def test_unsafe_or_unusable_store_directory_is_bad_input_exit_2(tmp_path):
     result = run(file, "stats")
     assert result.exit_code == 2 and result.stderr.startswith("error: ")
     assert result.stderr.count("\n") == 1
+    # Under a file: no store there, and none can be (said so, not 'cannot create').
+    result = run(file / "sub", "ls")
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"error: there is no store directory {file / 'sub'}, and "
+                                    f"none can be: {file} is a file, not a directory; give "
+                                    "another path")
 
 
 def test_a_read_only_folder_without_a_store_is_named_not_made(filled, tmp_path):
