@@ -106,6 +106,8 @@ def check_model_file(path: str | Path) -> Path:
     """``path``, resolved, if it names an existing ``.py`` file; else a UsageError that
     says what a model file is. Checked before anything is said or imported."""
     resolved = Path(path).resolve()
+    if resolved.is_dir():
+        raise UsageError(f"{resolved} is a directory; {_WHAT_A_MODEL_FILE_IS}")
     if not resolved.is_file():
         raise UsageError(f"{resolved}: no such model file; {_WHAT_A_MODEL_FILE_IS}")
     if resolved.suffix != ".py":

@@ -285,6 +285,10 @@ def test_pin_of_a_model_file_that_is_not_there(filled, tmp_path):
     assert result.exit_code == 2
     assert result.stderr.startswith(f"error: {missing}: no such model file; a model file is ")
     assert result.stderr.count("\n") == 1
+    missing.mkdir()
+    result = run(filled, "pin", str(missing))
+    assert result.exit_code == 2
+    assert result.stderr.startswith(f"error: {missing} is a directory; a model file is ")
 
 
 def test_model_resolver_can_be_plugged_in(open_local, filled, monkeypatch):
