@@ -132,7 +132,7 @@ class Writable:
             # that the store can still be read and cleaned, which is how space comes back.
             os.unlink(self.layout.reserve)
             self.disk_full = True
-            log.warning("the disk holding the store at %s is full: released the store's "
+            log.warning("cachebuild: the disk holding the store at %s is full: released the store's "
                         "%s reserve so that it can still be read; free space, e.g. with "
                         "`cachebuild gc --max-size SIZE`", self.layout.root,
                         format_size(RESERVE_BYTES))
@@ -147,7 +147,7 @@ class Writable:
         stored, damage is a miss and stays where it is, nothing is recorded), and every
         write is refused saying the disk is full."""
         self.disk_full = self.read_only = self.scratch_in_memory = True
-        log.warning("the disk holding the store at %s is full: the store is only read by "
+        log.warning("cachebuild: the disk holding the store at %s is full: the store is only read by "
                     "this process (nothing it builds or uses is recorded); free space on "
                     "that disk", self.layout.root)
         return Index(self.layout.index, read_only=True, why=_FULL)
@@ -187,11 +187,11 @@ class Writable:
         if self.read_only:  # nothing moves on a full disk: a miss, said once
             if not quiet and key not in self._said:
                 self._said.add(key)
-                log.warning("blob %s failed verification (%s); not used (the disk is full: "
+                log.warning("cachebuild: blob %s failed verification (%s); not used (the disk is full: "
                             "it stays where it is)", key, reason)
             return False
         if not quiet:
-            log.warning("blob %s failed verification (%s); quarantined, it will be rebuilt",
+            log.warning("cachebuild: blob %s failed verification (%s); quarantined, it will be rebuilt",
                         key, reason)
         return True
 
@@ -229,7 +229,7 @@ class ReadOnly:
     def damaged(self, key: str, reason: str, *, quiet: bool) -> bool:
         if not quiet and key not in self._said:
             self._said.add(key)
-            log.warning("blob %s in the read-only store at %s failed verification (%s); "
+            log.warning("cachebuild: blob %s in the read-only store at %s failed verification (%s); "
                         "it is a miss here", key, self.layout.root, reason)
         return False
 

@@ -268,7 +268,7 @@ class Index:
         small, reason = self.read_small(key)
         if reason is not None and key not in self._warned:
             self._warned.add(key)
-            log.warning("index record of %s is damaged (%s); treating it as a miss "
+            log.warning("cachebuild: index record of %s is damaged (%s); treating it as a miss "
                         "(cachebuild verify --repair drops it)", key, reason)
         return small
 

@@ -955,7 +955,7 @@ class LocalStore(LocalTier):
                 move_to_quarantine(self._layout, blob_path, reason, self.clock.time())
                 remove_stored_files(self._layout, key)
         except (OSError, *INDEX_ERRORS) as e:
-            log.warning("could not quarantine blob %s: %s", key, e)
+            log.warning("cachebuild: could not quarantine blob %s: %s", key, e)
 
 
 def _payload_at(path: Path, header: BlobHeader) -> bytes:

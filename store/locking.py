@@ -44,7 +44,7 @@ def build_lock(path: Path, key: str, timeout: float) -> Iterator[None]:
                 raise
             # Another build of the same target (a second `warm`, a server's background
             # build): said, so that a wait of minutes is not taken for this one building.
-            log.warning("waiting for another build of %s (a process or thread that holds "
+            log.warning("cachebuild: waiting for another build of %s (a process or thread that holds "
                         "its build lock, %s): used from the store once that build ends", key, path)
             lock.acquire()
     except filelock.Timeout:
@@ -99,7 +99,7 @@ def _wait_saying(fd: int, path: Path) -> None:
     deadline = time.monotonic() + SAY_WAIT_AFTER_S
     while not try_flock(fd):
         if time.monotonic() >= deadline:
-            log.warning("waiting for the lock %s, which another process holds (a cachebuild "
+            log.warning("cachebuild: waiting for the lock %s, which another process holds (a cachebuild "
                         "command or server using this store, stopped or busy): it goes on "
                         "once that process releases it or ends", path)
             fcntl.flock(fd, fcntl.LOCK_EX)

@@ -114,7 +114,7 @@ class Materializer:
         if error.errno not in (errno.ENOSPC, errno.EDQUOT) or not hasattr(os, "memfd_create"):
             raise StoreError(f"cannot materialize {key}: {error.strerror or error}") from None
         if key + suffix not in self._memfiles:
-            log.warning("the disk holding the store at %s is full: %s is loaded from memory; "
+            log.warning("cachebuild: the disk holding the store at %s is full: %s is loaded from memory; "
                         "free space, e.g. with `cachebuild gc --max-size SIZE`",
                         self.layout.root, key)
         return self.in_memory(key, suffix, payload)

@@ -203,7 +203,7 @@ class RemoteLock:
                "(its token carries no HMAC made with CACHEBUILD_SIGNING_KEY)")
         if pttl == -1:
             who = "it never expires, so no cachebuild process set it"
-        log.warning("the build lock of %s in %s is taken, but %s; building under "
+        log.warning("cachebuild: the build lock of %s in %s is taken, but %s; building under "
                     "the local lock alone after %.1f s (delete the key %s if it "
                     "is stale)", self.key, self.server.display_url, who, waited, self.name)
 
@@ -220,7 +220,7 @@ class RemoteLock:
             # We stalled past the expiry and someone else may hold it now. The build
             # carries on (puts are idempotent); at worst the target is built twice.
             self.lost = True
-            log.warning("remote build lock for %s expired while held", self.key)
+            log.warning("cachebuild: remote build lock for %s expired while held", self.key)
             return False
         self.token = fresh  # release compares with what is there now
         return True

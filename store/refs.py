@@ -57,7 +57,7 @@ def has_refs(kind: str, length: int) -> bool:
     if _reader(kind) is None:
         return False
     if length > MAX_REFS_PAYLOAD:
-        log.warning("a %s of %d bytes arrived: longer than any this store makes, it is kept "
+        log.warning("cachebuild: a %s of %d bytes arrived: longer than any this store makes, it is kept "
                     "without refs", kind, length)
         return False
     return True
@@ -71,5 +71,5 @@ def refs_of(kind: str, payload: bytes) -> tuple[str, ...]:
     try:
         return tuple(dict.fromkeys(check_key(k) for k in reader(payload)))
     except (ValueError, TypeError, KeyError, AttributeError, RecursionError):
-        log.warning("a stored %s lists no readable refs; keeping it without refs", kind)
+        log.warning("cachebuild: a stored %s lists no readable refs; keeping it without refs", kind)
         return ()

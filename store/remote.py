@@ -665,7 +665,7 @@ class RedisRemote(RemoteTier, LockServer):
         if batch and not budget.spent:
             yield from self._records_of(batch, budget)
         if budget.left_out:
-            log.warning("read %d records of the remote %s and left the rest out: one command "
+            log.warning("cachebuild: read %d records of the remote %s and left the rest out: one command "
                         "reads at most %d records and %d MiB of them", budget.records,
                         self.display_url, max_records, max_bytes >> 20)
 

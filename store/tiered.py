@@ -206,7 +206,7 @@ class TieredStore(Store):
             self._count("remote_rejected")
             self._keep_count("remote_rejected")
             self._rejected.add(key)
-            log.warning("rejected remote blob %s from %s: %s", key, self.remote.display_url,
+            log.warning("cachebuild: rejected remote blob %s from %s: %s", key, self.remote.display_url,
                         exc.reason)
             return None, "rejected"
         start = header.header_size
@@ -227,7 +227,7 @@ class TieredStore(Store):
                                unsigned_from=origin, trusted=trusted)
         except StoreError as exc:
             # The payload is verified and usable; only the local copy failed (disk full).
-            log.warning("could not copy remote blob %s into the local store: %s", key, exc)
+            log.warning("cachebuild: could not copy remote blob %s into the local store: %s", key, exc)
             now = self.local.clock.time()
             self._unstored[key] = Record(key=key, kind=header.kind, size=header.length,
                                          checksum=header.checksum, created=now,

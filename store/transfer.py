@@ -179,7 +179,7 @@ def pull(store: Store, keys: Iterable[str] | None = None, *,
         try:
             check_key(key)
         except InvalidKey:
-            log.warning("not pulling %r: not a store key", str(key)[:100])
+            log.warning("cachebuild: not pulling %r: not a store key", str(key)[:100])
             return "rejected", 0
         if tiered.local.contains(key):
             return "present", 0

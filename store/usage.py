@@ -97,5 +97,5 @@ class Usage:
                     index.incr(name, n)
         except INDEX_ERRORS as e:
             if not self.warned:
-                log.warning("could not record store usage statistics: %s", e)
+                log.warning("cachebuild: could not record store usage statistics: %s", e)
                 self.warned = True

@@ -50,7 +50,7 @@ log = logging.getLogger("cachebuild.building.build")
 def say_once(message: str) -> None:
     """Log ``message`` as a warning, once per process (``ProcessState.said``)."""
     if process_state.current().first_saying(message):
-        log.warning("%s", message)
+        log.warning("cachebuild: %s", message)
 
 
 def _claim_file(records: Path, real: Path) -> Path:
