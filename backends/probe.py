@@ -282,27 +282,21 @@ def usable_dir(folder: Path | None = None) -> Path | None:
     operator's error (UnsafeStore, exit 2)."""
     from cachebuild.backends import environment
     from cachebuild.errors import StoreError
+    from cachebuild.store.work import say_once
 
     try:
         real = checked_dir(folder)
     except (StoreError, OSError) as e:
         if folder is not None or environment.overridden() is not None:
             raise
-        _say_once(f"the environment folder cannot be used here ({e}); the C++ toolchain "
-                  "verdict is kept in memory and builds keep headers in their work folder")
+        say_once(f"the environment folder cannot be used here ({e}); the C++ toolchain "
+                 "verdict is kept in memory, for this process only, and builds keep headers "
+                 "in their work folder; to keep them for every build, name a folder you can "
+                 "write in CACHEBUILD_PROBE_DIR")
         return None
     if not os.access(real, os.W_OK):
         return None
     return real
-
-
-_said: set[str] = set()
-
-
-def _say_once(message: str) -> None:
-    if message not in _said:
-        _said.add(message)
-        log.warning("%s", message)
 
 
 # -- the probe, off the critical path ---------------------------------------------------

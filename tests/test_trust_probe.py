@@ -198,3 +198,20 @@ def test_kernel_binaries_are_linked_only_with_tools_no_other_user_could_replace(
             os.chmod(theirs / tool, 0o755)
         monkeypatch.setenv("PATH", f"{theirs}:{os.environ['PATH']}")
         assert kernel_binaries_linked() == {}
+
+
+def test_an_environment_folder_that_cannot_be_made_is_said_once_with_the_fix(monkeypatch,
+                                                                            caplog):
+    """A HOME that cannot be written: builds go on (verdict in memory), and the one line
+    that says so names the variable that keeps verdicts and headers for every build."""
+    from cachebuild.errors import StoreError
+
+    def refused(folder=None):
+        raise StoreError("cannot create environment folder /ro/home/.cache: read-only")
+
+    monkeypatch.delenv("CACHEBUILD_PROBE_DIR", raising=False)
+    monkeypatch.setattr(probe, "checked_dir", refused)
+    assert probe.usable_dir() is None and probe.usable_dir() is None
+    said = [r.getMessage() for r in caplog.records if "cannot be used here" in r.getMessage()]
+    assert len(said) == 1 and said[0].startswith("cachebuild: the environment folder")
+    assert "name a folder you can write in CACHEBUILD_PROBE_DIR" in said[0]
