@@ -341,6 +341,26 @@ def test_a_store_path_with_a_space_says_how_to_build_there(tmp_path, folder, sai
     assert "targets of model.py" not in text and "built piece" not in text, text[-2000:]
 
 
+def test_a_server_start_on_a_store_path_with_a_space_says_it_once_before_tracing(tmp_path):
+    """The library's front door says what `warm` says, once, before the trace (it traced,
+    failed every piece saying it each time, and raised CompileFailed)."""
+    import torch
+
+    import cachebuild
+    from cachebuild.counters import COUNTERS
+    from cachebuild.errors import UsageError
+    from cachebuild.store import LocalStore
+
+    store = LocalStore(tmp_path / "sp ace" / "store")
+    compiled = cachebuild.compile(torch.nn.Linear(4, 4), cachebuild.CompileConfig(
+        backend="inductor"), {0: 0}, store=store)
+    traced = COUNTERS.traced
+    with pytest.raises(UsageError, match="has a space in its path.*CACHEBUILD_WORK_DIR"):
+        compiled(torch.randn(3, 4))
+    assert COUNTERS.traced == traced
+    store.close()
+
+
 def test_a_store_that_cannot_be_made_is_a_usage_error_naming_the_variable(tmp_path):
     """A store path under a folder this user may not write (a read-only mount here):
     `warm` refuses it in one line, exit 2, naming CACHEBUILD_DIR (it was exit 1, the

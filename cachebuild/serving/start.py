@@ -109,6 +109,12 @@ def start(model: torch.nn.Module, config: CompileConfig, dynamic_dims: dict[int,
         traced: Entry | None = None
         values: tuple[Any, ...] | None = None
         try:
+            if not warm and config.backend != "eager_fusion":
+                # Every C++ build would fail on it, each saying so: said once, before the
+                # trace, as `warm` says it.
+                from cachebuild.backends.kernel_dir import check_cxx_work_dir
+
+                check_cxx_work_dir(store.work_dir)
             if not warm and (interim is None or interim.backend != "eager_fusion"):
                 # A cold start's build workers start before its trace: their imports
                 # overlap it (fewer after an edit: its trace would share the CPUs). They
