@@ -168,7 +168,8 @@ def cold_start_jobs(targets: int) -> int:
         return jobs_here(targets)
     if not value.isdigit() or int(value) < 1:
         raise UsageError(f"CACHEBUILD_BUILD_JOBS={value!r}: give a whole number of worker "
-                         "processes, 1 or more (1 builds in this process)")
+                         "processes, 1 or more (1: a server builds in its own process, `warm` "
+                         "in one worker)")
     return min(int(value), max(targets, 1))
 
 
