@@ -327,6 +327,8 @@ def test_verify_exit_codes(open_local, filled):
     assert result.exit_code == 1
     assert f"damaged {key('t1')}: payload checksum mismatch" in result.stderr
     assert "1 damaged" in result.stdout
+    assert f"incomplete entry {key('entry')}: 1 of its 2 targets damaged or not stored here " \
+        "(1 damaged)" in " ".join(result.stderr.split())
     repaired = run(filled, "verify", "--repair")
     assert repaired.exit_code == 0 and "(quarantined)" in repaired.stderr
     # The entry whose target went is named: not damage, but a start using it builds first.

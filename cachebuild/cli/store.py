@@ -460,7 +460,8 @@ def _incomplete_entries(store: Store, unusable: set[str]) -> list[str]:
     Only what is here is asked about: a remote tier's ``contains`` would copy what it has."""
     from cachebuild.building.entry import payload_parts
 
-    held = {r.key for r in store.records(manifests=False)} - unusable
+    recorded = {r.key for r in store.records(manifests=False)}
+    held = recorded - unusable
     lines = []
     for record in store.records(kind="entry", manifests=False):
         # Held here, so no tier copies it: a look, not a use.
@@ -476,8 +477,11 @@ def _incomplete_entries(store: Store, unusable: set[str]) -> list[str]:
             lines.append(f"incomplete entry {record.key}: the seal of its guards is not "
                          "stored here (a start traces the model again)")
         elif missing:
-            lines.append(f"incomplete entry {record.key}: {len(missing)} of its "
-                         f"{len(targets)} targets not stored here (a start that uses it builds "
+            damaged = sum(k in recorded for k in missing)
+            how = (f"{len(missing)} of its {len(targets)} targets not stored here" if not damaged
+                   else f"{len(missing)} of its {len(targets)} targets damaged or not stored "
+                   f"here ({damaged} damaged)")
+            lines.append(f"incomplete entry {record.key}: {how} (a start that uses it builds "
                          "them first; `cachebuild warm MODEL.py` builds them ahead)")
     return lines
 
