@@ -282,7 +282,7 @@ def usable_dir(folder: Path | None = None) -> Path | None:
     operator's error (UnsafeStore, exit 2)."""
     from cachebuild.backends import environment
     from cachebuild.errors import StoreError
-    from cachebuild.store.work import say_once
+    from cachebuild.store import say_once
 
     try:
         real = checked_dir(folder)

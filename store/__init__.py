@@ -58,7 +58,7 @@ from .record import (
     WorkUsage,
 )
 from .refs import register_refs
-from .work import ObjectRecords, open_work_dir
+from .work import ObjectRecords, open_work_dir, say_once
 
 __all__ = [
     "QUARANTINE_KEEP_S",
@@ -120,6 +120,7 @@ __all__ = [
     "open_store",
     "open_to_serve",
     "open_work_dir",
+    "say_once",
     "prepare_work_dir",
     "pull",
     "push",
