@@ -72,14 +72,19 @@ class _Shapes(torch.nn.Module):
         return y, y.t().contiguous(), self.w * 2, x.shape[0]
 
 
+def _padding(model: torch.nn.Module, store) -> torch.nn.Module:
+    """``model`` compiled with sizes 4 and 8 captured, other calls padded to them."""
+    cfg = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),),
+                                   cudagraph_mode="piecewise", capture="eager",
+                                   capture_sizes=(4, 8), pad_to_capture_size=True)
+    return cachebuild.compile(model, cfg, {0: 0}, store=store)
+
+
 @pytest.mark.parametrize("doubled", [False, True])
 def test_a_padded_call_returns_what_its_own_size_returns(module_store, doubled, caplog):
     torch.manual_seed(0)
     model = _Shapes(doubled).eval()
-    cfg = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),),
-                                   cudagraph_mode="piecewise", capture="eager",
-                                   capture_sizes=(4, 8), pad_to_capture_size=True)
-    compiled = cachebuild.compile(model, cfg, {0: 0}, store=module_store)
+    compiled = _padding(model, module_store)
     with torch.no_grad():
         for n in (4, 8, 5, 3):  # 5 and 3 are padded to 8 and 4 where they can be
             x = torch.randn(n, 16)
@@ -107,10 +112,7 @@ def test_a_model_whose_tokens_mix_is_not_padded(module_store, caplog):
     own size, says so; that call and every later one answer at their own size."""
     torch.manual_seed(0)
     model = _Centred().eval()
-    cfg = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),),
-                                   cudagraph_mode="piecewise", capture="eager",
-                                   capture_sizes=(4, 8), pad_to_capture_size=True)
-    compiled = cachebuild.compile(model, cfg, {0: 0}, store=module_store)
+    compiled = _padding(model, module_store)
     with torch.no_grad():
         for n in (4, 5, 3, 5, 8):
             x = torch.randn(n, 16)
@@ -138,10 +140,7 @@ def test_padding_is_compared_again_after_the_weights_are_loaded(module_store, ca
     padded call is compared again, found to differ, and answers at its own size."""
     torch.manual_seed(0)
     model = _Gated().eval()
-    cfg = cachebuild.CompileConfig(backend="eager_fusion", compile_ranges=((1, 16),),
-                                   cudagraph_mode="piecewise", capture="eager",
-                                   capture_sizes=(4, 8), pad_to_capture_size=True)
-    compiled = cachebuild.compile(model, cfg, {0: 0}, store=module_store)
+    compiled = _padding(model, module_store)
     with torch.no_grad():
         for n in (4, 3, 3):
             x = torch.randn(n, 16)
