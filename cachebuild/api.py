@@ -162,7 +162,7 @@ class CompiledModule(torch.nn.Module):
         if name == "model" and "model" in self._modules:
             raise UsageError("a compiled module serves the model it was compiled from; "
                              "compile the other model: cachebuild.compile(other, ...)")
-        if name in self.OWN or name in _MODULE_INTERNALS or hasattr(type(self), name):
+        if self._keeps(name):
             super().__setattr__(name, value)
         else:
             setattr(self._modules["model"], name, value)
@@ -173,25 +173,35 @@ class CompiledModule(torch.nn.Module):
         modules = self.__dict__.get("_modules", {})
         if name in modules:
             return modules[name]
-        if name in self.OWN or name in _MODULE_INTERNALS or "model" not in modules:
+        model = self._model_if_set()
+        if self._keeps(name) or model is None:
             raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-        return getattr(modules["model"], name)
+        return getattr(model, name)
 
     def __delattr__(self, name: str) -> None:
-        if name in self.OWN or name in _MODULE_INTERNALS or hasattr(type(self), name):
+        if self._keeps(name):
             super().__delattr__(name)
         else:
             delattr(self._modules["model"], name)
 
+    @classmethod
+    def _keeps(cls, name: str) -> bool:
+        """Whether ``name`` is this wrapper's own (``OWN``, nn.Module's per-instance
+        state, or its class's), not the model's."""
+        return name in cls.OWN or name in _MODULE_INTERNALS or hasattr(cls, name)
+
+    def _model_if_set(self) -> torch.nn.Module | None:
+        """The model, or None while nn.Module's own __init__ runs (before it is set)."""
+        return self.__dict__.get("_modules", {}).get("model")
+
     @property  # type: ignore[override]
     def training(self) -> bool:
-        model = self.__dict__.get("_modules", {}).get("model")
+        model = self._model_if_set()
         return True if model is None else model.training
 
     @training.setter
     def training(self, value: bool) -> None:
-        # nn.Module's own __init__ sets it before the model is there: nothing to mirror.
-        model = self.__dict__.get("_modules", {}).get("model")
+        model = self._model_if_set()  # none yet while nn.Module's __init__ sets it
         if model is not None:
             model.training = value
 
