@@ -385,7 +385,7 @@ def _check_ancestor(real: Path, path: Path, what: str) -> None:
                           f"{e.strerror or e}") from None
     if not stat.S_ISDIR(st.st_mode):
         kind = "a file, not a directory" if stat.S_ISREG(st.st_mode) else "not a directory"
-        where = " (--cache-dir, CACHEBUILD_DIR)" if what == "store directory" else ""
+        where = f" ({SET_BY[what]})" if what in SET_BY else ""
         raise UnsafeStore(f"there is no {what} {path}, and none can be: {real} is {kind}; "
                           f"give another path{where}")
     if st.st_uid not in (0, os.geteuid()):
