@@ -99,3 +99,8 @@ def format_duration(seconds: float, units: int = 2) -> str:
         if len(parts) == units or (parts and rest == 0):
             break
     return " ".join(parts)
+
+
+def plural(n: int, word: str, words: str | None = None) -> str:
+    """``n`` and ``word``, or ``words`` (default: ``word`` + "s") unless ``n`` is 1."""
+    return f"{n} {word}" if n == 1 else f"{n} {words or word + 's'}"

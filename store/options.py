@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from cachebuild.errors import UsageError
+from cachebuild.units import plural
 
 REMOTE_MODES = ("rw", "ro", "off")
 
@@ -66,10 +67,6 @@ def default_dir() -> Path:
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
-
-
-def _bytes(n: int) -> str:
-    return f"{n} byte" if n == 1 else f"{n} bytes"
 
 
 def env_flag(name: str) -> bool:
@@ -117,7 +114,7 @@ class StoreOptions:
         object.__setattr__(self, "remote_mode", mode)
         if self.signing_key is not None and len(self.signing_key) < MIN_SIGNING_KEY_BYTES:
             raise UsageError(
-                f"CACHEBUILD_SIGNING_KEY is {_bytes(len(self.signing_key))} long: use at least "
+                f"CACHEBUILD_SIGNING_KEY is {plural(len(self.signing_key), 'byte')} long: use at least "
                 f"{MIN_SIGNING_KEY_BYTES} random bytes (for example the output of python -c "
                 f"'import secrets; print(secrets.token_hex(32))'), the same on every machine")
         if self.require_signature and not self.signing_key:

@@ -181,11 +181,6 @@ def stderr() -> Console:
     return _console(stderr=True)
 
 
-def plural(n: int, word: str, words: str | None = None) -> str:
-    """``n`` and ``word``, or ``words`` (default: ``word`` + "s") unless ``n`` is 1."""
-    return f"{n} {word}" if n == 1 else f"{n} {words or word + 's'}"
-
-
 def ago(when: float, now: float, units: int = 2) -> str:
     """How long before ``now`` ``when`` was, in at most ``units`` units: ``3m 20s ago``."""
     return format_duration(max(0.0, now - when), units=units) + " ago"

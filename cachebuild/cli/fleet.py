@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING
 
 import click
 
-from cachebuild.cli.common import MAX_JOBS, MAX_LISTED, open_store, plural, printable, state_of
+from cachebuild.cli.common import MAX_JOBS, MAX_LISTED, open_store, printable, state_of
 from cachebuild.errors import CachebuildError, UsageError
-from cachebuild.units import format_size
+from cachebuild.units import format_size, plural
 
 if TYPE_CHECKING:
     from cachebuild.store import TransferCounts

@@ -36,7 +36,6 @@ from cachebuild.cli.common import (
     MAX_JOBS,
     MAX_WORLD_SIZE,
     model_file,
-    plural,
     printable,
     safe_text,
     state_of,
@@ -44,6 +43,7 @@ from cachebuild.cli.common import (
     stdout,
 )
 from cachebuild.errors import one_line
+from cachebuild.units import plural
 
 if TYPE_CHECKING:
     from cachebuild.explain import EntryExplanation

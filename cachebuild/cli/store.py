@@ -19,7 +19,6 @@ from cachebuild.cli.common import (
     ago,
     open_existing_store,
     open_store,
-    plural,
     printable,
     progress_bar,
     refuse_inside_store,
@@ -30,7 +29,7 @@ from cachebuild.cli.common import (
 )
 from cachebuild.errors import UsageError, one_line
 from cachebuild.store import QUARANTINE_KEEP_S, UNSIGNED_REFUSED
-from cachebuild.units import format_size
+from cachebuild.units import format_size, plural
 
 if TYPE_CHECKING:
     from cachebuild.store import StoreStats
